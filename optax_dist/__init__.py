@@ -1,0 +1,38 @@
+"""optax_dist: TensorFlow 1.x's distributed optimizer wrappers as optax gradient transformations.
+
+* :func:`moving_average`: an exponential moving average of the params (``MovingAverageOptimizer``).
+* :func:`elastic_average`: elastic averaging SGD (``ElasticAverageOptimizer``).
+* :func:`agn`: accumulated gradient normalization (``AGNOptimizer``).
+* :func:`drop_stale_gradients`: drops updates computed against an old global step
+  (``DropStaleGradientOptimizer``).
+* :func:`tower` and :func:`all_reduce`: synchronous reduction over device towers
+  (``TowerOptimizer``), with :func:`split_batch`.
+* :func:`eval_params`: the averaged params to evaluate and to save (``swapping_saver``).
+
+Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
+runs under ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(..., axis_name=...)``.
+"""
+
+from optax_dist._agn import AGNState, agn
+from optax_dist._drop_stale_gradients import DropStaleGradientsState, drop_stale_gradients
+from optax_dist._elastic_average import ElasticAverageState, elastic_average
+from optax_dist._eval_params import eval_params
+from optax_dist._moving_average import MovingAverageState, moving_average
+from optax_dist._tower import all_reduce, split_batch, tower
+
+__version__ = "0.1.0"
+
+__all__ = (
+  "AGNState",
+  "DropStaleGradientsState",
+  "ElasticAverageState",
+  "MovingAverageState",
+  "agn",
+  "all_reduce",
+  "drop_stale_gradients",
+  "elastic_average",
+  "eval_params",
+  "moving_average",
+  "split_batch",
+  "tower",
+)

@@ -1,0 +1,171 @@
+"""Accumulated gradient normalization (TF's ``AGNOptimizer``)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_dist import _common
+
+
+class AGNState(NamedTuple):
+  """State of :func:`agn`.
+
+  Attributes:
+    local_step: ``int32[]``, the number of ``update`` calls of this worker so far.
+    center: the center variable; the params' tree, shapes and dtypes; identical on every worker.
+    grad_accum: the sum of this worker's raw gradients since its last commit; the params' tree,
+      shapes and dtypes.
+    inner_state: the state of ``inner`` for this worker's local steps.
+    center_inner_state: the state of ``inner`` for the center's updates; identical on every
+      worker.
+  """
+
+  local_step: jax.Array
+  center: optax.Params
+  grad_accum: optax.Updates
+  inner_state: optax.OptState
+  center_inner_state: optax.OptState
+
+
+def agn(
+  inner: optax.GradientTransformation,
+  num_workers: int | None = None,
+  *,
+  communication_period: int = 10,
+  center_update: str = "sequential",
+  axis_name: Hashable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Accumulated gradient normalization: workers commit their mean gradient to a center.
+
+  Every worker :math:`i` trains its own params :math:`x_i` with ``inner`` and accumulates its raw
+  gradients; every ``communication_period`` (τ) steps it commits their mean to the center, which
+  takes an ``inner`` step on it, and every worker restarts from the new center:
+
+  .. math::
+
+    x_i &\leftarrow x_i + \mathrm{inner}(g_i), \qquad a_i \leftarrow a_i + g_i \\
+    \text{if } \mathrm{local\_step} \bmod \tau = 0:\quad
+      \tilde{x} &\leftarrow \tilde{x} + \mathrm{inner}_{\tilde{x}}(a_j / \tau)
+      \quad \text{for } j = 0, \dots, N - 1 \text{ in axis order (``"sequential"``)} \\
+      \text{or}\quad \tilde{x} &\leftarrow \tilde{x} + \mathrm{inner}_{\tilde{x}}\big(
+      \tfrac{1}{N} \textstyle\sum_j a_j / \tau\big) \quad (\text{``"mean"``}) \\
+      x_i &\leftarrow \tilde{x}, \qquad a_i \leftarrow 0
+
+  where :math:`\mathrm{inner}_{\tilde{x}}` is ``inner`` called with ``params=center`` and the one
+  shared ``center_inner_state`` (TF applies the same optimizer to the center, with slots on the
+  parameter server). The accumulated gradient is divided by τ, the period, as in TF.
+
+  Args:
+    inner: the optimizer of the local steps and of the center.
+    num_workers: number of workers; defaults to the size of ``axis_name`` (1 when it is
+      ``None``). If given, it must equal that size (TF stores it and never uses it).
+    communication_period: τ, a count of ``update`` calls; the first commit is on the τ-th call.
+    center_update: ``"sequential"`` (TF's semantics: one ``inner`` step per worker's commit,
+      in axis-index order) or ``"mean"`` (one ``inner`` step on the workers' mean).
+    axis_name: the mapped axis whose positions are the workers; ``None`` for one worker.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``. Extra args are forwarded to ``inner``'s local
+    update; the center's updates get none (they are not computed from this worker's batch).
+
+  Shapes:
+    ``updates`` and ``params`` share one tree; the returned updates, ``center`` and
+    ``grad_accum`` have the params' tree, shapes and dtypes. Memory: two extra copies of the params
+    (center, accumulator) plus the center's ``inner`` state, per worker.
+
+  Collectives:
+    On communication steps only, inside a ``lax.cond``: ``"sequential"`` issues one
+    ``all_gather`` over ``axis_name`` of the accumulated gradients (N × params bytes received per
+    worker) and applies the N commits in order, unrolled at trace time; ``"mean"`` issues one
+    ``pmean`` of a params-sized tree. None when ``axis_name`` is ``None`` or unbound.
+
+  Raises:
+    TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type.
+    ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``center_update``
+      not ``"sequential"`` or ``"mean"``; ``num_workers > 1`` with ``axis_name=None``;
+      ``num_workers`` different from the axis size; ``update`` without ``params``.
+
+  Examples:
+    One worker, committing every 2 steps with plain SGD:
+
+    >>> import jax.numpy as jnp, optax, optax_dist
+    >>> tx = optax_dist.agn(optax.sgd(0.1), communication_period=2)
+    >>> params = jnp.array([0.0])
+    >>> state = tx.init(params)
+    >>> for g in (jnp.array([-1.0]), jnp.array([-3.0])):
+    ...   updates, state = tx.update(g, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params, state.center  # the center took one step on the mean gradient, -2
+    (Array([0.2], dtype=float32), Array([0.2], dtype=float32))
+
+  References:
+    TensorFlow 1.x, ``tf.contrib.opt.AGNOptimizer``.
+    Hermans, Spanakis & Möckel, `Accumulated Gradient Normalization
+    <https://arxiv.org/abs/1710.02368>`_, ACML 2017.
+  """
+  fn = "agn"
+  _common.check_transformation(fn, inner)
+  _common.check_positive_int(fn, "communication_period", communication_period)
+  _common.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
+  _common.check_num_workers(fn, num_workers, axis_name)
+
+  def init_fn(params):
+    _common.resolve_num_workers(fn, num_workers, axis_name)
+    return AGNState(
+      local_step=jnp.zeros([], jnp.int32),
+      center=jax.tree.map(jnp.asarray, params),
+      grad_accum=optax.tree.zeros_like(params),
+      inner_state=inner.init(params),
+      center_inner_state=inner.init(params),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _common.require_params(fn, params)
+    _common.check_tree_matches(fn, updates, state.center, "params")
+    n = _common.resolve_num_workers(fn, num_workers, axis_name)
+    bound = _common.axis_size(axis_name) is not None
+
+    # x_i <- x_i + inner(g_i); a_i <- a_i + g_i.
+    local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    grad_accum = jax.tree.map(lambda a, g: (a + g).astype(a.dtype), state.grad_accum, updates)
+    local_step = optax.safe_increment(state.local_step)
+
+    def center_step(center, center_inner_state, grads):
+      center_updates, center_inner_state = inner.update(grads, center_inner_state, center)
+      return optax.apply_updates(center, center_updates), center_inner_state
+
+    def commit(u, center, grad_accum, center_inner_state):
+      mean_grad = jax.tree.map(lambda a: (a / communication_period).astype(a.dtype), grad_accum)
+      if not bound:
+        commits = [mean_grad]
+      elif center_update == "mean":
+        commits = [jax.lax.pmean(mean_grad, axis_name)]
+      else:
+        gathered = jax.lax.all_gather(mean_grad, axis_name)
+        commits = [jax.tree.map(lambda a, j=j: a[j], gathered) for j in range(n)]
+      for grads in commits:
+        center, center_inner_state = center_step(center, center_inner_state, grads)
+      u = jax.tree.map(lambda c, p, old: (c - p).astype(old.dtype), center, params, u)
+      return u, center, optax.tree.zeros_like(grad_accum), center_inner_state
+
+    def keep(u, center, grad_accum, center_inner_state):
+      return u, center, grad_accum, center_inner_state
+
+    local_updates, center, grad_accum, center_inner_state = _common.communicate_if(
+      _common.is_communication_step(local_step, communication_period),
+      commit, keep, local_updates, state.center, grad_accum, state.center_inner_state,
+    )
+    return local_updates, AGNState(
+      local_step=local_step,
+      center=center,
+      grad_accum=grad_accum,
+      inner_state=inner_state,
+      center_inner_state=center_inner_state,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

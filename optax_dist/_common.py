@@ -1,0 +1,216 @@
+"""Mechanisms shared by every transformation: the worker axis, the communication step, validation.
+
+Written once here and reused by each algorithm module:
+
+* the worker axis: :func:`axis_size` (``None`` where ``axis_name`` is unbound) and
+  :func:`resolve_num_workers` (checks a user's ``num_workers`` against the axis);
+* the communication step: :func:`is_communication_step` and :func:`communicate_if`, a
+  ``lax.cond`` whose two branches may differ in how their results vary over mapped axes;
+* argument validation with messages that name the call site, the argument, the value received
+  and the constraint.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NO_PARAMS_MSG = (
+  "`{fn}` needs the current parameters: call `update(updates, state, params)` with"
+  " `params` given (got `params=None`)."
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker axis.
+
+
+def axis_size(axis_name: Hashable | None) -> int | None:
+  """Size of the mapped axis ``axis_name``, or ``None`` if it is ``None`` or not bound here."""
+  if axis_name is None:
+    return None
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError:
+    return None
+
+
+def resolve_num_workers(fn: str, num_workers: Any, axis_name: Hashable | None) -> int:
+  """The number of workers: the axis size where the axis is bound, else ``num_workers`` or 1.
+
+  Raises:
+    ValueError: if ``axis_name`` is bound, ``num_workers`` is concrete and differs from the
+      axis size, or the axis has size 0.
+  """
+  size = axis_size(axis_name)
+  given = concrete(num_workers)
+  if size is None:
+    return 1 if given is None else int(given)
+  if size < 1:
+    raise ValueError(
+      f"`{fn}` was called under axis {axis_name!r} of size {size}; a communicating"
+      " transformation needs at least one worker."
+    )
+  if given is not None and int(given) != size:
+    raise ValueError(
+      f"`{fn}(num_workers=...)` must equal the size of axis {axis_name!r}, got"
+      f" num_workers={int(given)} but the axis has {size} workers."
+    )
+  return size
+
+
+def check_num_workers(fn: str, num_workers: Any, axis_name: Hashable | None) -> None:
+  """Raise unless ``num_workers`` is ``None`` or a positive int usable with ``axis_name``."""
+  if num_workers is None:
+    return
+  check_positive_int(fn, "num_workers", num_workers)
+  given = concrete(num_workers)
+  if axis_name is None and given is not None and given > 1:
+    raise ValueError(
+      f"`{fn}(num_workers={given})` needs `axis_name`: without a mapped axis the workers"
+      " cannot communicate. Pass the name of the axis your step is mapped over."
+    )
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The mapped axes over which ``x``'s type says it varies (empty where types are unchecked)."""
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", ()))
+
+
+def _cast_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+  missing = tuple(sorted(axes - varying_axes(x), key=str))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def communicate_if(
+  pred: jax.Array, communicate: Callable[..., Any], skip: Callable[..., Any], *operands: Any
+) -> Any:
+  """``lax.cond(pred, communicate, skip, *operands)`` with the branches' types reconciled.
+
+  Under ``shard_map`` a collective's result is typed invariant over the axis while the value it
+  replaces in the other branch is varying; ``lax.cond`` requires equal types. Each output leaf is
+  therefore cast (``jax.lax.pcast(..., to="varying")``) to the union of the axes both branches
+  vary over. Where varying types are not checked (``vmap``, ``pmap``, ``check_vma=False``) this
+  is a plain ``lax.cond``. ``pred`` must be identical on every worker, so that the collectives in
+  ``communicate`` execute on all of them or on none.
+  """
+  shapes = [jax.eval_shape(branch, *operands) for branch in (communicate, skip)]
+  axes = jax.tree.map(lambda a, b: varying_axes(a) | varying_axes(b), *shapes)
+
+  def reconciled(branch):
+    return lambda *ops: jax.tree.map(_cast_varying, branch(*ops), axes)
+
+  return jax.lax.cond(pred, reconciled(communicate), reconciled(skip), *operands)
+
+
+def is_communication_step(local_step: jax.Array, communication_period: Any) -> jax.Array:
+  """True where ``local_step`` (already incremented) is a multiple of ``communication_period``."""
+  return local_step % communication_period == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation.
+
+
+def concrete(value: Any) -> Any:
+  """``value`` as a Python/NumPy scalar, or ``None`` if it is ``None`` or a tracer."""
+  if value is None or isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, (np.ndarray, jax.Array)):
+    if np.ndim(value) != 0:
+      return None
+    return np.asarray(value).item()
+  return value
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_positive_int(fn: str, name: str, value: Any) -> None:
+  """Raise unless ``value`` is a positive int (skipped for traced values)."""
+  if isinstance(value, jax.core.Tracer):
+    return
+  v = concrete(value)
+  if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+    raise TypeError(f"`{fn}({name}=...)` must be a positive int, got {value!r}.")
+  if v < 1:
+    raise ValueError(f"`{fn}({name}=...)` must be a positive int, got {v}.")
+
+
+def check_int(fn: str, name: str, value: Any) -> None:
+  """Raise unless ``value`` is an int (skipped for traced values)."""
+  if isinstance(value, jax.core.Tracer):
+    return
+  v = concrete(value)
+  if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+    raise TypeError(f"`{fn}({name}=...)` must be an int, got {value!r}.")
+
+
+def check_number(
+  fn: str,
+  name: str,
+  value: Any,
+  *,
+  lower: float,
+  upper: float | None = None,
+  lower_open: bool = False,
+  constraint: str,
+) -> None:
+  """Raise unless ``value`` is a real number in the given range (skipped for traced values)."""
+  if isinstance(value, jax.core.Tracer):
+    return
+  v = concrete(value)
+  if not _is_number(v):
+    raise TypeError(f"`{fn}({name}=...)` must be a real number {constraint}, got {value!r}.")
+  too_low = v <= lower if lower_open else v < lower
+  too_high = upper is not None and v > upper
+  if too_low or too_high or v != v:
+    raise ValueError(f"`{fn}({name}=...)` must be {constraint}, got {v}.")
+
+
+def check_choice(fn: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+  """Raise unless ``value`` is one of ``choices``."""
+  if value not in choices:
+    options = ", ".join(repr(c) for c in choices)
+    raise ValueError(f"`{fn}({name}=...)` must be one of {options}, got {value!r}.")
+
+
+def check_transformation(fn: str, inner: Any) -> None:
+  """Raise unless ``inner`` looks like an optax gradient transformation."""
+  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+    raise TypeError(
+      f"`{fn}(inner=...)` must be an optax GradientTransformation (with `init` and"
+      f" `update`), got {type(inner).__name__}."
+    )
+
+
+def require_params(fn: str, params: Any) -> None:
+  """Raise ``ValueError`` if ``params`` is ``None``."""
+  if params is None:
+    raise ValueError(NO_PARAMS_MSG.format(fn=fn))
+
+
+def check_tree_matches(fn: str, updates: Any, reference: Any, what: str) -> None:
+  """Raise ``ValueError`` if ``updates`` and ``reference`` have different tree structures."""
+  got, want = jax.tree.structure(updates), jax.tree.structure(reference)
+  if got != want:
+    raise ValueError(
+      f"`{fn}`: `updates` must have the tree structure of the {what}; got {got}, expected {want}."
+    )
+
+
+def check_floating(fn: str, params: Any) -> None:
+  """Raise ``TypeError`` naming the path of the first non-floating leaf of ``params``."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      raise TypeError(
+        f"`{fn}` averages parameters and needs floating-point leaves; the leaf at"
+        f" {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}."
+      )

@@ -1,0 +1,171 @@
+"""Elastic averaging SGD (TF's ``ElasticAverageOptimizer``)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_dist import _common
+
+BETA = 0.9
+"""TF's default for ``moving_rate * communication_period * num_workers`` (as in the paper)."""
+
+
+class ElasticAverageState(NamedTuple):
+  """State of :func:`elastic_average`.
+
+  Attributes:
+    local_step: ``int32[]``, the number of ``update`` calls of this worker so far.
+    center: the center variable (the paper's :math:`\\tilde{x}`); the params' tree, shapes and
+      dtypes; identical on every worker.
+    inner_state: the state of the wrapped transformation, local to this worker.
+  """
+
+  local_step: jax.Array
+  center: optax.Params
+  inner_state: optax.OptState
+
+
+def elastic_average(
+  inner: optax.GradientTransformation,
+  num_workers: int | None = None,
+  *,
+  communication_period: int = 10,
+  moving_rate: float | None = None,
+  rho: float | None = None,
+  learning_rate: float | None = None,
+  axis_name: Hashable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Elastic averaging SGD (EASGD): local training, elastic exchange with a center every τ steps.
+
+  Every worker :math:`i` keeps its own params :math:`x_i` (they are *not* kept identical) and
+  trains them with ``inner``, pulled towards a shared center :math:`\tilde{x}` by an elastic
+  force. Every ``communication_period`` (τ) steps the workers and the center move towards each
+  other. With :math:`g_i` the incoming updates (gradients), α the ``moving_rate`` and ρ ``rho``:
+
+  .. math::
+
+    u_i &= \mathrm{inner}\big(g_i + \rho\,(x_i - \tilde{x})\big) \\
+    \text{if } \mathrm{local\_step} \bmod \tau = 0:\quad
+      x'_i &= x_i + u_i, \qquad d_i = \alpha\,(x'_i - \tilde{x}) \\
+      x_i &\leftarrow x'_i - d_i, \qquad \tilde{x} \leftarrow \tilde{x} + \textstyle\sum_j d_j
+
+  and :math:`x_i \leftarrow x_i + u_i` on other steps. Every worker exchanges against the same
+  center (the paper's synchronous EASGD); the returned updates are
+  :math:`x_i^{\text{new}} - x_i`, so ``optax.apply_updates`` lands on :math:`x_i^{\text{new}}` up
+  to float rounding.
+
+  Args:
+    inner: the local optimizer of each worker.
+    num_workers: number of workers :math:`N`; defaults to the size of ``axis_name`` (1 when it
+      is ``None``). If given, it must equal that size.
+    communication_period: τ, a count of ``update`` calls; the first exchange is on the τ-th call.
+    moving_rate: α, dimensionless; default :math:`0.9 / (\tau N)` (TF's ``BETA = 0.9``).
+    rho: ρ, the elastic force's strength on the local gradient (units of 1/learning rate).
+      Default: :math:`\alpha / \mathrm{learning\_rate}` if ``learning_rate`` is given (TF's
+      default), else 0 (the paper's Algorithm 1).
+    learning_rate: the inner optimizer's learning rate, used only for the default ``rho``.
+    axis_name: the mapped axis whose positions are the workers; ``None`` for one worker.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; extra args are forwarded to ``inner``.
+
+  Shapes:
+    ``updates`` and ``params`` share one tree (each worker's own, e.g. ``[...]`` per worker
+    under ``shard_map``); the returned updates and ``center`` have the params' tree, shapes and
+    dtypes. Memory: one extra copy of the params (the center) per worker.
+
+  Collectives:
+    One ``psum`` over ``axis_name`` of a params-sized tree, on communication steps only
+    (``local_step % communication_period == 0``), inside a ``lax.cond``. None when
+    ``axis_name`` is ``None`` or unbound.
+
+  Raises:
+    TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type.
+    ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``moving_rate``
+      ≤ 0; ``rho`` < 0; ``learning_rate`` ≤ 0; ``num_workers > 1`` with ``axis_name=None``;
+      ``num_workers`` different from the axis size; ``update`` without ``params``.
+
+  Examples:
+    Two workers emulated with ``vmap``, exchanging every step:
+
+    >>> import jax, jax.numpy as jnp, optax, optax_dist
+    >>> tx = optax_dist.elastic_average(
+    ...     optax.sgd(1.0), communication_period=1, moving_rate=0.5, axis_name="workers")
+    >>> params = jnp.zeros((2, 1))
+    >>> state = jax.vmap(tx.init, axis_name="workers")(params)
+    >>> grads = jnp.array([[-1.0], [-3.0]])
+    >>> updates, state = jax.vmap(tx.update, axis_name="workers")(grads, state, params)
+    >>> optax.apply_updates(params, updates)[:, 0], state.center[:, 0]
+    (Array([0.5, 1.5], dtype=float32), Array([2., 2.], dtype=float32))
+
+  References:
+    TensorFlow 1.x, ``tf.contrib.opt.ElasticAverageOptimizer``.
+    Zhang, Choromanska & LeCun, `Deep learning with Elastic Averaging SGD
+    <https://arxiv.org/abs/1412.6651>`_, NeurIPS 2015.
+  """
+  fn = "elastic_average"
+  _common.check_transformation(fn, inner)
+  _common.check_positive_int(fn, "communication_period", communication_period)
+  _common.check_num_workers(fn, num_workers, axis_name)
+  if moving_rate is not None:
+    _common.check_number(fn, "moving_rate", moving_rate, lower=0.0, lower_open=True,
+                         constraint="> 0")
+  if rho is not None:
+    _common.check_number(fn, "rho", rho, lower=0.0, constraint=">= 0")
+  if learning_rate is not None:
+    _common.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
+                         constraint="> 0")
+
+  def init_fn(params):
+    _common.resolve_num_workers(fn, num_workers, axis_name)
+    return ElasticAverageState(
+      local_step=jnp.zeros([], jnp.int32),
+      center=jax.tree.map(jnp.asarray, params),
+      inner_state=inner.init(params),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _common.require_params(fn, params)
+    _common.check_tree_matches(fn, updates, state.center, "params")
+    n = _common.resolve_num_workers(fn, num_workers, axis_name)
+    alpha = BETA / communication_period / n if moving_rate is None else moving_rate
+    if rho is not None:
+      rho_ = rho
+    elif learning_rate is not None:
+      rho_ = alpha / learning_rate
+    else:
+      rho_ = 0.0
+    center = state.center
+
+    # g_i = updates_i + rho (x_i - center); u_i = inner(g_i).
+    elastic = optax.tree.sub(params, center)
+    grads = jax.tree.map(lambda g, e: (g + rho_ * e).astype(g.dtype), updates, elastic)
+    local_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    local_step = optax.safe_increment(state.local_step)
+
+    def exchange(u, center):
+      new_params = optax.apply_updates(params, u)  # x'_i
+      d = jax.tree.map(lambda x, c: (alpha * (x - c)).astype(c.dtype), new_params, center)
+      pulled = optax.tree.sub(new_params, d)  # x_i <- x'_i - d_i
+      total = d if _common.axis_size(axis_name) is None else jax.lax.psum(d, axis_name)
+      center = optax.tree.add(center, total)  # center <- center + sum_j d_j
+      u = jax.tree.map(lambda x, p, old: (x - p).astype(old.dtype), pulled, params, u)
+      return u, center
+
+    def keep(u, center):
+      return u, center
+
+    local_updates, center = _common.communicate_if(
+      _common.is_communication_step(local_step, communication_period),
+      exchange, keep, local_updates, center,
+    )
+    return local_updates, ElasticAverageState(
+      local_step=local_step, center=center, inner_state=inner_state
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
