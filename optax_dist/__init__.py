@@ -8,11 +8,20 @@
 * :func:`tower` and :func:`all_reduce`: synchronous reduction over device towers
   (``TowerOptimizer``), with :func:`split_batch`.
 * :func:`eval_params`: the averaged params to evaluate and to save (``swapping_saver``).
+* :func:`accumulate_then_reduce`: gradient accumulation with one all-reduce per accumulated step.
+* :func:`communication_report`: the collectives a compiled step issues, and their bytes.
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(..., axis_name=...)``.
 """
 
+from optax_dist._accounting import (
+  Collective,
+  Collectives,
+  CommunicationReport,
+  communication_report,
+)
+from optax_dist._accumulation import AccumulateThenReduceState, accumulate_then_reduce
 from optax_dist._agn import AGNState, agn
 from optax_dist._drop_stale_gradients import DropStaleGradientsState, drop_stale_gradients
 from optax_dist._elastic_average import ElasticAverageState, elastic_average
@@ -24,11 +33,17 @@ __version__ = "0.1.0"
 
 __all__ = (
   "AGNState",
+  "AccumulateThenReduceState",
+  "Collective",
+  "Collectives",
+  "CommunicationReport",
   "DropStaleGradientsState",
   "ElasticAverageState",
   "MovingAverageState",
+  "accumulate_then_reduce",
   "agn",
   "all_reduce",
+  "communication_report",
   "drop_stale_gradients",
   "elastic_average",
   "eval_params",

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _common, _tower
 
 
 class AGNState(NamedTuple):
@@ -39,6 +39,7 @@ def agn(
   communication_period: int = 10,
   center_update: str = "sequential",
   axis_name: Hashable | None = None,
+  comm_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulated gradient normalization: workers commit their mean gradient to a center.
 
@@ -68,6 +69,10 @@ def agn(
     center_update: ``"sequential"`` (TF's semantics: one ``inner`` step per worker's commit,
       in axis-index order) or ``"mean"`` (one ``inner`` step on the workers' mean).
     axis_name: the mapped axis whose positions are the workers; ``None`` for one worker.
+    comm_dtype: the floating dtype in which the workers' mean gradients :math:`a_i / \tau` are
+      exchanged (e.g. ``jnp.bfloat16``: half the bytes of ``float32``): cast to it before the
+      ``all_gather`` or ``pmean`` and back to the params' dtypes after, so the center's ``inner``
+      steps run in the params' dtypes. ``None`` (default) communicates in the params' dtypes.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Extra args are forwarded to ``inner``'s local
@@ -79,13 +84,16 @@ def agn(
     (center, accumulator) plus the center's ``inner`` state, per worker.
 
   Collectives:
-    On communication steps only, inside a ``lax.cond``: ``"sequential"`` issues one
-    ``all_gather`` over ``axis_name`` of the accumulated gradients (N × params bytes received per
-    worker) and applies the N commits in order, unrolled at trace time; ``"mean"`` issues one
-    ``pmean`` of a params-sized tree. None when ``axis_name`` is ``None`` or unbound.
+    On communication steps only, inside a ``lax.cond``; none on other steps.
+    ``"sequential"`` issues one ``all_gather`` over ``axis_name`` of the accumulated gradients
+    (params bytes sent, N × params bytes received per worker) and applies the N commits in
+    order, unrolled at trace time; ``"mean"`` issues one ``pmean`` of a params-sized tree (the
+    params' bytes). With ``comm_dtype``, bytes are element counts times its itemsize. None when
+    ``axis_name`` is ``None`` or unbound. :func:`communication_report` measures them.
 
   Raises:
-    TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type.
+    TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type;
+      ``comm_dtype`` not ``None`` or a floating dtype.
     ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``center_update``
       not ``"sequential"`` or ``"mean"``; ``num_workers > 1`` with ``axis_name=None``;
       ``num_workers`` different from the axis size; ``update`` without ``params``.
@@ -113,6 +121,7 @@ def agn(
   _common.check_positive_int(fn, "communication_period", communication_period)
   _common.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
   _common.check_num_workers(fn, num_workers, axis_name)
+  comm_dtype = _tower.check_comm_dtype(fn, comm_dtype)
 
   def init_fn(params):
     _common.resolve_num_workers(fn, num_workers, axis_name)
@@ -144,9 +153,15 @@ def agn(
       if not bound:
         commits = [mean_grad]
       elif center_update == "mean":
-        commits = [jax.lax.pmean(mean_grad, axis_name)]
+        if comm_dtype is None:
+          commits = [jax.lax.pmean(mean_grad, axis_name)]
+        else:  # sum in comm_dtype, divide in the params' dtypes
+          total = jax.lax.psum(_tower.to_comm_dtype(mean_grad, comm_dtype), axis_name)
+          total = _tower.from_comm_dtype(total, mean_grad)
+          commits = [jax.tree.map(lambda t: (t / n).astype(t.dtype), total)]
       else:
-        gathered = jax.lax.all_gather(mean_grad, axis_name)
+        gathered = jax.lax.all_gather(_tower.to_comm_dtype(mean_grad, comm_dtype), axis_name)
+        gathered = _tower.from_comm_dtype(gathered, mean_grad)
         commits = [jax.tree.map(lambda a, j=j: a[j], gathered) for j in range(n)]
       for grads in commits:
         center, center_inner_state = center_step(center, center_inner_state, grads)

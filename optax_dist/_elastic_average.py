@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _common, _tower
 
 BETA = 0.9
 """TF's default for ``moving_rate * communication_period * num_workers`` (as in the paper)."""
@@ -39,6 +39,7 @@ def elastic_average(
   rho: float | None = None,
   learning_rate: float | None = None,
   axis_name: Hashable | None = None,
+  comm_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Elastic averaging SGD (EASGD): local training, elastic exchange with a center every τ steps.
 
@@ -70,6 +71,10 @@ def elastic_average(
       default), else 0 (the paper's Algorithm 1).
     learning_rate: the inner optimizer's learning rate, used only for the default ``rho``.
     axis_name: the mapped axis whose positions are the workers; ``None`` for one worker.
+    comm_dtype: the floating dtype in which the :math:`d_j` are summed over the axis (e.g.
+      ``jnp.bfloat16``: half the bytes of ``float32``): each :math:`d_i` is cast to it before the
+      ``psum`` and the sum back to the center's dtype after. ``None`` (default) communicates in
+      the params' dtypes.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra args are forwarded to ``inner``.
@@ -80,12 +85,14 @@ def elastic_average(
     dtypes. Memory: one extra copy of the params (the center) per worker.
 
   Collectives:
-    One ``psum`` over ``axis_name`` of a params-sized tree, on communication steps only
-    (``local_step % communication_period == 0``), inside a ``lax.cond``. None when
-    ``axis_name`` is ``None`` or unbound.
+    One ``psum`` over ``axis_name`` of a params-sized tree (the params' bytes, or their element
+    count times ``comm_dtype``'s itemsize), on communication steps only
+    (``local_step % communication_period == 0``), inside a ``lax.cond``; none on other steps.
+    None when ``axis_name`` is ``None`` or unbound. :func:`communication_report` measures them.
 
   Raises:
-    TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type.
+    TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type;
+      ``comm_dtype`` not ``None`` or a floating dtype.
     ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``moving_rate``
       ≤ 0; ``rho`` < 0; ``learning_rate`` ≤ 0; ``num_workers > 1`` with ``axis_name=None``;
       ``num_workers`` different from the axis size; ``update`` without ``params``.
@@ -120,6 +127,7 @@ def elastic_average(
   if learning_rate is not None:
     _common.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
                          constraint="> 0")
+  comm_dtype = _tower.check_comm_dtype(fn, comm_dtype)
 
   def init_fn(params):
     _common.resolve_num_workers(fn, num_workers, axis_name)
@@ -152,7 +160,11 @@ def elastic_average(
       new_params = optax.apply_updates(params, u)  # x'_i
       d = jax.tree.map(lambda x, c: (alpha * (x - c)).astype(c.dtype), new_params, center)
       pulled = optax.tree.sub(new_params, d)  # x_i <- x'_i - d_i
-      total = d if _common.axis_size(axis_name) is None else jax.lax.psum(d, axis_name)
+      if _common.axis_size(axis_name) is None:
+        total = d
+      else:
+        total = jax.lax.psum(_tower.to_comm_dtype(d, comm_dtype), axis_name)
+        total = _tower.from_comm_dtype(total, d)
       center = optax.tree.add(center, total)  # center <- center + sum_j d_j
       u = jax.tree.map(lambda x, p, old: (x - p).astype(old.dtype), pulled, params, u)
       return u, center

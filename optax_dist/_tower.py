@@ -6,6 +6,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -14,8 +15,38 @@ from optax_dist import _common
 _REDUCTIONS = ("mean", "sum")
 
 
+def check_comm_dtype(fn: str, comm_dtype: Any) -> np.dtype | None:
+  """``comm_dtype`` as a NumPy dtype (``None`` stays ``None``); ``TypeError`` unless floating."""
+  if comm_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(comm_dtype)
+  except Exception:  # noqa: BLE001 (NumPy raises TypeError or ValueError by input)
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+      f"`{fn}(comm_dtype=...)` must be None or a floating dtype such as jnp.bfloat16,"
+      f" got {comm_dtype!r}."
+    )
+  return dtype
+
+
+def to_comm_dtype(tree: Any, comm_dtype: np.dtype | None) -> Any:
+  """Casts the floating leaves of ``tree`` to ``comm_dtype`` (identity when it is ``None``)."""
+  if comm_dtype is None:
+    return tree
+  return jax.tree.map(
+    lambda x: x.astype(comm_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+  )
+
+
+def from_comm_dtype(tree: Any, like: Any) -> Any:
+  """Casts every leaf of ``tree`` back to the dtype of the matching leaf of ``like``."""
+  return jax.tree.map(lambda x, y: x.astype(jnp.result_type(y)), tree, like)
+
+
 def all_reduce(
-  axis_name: Hashable, reduction: str = "mean"
+  axis_name: Hashable, reduction: str = "mean", *, comm_dtype: Any = None
 ) -> optax.GradientTransformationExtraArgs:
   r"""Replaces the updates by their sum or mean over the towers of ``axis_name``.
 
@@ -34,9 +65,17 @@ def all_reduce(
   divides it by :math:`N` (a plain ``pmean`` would count the towers twice). Where ``axis_name`` is
   not bound (one tower), updates pass through unreduced.
 
+  With ``comm_dtype``, each floating leaf is cast to ``comm_dtype`` before the ``psum`` and back
+  to its own dtype after it (the mean then divides in the leaf's dtype): the communicated bytes
+  scale with ``comm_dtype``'s itemsize, at the cost of rounding every :math:`g_k` and the sum to
+  ``comm_dtype``.
+
   Args:
     axis_name: the mapped axis whose positions are the towers.
     reduction: ``"mean"`` or ``"sum"``.
+    comm_dtype: the floating dtype in which the gradients are communicated (e.g.
+      ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) communicates each leaf
+      in its own dtype. Non-floating leaves are always communicated in their own dtype.
 
   Returns:
     A stateless ``optax.GradientTransformationExtraArgs``.
@@ -46,10 +85,12 @@ def all_reduce(
 
   Collectives:
     On every step, one ``psum`` (``"sum"``) or ``pmean`` (``"mean"``) over ``axis_name`` per
-    leaf that varies over the axis: the gradient's bytes, all-reduced. None for leaves already
-    summed by autodiff, and none where the axis is unbound.
+    leaf that varies over the axis: the gradient's bytes (its element count times the itemsize
+    of ``comm_dtype``, or of its own dtype), all-reduced. None for leaves already summed by
+    autodiff, and none where the axis is unbound. :func:`communication_report` measures them.
 
   Raises:
+    TypeError: ``comm_dtype`` not ``None`` or a floating dtype.
     ValueError: ``reduction`` not ``"mean"`` or ``"sum"``.
 
   Examples:
@@ -63,6 +104,7 @@ def all_reduce(
     TensorFlow 1.x, ``tf.contrib.estimator.TowerOptimizer`` with ``replicate_model_fn``.
   """
   _common.check_choice("all_reduce", "reduction", reduction, _REDUCTIONS)
+  comm_dtype = check_comm_dtype("all_reduce", comm_dtype)
 
   def init_fn(params):
     del params
@@ -78,7 +120,10 @@ def all_reduce(
     def reduce(g):
       if checked and axis_name not in _common.varying_axes(g):
         return g if reduction == "sum" else (g / n).astype(g.dtype)  # already summed
-      return jax.lax.psum(g, axis_name) if reduction == "sum" else jax.lax.pmean(g, axis_name)
+      if comm_dtype is None:
+        return jax.lax.psum(g, axis_name) if reduction == "sum" else jax.lax.pmean(g, axis_name)
+      total = from_comm_dtype(jax.lax.psum(to_comm_dtype(g, comm_dtype), axis_name), g)
+      return total if reduction == "sum" else (total / n).astype(g.dtype)
 
     return jax.tree.map(reduce, updates), state
 
@@ -86,11 +131,16 @@ def all_reduce(
 
 
 def tower(
-  inner: optax.GradientTransformation, axis_name: Hashable, *, reduction: str = "mean"
+  inner: optax.GradientTransformation,
+  axis_name: Hashable,
+  *,
+  reduction: str = "mean",
+  comm_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Reduces the gradients of all towers, then takes one ``inner`` step on the result.
 
-  ``tower(inner, axis_name, reduction=r)`` is ``optax.chain(all_reduce(axis_name, r), inner)``:
+  ``tower(inner, axis_name, reduction=r, comm_dtype=c)`` is
+  ``optax.chain(all_reduce(axis_name, r, comm_dtype=c), inner)``:
 
   .. math::
 
@@ -104,6 +154,9 @@ def tower(
     inner: the optimizer applied once per step to the reduced gradients.
     axis_name: the mapped axis whose positions are the towers.
     reduction: ``"mean"`` (TF's default losses, divided by the number of towers) or ``"sum"``.
+    comm_dtype: the floating dtype in which the gradients are all-reduced (e.g.
+      ``jnp.bfloat16``); ``None`` (default) uses each gradient's own dtype. ``inner`` always
+      receives the reduced gradients in their own dtype.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with the state of
@@ -113,10 +166,13 @@ def tower(
     Returns updates with the tree, shapes and dtypes of ``inner``'s.
 
   Collectives:
-    Those of :func:`all_reduce`, on every step: the gradient's bytes.
+    Those of :func:`all_reduce`, on every step: the gradient's bytes, in ``comm_dtype`` if
+    given. To all-reduce once per :math:`k` accumulated micro-steps instead of on every one, use
+    :func:`accumulate_then_reduce` rather than ``optax.MultiSteps(tower(...), k)``.
 
   Raises:
-    TypeError: ``inner`` is not a transformation.
+    TypeError: ``inner`` is not a transformation; ``comm_dtype`` not ``None`` or a floating
+      dtype.
     ValueError: ``reduction`` not ``"mean"`` or ``"sum"``.
 
   Examples:
@@ -137,7 +193,8 @@ def tower(
     TensorFlow 1.x, ``tf.contrib.estimator.TowerOptimizer`` with ``replicate_model_fn``.
   """
   _common.check_transformation("tower", inner)
-  return optax.chain(all_reduce(axis_name, reduction), inner)
+  check_comm_dtype("tower", comm_dtype)
+  return optax.chain(all_reduce(axis_name, reduction, comm_dtype=comm_dtype), inner)
 
 
 def split_batch(batch: Any, num_towers: int) -> Any:
