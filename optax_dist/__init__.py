@@ -10,6 +10,7 @@
 * :func:`eval_params`: the averaged params to evaluate and to save (``swapping_saver``).
 * :func:`accumulate_then_reduce`: gradient accumulation with one all-reduce per accumulated step.
 * :func:`communication_report`: the collectives a compiled step issues, and their bytes.
+* :func:`apply_if_finite`: ``optax.apply_if_finite`` with the skip agreed across the workers.
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(..., axis_name=...)``.
@@ -23,6 +24,7 @@ from optax_dist._accounting import (
 )
 from optax_dist._accumulation import AccumulateThenReduceState, accumulate_then_reduce
 from optax_dist._agn import AGNState, agn
+from optax_dist._apply_if_finite import ApplyIfFiniteState, apply_if_finite
 from optax_dist._drop_stale_gradients import DropStaleGradientsState, drop_stale_gradients
 from optax_dist._elastic_average import ElasticAverageState, elastic_average
 from optax_dist._eval_params import eval_params
@@ -34,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = (
   "AGNState",
   "AccumulateThenReduceState",
+  "ApplyIfFiniteState",
   "Collective",
   "Collectives",
   "CommunicationReport",
@@ -43,6 +46,7 @@ __all__ = (
   "accumulate_then_reduce",
   "agn",
   "all_reduce",
+  "apply_if_finite",
   "communication_report",
   "drop_stale_gradients",
   "elastic_average",

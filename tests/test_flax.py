@@ -1,0 +1,292 @@
+"""Flax: every transformation under Linen's TrainState and nnx.Optimizer, single and per worker."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_dist
+import optax_dist.flax
+
+STEPS = 5
+B, D_IN, D_OUT = 4, 3, 2
+
+
+def _inner():
+  return optax.sgd(0.1, momentum=0.9)
+
+
+TRANSFORMATIONS = {
+  "moving_average": lambda: optax_dist.moving_average(_inner(), decay=0.8),
+  "elastic_average": lambda: optax_dist.elastic_average(
+    _inner(), communication_period=2, moving_rate=0.3, rho=0.5
+  ),
+  "agn": lambda: optax_dist.agn(_inner(), communication_period=2),
+  "drop_stale_gradients": lambda: optax_dist.drop_stale_gradients(_inner(), max_staleness=1),
+  "tower": lambda: optax_dist.tower(_inner(), "towers"),  # one tower: passes through
+  "apply_if_finite": lambda: optax_dist.apply_if_finite(
+    optax_dist.moving_average(_inner(), decay=0.8), 2
+  ),
+}
+# The global step each gradient was computed against; with max_staleness=1 the third and fourth
+# (staleness 2) are dropped and the others accepted.
+GRAD_STEPS = np.array([0, 0, 0, 0, 2], np.int32)
+
+
+def _data(seed=0, steps=STEPS, lead=()):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(steps, *lead, B, D_IN)).astype(np.float32)
+  y = rng.normal(size=(steps, *lead, B, D_OUT)).astype(np.float32)
+  return x, y
+
+
+def _assert_close(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), a, b)
+
+
+def test_flax_is_imported_only_by_the_flax_module():
+  # `import optax_dist` must work without Flax installed: no other module imports it at module
+  # level (imports inside functions are lazy).
+  package = pathlib.Path(optax_dist.__file__).parent
+  for path in package.glob("*.py"):
+    if path.name == "flax.py":
+      continue
+    for node in ast.parse(path.read_text()).body:
+      names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+      if isinstance(node, ast.ImportFrom) and node.level == 0:
+        names = [node.module or ""]
+      assert not any(n == "flax" or n.startswith("flax.") for n in names), path.name
+
+
+# ----------------------------------------------------------------------------------------------
+# Linen TrainState.
+
+_MODEL = nn.Dense(D_OUT)
+
+
+def _linen_loss(params, x, y):
+  return jnp.mean((_MODEL.apply(params, x) - y) ** 2)
+
+
+def _linen_runs(tx, params, xs, ys, grad_steps=None):
+  """Trains from ``params`` three ways in one compiled program; returns the three end states.
+
+  The reference is ``tx.update`` and ``optax.apply_updates`` by hand; then Flax's ``TrainState``
+  (without extra args) and ``optax_dist.flax.TrainState`` (with ``grad_step=`` if given).
+  """
+  steps = np.zeros(len(xs), np.int32) if grad_steps is None else grad_steps
+  extra = (lambda gs: {}) if grad_steps is None else (lambda gs: {"grad_step": gs})
+
+  @jax.jit
+  def run(params, xs, ys, steps):
+    def plain(carry, batch):
+      params, state = carry
+      x, y, gs = batch
+      grads = jax.grad(_linen_loss)(params, x, y)
+      updates, state = tx.update(grads, state, params, **extra(gs))
+      return (optax.apply_updates(params, updates), state), None
+
+    def with_train_state(state, batch):
+      x, y, gs = batch
+      grads = jax.grad(_linen_loss)(state.params, x, y)
+      kwargs = extra(gs) if isinstance(state, optax_dist.flax.TrainState) else {}
+      return state.apply_gradients(grads=grads, **kwargs), None
+
+    ref = jax.lax.scan(plain, (params, tx.init(params)), (xs, ys, steps))[0]
+    states = [
+      jax.lax.scan(
+        with_train_state, cls.create(apply_fn=_MODEL.apply, params=params, tx=tx), (xs, ys, steps)
+      )[0]
+      for cls in (train_state.TrainState, optax_dist.flax.TrainState)
+    ]
+    return ref, states
+
+  return run(params, xs, ys, steps)
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMATIONS))
+def test_linen_train_state_equals_plain_loop(name):
+  xs, ys = _data()
+  params = _MODEL.init(jax.random.key(0), xs[0])
+  (ref_params, ref_state), (flax_state, ours) = _linen_runs(TRANSFORMATIONS[name](), params, xs, ys)
+  for state in (flax_state, ours):
+    assert int(state.step) == STEPS
+    _assert_close(state.params, ref_params)
+    _assert_close(state.opt_state, ref_state)
+  _assert_close(ours.eval_params(), optax_dist.eval_params(ref_state, ref_params))
+  if name not in ("drop_stale_gradients", "tower"):  # these keep no average
+    assert not np.allclose(ours.eval_params()["params"]["kernel"], ours.params["params"]["kernel"])
+
+
+def test_train_state_forwards_grad_step():
+  xs, ys = _data()
+  params = _MODEL.init(jax.random.key(0), xs[0])
+  tx = TRANSFORMATIONS["drop_stale_gradients"]()
+  (ref_params, ref_state), (_, state) = _linen_runs(tx, params, xs, ys, GRAD_STEPS)
+  assert int(state.step) == STEPS  # every call, accepted or not
+  np.testing.assert_array_equal(state.opt_state.num_dropped, 2)
+  np.testing.assert_array_equal(state.opt_state.global_step, 3)
+  _assert_close(state.params, ref_params)
+  _assert_close(state.opt_state, ref_state)
+
+
+def test_train_state_replaces_fields_and_forwards_the_rest():
+  class BatchNormState(optax_dist.flax.TrainState):
+    batch_stats: Any = None
+
+  seen = {}
+
+  def update(updates, state, params=None, **extra_args):
+    seen.update(extra_args)
+    return updates, state
+
+  tx = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+  state = BatchNormState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx, batch_stats=0)
+  state = state.apply_gradients(grads={"w": jnp.ones(2)}, batch_stats=7, grad_step=3)
+  assert state.batch_stats == 7 and seen == {"grad_step": 3}
+  np.testing.assert_array_equal(state.params["w"], [2.0, 2.0])
+  assert {f.name for f in dataclasses.fields(state)} >= {"batch_stats", "step", "params"}
+
+
+# ----------------------------------------------------------------------------------------------
+# NNX Optimizer.
+
+
+def _nnx_plain_loss(params, x, y):
+  return jnp.mean((x @ params["kernel"] + params["bias"] - y) ** 2)
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMATIONS))
+def test_nnx_optimizer_equals_plain_loop(name):
+  xs, ys = _data(seed=1)
+  model = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
+  params = {k: jnp.asarray(v) for k, v in nnx.to_pure_dict(nnx.state(model, nnx.Param)).items()}
+  tx = TRANSFORMATIONS[name]()
+  use_grad_step = name == "drop_stale_gradients"
+  extra = (lambda gs: {"grad_step": gs}) if use_grad_step else (lambda gs: {})
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  graphdef, nnx_state = nnx.split((model, optimizer))
+
+  @jax.jit
+  def run(params, nnx_state, xs, ys, grad_steps):
+    def plain(carry, batch):  # the reference: tx.update and optax.apply_updates by hand
+      params, state = carry
+      x, y, gs = batch
+      grads = jax.grad(_nnx_plain_loss)(params, x, y)
+      updates, state = tx.update(grads, state, params, **extra(gs))
+      return (optax.apply_updates(params, updates), state), None
+
+    def with_optimizer(nnx_state, batch):
+      x, y, gs = batch
+      model, optimizer = nnx.merge(graphdef, nnx_state)
+      grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+      optimizer.update(model, grads, **extra(gs))
+      return nnx.split((model, optimizer))[1], None
+
+    ref = jax.lax.scan(plain, (params, tx.init(params)), (xs, ys, grad_steps))[0]
+    return ref, jax.lax.scan(with_optimizer, nnx_state, (xs, ys, grad_steps))[0]
+
+  (params, state), nnx_state = run(params, nnx_state, xs, ys, GRAD_STEPS)
+  nnx.update((model, optimizer), nnx_state)
+
+  assert int(optimizer.step[...]) == STEPS
+  _assert_close({"kernel": model.kernel[...], "bias": model.bias[...]}, params)
+  expected = optax_dist.eval_params(state, params)
+  got = optax_dist.flax.nnx_eval_params(optimizer, model)
+  _assert_close({"kernel": got["kernel"], "bias": got["bias"]}, expected)
+  if use_grad_step:
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    np.testing.assert_array_equal(opt_state.num_dropped, 2)
+    np.testing.assert_array_equal(opt_state.global_step, 3)
+  # The averaged params load back into a copy of the model.
+  eval_model = nnx.clone(model)
+  nnx.update(eval_model, got)
+  np.testing.assert_array_equal(eval_model.kernel[...], expected["kernel"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-worker TrainState under shard_map.
+
+N = 4
+LR, ALPHA, PERIOD = 0.1, 0.2, 2
+
+
+def _numpy_easgd(w0, b0, xs, ys):
+  """Synchronous EASGD with plain SGD on ``mean((x w + b - y)^2)``, every worker in NumPy."""
+  w = np.tile(w0.astype(np.float64), (N, 1, 1))
+  b = np.tile(b0.astype(np.float64), (N, 1))
+  cw, cb = w0.astype(np.float64), b0.astype(np.float64)
+  for t in range(len(xs)):
+    for i in range(N):
+      r = xs[t, i] @ w[i] + b[i] - ys[t, i]  # residual, (B, 1)
+      w[i] -= LR * 2.0 / B * xs[t, i].T @ r
+      b[i] -= LR * 2.0 / B * r.sum(0)
+    if (t + 1) % PERIOD == 0:
+      dw, db = ALPHA * (w - cw), ALPHA * (b - cb)
+      w, b = w - dw, b - db
+      cw, cb = cw + dw.sum(0), cb + db.sum(0)
+  return w, b, cw, cb
+
+
+def _per_worker(x):
+  x = jnp.asarray(x)
+  if "w" not in jax.typeof(x).manual_axis_type.varying:
+    x = jax.lax.pcast(x, "w", to="varying")
+  return x[None]
+
+
+def test_per_worker_train_state_under_shard_map_elastic_average():
+  model = nn.Dense(1)
+  rng = np.random.default_rng(2)
+  xs = rng.normal(size=(4, N, B, D_IN)).astype(np.float32)
+  ys = rng.normal(size=(4, N, B, 1)).astype(np.float32)
+  params = model.init(jax.random.key(1), xs[0, 0])
+  tx = optax_dist.elastic_average(optax.sgd(LR), communication_period=PERIOD,
+                                  moving_rate=ALPHA, axis_name="w")
+  mesh = Mesh(np.array(jax.devices()[:N]), ("w",))
+
+  def worker(params, xs, ys):
+    # Every worker starts from the same params, then trains its own copy.
+    params = jax.tree.map(lambda p: jax.lax.pcast(p, "w", to="varying"), params)
+    state = optax_dist.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def step(state, batch):
+      x, y = batch
+
+      def loss(p):
+        return jnp.mean((state.apply_fn(p, x[0]) - y[0]) ** 2)
+
+      return state.apply_gradients(grads=jax.grad(loss)(state.params)), None
+
+    state, _ = jax.lax.scan(step, state, (xs, ys))
+    return jax.tree.map(_per_worker, (state.params, state.eval_params()))
+
+  f = jax.jit(jax.shard_map(worker, mesh=mesh, in_specs=(P(), P(None, "w"), P(None, "w")),
+                            out_specs=P("w")))
+
+  def put(a, spec):
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+  local, center = f(put(params, P()), put(xs, P(None, "w")), put(ys, P(None, "w")))
+
+  kernel, bias = params["params"]["kernel"], params["params"]["bias"]
+  w, b, cw, cb = _numpy_easgd(np.asarray(kernel), np.asarray(bias), xs, ys)
+  np.testing.assert_allclose(local["params"]["kernel"], w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(local["params"]["bias"], b, rtol=1e-5, atol=1e-6)
+  for leaf, ref in ((center["params"]["kernel"], cw), (center["params"]["bias"], cb)):
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))  # identical
+    np.testing.assert_allclose(leaf[0], ref, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(local["params"]["kernel"][0], local["params"]["kernel"][1])
