@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test clean
+.PHONY: demo test docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,18 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $@
 
+$(VENV)/.docs: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[docs]"
+	touch $@
+
 demo: $(VENV)/.examples
 	$(BIN)/optax-dist compare
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q
 
+docs: $(VENV)/.docs
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info docs/_build

@@ -1,0 +1,185 @@
+"""The documentation: API coverage, runnable code blocks, quoted error messages, the Sphinx build.
+
+Convention for code in ``docs/*.md``: every fenced block opened with exactly ```` ```python ````
+is runnable. A page's blocks run in order, sharing one namespace, in a fresh Python process with
+eight emulated CPU devices. Python that must not run (TF 1.x code, multi-process scripts) is
+written as a ``{code-block} python`` directive instead, which this file does not collect.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import optax_dist
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts and p.name != "README.md")
+
+_OPEN = re.compile(r"^(?P<indent> *)(?P<fence>`{3,})python\s*$")
+
+# Runs the blocks of one page: each block is compiled with the page's path and its line numbers,
+# so a traceback points at the line of the .md file.
+_RUNNER = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+namespace = {"__name__": "__main__"}
+for path, first_line, source in json.load(open(sys.argv[1])):
+  code = compile("\\n" * (first_line - 1) + source, path, "exec")
+  exec(code, namespace)
+"""
+
+
+def python_blocks(page: pathlib.Path) -> list[tuple[int, str]]:
+  """The ```python blocks of ``page``: (line number of the block's first code line, source)."""
+  blocks, lines = [], page.read_text().splitlines()
+  i = 0
+  while i < len(lines):
+    match = _OPEN.match(lines[i])
+    if match:  # a fence may be indented (inside a list item): the body loses that indent
+      indent, fence, start, body = len(match["indent"]), match["fence"], i + 2, []
+      i += 1
+      while i < len(lines) and lines[i].strip() != fence:
+        body.append(lines[i][indent:])
+        i += 1
+      if i == len(lines):
+        raise AssertionError(f"{page}: unclosed ```python block at line {start - 1}")
+      blocks.append((start, "\n".join(body) + "\n"))
+    i += 1
+  return blocks
+
+
+def test_python_blocks_parser_finds_blocks_and_skips_directives(tmp_path):
+  page = tmp_path / "p.md"
+  page.write_text(
+    "text\n```python\na = 1\n```\n```{code-block} python\nnot run\n```\n````python\nb = 2\n````\n"
+    "- item\n\n  ```python\n  if b:\n    c = 3\n  ```\n"
+  )
+  assert python_blocks(page) == [(3, "a = 1\n"), (9, "b = 2\n"), (14, "if b:\n  c = 3\n")]
+
+
+# ------------------------------------------------------------------------------------------
+# (a) The API reference names every public name.
+
+
+def _documented_names() -> list[str]:
+  source = (DOCS / "api.md").read_text()
+  assert ".. currentmodule:: optax_dist" in source
+  return re.findall(r"^\.\. auto(?:function|class|data)::\s+(\S+)\s*$", source, re.MULTILINE)
+
+
+def test_api_reference_documents_every_public_name():
+  documented = _documented_names()
+  missing = sorted(set(optax_dist.__all__) - set(documented))
+  assert not missing, f"docs/api.md lacks an autofunction/autoclass entry for {missing}"
+
+
+def test_api_reference_documents_only_public_names_once():
+  documented = _documented_names()
+  assert len(documented) == len(set(documented)), f"duplicate entries in docs/api.md: {documented}"
+  unknown = sorted(set(documented) - set(optax_dist.__all__))
+  assert not unknown, f"docs/api.md documents names not in optax_dist.__all__: {unknown}"
+
+
+# ------------------------------------------------------------------------------------------
+# (b) Every ```python block runs.
+
+
+def test_every_page_is_collected():
+  names = {p.relative_to(DOCS).as_posix() for p in PAGES}
+  for page in ("index.md", "getting_started.md", "migration.md", "distributed.md", "errors.md",
+               "api.md", "algorithms/moving_average.md", "algorithms/elastic_average.md",
+               "algorithms/agn.md", "algorithms/drop_stale_gradients.md", "algorithms/tower.md",
+               "algorithms/eval_params.md"):
+    assert page in names
+  # The pages that teach an algorithm must show running code.
+  for page in PAGES:
+    if page.parent.name == "algorithms" or page.name == "getting_started.md":
+      assert python_blocks(page), f"{page} has no runnable ```python block"
+
+
+@pytest.mark.parametrize(
+  "page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.relative_to(DOCS).as_posix()
+)
+def test_code_blocks_run(page, tmp_path):
+  blocks = [(str(page.relative_to(ROOT)), line, src) for line, src in python_blocks(page)]
+  for path, line, src in blocks:
+    ast.parse(src, filename=f"{path}:{line}")  # a syntax error names its block before any run
+  spec = tmp_path / "blocks.json"
+  spec.write_text(json.dumps(blocks))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+    [sys.executable, "-c", _RUNNER, str(spec)],
+    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+  )
+  assert proc.returncode == 0, f"{page.name}: a code block failed\n{proc.stderr[-4000:]}"
+
+
+# ------------------------------------------------------------------------------------------
+# The error messages quoted in docs/errors.md are the ones raised.
+
+_ROW = re.compile(r"^\|(?P<what>[^|]*)\|\s*`(?P<call>[^`]+)`\s*\|\s*``\s(?P<raised>.+?)\s``\s*\|\s*$")
+
+
+def _error_rows() -> list[tuple[str, str, str]]:
+  rows = []
+  for line in (DOCS / "errors.md").read_text().splitlines():
+    match = _ROW.match(line)
+    if match:
+      rows.append((match["what"].strip(), match["call"], match["raised"]))
+  return rows
+
+
+def test_errors_page_quotes_the_raised_messages():
+  rows = _error_rows()
+  assert len(rows) >= 20, f"expected the table of bad inputs in docs/errors.md, found {len(rows)}"
+  setup = python_blocks(DOCS / "errors.md")[0][1]
+  namespace: dict = {}
+  exec(setup, namespace)
+  for what, call, raised in rows:
+    kind, _, message = raised.partition(": ")
+    with pytest.raises(Exception) as info:
+      eval(call, namespace)
+    got = f"{type(info.value).__name__}: {info.value}"
+    if message.endswith("…"):
+      assert type(info.value).__name__ == kind and str(info.value).startswith(message[:-1]), (
+        f"{what}: {call}\n  page: {raised}\n  real: {got}"
+      )
+    else:
+      assert got == raised, f"{what}: {call}\n  page: {raised}\n  real: {got}"
+
+
+# ------------------------------------------------------------------------------------------
+# (c) The site builds with warnings as errors.
+
+
+def _missing_build_deps() -> list[str]:
+  return [m for m in ("sphinx", "myst_parser", "furo") if importlib.util.find_spec(m) is None]
+
+
+@pytest.mark.skipif(bool(_missing_build_deps()), reason="install the `docs` extra to build the site")
+def test_sphinx_build_succeeds_with_warnings_as_errors(tmp_path):
+  out = tmp_path / "html"
+  proc = subprocess.run(
+    [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+     "-d", str(tmp_path / "doctrees"), str(DOCS), str(out)],
+    cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, f"sphinx-build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+  api = (out / "api.html").read_text()
+  for name in optax_dist.__all__:
+    assert f'id="optax_dist.{name}"' in api, f"api.html has no entry for {name}"
+  for page in PAGES:
+    assert (out / page.relative_to(DOCS).with_suffix(".html")).exists(), page
