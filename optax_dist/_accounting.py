@@ -218,14 +218,14 @@ def communication_report(
   Args:
     fn: the step to compile, a function of arrays (jitted or not). Static arguments: pass an
       already jitted ``fn`` (``jax.jit(step, static_argnums=...)``).
-    *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+    args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
     stage: ``"compiled"`` (default): the collectives of the program XLA compiled for this
       backend, as they run; ``"lowered"``: those of the program JAX lowered
       (``Lowered.as_text(dialect="hlo")``), one per collective call of the step (a ``psum`` of a
       tree: one per leaf), in the requested dtypes, without those automatic sharding adds.
       (Being keyword-only here, ``fn`` cannot receive a keyword argument named ``stage``: pass
       it bound, e.g. with ``functools.partial``.)
-    **kwargs: its keyword arguments.
+    kwargs: its keyword arguments.
 
   Returns:
     A :class:`CommunicationReport`. Its ``unconditional`` collectives run on every step; its
@@ -254,6 +254,11 @@ def communication_report(
     (1, 12)
     >>> print(report.unconditional)
     1 all-reduce (12 B)
+
+  References:
+    XLA, `Operation semantics <https://openxla.org/xla/operation_semantics>`_ (``AllReduce``,
+    ``AllGather``, ``ReduceScatter``, ``CollectivePermute``, ``AllToAll``, ``Conditional``).
+    JAX, ``jax.stages.Compiled.as_text`` and ``jax.stages.Lowered.as_text``.
   """
   if stage not in ("compiled", "lowered"):
     raise ValueError(
