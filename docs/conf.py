@@ -24,8 +24,7 @@ myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence"]
 myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
-autodoc_typehints = "description"
-autodoc_typehints_format = "short"
+autodoc_typehints = "none"  # the docstrings give types and units; signatures keep defaults
 autodoc_default_options = {"members": False}
 
 napoleon_google_docstring = True
@@ -38,3 +37,5 @@ intersphinx_mapping = {}
 
 html_theme = "furo"
 html_title = f"optax_dist {release}"
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
