@@ -118,6 +118,7 @@ def agn(
   """
   fn = "agn"
   _common.check_transformation(fn, inner)
+  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
   _common.check_positive_int(fn, "communication_period", communication_period)
   _common.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
   _common.check_num_workers(fn, num_workers, axis_name)

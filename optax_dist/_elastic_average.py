@@ -117,6 +117,7 @@ def elastic_average(
   """
   fn = "elastic_average"
   _common.check_transformation(fn, inner)
+  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
   _common.check_positive_int(fn, "communication_period", communication_period)
   _common.check_num_workers(fn, num_workers, axis_name)
   if moving_rate is not None:

@@ -95,6 +95,7 @@ def moving_average(
   """
   fn = "moving_average"
   _common.check_transformation(fn, inner)
+  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
   if not callable(decay):
     _common.check_number(fn, "decay", decay, lower=0.0, upper=1.0, constraint="in [0, 1]")
 

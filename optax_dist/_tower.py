@@ -193,6 +193,7 @@ def tower(
     TensorFlow 1.x, ``tf.contrib.estimator.TowerOptimizer`` with ``replicate_model_fn``.
   """
   _common.check_transformation("tower", inner)
+  _common.check_choice("tower", "reduction", reduction, _REDUCTIONS)
   check_comm_dtype("tower", comm_dtype)
   return optax.chain(all_reduce(axis_name, reduction, comm_dtype=comm_dtype), inner)
 
@@ -207,6 +208,9 @@ def split_batch(batch: Any, num_towers: int) -> Any:
   Returns:
     The same tree with leaves of shape ``(N, B // N, ...)``, ready to be mapped over
     (``vmap``/``pmap``) or placed with a ``NamedSharding`` over the tower axis for ``shard_map``.
+
+  Collectives:
+    None: call it outside the mapped step, on the whole batch.
 
   Raises:
     ValueError: ``num_towers`` not a positive int; a leaf is 0-d; the batch size is not

@@ -1,0 +1,430 @@
+"""Bad inputs: every check raises with a message naming the call, the argument, the value and the
+constraint. Values that ``optax.inject_hyperparams`` passes as traced arrays are not checked."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dist
+
+AXIS = "workers"
+
+
+def called(fn: str, arg: str) -> str:
+  """Regex for the call site as the messages spell it: `` `fn(arg=...)` ``."""
+  return re.escape(f"`{fn}({arg}=")
+
+
+def error(fn: str, arg: str, constraint: str, value) -> str:
+  """Regex: the call site, then the constraint, then the value received."""
+  return f"{called(fn, arg)}.*{re.escape(constraint)}.*got {re.escape(repr(value))}\\.$"
+
+
+def sgd():
+  return optax.sgd(0.1)
+
+
+COMMUNICATING = {
+  "elastic_average": lambda **kw: optax_dist.elastic_average(sgd(), **kw),
+  "agn": lambda **kw: optax_dist.agn(sgd(), **kw),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Integer hyperparameters.
+
+
+@pytest.mark.parametrize("fn", COMMUNICATING)
+@pytest.mark.parametrize(
+  "value,exc",
+  [
+    (0, ValueError),
+    (-1, ValueError),
+    (1.5, TypeError),
+    (2.0, TypeError),
+    ("3", TypeError),
+    (True, TypeError),
+  ],
+)
+def test_communication_period_must_be_a_positive_int(fn, value, exc):
+  with pytest.raises(exc, match=error(fn, "communication_period", "must be a positive int", value)):
+    COMMUNICATING[fn](communication_period=value)
+
+
+@pytest.mark.parametrize("fn", COMMUNICATING)
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (-2, ValueError), (1.5, TypeError)])
+def test_num_workers_must_be_a_positive_int(fn, value, exc):
+  with pytest.raises(exc, match=error(fn, "num_workers", "must be a positive int", value)):
+    COMMUNICATING[fn](num_workers=value, axis_name=AXIS)
+
+
+@pytest.mark.parametrize("fn", COMMUNICATING)
+def test_several_workers_without_axis_name(fn):
+  pattern = re.escape(f"`{fn}(num_workers=4)` needs `axis_name`") + ".*cannot communicate"
+  with pytest.raises(ValueError, match=pattern):
+    COMMUNICATING[fn](num_workers=4)
+  COMMUNICATING[fn](num_workers=1)  # one worker needs no axis
+
+
+@pytest.mark.parametrize("fn", COMMUNICATING)
+def test_num_workers_must_match_the_axis_size_at_trace_time(fn):
+  tx = COMMUNICATING[fn](num_workers=3, axis_name=AXIS)  # the factory cannot know the axis
+  params = jnp.zeros((2, 3))
+  pattern = (
+    called(fn, "num_workers") + ".*must equal the size of axis 'workers', got"
+    " num_workers=3 but the axis has 2 workers"
+  )
+  with pytest.raises(ValueError, match=pattern):
+    jax.vmap(tx.init, axis_name=AXIS)(params)
+  state = tx.init(params[0])  # unbound axis: allowed (e.g. to build abstract state)
+  state = jax.tree.map(lambda x: jnp.broadcast_to(x, (2, *x.shape)), state)
+  with pytest.raises(ValueError, match=pattern):
+    jax.vmap(tx.update, axis_name=AXIS)(params, state, params)
+  # With the matching size it works.
+  good = COMMUNICATING[fn](num_workers=2, axis_name=AXIS)
+  jax.vmap(good.init, axis_name=AXIS)(params)
+
+
+def test_integer_hyperparameters_accept_numpy_and_jax_integers():
+  for value in (np.int64(3), jnp.array(3, jnp.int32)):
+    optax_dist.elastic_average(sgd(), communication_period=value)
+    optax_dist.agn(sgd(), communication_period=value)
+    optax_dist.drop_stale_gradients(sgd(), value)
+
+
+@pytest.mark.parametrize("value", [1.5, "1", None])
+def test_max_staleness_must_be_an_int(value):
+  with pytest.raises(
+    TypeError, match=error("drop_stale_gradients", "max_staleness", "must be an int", value)
+  ):
+    optax_dist.drop_stale_gradients(sgd(), value)
+
+
+def test_negative_max_staleness_is_allowed():
+  optax_dist.drop_stale_gradients(sgd(), -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Real-valued hyperparameters.
+
+
+@pytest.mark.parametrize("value", [0, -1, 0.0, float("nan")])
+def test_moving_rate_must_be_positive(value):
+  with pytest.raises(
+    ValueError, match=error("elastic_average", "moving_rate", "must be > 0", value)
+  ):
+    optax_dist.elastic_average(sgd(), moving_rate=value)
+
+
+@pytest.mark.parametrize("value", [-0.1, -1])
+def test_rho_must_be_non_negative(value):
+  with pytest.raises(ValueError, match=error("elastic_average", "rho", "must be >= 0", value)):
+    optax_dist.elastic_average(sgd(), rho=value)
+  optax_dist.elastic_average(sgd(), rho=0.0)  # the paper's Algorithm 1
+
+
+@pytest.mark.parametrize("value", [0, -0.5])
+def test_learning_rate_must_be_positive(value):
+  with pytest.raises(
+    ValueError, match=error("elastic_average", "learning_rate", "must be > 0", value)
+  ):
+    optax_dist.elastic_average(sgd(), learning_rate=value)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
+def test_decay_must_be_in_unit_interval(value):
+  with pytest.raises(
+    ValueError, match=error("moving_average", "decay", "must be in [0, 1]", value)
+  ):
+    optax_dist.moving_average(sgd(), decay=value)
+  optax_dist.moving_average(sgd(), decay=0.0)
+  optax_dist.moving_average(sgd(), decay=1.0)
+
+
+@pytest.mark.parametrize("value", ["0.9", [0.9]])
+def test_decay_must_be_a_number_or_schedule(value):
+  with pytest.raises(TypeError, match=called("moving_average", "decay") + ".*real number"):
+    optax_dist.moving_average(sgd(), decay=value)
+  optax_dist.moving_average(sgd(), decay=optax.constant_schedule(0.9))
+
+
+@pytest.mark.parametrize("name", ["moving_rate", "rho", "learning_rate"])
+def test_real_hyperparameters_reject_non_numbers(name):
+  with pytest.raises(TypeError, match=called("elastic_average", name) + ".*real number.*'x'"):
+    optax_dist.elastic_average(sgd(), **{name: "x"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Choices.
+
+
+@pytest.mark.parametrize(
+  "fn,make",
+  [
+    ("all_reduce", lambda r: optax_dist.all_reduce(AXIS, reduction=r)),
+    ("tower", lambda r: optax_dist.tower(sgd(), AXIS, reduction=r)),
+  ],
+)
+def test_reduction_must_be_mean_or_sum(fn, make):
+  with pytest.raises(
+    ValueError, match=error(fn, "reduction", "must be one of 'mean', 'sum'", "avg")
+  ):
+    make("avg")
+
+
+def test_center_update_must_be_sequential_or_mean():
+  with pytest.raises(
+    ValueError, match=error("agn", "center_update", "must be one of 'sequential', 'mean'", "bogus")
+  ):
+    optax_dist.agn(sgd(), center_update="bogus")
+
+
+# ----------------------------------------------------------------------------------------------
+# The wrapped transformation.
+
+WRAPPERS = {
+  "moving_average": lambda inner: optax_dist.moving_average(inner),
+  "elastic_average": lambda inner: optax_dist.elastic_average(inner),
+  "agn": lambda inner: optax_dist.agn(inner),
+  "drop_stale_gradients": lambda inner: optax_dist.drop_stale_gradients(inner, 1),
+  "tower": lambda inner: optax_dist.tower(inner, AXIS),
+}
+
+
+@pytest.mark.parametrize("fn", WRAPPERS)
+@pytest.mark.parametrize(
+  "inner,type_name",
+  [(optax.sgd, "function"), (None, "NoneType"), ((lambda p: p, None), "tuple")],
+  ids=["factory_not_called", "none", "tuple_without_update"],
+)
+def test_inner_must_be_a_transformation(fn, inner, type_name):
+  pattern = (
+    called(fn, "inner") + ".*must be an optax GradientTransformation.*got " + re.escape(type_name)
+  )
+  with pytest.raises(TypeError, match=pattern):
+    WRAPPERS[fn](inner)
+
+
+# ----------------------------------------------------------------------------------------------
+# update() arguments.
+
+NEED_PARAMS = {
+  "moving_average": optax_dist.moving_average(optax.sgd(0.1)),
+  "elastic_average": optax_dist.elastic_average(optax.sgd(0.1)),
+  "agn": optax_dist.agn(optax.sgd(0.1)),
+}
+
+
+@pytest.mark.parametrize("fn", NEED_PARAMS)
+def test_update_without_params(fn):
+  tx = NEED_PARAMS[fn]
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  pattern = re.escape(f"`{fn}` needs the current parameters") + ".*" + re.escape("params=None")
+  with pytest.raises(ValueError, match=pattern):
+    tx.update(params, state)
+  with pytest.raises(ValueError, match=pattern):
+    tx.update(params, state, None)
+
+
+@pytest.mark.parametrize(
+  "tx,scale",
+  [
+    (optax_dist.drop_stale_gradients(optax.sgd(0.1), 1), -0.1),
+    (optax_dist.all_reduce(AXIS), 1.0),  # unbound axis: one tower, passes through
+    (optax_dist.tower(optax.sgd(0.1), AXIS), -0.1),
+  ],
+  ids=["drop_stale_gradients", "all_reduce", "tower"],
+)
+def test_transformations_without_params_do_not_need_them(tx, scale):
+  grads = jnp.array([1.0, -2.0, 3.0])
+  updates, _ = tx.update(grads, tx.init(grads))
+  np.testing.assert_allclose(updates, scale * np.array([1.0, -2.0, 3.0]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fn", NEED_PARAMS)
+def test_updates_tree_must_match_params(fn):
+  tx = NEED_PARAMS[fn]
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  pattern = re.escape(f"`{fn}`: `updates` must have the tree structure of the params") + (
+    r".*got PyTreeDef\(\{'v': \*\}\), expected PyTreeDef\(\{'w': \*\}\)"
+  )
+  with pytest.raises(ValueError, match=pattern):
+    tx.update({"v": jnp.ones(3)}, state, {"v": jnp.ones(3)})
+
+
+@pytest.mark.parametrize(
+  "leaf,dtype", [(jnp.zeros((), jnp.int32), "int32"), (jnp.array([True]), "bool")]
+)
+def test_moving_average_rejects_non_floating_leaves(leaf, dtype):
+  tx = optax_dist.moving_average(optax.sgd(0.1))
+  params = {"w": jnp.ones(2), "step": leaf}
+  pattern = (
+    re.escape("`moving_average`")
+    + ".*floating-point.*"
+    + re.escape("['step']")
+    + ".*"
+    + re.escape(dtype)
+  )
+  with pytest.raises(TypeError, match=pattern):
+    tx.init(params)
+  with pytest.raises(TypeError, match=pattern):
+    jax.eval_shape(tx.init, params)
+
+
+DROP = optax_dist.drop_stale_gradients(optax.sgd(0.1), 1)
+
+
+@pytest.mark.parametrize("grad_step", [1.0, jnp.array(1.0), np.float32(1.0)])
+def test_grad_step_must_be_an_integer(grad_step):
+  params = jnp.ones(2)
+  pattern = re.escape("`drop_stale_gradients` update: `grad_step` must be an integer") + (
+    ".*got dtype float"
+  )
+  with pytest.raises(TypeError, match=pattern):
+    DROP.update(params, DROP.init(params), grad_step=grad_step)
+
+
+@pytest.mark.parametrize(
+  "grad_step,shape", [(jnp.array([1, 2]), "(2,)"), (np.zeros((1, 1), np.int32), "(1, 1)")]
+)
+def test_grad_step_must_be_a_scalar(grad_step, shape):
+  params = jnp.ones(2)
+  pattern = re.escape(
+    f"`drop_stale_gradients` update: `grad_step` must be a scalar, got shape {shape}."
+  )
+  with pytest.raises(ValueError, match=pattern):
+    DROP.update(params, DROP.init(params), grad_step=grad_step)
+
+
+def test_grad_step_accepts_python_and_array_integers():
+  params = jnp.ones(2)
+  state = DROP.init(params)
+  for grad_step in (0, np.int64(0), jnp.array(0, jnp.int32)):
+    updates, new_state = DROP.update(params, state, grad_step=grad_step)
+    np.testing.assert_allclose(updates, [-0.1, -0.1])
+    assert int(new_state.global_step) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# split_batch and eval_params.
+
+
+@pytest.mark.parametrize("batch,towers", [(5, 2), (6, 4), (3, 8)])
+def test_split_batch_size_must_divide(batch, towers):
+  pattern = re.escape(
+    f"`split_batch`: the batch size must be divisible by the number of towers, got batch size"
+    f" {batch} and {towers} towers."
+  )
+  with pytest.raises(ValueError, match=pattern):
+    optax_dist.split_batch({"x": np.zeros((batch, 2))}, towers)
+
+
+def test_split_batch_rejects_scalars_and_bad_tower_counts():
+  with pytest.raises(ValueError, match=re.escape("`split_batch`: the leaf at ['y'] is a scalar")):
+    optax_dist.split_batch({"x": np.zeros(4), "y": np.float32(1.0)}, 2)
+  with pytest.raises(
+    ValueError, match=error("split_batch", "num_towers", "must be a positive int", 0)
+  ):
+    optax_dist.split_batch(np.zeros(4), 0)
+  with pytest.raises(
+    TypeError, match=error("split_batch", "num_towers", "must be a positive int", 2.0)
+  ):
+    optax_dist.split_batch(np.zeros(4), 2.0)
+
+
+def test_eval_params_rejects_a_different_params_tree():
+  tx = optax_dist.moving_average(optax.sgd(0.1))
+  state = tx.init({"w": jnp.ones(2)})
+  with pytest.raises(
+    ValueError, match=re.escape("`eval_params`: the averaged parameters have tree")
+  ):
+    optax_dist.eval_params(state, {"v": jnp.ones(2)})
+
+
+# ----------------------------------------------------------------------------------------------
+# inject_hyperparams: concrete arrays are checked, traced ones are not.
+
+
+@pytest.mark.parametrize(
+  "factory,kwargs,exc,pattern",
+  [
+    (
+      optax_dist.moving_average,
+      {"decay": 1.5},
+      ValueError,
+      called("moving_average", "decay") + ".*in \\[0, 1\\], got 1.5\\.",
+    ),
+    (
+      optax_dist.elastic_average,
+      {"communication_period": 0},
+      ValueError,
+      called("elastic_average", "communication_period") + ".*positive int, got 0\\.",
+    ),
+    (
+      optax_dist.elastic_average,
+      {"moving_rate": -0.5},
+      ValueError,
+      called("elastic_average", "moving_rate") + ".*> 0, got -0.5\\.",
+    ),
+    (
+      optax_dist.elastic_average,
+      {"rho": -0.5},
+      ValueError,
+      called("elastic_average", "rho") + ".*>= 0, got -0.5\\.",
+    ),
+    (
+      optax_dist.agn,
+      {"communication_period": -3},
+      ValueError,
+      called("agn", "communication_period") + ".*positive int, got -3\\.",
+    ),
+    (
+      optax_dist.drop_stale_gradients,
+      {"max_staleness": 1.5},
+      TypeError,
+      called("drop_stale_gradients", "max_staleness") + ".*must be an int",
+    ),
+  ],
+  ids=["decay", "communication_period", "moving_rate", "rho", "agn_period", "max_staleness"],
+)
+def test_inject_hyperparams_checks_concrete_arrays(factory, kwargs, exc, pattern):
+  injected = optax.inject_hyperparams(factory)(optax.sgd(0.1), **kwargs)  # nothing built yet
+  with pytest.raises(exc, match=pattern):
+    injected.init(jnp.ones(2))  # the factory runs here, on concrete arrays
+
+
+def test_inject_hyperparams_does_not_check_traced_arrays():
+  params = jnp.ones(2)
+  injected = optax.inject_hyperparams(optax_dist.moving_average)(optax.sgd(0.1), decay=0.5)
+  state = injected.init(params)
+  state.hyperparams["decay"] = jnp.asarray(1.5, jnp.float32)  # out of range, set by hand
+  with pytest.raises(ValueError, match=called("moving_average", "decay") + ".*got 1.5"):
+    injected.update(params, state, params)  # concrete: checked
+  updates, new_state = jax.jit(injected.update)(params, state, params)  # traced: not checked
+  # ema = 1.5 * ema + (1 - 1.5) * (params - 0.1 * grads) = 1.5 - 0.5 * 0.9
+  np.testing.assert_allclose(new_state.inner_state.ema, [1.05, 1.05], rtol=1e-6)
+  np.testing.assert_allclose(updates, [-0.1, -0.1], rtol=1e-6)
+
+
+def test_inject_hyperparams_traced_integer_hyperparameters():
+  params = jnp.ones(2)
+  injected = optax.inject_hyperparams(optax_dist.elastic_average)(
+    optax.sgd(0.1), communication_period=2, moving_rate=0.5
+  )
+  state = injected.init(params)
+  update = jax.jit(injected.update)
+  grads = jnp.ones(2)
+  for _ in range(2):
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  # Step 1: x = 0.9. Step 2: x' = 0.8, d = 0.5 (0.8 - 1) = -0.1, x = 0.9, center = 0.9.
+  np.testing.assert_allclose(params, [0.9, 0.9], rtol=1e-6)
+  np.testing.assert_allclose(state.inner_state.center, [0.9, 0.9], rtol=1e-6)
