@@ -122,18 +122,8 @@ def accumulate_then_reduce(
   inner = optax.with_extra_args_support(inner)
   _common.check_positive_int(fn, "every_k", every_k)
   _common.check_choice(fn, "reduction", reduction, ("mean", "sum"))
-  comm_dtype = _tower.check_comm_dtype(fn, comm_dtype)
-  if accumulator_dtype is not None:
-    try:
-      dtype = jnp.dtype(accumulator_dtype)
-    except Exception:  # noqa: BLE001 (NumPy raises TypeError or ValueError by input)
-      dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(
-        f"`{fn}(accumulator_dtype=...)` must be None or a floating dtype such as"
-        f" jnp.float32, got {accumulator_dtype!r}."
-      )
-    accumulator_dtype = dtype
+  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  accumulator_dtype = _common.check_floating_dtype(fn, "accumulator_dtype", accumulator_dtype)
   reduce = _tower.all_reduce(axis_name, reduction, comm_dtype=comm_dtype)
 
   def accumulator(p):

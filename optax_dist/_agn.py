@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common, _tower
+from optax_dist import _common
 
 
 class AGNState(NamedTuple):
@@ -122,7 +122,7 @@ def agn(
   _common.check_positive_int(fn, "communication_period", communication_period)
   _common.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
   _common.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _tower.check_comm_dtype(fn, comm_dtype)
+  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
 
   def init_fn(params):
     _common.resolve_num_workers(fn, num_workers, axis_name)
@@ -154,15 +154,10 @@ def agn(
       if not bound:
         commits = [mean_grad]
       elif center_update == "mean":
-        if comm_dtype is None:
-          commits = [jax.lax.pmean(mean_grad, axis_name)]
-        else:  # sum in comm_dtype, divide in the params' dtypes
-          total = jax.lax.psum(_tower.to_comm_dtype(mean_grad, comm_dtype), axis_name)
-          total = _tower.from_comm_dtype(total, mean_grad)
-          commits = [jax.tree.map(lambda t: (t / n).astype(t.dtype), total)]
+        total = _common.psum(mean_grad, axis_name, comm_dtype)  # divided in the params' dtypes
+        commits = [jax.tree.map(lambda t: (t / n).astype(t.dtype), total)]
       else:
-        gathered = jax.lax.all_gather(_tower.to_comm_dtype(mean_grad, comm_dtype), axis_name)
-        gathered = _tower.from_comm_dtype(gathered, mean_grad)
+        gathered = _common.all_gather(mean_grad, axis_name, comm_dtype)
         commits = [jax.tree.map(lambda a, j=j: a[j], gathered) for j in range(n)]
       for grads in commits:
         center, center_inner_state = center_step(center, center_inner_state, grads)

@@ -159,7 +159,7 @@ def apply_if_finite(
     )
     # The agreed flag is typed invariant over the axis; keep each counter's type as it came in.
     def like(new, old):
-      return _common._cast_varying(new, _common.varying_axes(old))
+      return _common.cast_varying(new, _common.varying_axes(old))
 
     return updates, ApplyIfFiniteState(
       notfinite_count=like(notfinite_count, state.notfinite_count),

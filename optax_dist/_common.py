@@ -83,7 +83,7 @@ def varying_axes(x: Any) -> frozenset:
   return frozenset(getattr(manual, "varying", ()))
 
 
-def _cast_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+def cast_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   missing = tuple(sorted(axes - varying_axes(x), key=str))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -104,9 +104,36 @@ def communicate_if(
   axes = jax.tree.map(lambda a, b: varying_axes(a) | varying_axes(b), *shapes)
 
   def reconciled(branch):
-    return lambda *ops: jax.tree.map(_cast_varying, branch(*ops), axes)
+    return lambda *ops: jax.tree.map(cast_varying, branch(*ops), axes)
 
   return jax.lax.cond(pred, reconciled(communicate), reconciled(skip), *operands)
+
+
+def _to_dtype(tree: Any, dtype: Any) -> Any:
+  if dtype is None:
+    return tree
+  return jax.tree.map(
+    lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+  )
+
+
+def _like(tree: Any, like: Any) -> Any:
+  return jax.tree.map(lambda x, y: x.astype(jnp.result_type(y)), tree, like)
+
+
+def psum(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
+  """``jax.lax.psum`` of ``tree``'s leaves, communicated in ``comm_dtype`` (if given).
+
+  Floating leaves are cast to ``comm_dtype`` before the collective and back to their own dtype
+  after, so the result has ``tree``'s dtypes and the bytes on the wire scale with
+  ``comm_dtype``'s itemsize.
+  """
+  return _like(jax.lax.psum(_to_dtype(tree, comm_dtype), axis_name), tree)
+
+
+def all_gather(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
+  """``jax.lax.all_gather`` of ``tree``'s leaves, communicated in ``comm_dtype`` (if given)."""
+  return _like(jax.lax.all_gather(_to_dtype(tree, comm_dtype), axis_name), tree)
 
 
 def is_communication_step(local_step: jax.Array, communication_period: Any) -> jax.Array:
@@ -173,6 +200,21 @@ def check_number(
   too_high = upper is not None and v > upper
   if too_low or too_high or v != v:
     raise ValueError(f"`{fn}({name}=...)` must be {constraint}, got {v}.")
+
+
+def check_floating_dtype(fn: str, name: str, dtype: Any) -> np.dtype | None:
+  """``dtype`` as a NumPy dtype (``None`` stays ``None``); ``TypeError`` unless floating."""
+  if dtype is None:
+    return None
+  try:
+    resolved = jnp.dtype(dtype)
+  except (TypeError, ValueError):
+    resolved = None
+  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    raise TypeError(
+      f"`{fn}({name}=...)` must be None or a floating dtype such as jnp.bfloat16, got {dtype!r}."
+    )
+  return resolved
 
 
 def check_choice(fn: str, name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common, _tower
+from optax_dist import _common
 
 BETA = 0.9
 """TF's default for ``moving_rate * communication_period * num_workers`` (as in the paper)."""
@@ -128,7 +128,7 @@ def elastic_average(
   if learning_rate is not None:
     _common.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
                          constraint="> 0")
-  comm_dtype = _tower.check_comm_dtype(fn, comm_dtype)
+  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
 
   def init_fn(params):
     _common.resolve_num_workers(fn, num_workers, axis_name)
@@ -164,8 +164,7 @@ def elastic_average(
       if _common.axis_size(axis_name) is None:
         total = d
       else:
-        total = jax.lax.psum(_tower.to_comm_dtype(d, comm_dtype), axis_name)
-        total = _tower.from_comm_dtype(total, d)
+        total = _common.psum(d, axis_name, comm_dtype)
       center = optax.tree.add(center, total)  # center <- center + sum_j d_j
       u = jax.tree.map(lambda x, p, old: (x - p).astype(old.dtype), pulled, params, u)
       return u, center

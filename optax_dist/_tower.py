@@ -15,36 +15,6 @@ from optax_dist import _common
 _REDUCTIONS = ("mean", "sum")
 
 
-def check_comm_dtype(fn: str, comm_dtype: Any) -> np.dtype | None:
-  """``comm_dtype`` as a NumPy dtype (``None`` stays ``None``); ``TypeError`` unless floating."""
-  if comm_dtype is None:
-    return None
-  try:
-    dtype = jnp.dtype(comm_dtype)
-  except Exception:  # noqa: BLE001 (NumPy raises TypeError or ValueError by input)
-    dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-      f"`{fn}(comm_dtype=...)` must be None or a floating dtype such as jnp.bfloat16,"
-      f" got {comm_dtype!r}."
-    )
-  return dtype
-
-
-def to_comm_dtype(tree: Any, comm_dtype: np.dtype | None) -> Any:
-  """Casts the floating leaves of ``tree`` to ``comm_dtype`` (identity when it is ``None``)."""
-  if comm_dtype is None:
-    return tree
-  return jax.tree.map(
-    lambda x: x.astype(comm_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-  )
-
-
-def from_comm_dtype(tree: Any, like: Any) -> Any:
-  """Casts every leaf of ``tree`` back to the dtype of the matching leaf of ``like``."""
-  return jax.tree.map(lambda x, y: x.astype(jnp.result_type(y)), tree, like)
-
-
 def all_reduce(
   axis_name: Hashable, reduction: str = "mean", *, comm_dtype: Any = None
 ) -> optax.GradientTransformationExtraArgs:
@@ -104,7 +74,7 @@ def all_reduce(
     TensorFlow 1.x, ``tf.contrib.estimator.TowerOptimizer`` with ``replicate_model_fn``.
   """
   _common.check_choice("all_reduce", "reduction", reduction, _REDUCTIONS)
-  comm_dtype = check_comm_dtype("all_reduce", comm_dtype)
+  comm_dtype = _common.check_floating_dtype("all_reduce", "comm_dtype", comm_dtype)
 
   def init_fn(params):
     del params
@@ -120,9 +90,7 @@ def all_reduce(
     def reduce(g):
       if checked and axis_name not in _common.varying_axes(g):
         return g if reduction == "sum" else (g / n).astype(g.dtype)  # already summed
-      if comm_dtype is None:
-        return jax.lax.psum(g, axis_name) if reduction == "sum" else jax.lax.pmean(g, axis_name)
-      total = from_comm_dtype(jax.lax.psum(to_comm_dtype(g, comm_dtype), axis_name), g)
+      total = _common.psum(g, axis_name, comm_dtype)
       return total if reduction == "sum" else (total / n).astype(g.dtype)
 
     return jax.tree.map(reduce, updates), state
@@ -194,7 +162,7 @@ def tower(
   """
   _common.check_transformation("tower", inner)
   _common.check_choice("tower", "reduction", reduction, _REDUCTIONS)
-  check_comm_dtype("tower", comm_dtype)
+  _common.check_floating_dtype("tower", "comm_dtype", comm_dtype)
   return optax.chain(all_reduce(axis_name, reduction, comm_dtype=comm_dtype), inner)
 
 
