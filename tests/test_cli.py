@@ -1,0 +1,193 @@
+"""The ``optax-dist`` command, run in a subprocess as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+COMPARED = ("sync", "elastic_average", "agn", "moving_average")
+STEPS, DEVICES, PERIOD, EVAL_EVERY = 30, 4, 5, 10
+SMALL = ["--steps", str(STEPS), "--devices", str(DEVICES), "--communication-period", str(PERIOD),
+         "--eval-every", str(EVAL_EVERY), "--seed", "1", "--no-progress"]
+
+
+def command(*args: str) -> list[str]:
+  return [sys.executable, "-m", "optax_dist._cli", *args]
+
+
+def start(*args: str) -> subprocess.Popen:
+  return subprocess.Popen(
+    command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+
+
+class Run:
+  """A command started in the background; ``result()`` waits for it (once)."""
+
+  def __init__(self, out, *args: str):
+    self.out = out
+    self.proc = start(*args, "--out", str(out))
+    self._result = None
+
+  def result(self) -> tuple[int, str, str]:
+    if self._result is None:
+      stdout, stderr = self.proc.communicate(timeout=600)
+      self._result = (self.proc.returncode, stdout, stderr)
+    return self._result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """The three training runs, started together: on a multi-core machine they overlap."""
+  root = tmp_path_factory.mktemp("cli")
+  started = {
+    "compare": Run(root / "compare" / "runs", "compare", *SMALL),  # --out is created
+    "elastic_average": Run(root / "ea", "train", "--algorithm", "elastic_average", *SMALL),
+    "drop_stale_gradients": Run(
+      root / "stale", "train", "--algorithm", "drop_stale_gradients", *SMALL,
+      "--max-staleness", "1",
+    ),
+  }
+  yield started
+  for run_ in started.values():
+    if run_.proc.poll() is None:
+      run_.proc.kill()
+      run_.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def compared(runs):
+  returncode, stdout, stderr = runs["compare"].result()
+  assert returncode == 0, stderr
+  return stdout, runs["compare"].out
+
+
+def check_png(path):
+  with open(path, "rb") as f:
+    data = f.read()
+  assert data.startswith(PNG_SIGNATURE), f"{path} is not a PNG"
+  assert data[12:16] == b"IHDR" and data.rstrip(b"\x00").endswith(b"IEND\xaeB`\x82")
+  width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+  assert width > 400 and height > 200
+
+
+def check_result(name, result, period):
+  assert result["algorithm"] == name
+  assert result["steps"] == STEPS and result["devices"] == DEVICES
+  # Communication rounds: every step for the all-reducing algorithms, every period for the others.
+  expected_rounds = STEPS // period
+  assert result["communication_rounds"] == expected_rounds
+  history = result["history"]
+  assert history["step"] == [0, 10, 20, 30]
+  assert history["communication_rounds"] == [s // period for s in history["step"]]
+  for key in ("test_accuracy_eval_params", "test_accuracy_workers"):
+    accuracies = history[key]
+    assert len(accuracies) == len(history["step"])
+    assert all(0.0 <= a <= 1.0 for a in accuracies)
+    assert result[key] == accuracies[-1]
+    # 10 classes: chance is about 0.1; 30 steps of training on digits get far beyond it.
+    assert accuracies[-1] > 0.6, (name, key, accuracies)
+    assert accuracies[-1] > accuracies[0] + 0.3
+  assert result["wall_time_s"] > 0
+
+
+def test_compare_prints_table_and_writes_results(compared):
+  stdout, out = compared
+  lines = stdout.splitlines()
+  header = next(line for line in lines if line.startswith("algorithm"))
+  for column in ("steps", "comm. rounds", "test acc (eval_params)", "test acc (workers, mean)",
+                 "wall time (s)"):
+    assert column in header
+  with open(out / "results.json") as f:
+    results = json.load(f)
+  assert results["command"] == "compare"
+  assert results["config"]["seed"] == 1
+  assert tuple(results["algorithms"]) == COMPARED
+  for name, result in results["algorithms"].items():
+    period = PERIOD if name in ("elastic_average", "agn") else 1
+    check_result(name, result, period)
+    row = next(line.split() for line in lines if line.startswith(name + " "))
+    accuracy = f"{result['test_accuracy_eval_params']:.4f}"
+    assert row[1:4] == [str(STEPS), str(STEPS // period), accuracy]
+  # sync has no average: eval_params gives the params. agn's workers restart from the center on
+  # every commit, and steps 10, 20 and 30 are commits.
+  for name in ("sync", "agn"):
+    history = results["algorithms"][name]["history"]
+    assert history["test_accuracy_eval_params"][1:] == history["test_accuracy_workers"][1:]
+  check_png(out / "accuracy.png")
+
+
+def test_same_seed_same_numbers(compared, runs):
+  _, out = compared
+  returncode, _, stderr = runs["elastic_average"].result()
+  assert returncode == 0, stderr
+  with open(out / "results.json") as f:
+    first = json.load(f)["algorithms"]["elastic_average"]["history"]
+  with open(runs["elastic_average"].out / "results_elastic_average.json") as f:
+    second = json.load(f)["algorithms"]["elastic_average"]["history"]
+  for key in ("test_accuracy_eval_params", "test_accuracy_workers", "train_loss"):
+    assert first[key] == second[key]
+
+
+def test_train_drop_stale_gradients(runs):
+  returncode, stdout, stderr = runs["drop_stale_gradients"].result()
+  assert returncode == 0, stderr
+  assert "drop_stale_gradients" in stdout and "test acc (eval_params)" in stdout
+  out = runs["drop_stale_gradients"].out
+  with open(out / "results_drop_stale_gradients.json") as f:
+    results = json.load(f)
+  assert tuple(results["algorithms"]) == ("drop_stale_gradients",)
+  result = results["algorithms"]["drop_stale_gradients"]
+  check_result("drop_stale_gradients", result, 1)
+  # Delays are uniform over 0..max_staleness + 1: about a third of the steps are dropped.
+  assert 0 < result["num_dropped"] < STEPS // 2
+  assert f"{result['num_dropped']} of {STEPS} steps dropped" in stdout
+  check_png(out / "accuracy_drop_stale_gradients.png")
+
+
+def _bad_arguments(tmp_path):
+  regular_file = tmp_path / "file"
+  regular_file.write_text("")
+  read_only = tmp_path / "read-only"
+  read_only.mkdir()
+  read_only.chmod(0o555)
+  cases = {
+    "unknown algorithm": ["train", "--algorithm", "hogwild"],
+    "zero devices": ["compare", "--devices", "0"],
+    "zero steps": ["train", "--steps", "0"],
+    "negative batch size": ["compare", "--batch-size", "-16"],
+    "batch larger than a shard": ["compare", "--devices", "8", "--batch-size", "500"],
+    "out under a regular file": ["compare", "--out", str(regular_file / "runs")],
+  }
+  try:
+    (read_only / "probe").write_text("")
+  except OSError:  # not when running as root, who may write anywhere
+    cases["read-only out"] = ["compare", "--out", str(read_only)]
+  if os.path.isdir("/proc/self"):  # where even root cannot create a directory
+    cases["out on /proc"] = ["compare", "--out", "/proc/optax-dist-runs"]
+  return cases
+
+
+def test_bad_arguments_give_one_line_errors(tmp_path):
+  cases = _bad_arguments(tmp_path)
+  procs = {name: start(*args) for name, args in cases.items()}  # run side by side
+  for name, proc in procs.items():
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0, name
+    assert "Traceback" not in stderr, (name, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, (name, stderr)
+    assert lines[0].startswith("optax-dist: error: "), (name, lines[0])
+    assert stdout == "", name
+  # No results were written anywhere.
+  assert not any(p.suffix in (".json", ".png") for p in tmp_path.rglob("*"))
