@@ -122,8 +122,10 @@ def moving_average(
       d = jnp.minimum(d, (1.0 + t) / (10.0 + t))
 
     p = optax.apply_updates(params, updates) if sequential_update else params
+    # ema = d ema + (1 - d) p, written as TF's assign_moving_average writes it,
+    # ema - (1 - d) (ema - p): exact (ema stays put) wherever p equals ema.
     ema = jax.tree.map(
-      lambda e, x: (d * e + (1.0 - d) * x.astype(e.dtype)).astype(e.dtype), state.ema, p
+      lambda e, x: (e - (1.0 - d) * (e - x.astype(e.dtype))).astype(e.dtype), state.ema, p
     )
     return updates, MovingAverageState(count=count, ema=ema, inner_state=inner_state)
 

@@ -1,0 +1,370 @@
+"""Checkpointing with Orbax: exact resume of every transformation, and the swapping saver.
+
+Exact resume: training S steps straight must give bitwise the params and optimizer state of
+training k steps, saving with Orbax, restoring in a fresh process into an abstract target (shapes,
+dtypes and shardings only) and training S - k more, for one worker and for eight workers under
+``jax.shard_map``. k falls in the middle of a communication period. This file is also the script
+that the fresh process runs (``python test_checkpoint.py resume CKPT_DIR OUT_DIR``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+
+if __name__ == "__main__":  # the fresh process: eight CPU devices, set before JAX starts
+  jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_dist
+
+ocp = pytest.importorskip("orbax.checkpoint")
+
+WORKERS = 8
+STEPS = 7  # S
+SPLIT = 4  # k: after step 3's exchange (period 3), before step 6's
+PERIOD = 3
+NAMES = ("moving_average", "elastic_average", "agn", "drop_stale_gradients", "tower")
+CASES = tuple((name, n) for name in NAMES for n in (1, WORKERS))
+
+# A tiny linear model on fixed data: worker w fits rows DATA_X[w] to DATA_Y[w] * (1 + t / 10).
+_rng = np.random.default_rng(0)
+DATA_X = _rng.normal(size=(WORKERS, 5, 3)).astype(np.float32)
+DATA_Y = _rng.normal(size=(WORKERS, 5)).astype(np.float32)
+INIT = {"w": np.array([0.5, -0.25, 1.0], np.float32), "b": (np.float32(0.1),)}
+
+
+def make_tx(name, axis_name):
+  inner = optax.adam(0.05)
+  if name == "moving_average":
+    return optax_dist.moving_average(inner, 0.9, use_num_updates=True)
+  if name == "elastic_average":
+    return optax_dist.elastic_average(
+      inner, communication_period=PERIOD, rho=0.5, axis_name=axis_name
+    )
+  if name == "agn":
+    return optax_dist.agn(inner, communication_period=PERIOD, axis_name=axis_name)
+  if name == "drop_stale_gradients":
+    return optax_dist.drop_stale_gradients(inner, max_staleness=1)
+  if name == "tower":
+    return optax_dist.tower(inner, "w")  # with one worker the axis is unbound: no reduction
+  raise AssertionError(name)
+
+
+def loss(params, x, y, t):
+  pred = x @ params["w"] + params["b"][0]
+  return jnp.mean((pred - y * (1.0 + t / 10.0)) ** 2)
+
+
+def worker_step(tx, params, opt_state, x, y, t):
+  grads = jax.grad(loss)(params, x, y, t)
+  # grad_step = t // 2 falls behind: steps 3 and 5 are dropped with max_staleness=1. The other
+  # transformations ignore it (unknown extra args).
+  updates, opt_state = tx.update(grads, opt_state, params, grad_step=t // 2)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def _stack(tree):
+  return jax.tree.map(lambda a: a[None], tree)
+
+
+def _unstack(tree):
+  return jax.tree.map(lambda a: a[0], tree)
+
+
+class Run:
+  """Init and step functions, data and shardings of one case."""
+
+  def __init__(self, name, num_workers):
+    self.name, self.num_workers = name, num_workers
+    if num_workers == 1:
+      tx = make_tx(name, None if name != "tower" else "w")
+      self.sharding = SingleDeviceSharding(jax.devices()[0])
+      self.init = jax.jit(tx.init)
+      self.step = jax.jit(lambda p, s, x, y, t: worker_step(tx, p, s, x[0], y[0], t))
+      self.data = (DATA_X[:1], DATA_Y[:1])
+      self.params = jax.device_put(INIT, self.sharding)
+    else:
+      tx = make_tx(name, "w")
+      mesh = jax.make_mesh((num_workers,), ("w",))
+      self.sharding = NamedSharding(mesh, P("w"))
+
+      def init(p):
+        return _stack(tx.init(_unstack(p)))
+
+      def step(p, s, x, y, t):
+        p, s = worker_step(tx, _unstack(p), _unstack(s), x[0], y[0], t)
+        return _stack(p), _stack(s)
+
+      spec = P("w")
+      self.init = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=spec, out_specs=spec))
+      self.step = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 4 + (P(),), out_specs=spec)
+      )
+      self.data = jax.device_put((DATA_X, DATA_Y), self.sharding)
+      stacked = jax.tree.map(lambda a: np.stack([a] * num_workers), INIT)  # same on every worker
+      self.params = jax.device_put(stacked, self.sharding)
+
+  def abstract_train_state(self):
+    """The train state's tree as ``jax.ShapeDtypeStruct`` leaves with their shardings."""
+    shapes = jax.eval_shape(lambda p: {"params": p, "opt_state": self.init(p)}, self.params)
+    return jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.sharding), shapes
+    )
+
+  def train(self, params, opt_state, start, stop):
+    for t in range(start, stop):
+      params, opt_state = self.step(params, opt_state, *self.data, jnp.int32(t))
+    return params, opt_state
+
+
+def case_dir(root, name, num_workers):
+  return os.path.join(root, f"{name}-{num_workers}")
+
+
+def flat(tree):
+  """The leaves of ``tree`` as NumPy arrays, keyed by their paths."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def bitwise_equal(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def resume_all(ckpt_root, out_root):
+  """The fresh process: restore every case at step SPLIT, train to STEPS, write the results."""
+  for name, n in CASES:
+    run = Run(name, n)
+    abstract = run.abstract_train_state()
+    with ocp.StandardCheckpointer() as ckpt:
+      restored = ckpt.restore(case_dir(ckpt_root, name, n), abstract)
+    assert jax.tree.structure(restored) == jax.tree.structure(abstract), name
+    for leaf in jax.tree.leaves(restored):
+      assert leaf.sharding.is_equivalent_to(run.sharding, leaf.ndim), (name, leaf.sharding)
+    params, opt_state = run.train(restored["params"], restored["opt_state"], SPLIT, STEPS)
+    tree = {"params": params, "opt_state": opt_state}
+    np.savez(case_dir(out_root, name, n) + ".npz", **flat(tree))
+
+
+def _subprocess_env():
+  return dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests.
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+  """Straight runs in this process (saving at SPLIT) and resumed runs from one fresh process."""
+  ckpt_root = tmp_path_factory.mktemp("ckpt")
+  out_root = tmp_path_factory.mktemp("out")
+  straight = {}
+  for name, n in CASES:
+    run = Run(name, n)
+    params, opt_state = run.train(run.params, run.init(run.params), 0, SPLIT)
+    with ocp.StandardCheckpointer() as ckpt:
+      ckpt.save(case_dir(str(ckpt_root), name, n), {"params": params, "opt_state": opt_state})
+    params, opt_state = run.train(params, opt_state, SPLIT, STEPS)
+    straight[name, n] = flat({"params": params, "opt_state": opt_state})
+  proc = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), "resume", str(ckpt_root), str(out_root)],
+    env=_subprocess_env(), capture_output=True, text=True, timeout=600, check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return straight, str(out_root)
+
+
+@pytest.mark.parametrize("name,num_workers", CASES)
+def test_resume_in_fresh_process_is_bitwise_exact(resumed, name, num_workers):
+  straight, out_root = resumed
+  want = straight[name, num_workers]
+  with np.load(case_dir(out_root, name, num_workers) + ".npz") as f:
+    got = dict(f)
+  assert sorted(got) == sorted(want)
+  for key in want:
+    assert bitwise_equal(got[key], want[key]), (key, got[key], want[key])
+
+
+def test_resume_cases_exercise_the_state():
+  """The runs are not trivial: workers differ, a period is cut, and updates are dropped."""
+  run = Run("drop_stale_gradients", 1)
+  _, state = run.train(run.params, run.init(run.params), 0, STEPS)
+  assert int(state.num_dropped) == 2 and int(state.global_step) == STEPS - 2
+  run = Run("elastic_average", WORKERS)
+  params, state = run.train(run.params, run.init(run.params), 0, SPLIT)
+  assert np.all(np.asarray(state.local_step) == SPLIT) and SPLIT % PERIOD != 0
+  w = np.asarray(params["w"])
+  assert not np.array_equal(w[0], w[1])  # the workers' params differ
+  center = np.asarray(state.center["w"])
+  np.testing.assert_array_equal(center, np.stack([center[0]] * WORKERS))
+
+
+# ----------------------------------------------------------------------------------------------
+# The swapping saver: a plain Flax model restores the averaged params and scores the same.
+
+
+@functools.cache
+def _digits():
+  from sklearn.datasets import load_digits
+
+  x, y = load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  return (x[:1400], y[:1400]), (x[1400:], y[1400:])
+
+
+def _mlp():
+  import flax.linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Dense(32)(x))
+      return nn.Dense(10)(x)
+
+  return MLP()
+
+
+def _accuracy(model, params, x, y):
+  logits = jax.jit(model.apply)(params, x)
+  return float(np.mean(np.asarray(jnp.argmax(logits, -1)) == y))
+
+
+def _train(model, tx, train, num_workers, steps=100, batch=32):
+  x, y = jnp.asarray(train[0]), jnp.asarray(train[1])
+  params = jax.jit(model.init)(jax.random.key(0), x[:1])  # jitted: eager init is slow
+  idx = np.random.default_rng(1).integers(0, len(x), size=(steps, num_workers, batch))
+
+  def loss_fn(p, xb, yb):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, xb), yb).mean()
+
+  def step(carry, i):
+    p, s = carry
+    updates, s = tx.update(jax.grad(loss_fn)(p, x[i], y[i]), s, p)
+    return (optax.apply_updates(p, updates), s), None
+
+  if num_workers == 1:
+    state = tx.init(params)
+    idx = idx[:, 0]
+  else:
+    params = jax.tree.map(lambda a: jnp.stack([a] * num_workers), params)
+    state = jax.vmap(tx.init, axis_name="workers")(params)
+    step = jax.vmap(step, axis_name="workers", in_axes=((0, 0), 0))
+  run = jax.jit(lambda carry, idx: jax.lax.scan(step, carry, idx)[0])
+  return run((params, state), idx)
+
+
+def _restore_into_plain_model(path, x):
+  """A fresh function: a model with no optimizer restores its params and evaluates them."""
+  from optax_dist.checkpoint import restore_params
+
+  model = _mlp()
+  abstract = jax.eval_shape(model.init, jax.random.key(42), x[:1])
+  return model, restore_params(path, abstract)
+
+
+@pytest.mark.parametrize("kind", ["moving_average", "elastic_average"])
+def test_swapping_saver_restores_eval_params_into_plain_model(tmp_path, kind):
+  from optax_dist.checkpoint import save_eval_params
+
+  train, (x_test, y_test) = _digits()
+  model = _mlp()
+  if kind == "moving_average":
+    tx, n, worker = optax_dist.moving_average(optax.adam(1e-2), 0.9, use_num_updates=True), 1, None
+  else:
+    n, worker = 4, 2
+    tx = optax_dist.elastic_average(optax.adam(1e-2), communication_period=4, axis_name="workers")
+  params, state = _train(model, tx, train, n)
+  expected = optax_dist.eval_params(state, params)
+  if worker is not None:
+    # The center is the same on every worker; saving any one of them is the plain model's params.
+    for leaf in jax.tree.leaves(expected):
+      assert all(np.array_equal(leaf[0], leaf[i]) for i in range(n))
+    expected = jax.tree.map(lambda a: a[worker], expected)
+    own_params = jax.tree.map(lambda a: a[worker], params)
+  else:
+    own_params = params
+  # The average is what gets saved, and it is not the params.
+  assert not all(map(bitwise_equal, jax.tree.leaves(expected), jax.tree.leaves(own_params)))
+  expected_accuracy = _accuracy(model, expected, x_test, y_test)
+
+  saved = save_eval_params(tmp_path / "eval", state, params, worker=worker)
+  del params, own_params, state
+  plain, restored = _restore_into_plain_model(tmp_path / "eval", x_test)
+
+  assert jax.tree.structure(restored) == jax.tree.structure(expected)
+  for got, want, out in zip(jax.tree.leaves(restored), jax.tree.leaves(expected),
+                            jax.tree.leaves(saved)):
+    assert bitwise_equal(got, want) and bitwise_equal(out, want)
+  assert _accuracy(plain, restored, x_test, y_test) == expected_accuracy
+  assert expected_accuracy > 0.8  # the model did learn: the saved params are not the init
+  assert sorted(restored["params"]) == ["Dense_0", "Dense_1"]
+
+
+def test_swapping_saver_without_average_saves_params(tmp_path):
+  from optax_dist.checkpoint import restore_params, save_eval_params
+
+  params = {"a": jnp.arange(3.0), "b": jnp.ones((2, 2), jnp.bfloat16)}
+  state = optax.adam(0.1).init(params)
+  save_eval_params(str(tmp_path / "p"), state, params)
+  restored = restore_params(tmp_path / "p")
+  for key, value in params.items():
+    assert bitwise_equal(restored[key], value)
+
+
+def test_swapping_saver_ema_differs_from_params(tmp_path):
+  """The EMA, not the params, is saved: analytic values, decay 0.5, sgd(1)."""
+  from optax_dist.checkpoint import restore_params, save_eval_params
+
+  tx = optax_dist.moving_average(optax.sgd(1.0), 0.5)
+  params = {"x": jnp.array([4.0])}
+  state = tx.init(params)
+  for _ in range(2):  # params 4 -> 3 -> 2; ema 4 -> 3.5 -> 2.75
+    updates, state = tx.update({"x": jnp.array([1.0])}, state, params)
+    params = optax.apply_updates(params, updates)
+  save_eval_params(tmp_path / "ema", state, params)
+  np.testing.assert_array_equal(restore_params(tmp_path / "ema", params)["x"], [2.75])
+
+
+def test_save_eval_params_worker_errors(tmp_path):
+  from optax_dist.checkpoint import save_eval_params
+
+  params = {"a": jnp.zeros((2, 3)), "s": jnp.zeros(())}
+  with pytest.raises(ValueError, match=r"worker=2.*\['a'\].*\(2, 3\)"):
+    save_eval_params(tmp_path / "x", None, {"a": params["a"]}, worker=2)
+  with pytest.raises(ValueError, match=r"\['s'\] has shape \(\)"):
+    save_eval_params(tmp_path / "y", None, params, worker=0)
+  with pytest.raises(TypeError, match="worker"):
+    save_eval_params(tmp_path / "z", None, params, worker=0.0)
+  save_eval_params(tmp_path / "w", None, {"a": params["a"]}, worker=1)
+  with pytest.raises(ValueError, match="exists"):
+    save_eval_params(tmp_path / "w", None, {"a": params["a"]}, worker=1)
+  save_eval_params(tmp_path / "w", None, {"a": params["a"]}, worker=1, force=True)
+
+
+def test_missing_orbax_is_a_clear_import_error(tmp_path, monkeypatch):
+  # `import optax_dist` never loads orbax (tests/test_api.py); here it is missing altogether.
+  from optax_dist.checkpoint import restore_params, save_eval_params
+
+  monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # makes the import fail
+  with pytest.raises(ImportError, match=r"save_eval_params.*optax-dist\[checkpoint\]"):
+    save_eval_params(tmp_path / "x", None, {"a": jnp.zeros(2)})
+  with pytest.raises(ImportError, match=r"restore_params.*orbax-checkpoint"):
+    restore_params(tmp_path / "x")
+
+
+if __name__ == "__main__":
+  assert sys.argv[1] == "resume", sys.argv
+  resume_all(sys.argv[2], sys.argv[3])
