@@ -249,9 +249,11 @@ def elastic_average(
     Zhang, Choromanska & LeCun, `Deep learning with Elastic Averaging SGD
     <https://arxiv.org/abs/1412.6651>`_, NeurIPS 2015 (Algorithm 2, asynchronous EASGD).
   """
-  protocol = ElasticAverage(inner, communication_period, moving_rate, rho, learning_rate)
-  protocol.transformation(1)  # the library's own validation of every argument
-  return protocol
+  _elastic_average(  # the library's own validation of every argument
+    inner, communication_period=communication_period, moving_rate=moving_rate, rho=rho,
+    learning_rate=learning_rate,
+  )
+  return ElasticAverage(inner, communication_period, moving_rate, rho, learning_rate)
 
 
 def agn(inner: optax.GradientTransformation, *, communication_period: int = 10) -> AGN:
@@ -291,9 +293,8 @@ def agn(inner: optax.GradientTransformation, *, communication_period: int = 10) 
     Hermans, Spanakis & Möckel, `Accumulated Gradient Normalization
     <https://arxiv.org/abs/1710.02368>`_, ACML 2017.
   """
-  protocol = AGN(inner, communication_period)
-  protocol.transformation(1)
-  return protocol
+  _agn(inner, communication_period=communication_period)  # the library's validation
+  return AGN(inner, communication_period)
 
 
 # ----------------------------------------------------------------------------------------------
