@@ -723,12 +723,12 @@ class _Event(NamedTuple):
 
 
 class _Record(NamedTuple):
-  loss: jax.Array
-  server_step: jax.Array
-  committed: jax.Array
-  accepted: jax.Array
-  staleness: jax.Array
-  read_step: jax.Array
+  """What the device reports per event; the integer bookkeeping (server steps, staleness) follows
+  from it and the schedule on the host (:func:`_bookkeeping`)."""
+
+  loss: jax.Array  # float32[]: the worker's minibatch loss (NaN for restarts)
+  committed: jax.Array  # bool[]: the event exchanged with the server
+  accepted: jax.Array  # bool[]: committed and not dropped
 
 
 def _stack(tree, n):
@@ -736,19 +736,31 @@ def _stack(tree, n):
   return jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + jnp.shape(a)), tree)
 
 
+_READ_GROUP = 8
+"""Leaves read by one ``lax.cond`` in :func:`_take`: XLA's CPU runtime runs a branch of at most
+8 kernels sequentially, a longer one concurrently on its thread pool, which costs far more here."""
+
+
 def _take(stacked, w):
-  """Worker ``w``'s copy. The read goes through a ``lax.cond`` (whose predicate always holds) so
-  that it lands in buffers of its own: plain dynamic slices get fused into their many consumers,
-  some of which XLA then schedules after the row's write, and it then copies the whole stacks on
-  every event to keep them correct."""
+  """Worker ``w``'s copy of a stacked tree.
 
-  def read():
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w, keepdims=False), stacked)
+  The read goes through ``lax.cond``s (whose predicate always holds) so that it lands in buffers
+  of its own: plain dynamic slices get fused into their many consumers, some of which XLA then
+  schedules after the row's write, and it then copies the whole stacks on every event.
+  """
+  leaves, treedef = jax.tree.flatten(stacked)
+  out = []
+  for start in range(0, len(leaves), _READ_GROUP):
+    group = leaves[start:start + _READ_GROUP]
 
-  def empty():
-    return jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), stacked)
+    def read(group=group):
+      return [jax.lax.dynamic_index_in_dim(a, w, keepdims=False) for a in group]
 
-  return jax.lax.cond(w >= 0, read, empty)
+    def empty(group=group):
+      return [jnp.zeros(a.shape[1:], a.dtype) for a in group]
+
+    out += jax.lax.cond(w >= 0, read, empty)
+  return treedef.unflatten(out)
 
 
 def _put(stacked, w, tree):
@@ -804,15 +816,11 @@ class _DownpourSim:
   def server_params(self, carry):
     return carry[0]
 
-  def server_step(self, carry):
-    return self.global_step(carry[1], carry[2])
-
   def event(self, carry, ev, batch):
     params, opt_state, commits, snaps, snap_step = carry
     is_step, is_restart = ev.kind == _STEP, ev.kind == _RESTART
     w = ev.worker
     snap, read = _take(snaps, w), snap_step[w]
-    step_before = self.global_step(opt_state, commits)
 
     loss, grads = jax.value_and_grad(self.loss_fn)(snap, batch)
     updates, new_state = self.server.update(grads, opt_state, params, grad_step=read)
@@ -833,14 +841,7 @@ class _DownpourSim:
       snaps = _put(snaps, w, _select(reads, params, snap, self.only_steps))
       snap_step = snap_step.at[w].set(jnp.where(reads, step_after, read))
 
-    record = _Record(
-      loss=_nan_if(is_step, loss),
-      server_step=step_after,
-      committed=is_step,
-      accepted=is_step & ~dropped,
-      staleness=jnp.where(is_step, step_before - read, -1),
-      read_step=jnp.where(is_step, read, -1),
-    )
+    record = _Record(loss=_nan_if(is_step, loss), committed=is_step, accepted=is_step & ~dropped)
     return (params, opt_state, commits, snaps, snap_step), record
 
   def outputs(self, carry):
@@ -848,9 +849,8 @@ class _DownpourSim:
 
 
 class _CenterSim:
-  """Elastic averaging and AGN. Carry: the center and its shared optimizer state (AGN), the
-  workers' rows (local params and local state, whose shared fields are ``None``), the center's
-  version and the version each worker read."""
+  """Elastic averaging and AGN. Carry: the center and its shared optimizer state (AGN), and the
+  workers' rows (local params and local state, whose shared fields are ``None``)."""
 
   def __init__(self, protocol, loss_fn, num_workers, only_steps):
     self.tx = protocol.transformation(num_workers)
@@ -877,24 +877,24 @@ class _CenterSim:
   def init(self, params):
     params = jax.tree.map(jnp.asarray, params)
     state = self.tx.init(params)
-    zero = jnp.zeros([], jnp.int32)
-    return (self.shared(state), _stack((params, self.local(state)), self.n), zero,
-            jnp.zeros([self.n], jnp.int32))
+    return (self.shared(state), _stack((params, self.local(state)), self.n))
 
   def server_params(self, carry):
     return carry[0][0]
 
-  def server_step(self, carry):
-    return carry[2]
-
   def event(self, carry, ev, batch):
-    shared, rows, version, read_version = carry
+    shared, rows = carry
     is_step, is_restart = ev.kind == _STEP, ev.kind == _RESTART
     w = ev.worker
     x, local = _take(rows, w)
 
     loss, grads = jax.value_and_grad(self.loss_fn)(x, batch)
-    updates, new_state = self.tx.update(grads, self.full(local, shared), x)
+    # The update runs under `vmap` over a batch of one: the transformation's `lax.cond` on the
+    # communication step then becomes a select of both branches (same result). On CPU a
+    # conditional inside the scan costs more than the exchange it skips.
+    one = (grads, self.full(local, shared), x)
+    updates, new_state = jax.tree.map(
+      lambda a: a[0], jax.vmap(self.tx.update)(*jax.tree.map(lambda a: a[None], one)))
     new_x = optax.apply_updates(x, updates)
     committed = is_step & (new_state.local_step % self.period == 0)
     new_row = (new_x, self.local(new_state))
@@ -907,19 +907,8 @@ class _CenterSim:
       row = optax.tree.where(is_restart, fresh, optax.tree.where(is_step, new_row, (x, local)))
     rows = _put(rows, w, row)
 
-    read = read_version[w]
-    version_after = version + committed.astype(jnp.int32)
-    read_version = read_version.at[w].set(
-      jnp.where(committed | is_restart, version_after, read))
-    record = _Record(
-      loss=_nan_if(is_step, loss),
-      server_step=version_after,
-      committed=committed,
-      accepted=committed,
-      staleness=jnp.where(committed, version - read, -1),
-      read_step=jnp.where(committed, read, -1),
-    )
-    return (shared, rows, version_after, read_version), record
+    record = _Record(loss=_nan_if(is_step, loss), committed=committed, accepted=committed)
+    return (shared, rows), record
 
   def outputs(self, carry):
     shared, rows = carry[0], carry[1]
@@ -952,12 +941,12 @@ def _simulate(params, data, events, *, protocol, loss_fn, eval_fn, num_workers, 
 
   def chunk(carry, evs):
     carry, records = jax.lax.scan(event, carry, evs)
-    return carry, (records, evaluate(carry), sim.server_step(carry))
+    return carry, (records, evaluate(carry))
 
   carry = sim.init(params)
-  first = (evaluate(carry), sim.server_step(carry))
-  carry, (records, evals, steps) = jax.lax.scan(chunk, carry, events)
-  return sim.outputs(carry), records, first, evals, steps
+  first = evaluate(carry)
+  carry, (records, evals) = jax.lax.scan(chunk, carry, events)
+  return sim.outputs(carry), records, first, evals
 
 
 def _batch_indices(schedule, data, batch_size, seed):
@@ -992,6 +981,36 @@ def _batch_indices(schedule, data, batch_size, seed):
     order = np.argsort(rng.random((epochs, m)), axis=1).reshape(-1)
     index[where] = order[: len(where) * batch_size].reshape(-1, batch_size) + w * m
   return index.astype(np.int32)
+
+
+def _bookkeeping(schedule, committed, accepted):
+  """``server_step``, ``staleness``, ``read_step`` (``int32[E]`` each) from the device's flags.
+
+  The server step starts at 0 and counts accepted commits (downpour's ``global_step``) or
+  exchanges with the center. A worker reads the server right after its own commit or restart,
+  unless the schedule gives explicit read steps, which are checked here: the server must have
+  been at the requested step at some point since the worker's previous commit.
+  """
+  n, explicit = schedule.num_workers, schedule.read_step
+  server_step = np.zeros(len(committed), np.int32)
+  staleness = np.full(len(committed), -1, np.int32)
+  read_step = np.full(len(committed), -1, np.int32)
+  step, read = 0, np.zeros(n, np.int64)  # read: the step each worker read at its last exchange
+  for k, (w, restart) in enumerate(zip(schedule.worker, schedule.restart)):
+    if committed[k]:
+      r = read[w] if explicit is None else explicit[k]
+      if not read[w] <= r <= step:
+        raise ValueError(
+          f"`emulate`: event {k} (worker {w}) asks for the params of server step {r}, but"
+          f" between the worker's previous commit and this one the server was at steps"
+          f" {read[w]} to {step} only."
+        )
+      staleness[k], read_step[k] = step - r, r
+    step += int(accepted[k])
+    server_step[k] = step
+    if committed[k] or restart:
+      read[w] = step
+  return server_step, staleness, read_step
 
 
 def _next_reads(schedule):
@@ -1120,40 +1139,31 @@ def emulate(
     index=padded(index, 0),
     next_read=padded(next_read, -1),
   )
-  (server, workers, server_state), records, first, evals, steps = _simulate(
+  (server, workers, server_state), records, first, evals = _simulate(
     params, data, events, protocol=protocol, loss_fn=loss_fn, eval_fn=eval_fn,
     num_workers=n, explicit_reads=explicit_reads,
     only_steps=bool(pad == 0 and not schedule.restart.any()),
   )
   records = jax.tree.map(lambda a: np.asarray(a).reshape((-1,) + a.shape[2:])[:e], records)
-  if explicit_reads:
-    steps_ = ~schedule.restart
-    bad = np.flatnonzero(steps_ & (records.read_step != schedule.read_step))
-    if len(bad):
-      k = int(bad[0])
-      raise ValueError(
-        f"`{fn}`: event {k} (worker {schedule.worker[k]}) asks for the params of server step"
-        f" {schedule.read_step[k]}, but the server was not at that step between the worker's"
-        f" previous commit and this one (it read step {records.read_step[k]})."
-      )
+  server_step, staleness, read_step = _bookkeeping(schedule, records.committed, records.accepted)
 
   last = np.minimum(np.arange(1, chunks + 1) * chunk, e) - 1
   eval_metrics = None
   if eval_fn is not None:
     eval_metrics = jax.tree.map(
-      lambda a, b: np.concatenate([np.asarray(a)[None], np.asarray(b)]), first[0], evals)
+      lambda a, b: np.concatenate([np.asarray(a)[None], np.asarray(b)]), first, evals)
   return AsyncResult(
     time=schedule.time,
     worker=schedule.worker,
     restart=schedule.restart,
     loss=records.loss,
-    server_step=records.server_step,
+    server_step=server_step,
     committed=records.committed,
     accepted=records.accepted,
-    staleness=records.staleness,
-    read_step=records.read_step,
+    staleness=staleness,
+    read_step=read_step,
     eval_time=np.concatenate([[0.0], schedule.time[last]]),
-    eval_step=np.concatenate([[int(first[1])], np.asarray(steps)]).astype(np.int32),
+    eval_step=np.concatenate([[0], server_step[last]]).astype(np.int32),
     eval_metrics=eval_metrics,
     params=server,
     worker_params=workers,
