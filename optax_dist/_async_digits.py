@@ -217,8 +217,10 @@ def run_async_digits(
       "staleness": staleness.tolist(),
     })
   if out is not None:
+    extra = (f", latency {latency:g}" if latency else "") + (
+      f", {len(restarts)} restart(s)" if restarts else "")
     plot(rows, out, title=(
-      f"digits MLP, {workers} async workers ({stragglers} × {slowdown:g} slower),"
+      f"digits MLP, {workers} async workers ({stragglers} × {slowdown:g} slower{extra}),"
       f" max_staleness={max_staleness}, τ={communication_period}"))
   return rows
 
@@ -255,6 +257,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     if row["staleness"]:
       hist.hist(row["staleness"], bins=bins, histtype="step", linewidth=1.5,
                 linestyle=styles[k % len(styles)], color=f"C{k}", label=row["protocol"])
+  names = {row["protocol"] for row in rows}
+  if {"elastic_average", "agn"} <= names:
+    hist.set_title("elastic_average and agn exchange on the same schedule: one histogram",
+                   fontsize=9)
   hist.set_xlabel("staleness of a commit (server steps since the worker's read)")
   hist.set_ylabel("commits")
   hist.set_yscale("log")
