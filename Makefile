@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test docs clean
+.PHONY: demo test docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ $(VENV)/.docs: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[docs]"
 	touch $@
 
+$(VENV)/.bench: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	touch $@
+
 demo: $(VENV)/.examples
 	$(BIN)/optax-dist compare
 
@@ -28,6 +32,9 @@ test: $(VENV)/.test
 
 docs: $(VENV)/.docs
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
+
+bench: $(VENV)/.bench
+	$(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info docs/_build

@@ -1,0 +1,94 @@
+"""Helpers shared by the benchmark sections: the machine, timing, statistics and tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def machine() -> dict[str, str]:
+  """The CPU model (``/proc/cpuinfo``), the core count and the memory (``/proc/meminfo``)."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  memory = "unknown"
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemTotal"):
+          memory = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+          break
+  except OSError:
+    pass
+  return {"cpu": cpu, "cores": str(os.cpu_count()), "memory": memory}
+
+
+def versions() -> dict[str, str]:
+  """The versions of Python and of the libraries the measurements depend on."""
+  import flax
+  import jax
+  import jaxlib
+  import numpy
+  import optax
+
+  return {
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "optax": optax.__version__,
+    "flax": flax.__version__,
+    "numpy": numpy.__version__,
+  }
+
+
+def load_average() -> str:
+  """The 1-, 5- and 15-minute load averages, as ``uptime`` prints them."""
+  try:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+  except OSError:
+    return "unknown"
+
+
+def median(xs: Sequence[float]) -> float:
+  return statistics.median(xs)
+
+
+def time_call(fn: Callable[[], Any]) -> float:
+  """Seconds of one call of ``fn``, waiting for its results to be ready."""
+  import jax
+
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+  """A Markdown table; ``align`` is one character per column, ``l`` or ``r`` (default: ``l`` then
+  ``r``)."""
+  align = align or "l" + "r" * (len(header) - 1)
+  rule = ["---:" if a == "r" else "---" for a in align]
+  lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def mib(nbytes: float) -> str:
+  return f"{nbytes / 2**20:.1f}"
+
+
+def human_bytes(nbytes: float) -> str:
+  """``nbytes`` in B, KiB, MiB or GiB, one decimal."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(nbytes) >= scale:
+      return f"{nbytes / scale:,.1f} {unit}"
+  return f"{nbytes:.0f} B"
