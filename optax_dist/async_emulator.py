@@ -1050,6 +1050,11 @@ def emulate(
   * a **restart** event re-initialises the worker from the current server params or center (its
     snapshot, or its local params and a fresh local optimizer state).
 
+  Call it from Python, not under a ``jit`` of your own: it compiles and runs the scan itself and
+  then derives the server steps and staleness on the host. The compiled scan is cached by
+  ``protocol``, ``loss_fn``, ``eval_fn`` and the shapes: build them once to run many schedules of
+  one length without recompiling.
+
   Args:
     protocol: :func:`downpour`, :func:`elastic_average` or :func:`agn`.
     loss_fn: ``loss_fn(params, batch) -> scalar``, jittable; ``batch`` has the leaves of
