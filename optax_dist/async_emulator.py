@@ -574,7 +574,7 @@ def explicit_schedule(events: Sequence[Any], *, num_workers: int | None = None) 
 
   Args:
     events: the events, in time order.
-    num_workers: :math:`N`; default ``1 + `` the largest worker index.
+    num_workers: :math:`N`; default: one more than the largest worker index.
 
   Returns:
     A :class:`Schedule` with ``communication_period=None``.
