@@ -5,6 +5,10 @@
 ``--devices`` CPU devices, one worker each (see :mod:`optax_dist._digits`), prints a table, and
 writes a JSON file of the results and a PNG of the test accuracy under ``--out``.
 
+With ``--processes P`` the workers are the devices of ``P`` ``jax.distributed`` processes (see
+:mod:`optax_dist._multiprocess`); with ``--checkpoint-every N`` the state is saved with Orbax and
+``--resume`` continues an interrupted run exactly.
+
 The arguments are checked before any training starts; JAX is told how many CPU devices to create
 before it initialises its backends. Needs the ``examples`` extra.
 """
@@ -74,11 +78,54 @@ def _unit_float(text: str) -> float:
   return value
 
 
+def _address(text: str) -> str:
+  from optax_dist._multiprocess import parse_address
+
+  try:
+    parse_address(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return text
+
+
+_EPILOG = """\
+multi-process:
+  --processes P starts P local processes (subprocesses of this command), each with --devices CPU
+  devices, connected by jax.distributed on a loopback coordinator with gloo collectives: P x
+  devices workers on one global mesh. Only process 0 prints and writes results. On a cluster, run
+  on every host the same command with --processes P --process-id I --coordinator HOST:PORT
+  (HOST:PORT: an address of the host of process 0, where the coordinator listens); --out must
+  then be on a shared file system for the checkpoints.
+
+faults and resuming:
+  With local processes, if one process exits with an error or is killed, the others are stopped
+  within about a second and the command exits with status 1, naming the process and its exit
+  code. Processes started one by one with --process-id abort (SIGABRT, with JAX's message naming
+  the unhealthy process) within about --heartbeat-timeout seconds of the death of another, and
+  at once if process 0, which runs the coordinator, dies.
+  --checkpoint-every N saves the state (params, optimizer state, step and record; the
+  minibatches and delays are functions of --seed and the step) with Orbax under
+  OUT/checkpoints/ALGORITHM every N steps and at the end; rerunning the same command with
+  --resume continues from the last checkpoint and ends with the params of an uninterrupted run.
+  A run without --resume replaces those checkpoints.
+"""
+
+
+class _Formatter(argparse.HelpFormatter):
+  """Wraps the descriptions; keeps the line breaks of the notes (``_EPILOG``)."""
+
+  def _fill_text(self, text, width, indent):
+    if "\n" in text:
+      return "".join(indent + line for line in text.splitlines(keepends=True))
+    return super()._fill_text(text, width, indent)
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The argument parser of ``optax-dist``."""
   common = _Parser(add_help=False)
   common.add_argument("--devices", type=_positive_int, default=8,
-                      help="number of emulated CPU devices, one worker each (default: 8)")
+                      help="number of emulated CPU devices per process, one worker each"
+                      " (default: 8)")
   common.add_argument("--steps", type=_positive_int, default=200,
                       help="training steps per worker (default: 200)")
   common.add_argument("--batch-size", type=_positive_int, default=16,
@@ -88,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
   common.add_argument("--communication-period", type=_positive_int, default=10,
                       help="steps between exchanges of elastic_average and agn (default: 10)")
   common.add_argument("--moving-rate", type=_positive_float, default=None,
-                      help="elastic_average's moving rate (default: 0.9 / devices)")
+                      help="elastic_average's moving rate (default: 0.9 / workers)")
   common.add_argument("--decay", type=_unit_float, default=0.99,
                       help="moving_average's EMA decay (default: 0.99, with TF's num_updates cap)")
   common.add_argument("--max-staleness", type=_int, default=2,
@@ -100,17 +147,39 @@ def build_parser() -> argparse.ArgumentParser:
   common.add_argument("--out", default="runs",
                       help="directory for the JSON results and the PNG plot (default: runs)")
   common.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  multi = common.add_argument_group("multi-process, checkpoints (see the notes below)")
+  multi.add_argument("--processes", type=_positive_int, default=1, metavar="P",
+                     help="number of JAX processes (default: 1); without --process-id, starts"
+                     " them all locally")
+  multi.add_argument("--process-id", type=_int, default=None, metavar="I",
+                     help="run only process I of --processes, connecting to --coordinator")
+  multi.add_argument("--coordinator", type=_address, default=None, metavar="HOST:PORT",
+                     help="address of process 0's coordinator (default for local processes:"
+                     " 127.0.0.1 and a free port)")
+  multi.add_argument("--heartbeat-timeout", type=_positive_int, default=None, metavar="SECONDS",
+                     help="seconds without a heartbeat after which a process is declared dead"
+                     " and the others abort (default: 10)")
+  multi.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                     help="save an Orbax checkpoint under OUT/checkpoints every N steps and at"
+                     " the end (default: no checkpoints)")
+  multi.add_argument("--resume", action="store_true",
+                     help="continue from the last checkpoint under OUT/checkpoints")
+  # For tests: write the final params and optimizer state (npz); exit process P-1 after a step.
+  common.add_argument("--save-params", default=None, help=argparse.SUPPRESS)
+  common.add_argument("--fail-at-step", type=_positive_int, default=None, help=argparse.SUPPRESS)
 
   parser = _Parser(
     prog=PROG,
     description="Data-parallel training of an MLP on scikit-learn's digits with the optax_dist"
-    " transformations, over emulated CPU devices.",
+    " transformations, over emulated CPU devices of one or more JAX processes.",
+    epilog=_EPILOG, formatter_class=_Formatter,
   )
   commands = parser.add_subparsers(dest="command", required=True, metavar="{train,compare}")
   train = commands.add_parser(
     "train", parents=[common], help="train with one algorithm",
     description="Train with one algorithm; writes results_<algorithm>.json and"
     " accuracy_<algorithm>.png under --out.",
+    epilog=_EPILOG, formatter_class=_Formatter,
   )
   train.add_argument("--algorithm", choices=_ALGORITHMS, default="sync",
                      help="the algorithm (default: sync)")
@@ -118,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     "compare", parents=[common], help=f"compare {', '.join(_COMPARED)}",
     description=f"Train with {', '.join(_COMPARED)} and compare them; writes results.json and"
     " accuracy.png under --out.",
+    epilog=_EPILOG, formatter_class=_Formatter,
   )
   return parser
 
@@ -137,21 +207,77 @@ def _check_out(path: str) -> None:
     _fail(f"argument --out: directory {path!r} is not writable: {e.strerror or e}")
 
 
-def _init_jax(devices: int) -> None:
-  """Asks JAX for ``devices`` CPU devices; must run before JAX initialises its backends."""
+def _check_processes(args: argparse.Namespace) -> None:
+  """Fails with one line unless the multi-process arguments fit together."""
+  if args.process_id is not None:
+    if args.coordinator is None:
+      _fail("argument --process-id: needs --coordinator HOST:PORT, the address of process 0")
+    if not 0 <= args.process_id < args.processes:
+      _fail(f"argument --process-id: must be in 0..{args.processes - 1} (--processes"
+            f" {args.processes}), got {args.process_id}")
+  elif args.coordinator is not None and args.processes == 1:
+    _fail("argument --coordinator: needs --processes > 1 or --process-id")
+
+
+def _native_stdout_to_stderr() -> None:
+  """Sends what native libraries write to stdout to stderr; Python's stdout stays stdout.
+
+  gloo announces each connection on the C++ stdout, which would interleave with the table.
+  """
+  try:
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    os.dup2(2, 1)
+  except OSError:
+    return
+  sys.stdout = open(stdout, "w", buffering=1, encoding=sys.stdout.encoding)  # noqa: SIM115
+
+
+def _init_jax(args: argparse.Namespace) -> None:
+  """Asks JAX for ``--devices`` CPU devices and joins the other processes, if any.
+
+  Must run before JAX initialises its backends.
+  """
   import jax
 
+  devices = args.devices
   try:
     if not os.environ.get("JAX_PLATFORMS"):
       jax.config.update("jax_platforms", "cpu")  # the workers are emulated CPU devices
     jax.config.update("jax_num_cpu_devices", devices)
   except RuntimeError:
     pass  # already initialised (called in-process); `_digits.train` checks the device count
-  if len(jax.devices("cpu")) < devices:
+  if args.process_id is not None:
+    from optax_dist import _multiprocess
+
+    _native_stdout_to_stderr()
+    try:
+      _multiprocess.initialize(
+        args.coordinator, args.processes, args.process_id,
+        heartbeat_timeout=args.heartbeat_timeout or _multiprocess.HEARTBEAT_TIMEOUT,
+      )
+    except Exception as e:  # noqa: BLE001  (JAX raises its runtime's errors)
+      reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      _fail(f"argument --coordinator: process {args.process_id} of {args.processes} could not"
+            f" join the others at {args.coordinator}: {reason}")
+  if len(jax.local_devices(backend="cpu")) < devices:
     _fail(
       f"argument --devices: {devices} CPU devices were requested but JAX was initialised with"
-      f" {len(jax.devices('cpu'))}"
+      f" {len(jax.local_devices(backend='cpu'))}"
     )
+
+
+def _save_params(path: str, states: dict[str, dict[str, Any]]) -> None:
+  """Writes each algorithm's final params and optimizer state to ``path`` (npz)."""
+  import jax
+  import numpy as np
+
+  arrays = {}
+  for algorithm, state in states.items():
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      arrays[f"{algorithm}{jax.tree_util.keystr(key_path)}"] = np.asarray(leaf)
+  with open(path, "wb") as f:
+    np.savez(f, **arrays)
 
 
 def _table(results: list[dict[str, Any]]) -> str:
@@ -179,62 +305,93 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   """Runs ``optax-dist``; returns the exit status (errors exit with status 2)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = build_parser().parse_args(argv)
+  _check_processes(args)
   _check_out(args.out)
 
   from optax_dist import _digits
 
   data = _digits.load_data(args.seed)
   n_train = len(data["x_train"])
-  if n_train // args.devices < args.batch_size:
+  workers = args.processes * args.devices
+  if n_train // workers < args.batch_size:
     _fail(
       f"argument --batch-size: each worker needs at least batch-size examples, but the"
-      f" {n_train} training examples give {n_train // args.devices} to each of {args.devices}"
+      f" {n_train} training examples give {n_train // workers} to each of {workers}"
       f" workers; lower --batch-size or --devices"
     )
-  _init_jax(args.devices)
+  if args.processes > 1 and args.process_id is None:
+    from optax_dist import _multiprocess
+
+    return _multiprocess.launch(argv, args.processes, args.coordinator)
+  _init_jax(args)
   from tqdm.auto import tqdm
 
+  process = args.process_id or 0
+  leader = process == 0  # prints and writes the results
   algorithms = _COMPARED if args.command == "compare" else (args.algorithm,)
   config = {
     "devices": args.devices,
+    "processes": args.processes,
+    "workers": workers,
     "steps": args.steps,
     "batch_size": args.batch_size,
     "learning_rate": args.learning_rate,
     "communication_period": args.communication_period,
-    "moving_rate": _digits.default_moving_rate(args.devices)
+    "moving_rate": _digits.default_moving_rate(workers)
     if args.moving_rate is None else args.moving_rate,
     "decay": args.decay,
     "max_staleness": args.max_staleness,
     "eval_every": args.eval_every,
     "seed": args.seed,
+    "checkpoint_every": args.checkpoint_every,
     "dataset": {"name": "sklearn digits", "train": n_train, "test": len(data["x_test"])},
     "model": "flax.linen MLP 64-64-64-10 (relu)",
     "optimizer": "adam",
   }
-  results = []
+
+  def on_step(s: int, bar) -> None:
+    bar.update(s - bar.n)
+    if args.fail_at_step == s and process == args.processes - 1:
+      bar.close()
+      sys.stderr.write(f"{PROG}: process {process}: exiting at step {s} (--fail-at-step)\n")
+      sys.stderr.flush()
+      os._exit(1)
+
+  results, states = [], {}
   try:
     for algorithm in algorithms:
-      with tqdm(total=args.steps, desc=algorithm, unit="step", disable=args.no_progress,
-                leave=False, file=sys.stderr) as bar:
-        results.append(_digits.train(
-          algorithm,
-          data,
-          devices=args.devices,
-          steps=args.steps,
-          batch_size=args.batch_size,
-          learning_rate=args.learning_rate,
-          communication_period=args.communication_period,
-          moving_rate=config["moving_rate"],
-          decay=args.decay,
-          max_staleness=args.max_staleness,
-          eval_every=args.eval_every,
-          seed=args.seed,
-          on_step=lambda _: bar.update(1),
-        ))
+      states[algorithm] = {}
+      with tqdm(total=args.steps, desc=algorithm, unit="step",
+                disable=args.no_progress or not leader, leave=False, file=sys.stderr) as bar:
+        try:
+          results.append(_digits.train(
+            algorithm,
+            data,
+            devices=workers,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            communication_period=args.communication_period,
+            moving_rate=config["moving_rate"],
+            decay=args.decay,
+            max_staleness=args.max_staleness,
+            eval_every=args.eval_every,
+            seed=args.seed,
+            on_step=lambda s, bar=bar: on_step(s, bar),
+            checkpoint_dir=os.path.join(args.out, "checkpoints", algorithm),
+            checkpoint_every=args.checkpoint_every or 0,
+            resume=args.resume,
+            final_state=states[algorithm] if args.save_params else None,
+          ))
+        except _digits.CheckpointMismatchError as e:
+          _fail(f"argument --resume: {e}")
   except KeyboardInterrupt:
     sys.stderr.write(f"{PROG}: interrupted\n")
     return 130
+  if not leader:
+    return 0
 
   suffix = "" if args.command == "compare" else f"_{args.algorithm}"
   json_path = os.path.join(args.out, f"results{suffix}.json")
@@ -243,12 +400,15 @@ def main(argv: list[str] | None = None) -> int:
     json.dump({"command": args.command, "config": config,
                "algorithms": {r["algorithm"]: r for r in results}}, f, indent=2)
   _digits.plot(results, png_path)
+  if args.save_params:
+    _save_params(args.save_params, states)
 
   periodic = [a for a in algorithms if a in _digits.PERIODIC]
   period = (f", communication period {args.communication_period} ({', '.join(periodic)})"
             if periodic else "")
+  layout = f" ({args.processes} processes x {args.devices} devices)" if args.processes > 1 else ""
   print(
-    f"digits, flax MLP, {args.devices} worker{'s' if args.devices > 1 else ''} x batch"
+    f"digits, flax MLP, {workers} worker{'s' if workers > 1 else ''}{layout} x batch"
     f" {args.batch_size}, adam lr"
     f" {args.learning_rate:g}{period}, seed {args.seed}"
   )
@@ -257,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     if "num_dropped" in r:
       print(f"{r['algorithm']}: {r['num_dropped']} of {r['steps']} steps dropped"
             f" (max staleness {r['max_staleness']})")
+    if r.get("resumed_from_step"):
+      print(f"{r['algorithm']}: resumed from the checkpoint of step {r['resumed_from_step']}")
   print(f"wrote {json_path} and {png_path}")
   return 0
 

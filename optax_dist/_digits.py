@@ -18,6 +18,11 @@ live on that device, and one jitted ``jax.shard_map`` step trains all of them:
 The minibatch indices and the delays are drawn on the host with NumPy from ``seed`` and passed to
 the step, so the step is compiled once and a run is reproducible from its seed.
 
+The mesh may span several ``jax.distributed`` processes (``optax-dist --processes``): every
+process builds the same global arrays from the same host data, holding the shards of its own
+devices, and runs the same step. Runs can be checkpointed with Orbax and resumed exactly
+(:class:`_Checkpoints`).
+
 Needs the ``examples`` extra (flax, scikit-learn); matplotlib only for :func:`plot`. The caller
 must have made enough devices available (``jax.config.update("jax_num_cpu_devices", N)``) before
 JAX initialised.
@@ -26,8 +31,9 @@ JAX initialised.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -164,20 +170,124 @@ def initial_params(seed: int, num_features: int) -> Any:
   return jax.device_get(init(jax.random.key(seed, impl="rbg")))
 
 
-def _minibatches(seed: int, devices: int, n_local: int, batch_size: int) -> Any:
-  """Yields ``(devices, batch_size)`` int32 indices into each worker's shard, forever.
+@functools.lru_cache(maxsize=2)
+def _epoch_orders(seed: int, devices: int, n_local: int, epoch: int) -> np.ndarray:
+  """The ``(devices, n_local)`` permutations of each worker's shard for ``epoch``."""
+  return np.stack([
+    np.random.default_rng([seed, 2, worker, epoch]).permutation(n_local)
+    for worker in range(devices)
+  ]).astype(np.int32)
+
+
+def minibatch(seed: int, devices: int, n_local: int, batch_size: int, step: int) -> np.ndarray:
+  """The ``(devices, batch_size)`` int32 indices into each worker's shard for step ``step + 1``.
 
   Every epoch, each worker takes a fresh permutation of its shard (drawn from
   ``(seed, worker, epoch)``) and walks through it ``batch_size`` at a time; the remainder of
-  each permutation is skipped.
+  each permutation is skipped. A pure function of its arguments: the step is the position in
+  the data, so a run resumed at a step draws the minibatches an uninterrupted run draws.
   """
-  for epoch in itertools.count():
-    orders = np.stack([
-      np.random.default_rng([seed, 2, worker, epoch]).permutation(n_local)
-      for worker in range(devices)
-    ]).astype(np.int32)
-    for start in range(0, n_local - batch_size + 1, batch_size):
-      yield orders[:, start:start + batch_size]
+  per_epoch = n_local // batch_size
+  epoch, start = divmod(step, per_epoch)
+  start *= batch_size
+  return _epoch_orders(seed, devices, n_local, epoch)[:, start:start + batch_size]
+
+
+def _delays(seed: int, steps: int, depth: int) -> np.ndarray:
+  """``drop_stale_gradients``' delay of each step, ``0`` to ``depth - 1``, drawn from ``seed``."""
+  return np.random.default_rng([seed, 1]).integers(0, depth, size=steps, dtype=np.int32)
+
+
+def put(x: Any, sharding: Any) -> Any:
+  """The global array of ``sharding`` whose value is the host array ``x``.
+
+  Every process passes the same ``x`` and contributes the shards on its own devices, so this
+  works in one process and across ``jax.distributed`` processes alike.
+  """
+  import jax
+
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def to_host(tree: Any) -> Any:
+  """``tree``'s global arrays as NumPy arrays on every process (an all-gather across processes)."""
+  import jax
+
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+class CheckpointMismatchError(ValueError):
+  """A checkpoint to resume from was written by a run with other settings."""
+
+
+class _Checkpoints:
+  """The Orbax checkpoints of one run: the training state and, as JSON, the step and the record.
+
+  The state is ``{"params", "opt_state", "history"}`` as global sharded arrays (each process
+  writes and reads its own shards; on several hosts ``directory`` must be on a shared file
+  system). The JSON holds the step (the position in the minibatches and the delays, see
+  :func:`minibatch`), the seed, the settings of the run (a resume with other settings is refused),
+  the accuracy record so far and the wall time so far. Saves are synchronous and atomic: a
+  process killed while saving leaves the previous checkpoint as the latest. The last two
+  checkpoints are kept.
+  """
+
+  def __init__(self, directory: str, settings: dict[str, Any], *, resume: bool):
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.experimental import multihost_utils
+
+    self.directory = os.path.abspath(directory)
+    self.settings = settings
+    if not resume:
+      if jax.process_index() == 0 and os.path.isdir(self.directory):
+        shutil.rmtree(self.directory)  # a fresh run replaces the checkpoints of an earlier one
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"optax_dist fresh {self.directory}")
+    self.manager = ocp.CheckpointManager(
+      self.directory,
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False),
+      item_names=("state", "meta"),
+    )
+
+  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    import orbax.checkpoint as ocp
+
+    meta = {"step": step, "settings": self.settings, **meta}
+    self.manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, state: Any) -> tuple[Any, dict[str, Any]] | None:
+    """The latest checkpoint's state (shaped and sharded like ``state``) and JSON, or ``None``."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    step = self.manager.latest_step()
+    if step is None:
+      return None
+    meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if meta["settings"] != self.settings:
+      changed = ", ".join(
+        f"{key} {meta['settings'].get(key)!r} -> {value!r}" for key, value in self.settings.items()
+        if meta["settings"].get(key) != value)
+      raise CheckpointMismatchError(
+        f"cannot resume from {self.directory} (step {step}): it was written with other"
+        f" settings ({changed}); rerun with the same settings, or without --resume to start over"
+      )
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract)))["state"]
+    return restored, meta
+
+  def close(self) -> None:
+    self.manager.close()
 
 
 def train(
@@ -195,6 +305,10 @@ def train(
   eval_every: int = DEFAULTS["eval_every"],
   seed: int = DEFAULTS["seed"],
   on_step: Callable[[int], None] | None = None,
+  checkpoint_dir: str | None = None,
+  checkpoint_every: int = 0,
+  resume: bool = False,
+  final_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """Trains the MLP on ``data`` with ``algorithm`` over ``devices`` workers for ``steps`` steps.
 
@@ -205,26 +319,47 @@ def train(
   ``eval_every`` steps and at the end, for the params :func:`optax_dist.eval_params` returns and
   for the workers' own params, each averaged over the workers.
 
+  The workers are the first ``devices`` of ``jax.devices()``. After ``jax.distributed.initialize``
+  these are the devices of every process, and every process calls ``train`` with the same
+  arguments (``devices`` is then the total, all of them): each process holds the shards of its
+  own devices, and the results are the same on every process.
+
+  With ``checkpoint_dir`` and ``checkpoint_every > 0``, the state is saved with Orbax every
+  ``checkpoint_every`` steps and at the end (see :class:`_Checkpoints`); with ``resume``, training
+  continues from the latest checkpoint there (from the start if there is none), and ends with
+  the params of an uninterrupted run. Without ``resume``, the checkpoints there are replaced.
+
+  Args:
+    on_step: called with the step number after each step.
+    final_state: if given, filled with the final ``params`` and ``opt_state`` as NumPy arrays with
+      a leading worker axis (gathered from every process).
+
   Returns:
     A dict of the settings, the final accuracies, ``communication_rounds``, ``wall_time_s``
-    (compilation included), ``num_dropped`` (``drop_stale_gradients`` only) and ``history``:
+    (compilation included; summed over the resumed runs), ``num_dropped``
+    (``drop_stale_gradients`` only), ``resumed_from_step`` (with ``resume``) and ``history``:
     lists ``step``, ``communication_rounds``, ``test_accuracy_eval_params``,
     ``test_accuracy_workers`` and ``train_loss`` (the workers' mean minibatch loss).
   """
   import jax
   import jax.numpy as jnp
   import optax
-  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import AxisType, NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import optax_dist
 
   start = time.perf_counter()
-  available = jax.devices("cpu")
+  available = jax.devices()
   if devices > len(available):
     raise ValueError(
       f"--devices {devices} needs {devices} CPU devices but JAX has {len(available)}; set"
       f' jax.config.update("jax_num_cpu_devices", {devices}) before JAX initialises.'
+    )
+  if jax.process_count() > 1 and devices != len(available):
+    raise ValueError(
+      f"train(devices={devices}): with {jax.process_count()} processes every device is a worker;"
+      f" pass devices={len(available)}, the number of devices of all processes."
     )
   n_local = len(data["x_train"]) // devices
   if n_local < batch_size:
@@ -234,25 +369,27 @@ def train(
     )
   stale = algorithm == "drop_stale_gradients"
   depth = max(max_staleness, 0) + 2  # the params of the last `depth` accepted steps
+  moving_rate = default_moving_rate(devices) if moving_rate is None else moving_rate
 
-  mesh = Mesh(np.array(available[:devices]), (AXIS,))
+  mesh = jax.make_mesh((devices,), (AXIS,), axis_types=(AxisType.Auto,),
+                       devices=available[:devices])
   split = NamedSharding(mesh, P(AXIS))
   replicated = NamedSharding(mesh, P())
 
-  def shard(x):
-    return jax.device_put(x, split)
+  def shard(tree):
+    return jax.tree.map(lambda x: put(x, split), tree)
 
   x_shards = shard(data["x_train"][: n_local * devices].reshape(devices, n_local, -1))
   y_shards = shard(data["y_train"][: n_local * devices].reshape(devices, n_local))
-  x_test = jax.device_put(data["x_test"], replicated)
-  y_test = jax.device_put(data["y_test"], replicated)
+  x_test = put(data["x_test"], replicated)
+  y_test = put(data["y_test"], replicated)
 
   model = make_model()
   tx = make_optimizer(
     algorithm,
     learning_rate=learning_rate,
     communication_period=communication_period,
-    moving_rate=default_moving_rate(devices) if moving_rate is None else moving_rate,
+    moving_rate=moving_rate,
     decay=decay,
     max_staleness=max_staleness,
   )
@@ -303,8 +440,7 @@ def train(
     lambda p: np.broadcast_to(p, (devices,) + p.shape), initial_params(seed, x_shards.shape[2])))
   init = jax.jit(jax.shard_map(init_fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
   opt_state, history = init(params)
-  batches = _minibatches(seed, devices, n_local, batch_size)
-  delays = np.random.default_rng([seed, 1]).integers(0, depth, size=steps, dtype=np.int32)
+  delays = _delays(seed, steps, depth)
   # Each function is compiled once, ahead of time: a call with other types would raise.
   step = jax.jit(
     jax.shard_map(
@@ -316,7 +452,7 @@ def train(
     donate_argnums=(0, 1, 2),
   ).lower(
     params, opt_state, history, x_shards, y_shards,
-    shard(np.zeros((devices, batch_size), np.int32)), jax.device_put(delays[0], replicated),
+    shard(np.zeros((devices, batch_size), np.int32)), put(delays[0], replicated),
   ).compile()
   evaluate = jax.jit(evaluate).lower(params, opt_state).compile()
   record = {key: [] for key in (
@@ -332,17 +468,47 @@ def train(
     record["test_accuracy_workers"].append(float(acc_workers))
     record["train_loss"].append(None if loss is None else float(loss))
 
-  measure(0, None)
-  for s in range(1, steps + 1):
-    idx = shard(next(batches))
-    delay = jax.device_put(delays[s - 1], replicated)
+  checkpoints = None
+  first, earlier_time, resumed_from = 1, 0.0, None
+  if checkpoint_dir is not None and (checkpoint_every > 0 or resume):
+    settings = {
+      "algorithm": algorithm, "devices": devices, "steps": steps, "batch_size": batch_size,
+      "learning_rate": learning_rate, "communication_period": communication_period,
+      "moving_rate": moving_rate, "decay": decay, "max_staleness": max_staleness,
+      "eval_every": eval_every, "seed": seed,
+    }
+    checkpoints = _Checkpoints(checkpoint_dir, settings, resume=resume)
+    if resume:
+      restored = checkpoints.restore({"params": params, "opt_state": opt_state,
+                                      "history": history})
+      resumed_from = 0
+      if restored is not None:
+        state, meta = restored
+        params, opt_state, history = state["params"], state["opt_state"], state["history"]
+        record, earlier_time = meta["record"], meta["wall_time_s"]
+        resumed_from = meta["step"]
+        first = resumed_from + 1
+  if first == 1:
+    measure(0, None)
+  for s in range(first, steps + 1):
+    idx = shard(minibatch(seed, devices, n_local, batch_size, s - 1))
+    delay = put(delays[s - 1], replicated)
     params, opt_state, history, loss = step(
       params, opt_state, history, x_shards, y_shards, idx, delay)
     if s % eval_every == 0 or s == steps:
       measure(s, loss)
+    if checkpoints is not None and checkpoint_every > 0 and (
+        s % checkpoint_every == 0 or s == steps):
+      checkpoints.save(
+        s, {"params": params, "opt_state": opt_state, "history": history},
+        {"record": record, "wall_time_s": earlier_time + time.perf_counter() - start})
     if on_step is not None:
       on_step(s)
-  wall_time = time.perf_counter() - start
+  if checkpoints is not None:
+    checkpoints.close()
+  if final_state is not None:
+    final_state.update(to_host({"params": params, "opt_state": opt_state}))
+  wall_time = earlier_time + time.perf_counter() - start
 
   result = {
     "algorithm": algorithm,
@@ -358,13 +524,16 @@ def train(
     "wall_time_s": wall_time,
     "history": record,
   }
+  if resumed_from is not None:
+    result["resumed_from_step"] = resumed_from
   if algorithm == "elastic_average":
-    result["moving_rate"] = default_moving_rate(devices) if moving_rate is None else moving_rate
+    result["moving_rate"] = moving_rate
   if algorithm == "moving_average":
     result["decay"] = decay
   if stale:
     result["max_staleness"] = max_staleness
-    result["num_dropped"] = int(np.asarray(opt_state.num_dropped)[0])
+    # The same on every worker; read from a shard this process holds.
+    result["num_dropped"] = int(np.asarray(opt_state.num_dropped.addressable_shards[0].data)[0])
   return result
 
 

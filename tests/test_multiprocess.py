@@ -1,0 +1,233 @@
+"""``optax-dist`` over several ``jax.distributed`` processes: same params, faults, exact resume.
+
+Every command runs in subprocesses as a user would run it. The independent runs start together
+(module fixture) so that they overlap on a multi-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+pytest.importorskip("orbax.checkpoint")
+
+STEPS, PERIOD, FAIL_AT, CHECKPOINT_EVERY = 20, 5, 10, 4
+ARGS = ["--steps", str(STEPS), "--communication-period", str(PERIOD), "--seed", "1",
+        "--no-progress"]
+MULTI = ["--processes", "2", "--devices", "2"]
+COMPARED = ("sync", "elastic_average", "agn", "moving_average")
+# With local processes the launcher polls every 0.05 s, kills the others at once, waits for them
+# and reports: about a second; the bounds leave room for a loaded machine.
+LOCAL_FAULT_BOUND_S = 10.0
+LOCAL_EXIT_BOUND_S = 30.0
+HEARTBEAT_S = 5
+# Processes started one by one: JAX's coordination service declares the silent process dead
+# after the heartbeat timeout and aborts the others.
+CLUSTER_FAULT_BOUND_S = HEARTBEAT_S + 12.0
+
+
+class Run:
+  """A command started in the background; its output read and its end timed as they happen."""
+
+  def __init__(self, *args: str):
+    self.proc = subprocess.Popen(
+      [sys.executable, "-m", "optax_dist._cli", *map(str, args)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    self.stdout = []
+    self.stderr_lines: list[tuple[float, str]] = []  # (arrival time, line)
+    self.ended = None
+    self._threads = [threading.Thread(target=f, daemon=True)
+                     for f in (self._read_stdout, self._read_stderr)]
+    for thread in self._threads:
+      thread.start()
+
+  def _read_stdout(self):
+    self.stdout.append(self.proc.stdout.read())
+
+  def _read_stderr(self):
+    for line in self.proc.stderr:
+      self.stderr_lines.append((time.monotonic(), line))
+    self.proc.wait()
+    self.ended = time.monotonic()
+
+  def result(self) -> tuple[int, str, str]:
+    for thread in self._threads:
+      thread.join(timeout=600)
+    assert self.ended is not None, "the command did not end in 600 s"
+    return self.proc.returncode, "".join(self.stdout), "".join(l for _, l in self.stderr_lines)
+
+  def time_of(self, text: str) -> float:
+    """When the first stderr line containing ``text`` arrived."""
+    return next(t for t, line in self.stderr_lines if text in line)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+  return tmp_path_factory.mktemp("multiprocess")
+
+
+@pytest.fixture(scope="module")
+def runs(root):
+  port = free_port()
+  cluster = ["train", *ARGS, *MULTI, "--out", root / "cluster", "--coordinator",
+             f"127.0.0.1:{port}", "--heartbeat-timeout", str(HEARTBEAT_S),
+             "--fail-at-step", "3"]
+  started = {
+    "single": Run("compare", *ARGS, "--devices", "4", "--out", root / "single",
+                  "--save-params", root / "single.npz"),
+    "multi": Run("compare", *ARGS, *MULTI, "--out", root / "multi",
+                 "--save-params", root / "multi.npz"),
+    "fault": Run("train", "--algorithm", "elastic_average", *ARGS, *MULTI,
+                 "--out", root / "fault", "--checkpoint-every", str(CHECKPOINT_EVERY),
+                 "--fail-at-step", str(FAIL_AT)),
+    # Started one by one, as on a cluster: no parent watches them.
+    "cluster0": Run(*cluster, "--process-id", "0"),
+    "cluster1": Run(*cluster, "--process-id", "1"),
+  }
+  yield started
+  for run_ in started.values():
+    if run_.proc.poll() is None:
+      run_.proc.kill()
+      run_.proc.wait()
+
+
+def load(path) -> dict[str, np.ndarray]:
+  with np.load(path) as f:
+    return {key: f[key] for key in f.files}
+
+
+@pytest.fixture(scope="module")
+def single(runs, root):
+  returncode, _, stderr = runs["single"].result()
+  assert returncode == 0, stderr
+  return load(root / "single.npz")
+
+
+@pytest.fixture(scope="module")
+def multi(runs, root):
+  returncode, stdout, stderr = runs["multi"].result()
+  assert returncode == 0, stderr
+  assert "4 workers (2 processes x 2 devices)" in stdout
+  assert "[Gloo]" not in stdout  # native chatter goes to stderr, not into the table
+  return load(root / "multi.npz")
+
+
+def workers_params(arrays, algorithm):
+  prefix = f"{algorithm}['params']"
+  return {key: value for key, value in arrays.items() if key.startswith(prefix)}
+
+
+def test_two_processes_give_the_params_of_one(single, multi, root):
+  assert set(single) == set(multi)
+  for algorithm in COMPARED:
+    params = workers_params(single, algorithm)
+    assert len(params) == 6  # three Dense layers, kernel and bias
+    for key in params:
+      assert single[key].shape[0] == 4  # one row per worker
+      np.testing.assert_allclose(multi[key], single[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  for key in single:  # the optimizer states too
+    np.testing.assert_allclose(multi[key], single[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  # Not vacuous: training moved the params; sync keeps the workers equal, EASGD does not.
+  sync = workers_params(single, "sync")
+  easgd = workers_params(single, "elastic_average")
+  for key, value in sync.items():
+    np.testing.assert_array_equal(value, np.broadcast_to(value[0], value.shape))
+    other = key.replace("sync", "elastic_average", 1)
+    assert np.max(np.abs(easgd[other] - value)) > 1e-3
+  assert any(np.max(np.abs(v - v[0])) > 1e-3 for v in easgd.values())
+  with open(root / "multi" / "results.json") as f:
+    config = json.load(f)["config"]
+  assert (config["processes"], config["devices"], config["workers"]) == (2, 2, 4)
+
+
+def test_killed_process_stops_the_run_and_resume_is_exact(runs, multi, root):
+  fault = runs["fault"]
+  returncode, stdout, stderr = fault.result()
+  assert returncode == 1, stderr
+  assert "optax-dist: error: process 1 exited with code 1" in stderr
+  died = fault.time_of(f"exiting at step {FAIL_AT}")
+  stopped = fault.time_of("exited with code") - died  # reported after the others were killed
+  print(f"\nlocal processes stopped {stopped:.2f} s and the command exited"
+        f" {fault.ended - died:.2f} s after process 1 died")
+  assert stopped < LOCAL_FAULT_BOUND_S
+  assert fault.ended - died < LOCAL_EXIT_BOUND_S
+  assert not (root / "fault" / "results_elastic_average.json").exists()
+  checkpoints = root / "fault" / "checkpoints" / "elastic_average"
+  assert sorted(int(p) for p in os.listdir(checkpoints) if p.isdigit()) == [4, 8]
+
+  # Resumes from step 8, in the middle of a communication period (5).
+  resumed = Run("train", "--algorithm", "elastic_average", *ARGS, *MULTI, "--out", root / "fault",
+                "--checkpoint-every", str(CHECKPOINT_EVERY), "--resume",
+                "--save-params", root / "resumed.npz")
+  returncode, stdout, stderr = resumed.result()
+  assert returncode == 0, stderr
+  assert "elastic_average: resumed from the checkpoint of step 8" in stdout
+  params = load(root / "resumed.npz")
+  uninterrupted = {k: v for k, v in multi.items() if k.startswith("elastic_average")}
+  assert set(params) == set(uninterrupted)
+  for key, value in uninterrupted.items():
+    np.testing.assert_allclose(params[key], value, rtol=1e-6, atol=0, err_msg=key)
+  with open(root / "fault" / "results_elastic_average.json") as f:
+    history = json.load(f)["algorithms"]["elastic_average"]["history"]
+  with open(root / "multi" / "results.json") as f:
+    expected = json.load(f)["algorithms"]["elastic_average"]["history"]
+  assert history["step"] == expected["step"] == [0, 10, 20]
+  np.testing.assert_allclose(history["test_accuracy_eval_params"],
+                             expected["test_accuracy_eval_params"], rtol=1e-6)
+
+
+def test_processes_started_one_by_one_abort_after_the_heartbeat_timeout(runs):
+  returncode1, _, stderr1 = runs["cluster1"].result()
+  assert returncode1 == 1, stderr1
+  died = runs["cluster1"].time_of("exiting at step 3")
+  returncode0, stdout0, stderr0 = runs["cluster0"].result()
+  elapsed = runs["cluster0"].ended - died
+  print(f"\nprocess 0 exited {elapsed:.2f} s after process 1 died (heartbeat timeout"
+        f" {HEARTBEAT_S} s)")
+  assert returncode0 != 0
+  assert "results" not in stdout0
+  assert "stopped sending heartbeats" in stderr0
+  assert elapsed < CLUSTER_FAULT_BOUND_S
+
+
+def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path):
+  cases = {
+    "process id without coordinator": ["train", "--processes", "2", "--process-id", "0"],
+    "process id out of range": ["train", "--processes", "2", "--process-id", "2",
+                                "--coordinator", "127.0.0.1:1234"],
+    "coordinator without port": ["train", "--processes", "2", "--coordinator", "localhost"],
+    "coordinator for one process": ["train", "--coordinator", "127.0.0.1:1234"],
+    "batch larger than a shard": ["compare", "--processes", "4", "--devices", "8",
+                                  "--batch-size", "64"],
+  }
+  procs = {
+    name: subprocess.Popen(
+      [sys.executable, "-m", "optax_dist._cli", *args, "--out", str(tmp_path / "runs")],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, args in cases.items()
+  }
+  for name, proc in procs.items():
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, (name, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("optax-dist: error: argument --"), (name, stderr)
+    assert stdout == "", name
