@@ -78,6 +78,21 @@ def _unit_float(text: str) -> float:
   return value
 
 
+def _restarts(text: str) -> tuple[tuple[int, float], ...]:
+  """``"W@T,W@T"`` (worker W restarts at simulated time T) as ``((W, T), ...)``."""
+  restarts = []
+  for item in filter(None, text.split(",")):
+    worker, sep, at = item.partition("@")
+    try:
+      restarts.append((int(worker), float(at)))
+    except ValueError:
+      sep = ""
+    if not sep or restarts[-1][0] < 0 or not restarts[-1][1] >= 0:
+      raise argparse.ArgumentTypeError(
+        f"must be WORKER@TIME pairs separated by commas (e.g. 1@100,2@250), got {text!r}")
+  return tuple(restarts)
+
+
 def _address(text: str) -> str:
   from optax_dist._multiprocess import parse_address
 
@@ -174,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     " transformations, over emulated CPU devices of one or more JAX processes.",
     epilog=_EPILOG, formatter_class=_Formatter,
   )
-  commands = parser.add_subparsers(dest="command", required=True, metavar="{train,compare}")
+  commands = parser.add_subparsers(dest="command", required=True,
+                                   metavar="{train,compare,async}")
   train = commands.add_parser(
     "train", parents=[common], help="train with one algorithm",
     description="Train with one algorithm; writes results_<algorithm>.json and"
@@ -189,7 +205,76 @@ def build_parser() -> argparse.ArgumentParser:
     " accuracy.png under --out.",
     epilog=_EPILOG, formatter_class=_Formatter,
   )
+  _add_async_parser(commands)
   return parser
+
+
+def _add_async_parser(commands: Any) -> None:
+  """``optax-dist async``: the asynchronous protocols, emulated (:mod:`optax_dist._async_digits`)."""
+  from optax_dist._async_digits import DEFAULTS, PROTOCOLS
+
+  run = commands.add_parser(
+    "async", help="compare asynchronous protocols, emulated",
+    description=f"Emulate asynchronous parameter-server training of the digits MLP with"
+    f" {', '.join(PROTOCOLS)} on one simulated cluster (per-worker compute times, stragglers,"
+    " restarts) and compare them at the same simulated time; writes results_async.json and"
+    " async.png under --out.",
+  )
+  run.add_argument("--workers", type=_positive_int, default=DEFAULTS["workers"],
+                   help=f"number of asynchronous workers (default: {DEFAULTS['workers']})")
+  run.add_argument("--max-staleness", type=_int, default=DEFAULTS["max_staleness"],
+                   help="drop_stale_gradients' largest accepted staleness, in server steps"
+                   f" (default: {DEFAULTS['max_staleness']})")
+  run.add_argument("--stragglers", type=_int, default=DEFAULTS["stragglers"],
+                   help=f"number of slow workers (default: {DEFAULTS['stragglers']})")
+  run.add_argument("--slowdown", type=_positive_float, default=DEFAULTS["slowdown"],
+                   help=f"how many times slower a straggler is (default: {DEFAULTS['slowdown']:g})")
+  run.add_argument("--restarts", type=_restarts, default=DEFAULTS["restarts"],
+                   metavar="W@T[,W@T...]",
+                   help="restart worker W at simulated time T (default: none)")
+  run.add_argument("--duration", type=_positive_float, default=DEFAULTS["duration"],
+                   help="simulated time per protocol; one step takes about 1"
+                   f" (default: {DEFAULTS['duration']:g})")
+  run.add_argument("--batch-size", type=_positive_int, default=DEFAULTS["batch_size"],
+                   help=f"minibatch size per worker (default: {DEFAULTS['batch_size']})")
+  run.add_argument("--learning-rate", type=_positive_float, default=DEFAULTS["learning_rate"],
+                   help=f"SGD learning rate (default: {DEFAULTS['learning_rate']:g})")
+  run.add_argument("--communication-period", type=_positive_int,
+                   default=DEFAULTS["communication_period"],
+                   help="local steps between exchanges of elastic_average and agn"
+                   f" (default: {DEFAULTS['communication_period']})")
+  run.add_argument("--seed", type=_int, default=DEFAULTS["seed"],
+                   help="seed of the data split, init, compute times and minibatches (default: 0)")
+  run.add_argument("--out", default="runs",
+                   help="directory for the JSON results and the PNG plot (default: runs)")
+
+
+def _run_async(args: argparse.Namespace) -> int:
+  """Runs ``optax-dist async``: prints the table, writes ``results_async.json``/``async.png``."""
+  if not 0 <= args.stragglers <= args.workers:
+    _fail(f"argument --stragglers: must be in 0..{args.workers} (--workers), got"
+          f" {args.stragglers}")
+  bad = [w for w, _ in args.restarts if w >= args.workers]
+  if bad:
+    _fail(f"argument --restarts: worker {bad[0]} does not exist (--workers {args.workers})")
+  _check_out(args.out)
+  from optax_dist import _async_digits
+
+  png_path = os.path.join(args.out, "async.png")
+  rows = _async_digits.run_async_digits(
+    workers=args.workers, max_staleness=args.max_staleness, stragglers=args.stragglers,
+    slowdown=args.slowdown, restarts=args.restarts, duration=args.duration,
+    batch_size=args.batch_size, learning_rate=args.learning_rate,
+    communication_period=args.communication_period, seed=args.seed, out=png_path,
+  )
+  json_path = os.path.join(args.out, "results_async.json")
+  with open(json_path, "w") as f:
+    json.dump({"command": "async", "config": {k: v for k, v in vars(args).items()
+                                              if k != "command"},
+               "protocols": {r["protocol"]: r for r in rows}}, f, indent=2)
+  print(_async_digits.format_table(rows))
+  print(f"wrote {json_path} and {png_path}")
+  return 0
 
 
 def _check_out(path: str) -> None:
@@ -307,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
   """Runs ``optax-dist``; returns the exit status (errors exit with status 2)."""
   argv = list(sys.argv[1:] if argv is None else argv)
   args = build_parser().parse_args(argv)
+  if args.command == "async":
+    return _run_async(args)
   _check_processes(args)
   _check_out(args.out)
 

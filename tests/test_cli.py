@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("flax")
@@ -57,6 +58,8 @@ def runs(tmp_path_factory):
       root / "stale", "train", "--algorithm", "drop_stale_gradients", *SMALL,
       "--max-staleness", "1",
     ),
+    "async": Run(root / "async", "async", "--workers", "4", "--stragglers", "1",
+                 "--max-staleness", "0", "--duration", "60", "--restarts", "1@20"),
   }
   yield started
   for run_ in started.values():
@@ -155,6 +158,28 @@ def test_train_drop_stale_gradients(runs):
   check_png(out / "accuracy_drop_stale_gradients.png")
 
 
+def test_async_compares_the_protocols(runs):
+  returncode, stdout, stderr = runs["async"].result()
+  assert returncode == 0, stderr
+  out = runs["async"].out
+  results = json.loads((out / "results_async.json").read_text())["protocols"]
+  assert list(results) == ["downpour", "downpour+drop_stale", "elastic_average", "agn"]
+  header = next(line for line in stdout.splitlines() if line.startswith("protocol"))
+  for column in ("test_accuracy", "dropped_fraction", "mean_staleness", "simulated_time"):
+    assert column in header
+  for name, row in results.items():
+    assert f"{row['test_accuracy']:.3f}" in stdout
+    assert 0.3 < row["test_accuracy"] <= 1.0, name
+    assert 55 <= row["simulated_time"] <= 60
+    staleness = np.array(row["staleness"])
+    assert row["max_staleness_seen"] == staleness.max()
+    assert abs(row["mean_staleness"] - staleness.mean()) < 1e-9
+  # With a straggler 4x slower, max_staleness 0 drops commits; plain downpour drops none.
+  assert results["downpour"]["dropped_fraction"] == 0.0
+  assert results["downpour+drop_stale"]["dropped_fraction"] > 0.1
+  check_png(out / "async.png")
+
+
 def _bad_arguments(tmp_path):
   regular_file = tmp_path / "file"
   regular_file.write_text("")
@@ -168,6 +193,9 @@ def _bad_arguments(tmp_path):
     "negative batch size": ["compare", "--batch-size", "-16"],
     "batch larger than a shard": ["compare", "--devices", "8", "--batch-size", "500"],
     "out under a regular file": ["compare", "--out", str(regular_file / "runs")],
+    "async: unknown worker restarted": ["async", "--workers", "2", "--restarts", "5@10"],
+    "async: malformed restarts": ["async", "--restarts", "soon"],
+    "async: more stragglers than workers": ["async", "--workers", "2", "--stragglers", "3"],
   }
   try:
     (read_only / "probe").write_text("")
