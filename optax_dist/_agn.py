@@ -137,7 +137,7 @@ def agn(
   def update_fn(updates, state, params=None, **extra_args):
     _common.require_params(fn, params)
     _common.check_tree_matches(fn, updates, state.center, "params")
-    n = _common.resolve_num_workers(fn, num_workers, axis_name)
+    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     bound = _common.axis_size(axis_name) is not None
 
     # x_i <- x_i + inner(g_i); a_i <- a_i + g_i.

@@ -40,16 +40,28 @@ def axis_size(axis_name: Hashable | None) -> int | None:
     return None
 
 
-def resolve_num_workers(fn: str, num_workers: Any, axis_name: Hashable | None) -> int:
+def resolve_num_workers(
+  fn: str, num_workers: Any, axis_name: Hashable | None, *, in_update: bool = False
+) -> int:
   """The number of workers: the axis size where the axis is bound, else ``num_workers`` or 1.
+
+  ``init`` may run where the axis is unbound (``jax.eval_shape`` of the state); ``update``
+  (``in_update=True``) may not when ``num_workers > 1``: the workers could not communicate.
 
   Raises:
     ValueError: if ``axis_name`` is bound, ``num_workers`` is concrete and differs from the
-      axis size, or the axis has size 0.
+      axis size, or the axis has size 0; or, in ``update``, ``num_workers > 1`` and the axis is
+      not bound (a misspelled ``axis_name``, or ``update`` called outside the mapped function).
   """
   size = axis_size(axis_name)
   given = concrete(num_workers)
   if size is None:
+    if in_update and given is not None and given > 1:
+      raise ValueError(
+        f"`{fn}(num_workers={given})`: `update` was called where axis {axis_name!r} is not"
+        " bound, so the workers cannot communicate. Call it inside the jax.shard_map, jax.pmap"
+        f" or jax.vmap that maps the workers over {axis_name!r}."
+      )
     return 1 if given is None else int(given)
   if size < 1:
     raise ValueError(

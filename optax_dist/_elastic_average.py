@@ -141,7 +141,7 @@ def elastic_average(
   def update_fn(updates, state, params=None, **extra_args):
     _common.require_params(fn, params)
     _common.check_tree_matches(fn, updates, state.center, "params")
-    n = _common.resolve_num_workers(fn, num_workers, axis_name)
+    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     alpha = BETA / communication_period / n if moving_rate is None else moving_rate
     if rho is not None:
       rho_ = rho

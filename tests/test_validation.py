@@ -91,6 +91,23 @@ def test_num_workers_must_match_the_axis_size_at_trace_time(fn):
   jax.vmap(good.init, axis_name=AXIS)(params)
 
 
+@pytest.mark.parametrize("fn", COMMUNICATING)
+def test_update_with_several_workers_needs_the_axis_bound(fn):
+  tx = COMMUNICATING[fn](num_workers=2, axis_name="wrokers")  # misspelled: bound by nothing
+  params = jnp.zeros(3)
+  state = tx.init(params)  # init may run unbound (abstract state)
+  pattern = (
+    called(fn, "num_workers") + r".*`update` was called where axis 'wrokers' is not bound"
+    ".*cannot communicate"
+  )
+  with pytest.raises(ValueError, match=pattern):
+    tx.update(params, state, params)
+  with pytest.raises(ValueError, match=pattern):
+    jax.vmap(tx.update, axis_name=AXIS)(
+      jnp.zeros((2, 3)), jax.tree.map(lambda x: jnp.stack([x, x]), state), jnp.zeros((2, 3))
+    )
+
+
 def test_integer_hyperparameters_accept_numpy_and_jax_integers():
   for value in (np.int64(3), jnp.array(3, jnp.int32)):
     optax_dist.elastic_average(sgd(), communication_period=value)
