@@ -150,6 +150,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
         f"{s['wall_s']:.1f}",
       ])
     lines.append(_util.table(header, rows))
+    dropped = d["summary"]["drop_stale_gradients"]["num_dropped"]
+    lines.append("")
+    lines.append(f"`drop_stale_gradients` dropped {', '.join(map(str, dropped))} of {d['steps']}"
+                 " steps (per seed).")
     t = target(d)
     lines.append("")
     lines.append(
@@ -185,6 +189,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     by_step.set_xlabel("step")
     by_round.set_xlabel("communication rounds")
     by_round.set_xscale("symlog", linthresh=10)
+    by_round.set_xlim(left=0)
     by_step.legend(loc="lower right", fontsize=8)
   fig.suptitle(f"MLP 64-64, {DEVICES} data-parallel workers, mean over seeds"
                f" {', '.join(map(str, result['seeds']))} (dashed: sync's final − 1 point)")

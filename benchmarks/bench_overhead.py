@@ -236,7 +236,7 @@ def measure(rounds: dict[str, int], seed: int = 0) -> dict[str, Any]:
 
   warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   adam = optax.adam(LEARNING_RATE)
-  out = {"sizes": [], "memory": [], "rounds": rounds, "load_average": []}
+  out = {"sizes": [], "memory": {}, "rounds": rounds}
   for size_name, hidden in SIZES:
     problem = Problem(hidden, seed)
     with_memory = size_name == SIZES[-1][0]
@@ -390,6 +390,7 @@ def memory_markdown(result: dict[str, Any]) -> str:
   pb = mem["params_bytes"]
   header = ["optimizer", "state MiB", "state / params", "needed / params", "needed",
             "excess bytes", "peak MiB donated", "peak MiB not donated",
+            "arg + out + temp MiB donated",
             "temp MiB donated", "temp MiB not donated"]
   rows = []
   for r in mem["rows"]:
@@ -397,6 +398,7 @@ def memory_markdown(result: dict[str, Any]) -> str:
       f"`{r['label']}`", _util.mib(r["state_bytes"]), f"{r['state_bytes'] / pb:.4f}",
       f"{r['needed']}", r["need_note"], f"{r['excess_bytes']:,}",
       _util.mib(r["donated"]["peak"]), _util.mib(r["not_donated"]["peak"]),
+      _util.mib(r["donated"]["peak"] + r["donated"]["alias"]),
       _util.mib(r["donated"]["temp"]), _util.mib(r["not_donated"]["temp"]),
     ])
-  return _util.table(header, rows, "lrrrlrrrrr")
+  return _util.table(header, rows, "lrrrlrrrrrr")

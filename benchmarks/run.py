@@ -54,10 +54,10 @@ def main() -> int:
   parser.add_argument("--quick", action="store_true",
                       help="few repetitions and short training: checks the program only")
   parser.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
-  parser.add_argument("--rounds-1m", type=int, default=40,
-                      help="timing rounds for the ≈1M-param MLP (default: 40)")
-  parser.add_argument("--rounds-10m", type=int, default=10,
-                      help="timing rounds for the ≈10M-param MLP (default: 10)")
+  parser.add_argument("--rounds-1m", type=int, default=60,
+                      help="timing rounds for the ≈1M-param MLP (default: 60)")
+  parser.add_argument("--rounds-10m", type=int, default=16,
+                      help="timing rounds for the ≈10M-param MLP (default: 16)")
   parser.add_argument("--seeds", type=int, default=3,
                       help="seeds of the time-to-accuracy runs (default: 3)")
   args = parser.parse_args()
@@ -205,7 +205,10 @@ def _overhead_verdicts(result, target) -> str:
     lines.append(f"- `{label}`, {phase} ({'; '.join(where)}): {WHY.get(wrapper, 'noise?')}.")
   lines.append("")
   lines.append(
-    "The ratio depends on how much of the step the optimizer is: the wrappers add memory"
+    "A row missed on wall time only, with its CPU ratio within the target and an interquartile"
+    " range spanning it, is within the noise of a shared machine; a row missed on both wall and"
+    " CPU time shows the structural cost described. The ratio depends on how much of the step"
+    " the optimizer is: the wrappers add memory"
     " passes over params-sized buffers, the forward and backward passes are matrix products"
     " whose cost grows with the batch; a larger minibatch than this one makes every ratio"
     " smaller, a smaller one larger. Ratios below 1 on a non-communication step are real for"
@@ -222,8 +225,9 @@ def _memory_intro(result) -> str:
     f" state's leaves' `nbytes`; *needed*: what the algorithm itself must store, in params'"
     f" bytes; *excess bytes*: state − needed (the scalar counters). *peak*: from"
     f" `jax.jit(step).lower(...).compile().memory_analysis()`, argument + output − alias +"
-    f" temp bytes (alias: the outputs written into donated inputs), with the params and"
-    f" state donated and not; *temp*: XLA's temporary buffers."
+    f" temp bytes (alias: the outputs written into donated inputs, so counted once), with the"
+    f" params and state donated and not; *arg + out + temp*: the same without subtracting the"
+    f" aliased bytes; *temp*: XLA's temporary buffers."
   )
 
 
