@@ -408,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
       f" {n_train} training examples give {n_train // workers} to each of {workers}"
       f" workers; lower --batch-size or --devices"
     )
+  if args.communication_period > args.steps and (
+    args.command == "compare" or args.algorithm in _digits.PERIODIC
+  ):
+    _fail(
+      f"argument --communication-period: must be at most --steps ({args.steps}), got"
+      f" {args.communication_period}; elastic_average and agn would never communicate"
+    )
   if args.processes > 1 and args.process_id is None:
     from optax_dist import _multiprocess
 

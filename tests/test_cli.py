@@ -193,6 +193,8 @@ def _bad_arguments(tmp_path):
     "negative batch size": ["compare", "--batch-size", "-16"],
     "batch larger than a shard": ["compare", "--devices", "8", "--batch-size", "500"],
     "out under a regular file": ["compare", "--out", str(regular_file / "runs")],
+    "communication period longer than the run": ["compare", "--steps", "5",
+                                                 "--communication-period", "10"],
     "async: unknown worker restarted": ["async", "--workers", "2", "--restarts", "5@10"],
     "async: malformed restarts": ["async", "--restarts", "soon"],
     "async: more stragglers than workers": ["async", "--workers", "2", "--stragglers", "3"],

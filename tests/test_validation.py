@@ -108,6 +108,14 @@ def test_update_with_several_workers_needs_the_axis_bound(fn):
     )
 
 
+@pytest.mark.parametrize("fn", COMMUNICATING)
+def test_axis_of_size_zero(fn):
+  tx = COMMUNICATING[fn](axis_name=AXIS)
+  pattern = re.escape(f"`{fn}` was called under axis 'workers' of size 0") + ".*at least one worker"
+  with pytest.raises(ValueError, match=pattern):
+    jax.vmap(tx.init, axis_name=AXIS)(jnp.zeros((0, 3)))
+
+
 def test_integer_hyperparameters_accept_numpy_and_jax_integers():
   for value in (np.int64(3), jnp.array(3, jnp.int32)):
     optax_dist.elastic_average(sgd(), communication_period=value)
