@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="drop_stale_gradients' largest accepted staleness (default: 2)")
   common.add_argument("--eval-every", type=_positive_int, default=10,
                       help="steps between test-accuracy evaluations (default: 10)")
+  common.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="dtype of the exchanged gradients/center differences (default:"
+                      " float32; bfloat16 halves the bytes on GPU/TPU)")
   common.add_argument("--seed", type=_int, default=0,
                       help="seed of the train/test split, init and minibatches (default: 0)")
   common.add_argument("--out", default="runs",
@@ -437,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.moving_rate is None else args.moving_rate,
     "decay": args.decay,
     "max_staleness": args.max_staleness,
+    "comm_dtype": args.comm_dtype,
     "eval_every": args.eval_every,
     "seed": args.seed,
     "checkpoint_every": args.checkpoint_every,
@@ -471,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             moving_rate=config["moving_rate"],
             decay=args.decay,
             max_staleness=args.max_staleness,
+            comm_dtype=None if args.comm_dtype == "float32" else args.comm_dtype,
             eval_every=args.eval_every,
             seed=args.seed,
             on_step=lambda s, bar=bar: on_step(s, bar),

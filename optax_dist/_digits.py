@@ -139,30 +139,39 @@ def make_optimizer(
   moving_rate: float,
   decay: float,
   max_staleness: int,
+  comm_dtype: str | None = None,
 ) -> Any:
-  """The per-worker optax transformation of ``algorithm``, communicating over axis ``"workers"``."""
+  """The per-worker optax transformation of ``algorithm``, communicating over axis ``"workers"``.
+
+  ``comm_dtype`` (e.g. ``"bfloat16"``) is the dtype of the exchanged values (``None``: float32).
+  """
   import optax
 
   import optax_dist
 
   adam = optax.adam(learning_rate)
   if algorithm == "sync":
-    return optax_dist.tower(adam, AXIS)
+    return optax_dist.tower(adam, AXIS, comm_dtype=comm_dtype)
   if algorithm == "elastic_average":
     return optax_dist.elastic_average(
       adam,
       communication_period=communication_period,
       moving_rate=moving_rate,
       axis_name=AXIS,
+      comm_dtype=comm_dtype,
     )
   if algorithm == "agn":
-    return optax_dist.agn(adam, communication_period=communication_period, axis_name=AXIS)
+    return optax_dist.agn(
+      adam, communication_period=communication_period, axis_name=AXIS, comm_dtype=comm_dtype
+    )
   if algorithm == "moving_average":
     return optax_dist.moving_average(
-      optax_dist.tower(adam, AXIS), decay, use_num_updates=True
+      optax_dist.tower(adam, AXIS, comm_dtype=comm_dtype), decay, use_num_updates=True
     )
   if algorithm == "drop_stale_gradients":
-    return optax_dist.drop_stale_gradients(optax_dist.tower(adam, AXIS), max_staleness)
+    return optax_dist.drop_stale_gradients(
+      optax_dist.tower(adam, AXIS, comm_dtype=comm_dtype), max_staleness
+    )
   raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}.")
 
 
@@ -312,6 +321,7 @@ def train(
   max_staleness: int = DEFAULTS["max_staleness"],
   eval_every: int = DEFAULTS["eval_every"],
   seed: int = DEFAULTS["seed"],
+  comm_dtype: str | None = None,
   on_step: Callable[[int], None] | None = None,
   checkpoint_dir: str | None = None,
   checkpoint_every: int = 0,
@@ -400,6 +410,7 @@ def train(
     moving_rate=moving_rate,
     decay=decay,
     max_staleness=max_staleness,
+    comm_dtype=comm_dtype,
   )
 
   def unstack(tree):
@@ -483,7 +494,7 @@ def train(
       "algorithm": algorithm, "devices": devices, "steps": steps, "batch_size": batch_size,
       "learning_rate": learning_rate, "communication_period": communication_period,
       "moving_rate": moving_rate, "decay": decay, "max_staleness": max_staleness,
-      "eval_every": eval_every, "seed": seed,
+      "eval_every": eval_every, "seed": seed, "comm_dtype": comm_dtype,
     }
     checkpoints = _Checkpoints(checkpoint_dir, settings, resume=resume)
     if resume:

@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
     "elastic_average": Run(root / "ea", "train", "--algorithm", "elastic_average", *SMALL),
     "drop_stale_gradients": Run(
       root / "stale", "train", "--algorithm", "drop_stale_gradients", *SMALL,
-      "--max-staleness", "1",
+      "--max-staleness", "1", "--comm-dtype", "bfloat16",
     ),
     "async": Run(root / "async", "async", "--workers", "4", "--stragglers", "1",
                  "--max-staleness", "0", "--duration", "60", "--restarts", "1@20"),
@@ -150,6 +150,7 @@ def test_train_drop_stale_gradients(runs):
   with open(out / "results_drop_stale_gradients.json") as f:
     results = json.load(f)
   assert tuple(results["algorithms"]) == ("drop_stale_gradients",)
+  assert results["config"]["comm_dtype"] == "bfloat16"  # the all-reduce in bfloat16 still trains
   result = results["algorithms"]["drop_stale_gradients"]
   check_result("drop_stale_gradients", result, 1)
   # Delays are uniform over 0..max_staleness + 1: about a third of the steps are dropped.
