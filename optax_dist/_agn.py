@@ -149,7 +149,10 @@ def agn(
       center_updates, center_inner_state = inner.update(grads, center_inner_state, center)
       return optax.apply_updates(center, center_updates), center_inner_state
 
-    def commit(u, center, grad_accum, center_inner_state):
+    # The conditional carries only the center and its inner state: on other steps it hands them
+    # back unchanged (XLA then writes no copy of them). The updates and the accumulator's reset
+    # are selected outside it.
+    def commit(center, grad_accum, center_inner_state):
       mean_grad = jax.tree.map(lambda a: (a / communication_period).astype(a.dtype), grad_accum)
       if not bound:
         commits = [mean_grad]
@@ -161,16 +164,21 @@ def agn(
         commits = [jax.tree.map(lambda a, j=j: a[j], gathered) for j in range(n)]
       for grads in commits:
         center, center_inner_state = center_step(center, center_inner_state, grads)
-      u = jax.tree.map(lambda c, p, old: (c - p).astype(old.dtype), center, params, u)
-      return u, center, optax.tree.zeros_like(grad_accum), center_inner_state
+      return center, center_inner_state
 
-    def keep(u, center, grad_accum, center_inner_state):
-      return u, center, grad_accum, center_inner_state
+    def keep(center, grad_accum, center_inner_state):
+      return center, center_inner_state
 
-    local_updates, center, grad_accum, center_inner_state = _common.communicate_if(
-      _common.is_communication_step(local_step, communication_period),
-      commit, keep, local_updates, state.center, grad_accum, state.center_inner_state,
+    communicate = _common.is_communication_step(local_step, communication_period)
+    center, center_inner_state = _common.communicate_if(
+      communicate, commit, keep, state.center, grad_accum, state.center_inner_state,
     )
+    # x_i <- center, a_i <- 0 on a communication step.
+    local_updates = jax.tree.map(
+      lambda c, p, u: jnp.where(communicate, (c - p).astype(u.dtype), u),
+      center, params, local_updates,
+    )
+    grad_accum = jax.tree.map(lambda a: jnp.where(communicate, jnp.zeros_like(a), a), grad_accum)
     return local_updates, AGNState(
       local_step=local_step,
       center=center,

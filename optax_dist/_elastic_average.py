@@ -157,24 +157,29 @@ def elastic_average(
     local_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
 
+    communicate = _common.is_communication_step(local_step, communication_period)
+
+    # The conditional carries only what a communication step changes: the center, and d_i for
+    # the returned updates. On other steps it hands the center and u_i back unchanged (XLA then
+    # writes no copy of them) and the updates are u_i.
     def exchange(u, center):
       new_params = optax.apply_updates(params, u)  # x'_i
       d = jax.tree.map(lambda x, c: (alpha * (x - c)).astype(c.dtype), new_params, center)
-      pulled = optax.tree.sub(new_params, d)  # x_i <- x'_i - d_i
       if _common.axis_size(axis_name) is None:
         total = d
       else:
         total = _common.psum(d, axis_name, comm_dtype)
-      center = optax.tree.add(center, total)  # center <- center + sum_j d_j
-      u = jax.tree.map(lambda x, p, old: (x - p).astype(old.dtype), pulled, params, u)
-      return u, center
+      return optax.tree.add(center, total), d  # center <- center + sum_j d_j
 
     def keep(u, center):
-      return u, center
+      # The second result is unused on these steps; u_i has d_i's shapes (dtypes cast).
+      return center, jax.tree.map(lambda x, c: x.astype(c.dtype), u, center)
 
-    local_updates, center = _common.communicate_if(
-      _common.is_communication_step(local_step, communication_period),
-      exchange, keep, local_updates, center,
+    center, d = _common.communicate_if(communicate, exchange, keep, local_updates, center)
+    # x_i <- x'_i - d_i on a communication step.
+    local_updates = jax.tree.map(
+      lambda x, d, p, u: jnp.where(communicate, ((x - d) - p).astype(u.dtype), u),
+      optax.apply_updates(params, local_updates), d, params, local_updates,
     )
     return local_updates, ElasticAverageState(
       local_step=local_step, center=center, inner_state=inner_state
