@@ -151,9 +151,14 @@ def elastic_average(
       rho_ = 0.0
     center = state.center
 
-    # g_i = updates_i + rho (x_i - center); u_i = inner(g_i).
-    elastic = optax.tree.sub(params, center)
-    grads = jax.tree.map(lambda g, e: (g + rho_ * e).astype(g.dtype), updates, elastic)
+    # g_i = updates_i + rho (x_i - center); u_i = inner(g_i). With rho exactly 0 (the paper's
+    # Algorithm 1, the default) the term is left out: g_i is then the gradient itself, with no
+    # two extra params-sized reads on every step.
+    if isinstance(rho_, (int, float)) and rho_ == 0:
+      grads = updates
+    else:
+      elastic = optax.tree.sub(params, center)
+      grads = jax.tree.map(lambda g, e: (g + rho_ * e).astype(g.dtype), updates, elastic)
     local_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
 
