@@ -30,15 +30,14 @@ WHY = {
     " params-sized passes over memory on top of adam's seven (read g, m, v, p; write m, v, p),"
     " inherent to keeping an EMA (TF's `MovingAverageOptimizer` does the same work)"),
   "elastic_average": (
-    "the `lax.cond` carries adam's updates and the center through both branches: on a"
-    " non-communication step XLA materialises the updates (which bare adam fuses into"
-    " `apply_updates`) and copies them and the center into the conditional's result buffers"
-    " (copies column; temp memory in the next section), params-sized passes over memory that"
-    " the arithmetic of the step does not need"),
+    "the conditional hands the center back in place (no copies), but it takes adam's updates"
+    " as an operand, so XLA materialises them instead of fusing them into `apply_updates`, and"
+    " the returned updates are selected with a `where` on every step: params-sized passes over"
+    " memory that bare adam does not make (temp memory in the next section)"),
   "agn": (
     "the gradient accumulator a += g is one more read-modify-write of a params-sized buffer on"
-    " every step (inherent to AGN), and the `lax.cond` carries the updates, the center, the"
-    " accumulator and the center's adam state through both branches (copies column)"),
+    " every step (inherent to AGN), and the returned updates and the accumulator's reset are"
+    " selected with a `where` on every step; the conditional itself copies nothing"),
   "drop_stale_gradients": (
     "the inner update is always computed and then selected with `optax.tree.where` on the"
     " updates and on adam's state (so that collectives inside run on every worker): one more"
