@@ -6,7 +6,6 @@ from collections.abc import Hashable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
