@@ -12,6 +12,7 @@ Written once here and reused by each algorithm module:
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -210,7 +211,7 @@ def check_number(
     raise TypeError(f"`{fn}({name}=...)` must be a real number {constraint}, got {value!r}.")
   too_low = v <= lower if lower_open else v < lower
   too_high = upper is not None and v > upper
-  if too_low or too_high or v != v:
+  if too_low or too_high or math.isnan(v):
     raise ValueError(f"`{fn}({name}=...)` must be {constraint}, got {v}.")
 
 
