@@ -8,20 +8,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.examples: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[examples]"
-	touch $@
-
-$(VENV)/.test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[test]"
-	touch $@
-
-$(VENV)/.docs: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[docs]"
-	touch $@
-
-$(VENV)/.bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[bench]"
+# .venv/.EXTRA: the package installed (editable) with its optional dependencies EXTRA.
+$(VENV)/.%: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[$*]"
 	touch $@
 
 demo: $(VENV)/.examples
