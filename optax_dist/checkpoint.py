@@ -60,22 +60,71 @@ def _absolute(directory: str | os.PathLike) -> str | os.PathLike:
   return directory
 
 
-def _select_worker(tree: Any, worker: int) -> Any:
-  """Index ``worker`` on axis 0 of every leaf, checking bounds (JAX would clamp silently)."""
-  if isinstance(worker, bool) or not isinstance(worker, (int, np.integer)):
-    raise TypeError(f"`save_eval_params(worker=...)` must be an int or None, got {worker!r}.")
+def _check_int(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"`save_eval_params({name}=...)` must be an int or None, got {value!r}.")
 
-  def select(path, leaf):
-    shape = np.shape(leaf)
-    if not shape or not -shape[0] <= worker < shape[0]:
+
+def _workers_axis_size(params: Any, opt_state: Any, worker: int, num_workers: int | None) -> int:
+  """The common leading size of every leaf of ``params`` and ``opt_state``: the workers' axis.
+
+  Trees stacked over workers (the outputs of ``vmap``, ``shard_map`` with ``P(axis)`` or ``pmap``)
+  have axis 0 on every leaf, the scalar step counters of the state included. A tree that is not
+  stacked has a scalar counter (every averaging state keeps one) or leaves of different leading
+  sizes, and is refused, instead of silently saving row ``worker`` of each leaf.
+  """
+  fix = (
+    " Pass `worker=None` when the trees are not stacked over workers (one worker, or one"
+    " worker's copy already selected)."
+  )
+  ref = None  # (name, shape) of the leaf that sets the workers' axis size
+  size = num_workers
+  for tree_name, tree in (("params", params), ("opt_state", opt_state)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      name, shape = tree_name + jax.tree_util.keystr(path), np.shape(leaf)
+      if not shape:
+        raise ValueError(
+          f"`save_eval_params(worker={worker})` needs `params` and `opt_state` stacked over"
+          f" workers on axis 0, but {name} has shape (): it has no workers' axis." + fix
+        )
+      if size is None:
+        size = shape[0]
+      if shape[0] != size:
+        expected = f"num_workers={num_workers}" if ref is None else f"{ref[0]} has shape {ref[1]}"
+        raise ValueError(
+          f"`save_eval_params(worker={worker})` needs every leaf of `params` and `opt_state`"
+          f" stacked over the same number of workers on axis 0, but {name} has shape {shape}"
+          f" while {expected}." + fix
+        )
+      ref = ref or (name, shape)
+  if ref is not None and not 0 <= worker < size:
+    raise ValueError(
+      f"`save_eval_params(worker={worker})` must be in [0, {size}): the workers' axis is axis 0,"
+      f" of size {size} ({ref[0]} has shape {ref[1]}). Pass a worker in that range."
+    )
+  return size
+
+
+def _worker_copy(
+  tree: Any, params: Any, opt_state: Any, worker: int | None, num_workers: int | None
+) -> Any:
+  """``tree`` with axis 0 indexed at ``worker``, after checking the trees are stacked."""
+  if num_workers is not None:
+    _check_int("num_workers", num_workers)
+    if num_workers < 1:
       raise ValueError(
-        f"`save_eval_params(worker={worker})` indexes axis 0 of every leaf (the workers' axis),"
-        f" but the leaf at {jax.tree_util.keystr(path) or '<root>'} has shape {shape}. Pass"
-        " `worker=None` when the params are not stacked over workers."
+        f"`save_eval_params(num_workers=...)` must be a positive int, got {num_workers}."
       )
-    return leaf[worker]
-
-  return jax.tree_util.tree_map_with_path(select, tree)
+    if worker is None:
+      raise ValueError(
+        f"`save_eval_params(num_workers={num_workers})` is only meaningful with `worker=`: pass"
+        " the worker whose copy to save, or drop `num_workers`."
+      )
+  if worker is None:
+    return tree
+  _check_int("worker", worker)
+  _workers_axis_size(params, opt_state, worker, num_workers)
+  return jax.tree.map(lambda leaf: leaf[worker], tree)
 
 
 def save_eval_params(
@@ -84,6 +133,7 @@ def save_eval_params(
   params: optax.Params,
   *,
   worker: int | None = None,
+  num_workers: int | None = None,
   force: bool = False,
 ) -> optax.Params:
   """Saves the averaged params (EMA or center) under the params' own tree (``swapping_saver``).
@@ -100,7 +150,13 @@ def save_eval_params(
     worker: for states and params stacked over workers on axis 0 (``vmap``, or ``shard_map``
       with ``P(axis)``), the worker whose copy to save. The center is identical on every worker;
       the EMA of :func:`~optax_dist.moving_average` is each worker's own. ``None``: save the trees
-      as they are.
+      as they are. With ``worker``, every leaf of ``params`` and ``opt_state`` (the state's
+      scalar step counters included) must have one common leading size, the number of workers;
+      a tree that is not stacked is refused rather than sliced (see Raises).
+    num_workers: the number of workers the trees are stacked over, checked against every
+      leaf's leading size; ``None``: the leading size of the first leaf of ``params``. Only with
+      ``worker``. Pass it when ``opt_state`` holds no step counter (e.g. plain ``optax.sgd``,
+      no averaging state), where a tree that is not stacked could otherwise pass the check.
     force: overwrite an existing ``directory``.
 
   Returns:
@@ -114,9 +170,12 @@ def save_eval_params(
 
   Raises:
     ImportError: orbax-checkpoint is not installed.
-    TypeError: ``worker`` is not an int.
-    ValueError: ``worker`` is out of range for a leaf (the message names its path); the average's
-      tree differs from ``params``' tree; ``directory`` exists and ``force`` is False.
+    TypeError: ``worker`` or ``num_workers`` is not an int.
+    ValueError: with ``worker``, a leaf of ``params`` or ``opt_state`` is a scalar (e.g. the
+      ``local_step`` of a state that is not stacked), leaves differ in their leading size (or
+      from ``num_workers``), or ``worker`` is not in ``[0, num_workers)``; the message names the
+      leaf's path and shape. ``num_workers`` without ``worker``, or below 1. The average's tree
+      differs from ``params``' tree; ``directory`` exists and ``force`` is False.
 
   Examples:
     >>> import tempfile, os, jax.numpy as jnp, optax, optax_dist
@@ -130,15 +189,16 @@ def save_eval_params(
     >>> _ = save_eval_params(path, state, params)
     >>> restore_params(path, {"w": jnp.zeros(2)})  # a model without an optimizer
     {'w': Array([0.9, 1.9], dtype=float32)}
+    >>> save_eval_params(path + "-0", state, params, worker=0)  # one worker: nothing to index
+    Traceback (most recent call last):
+    ValueError: `save_eval_params(worker=0)` needs ... but opt_state.count has shape (): ...
 
   References:
     TensorFlow 1.x, ``MovingAverageOptimizer.swapping_saver`` and
     ``ElasticAverageOptimizer.swapping_saver``.
   """
   ocp = _orbax("save_eval_params")
-  tree = eval_params(opt_state, params)
-  if worker is not None:
-    tree = _select_worker(tree, worker)
+  tree = _worker_copy(eval_params(opt_state, params), params, opt_state, worker, num_workers)
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(_absolute(directory), tree, force=force)
   return tree

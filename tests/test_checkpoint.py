@@ -365,6 +365,84 @@ def test_missing_orbax_is_a_clear_import_error(tmp_path, monkeypatch):
     restore_params(tmp_path / "x")
 
 
+def _stacked_elastic_average(num_workers):
+  tx = optax_dist.elastic_average(optax.sgd(1.0), communication_period=1, axis_name="workers")
+  params = {"w": jnp.zeros((num_workers, 3)), "b": jnp.zeros((num_workers,))}
+  state = jax.vmap(tx.init, axis_name="workers")(params)
+  grads = {"w": jnp.arange(3.0 * num_workers).reshape(num_workers, 3), "b": jnp.ones(num_workers)}
+  updates, state = jax.vmap(tx.update, axis_name="workers")(grads, state, params)
+  return tx, optax.apply_updates(params, updates), state
+
+
+def test_save_eval_params_worker_refuses_a_tree_not_stacked_over_workers(tmp_path):
+  """One worker's tree whose leaves all have a leading axis: saving row 0 would be silent."""
+  from optax_dist.checkpoint import save_eval_params
+
+  for tx in (optax_dist.moving_average(optax.sgd(1.0), 0.5),
+             optax_dist.elastic_average(optax.adam(0.1), communication_period=2)):
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones((4,))}  # same leading size, not stacked
+    state = tx.init(params)
+    counter = "count" if isinstance(state, optax_dist.MovingAverageState) else "local_step"
+    with pytest.raises(ValueError) as info:
+      save_eval_params(tmp_path / "x", state, params, worker=0)
+    message = str(info.value)
+    for part in ("`save_eval_params(worker=0)`", f"opt_state.{counter} has shape ()",
+                 "worker=None"):
+      assert part in message, message
+    assert not (tmp_path / "x").exists()
+
+
+def test_save_eval_params_worker_refuses_mixed_leading_sizes(tmp_path):
+  from optax_dist.checkpoint import save_eval_params
+
+  params = {"a": jnp.zeros((4, 3)), "b": jnp.zeros((3, 4))}
+  with pytest.raises(ValueError, match=r"worker=1.*params\['b'\] has shape \(3, 4\) while "
+                     r"params\['a'\] has shape \(4, 3\).*worker=None"):
+    save_eval_params(tmp_path / "x", None, params, worker=1)
+  _, params, state = _stacked_elastic_average(4)
+  state = state._replace(local_step=state.local_step[:2])  # one state leaf not over 4 workers
+  with pytest.raises(ValueError, match=r"opt_state\.local_step has shape \(2,\)"):
+    save_eval_params(tmp_path / "y", state, params, worker=1)
+
+
+def test_save_eval_params_num_workers(tmp_path):
+  from optax_dist.checkpoint import restore_params, save_eval_params
+
+  params = {"w": jnp.arange(12.0).reshape(4, 3)}  # no state with a counter: ambiguous alone
+  with pytest.raises(ValueError, match=r"params\['w'\] has shape \(4, 3\) while num_workers=2"):
+    save_eval_params(tmp_path / "x", optax.sgd(1.0).init(params), params, worker=0, num_workers=2)
+  with pytest.raises(ValueError, match=r"num_workers=4.*only meaningful with `worker=`"):
+    save_eval_params(tmp_path / "x", None, params, num_workers=4)
+  with pytest.raises(ValueError, match=r"num_workers=\.\.\.\)` must be a positive int, got 0"):
+    save_eval_params(tmp_path / "x", None, params, worker=0, num_workers=0)
+  with pytest.raises(TypeError, match=r"num_workers"):
+    save_eval_params(tmp_path / "x", None, params, worker=0, num_workers=4.0)
+  save_eval_params(tmp_path / "x", None, params, worker=2, num_workers=4)
+  np.testing.assert_array_equal(restore_params(tmp_path / "x")["w"], [6.0, 7.0, 8.0])
+
+
+def test_save_eval_params_worker_out_of_range_names_the_axis(tmp_path):
+  from optax_dist.checkpoint import save_eval_params
+
+  _, params, state = _stacked_elastic_average(4)
+  for worker in (4, -1):
+    with pytest.raises(ValueError, match=rf"worker={worker}\)` must be in \[0, 4\).*"
+                       r"params\['b'\] has shape \(4,\)"):
+      save_eval_params(tmp_path / "x", state, params, worker=worker)
+
+
+def test_save_eval_params_saves_one_workers_center_of_a_stacked_state(tmp_path):
+  from optax_dist.checkpoint import restore_params, save_eval_params
+
+  _, params, state = _stacked_elastic_average(4)
+  center = state.center
+  assert not np.array_equal(params["w"][0], params["w"][3])  # the workers' own params differ
+  saved = save_eval_params(tmp_path / "c", state, params, worker=3)
+  restored = restore_params(tmp_path / "c", {"w": jnp.zeros(3), "b": jnp.zeros(())})
+  for key in ("w", "b"):
+    assert bitwise_equal(restored[key], center[key][3]) and bitwise_equal(saved[key], center[key][3])
+
+
 if __name__ == "__main__":
   assert sys.argv[1] == "resume", sys.argv
   resume_all(sys.argv[2], sys.argv[3])
