@@ -1,6 +1,6 @@
 """Saving the averaged parameters for evaluation and serving (TF's ``swapping_saver``), with Orbax.
 
-Optional: needs ``orbax-checkpoint`` (``pip install 'optax-dist[checkpoint]'``), imported only
+Optional: needs ``orbax-checkpoint`` (``pip install "optax-dist[checkpoint]"``), imported only
 when a function here is called; ``import optax_dist`` never imports this module.
 
 * :func:`save_eval_params` writes :func:`optax_dist.eval_params` (the EMA of
@@ -43,11 +43,11 @@ from optax_dist._eval_params import eval_params
 def _orbax(fn: str) -> Any:
   try:
     import orbax.checkpoint as ocp  # optional dependency, imported on first use
-  except ImportError as e:
+  except ImportError as e:  # one line naming the extra, instead of Orbax's own traceback
     raise ImportError(
       f"`optax_dist.checkpoint.{fn}` needs orbax-checkpoint: install it with"
-      " `pip install 'optax-dist[checkpoint]'` (or `pip install orbax-checkpoint`)."
-    ) from e
+      f' `pip install "optax-dist[checkpoint]"` (or `pip install orbax-checkpoint`) ({e}).'
+    ) from None
   return ocp
 
 
