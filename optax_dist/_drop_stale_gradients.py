@@ -59,6 +59,12 @@ def drop_stale_gradients(
   (``optax.tree.where``), so collectives inside ``inner`` run on every worker whatever each one
   decides.
 
+  Wrapped in another transformation (``moving_average(drop_stale_gradients(...))``,
+  ``optax.chain``), the state is nested; read ``global_step`` (or ``num_dropped``) with
+  ``optax.tree_utils.tree_get(state, "global_step")``, which finds the one field of that name at
+  any depth. It returns ``None`` when there is no such field and raises ``KeyError`` when there
+  are several (two nested ``drop_stale_gradients``): then pass ``filtering=`` or index the state.
+
   Args:
     inner: the transformation applied to accepted updates.
     max_staleness: the largest accepted staleness, a count of accepted updates (TF's
@@ -88,6 +94,16 @@ def drop_stale_gradients(
     >>> u, state = tx.update(jnp.array([-1.0]), state, params, grad_step=0)  # stale by 1
     >>> u, state.global_step, state.num_dropped
     (Array([0.], dtype=float32), Array(1, dtype=int32), Array(1, dtype=int32))
+
+    Nested, ``global_step`` is read with ``optax.tree_utils.tree_get``:
+
+    >>> tx = optax_dist.moving_average(
+    ...     optax_dist.drop_stale_gradients(optax.sgd(1.0), max_staleness=0), decay=0.5)
+    >>> state = tx.init(params)
+    >>> grad_step = optax.tree_utils.tree_get(state, "global_step")  # read with the gradients
+    >>> u, state = tx.update(jnp.array([-1.0]), state, params, grad_step=grad_step)
+    >>> optax.tree_utils.tree_get(state, "global_step"), state.inner_state.global_step
+    (Array(1, dtype=int32), Array(1, dtype=int32))
 
   References:
     TensorFlow 1.x, ``tf.contrib.opt.DropStaleGradientOptimizer``.
