@@ -11,6 +11,8 @@
 * :func:`accumulate_then_reduce`: gradient accumulation with one all-reduce per accumulated step.
 * :func:`communication_report`: the collectives a compiled step issues, and their bytes.
 * :func:`apply_if_finite`: ``optax.apply_if_finite`` with the skip agreed across the workers.
+* :func:`diloco`, :func:`streaming_diloco` and :func:`local_sgd`: local steps with periodic
+  outer steps or model averages (DiLoCo, Streaming DiLoCo, local / post-local SGD).
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(..., axis_name=...)``.
@@ -25,10 +27,13 @@ from optax_dist._accounting import (
 from optax_dist._accumulation import AccumulateThenReduceState, accumulate_then_reduce
 from optax_dist._agn import AGNState, agn
 from optax_dist._apply_if_finite import ApplyIfFiniteState, apply_if_finite
+from optax_dist._diloco import DiLoCoState, diloco
 from optax_dist._drop_stale_gradients import DropStaleGradientsState, drop_stale_gradients
 from optax_dist._elastic_average import ElasticAverageState, elastic_average
 from optax_dist._eval_params import eval_params
+from optax_dist._local_sgd import LocalSGDState, local_sgd
 from optax_dist._moving_average import MovingAverageState, moving_average
+from optax_dist._streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from optax_dist._tower import all_reduce, split_batch, tower
 
 __version__ = "0.1.0"
@@ -40,18 +45,24 @@ __all__ = (
   "Collective",
   "Collectives",
   "CommunicationReport",
+  "DiLoCoState",
   "DropStaleGradientsState",
   "ElasticAverageState",
+  "LocalSGDState",
   "MovingAverageState",
+  "StreamingDiLoCoState",
   "accumulate_then_reduce",
   "agn",
   "all_reduce",
   "apply_if_finite",
   "communication_report",
+  "diloco",
   "drop_stale_gradients",
   "elastic_average",
   "eval_params",
+  "local_sgd",
   "moving_average",
   "split_batch",
+  "streaming_diloco",
   "tower",
 )

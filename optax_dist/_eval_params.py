@@ -8,8 +8,10 @@ import jax
 import optax
 
 from optax_dist._agn import AGNState
+from optax_dist._diloco import DiLoCoState
 from optax_dist._elastic_average import ElasticAverageState
 from optax_dist._moving_average import MovingAverageState
+from optax_dist._streaming_diloco import StreamingDiLoCoState
 
 
 def _find_average(node: Any) -> Any:
@@ -18,6 +20,8 @@ def _find_average(node: Any) -> Any:
     return node.ema
   if isinstance(node, (ElasticAverageState, AGNState)):
     return node.center
+  if isinstance(node, (DiLoCoState, StreamingDiLoCoState)):
+    return node.anchor
   if isinstance(node, dict):
     children = node.values()
   elif isinstance(node, (tuple, list)):
@@ -35,7 +39,9 @@ def eval_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params
   """The parameters to evaluate and to save (TF's ``swapping_saver``).
 
   Of the averaging states in ``opt_state`` (:class:`MovingAverageState` gives its ``ema``;
-  :class:`ElasticAverageState` and :class:`AGNState` give their ``center``), the first in a
+  :class:`ElasticAverageState` and :class:`AGNState` give their ``center``;
+  :class:`DiLoCoState` and :class:`StreamingDiLoCoState` their ``anchor``; :class:`LocalSGDState`
+  has none, each worker's params being identical right after a model average), the first in a
   depth-first walk: the outermost wrapper, or in an ``optax.chain`` the earliest member. It is
   cast to the params' dtypes and returned in the params' tree. With no averaging state,
   ``params`` is returned unchanged.
@@ -48,8 +54,8 @@ def eval_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params
     A tree like ``params``: the average, or ``params`` itself.
 
   Shapes:
-    Same as ``params``. Under a mapped axis, call it per worker (the center is identical on every
-    worker; the EMA is each worker's own).
+    Same as ``params``. Under a mapped axis, call it per worker (the center and the anchor are
+    identical on every worker; the EMA is each worker's own).
 
   Collectives:
     None.

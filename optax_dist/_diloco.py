@@ -1,0 +1,291 @@
+"""DiLoCo: local inner steps, an outer optimizer step on the workers' mean pseudo-gradient.
+
+Also the pieces :func:`local_sgd` and :func:`streaming_diloco` share with it: the anchor's copy
+of the params, the workers' sum in ``comm_dtype`` (gathered and summed in float32 for 8-bit
+floats), and one DiLoCo sync on a tree or on a masked sub-tree of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_dist import _common
+
+
+class DiLoCoState(NamedTuple):
+  """State of :func:`diloco`.
+
+  Attributes:
+    local_step: ``int32[]``, the number of ``update`` calls of this worker so far.
+    anchor: the global params :math:`\\theta` of the last sync (the params given to ``init``
+      before the first); the params' tree and shapes, in ``anchor_dtype`` (default: each
+      param's dtype); identical on every worker.
+    inner_state: the state of ``inner``, local to this worker, kept across syncs.
+    outer_state: the state of ``outer``, ``outer.init(anchor)``; identical on every worker.
+  """
+
+  local_step: jax.Array
+  anchor: optax.Params
+  inner_state: optax.OptState
+  outer_state: optax.OptState
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared by diloco, local_sgd and streaming_diloco.
+
+
+def default_outer() -> optax.GradientTransformation:
+  """The DiLoCo paper's outer optimizer: Nesterov momentum SGD, learning rate 0.7, momentum 0.9."""
+  return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+def check_outer(fn: str, outer: Any) -> None:
+  """Raise unless ``outer`` looks like an optax gradient transformation."""
+  if not (callable(getattr(outer, "init", None)) and callable(getattr(outer, "update", None))):
+    raise TypeError(
+      f"`{fn}(outer=...)` must be an optax GradientTransformation (with `init` and `update`),"
+      f" e.g. optax.sgd(0.7, momentum=0.9, nesterov=True), got {type(outer).__name__}."
+    )
+
+
+def copy_params(tree: Any, dtype: Any = None) -> Any:
+  """A copy of ``tree`` (in ``dtype`` if given) sharing no buffer with it.
+
+  State built from the params at ``init`` must not alias them: a jitted step donating both the
+  params and the state right after an eager ``init`` would donate one buffer twice.
+  """
+  return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), tree)
+
+
+def keep_dtypes(new: Any, old: Any) -> Any:
+  """``new`` cast leaf by leaf to the dtypes of ``old``: a state keeps its dtypes per step.
+
+  With gradients of another dtype than the params (mixed precision), optax's states promote
+  (momentum of bfloat16 params fed float32 gradients becomes float32); a state that changed
+  dtype would retrace a jitted step and could not be a ``lax.scan`` carry.
+  """
+  return jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new, old)
+
+
+def is_narrow(comm_dtype: Any) -> bool:
+  """True for floating dtypes of 8 bits or fewer, which are exchanged by gathering."""
+  return comm_dtype is not None and jnp.finfo(comm_dtype).bits <= 8
+
+
+def worker_sum(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
+  """The sum over the workers of ``tree``'s leaves, communicated in ``comm_dtype`` if given.
+
+  Float dtypes of 16 bits or more are summed by one ``psum`` (:func:`_common.psum`). 8-bit
+  floats are not summed in 8 bits: XLA CPU's ``psum`` of ``float8_e4m3fn`` sums sequentially
+  with a rounding after each addition under ``vmap`` but rounds the exact sum once under
+  ``shard_map``, and any partial sum may overflow ``float8_e4m3fn``'s range (±448, no
+  infinity: NaN). So each leaf is quantized to ``comm_dtype``, gathered from every worker
+  (``all_gather``: each worker receives N times the bytes it sends) and summed in float32 in
+  the same order on every worker, then cast back to the leaf's dtype.
+  """
+  if not is_narrow(comm_dtype):
+    return _common.psum(tree, axis_name, comm_dtype)
+
+  def gather_sum(x):
+    gathered = jax.lax.all_gather(x.astype(comm_dtype), axis_name)
+    return jnp.sum(gathered.astype(jnp.float32), axis=0).astype(x.dtype)
+
+  return jax.tree.map(gather_sum, tree)
+
+
+def worker_mean(tree: Any, axis_name: Hashable, n: int, comm_dtype: Any = None) -> Any:
+  """The mean over the ``n`` workers of ``tree``'s leaves, divided in each leaf's dtype."""
+  total = worker_sum(tree, axis_name, comm_dtype)
+  return jax.tree.map(lambda t: (t / n).astype(t.dtype), total)
+
+
+def outer_sync(
+  outer: optax.GradientTransformation,
+  anchor: Any,
+  outer_state: optax.OptState,
+  new_params: Any,
+  *,
+  axis_name: Hashable | None,
+  num_workers: int,
+  comm_dtype: Any = None,
+) -> tuple[Any, optax.OptState]:
+  """One DiLoCo sync of ``anchor`` (a tree, or a sub-tree with ``optax.MaskedNode`` leaves).
+
+  The pseudo-gradient is :math:`\\Delta = \\frac{1}{N}\\sum_j (\\theta - x'_j)`, computed in the
+  anchor's dtype and all-reduced in ``comm_dtype``; then ``outer`` takes one step on it from
+  :math:`\\theta`. ``axis_name=None`` means one worker: :math:`\\Delta = \\theta - x'`.
+
+  Returns:
+    The new anchor and outer state, with the dtypes of the old ones.
+  """
+  delta = jax.tree.map(lambda a, x: a - x.astype(a.dtype), anchor, new_params)
+  if axis_name is not None:
+    delta = worker_mean(delta, axis_name, num_workers, comm_dtype)
+  steps, new_outer_state = outer.update(delta, outer_state, anchor)
+  new_anchor = keep_dtypes(optax.apply_updates(anchor, steps), anchor)
+  return new_anchor, keep_dtypes(new_outer_state, outer_state)
+
+
+def bound_axis(axis_name: Hashable | None) -> Hashable | None:
+  """``axis_name`` if it is bound here (the workers can communicate), else ``None``."""
+  return None if _common.axis_size(axis_name) is None else axis_name
+
+
+# ----------------------------------------------------------------------------------------------
+# diloco.
+
+
+def diloco(
+  inner: optax.GradientTransformation,
+  outer: optax.GradientTransformation | None = None,
+  *,
+  sync_period: int = 500,
+  axis_name: Hashable | None = None,
+  num_workers: int | None = None,
+  comm_dtype: Any = None,
+  anchor_dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""DiLoCo: H local ``inner`` steps, then an ``outer`` step on the workers' mean pseudo-gradient.
+
+  Every worker :math:`i` trains its own params :math:`x_i` with ``inner``. Every
+  ``sync_period`` (H) steps the workers average their pseudo-gradients, the distance from the
+  global params (the anchor :math:`\theta`) to where they got, the outer optimizer takes one step
+  from :math:`\theta` on it, and every worker restarts from the new :math:`\theta`:
+
+  .. math::
+
+    u_i &= \mathrm{inner}(g_i), \qquad x'_i = x_i + u_i \\
+    \text{if } \mathrm{local\_step} \bmod H = 0:\quad
+      \Delta &= \tfrac{1}{N} \textstyle\sum_j (\theta - x'_j), \qquad
+      \theta \leftarrow \theta + \mathrm{outer}(\Delta), \qquad x_i \leftarrow \theta \\
+    \text{otherwise:}\quad x_i &\leftarrow x'_i
+
+  The returned updates are :math:`\theta - x_i` on a sync step (every worker lands on the new
+  anchor, up to float rounding) and :math:`u_i` otherwise. ``inner``'s state is kept across
+  syncs (not reset), as the paper, torchft and MaxText do. With ``outer=optax.sgd(1.0)`` the
+  sync is model averaging: :math:`\theta \leftarrow \frac{1}{N}\sum_j x'_j`.
+
+  Args:
+    inner: the local optimizer of each worker.
+    outer: the optimizer of the anchor, fed the pseudo-gradient :math:`\Delta` (a descent
+      direction, as a gradient). Default: ``optax.sgd(0.7, momentum=0.9, nesterov=True)``, the
+      paper's outer Nesterov momentum.
+    sync_period: H, a count of ``update`` calls; the first sync is on the H-th call.
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers;
+      ``None`` for one worker.
+    num_workers: number of workers :math:`N`; defaults to the size of ``axis_name`` (1 when it
+      is ``None``). If given, it must equal that size.
+    comm_dtype: the floating dtype in which :math:`\theta - x'_i` is all-reduced (e.g.
+      ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) communicates in the
+      anchor's dtypes. 8-bit floats (``jnp.float8_e4m3fn``, ...) are quantized, all-gathered
+      and summed in float32 (see Collectives).
+    anchor_dtype: the floating dtype of the anchor, of the pseudo-gradient and of ``outer``'s
+      state (``jnp.float32`` is the usual choice for bfloat16 params); ``None`` (default) keeps
+      each param's dtype.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; extra args are forwarded to ``inner``.
+
+  Shapes:
+    ``updates`` and ``params`` share one tree (each worker's own); the returned updates have
+    ``inner``'s dtypes, ``anchor`` the params' tree and shapes. Memory per worker: one copy of
+    the params (the anchor, in ``anchor_dtype``) plus ``outer``'s state (one more copy for
+    momentum) beyond ``inner``'s.
+
+  Collectives:
+    One ``psum`` over ``axis_name`` of a params-sized tree (the params' element count times the
+    itemsize of ``comm_dtype`` or of the anchor's dtype), on sync steps only
+    (``local_step % sync_period == 0``), inside a ``lax.cond``; none on other steps: per step
+    on average :math:`1/H` of the params' bytes. With an 8-bit ``comm_dtype`` the ``psum`` is
+    an ``all_gather`` instead: each worker sends the params' element count in bytes and
+    receives N times that. None when ``axis_name`` is ``None``. :func:`communication_report`
+    measures them.
+
+  Raises:
+    TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period`` or
+      ``num_workers`` not an int; ``comm_dtype`` or ``anchor_dtype`` not ``None`` or a floating
+      dtype; a non-floating param leaf (in ``init``).
+    ValueError: ``sync_period`` or ``num_workers`` not positive; ``num_workers > 1`` with
+      ``axis_name=None``; ``num_workers`` different from the axis size; ``update`` without
+      ``params``, or where a named ``axis_name`` is not bound.
+
+  Examples:
+    Two workers emulated with ``vmap``, syncing every step, with outer SGD of learning rate 1
+    (model averaging):
+
+    >>> import jax, jax.numpy as jnp, optax, optax_dist
+    >>> tx = optax_dist.diloco(optax.sgd(1.0), optax.sgd(1.0), sync_period=1, axis_name="w")
+    >>> params = jnp.zeros((2, 1))
+    >>> state = jax.vmap(tx.init, axis_name="w")(params)
+    >>> grads = jnp.array([[-1.0], [-3.0]])
+    >>> updates, state = jax.vmap(tx.update, axis_name="w")(grads, state, params)
+    >>> optax.apply_updates(params, updates)[:, 0], state.anchor[:, 0]
+    (Array([2., 2.], dtype=float32), Array([2., 2.], dtype=float32))
+
+  References:
+    Douillard et al., `DiLoCo: Distributed Low-Communication Training of Language Models
+    <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1).
+    torchft ``torchft.local_sgd.DiLoCo``; MaxText ``diloco.py``.
+  """
+  fn = "diloco"
+  _common.check_transformation(fn, inner)
+  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  outer = default_outer() if outer is None else outer
+  check_outer(fn, outer)
+  _common.check_positive_int(fn, "sync_period", sync_period)
+  _common.check_num_workers(fn, num_workers, axis_name)
+  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  anchor_dtype = _common.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
+
+  def init_fn(params):
+    _common.check_floating(fn, params)
+    _common.resolve_num_workers(fn, num_workers, axis_name)
+    anchor = copy_params(params, anchor_dtype)
+    return DiLoCoState(
+      local_step=jnp.zeros([], jnp.int32),
+      anchor=anchor,
+      inner_state=inner.init(params),
+      outer_state=outer.init(anchor),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _common.require_params(fn, params)
+    _common.check_tree_matches(fn, updates, state.anchor, "params")
+    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    axis = bound_axis(axis_name)
+
+    # u_i = inner(g_i); the inner state keeps its dtypes (see keep_dtypes).
+    local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    inner_state = keep_dtypes(inner_state, state.inner_state)
+    local_step = optax.safe_increment(state.local_step)
+    sync = _common.is_communication_step(local_step, sync_period)
+
+    # The conditional carries only what a sync changes: the anchor and the outer state. On
+    # other steps it hands them back unchanged (XLA then writes no copy of them).
+    def synchronize(anchor, outer_state, u):
+      new_params = optax.apply_updates(params, u)  # x'_i
+      return outer_sync(
+        outer, anchor, outer_state, new_params,
+        axis_name=axis, num_workers=n, comm_dtype=comm_dtype,
+      )
+
+    def keep(anchor, outer_state, u):
+      return anchor, outer_state
+
+    anchor, outer_state = _common.communicate_if(
+      sync, synchronize, keep, state.anchor, state.outer_state, local_updates
+    )
+    # x_i <- theta on a sync step.
+    local_updates = jax.tree.map(
+      lambda a, p, u: jnp.where(sync, (a - p).astype(u.dtype), u), anchor, params, local_updates
+    )
+    return local_updates, DiLoCoState(
+      local_step=local_step, anchor=anchor, inner_state=inner_state, outer_state=outer_state
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

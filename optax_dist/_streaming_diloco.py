@@ -1,0 +1,331 @@
+"""Streaming DiLoCo: DiLoCo's sync on one fragment of the params at a time, staggered over H."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_dist import _common, _diloco
+
+
+class StreamingDiLoCoState(NamedTuple):
+  """State of :func:`streaming_diloco`.
+
+  Attributes:
+    local_step: ``int32[]``, the number of ``update`` calls of this worker so far.
+    anchor: the global params :math:`\\theta`, each fragment's leaves as of that fragment's last
+      sync; the params' tree and shapes, in ``anchor_dtype`` (default: each param's dtype);
+      identical on every worker.
+    inner_state: the state of ``inner``, local to this worker, kept across syncs.
+    outer_state: a tuple of ``num_fragments`` states of ``outer``; the f-th is ``outer.init``
+      of the anchor with the leaves of the other fragments replaced by ``optax.MaskedNode()``
+      (as ``optax.masked`` does), and advances only on fragment f's syncs; identical on every
+      worker.
+  """
+
+  local_step: jax.Array
+  anchor: optax.Params
+  inner_state: optax.OptState
+  outer_state: tuple[optax.OptState, ...]
+
+
+# ----------------------------------------------------------------------------------------------
+# Fragments.
+
+
+def _size(leaf: Any) -> int:
+  return int(np.prod(leaf.shape if hasattr(leaf, "shape") else np.shape(leaf), dtype=np.int64))
+
+
+def check_fragment_ids(fn: str, fragments: Any, num_fragments: int) -> None:
+  """Raise unless every leaf of ``fragments`` is an int in ``[0, num_fragments)``."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(fragments):
+    value = _common.concrete(leaf)
+    where = jax.tree_util.keystr(path) or "<root>"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+      raise TypeError(
+        f"`{fn}(fragments=...)` must hold an int fragment id per param leaf, got {leaf!r} at"
+        f" {where}."
+      )
+    if not 0 <= value < num_fragments:
+      raise ValueError(
+        f"`{fn}(fragments=...)` ids must be in [0, num_fragments) = [0, {num_fragments}),"
+        f" got {value} at {where}."
+      )
+
+
+def assign_fragments(
+  fn: str, params: Any, num_fragments: int, fragments: Any = None
+) -> tuple[int, ...]:
+  """The fragment of each leaf of ``params``, in ``jax.tree.leaves`` order.
+
+  ``fragments=None``: contiguous runs by element count, leaf j in fragment
+  :math:`\\lfloor F c_j / C \\rfloor` (:math:`c_j` the elements before leaf j, C the total).
+  Otherwise the ids of ``fragments``, a tree with the params' structure.
+
+  Raises:
+    ValueError: ``fragments`` has another tree structure than ``params``; a fragment gets no
+      leaf (F exceeds the number of leaves, or the leaves' sizes leave a run empty).
+  """
+  leaves = jax.tree.leaves(params)
+  if fragments is not None:
+    got, want = jax.tree.structure(fragments), jax.tree.structure(params)
+    if got != want:
+      raise ValueError(
+        f"`{fn}(fragments=...)` must have the params' tree structure, got {got}, expected"
+        f" {want}."
+      )
+    ids = tuple(int(_common.concrete(f)) for f in jax.tree.leaves(fragments))
+  else:
+    sizes = [_size(leaf) for leaf in leaves]
+    total, before, ids = sum(sizes), 0, []
+    for size in sizes:
+      ids.append(num_fragments * before // total if total else 0)
+      before += size
+    ids = tuple(ids)
+  empty = sorted(set(range(num_fragments)) - set(ids))
+  if empty:
+    if fragments is not None:
+      raise ValueError(
+        f"`{fn}(fragments=...)` assigns no leaf to fragment {empty[0]} of"
+        f" num_fragments={num_fragments}; use every id in [0, {num_fragments}) or pass a"
+        " smaller num_fragments."
+      )
+    sizes = [_size(leaf) for leaf in leaves]
+    raise ValueError(
+      f"`{fn}(num_fragments=...)` must leave no fragment empty, got {num_fragments}"
+      f" fragments for {len(leaves)} param leaves of sizes {sizes} (fragment {empty[0]} gets"
+      " no leaf). Pass fewer fragments, or an explicit `fragments=` tree of ids."
+    )
+  return ids
+
+
+def sync_offset(fragment: int, sync_period: Any, num_fragments: int) -> Any:
+  """:math:`s_f \\bmod H` with :math:`s_f = \\lfloor (f + 1) H / F \\rfloor`."""
+  return ((fragment + 1) * sync_period // num_fragments) % sync_period
+
+
+def _select(leaves: list, ids: tuple[int, ...], fragment: int, treedef: Any) -> Any:
+  """The tree of ``leaves`` with the leaves of other fragments replaced by ``MaskedNode``."""
+  return treedef.unflatten(
+    [x if f == fragment else optax.MaskedNode() for x, f in zip(leaves, ids, strict=True)]
+  )
+
+
+def _leaves(masked: Any) -> list:
+  """The leaves of a masked tree, ``MaskedNode`` included, in the full tree's leaf order."""
+  return jax.tree.leaves(masked, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
+def _is_placeholder(params: Any) -> bool:
+  """True for the leafless stand-in for the params that ``optax.tree.map_params`` passes."""
+  return not jax.tree.leaves(params) and type(params).__name__ == "_ParamsPlaceholder"
+
+
+# ----------------------------------------------------------------------------------------------
+# streaming_diloco.
+
+
+def streaming_diloco(
+  inner: optax.GradientTransformation,
+  outer: optax.GradientTransformation | None = None,
+  *,
+  sync_period: int = 100,
+  num_fragments: int = 4,
+  fragments: Any = None,
+  mixing: float = 0.0,
+  axis_name: Hashable | None = None,
+  num_workers: int | None = None,
+  comm_dtype: Any = None,
+  anchor_dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Streaming DiLoCo: :func:`diloco`'s sync on one fragment at a time, staggered over H steps.
+
+  The params' leaves are split into F fragments. Fragment f syncs every H steps, on the steps
+  with :math:`\mathrm{local\_step} \bmod H = s_f \bmod H`, :math:`s_f =
+  \lfloor (f + 1) H / F \rfloor`, each sync being :func:`diloco`'s on that fragment's leaves
+  only, with its own outer state; then the worker's leaves of the fragment mix its own and the
+  new anchor (:math:`\alpha`, ``mixing``). With :math:`\theta^f, x^f` the fragment's leaves:
+
+  .. math::
+
+    u_i &= \mathrm{inner}(g_i), \qquad x'_i = x_i + u_i \\
+    \text{if } \mathrm{local\_step} \bmod H = s_f \bmod H:\quad
+      \Delta^f &= \tfrac{1}{N} \textstyle\sum_j (\theta^f - x'^f_j), \qquad
+      \theta^f \leftarrow \theta^f + \mathrm{outer}_f(\Delta^f) \\
+      x^f_i &\leftarrow \alpha\, x'^f_i + (1 - \alpha)\, \theta^f
+
+  and :math:`x^f_i \leftarrow x'^f_i` for fragments that do not sync. F = 1 is :func:`diloco`.
+  Fragment f first syncs at step :math:`s_f \bmod H` if that is > 0, else at H; when H < F
+  several fragments share a step, each syncing independently. The returned updates are
+  :math:`x_i^{\text{new}} - x_i`.
+
+  ``fragments=None`` assigns the leaves, in ``jax.tree.leaves`` order, in contiguous runs of
+  about equal element counts: leaf j goes to fragment :math:`\lfloor F c_j / C \rfloor`, with
+  :math:`c_j` the number of elements in the leaves before j and C the total. The assignment
+  needs the leaves' sizes, so ``init`` needs real or abstract (``jax.ShapeDtypeStruct``) arrays.
+
+  Args:
+    inner: the local optimizer of each worker.
+    outer: the optimizer of each fragment of the anchor, fed its pseudo-gradient. Default:
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``, DiLoCo's outer Nesterov momentum.
+    sync_period: H, a count of ``update`` calls between two syncs of one fragment.
+    num_fragments: F, a positive int, at most the number of param leaves.
+    fragments: ``None`` (the contiguous runs above), or a tree with the params' structure
+      holding each leaf's fragment id, an int in ``[0, F)``; every id must be used.
+    mixing: :math:`\alpha` in [0, 1], dimensionless: the weight of the worker's own params
+      when a fragment lands (0, the default: replaced by the new anchor, as :func:`diloco`).
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers;
+      ``None`` for one worker.
+    num_workers: number of workers :math:`N`; defaults to the size of ``axis_name`` (1 when it
+      is ``None``). If given, it must equal that size.
+    comm_dtype: the floating dtype in which :math:`\theta^f - x'^f_i` is all-reduced (e.g.
+      ``jnp.bfloat16``); ``None`` (default) communicates in the anchor's dtypes. 8-bit floats
+      are quantized, all-gathered and summed in float32.
+    anchor_dtype: the floating dtype of the anchor, of the pseudo-gradients and of the outer
+      states; ``None`` (default) keeps each param's dtype.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; extra args are forwarded to ``inner``.
+
+  Shapes:
+    ``updates`` and ``params`` share one tree (each worker's own); the returned updates have
+    ``inner``'s dtypes, ``anchor`` the params' tree and shapes. Memory per worker: the anchor
+    (one copy of the params) plus the F outer states, which together hold as much as one
+    ``outer`` state of the whole params (one more copy for momentum).
+
+  Collectives:
+    One ``psum`` over ``axis_name`` of fragment f's leaves on each of its sync steps, inside
+    that fragment's own ``lax.cond`` (F conditionals): per sync about :math:`1/F` of the
+    params' bytes (element count times the itemsize of ``comm_dtype`` or of the anchor's
+    dtype), and over H steps the params' bytes once, as :func:`diloco`. With an 8-bit
+    ``comm_dtype``, an ``all_gather`` instead (N times the bytes received). None when
+    ``axis_name`` is ``None``. :func:`communication_report` measures them, per conditional.
+
+  Raises:
+    TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period``,
+      ``num_fragments``, ``num_workers`` or a ``fragments`` id not an int; ``mixing`` not a
+      real number; ``comm_dtype`` or ``anchor_dtype`` not ``None`` or a floating dtype; a
+      non-floating param leaf (in ``init``).
+    ValueError: ``sync_period``, ``num_fragments`` or ``num_workers`` not positive;
+      ``mixing`` outside [0, 1]; a ``fragments`` id outside ``[0, F)``; (in ``init``)
+      ``fragments`` without the params' structure, or a fragment left empty; ``num_workers >
+      1`` with ``axis_name=None``; ``num_workers`` different from the axis size; ``update``
+      without ``params``, or where a named ``axis_name`` is not bound.
+
+  Examples:
+    One worker, two leaves in two fragments, H = 2: fragment 0 syncs on odd steps, fragment 1
+    on even ones; outer SGD with learning rate 1 moves each anchor leaf to the worker's:
+
+    >>> import jax.numpy as jnp, optax, optax_dist
+    >>> tx = optax_dist.streaming_diloco(
+    ...     optax.sgd(1.0), optax.sgd(1.0), sync_period=2, num_fragments=2)
+    >>> params = {"a": jnp.zeros(1), "b": jnp.zeros(1)}
+    >>> state = tx.init(params)
+    >>> grads = {"a": -jnp.ones(1), "b": -jnp.ones(1)}
+    >>> updates, state = tx.update(grads, state, params)
+    >>> state.anchor  # step 1: fragment 0 ("a") synced
+    {'a': Array([1.], dtype=float32), 'b': Array([0.], dtype=float32)}
+
+  References:
+    Liu et al., `Streaming DiLoCo with overlapping communication
+    <https://arxiv.org/abs/2501.18512>`_, 2025.
+    Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023.
+    torchft ``torchft.local_sgd.DiLoCo`` (fragments); MaxText ``diloco.py``.
+  """
+  fn = "streaming_diloco"
+  _common.check_transformation(fn, inner)
+  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  outer = _diloco.default_outer() if outer is None else outer
+  _diloco.check_outer(fn, outer)
+  _common.check_positive_int(fn, "sync_period", sync_period)
+  _common.check_positive_int(fn, "num_fragments", num_fragments)
+  if fragments is not None:
+    check_fragment_ids(fn, fragments, num_fragments)
+  _common.check_number(fn, "mixing", mixing, lower=0.0, upper=1.0, constraint="in [0, 1]")
+  _common.check_num_workers(fn, num_workers, axis_name)
+  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  anchor_dtype = _common.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
+  no_mixing = isinstance(mixing, numbers.Real) and mixing == 0
+
+  def init_fn(params):
+    _common.check_floating(fn, params)
+    _common.resolve_num_workers(fn, num_workers, axis_name)
+    anchor = _diloco.copy_params(params, anchor_dtype)
+    if _is_placeholder(params):  # optax.tree.map_params: every outer state is params-shaped
+      outer_state = tuple(outer.init(anchor) for _ in range(num_fragments))
+    else:
+      ids = assign_fragments(fn, params, num_fragments, fragments)
+      leaves, treedef = jax.tree.flatten(anchor)
+      outer_state = tuple(
+        outer.init(_select(leaves, ids, f, treedef)) for f in range(num_fragments)
+      )
+    return StreamingDiLoCoState(
+      local_step=jnp.zeros([], jnp.int32),
+      anchor=anchor,
+      inner_state=inner.init(params),
+      outer_state=outer_state,
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _common.require_params(fn, params)
+    _common.check_tree_matches(fn, updates, state.anchor, "params")
+    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    axis = _diloco.bound_axis(axis_name)
+    ids = assign_fragments(fn, state.anchor, num_fragments, fragments)
+
+    local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    inner_state = _diloco.keep_dtypes(inner_state, state.inner_state)
+    local_step = optax.safe_increment(state.local_step)
+
+    anchor, treedef = jax.tree.flatten(state.anchor)
+    u_leaves = jax.tree.leaves(local_updates)
+    p_leaves = jax.tree.leaves(params)
+    outer_states, syncs = [], []
+    for f in range(num_fragments):
+      sync = local_step % sync_period == sync_offset(f, sync_period, num_fragments)
+
+      # Each fragment's own conditional carries only its anchor leaves and outer state.
+      def synchronize(anchor_f, outer_state_f, u_f, f=f):
+        x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
+        return _diloco.outer_sync(
+          outer, anchor_f, outer_state_f, x_f, axis_name=axis, num_workers=n,
+          comm_dtype=comm_dtype,
+        )
+
+      def keep(anchor_f, outer_state_f, u_f):
+        return anchor_f, outer_state_f
+
+      anchor_f, outer_state_f = _common.communicate_if(
+        sync, synchronize, keep, _select(anchor, ids, f, treedef), state.outer_state[f],
+        _select(u_leaves, ids, f, treedef),
+      )
+      anchor = [a if i != f else b for a, b, i in zip(anchor, _leaves(anchor_f), ids)]
+      outer_states.append(outer_state_f)
+      syncs.append(sync)
+
+    # x_i^f <- mixing x'_i^f + (1 - mixing) theta^f on fragment f's sync steps.
+    def land(a, p, u, f):
+      target = a
+      if not no_mixing:
+        x = optax.apply_updates(p, u)
+        target = mixing * x.astype(a.dtype) + (1 - mixing) * a
+      return jnp.where(syncs[f], (target - p).astype(u.dtype), u)
+
+    local_updates = treedef.unflatten(
+      [land(a, p, u, f) for a, p, u, f in zip(anchor, p_leaves, u_leaves, ids, strict=True)]
+    )
+    return local_updates, StreamingDiLoCoState(
+      local_step=local_step,
+      anchor=treedef.unflatten(anchor),
+      inner_state=inner_state,
+      outer_state=tuple(outer_states),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
