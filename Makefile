@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test docs bench clean
+.PHONY: demo test docs bench dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +25,11 @@ docs: $(VENV)/.docs
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/run.py
 
+# The sdist and the wheel, in dist/, checked as PyPI would check them.
+dist: $(VENV)/.dist
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/python -m twine check --strict dist/*
+
 clean:
-	rm -rf $(VENV) runs build *.egg-info docs/_build
+	rm -rf $(VENV) runs build dist *.egg-info docs/_build

@@ -152,3 +152,89 @@ def test_optional_module_without_its_dependency_names_the_extra(missing, tmp_pat
   assert len(errors) == 1 and "During handling" not in proc.stderr, proc.stderr
   assert errors[0].startswith(f"ImportError: {says}"), errors[0]
   assert f'`pip install "optax-dist[{extra}]"`' in errors[0], errors[0]
+
+
+# ------------------------------------------------------------------------------------------
+# Packaging: `make dist` builds an sdist and a wheel holding every subpackage, without warnings.
+
+
+def _missing_dist_tools() -> str | None:
+  import importlib.metadata
+  import importlib.util
+
+  for module in ("build", "twine"):
+    if importlib.util.find_spec(module) is None:
+      return f"{module} is not installed (the `dist` extra)"
+  major = int(importlib.metadata.version("setuptools").split(".")[0])
+  return None if major >= 77 else "setuptools < 77 cannot build an SPDX license"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+  """The sdist and the wheel built from a copy of the checkout, and the build's output."""
+  import shutil
+
+  if reason := _missing_dist_tools():
+    pytest.skip(reason)
+  src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+  for name in ("pyproject.toml", "README.md", "LICENSE"):
+    shutil.copy(ROOT / name, src / name)
+  shutil.copytree(ROOT / "optax_dist", src / "optax_dist",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  env = dict(os.environ)
+  env.pop("PYTHONDONTWRITEBYTECODE", None)  # else setuptools warns that it skips byte-compiling
+  # --no-isolation: this environment's setuptools (>= 77, checked above), no download.
+  proc = subprocess.run(
+    [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
+    env=env, capture_output=True, text=True, timeout=300, check=False,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  (wheel,), (sdist,) = out.glob("*.whl"), out.glob("*.tar.gz")
+  sources = sorted(p.relative_to(src).as_posix() for p in (src / "optax_dist").rglob("*.py"))
+  return wheel, sdist, sources, proc.stdout + proc.stderr
+
+
+def test_build_has_no_warnings(built):
+  output = built[3]
+  warnings = [line for line in output.splitlines() if re.search(r"(?i)warn|deprecat", line)]
+  assert not warnings, "\n".join(warnings)
+
+
+def test_wheel_holds_every_module_and_the_license(built):
+  import zipfile
+
+  wheel, _, sources, _ = built
+  names = set(zipfile.ZipFile(wheel).namelist())
+  packages = {s.rsplit("/", 1)[0] for s in sources if s.endswith("/__init__.py")}
+  assert "optax_dist" in packages and len(sources) > 10, sources
+  missing = [s for s in sources if s not in names]
+  assert not missing, f"the wheel lacks {missing}"
+  info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+  assert f"{info}/licenses/LICENSE" in names
+  metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
+  assert "License-Expression: Apache-2.0" in metadata
+  for extra in ("checkpoint", "examples", "dist"):
+    assert f"Provides-Extra: {extra}" in metadata
+  # The command's entry point names a module that the wheel holds.
+  entry = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
+  target = re.search(r"^optax-dist = ([\w.]+):\w+$", entry, re.MULTILINE)[1]
+  assert target.replace(".", "/") + ".py" in names, (target, entry)
+
+
+def test_sdist_holds_the_sources_and_the_license(built):
+  import tarfile
+
+  _, sdist, sources, _ = built
+  with tarfile.open(sdist) as tar:
+    names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+  assert {"LICENSE", "README.md", "pyproject.toml"} <= names
+  assert not [s for s in sources if s not in names]
+
+
+def test_twine_check_passes(built):
+  wheel, sdist, _, _ = built
+  proc = subprocess.run(
+    [sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)],
+    capture_output=True, text=True, timeout=120, check=False,
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
