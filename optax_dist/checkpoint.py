@@ -12,15 +12,19 @@ when a function here is called; ``import optax_dist`` never imports this module.
 The optimizer states are ``NamedTuple``\\ s of arrays, so a training run resumes exactly with Orbax
 itself: save ``{"params": params, "opt_state": opt_state}`` and restore it into the abstract tree
 ``jax.eval_shape`` gives for the same init (with ``sharding=`` set on each
-``jax.ShapeDtypeStruct`` where the arrays are sharded):
+``jax.ShapeDtypeStruct`` where the arrays are sharded). For states stacked over workers that init
+is the mapped one (``jax.vmap(tx.init, axis_name=...)`` or the ``shard_map`` of it), whose step
+counters have the workers' axis too; ``tx.init`` alone gives scalar counters, which Orbax refuses
+to restore the stacked ones into:
 
 .. code-block:: python
 
   import orbax.checkpoint as ocp
 
+  init = jax.vmap(tx.init, axis_name="workers")  # the init the training run used
   with ocp.StandardCheckpointer() as ckpt:  # `path` must be absolute
     ckpt.save(path, {"params": params, "opt_state": opt_state})
-  abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
+  abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": init(p)}, params)
   with ocp.StandardCheckpointer() as ckpt:
     state = ckpt.restore(path, abstract)
 
