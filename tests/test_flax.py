@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import pathlib
 from typing import Any
 
@@ -290,3 +291,246 @@ def test_per_worker_train_state_under_shard_map_elastic_average():
     np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))  # identical
     np.testing.assert_allclose(leaf[0], ref, rtol=1e-5, atol=1e-6)
   assert not np.allclose(local["params"]["kernel"][0], local["params"]["kernel"][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# BatchNorm statistics for the center of elastic_average: synced over workers, re-estimated.
+
+# Training steps, batch size, re-estimation batches per worker (320 of its 350 examples).
+BN_STEPS, BN_BATCH, BN_K, BN_MOMENTUM = 40, 32, 10, 0.9
+
+
+@functools.cache
+def _digits():
+  from sklearn.datasets import load_digits
+
+  x, y = load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  return (x[:1400], y[:1400]), (x[1400:], y[1400:])
+
+
+def _digits_batches():
+  """Each worker's training batches, (steps, N, B, 64), and its K re-estimation batches."""
+  (x, y), _ = _digits()
+  shards = [np.arange(i, len(x), N) for i in range(N)]  # worker i's training examples
+  rng = np.random.default_rng(3)
+  idx = np.stack([rng.choice(s, size=(BN_STEPS, BN_BATCH)) for s in shards], axis=1)
+  est = np.stack([s[: BN_K * BN_BATCH].reshape(BN_K, BN_BATCH) for s in shards])  # (N, K, B)
+  return x[idx], y[idx].astype(np.int32), x[est]
+
+
+def _easgd():
+  return optax_dist.elastic_average(
+    optax.sgd(0.1, momentum=0.9), communication_period=4, moving_rate=0.9 / N, axis_name="w"
+  )
+
+
+def _numpy_bn_stats(x, kernel, bias):
+  """The mean over all batches of each batch's mean and biased variance of ``x kernel + b``."""
+  h = x.astype(np.float64) @ np.asarray(kernel, np.float64) + np.asarray(bias, np.float64)
+  h = h.reshape(-1, *h.shape[-2:])  # (batches, B, features)
+  return h.mean(1).mean(0), h.var(1).mean(0)
+
+
+def _scores(logits, y):
+  """Accuracy and mean cross-entropy on the test set."""
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return float(np.mean(np.argmax(logits, -1) == y)), float(loss)
+
+
+class _BNNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    h = nn.Dense(32)(x)
+    h = nn.BatchNorm(use_running_average=not train, momentum=BN_MOMENTUM)(h)
+    return nn.Dense(10)(nn.relu(h))
+
+
+class _BNTrainState(optax_dist.flax.TrainState):
+  batch_stats: Any = None
+
+
+def _linen_worker(xs, ys, est, variables):
+  """One worker's EASGD run (shard_map body); returns its state, center and statistics."""
+  model = _BNNet()
+  variables = jax.tree.map(lambda v: jax.lax.pcast(v, "w", to="varying"), variables)
+  state = _BNTrainState.create(
+    apply_fn=model.apply,
+    params=variables["params"],
+    tx=_easgd(),
+    batch_stats=variables["batch_stats"],
+  )
+
+  def step(state, batch):
+    x, y = batch
+
+    def loss(params):
+      logits, mutated = state.apply_fn(
+        {"params": params, "batch_stats": state.batch_stats},
+        x[0],
+        train=True,
+        mutable=["batch_stats"],
+      )
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y[0]).mean(), mutated
+
+    grads, mutated = jax.grad(loss, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=mutated["batch_stats"]), None
+
+  state, _ = jax.lax.scan(step, state, (xs, ys))
+  center = state.eval_params()
+  estimated = optax_dist.flax.update_bn(
+    model.apply,
+    {"params": center, "batch_stats": state.batch_stats},
+    est[0],
+    axis_name="w",
+    train=True,
+  )
+  # The synced statistics keep the carry's varying type: they can replace it in a scan.
+  synced, _ = jax.lax.scan(
+    lambda s, _: (optax_dist.flax.sync_batch_stats(s, "w"), None), state.batch_stats, length=2
+  )
+  return jax.tree.map(_per_worker, (state.batch_stats, center, estimated, synced))
+
+
+@functools.cache
+def _linen_bn_run():
+  xs, ys, est = _digits_batches()
+  variables = _BNNet().init(jax.random.key(0), xs[0, 0], train=False)
+  mesh = Mesh(np.array(jax.devices()[:N]), ("w",))
+  f = jax.jit(
+    jax.shard_map(
+      _linen_worker, mesh=mesh, in_specs=(P(None, "w"), P(None, "w"), P("w"), P()), out_specs=P("w")
+    )
+  )
+  return jax.device_get(f(xs, ys, est, variables)), est
+
+
+def _linen_test_scores(center, batch_stats):
+  _, (x, y) = _digits()
+  return _scores(_linen_eval(center, batch_stats, x), y)
+
+
+@jax.jit
+def _linen_eval(center, batch_stats, x):
+  return _BNNet().apply({"params": center, "batch_stats": batch_stats}, x, train=False)
+
+
+def test_update_bn_matches_numpy_statistics_of_the_center():
+  (_, center, estimated, _), est = _linen_bn_run()
+  for leaf in jax.tree.leaves((center, estimated)):  # identical on every worker
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))
+  dense = center["Dense_0"]
+  mean, var = _numpy_bn_stats(est, dense["kernel"][0], dense["bias"][0])
+  np.testing.assert_allclose(estimated["BatchNorm_0"]["mean"][0], mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(estimated["BatchNorm_0"]["var"][0], var, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_batch_stats_is_the_mean_over_workers():
+  (workers, _, _, synced), _ = _linen_bn_run()
+  assert not np.allclose(workers["BatchNorm_0"]["mean"][0], workers["BatchNorm_0"]["mean"][1])
+  for got, per_worker in zip(jax.tree.leaves(synced), jax.tree.leaves(workers), strict=True):
+    expected = np.broadcast_to(per_worker.mean(0), per_worker.shape)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_update_bn_evaluates_the_center_at_least_as_well_as_worker_0():
+  (workers, center, estimated, synced), _ = _linen_bn_run()
+  first = functools.partial(jax.tree.map, lambda leaf: leaf[0])
+  own = _linen_test_scores(first(center), first(workers))
+  reestimated = _linen_test_scores(first(center), first(estimated))
+  averaged = _linen_test_scores(first(center), first(synced))
+  print(
+    f"center: (accuracy, loss) with worker 0's stats {own}, synced {averaged},"
+    f" re-estimated {reestimated}"
+  )
+  assert reestimated[0] >= own[0] and reestimated[1] < own[1]
+
+
+def test_update_bn_keeps_other_leaves_and_checks_its_arguments():
+  class SpectralBN(nn.Module):  # SpectralNorm also keeps its state in "batch_stats"
+    @nn.compact
+    def __call__(self, x, train: bool):
+      h = nn.SpectralNorm(nn.Dense(3))(x, update_stats=train)
+      return nn.BatchNorm(use_running_average=not train)(h)
+
+  model, x = SpectralBN(), jnp.arange(12.0).reshape(1, 4, 3)
+  variables = model.init(jax.random.key(0), x[0], train=False)
+  stats = optax_dist.flax.update_bn(model.apply, variables, x, train=True)
+  _assert_close(stats["SpectralNorm_0"], variables["batch_stats"]["SpectralNorm_0"])
+  with pytest.raises(ValueError, match=r"update_bn.*use_running_average=True.*train=True"):
+    optax_dist.flax.update_bn(model.apply, variables, x, train=False)
+  with pytest.raises(ValueError, match=r"update_bn\(variables=...\).*'batch_stats'"):
+    optax_dist.flax.update_bn(model.apply, {"params": variables["params"]}, x, train=True)
+  with pytest.raises(ValueError, match=r"update_bn\(batches=...\)"):
+    optax_dist.flax.update_bn(model.apply, variables, x[:0], train=True)
+  with pytest.raises(ValueError, match=r"update_bn\(axis_name='w'\).*not bound"):
+    optax_dist.flax.update_bn(model.apply, variables, x, axis_name="w", train=True)
+  with pytest.raises(ValueError, match=r"sync_batch_stats\(axis_name='w'\).*not bound"):
+    optax_dist.flax.sync_batch_stats(variables["batch_stats"], "w")
+
+
+# NNX: the same run with nnx.Optimizer, workers under jax.vmap.
+
+
+class _NNXBNNet(nnx.Module):
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(64, 32, rngs=rngs)
+    self.bn = nnx.BatchNorm(32, momentum=BN_MOMENTUM, rngs=rngs)
+    self.out = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.bn(self.dense(x))))
+
+
+@functools.cache
+def _nnx_bn_run():
+  xs, ys, est = _digits_batches()
+  model = _NNXBNNet(nnx.Rngs(0))
+  graphdef, state = nnx.split((model, nnx.Optimizer(model, _easgd(), wrt=nnx.Param)))
+
+  def worker(state, xs, ys, est):
+    def step(state, batch):
+      x, y = batch
+      model, optimizer = nnx.merge(graphdef, state)
+      grads = nnx.grad(lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(
+        model
+      )
+      optimizer.update(model, grads)
+      return nnx.split((model, optimizer))[1], None
+
+    state, _ = jax.lax.scan(step, state, (xs, ys))
+    model, optimizer = nnx.merge(graphdef, state)
+    center = nnx.clone(model)
+    nnx.update(center, optax_dist.flax.nnx_eval_params(optimizer, model))
+    estimated = optax_dist.flax.nnx_update_bn(center, est, axis_name="w")
+    synced = optax_dist.flax.sync_batch_stats(nnx.as_pure(nnx.state(model, nnx.BatchStat)), "w")
+    return nnx.as_pure(nnx.state(model)), nnx.as_pure(nnx.state(center)), estimated, synced
+
+  states = jax.tree.map(lambda x: jnp.broadcast_to(x, (N, *jnp.shape(x))), state)
+  f = jax.jit(jax.vmap(worker, in_axes=(0, 1, 1, 0), axis_name="w"))
+  return jax.device_get(f(states, xs, ys, est)), est, graphdef
+
+
+def test_nnx_update_bn_matches_numpy_and_evaluates_at_least_as_well():
+  (workers, center, estimated, synced), est, _ = _nnx_bn_run()
+  mean, var = _numpy_bn_stats(est, center["dense"]["kernel"][0], center["dense"]["bias"][0])
+  np.testing.assert_allclose(estimated["bn"]["mean"][1], mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(estimated["bn"]["var"][1], var, rtol=1e-5, atol=1e-6)
+  for name in ("mean", "var"):
+    per_worker = workers["bn"][name]
+    np.testing.assert_allclose(
+      synced["bn"][name],
+      np.broadcast_to(per_worker.mean(0), per_worker.shape),
+      rtol=1e-6,
+      atol=1e-7,
+    )
+
+  _, (x, y) = _digits()
+  model = _NNXBNNet(nnx.Rngs(0))
+  nnx.update(model, jax.tree.map(lambda leaf: leaf[0], center))
+  model.bn.use_running_average = True
+  own = _scores(model(x), y)
+  nnx.update(model, jax.tree.map(lambda leaf: leaf[0], estimated))
+  reestimated = _scores(model(x), y)
+  print(f"NNX center: (accuracy, loss) with worker 0's stats {own}, re-estimated {reestimated}")
+  assert reestimated[0] >= own[0] and reestimated[1] < own[1]
