@@ -70,13 +70,15 @@ def accumulate_then_reduce(
   Args:
     inner: the optimizer applied once per ``every_k`` micro-steps to the reduced gradients.
     every_k: :math:`k`, the number of micro-steps per reduction, a positive int.
-    axis_name: the mapped axis whose positions are the towers; ``None`` or an unbound axis
-      means one tower (no collective: plain gradient accumulation).
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the towers;
+      ``None`` means one tower (no collective: plain gradient accumulation).
     reduction: ``"mean"`` or ``"sum"`` over the towers, as in :func:`all_reduce`.
     use_grad_mean: if ``True`` (default, as ``optax.MultiSteps``), the accumulated gradients
       are averaged over the :math:`k` micro-steps; else summed.
-    accumulator_dtype: the dtype of ``acc_grads`` for floating leaves (e.g. ``jnp.float32``
-      for ``bfloat16`` gradients); ``None`` (default) keeps each param's dtype.
+    accumulator_dtype: the dtype of ``acc_grads`` for floating leaves; ``None`` (default) is
+      ``float32`` for params of lower precision (``bfloat16``, ``float16``) and each param's
+      own dtype otherwise, as ``optax.MultiSteps`` accumulates: a ``bfloat16`` sum of 512
+      gradients of 1.0 stops growing at 256.
     comm_dtype: the floating dtype in which the accumulated gradients are all-reduced (e.g.
       ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) uses their own dtype.
 
@@ -99,7 +101,9 @@ def accumulate_then_reduce(
   Raises:
     TypeError: ``inner`` is not a transformation; ``every_k`` not an int;
       ``accumulator_dtype`` or ``comm_dtype`` not ``None`` or a floating dtype.
-    ValueError: ``every_k`` < 1; ``reduction`` not ``"mean"`` or ``"sum"``.
+    ValueError: ``every_k`` < 1; ``reduction`` not ``"mean"`` or ``"sum"``; in ``update``,
+      a named ``axis_name`` that is not bound where it runs, or updates whose shapes differ
+      from the params'.
 
   Examples:
     Two towers emulated with ``vmap``, two micro-steps per reduction, SGD with learning rate 1:
@@ -119,18 +123,20 @@ def accumulate_then_reduce(
   """
   fn = "accumulate_then_reduce"
   _common.check_transformation(fn, inner)
-  inner = optax.with_extra_args_support(inner)
+  inner = _common.wrap_inner(inner)
   _common.check_positive_int(fn, "every_k", every_k)
   _common.check_choice(fn, "reduction", reduction, ("mean", "sum"))
   comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
   accumulator_dtype = _common.check_floating_dtype(fn, "accumulator_dtype", accumulator_dtype)
-  reduce = _tower.all_reduce(axis_name, reduction, comm_dtype=comm_dtype)
+  reduce = _tower.all_reduce_as(fn, axis_name, reduction, comm_dtype)
 
   def accumulator(p):
-    p = jnp.asarray(p)
-    floating = jnp.issubdtype(p.dtype, jnp.floating)
-    dtype = accumulator_dtype if floating and accumulator_dtype is not None else p.dtype
-    return jnp.zeros(p.shape, dtype)
+    dtype = jnp.result_type(p)
+    if jnp.issubdtype(dtype, jnp.floating):
+      # Default: float32 for params of lower precision, as optax.MultiSteps accumulates.
+      default = jnp.promote_types(dtype, jnp.float32)
+      dtype = default if accumulator_dtype is None else accumulator_dtype
+    return jnp.zeros(jnp.shape(p), dtype)
 
   def init_fn(params):
     return AccumulateThenReduceState(
@@ -142,6 +148,7 @@ def accumulate_then_reduce(
 
   def update_fn(updates, state, params=None, **extra_args):
     _common.check_tree_matches(fn, updates, state.acc_grads, "params")
+    _common.bound_axis_size(fn, axis_name)
 
     # A_i <- A_i + g_{i,m}
     acc_grads = jax.tree.map(lambda a, g: (a + g).astype(a.dtype), state.acc_grads, updates)
@@ -155,8 +162,8 @@ def accumulate_then_reduce(
 
     def reduce_and_step(acc_grads, inner_state):
       grads, _ = reduce.update(local_grads(acc_grads), optax.EmptyState())  # G
-      u, inner_state = inner.update(grads, inner_state, params, **extra_args)  # u = inner(G)
-      return u, inner_state, optax.tree.zeros_like(acc_grads)  # A_i <- 0
+      u, new_state = inner.update(grads, inner_state, params, **extra_args)  # u = inner(G)
+      return u, new_state, optax.tree.zeros_like(acc_grads)
 
     def accumulate(acc_grads, inner_state):
       shapes, _ = jax.eval_shape(

@@ -68,7 +68,9 @@ def agn(
     communication_period: τ, a count of ``update`` calls; the first commit is on the τ-th call.
     center_update: ``"sequential"`` (TF's semantics: one ``inner`` step per worker's commit,
       in axis-index order) or ``"mean"`` (one ``inner`` step on the workers' mean).
-    axis_name: the mapped axis whose positions are the workers; ``None`` for one worker.
+    axis_name: the mapped axis (or tuple of mesh axes, e.g. ``("hosts", "gpus")``; the commit
+      order is then the row-major order of the tuple's positions) whose positions are the
+      workers; ``None`` for one worker.
     comm_dtype: the floating dtype in which the workers' mean gradients :math:`a_i / \tau` are
       exchanged (e.g. ``jnp.bfloat16``: half the bytes of ``float32``): cast to it before the
       ``all_gather`` or ``pmean`` and back to the params' dtypes after, so the center's ``inner``
@@ -87,16 +89,23 @@ def agn(
     On communication steps only, inside a ``lax.cond``; none on other steps.
     ``"sequential"`` issues one ``all_gather`` over ``axis_name`` of the accumulated gradients
     (params bytes sent, N × params bytes received per worker) and applies the N commits in
-    order, unrolled at trace time; ``"mean"`` issues one ``pmean`` of a params-sized tree (the
-    params' bytes). With ``comm_dtype``, bytes are element counts times its itemsize. None when
-    ``axis_name`` is ``None`` or unbound. :func:`communication_report` measures them.
+    order with a ``lax.scan`` (the program's size does not grow with N); ``"mean"`` issues one
+    ``pmean`` of a params-sized tree (the params' bytes). With ``comm_dtype``, bytes are element
+    counts times its itemsize. None when ``axis_name`` is ``None``.
+    :func:`communication_report` measures them.
+
+    Memory: ``"sequential"`` holds the gathered commits, N × params elements, on every worker
+    during a communication step; beyond a few workers prefer ``center_update="mean"`` (one
+    params-sized buffer, one ``inner`` step per commit round).
 
   Raises:
     TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type;
-      ``comm_dtype`` not ``None`` or a floating dtype.
+      ``comm_dtype`` not ``None`` or a floating dtype; a param leaf is not floating point (the
+      message names its path).
     ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``center_update``
       not ``"sequential"`` or ``"mean"``; ``num_workers > 1`` with ``axis_name=None``;
-      ``num_workers`` different from the axis size; ``update`` without ``params``.
+      ``num_workers`` different from the axis size; ``update`` without ``params``, where a
+      named ``axis_name`` is not bound, or with updates whose shapes differ from the params'.
 
   Examples:
     One worker, committing every 2 steps with plain SGD:
@@ -118,17 +127,18 @@ def agn(
   """
   fn = "agn"
   _common.check_transformation(fn, inner)
-  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   _common.check_positive_int(fn, "communication_period", communication_period)
   _common.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
   _common.check_num_workers(fn, num_workers, axis_name)
   comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
 
   def init_fn(params):
+    _common.check_floating(fn, params)
     _common.resolve_num_workers(fn, num_workers, axis_name)
     return AGNState(
       local_step=jnp.zeros([], jnp.int32),
-      center=jax.tree.map(jnp.asarray, params),
+      center=_common.copy(params),
       grad_accum=optax.tree.zeros_like(params),
       inner_state=inner.init(params),
       center_inner_state=inner.init(params),
@@ -136,35 +146,37 @@ def agn(
 
   def update_fn(updates, state, params=None, **extra_args):
     _common.require_params(fn, params)
+    _common.check_floating(fn, params)
     _common.check_tree_matches(fn, updates, state.center, "params")
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    bound = _common.axis_size(axis_name) is not None
 
     # x_i <- x_i + inner(g_i); a_i <- a_i + g_i.
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     grad_accum = jax.tree.map(lambda a, g: (a + g).astype(a.dtype), state.grad_accum, updates)
     local_step = optax.safe_increment(state.local_step)
 
-    def center_step(center, center_inner_state, grads):
-      center_updates, center_inner_state = inner.update(grads, center_inner_state, center)
-      return optax.apply_updates(center, center_updates), center_inner_state
+    def center_step(carry, grads):
+      center, center_inner_state = carry
+      center_updates, new_inner_state = inner.update(grads, center_inner_state, center)
+      return (optax.apply_updates(center, center_updates), new_inner_state), None
 
     # The conditional carries only the center and its inner state: on other steps it hands them
     # back unchanged (XLA then writes no copy of them). The updates and the accumulator's reset
     # are selected outside it.
     def commit(center, grad_accum, center_inner_state):
       mean_grad = jax.tree.map(lambda a: (a / communication_period).astype(a.dtype), grad_accum)
-      if not bound:
-        commits = [mean_grad]
+      carry = (center, center_inner_state)
+      if axis_name is None:
+        carry, _ = center_step(carry, mean_grad)
       elif center_update == "mean":
         total = _common.psum(mean_grad, axis_name, comm_dtype)  # divided in the params' dtypes
-        commits = [jax.tree.map(lambda t: (t / n).astype(t.dtype), total)]
+        carry, _ = center_step(carry, jax.tree.map(lambda t: (t / n).astype(t.dtype), total))
       else:
+        # The N commits in axis order, one scan step each: the program size does not grow
+        # with N. The gathered tree holds N x params elements on every worker.
         gathered = _common.all_gather(mean_grad, axis_name, comm_dtype)
-        commits = [jax.tree.map(lambda a, j=j: a[j], gathered) for j in range(n)]
-      for grads in commits:
-        center, center_inner_state = center_step(center, center_inner_state, grads)
-      return center, center_inner_state
+        carry, _ = jax.lax.scan(center_step, carry, gathered, length=n)
+      return carry
 
     def keep(center, grad_accum, center_inner_state):
       return center, center_inner_state

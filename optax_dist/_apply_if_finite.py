@@ -82,8 +82,8 @@ def apply_if_finite(
     inner: the transformation to protect, typically the whole distributed optimizer.
     max_consecutive_errors: the number of consecutive non-finite steps to skip before applying
       one anyway; a non-negative int.
-    axis_name: the mapped axis whose positions are the workers; ``None`` (or an axis not bound
-      here) for one worker and no collective.
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers;
+      ``None`` for one worker and no collective.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra args are forwarded to ``inner``.
@@ -94,12 +94,13 @@ def apply_if_finite(
 
   Collectives:
     On every step, one ``pmax`` over ``axis_name`` of an ``int32`` scalar (the non-finite flag).
-    None when ``axis_name`` is ``None`` or unbound. The collectives of ``inner`` run on every
+    None when ``axis_name`` is ``None``. The collectives of ``inner`` run on every
     worker or on none, inside a ``lax.cond`` on the agreed flag.
 
   Raises:
     TypeError: ``inner`` is not a transformation; ``max_consecutive_errors`` is not an int.
-    ValueError: ``max_consecutive_errors`` is negative.
+    ValueError: ``max_consecutive_errors`` is negative; in ``update``, a named ``axis_name``
+      that is not bound where it runs.
 
   Examples:
     Two workers emulated with ``vmap``; worker 1's gradient is NaN, so both skip the step:
@@ -122,7 +123,7 @@ def apply_if_finite(
   _common.check_int(fn, "max_consecutive_errors", max_consecutive_errors)
   if (v := _common.concrete(max_consecutive_errors)) is not None and v < 0:
     raise ValueError(f"`{fn}(max_consecutive_errors=...)` must be a non-negative int, got {v}.")
-  inner = optax.with_extra_args_support(inner)
+  inner = _common.wrap_inner(inner)
 
   def init_fn(params):
     return ApplyIfFiniteState(
@@ -135,7 +136,7 @@ def apply_if_finite(
   def update_fn(updates, state, params=None, **extra_args):
     # f: finite on every worker. One pmax of this worker's flag "some element is not finite".
     notfinite = jnp.logical_not(_all_finite(updates)).astype(jnp.int32)
-    if _common.axis_size(axis_name) is not None:
+    if _common.bound_axis_size(fn, axis_name) is not None:
       notfinite = jax.lax.pmax(notfinite, axis_name)
     isfinite = notfinite == 0
 

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 NO_PARAMS_MSG = (
   "`{fn}` needs the current parameters: call `update(updates, state, params)` with"
@@ -31,8 +32,16 @@ NO_PARAMS_MSG = (
 # The worker axis.
 
 
-def axis_size(axis_name: Hashable | None) -> int | None:
-  """Size of the mapped axis ``axis_name``, or ``None`` if it is ``None`` or not bound here."""
+def axis_names(axis_name: Hashable | tuple | None) -> tuple:
+  """``axis_name`` as a tuple of mesh axis names (``()`` for ``None``)."""
+  if axis_name is None:
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_size(axis_name: Hashable | tuple | None) -> int | None:
+  """Size of the mapped axis ``axis_name`` (the product over a tuple), or ``None`` if it is
+  ``None`` or not bound here."""
   if axis_name is None:
     return None
   try:
@@ -41,28 +50,42 @@ def axis_size(axis_name: Hashable | None) -> int | None:
     return None
 
 
+def bound_axis_size(fn: str, axis_name: Hashable | tuple | None) -> int | None:
+  """``axis_size(axis_name)`` in ``update``: ``None`` for ``axis_name=None`` (one worker).
+
+  Raises:
+    ValueError: if ``axis_name`` names an axis that is not bound where ``update`` runs (a
+      misspelled name, or ``update`` called outside the mapped function): the workers could
+      not communicate, and each would silently train alone.
+  """
+  if axis_name is None:
+    return None
+  missing = [a for a in axis_names(axis_name) if axis_size(a) is None]
+  if missing:
+    raise ValueError(
+      f"`{fn}(axis_name={axis_name!r})`: `update` was called where axis {missing[0]!r} is not"
+      " bound, so the workers cannot communicate. Call it inside the jax.shard_map, jax.pmap"
+      f" or jax.vmap that maps the workers over {missing[0]!r} (check the spelling), or pass"
+      " axis_name=None for a single worker."
+    )
+  return jax.lax.axis_size(axis_name)
+
+
 def resolve_num_workers(
-  fn: str, num_workers: Any, axis_name: Hashable | None, *, in_update: bool = False
+  fn: str, num_workers: Any, axis_name: Hashable | tuple | None, *, in_update: bool = False
 ) -> int:
   """The number of workers: the axis size where the axis is bound, else ``num_workers`` or 1.
 
   ``init`` may run where the axis is unbound (``jax.eval_shape`` of the state); ``update``
-  (``in_update=True``) may not when ``num_workers > 1``: the workers could not communicate.
+  (``in_update=True``) may not, whatever ``num_workers``: see :func:`bound_axis_size`.
 
   Raises:
     ValueError: if ``axis_name`` is bound, ``num_workers`` is concrete and differs from the
-      axis size, or the axis has size 0; or, in ``update``, ``num_workers > 1`` and the axis is
-      not bound (a misspelled ``axis_name``, or ``update`` called outside the mapped function).
+      axis size, or the axis has size 0; or, in ``update``, a named ``axis_name`` is unbound.
   """
-  size = axis_size(axis_name)
+  size = bound_axis_size(fn, axis_name) if in_update else axis_size(axis_name)
   given = concrete(num_workers)
   if size is None:
-    if in_update and given is not None and given > 1:
-      raise ValueError(
-        f"`{fn}(num_workers={given})`: `update` was called where axis {axis_name!r} is not"
-        " bound, so the workers cannot communicate. Call it inside the jax.shard_map, jax.pmap"
-        f" or jax.vmap that maps the workers over {axis_name!r}."
-      )
     return 1 if given is None else int(given)
   if size < 1:
     raise ValueError(
@@ -77,7 +100,7 @@ def resolve_num_workers(
   return size
 
 
-def check_num_workers(fn: str, num_workers: Any, axis_name: Hashable | None) -> None:
+def check_num_workers(fn: str, num_workers: Any, axis_name: Hashable | tuple | None) -> None:
   """Raise unless ``num_workers`` is ``None`` or a positive int usable with ``axis_name``."""
   if num_workers is None:
     return
@@ -152,6 +175,53 @@ def all_gather(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
 def is_communication_step(local_step: jax.Array, communication_period: Any) -> jax.Array:
   """True where ``local_step`` (already incremented) is a multiple of ``communication_period``."""
   return local_step % communication_period == 0
+
+
+def summed_axes(axis_name: Hashable | tuple, leaf: jax.Array) -> tuple:
+  """The axes of ``axis_name`` over which autodiff has already summed ``leaf``.
+
+  Per axis: varying types are checked there (``shard_map``'s default) iff the axis index varies
+  over it, and a leaf typed invariant over a checked axis was summed over it by autodiff (the
+  gradient of params replicated over that axis). Under ``vmap``, ``pmap`` and
+  ``shard_map(check_vma=False)`` every value is typed invariant and no axis counts as summed.
+  """
+  return tuple(
+    a for a in axis_names(axis_name)
+    if a in varying_axes(jax.lax.axis_index(a)) and a not in varying_axes(leaf)
+  )
+
+
+def copy(tree: Any, dtype: Any = None) -> Any:
+  """A copy of ``tree`` (in ``dtype`` if given) that shares no buffer with it.
+
+  State built from the params at ``init`` must not alias them: a jitted step that donates both
+  the params and the state right after an eager ``init`` would donate one buffer twice.
+  """
+  return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), tree)
+
+
+def wrap_inner(inner: Any) -> Any:
+  """``inner`` as every wrapper calls it: unknown extra args dropped
+  (``optax.with_extra_args_support``), and its state cast back to its dtypes after each update
+  (:func:`keep_dtypes`)."""
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, new_state = inner.update(updates, state, params, **extra_args)
+    return updates, keep_dtypes(new_state, state)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def keep_dtypes(new: Any, old: Any) -> Any:
+  """``new`` cast leaf by leaf to the dtypes of ``old`` (a state keeps its dtypes per step).
+
+  With gradients of another dtype than the params (mixed precision), optax's inner states
+  promote (e.g. momentum of bfloat16 params updated with float32 gradients becomes float32):
+  a state that changes dtype retraces a jitted step, and the branches of a ``lax.cond`` would
+  disagree.
+  """
+  return jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new, old)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,12 +323,20 @@ def require_params(fn: str, params: Any) -> None:
 
 
 def check_tree_matches(fn: str, updates: Any, reference: Any, what: str) -> None:
-  """Raise ``ValueError`` if ``updates`` and ``reference`` have different tree structures."""
+  """Raise ``ValueError`` unless ``updates`` has the tree structure and leaf shapes of
+  ``reference``, naming the first leaf whose shape differs and both shapes."""
   got, want = jax.tree.structure(updates), jax.tree.structure(reference)
   if got != want:
     raise ValueError(
       f"`{fn}`: `updates` must have the tree structure of the {what}; got {got}, expected {want}."
     )
+  for (path, u), r in zip(jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(reference)):
+    if np.shape(u) != np.shape(r):
+      raise ValueError(
+        f"`{fn}`: the update at {jax.tree_util.keystr(path) or '<root>'} has shape"
+        f" {np.shape(u)} but the {what} leaf there has shape {np.shape(r)}; updates and params"
+        " must have the same shapes (inside a mapped step, the per-worker shapes)."
+      )
 
 
 def check_floating(fn: str, params: Any) -> None:

@@ -112,7 +112,7 @@ def drop_stale_gradients(
   """
   fn = "drop_stale_gradients"
   _common.check_transformation(fn, inner)
-  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   _common.check_int(fn, "max_staleness", max_staleness)
 
   def init_fn(params):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -70,7 +71,8 @@ def elastic_average(
       Default: :math:`\alpha / \mathrm{learning\_rate}` if ``learning_rate`` is given (TF's
       default), else 0 (the paper's Algorithm 1).
     learning_rate: the inner optimizer's learning rate, used only for the default ``rho``.
-    axis_name: the mapped axis whose positions are the workers; ``None`` for one worker.
+    axis_name: the mapped axis (or tuple of mesh axes, e.g. ``("hosts", "gpus")``) whose
+      positions are the workers; ``None`` for one worker.
     comm_dtype: the floating dtype in which the :math:`d_j` are summed over the axis (e.g.
       ``jnp.bfloat16``: half the bytes of ``float32``): each :math:`d_i` is cast to it before the
       ``psum`` and the sum back to the center's dtype after. ``None`` (default) communicates in
@@ -88,14 +90,21 @@ def elastic_average(
     One ``psum`` over ``axis_name`` of a params-sized tree (the params' bytes, or their element
     count times ``comm_dtype``'s itemsize), on communication steps only
     (``local_step % communication_period == 0``), inside a ``lax.cond``; none on other steps.
-    None when ``axis_name`` is ``None`` or unbound. :func:`communication_report` measures them.
+    None when ``axis_name`` is ``None``. :func:`communication_report` measures them.
 
   Raises:
     TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type;
-      ``comm_dtype`` not ``None`` or a floating dtype.
+      ``comm_dtype`` not ``None`` or a floating dtype; a param leaf is not floating point (the
+      message names its path).
     ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``moving_rate``
       ≤ 0; ``rho`` < 0; ``learning_rate`` ≤ 0; ``num_workers > 1`` with ``axis_name=None``;
-      ``num_workers`` different from the axis size; ``update`` without ``params``.
+      ``num_workers`` different from the axis size; ``update`` without ``params``, where a
+      named ``axis_name`` is not bound, or with updates whose shapes differ from the params'.
+
+  Warns:
+    UserWarning: :math:`\alpha N > 1` (when both are known at trace time). The exchange is
+      stable for :math:`0 < \alpha N < 1`: beyond 1 the center overshoots the workers' mean, and
+      from 2 on it diverges.
 
   Examples:
     Two workers emulated with ``vmap``, exchanging every step:
@@ -117,7 +126,7 @@ def elastic_average(
   """
   fn = "elastic_average"
   _common.check_transformation(fn, inner)
-  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   _common.check_positive_int(fn, "communication_period", communication_period)
   _common.check_num_workers(fn, num_workers, axis_name)
   if moving_rate is not None:
@@ -131,18 +140,21 @@ def elastic_average(
   comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
 
   def init_fn(params):
+    _common.check_floating(fn, params)
     _common.resolve_num_workers(fn, num_workers, axis_name)
     return ElasticAverageState(
       local_step=jnp.zeros([], jnp.int32),
-      center=jax.tree.map(jnp.asarray, params),
+      center=_common.copy(params),
       inner_state=inner.init(params),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
     _common.require_params(fn, params)
+    _common.check_floating(fn, params)
     _common.check_tree_matches(fn, updates, state.center, "params")
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     alpha = BETA / communication_period / n if moving_rate is None else moving_rate
+    _warn_if_unstable(alpha, n)
     if rho is not None:
       rho_ = rho
     elif learning_rate is not None:
@@ -170,7 +182,7 @@ def elastic_average(
     def exchange(u, center):
       new_params = optax.apply_updates(params, u)  # x'_i
       d = jax.tree.map(lambda x, c: (alpha * (x - c)).astype(c.dtype), new_params, center)
-      if _common.axis_size(axis_name) is None:
+      if axis_name is None:
         total = d
       else:
         total = _common.psum(d, axis_name, comm_dtype)
@@ -191,3 +203,18 @@ def elastic_average(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _warn_if_unstable(alpha: Any, num_workers: int) -> None:
+  """Warn if ``moving_rate * num_workers > 1`` (both concrete): the center would overshoot."""
+  rate = _common.concrete(alpha)
+  if rate is not None and rate * num_workers > 1:
+    warnings.warn(
+      f"`elastic_average`: moving_rate * num_workers = {rate} * {num_workers} ="
+      f" {rate * num_workers:g} > 1. The exchange is stable for 0 < moving_rate * num_workers"
+      " < 1: beyond 1 the center overshoots the workers' mean, and from 2 on it diverges."
+      f" Use moving_rate < {1 / num_workers:g} (the default is 0.9 / (communication_period *"
+      " num_workers)).",
+      UserWarning,
+      stacklevel=3,
+    )

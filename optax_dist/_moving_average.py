@@ -73,9 +73,11 @@ def moving_average(
     None. Under a mapped axis every worker keeps the average of its own params.
 
   Raises:
-    TypeError: ``inner`` is not a transformation; ``decay`` is not a number or a callable; a
-      param leaf is not floating point (the message names the leaf's path).
-    ValueError: ``decay`` outside [0, 1]; ``update`` called without ``params``.
+    TypeError: ``inner`` is not a transformation; ``decay`` is not a number or a callable;
+      ``ema_dtype`` not ``None`` or a floating dtype; a param leaf is not floating point (the
+      message names the leaf's path).
+    ValueError: ``decay`` outside [0, 1]; ``update`` called without ``params`` or with updates
+      whose shapes differ from the params' (the message names the leaf and both shapes).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_dist
@@ -95,18 +97,16 @@ def moving_average(
   """
   fn = "moving_average"
   _common.check_transformation(fn, inner)
-  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   if not callable(decay):
     _common.check_number(fn, "decay", decay, lower=0.0, upper=1.0, constraint="in [0, 1]")
-
-  def cast_ema(tree):
-    return tree if ema_dtype is None else optax.tree.cast(tree, ema_dtype)
+  ema_dtype = _common.check_floating_dtype(fn, "ema_dtype", ema_dtype)
 
   def init_fn(params):
     _common.check_floating(fn, params)
     return MovingAverageState(
       count=jnp.zeros([], jnp.int32),
-      ema=cast_ema(jax.tree.map(jnp.asarray, params)),
+      ema=_common.copy(params, ema_dtype),
       inner_state=inner.init(params),
     )
 

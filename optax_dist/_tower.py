@@ -31,8 +31,15 @@ def all_reduce(
   over the axis and is reduced with ``psum``/``pmean``. Under ``shard_map`` (varying types
   checked, its default) with params replicated as ``P()``, autodiff has already summed the
   gradient over the towers and typed it invariant: ``"sum"`` leaves it as is and ``"mean"``
-  divides it by :math:`N` (a plain ``pmean`` would count the towers twice). Where ``axis_name`` is
-  not bound (one tower), updates pass through unreduced.
+  divides it by :math:`N` (a plain ``pmean`` would count the towers twice). With
+  ``axis_name=None`` (one tower), updates pass through unreduced.
+
+  ``axis_name`` may be a tuple of mesh axes (e.g. ``("hosts", "gpus")``): the towers are the
+  positions of all of them together, :math:`N` is the product of their sizes, and the rule above
+  applies per axis: a leaf is ``psum``-med over the axes it varies over and treated as already
+  summed over those where types are checked and it is invariant (e.g. params ``P("hosts")``
+  under ``shard_map`` over both axes: autodiff summed the gradient over ``gpus``, the ``psum``
+  runs over ``hosts``).
 
   With ``comm_dtype``, each floating leaf is cast to ``comm_dtype`` before the ``psum`` and back
   to its own dtype after it (the mean then divides in the leaf's dtype): the communicated bytes
@@ -40,7 +47,8 @@ def all_reduce(
   ``comm_dtype``.
 
   Args:
-    axis_name: the mapped axis whose positions are the towers.
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the towers; ``None``
+      for one tower.
     reduction: ``"mean"`` or ``"sum"``.
     comm_dtype: the floating dtype in which the gradients are communicated (e.g.
       ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) communicates each leaf
@@ -56,11 +64,13 @@ def all_reduce(
     On every step, one ``psum`` (``"sum"``) or ``pmean`` (``"mean"``) over ``axis_name`` per
     leaf that varies over the axis: the gradient's bytes (its element count times the itemsize
     of ``comm_dtype``, or of its own dtype), all-reduced. None for leaves already summed by
-    autodiff, and none where the axis is unbound. :func:`communication_report` measures them.
+    autodiff, and none with ``axis_name=None``. :func:`communication_report` measures them.
 
   Raises:
     TypeError: ``comm_dtype`` not ``None`` or a floating dtype.
-    ValueError: ``reduction`` not ``"mean"`` or ``"sum"``.
+    ValueError: ``reduction`` not ``"mean"`` or ``"sum"``; in ``update``, a named
+      ``axis_name`` that is not bound where it runs (a misspelled name, or ``update`` outside
+      the mapped function).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_dist
@@ -74,6 +84,13 @@ def all_reduce(
   """
   _common.check_choice("all_reduce", "reduction", reduction, _REDUCTIONS)
   comm_dtype = _common.check_floating_dtype("all_reduce", "comm_dtype", comm_dtype)
+  return all_reduce_as("all_reduce", axis_name, reduction, comm_dtype)
+
+
+def all_reduce_as(
+  fn: str, axis_name: Hashable, reduction: str, comm_dtype: Any
+) -> optax.GradientTransformationExtraArgs:
+  """:func:`all_reduce`, whose errors name ``fn`` (the public function the user called)."""
 
   def init_fn(params):
     del params
@@ -81,15 +98,16 @@ def all_reduce(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    n = _common.axis_size(axis_name)
+    n = _common.bound_axis_size(fn, axis_name)
     if n is None:
       return updates, state
-    checked = axis_name in _common.varying_axes(jax.lax.axis_index(axis_name))
 
     def reduce(g):
-      if checked and axis_name not in _common.varying_axes(g):
-        return g if reduction == "sum" else (g / n).astype(g.dtype)  # already summed
-      total = _common.psum(g, axis_name, comm_dtype)
+      # Per axis of the tuple: already summed by autodiff where checked and invariant; psum over
+      # the others. The mean divides by N, the product of all the axes' sizes.
+      summed = _common.summed_axes(axis_name, g)
+      others = tuple(a for a in _common.axis_names(axis_name) if a not in summed)
+      total = _common.psum(g, others, comm_dtype) if others else g
       return total if reduction == "sum" else (total / n).astype(g.dtype)
 
     return jax.tree.map(reduce, updates), state
@@ -119,7 +137,7 @@ def tower(
 
   Args:
     inner: the optimizer applied once per step to the reduced gradients.
-    axis_name: the mapped axis whose positions are the towers.
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the towers.
     reduction: ``"mean"`` (TF's default losses, divided by the number of towers) or ``"sum"``.
     comm_dtype: the floating dtype in which the gradients are all-reduced (e.g.
       ``jnp.bfloat16``); ``None`` (default) uses each gradient's own dtype. ``inner`` always
@@ -140,7 +158,8 @@ def tower(
   Raises:
     TypeError: ``inner`` is not a transformation; ``comm_dtype`` not ``None`` or a floating
       dtype.
-    ValueError: ``reduction`` not ``"mean"`` or ``"sum"``.
+    ValueError: ``reduction`` not ``"mean"`` or ``"sum"``; in ``update``, a named
+      ``axis_name`` that is not bound where it runs.
 
   Examples:
     TF's ``test_train``: :math:`c = 10`, two towers with loss :math:`|x c - y|` on rows
@@ -161,8 +180,10 @@ def tower(
   """
   _common.check_transformation("tower", inner)
   _common.check_choice("tower", "reduction", reduction, _REDUCTIONS)
-  _common.check_floating_dtype("tower", "comm_dtype", comm_dtype)
-  return optax.chain(all_reduce(axis_name, reduction, comm_dtype=comm_dtype), inner)
+  comm_dtype = _common.check_floating_dtype("tower", "comm_dtype", comm_dtype)
+  return optax.chain(
+    all_reduce_as("tower", axis_name, reduction, comm_dtype), _common.wrap_inner(inner)
+  )
 
 
 def split_batch(batch: Any, num_towers: int) -> Any:
@@ -180,8 +201,9 @@ def split_batch(batch: Any, num_towers: int) -> Any:
     None: call it outside the mapped step, on the whole batch.
 
   Raises:
-    ValueError: ``num_towers`` not a positive int; a leaf is 0-d; the batch size is not
-      divisible by ``num_towers``.
+    ValueError: ``num_towers`` not a positive int; a leaf is 0-d; the leaves' leading sizes
+      differ (the shards would no longer line up); the batch size is not divisible by
+      ``num_towers``.
 
   Examples:
     >>> import jax.numpy as jnp, optax_dist
@@ -193,6 +215,7 @@ def split_batch(batch: Any, num_towers: int) -> Any:
     TensorFlow 1.x, ``replicate_model_fn``'s input split (``_split_batch``).
   """
   _common.check_positive_int("split_batch", "num_towers", num_towers)
+  _check_same_batch_size(batch)
 
   def split(path, leaf):
     shape = np.shape(leaf)
@@ -209,3 +232,17 @@ def split_batch(batch: Any, num_towers: int) -> Any:
     return leaf.reshape((num_towers, shape[0] // num_towers) + tuple(shape[1:]))
 
   return jax.tree_util.tree_map_with_path(split, batch)
+
+
+def _check_same_batch_size(batch: Any) -> None:
+  """Raise unless every non-scalar leaf of ``batch`` has the same leading size."""
+  sizes = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    if np.ndim(leaf):
+      sizes.setdefault(np.shape(leaf)[0], jax.tree_util.keystr(path) or "<root>")
+  if len(sizes) > 1:
+    found = ", ".join(f"{size} at {path}" for size, path in sizes.items())
+    raise ValueError(
+      "`split_batch`: every leaf of `batch` must have the same leading (batch) size, so that"
+      f" the shards of x and y line up; got {found}."
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,13 +93,11 @@ def _bad_mask(steps=STEPS):
 
 
 def _assert_finite(tree):
-  for leaf in jax.tree.leaves(tree):
-    if jnp.issubdtype(leaf.dtype, jnp.inexact):
-      assert np.all(np.isfinite(leaf))
+  chex.assert_tree_all_finite([x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)])
 
 
 def _assert_close(a, b):
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7), a, b)
+  chex.assert_trees_all_close(a, b, rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMATIONS))
@@ -195,15 +194,17 @@ def test_single_worker_matches_optax():
   assert int(ours.total_notfinite) == 5 and int(ours.notfinite_count) == 0
 
 
-def test_one_pmax_per_step_and_none_unbound():
-  tx = optax_dist.apply_if_finite(optax.sgd(1.0), 1, axis_name="w")
-
-  def step(g):
+def test_one_pmax_per_step_and_none_for_one_worker():
+  def step(tx, g):
     return tx.update(g, tx.init(g), g)
 
-  bound = str(jax.make_jaxpr(jax.vmap(step, axis_name="w"))(jnp.ones((2, 3))))
+  tx = optax_dist.apply_if_finite(optax.sgd(1.0), 1, axis_name="w")
+  bound = str(jax.make_jaxpr(jax.vmap(lambda g: step(tx, g), axis_name="w"))(jnp.ones((2, 3))))
   assert bound.count("pmax") == 1
-  assert "pmax" not in str(jax.make_jaxpr(step)(jnp.ones(3)))  # unbound: no collective
+  with pytest.raises(ValueError, match=r"apply_if_finite\(axis_name='w'\)`: `update` was called"):
+    step(tx, jnp.ones(3))  # the named axis is not bound: raises rather than train alone
+  one = optax_dist.apply_if_finite(optax.sgd(1.0), 1)
+  assert "pmax" not in str(jax.make_jaxpr(lambda g: step(one, g))(jnp.ones(3)))
 
 
 def test_eval_params_sees_through_the_wrapper():

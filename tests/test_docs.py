@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import re
+import warnings
 import subprocess
 import sys
 
@@ -159,7 +160,8 @@ def test_errors_page_quotes_the_raised_messages():
   exec(setup, namespace)
   for what, call, raised in rows:
     kind, _, message = raised.partition(": ")
-    with pytest.raises(Exception) as info:
+    with pytest.raises(Exception) as info, warnings.catch_warnings():
+      warnings.simplefilter("error")  # the rows of the Warnings table raise as their category
       eval(call, namespace)
     got = f"{type(info.value).__name__}: {info.value}"
     if message.endswith("…"):

@@ -361,8 +361,9 @@ def test_tower_two_steps(mapping):
 def test_tower_single_tower_passes_through():
   """``test_train_single_tower``: one device, default reduction, no scaling: loss 27, c = 7.
 
-  The axis is not bound by any mapping, so the updates pass through unreduced."""
-  tx = optax_dist.tower(optax.sgd(1.0), "t")
+  With ``axis_name=None`` (one tower, TF's no-replication case) the updates pass through
+  unreduced."""
+  tx = optax_dist.tower(optax.sgd(1.0), None)
   params = {"c": jnp.array(10.0)}
   x, y = jnp.array([[1.0], [2.0]]), jnp.array([[1.0], [2.0]])
   loss, grads = jax.value_and_grad(c_loss)(params, x, y)

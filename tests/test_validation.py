@@ -4,6 +4,7 @@ constraint. Values that ``optax.inject_hyperparams`` passes as traced arrays are
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -91,21 +92,40 @@ def test_num_workers_must_match_the_axis_size_at_trace_time(fn):
   jax.vmap(good.init, axis_name=AXIS)(params)
 
 
-@pytest.mark.parametrize("fn", COMMUNICATING)
-def test_update_with_several_workers_needs_the_axis_bound(fn):
-  tx = COMMUNICATING[fn](num_workers=2, axis_name="wrokers")  # misspelled: bound by nothing
+UNBOUND = {
+  **{fn: lambda fn=fn, **kw: COMMUNICATING[fn](**kw) for fn in COMMUNICATING},
+  "tower": lambda axis_name, **kw: optax_dist.tower(sgd(), axis_name),
+  "all_reduce": lambda axis_name, **kw: optax_dist.all_reduce(axis_name),
+  "accumulate_then_reduce": lambda axis_name, **kw: optax_dist.accumulate_then_reduce(
+    sgd(), 1, axis_name
+  ),
+  "apply_if_finite": lambda axis_name, **kw: optax_dist.apply_if_finite(
+    optax_dist.tower(sgd(), axis_name), 1, axis_name
+  ),
+}
+
+
+@pytest.mark.parametrize("fn", UNBOUND)
+@pytest.mark.parametrize("num_workers", [None, 2])
+@pytest.mark.parametrize("axis_name", ["wrokers", (AXIS, "hsots")])
+def test_update_where_the_axis_is_not_bound_raises(fn, num_workers, axis_name):
+  """A misspelled axis, or ``update`` outside the mapped function, must not train alone."""
+  kw = {} if num_workers is None else {"num_workers": num_workers}
+  tx = UNBOUND[fn](axis_name=axis_name, **kw)
   params = jnp.zeros(3)
   state = tx.init(params)  # init may run unbound (abstract state)
-  pattern = (
-    called(fn, "num_workers") + r".*`update` was called where axis 'wrokers' is not bound"
-    ".*cannot communicate"
-  )
-  with pytest.raises(ValueError, match=pattern):
-    tx.update(params, state, params)
-  with pytest.raises(ValueError, match=pattern):
-    jax.vmap(tx.update, axis_name=AXIS)(
-      jnp.zeros((2, 3)), jax.tree.map(lambda x: jnp.stack([x, x]), state), jnp.zeros((2, 3))
+
+  def pattern(missing):
+    return (
+      re.escape(f"`{fn}(axis_name={axis_name!r})`: `update` was called where axis {missing!r}")
+      + " is not bound.*cannot communicate.*check the spelling"
     )
+
+  with pytest.raises(ValueError, match=pattern(AXIS if isinstance(axis_name, tuple) else axis_name)):
+    tx.update(params, state, params)
+  stacked = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+  with pytest.raises(ValueError, match=pattern("hsots" if isinstance(axis_name, tuple) else axis_name)):
+    jax.vmap(tx.update, axis_name=AXIS)(jnp.zeros((2, 3)), stacked, jnp.zeros((2, 3)))
 
 
 @pytest.mark.parametrize("fn", COMMUNICATING)
@@ -116,11 +136,25 @@ def test_axis_of_size_zero(fn):
     jax.vmap(tx.init, axis_name=AXIS)(jnp.zeros((0, 3)))
 
 
-def test_integer_hyperparameters_accept_numpy_and_jax_integers():
-  for value in (np.int64(3), jnp.array(3, jnp.int32)):
-    optax_dist.elastic_average(sgd(), communication_period=value)
-    optax_dist.agn(sgd(), communication_period=value)
-    optax_dist.drop_stale_gradients(sgd(), value)
+@pytest.mark.parametrize("value", [np.int64(3), jnp.array(3, jnp.int32)], ids=["numpy", "jax"])
+def test_integer_hyperparameters_accept_numpy_and_jax_integers(value):
+  """A NumPy or JAX integer works as the int it holds: the first exchange is on step 3."""
+  for tx in (
+    optax_dist.elastic_average(sgd(), communication_period=value, moving_rate=0.5),
+    optax_dist.agn(sgd(), communication_period=value),
+  ):
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    centers = []
+    for _ in range(3):
+      updates, state = tx.update(jnp.ones(2), state, params)
+      params = optax.apply_updates(params, updates)
+      centers.append(float(optax_dist.eval_params(state, params)[0]))
+    assert centers[0] == centers[1] == 0.0 and centers[2] < 0.0
+  tx = optax_dist.drop_stale_gradients(sgd(), value)
+  _, state = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), grad_step=-3)  # staleness 3: accepted
+  _, state = tx.update(jnp.ones(2), state, grad_step=-3)  # staleness 4: dropped
+  assert (int(state.global_step), int(state.num_dropped)) == (1, 1)
 
 
 @pytest.mark.parametrize("value", [1.5, "1", None])
@@ -131,8 +165,13 @@ def test_max_staleness_must_be_an_int(value):
     optax_dist.drop_stale_gradients(sgd(), value)
 
 
-def test_negative_max_staleness_is_allowed():
-  optax_dist.drop_stale_gradients(sgd(), -1)
+def test_negative_max_staleness_is_allowed_and_drops_everything():
+  tx = optax_dist.drop_stale_gradients(sgd(), -1)
+  state = tx.init(jnp.zeros(2))
+  for _ in range(2):
+    updates, state = tx.update(jnp.ones(2), state)  # staleness 0 > -1: dropped
+    np.testing.assert_array_equal(updates, [0.0, 0.0])
+  assert (int(state.global_step), int(state.num_dropped)) == (0, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,8 +301,8 @@ def test_update_without_params(fn):
   "tx,scale",
   [
     (optax_dist.drop_stale_gradients(optax.sgd(0.1), 1), -0.1),
-    (optax_dist.all_reduce(AXIS), 1.0),  # unbound axis: one tower, passes through
-    (optax_dist.tower(optax.sgd(0.1), AXIS), -0.1),
+    (optax_dist.all_reduce(None), 1.0),  # one tower: passes through
+    (optax_dist.tower(optax.sgd(0.1), None), -0.1),
   ],
   ids=["drop_stale_gradients", "all_reduce", "tower"],
 )
@@ -453,3 +492,66 @@ def test_inject_hyperparams_traced_integer_hyperparameters():
   # Step 1: x = 0.9. Step 2: x' = 0.8, d = 0.5 (0.8 - 1) = -0.1, x = 0.9, center = 0.9.
   np.testing.assert_allclose(params, [0.9, 0.9], rtol=1e-6)
   np.testing.assert_allclose(state.inner_state.center, [0.9, 0.9], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Misuse that used to give silently wrong results.
+
+
+@pytest.mark.parametrize("fn", ["elastic_average", "agn"])
+@pytest.mark.parametrize("leaf,dtype", [(jnp.arange(3), "int32"), (jnp.array([True]), "bool")])
+def test_param_averaging_rejects_non_floating_leaves(fn, leaf, dtype):
+  """Integer params would truncate every step and every exchange."""
+  tx = COMMUNICATING[fn]()
+  params = {"w": jnp.ones(2), "n": leaf}
+  pattern = re.escape(f"`{fn}`") + ".*floating-point.*" + re.escape("['n']") + ".*" + dtype
+  with pytest.raises(TypeError, match=pattern):
+    tx.init(params)
+  state = tx.init({"w": jnp.ones(2), "n": jnp.ones(leaf.shape)})
+  with pytest.raises(TypeError, match=pattern):
+    tx.update(params, state, params)
+
+
+def test_split_batch_leaves_must_share_the_batch_size():
+  batch = {"x": jnp.zeros((8, 4)), "y": jnp.zeros(6)}
+  pattern = (
+    re.escape("`split_batch`: every leaf of `batch` must have the same leading (batch) size")
+    + r".*got 8 at \['x'\], 6 at \['y'\]\.$"
+  )
+  with pytest.raises(ValueError, match=pattern):
+    optax_dist.split_batch(batch, 2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, "bool", "float33"])
+def test_ema_dtype_must_be_floating(dtype):
+  with pytest.raises(TypeError, match=error("moving_average", "ema_dtype", "floating dtype", dtype)):
+    optax_dist.moving_average(sgd(), ema_dtype=dtype)
+
+
+@pytest.mark.parametrize("fn", NEED_PARAMS)
+def test_update_shapes_must_match_params(fn):
+  tx = NEED_PARAMS[fn]
+  params = {"b": jnp.ones(2), "w": jnp.ones((3, 2))}
+  state = tx.init(params)
+  updates = {"b": jnp.ones(2), "w": jnp.ones((2, 3))}
+  pattern = (
+    re.escape(f"`{fn}`: the update at ['w'] has shape (2, 3) but the params leaf there has shape")
+    + re.escape(" (3, 2)")
+  )
+  with pytest.raises(ValueError, match=pattern):
+    tx.update(updates, state, params)
+
+
+def test_elastic_average_warns_when_the_center_would_overshoot():
+  """moving_rate * N = 1.5 * 2 = 3: beyond 2 the exchange diverges (3e32 after 30 steps)."""
+  tx = optax_dist.elastic_average(sgd(), communication_period=1, moving_rate=1.5, axis_name=AXIS)
+  params = jnp.array([[0.0], [1.0]])
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  pattern = r"moving_rate \* num_workers = 1\.5 \* 2 = 3 > 1.*stable for 0 < moving_rate.*< 0\.5"
+  with pytest.warns(UserWarning, match=pattern):
+    jax.vmap(tx.update, axis_name=AXIS)(jnp.zeros_like(params), state, params)
+  stable = optax_dist.elastic_average(sgd(), communication_period=1, moving_rate=0.4,
+                                      axis_name=AXIS)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.vmap(stable.update, axis_name=AXIS)(jnp.zeros_like(params), state, params)

@@ -1,0 +1,264 @@
+"""The patterns of real training scripts: donated steps, 2-D meshes, mixed precision.
+
+* A jitted step that donates params and state right after an eager ``init`` (the standard Flax
+  loop): ``init`` must share no buffer with the params.
+* ``axis_name`` as a tuple of mesh axes on 2x2 and 2x4 meshes under ``shard_map``, with per-worker
+  params and with params replicated ``P()`` (or over one axis only), against the same run on a
+  1-D mesh of as many devices.
+* Gradients in another floating dtype than the params: each transformation gives what its inner
+  optimizer gives, and its state keeps its dtypes from step to step.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_dist
+
+AXIS = "w"
+
+
+def sgd():
+  return optax.sgd(0.1, momentum=0.9)
+
+
+# Every transformation, with its own axis when it has one (``None``: one worker, unmapped).
+def transformations(axis_name):
+  return {
+    "moving_average": optax_dist.moving_average(sgd(), 0.9),
+    "moving_average_f32": optax_dist.moving_average(sgd(), 0.9, ema_dtype=jnp.float32),
+    "elastic_average": optax_dist.elastic_average(
+      sgd(), communication_period=2, moving_rate=0.1, rho=0.1, axis_name=axis_name
+    ),
+    "agn": optax_dist.agn(sgd(), communication_period=2, axis_name=axis_name),
+    "agn_mean": optax_dist.agn(
+      sgd(), communication_period=2, center_update="mean", axis_name=axis_name
+    ),
+    "drop_stale_gradients": optax_dist.drop_stale_gradients(sgd(), 1),
+    "tower": optax_dist.tower(sgd(), axis_name),
+    "accumulate_then_reduce": optax_dist.accumulate_then_reduce(sgd(), 2, axis_name),
+    "apply_if_finite": optax_dist.apply_if_finite(
+      optax_dist.elastic_average(sgd(), communication_period=2, axis_name=axis_name), 2, axis_name
+    ),
+  }
+
+
+NAMES = list(transformations(None))
+
+
+def params_tree(dtype=jnp.float32):
+  return {"w": jnp.linspace(-1.0, 1.0, 6, dtype=dtype).reshape(3, 2), "b": jnp.ones(2, dtype)}
+
+
+def grads_at(step, params):
+  return jax.tree.map(lambda p: jnp.cos(p * (step + 1.0)).astype(p.dtype), params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Donation.
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_init_shares_no_buffer_with_params(name):
+  tx = transformations(None)[name]
+  params = params_tree()
+  state = tx.init(params)
+  pointers = {p.unsafe_buffer_pointer() for p in jax.tree.leaves(params)}
+  shared = [s for s in jax.tree.leaves(state) if s.unsafe_buffer_pointer() in pointers]
+  assert not shared
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jitted_step_donating_params_and_state_after_eager_init(name):
+  tx = transformations(None)[name]
+  params = params_tree()
+  state = tx.init(params)  # eager, as in every training script
+
+  def step(params, state, i):
+    updates, state = tx.update(grads_at(i, params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  donated = jax.jit(step, donate_argnums=(0, 1))
+  reference = (params_tree(), tx.init(params_tree()))
+  for i in range(4):
+    params, state = donated(params, state, i)
+    reference = jax.jit(step)(*reference, i)
+  chex.assert_trees_all_close(params, reference[0], rtol=1e-6)
+  chex.assert_tree_all_finite(params)
+
+
+def test_flax_train_state_create_then_donated_train_step():
+  from optax_dist.flax import TrainState
+
+  tx = optax_dist.elastic_average(optax.adam(1e-2), communication_period=2)
+  state = TrainState.create(apply_fn=None, params=params_tree(), tx=tx)
+
+  @jax.jit
+  def train_step(state):
+    grads = grads_at(state.step.astype(jnp.float32), state.params)
+    return state.apply_gradients(grads=grads)
+
+  donated = jax.jit(train_step, donate_argnums=0)
+  for _ in range(4):
+    state = donated(state)
+  assert int(state.step) == 4
+  chex.assert_trees_all_equal(state.eval_params(), state.opt_state.center)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuple axes on 2-D meshes.
+
+NUM_STEPS = 4
+MESHES = {  # name: (2-D mesh shape, 1-D device count)
+  "2x2": ((2, 2), 4),
+  "2x4": ((2, 4), 8),
+}
+
+
+def run_per_worker(tx, mesh, axes, params, grads):
+  """``NUM_STEPS`` steps under ``shard_map`` with per-worker params and state sharded over
+  ``axes``; ``params`` and each of ``grads`` have a leading worker axis."""
+  spec = P(axes)
+  shard = lambda tree: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
+  unstack = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+  stack = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+
+  init = jax.jit(jax.shard_map(lambda p: stack(tx.init(unstack(p))), mesh=mesh,
+                               in_specs=spec, out_specs=spec))
+
+  def step(p, s, g):
+    p, s, g = unstack((p, s, g))
+    updates, s = tx.update(g, s, p)
+    return stack((optax.apply_updates(p, updates), s))
+
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
+  params = shard(params)
+  state = init(params)
+  for g in grads:
+    params, state = step(params, state, shard(g))
+  return params, state
+
+
+def worker_inputs(n):
+  params = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params_tree())
+  rng = np.random.default_rng(0)
+  grads = [
+    jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    for _ in range(NUM_STEPS)
+  ]
+  return params, grads
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", [n for n in NAMES if not n.startswith(("moving", "drop"))])
+def test_tuple_axis_per_worker_params_matches_1d(name, mesh_name):
+  shape, n = MESHES[mesh_name]
+  params, grads = worker_inputs(n)
+  mesh_2d = jax.make_mesh(shape, ("hosts", "gpus"))
+  mesh_1d = jax.make_mesh((n,), (AXIS,))
+  got = run_per_worker(transformations(("hosts", "gpus"))[name], mesh_2d, ("hosts", "gpus"),
+                       params, grads)
+  want = run_per_worker(transformations(AXIS)[name], mesh_1d, AXIS, params, grads)
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+  # The workers differ, so a tuple axis that reduced over one mesh axis only would differ too.
+  assert not np.allclose(grads[0]["w"][0], grads[0]["w"][-1])
+
+
+@pytest.mark.parametrize("reduction,expected", [("sum", -10.0), ("mean", -2.5)])
+@pytest.mark.parametrize("params_spec", [P(), P("hosts"), P("gpus"), P(("hosts", "gpus"))])
+def test_tower_tuple_axis_counts_each_tower_once(reduction, expected, params_spec):
+  """Per-tower gradients 1..4 on a 2x2 mesh: sum -10, mean -2.5 with sgd(1), whichever axes the
+  params are replicated over (autodiff has then summed over those; the psum runs over the rest)."""
+  mesh = jax.make_mesh((2, 2), ("hosts", "gpus"))
+  tx = optax_dist.tower(optax.sgd(1.0), ("hosts", "gpus"), reduction=reduction)
+  n_params = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(params_spec))]))
+  params = jax.device_put(jnp.zeros(n_params), NamedSharding(mesh, params_spec))
+  x = jax.device_put(jnp.arange(1.0, 5.0), NamedSharding(mesh, P(("hosts", "gpus"))))
+
+  def step(p, x):
+    grads = jax.grad(lambda p: jnp.sum(p[0] * x))(p)
+    updates, _ = tx.update(grads, tx.init(p), p)
+    return updates
+
+  updates = jax.shard_map(step, mesh=mesh, in_specs=(params_spec, P(("hosts", "gpus"))),
+                          out_specs=params_spec)(params, x)
+  np.testing.assert_allclose(updates, np.full(n_params, expected))
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixed precision.
+
+DTYPES = {  # params dtype, gradients dtype
+  "bf16_params_f32_grads": (jnp.bfloat16, jnp.float32),
+  "f32_params_bf16_grads": (jnp.float32, jnp.bfloat16),
+  "f16_params_bf16_grads": (jnp.float16, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_precision_behaves_as_inner(name, dtypes):
+  """The first update (no exchange yet) is the inner optimizer's on the same inputs, in its
+  dtype; then every state keeps its dtypes, so a jitted step compiles once."""
+  param_dtype, grad_dtype = DTYPES[dtypes]
+  tx = transformations(None)[name]
+  params = params_tree(param_dtype)
+  grads = jax.tree.map(lambda p: p.astype(grad_dtype), grads_at(0, params))
+  inner = sgd()
+  want, _ = inner.update(grads, inner.init(params), params)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  updates, new_state = update(grads, state, params)
+  if name != "accumulate_then_reduce":  # it accumulates the first micro-step
+    chex.assert_trees_all_close(updates, want, rtol=1e-2)
+  chex.assert_trees_all_equal_dtypes(updates, want)
+  for i in range(1, 5):
+    chex.assert_trees_all_equal_dtypes(new_state, state)
+    params = optax.apply_updates(params, updates)
+    grads = jax.tree.map(lambda p: p.astype(grad_dtype), grads_at(i, params))
+    updates, new_state = update(grads, new_state, params)
+  chex.assert_tree_all_finite(params)
+  assert update._cache_size() == 1
+
+
+def test_bf16_accumulation_defaults_to_float32_as_multisteps():
+  """512 gradients of 1.0 on bf16 params: a bf16 accumulator stops at 256 (mean 0.5)."""
+  k = 512
+  params = jnp.zeros(2, jnp.bfloat16)
+  ours = optax_dist.accumulate_then_reduce(optax.sgd(1.0), k, None)
+  theirs = optax.MultiSteps(optax.sgd(1.0), k)
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  assert s_ours.acc_grads.dtype == s_theirs.acc_grads.dtype == jnp.float32
+  step_ours, step_theirs = jax.jit(ours.update), jax.jit(theirs.update)
+  g = jnp.ones(2, jnp.bfloat16)
+  for _ in range(k):
+    u_ours, s_ours = step_ours(g, s_ours, params)
+    u_theirs, s_theirs = step_theirs(g, s_theirs, params)
+  np.testing.assert_array_equal(u_ours, [-1.0, -1.0])
+  np.testing.assert_array_equal(u_ours, u_theirs)
+  explicit = optax_dist.accumulate_then_reduce(optax.sgd(1.0), k, None,
+                                               accumulator_dtype=jnp.bfloat16)
+  assert explicit.init(params).acc_grads.dtype == jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# AGN's sequential commits: program size independent of N.
+
+
+def test_agn_sequential_program_size_does_not_grow_with_workers():
+  tx = optax_dist.agn(optax.adam(0.1), communication_period=1, axis_name=AXIS)
+
+  def eqns(n):
+    params = jnp.zeros((n, 3))
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    jaxpr = jax.make_jaxpr(jax.vmap(tx.update, axis_name=AXIS))(params, state, params)
+    return len(str(jaxpr).splitlines())
+
+  assert eqns(2) == eqns(16)
