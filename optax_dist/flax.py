@@ -166,11 +166,11 @@ _BN_STATS = ("mean", "var")
 
 
 def sync_batch_stats(batch_stats: Any, axis_name: Hashable | tuple) -> Any:
-  """The mean over the workers of ``axis_name`` of a collection such as ``batch_stats``.
+  r"""The mean over the workers of ``axis_name`` of a collection such as ``batch_stats``.
 
   For each floating leaf :math:`s_i` of worker :math:`i` of :math:`N`,
 
-  .. math:: \\bar s = \\frac{1}{N} \\sum_{i=1}^{N} s_i,
+  .. math:: \bar s = \frac{1}{N} \sum_{i=1}^{N} s_i,
 
   identical on every worker; other leaves (integer counters) are returned unchanged. Call it
   inside the mapped step, e.g. before evaluating or saving, so that the running averages of
@@ -227,19 +227,19 @@ def update_bn(
   axis_name: Hashable | tuple | None = None,
   **kwargs: Any,
 ) -> Any:
-  """The BatchNorm statistics of a Linen model for ``variables["params"]``, from ``batches``.
+  r"""The BatchNorm statistics of a Linen model for ``variables["params"]``, from ``batches``.
 
   Runs the model in training mode on each of the :math:`K` batches and returns, for each
   ``nn.BatchNorm`` with input :math:`x_k` on batch :math:`k`, the exact means of the batches'
   statistics over the layer's reduction axes (no momentum):
 
   .. math::
-    \\mathrm{mean} = \\frac{1}{K} \\sum_{k=1}^{K} \\mathrm{E}[x_k], \\qquad
-    \\mathrm{var} = \\frac{1}{K} \\sum_{k=1}^{K} \\left(\\mathrm{E}[x_k^2] - \\mathrm{E}[x_k]^2\\right),
+    \mathrm{mean} = \frac{1}{K} \sum_{k=1}^{K} \mathrm{E}[x_k], \qquad
+    \mathrm{var} = \frac{1}{K} \sum_{k=1}^{K} \left(\mathrm{E}[x_k^2] - \mathrm{E}[x_k]^2\right),
 
   the (biased) batch variance being the one BatchNorm normalizes with in training. With
   ``axis_name``, also averaged over the :math:`N` workers (each its own :math:`K` batches):
-  :math:`\\frac{1}{NK}\\sum_i\\sum_k`. Use it for params no worker trained with, whose running
+  :math:`\frac{1}{NK}\sum_i\sum_k`. Use it for params no worker trained with, whose running
   averages therefore match none of them: the EMA of :func:`optax_dist.moving_average`, the center
   of :func:`optax_dist.elastic_average` and :func:`optax_dist.agn`.
 
@@ -254,7 +254,7 @@ def update_bn(
       ``apply_fn(variables, batch, mutable=["batch_stats"], **kwargs)``.
     variables: ``{"params": params, "batch_stats": batch_stats, ...}``, the params to estimate
       the statistics for (e.g. ``state.eval_params()``); ``batch_stats`` gives the tree.
-    batches: the model's input, stacked: every leaf has a leading axis of length :math:`K \\ge 1`
+    batches: the model's input, stacked: every leaf has a leading axis of length :math:`K \ge 1`
       and ``batch[k]`` is one batch (as large as the training batches, for the same statistics).
     axis_name: if given, the statistics are also averaged over this worker axis (one name or a
       tuple of mesh axis names); call it inside the mapped step, each worker on its own batches.
@@ -332,15 +332,15 @@ def nnx_update_bn(
   axis_name: Hashable | tuple | None = None,
   **kwargs: Any,
 ) -> nnx.State:
-  """The BatchNorm statistics of a Flax NNX model for its current params, from ``batches``.
+  r"""The BatchNorm statistics of a Flax NNX model for its current params, from ``batches``.
 
   :func:`update_bn` for NNX: the exact means over the :math:`K` batches (and, with
   ``axis_name``, the :math:`N` workers) of each ``nnx.BatchNorm``'s batch mean and (biased)
   batch variance,
 
   .. math::
-    \\mathrm{mean} = \\frac{1}{K} \\sum_{k=1}^{K} \\mathrm{E}[x_k], \\qquad
-    \\mathrm{var} = \\frac{1}{K} \\sum_{k=1}^{K} \\left(\\mathrm{E}[x_k^2] - \\mathrm{E}[x_k]^2\\right).
+    \mathrm{mean} = \frac{1}{K} \sum_{k=1}^{K} \mathrm{E}[x_k], \qquad
+    \mathrm{var} = \frac{1}{K} \sum_{k=1}^{K} \left(\mathrm{E}[x_k^2] - \mathrm{E}[x_k]^2\right).
 
   The model is called as ``model(batch, **kwargs)`` on a copy whose BatchNorms are in training
   mode (``use_running_average=False``) with ``momentum=0``, so each call leaves that batch's
@@ -351,7 +351,7 @@ def nnx_update_bn(
   Args:
     model: the model, holding the params to estimate the statistics for (e.g. a copy updated
       with :func:`nnx_eval_params`).
-    batches: the model's input, stacked: every leaf has a leading axis of length :math:`K \\ge 1`
+    batches: the model's input, stacked: every leaf has a leading axis of length :math:`K \ge 1`
       and ``batch[k]`` is one batch.
     axis_name: if given, the statistics are also averaged over this worker axis (one name or a
       tuple of mesh axis names); call it inside the mapped step, each worker on its own batches.
@@ -452,7 +452,7 @@ def _check_training(fn: str, bn: nn.BatchNorm, path: tuple, args: tuple, kwargs:
       f" {where}. Pass the 'batch_stats' collection that model.init made."
     )
   given = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
-  if (bn.use_running_average if given is None else given) is True:
+  if _common.concrete(bn.use_running_average if given is None else given):
     raise ValueError(
       f"`{fn}`: the BatchNorm at {where} ran with use_running_average=True, so it computes no"
       " batch statistics. Pass what puts the model in training mode as keyword arguments,"

@@ -467,6 +467,13 @@ def test_update_bn_keeps_other_leaves_and_checks_its_arguments():
     optax_dist.flax.update_bn(model.apply, variables, x, axis_name="w", train=True)
   with pytest.raises(ValueError, match=r"sync_batch_stats\(axis_name='w'\).*not bound"):
     optax_dist.flax.sync_batch_stats(variables["batch_stats"], "w")
+  with pytest.raises(ValueError, match=r"nnx_update_bn\(model=...\).*no nnx.BatchNorm"):
+    optax_dist.flax.nnx_update_bn(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), x)
+  # Integer leaves are not averaged.
+  stats = {"mean": jnp.array([0.0, 2.0]), "count": jnp.array([1, 4], jnp.int32)}
+  synced = jax.vmap(lambda s: optax_dist.flax.sync_batch_stats(s, "w"), axis_name="w")(stats)
+  np.testing.assert_array_equal(synced["mean"], [1.0, 1.0])
+  np.testing.assert_array_equal(synced["count"], [1, 4])
 
 
 # NNX: the same run with nnx.Optimizer, workers under jax.vmap.
