@@ -37,7 +37,7 @@ TRANSFORMATIONS = {
   ),
   "agn": lambda: optax_dist.agn(_inner(), communication_period=2),
   "drop_stale_gradients": lambda: optax_dist.drop_stale_gradients(_inner(), max_staleness=1),
-  "tower": lambda: optax_dist.tower(_inner(), "towers"),  # one tower: passes through
+  "tower": lambda: optax_dist.tower(_inner(), None),  # one tower: passes through
   "apply_if_finite": lambda: optax_dist.apply_if_finite(
     optax_dist.moving_average(_inner(), decay=0.8), 2
   ),
