@@ -142,10 +142,15 @@ class CommunicationReport:
   branch issuing the most bytes and ``non_communication_step`` the branch issuing the fewest
   (for the transformations here, the branch with the collectives and the one without).
 
+  :attr:`per_conditional` gives each ``conditional``'s collectives apart: the bytes of one
+  exchange of each periodic transformation (e.g. a tower's per-step all-reduce and a DiLoCo
+  sync in the same step function, or each fragment of ``streaming_diloco``).
+
   Attributes:
     collectives: every collective of the program, in program order.
     communication_step: the collectives of an execution that takes, at each ``conditional``,
-      the branch with the most bytes (the unconditional ones included).
+      the branch with the most bytes (the unconditional ones included): an upper bound on one
+      step where the conditionals communicate on different steps.
     non_communication_step: likewise with the fewest bytes.
   """
 
@@ -163,6 +168,26 @@ class CommunicationReport:
     """The collectives inside a ``conditional`` branch: they run on some steps only."""
     return Collectives(tuple(c for c in self.collectives if c.conditionals))
 
+  @property
+  def per_conditional(self) -> dict[str, Collectives]:
+    """For each ``conditional`` holding collectives, those of its costliest branch.
+
+    Keyed by the innermost enclosing ``conditional``'s HLO name, in program order. Each entry
+    is what one periodic exchange issues when it happens: a ``streaming_diloco`` step shows one
+    entry per fragment (each about params / F bytes), a ``diloco(tower(...))`` step shows the
+    tower's all-reduce under ``unconditional`` and the DiLoCo sync as one entry. (The
+    ``communication_step`` total adds every conditional's costliest branch, as if all of them
+    ran on one step: an upper bound where, as for the fragments, they run on different steps.)
+    """
+    branches: dict[str, dict[int, list[Collective]]] = {}
+    for c in self.conditional:
+      name, index = c.conditionals[-1]
+      branches.setdefault(name, {}).setdefault(index, []).append(c)
+    return {
+      name: Collectives(tuple(max(by_index.values(), key=lambda b: Collectives(tuple(b)).bytes)))
+      for name, by_index in branches.items()
+    }
+
   @classmethod
   def from_hlo_text(cls, text: str) -> CommunicationReport:
     """The report of a compiled HLO module given as text (``Compiled.as_text()``)."""
@@ -174,13 +199,13 @@ class CommunicationReport:
     )
 
   def __str__(self) -> str:
-    return "\n".join(
-      (
-        f"every step: {self.unconditional}",
-        f"communication step: {self.communication_step}",
-        f"non-communication step: {self.non_communication_step}",
-      )
-    )
+    lines = [f"every step: {self.unconditional}"]
+    lines += [f"when {name} communicates: {c}" for name, c in self.per_conditional.items()]
+    lines += [
+      f"communication step: {self.communication_step}",
+      f"non-communication step: {self.non_communication_step}",
+    ]
+    return "\n".join(lines)
 
 
 def communication_report(

@@ -296,3 +296,54 @@ def test_parser_rejects_text_without_an_entry_computation_and_unknown_stages():
     CommunicationReport.from_hlo_text("not an HLO module")
   with pytest.raises(ValueError, match="must be one of"):
     CommunicationReport.from_hlo_text(_ASYNC).collectives.of_kind("psum")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes per conditional: each periodic exchange apart.
+
+FRAGMENT_SHAPES = {"a": (4, 4), "b": (4, 4), "c": (4, 4), "d": (4, 4)}  # 4 equal leaves
+
+
+def test_streaming_diloco_syncs_one_fragment_per_conditional():
+  """No collective outside sync steps; one all-reduce of params / F per fragment's conditional."""
+  tx = optax_dist.streaming_diloco(optax.sgd(0.1), sync_period=8, num_fragments=4, axis_name="w")
+  rng = np.random.default_rng(0)
+  local = {k: rng.normal(size=s).astype(np.float32) for k, s in FRAGMENT_SHAPES.items()}
+  params = _sharded({k: np.broadcast_to(v, (N, *v.shape)) for k, v in local.items()})
+  state = _per_worker(tx.init)(params)
+  step = _per_worker(lambda g, s, p: tx.update(g, s, p))
+  report = optax_dist.communication_report(step, params, state, params)
+  assert not report.unconditional
+  assert not report.non_communication_step
+  per_sync = list(report.per_conditional.values())
+  assert len(per_sync) == 4
+  assert [c.bytes for c in per_sync] == [_local_bytes(FRAGMENT_SHAPES, 4) // 4] * 4
+  assert all(set(c.by_kind()) == {"all-reduce"} for c in per_sync)
+  assert f"{per_sync[0]}" in str(report)
+
+
+def test_hierarchical_diloco_reports_tower_and_sync_bytes_apart():
+  """diloco(tower(adamw, "gpus"), "hosts") on a 2x4 mesh: the tower's all-reduce on every step,
+  the DiLoCo sync in its own conditional, both of the params' bytes."""
+  mesh = jax.make_mesh((2, 4), ("hosts", "gpus"))
+  tx = optax_dist.diloco(optax_dist.tower(optax.adamw(0.01), "gpus"), sync_period=5,
+                         axis_name="hosts")
+  spec = P(("hosts", "gpus"))
+  params, grads = jax.tree.map(
+    lambda x: jax.device_put(x, NamedSharding(mesh, spec)), jax.device_get(_data())
+  )
+
+  def per_worker(f):
+    def g(*args):
+      return jax.tree.map(lambda x: x[None], f(*jax.tree.map(lambda x: x[0], args)))
+
+    return jax.jit(jax.shard_map(g, mesh=mesh, in_specs=spec, out_specs=spec))
+
+  state = per_worker(tx.init)(params)
+  report = optax_dist.communication_report(
+    per_worker(lambda g, s, p: tx.update(g, s, p)), grads, state, params
+  )
+  assert report.unconditional.bytes == PARAMS_BYTES  # the tower's mean over "gpus"
+  (sync,) = report.per_conditional.values()
+  assert sync.bytes == PARAMS_BYTES  # the pseudo-gradient's mean over "hosts"
+  assert report.non_communication_step.bytes == PARAMS_BYTES
