@@ -139,6 +139,45 @@ CASES = [
     inner_states=0,
     has_inner=False,
   ),
+  Case(
+    "diloco_vmap",
+    lambda inner, outer_learning_rate: optax_dist.diloco(
+      inner,
+      optax.sgd(outer_learning_rate, momentum=0.9, nesterov=True),
+      sync_period=2,
+      axis_name=AXIS,
+    ),
+    {"outer_learning_rate": 0.7},
+    mapped=True,
+    own_param_copies=2,  # anchor, outer momentum
+    inner_states=1,
+    averages="anchor",
+  ),
+  Case(
+    "streaming_diloco_vmap",
+    lambda inner, outer_learning_rate, mixing: optax_dist.streaming_diloco(
+      inner,
+      optax.sgd(outer_learning_rate, momentum=0.9, nesterov=True),
+      sync_period=2,
+      num_fragments=2,
+      fragments={"w": 0, "b": 1},
+      mixing=mixing,
+      axis_name=AXIS,
+    ),
+    {"outer_learning_rate": 0.7, "mixing": 0.5},
+    mapped=True,
+    own_param_copies=2,  # anchor, and the fragments' outer momenta (one copy together)
+    inner_states=1,
+    averages="anchor",
+  ),
+  Case(
+    "local_sgd_vmap",
+    lambda inner: optax_dist.local_sgd(inner, sync_period=2, warmup_steps=1, axis_name=AXIS),
+    {},
+    mapped=True,
+    own_param_copies=0,
+    inner_states=1,
+  ),
 ]
 CASE_IDS = [c.name for c in CASES]
 
@@ -601,6 +640,11 @@ def run_steps(tx, params, steps=3):
       lambda: optax.inject_hyperparams(optax_dist.moving_average)(optax.sgd(LR), decay=0.5),
       ("inner_state", "ema"),
     ),
+    (lambda: optax_dist.diloco(optax.sgd(LR), sync_period=2), ("anchor",)),
+    (
+      lambda: optax_dist.streaming_diloco(optax.sgd(LR), sync_period=2, num_fragments=1),
+      ("anchor",),
+    ),
   ],
   ids=[
     "ema",
@@ -612,6 +656,8 @@ def run_steps(tx, params, steps=3):
     "chain_ema_first",
     "multi_steps",
     "inject_hyperparams",
+    "diloco_anchor",
+    "streaming_diloco_anchor",
   ],
 )
 def test_eval_params_returns_the_outermost_average(make, path):
@@ -645,8 +691,9 @@ def test_eval_params_casts_to_param_dtypes():
     optax.chain(
       optax_dist.tower(optax.sgd(LR), AXIS), optax_dist.drop_stale_gradients(optax.sgd(LR), 1)
     ),
+    optax_dist.local_sgd(optax.sgd(LR), sync_period=2),
   ],
-  ids=["adam", "tower_and_drop_stale"],
+  ids=["adam", "tower_and_drop_stale", "local_sgd"],
 )
 def test_eval_params_without_average_returns_params_unchanged(tx):
   params = {"w": jnp.array([1.0, 2.0])}
