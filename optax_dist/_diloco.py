@@ -1,8 +1,8 @@
 """DiLoCo: local inner steps, an outer optimizer step on the workers' mean pseudo-gradient.
 
-Also the pieces :func:`local_sgd` and :func:`streaming_diloco` share with it: the anchor's copy
-of the params, the workers' sum in ``comm_dtype`` (gathered and summed in float32 for 8-bit
-floats), and one DiLoCo sync on a tree or on a masked sub-tree of it.
+Also the pieces :func:`local_sgd` and :func:`streaming_diloco` share with it: the default outer
+optimizer, the workers' sum in ``comm_dtype`` (gathered and summed in float32 for 8-bit floats),
+and one DiLoCo sync on a tree or on a masked sub-tree of it.
 """
 
 from __future__ import annotations
@@ -51,25 +51,6 @@ def check_outer(fn: str, outer: Any) -> None:
       f"`{fn}(outer=...)` must be an optax GradientTransformation (with `init` and `update`),"
       f" e.g. optax.sgd(0.7, momentum=0.9, nesterov=True), got {type(outer).__name__}."
     )
-
-
-def copy_params(tree: Any, dtype: Any = None) -> Any:
-  """A copy of ``tree`` (in ``dtype`` if given) sharing no buffer with it.
-
-  State built from the params at ``init`` must not alias them: a jitted step donating both the
-  params and the state right after an eager ``init`` would donate one buffer twice.
-  """
-  return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), tree)
-
-
-def keep_dtypes(new: Any, old: Any) -> Any:
-  """``new`` cast leaf by leaf to the dtypes of ``old``: a state keeps its dtypes per step.
-
-  With gradients of another dtype than the params (mixed precision), optax's states promote
-  (momentum of bfloat16 params fed float32 gradients becomes float32); a state that changed
-  dtype would retrace a jitted step and could not be a ``lax.scan`` carry.
-  """
-  return jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new, old)
 
 
 def is_narrow(comm_dtype: Any) -> bool:
@@ -127,13 +108,8 @@ def outer_sync(
   if axis_name is not None:
     delta = worker_mean(delta, axis_name, num_workers, comm_dtype)
   steps, new_outer_state = outer.update(delta, outer_state, anchor)
-  new_anchor = keep_dtypes(optax.apply_updates(anchor, steps), anchor)
-  return new_anchor, keep_dtypes(new_outer_state, outer_state)
-
-
-def bound_axis(axis_name: Hashable | None) -> Hashable | None:
-  """``axis_name`` if it is bound here (the workers can communicate), else ``None``."""
-  return None if _common.axis_size(axis_name) is None else axis_name
+  new_anchor = _common.keep_dtypes(optax.apply_updates(anchor, steps), anchor)
+  return new_anchor, _common.keep_dtypes(new_outer_state, outer_state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,7 +210,7 @@ def diloco(
   """
   fn = "diloco"
   _common.check_transformation(fn, inner)
-  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   outer = default_outer() if outer is None else outer
   check_outer(fn, outer)
   _common.check_positive_int(fn, "sync_period", sync_period)
@@ -245,7 +221,7 @@ def diloco(
   def init_fn(params):
     _common.check_floating(fn, params)
     _common.resolve_num_workers(fn, num_workers, axis_name)
-    anchor = copy_params(params, anchor_dtype)
+    anchor = _common.copy(params, anchor_dtype)
     return DiLoCoState(
       local_step=jnp.zeros([], jnp.int32),
       anchor=anchor,
@@ -257,11 +233,8 @@ def diloco(
     _common.require_params(fn, params)
     _common.check_tree_matches(fn, updates, state.anchor, "params")
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    axis = bound_axis(axis_name)
 
-    # u_i = inner(g_i); the inner state keeps its dtypes (see keep_dtypes).
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    inner_state = keep_dtypes(inner_state, state.inner_state)
     local_step = optax.safe_increment(state.local_step)
     sync = _common.is_communication_step(local_step, sync_period)
 
@@ -271,7 +244,7 @@ def diloco(
       new_params = optax.apply_updates(params, u)  # x'_i
       return outer_sync(
         outer, anchor, outer_state, new_params,
-        axis_name=axis, num_workers=n, comm_dtype=comm_dtype,
+        axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
       )
 
     def keep(anchor, outer_state, u):

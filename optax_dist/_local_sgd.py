@@ -124,12 +124,12 @@ def local_sgd(
   """
   fn = "local_sgd"
   _common.check_transformation(fn, inner)
-  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   _common.check_positive_int(fn, "sync_period", sync_period)
   check_warmup_steps(fn, warmup_steps)
   _common.check_num_workers(fn, num_workers, axis_name)
   comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
-  average_grads = _tower.all_reduce(axis_name, "mean", comm_dtype=comm_dtype)
+  average_grads = _tower.all_reduce_as(fn, axis_name, "mean", comm_dtype)
 
   def init_fn(params):
     _common.check_floating(fn, params)
@@ -140,18 +140,16 @@ def local_sgd(
     _common.require_params(fn, params)
     _common.check_tree_matches(fn, updates, params, "params")
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    axis = _diloco.bound_axis(axis_name)
     local_step = optax.safe_increment(state.local_step)
 
     # Warm-up: synchronous data parallelism while local_step <= W, one all-reduce per step.
-    if axis is not None and _common.concrete(warmup_steps) != 0:
+    if axis_name is not None and _common.concrete(warmup_steps) != 0:
       warm = local_step <= warmup_steps
       updates = _common.communicate_if(
         warm, lambda g: average_grads.update(g, optax.EmptyState())[0], lambda g: g, updates
       )
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    inner_state = _diloco.keep_dtypes(inner_state, state.inner_state)
-    if axis is None:  # one worker: its own mean
+    if axis_name is None:  # one worker: its own mean
       return local_updates, LocalSGDState(local_step=local_step, inner_state=inner_state)
 
     # Model average on steps W + H, W + 2H, ...: x_i <- mean_j x'_j.
@@ -160,7 +158,7 @@ def local_sgd(
 
     def average(u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      mean = _diloco.worker_mean(new_params, axis, n, comm_dtype)
+      mean = _diloco.worker_mean(new_params, axis_name, n, comm_dtype)
       return jax.tree.map(lambda m, p, u: (m - p).astype(u.dtype), mean, params, u)
 
     local_updates = _common.communicate_if(sync, average, lambda u: u, local_updates)

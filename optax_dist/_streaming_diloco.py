@@ -241,7 +241,7 @@ def streaming_diloco(
   """
   fn = "streaming_diloco"
   _common.check_transformation(fn, inner)
-  inner = optax.with_extra_args_support(inner)  # unknown extra args are then dropped
+  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   outer = _diloco.default_outer() if outer is None else outer
   _diloco.check_outer(fn, outer)
   _common.check_positive_int(fn, "sync_period", sync_period)
@@ -257,7 +257,7 @@ def streaming_diloco(
   def init_fn(params):
     _common.check_floating(fn, params)
     _common.resolve_num_workers(fn, num_workers, axis_name)
-    anchor = _diloco.copy_params(params, anchor_dtype)
+    anchor = _common.copy(params, anchor_dtype)
     if _is_placeholder(params):  # optax.tree.map_params: every outer state is params-shaped
       outer_state = tuple(outer.init(anchor) for _ in range(num_fragments))
     else:
@@ -273,54 +273,57 @@ def streaming_diloco(
       outer_state=outer_state,
     )
 
+  def sync_fragment(f, sync, anchor, outer_state_f, p_leaves, u_leaves, ids, treedef, n):
+    """Fragment f's DiLoCo sync in its own conditional, carrying only its leaves and state."""
+
+    def synchronize(anchor_f, outer_state_f, u_f):
+      x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
+      return _diloco.outer_sync(
+        outer, anchor_f, outer_state_f, x_f, axis_name=axis_name, num_workers=n,
+        comm_dtype=comm_dtype,
+      )
+
+    def keep(anchor_f, outer_state_f, u_f):
+      return anchor_f, outer_state_f
+
+    anchor_f, outer_state_f = _common.communicate_if(
+      sync, synchronize, keep, _select(anchor, ids, f, treedef), outer_state_f,
+      _select(u_leaves, ids, f, treedef),
+    )
+    anchor = [a if i != f else b for a, b, i in zip(anchor, _leaves(anchor_f), ids, strict=True)]
+    return anchor, outer_state_f
+
+  def land(sync, a, p, u):
+    """On a sync of its fragment, a leaf becomes mixing x' + (1 - mixing) theta."""
+    target = a
+    if not no_mixing:
+      x = optax.apply_updates(p, u)
+      target = mixing * x.astype(a.dtype) + (1 - mixing) * a
+    return jnp.where(sync, (target - p).astype(u.dtype), u)
+
   def update_fn(updates, state, params=None, **extra_args):
     _common.require_params(fn, params)
     _common.check_tree_matches(fn, updates, state.anchor, "params")
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    axis = _diloco.bound_axis(axis_name)
     ids = assign_fragments(fn, state.anchor, num_fragments, fragments)
 
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    inner_state = _diloco.keep_dtypes(inner_state, state.inner_state)
     local_step = optax.safe_increment(state.local_step)
 
     anchor, treedef = jax.tree.flatten(state.anchor)
-    u_leaves = jax.tree.leaves(local_updates)
-    p_leaves = jax.tree.leaves(params)
+    u_leaves, p_leaves = jax.tree.leaves(local_updates), jax.tree.leaves(params)
     outer_states, syncs = [], []
     for f in range(num_fragments):
       sync = local_step % sync_period == sync_offset(f, sync_period, num_fragments)
-
-      # Each fragment's own conditional carries only its anchor leaves and outer state.
-      def synchronize(anchor_f, outer_state_f, u_f, f=f):
-        x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-        return _diloco.outer_sync(
-          outer, anchor_f, outer_state_f, x_f, axis_name=axis, num_workers=n,
-          comm_dtype=comm_dtype,
-        )
-
-      def keep(anchor_f, outer_state_f, u_f):
-        return anchor_f, outer_state_f
-
-      anchor_f, outer_state_f = _common.communicate_if(
-        sync, synchronize, keep, _select(anchor, ids, f, treedef), state.outer_state[f],
-        _select(u_leaves, ids, f, treedef),
+      anchor, outer_state_f = sync_fragment(
+        f, sync, anchor, state.outer_state[f], p_leaves, u_leaves, ids, treedef, n
       )
-      anchor = [a if i != f else b for a, b, i in zip(anchor, _leaves(anchor_f), ids)]
       outer_states.append(outer_state_f)
       syncs.append(sync)
 
-    # x_i^f <- mixing x'_i^f + (1 - mixing) theta^f on fragment f's sync steps.
-    def land(a, p, u, f):
-      target = a
-      if not no_mixing:
-        x = optax.apply_updates(p, u)
-        target = mixing * x.astype(a.dtype) + (1 - mixing) * a
-      return jnp.where(syncs[f], (target - p).astype(u.dtype), u)
-
-    local_updates = treedef.unflatten(
-      [land(a, p, u, f) for a, p, u, f in zip(anchor, p_leaves, u_leaves, ids, strict=True)]
-    )
+    local_updates = treedef.unflatten([
+      land(syncs[f], a, p, u) for a, p, u, f in zip(anchor, p_leaves, u_leaves, ids, strict=True)
+    ])
     return local_updates, StreamingDiLoCoState(
       local_step=local_step,
       anchor=treedef.unflatten(anchor),

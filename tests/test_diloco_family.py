@@ -775,6 +775,16 @@ def test_num_workers_checks(fn):
     jax.vmap(tx.init, axis_name=AXIS)({"a": jnp.zeros((2, 3)), "b": jnp.zeros((2, 3))})
 
 
+@pytest.mark.parametrize("fn", FAMILY)
+def test_update_where_the_named_axis_is_unbound_raises(fn):
+  tx = FAMILY[fn](axis_name="wrokers", **({"num_fragments": 1} if "streaming" in fn else {}))
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)  # init may run where the axis is unbound (abstract state)
+  pattern = re.escape(f"`{fn}(axis_name='wrokers')`: `update` was called where axis 'wrokers'")
+  with pytest.raises(ValueError, match=pattern + " is not bound"):
+    tx.update(params, state, params)
+
+
 @pytest.mark.parametrize(
   "fn,arg",
   [(fn, "comm_dtype") for fn in FAMILY] + [(fn, "anchor_dtype") for fn in FAMILY if "diloco" in fn],
