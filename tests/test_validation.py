@@ -258,6 +258,9 @@ WRAPPERS = {
   "agn": lambda inner: optax_dist.agn(inner),
   "drop_stale_gradients": lambda inner: optax_dist.drop_stale_gradients(inner, 1),
   "tower": lambda inner: optax_dist.tower(inner, AXIS),
+  "diloco": lambda inner: optax_dist.diloco(inner),
+  "streaming_diloco": lambda inner: optax_dist.streaming_diloco(inner),
+  "local_sgd": lambda inner: optax_dist.local_sgd(inner, sync_period=2),
 }
 
 
@@ -282,6 +285,8 @@ NEED_PARAMS = {
   "moving_average": optax_dist.moving_average(optax.sgd(0.1)),
   "elastic_average": optax_dist.elastic_average(optax.sgd(0.1)),
   "agn": optax_dist.agn(optax.sgd(0.1)),
+  "diloco": optax_dist.diloco(optax.sgd(0.1)),
+  "streaming_diloco": optax_dist.streaming_diloco(optax.sgd(0.1), num_fragments=1),
 }
 
 
@@ -456,8 +461,17 @@ def test_eval_params_rejects_a_different_params_tree():
       TypeError,
       called("drop_stale_gradients", "max_staleness") + ".*must be an int",
     ),
+    (
+      optax_dist.streaming_diloco,
+      {"mixing": 1.5},
+      ValueError,
+      called("streaming_diloco", "mixing") + ".*in \\[0, 1\\], got 1.5\\.",
+    ),
   ],
-  ids=["decay", "communication_period", "moving_rate", "rho", "agn_period", "max_staleness"],
+  ids=[
+    "decay", "communication_period", "moving_rate", "rho", "agn_period", "max_staleness",
+    "mixing",
+  ],
 )
 def test_inject_hyperparams_checks_concrete_arrays(factory, kwargs, exc, pattern):
   injected = optax.inject_hyperparams(factory)(optax.sgd(0.1), **kwargs)  # nothing built yet
