@@ -35,6 +35,7 @@ STEPS = 7  # S
 SPLIT = 4  # k: after step 3's exchange (period 3), before step 6's
 PERIOD = 3
 NAMES = ("moving_average", "elastic_average", "agn", "drop_stale_gradients", "tower")
+NAMES += ("diloco", "local_sgd", "streaming_diloco")  # k = 4: mid-period, after a warm-up
 CASES = tuple((name, n) for name in NAMES for n in (1, WORKERS))
 
 # A tiny linear model on fixed data: worker w fits rows DATA_X[w] to DATA_Y[w] * (1 + t / 10).
@@ -57,7 +58,16 @@ def make_tx(name, axis_name):
   if name == "drop_stale_gradients":
     return optax_dist.drop_stale_gradients(inner, max_staleness=1)
   if name == "tower":
-    return optax_dist.tower(inner, "w")  # with one worker the axis is unbound: no reduction
+    return optax_dist.tower(inner, axis_name)  # axis_name=None with one worker: no reduction
+  if name == "diloco":  # syncs on steps 3 and 6
+    return optax_dist.diloco(inner, sync_period=PERIOD, axis_name=axis_name)
+  if name == "local_sgd":  # warm-up on steps 1 and 2, model average on step 5
+    return optax_dist.local_sgd(inner, sync_period=PERIOD, warmup_steps=2, axis_name=axis_name)
+  if name == "streaming_diloco":  # "w" syncs on steps 1, 4, 7 and "b" on 3, 6
+    return optax_dist.streaming_diloco(
+      inner, sync_period=PERIOD, num_fragments=2, fragments={"w": 0, "b": (1,)}, mixing=0.5,
+      axis_name=axis_name,
+    )
   raise AssertionError(name)
 
 
@@ -88,7 +98,7 @@ class Run:
   def __init__(self, name, num_workers):
     self.name, self.num_workers = name, num_workers
     if num_workers == 1:
-      tx = make_tx(name, None if name != "tower" else "w")
+      tx = make_tx(name, None)
       self.sharding = SingleDeviceSharding(jax.devices()[0])
       self.init = jax.jit(tx.init)
       self.step = jax.jit(lambda p, s, x, y, t: worker_step(tx, p, s, x[0], y[0], t))
