@@ -8,6 +8,8 @@ schedules, or from sequential NumPy re-implementations written here.
 from __future__ import annotations
 
 import doctest
+import importlib
+import pkgutil
 
 import jax
 import jax.numpy as jnp
@@ -348,8 +350,13 @@ def test_errors():
                ae.Cluster(2).schedule(num_events=4), batch_size=2)
 
 
-def test_docstring_examples():
-  assert doctest.testmod(ae, optionflags=doctest.ELLIPSIS).failed == 0
+@pytest.mark.parametrize(
+  "module", ["", *(m.name for m in pkgutil.iter_modules(ae.__path__))], ids=lambda m: m or "ae")
+def test_docstring_examples(module):
+  # doctest collects a function from the module defining it: every module of the subpackage.
+  module = importlib.import_module(f"{ae.__name__}.{module}" if module else ae.__name__)
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.failed == 0 and (result.attempted > 0 or module.__name__.endswith("simulators"))
 
 
 def test_run_async_digits_small(tmp_path):

@@ -1,0 +1,236 @@
+r"""The protocols of the asynchronous emulator: what a worker does at a step and at a commit.
+
+Each factory checks its arguments with the library transformation it reuses and returns a frozen
+dataclass that :func:`optax_dist.async_emulator.emulate` runs:
+
+* :func:`downpour`: asynchronous SGD, every step a commit of gradients to the server;
+* :func:`elastic_average`: asynchronous EASGD (:func:`optax_dist.elastic_average` per worker);
+* :func:`agn`: asynchronous AGN (:func:`optax_dist.agn` per worker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+
+from optax_dist import _common
+from optax_dist._agn import agn as _agn
+from optax_dist._elastic_average import BETA
+from optax_dist._elastic_average import elastic_average as _elastic_average
+
+__all__ = (
+  "AGN",
+  "Downpour",
+  "ElasticAverage",
+  "Protocol",
+  "agn",
+  "downpour",
+  "elastic_average",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Downpour:
+  """Asynchronous SGD against a parameter server; built by :func:`downpour`.
+
+  Attributes:
+    server: the transformation the server applies to each commit.
+  """
+
+  server: optax.GradientTransformation
+
+  @property
+  def communication_period(self) -> int:
+    """Every step of a worker is a commit."""
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticAverage:
+  """Asynchronous elastic averaging; built by :func:`elastic_average`.
+
+  Attributes:
+    inner: every worker's local optimizer.
+    communication_period: τ, local steps between a worker's exchanges with the center.
+    moving_rate: α, or ``None`` for :math:`0.9 / (\\tau N)`.
+    rho: ρ, as :func:`optax_dist.elastic_average`.
+    learning_rate: as :func:`optax_dist.elastic_average` (only for the default ρ).
+  """
+
+  inner: optax.GradientTransformation
+  communication_period: int = 10
+  moving_rate: float | None = None
+  rho: float | None = None
+  learning_rate: float | None = None
+
+  def transformation(self, num_workers: int) -> optax.GradientTransformationExtraArgs:
+    """One worker's ``optax_dist.elastic_average`` (``axis_name=None``), α resolved for N."""
+    alpha = self.moving_rate
+    if alpha is None:
+      alpha = BETA / self.communication_period / num_workers
+    return _elastic_average(
+      self.inner, communication_period=self.communication_period, moving_rate=alpha,
+      rho=self.rho, learning_rate=self.learning_rate,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AGN:
+  """Asynchronous accumulated gradient normalization; built by :func:`agn`.
+
+  Attributes:
+    inner: the optimizer of the local steps and of the center (one shared center state).
+    communication_period: τ, local steps between a worker's commits.
+  """
+
+  inner: optax.GradientTransformation
+  communication_period: int = 10
+
+  def transformation(self, num_workers: int) -> optax.GradientTransformationExtraArgs:
+    """One worker's ``optax_dist.agn`` (``axis_name=None``)."""
+    del num_workers
+    return _agn(self.inner, communication_period=self.communication_period)
+
+
+Protocol = Downpour | ElasticAverage | AGN
+
+
+def downpour(server: optax.GradientTransformation) -> Downpour:
+  r"""Asynchronous SGD (Downpour): workers commit gradients of the params they read earlier.
+
+  Worker :math:`i` reads the server params :math:`w_{s}` and the server's ``global_step``
+  :math:`s`, computes :math:`g_i = \nabla \ell(w_{s}; B_i)` on its minibatch, and when its step
+  ends commits
+
+  .. math::
+
+    u, \mathrm{state} = \mathrm{server.update}(g_i, \mathrm{state}, w,\ \mathrm{grad\_step}=s),
+    \qquad w \leftarrow w + u
+
+  to the *current* server params :math:`w`, then reads again. The staleness of the commit is
+  :math:`\mathrm{global\_step} - s`. ``global_step`` is the ``global_step`` of the first
+  :class:`optax_dist.DropStaleGradientsState` in the server state (so it counts accepted
+  commits only, as TF's), or else the number of commits.
+
+  Args:
+    server: the server's transformation, e.g. ``optax.sgd(0.1)`` or
+      ``optax_dist.drop_stale_gradients(optax.sgd(0.1), max_staleness=2)``. Extra args it does
+      not take (``grad_step``) are dropped (``optax.with_extra_args_support``).
+
+  Returns:
+    A :class:`Downpour` protocol for :func:`emulate`.
+
+  Raises:
+    TypeError: ``server`` is not a transformation.
+
+  Examples:
+    >>> import optax, optax_dist
+    >>> from optax_dist import async_emulator as ae
+    >>> ae.downpour(optax_dist.drop_stale_gradients(optax.sgd(0.1), 2)).communication_period
+    1
+
+  References:
+    Dean et al., `Large Scale Distributed Deep Networks
+    <https://papers.nips.cc/paper/4687-large-scale-distributed-deep-networks>`_, NeurIPS 2012.
+    TensorFlow 1.x, ``tf.contrib.opt.DropStaleGradientOptimizer``.
+  """
+  _common.check_transformation("downpour", server)
+  return Downpour(server)
+
+
+def elastic_average(
+  inner: optax.GradientTransformation,
+  *,
+  communication_period: int = 10,
+  moving_rate: float | None = None,
+  rho: float | None = None,
+  learning_rate: float | None = None,
+) -> ElasticAverage:
+  r"""Asynchronous EASGD: each worker exchanges with the current center, one at a time.
+
+  Worker :math:`i` trains its own params :math:`x_i` with ``inner`` (and ρ's elastic force
+  towards the current center). On its τ-th, 2τ-th, … local step, with :math:`x'_i` its params
+  after the step and :math:`\tilde{x}` the center *as the previous exchange left it*:
+
+  .. math::
+
+    d = \alpha\,(x'_i - \tilde{x}), \qquad x_i \leftarrow x'_i - d, \qquad
+    \tilde{x} \leftarrow \tilde{x} + d
+
+  which is TF's asynchronous order. Each worker step is one call of
+  ``optax_dist.elastic_average(inner, communication_period=τ, moving_rate=α, ...)`` (no axis)
+  with ``state._replace(center=current_center)``.
+
+  Args:
+    inner: every worker's local optimizer (each worker has its own state).
+    communication_period: τ, in local steps; a worker's first exchange is on its τ-th step.
+    moving_rate: α; default :math:`0.9 / (\tau N)` with :math:`N` the schedule's workers.
+    rho: ρ, as :func:`optax_dist.elastic_average` (default 0, or α / ``learning_rate``).
+    learning_rate: ``inner``'s learning rate, only for the default ρ.
+
+  Returns:
+    An :class:`ElasticAverage` protocol for :func:`emulate`.
+
+  Raises:
+    TypeError, ValueError: as :func:`optax_dist.elastic_average` for the same arguments.
+
+  Examples:
+    >>> import optax
+    >>> from optax_dist import async_emulator as ae
+    >>> ae.elastic_average(optax.sgd(0.1), communication_period=4).communication_period
+    4
+
+  References:
+    TensorFlow 1.x, ``tf.contrib.opt.ElasticAverageOptimizer``.
+    Zhang, Choromanska & LeCun, `Deep learning with Elastic Averaging SGD
+    <https://arxiv.org/abs/1412.6651>`_, NeurIPS 2015 (Algorithm 2, asynchronous EASGD).
+  """
+  _elastic_average(  # the library's own validation of every argument
+    inner, communication_period=communication_period, moving_rate=moving_rate, rho=rho,
+    learning_rate=learning_rate,
+  )
+  return ElasticAverage(inner, communication_period, moving_rate, rho, learning_rate)
+
+
+def agn(inner: optax.GradientTransformation, *, communication_period: int = 10) -> AGN:
+  r"""Asynchronous AGN: workers commit their mean accumulated gradient to a shared center.
+
+  Worker :math:`i` trains its own params with ``inner`` and accumulates its raw gradients
+  :math:`a_i`. On its τ-th, 2τ-th, … local step it commits, in event order:
+
+  .. math::
+
+    \tilde{x} \leftarrow \tilde{x} + \mathrm{inner}_{\tilde{x}}(a_i / \tau), \qquad
+    x_i \leftarrow \tilde{x}, \qquad a_i \leftarrow 0
+
+  where :math:`\mathrm{inner}_{\tilde{x}}` is ``inner.update`` with ``params=center`` and the
+  one center optimizer state shared by every worker (TF keeps its slots on the parameter
+  server). Each worker step is one call of ``optax_dist.agn(inner, communication_period=τ)`` (no
+  axis) with the current ``center`` and ``center_inner_state`` swapped into its state.
+
+  Args:
+    inner: the optimizer of the local steps and of the center.
+    communication_period: τ, in local steps; a worker's first commit is on its τ-th step.
+
+  Returns:
+    An :class:`AGN` protocol for :func:`emulate`.
+
+  Raises:
+    TypeError, ValueError: as :func:`optax_dist.agn` for the same arguments.
+
+  Examples:
+    >>> import optax
+    >>> from optax_dist import async_emulator as ae
+    >>> ae.agn(optax.adam(0.01), communication_period=4).communication_period
+    4
+
+  References:
+    TensorFlow 1.x, ``tf.contrib.opt.AGNOptimizer``.
+    Hermans, Spanakis & Möckel, `Accumulated Gradient Normalization
+    <https://arxiv.org/abs/1710.02368>`_, ACML 2017.
+  """
+  _agn(inner, communication_period=communication_period)  # the library's validation
+  return AGN(inner, communication_period)
+
+
