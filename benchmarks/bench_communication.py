@@ -66,10 +66,10 @@ def measure(seed: int = 0) -> dict[str, Any]:
   from jax.sharding import PartitionSpec as P
 
   import optax_dist
-  from optax_dist import _digits
+  from optax_dist.cli.models import MLP
 
   hidden = bench_overhead.SIZES[0][1]
-  model = _digits.make_model(hidden, bench_overhead.CLASSES)
+  model = MLP(hidden, bench_overhead.CLASSES)
   params = jax.eval_shape(
     lambda: model.init(jax.random.key(seed), jnp.zeros((1, bench_overhead.FEATURES)))["params"])
   num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))

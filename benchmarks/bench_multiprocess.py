@@ -25,7 +25,7 @@ ALGORITHMS = ("sync", "elastic_average")
 
 
 def _command(*args: str) -> list[str]:
-  return [sys.executable, "-m", "optax_dist._cli", *args]
+  return [sys.executable, "-m", "optax_dist.cli", *args]
 
 
 def available() -> str | None:

@@ -120,10 +120,10 @@ class Problem:
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
-    from optax_dist import _digits
+    from optax_dist.cli.models import MLP
 
     self.hidden = hidden
-    self.model = _digits.make_model(hidden, CLASSES)
+    self.model = MLP(hidden, CLASSES)
     self.mesh = Mesh(np.array(jax.devices()[:1]), (AXIS,))
     init = jax.jit(lambda key: self.model.init(key, jnp.zeros((1, FEATURES)))["params"])
     self.np_params = jax.device_get(init(jax.random.key(seed)))

@@ -260,7 +260,7 @@ def _communication_intro(result, b) -> str:
 
 def _accuracy_intro(b) -> str:
   return (
-    "Each algorithm of `optax-dist train` (`optax_dist._digits.train`, the program behind the"
+    "Each algorithm of `optax-dist train` (`optax_dist.cli.trainer.train`, the program behind the"
     f" command) over {b.DEVICES} workers, each training on its own 1/{b.DEVICES} of the"
     " training set with minibatch 16 and adam 0.01; `elastic_average` and `agn` at"
     f" communication period {b.PERIOD} (`elastic_average`'s moving rate 0.9/{b.DEVICES}),"

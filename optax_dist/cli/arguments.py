@@ -1,0 +1,243 @@
+"""The command line of ``optax-dist``: its subcommands, flags, their types and the help.
+
+Parsing imports nothing of the ``examples`` extra; a bad value is one line, ``optax-dist: error:
+...``, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from optax_dist.cli import async_run, config
+from optax_dist.cli.algorithms import ALGORITHMS, COMPARED
+from optax_dist.cli.errors import PROG
+from optax_dist.cli.tasks import TASKS
+
+
+class Parser(argparse.ArgumentParser):
+  """An ``ArgumentParser`` whose errors are one line, ``optax-dist: error: ...``, exit code 2."""
+
+  def error(self, message: str):
+    self.exit(2, f"{PROG}: error: {message}\n")
+
+
+def _number(cast, what: str, ok=lambda value: True):
+  """An argparse type: ``cast(text)``, refused with ``must be {what}`` unless ``ok(value)``."""
+
+  def parse(text: str):
+    try:
+      value = cast(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not ok(value):
+      raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+  return parse
+
+
+positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+integer = _number(int, "an integer")
+positive_float = _number(float, "a positive number", lambda v: v > 0 and math.isfinite(v))
+unit_float = _number(float, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+
+
+def restarts(text: str) -> tuple[tuple[int, float], ...]:
+  """``"W@T,W@T"`` (worker W restarts at simulated time T) as ``((W, T), ...)``."""
+  pairs = []
+  for item in filter(None, text.split(",")):
+    worker, sep, at = item.partition("@")
+    try:
+      pairs.append((int(worker), float(at)))
+    except ValueError:
+      sep = ""
+    if not sep or pairs[-1][0] < 0 or not pairs[-1][1] >= 0:
+      raise argparse.ArgumentTypeError(
+        f"must be WORKER@TIME pairs separated by commas (e.g. 1@100,2@250), got {text!r}")
+  return tuple(pairs)
+
+
+def address(text: str) -> str:
+  from optax_dist.cli.launcher import parse_address
+
+  try:
+    parse_address(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return text
+
+
+EPILOG = """\
+multi-process:
+  --processes P starts P local processes (subprocesses of this command), each with --devices CPU
+  devices, connected by jax.distributed on a loopback coordinator with gloo collectives: P x
+  devices workers on one global mesh. Only process 0 prints and writes results. On a cluster, run
+  on every host the same command with --processes P --process-id I --coordinator HOST:PORT
+  (HOST:PORT: an address of the host of process 0, where the coordinator listens); --out must
+  then be on a shared file system for the checkpoints.
+
+faults and resuming:
+  With local processes, if one process exits with an error or is killed, the others are stopped
+  within about a second and the command exits with status 1, naming the process and its exit
+  code. Processes started one by one with --process-id abort (SIGABRT, with JAX's message naming
+  the unhealthy process) within about --heartbeat-timeout seconds of the death of another, and
+  at once if process 0, which runs the coordinator, dies.
+  --checkpoint-every N saves the state (params, optimizer state, step and record; the
+  minibatches and delays are functions of --seed and the step) with Orbax under
+  OUT/checkpoints/ALGORITHM every N steps and at the end; rerunning the same command with
+  --resume continues from the last checkpoint and ends with the params of an uninterrupted run.
+  A run without --resume replaces those checkpoints.
+"""
+
+
+class Formatter(argparse.HelpFormatter):
+  """Wraps the descriptions; keeps the line breaks of the notes (:data:`EPILOG`)."""
+
+  def _fill_text(self, text, width, indent):
+    if "\n" in text:
+      return "".join(indent + line for line in text.splitlines(keepends=True))
+    return super()._fill_text(text, width, indent)
+
+
+def _task_argument(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--task", choices=tuple(TASKS), default="digits",
+                      help="what to train on: " + "; ".join(
+                        f"{t.name}: {t.dataset}, {t.model_name}" for t in TASKS.values())
+                      + " (default: digits)")
+
+
+def _training_arguments(common: argparse.ArgumentParser) -> None:
+  """The flags of ``train`` and ``compare`` that set :class:`optax_dist.cli.config.Settings`."""
+  d = config.DEFAULTS
+  _task_argument(common)
+  common.add_argument("--devices", type=positive_int, default=d["devices"],
+                      help="number of emulated CPU devices per process, one worker each"
+                      f" (default: {d['devices']})")
+  common.add_argument("--steps", type=positive_int, default=None,
+                      help=f"training steps per worker (default: {d['steps']})")
+  common.add_argument("--batch-size", type=positive_int, default=None,
+                      help=f"minibatch size per worker (default: {d['batch_size']})")
+  common.add_argument("--learning-rate", type=positive_float, default=None,
+                      help=f"Adam learning rate (default: {d['learning_rate']:g})")
+  common.add_argument("--communication-period", type=positive_int, default=None,
+                      help="steps between exchanges of elastic_average and agn (default:"
+                      f" {config.COMMUNICATION_PERIOD}, or --steps if fewer)")
+  common.add_argument("--moving-rate", type=positive_float, default=None,
+                      help="elastic_average's moving rate (default: 0.9 / workers)")
+  common.add_argument("--decay", type=unit_float, default=d["decay"],
+                      help=f"moving_average's EMA decay (default: {d['decay']:g}, with TF's"
+                      " num_updates cap)")
+  common.add_argument("--max-staleness", type=integer, default=d["max_staleness"],
+                      help="drop_stale_gradients' largest accepted staleness (default:"
+                      f" {d['max_staleness']})")
+  common.add_argument("--eval-every", type=positive_int, default=None,
+                      help=f"steps between test-accuracy evaluations (default: {d['eval_every']})")
+  common.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="dtype of the exchanged gradients/center differences (default:"
+                      " float32; bfloat16 halves the bytes on GPU/TPU)")
+  common.add_argument("--seed", type=integer, default=d["seed"],
+                      help="seed of the train/test split, init and minibatches (default: 0)")
+
+
+def _output_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--out", default="runs",
+                      help="directory for the JSON results and the PNG plot (default: runs)")
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:
+  multi = common.add_argument_group("multi-process, checkpoints (see the notes below)")
+  multi.add_argument("--processes", type=positive_int, default=1, metavar="P",
+                     help="number of JAX processes (default: 1); without --process-id, starts"
+                     " them all locally")
+  multi.add_argument("--process-id", type=integer, default=None, metavar="I",
+                     help="run only process I of --processes, connecting to --coordinator")
+  multi.add_argument("--coordinator", type=address, default=None, metavar="HOST:PORT",
+                     help="address of process 0's coordinator (default for local processes:"
+                     " 127.0.0.1 and a free port)")
+  multi.add_argument("--heartbeat-timeout", type=positive_int, default=None, metavar="SECONDS",
+                     help="seconds without a heartbeat after which a process is declared dead"
+                     " and the others abort (default: 10)")
+  multi.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+                     help="save an Orbax checkpoint under OUT/checkpoints every N steps and at"
+                     " the end (default: no checkpoints)")
+  multi.add_argument("--resume", action="store_true",
+                     help="continue from the last checkpoint under OUT/checkpoints")
+  # For tests: write the final params and optimizer state (npz); exit process P-1 after a step.
+  common.add_argument("--save-params", default=None, help=argparse.SUPPRESS)
+  common.add_argument("--fail-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The argument parser of ``optax-dist``."""
+  from optax_dist import __version__
+
+  common = Parser(add_help=False)
+  _training_arguments(common)
+  _output_arguments(common)
+  _multiprocess_arguments(common)
+  parser = Parser(
+    prog=PROG,
+    description="Data-parallel training with the optax_dist transformations (an MLP on"
+    " scikit-learn's digits by default), over emulated CPU devices of one or more JAX processes.",
+    epilog=EPILOG, formatter_class=Formatter,
+  )
+  parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+  commands = parser.add_subparsers(dest="command", required=True,
+                                   metavar="{train,compare,async}")
+  train = commands.add_parser(
+    "train", parents=[common], help="train with one algorithm",
+    description="Train with one algorithm; writes results_<algorithm>.json and"
+    " accuracy_<algorithm>.png under --out.",
+    epilog=EPILOG, formatter_class=Formatter,
+  )
+  train.add_argument("--algorithm", choices=ALGORITHMS, default="sync",
+                     help="the algorithm (default: sync)")
+  commands.add_parser(
+    "compare", parents=[common], help=f"compare {', '.join(COMPARED)}",
+    description=f"Train with {', '.join(COMPARED)} and compare them; writes results.json and"
+    " accuracy.png under --out.",
+    epilog=EPILOG, formatter_class=Formatter,
+  )
+  _add_async_parser(commands)
+  return parser
+
+
+def _add_async_parser(commands: Any) -> None:
+  """``optax-dist async``: the emulated asynchronous protocols (:mod:`.async_run`)."""
+  d = async_run.DEFAULTS
+  run = commands.add_parser(
+    "async", help="compare asynchronous protocols, emulated",
+    description=f"Emulate asynchronous parameter-server training with"
+    f" {', '.join(async_run.PROTOCOLS)} on one simulated cluster (per-worker compute times,"
+    " stragglers, restarts) and compare them at the same simulated time; writes"
+    " results_async.json and async.png under --out.",
+  )
+  _task_argument(run)
+  run.add_argument("--workers", type=positive_int, default=d["workers"],
+                   help=f"number of asynchronous workers (default: {d['workers']})")
+  run.add_argument("--max-staleness", type=integer, default=d["max_staleness"],
+                   help="drop_stale_gradients' largest accepted staleness, in server steps"
+                   f" (default: {d['max_staleness']})")
+  run.add_argument("--stragglers", type=integer, default=d["stragglers"],
+                   help=f"number of slow workers (default: {d['stragglers']})")
+  run.add_argument("--slowdown", type=positive_float, default=d["slowdown"],
+                   help=f"how many times slower a straggler is (default: {d['slowdown']:g})")
+  run.add_argument("--restarts", type=restarts, default=d["restarts"], metavar="W@T[,W@T...]",
+                   help="restart worker W at simulated time T (default: none)")
+  run.add_argument("--duration", type=positive_float, default=d["duration"],
+                   help="simulated time per protocol; one step takes about 1"
+                   f" (default: {d['duration']:g})")
+  run.add_argument("--batch-size", type=positive_int, default=d["batch_size"],
+                   help=f"minibatch size per worker (default: {d['batch_size']})")
+  run.add_argument("--learning-rate", type=positive_float, default=d["learning_rate"],
+                   help=f"SGD learning rate (default: {d['learning_rate']:g})")
+  run.add_argument("--communication-period", type=positive_int,
+                   default=d["communication_period"],
+                   help="local steps between exchanges of elastic_average and agn"
+                   f" (default: {d['communication_period']})")
+  run.add_argument("--seed", type=integer, default=d["seed"],
+                   help="seed of the data split, init, compute times and minibatches (default: 0)")
+  _output_arguments(run)

@@ -1,0 +1,204 @@
+"""``optax-dist async``: asynchronous parameter-server training of a task, emulated.
+
+Runs four asynchronous protocols with :mod:`optax_dist.async_emulator` on one timing model of
+the cluster (the same compute times, stragglers and restarts for each) and compares them at the
+same simulated time:
+
+* ``downpour``: asynchronous SGD, every commit applied by the server (``optax.sgd``);
+* ``downpour+drop_stale``: the same with ``drop_stale_gradients(optax.sgd, max_staleness)`` as the
+  server transformation, which drops the commits staler than ``max_staleness``;
+* ``elastic_average``: asynchronous EASGD, every worker exchanging with the center every
+  ``communication_period`` local steps (TF's asynchronous order);
+* ``agn``: asynchronous AGN, every worker committing its mean accumulated gradient to the center
+  every ``communication_period`` local steps.
+
+The data, model, loss and metric are a task's (:mod:`optax_dist.cli.tasks`), as in ``optax-dist
+train``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from optax_dist.cli.tasks import Task
+
+PROTOCOLS = ("downpour", "downpour+drop_stale", "elastic_average", "agn")
+"""Every protocol :func:`run` runs, in this order."""
+
+DEFAULTS = {
+  "workers": 4,
+  "max_staleness": 2,
+  "stragglers": 1,
+  "slowdown": 4.0,
+  "jitter": 0.2,
+  "latency": 0.0,
+  "restarts": (),
+  "duration": 400.0,
+  "batch_size": 32,
+  "learning_rate": 0.1,
+  "communication_period": 4,
+  "moving_rate": 0.2,
+  "eval_every": 50,
+  "seed": 0,
+}
+"""The defaults of :func:`run` (and of ``optax-dist async``)."""
+
+
+def make_protocol(
+  name: str, *, learning_rate: float, communication_period: int, moving_rate: float,
+  max_staleness: int,
+) -> Any:
+  """The :mod:`optax_dist.async_emulator` protocol called ``name`` (one of :data:`PROTOCOLS`)."""
+  import optax
+
+  import optax_dist
+  from optax_dist import async_emulator as ae
+
+  sgd = optax.sgd(learning_rate)
+  if name == "downpour":
+    return ae.downpour(sgd)
+  if name == "downpour+drop_stale":
+    return ae.downpour(optax_dist.drop_stale_gradients(sgd, max_staleness))
+  if name == "elastic_average":
+    return ae.elastic_average(
+      sgd, communication_period=communication_period, moving_rate=moving_rate)
+  if name == "agn":
+    return ae.agn(sgd, communication_period=communication_period)
+  raise ValueError(
+    f"`run(protocols=...)`: unknown protocol {name!r}; choose from {', '.join(PROTOCOLS)}.")
+
+
+def setup(task: Task, workers: int, seed: int) -> dict[str, Any]:
+  """The sharded data, initial params, ``loss_fn`` and ``metric_fn`` of ``task``.
+
+  Worker ``i`` owns the ``i``-th of ``workers`` equal shards of the training set (the remainder is
+  left out). Returns a dict with ``data`` (every leaf ``[workers, M, ...]``), ``params``,
+  ``loss_fn(params, batch)`` and ``metric_fn(params)`` (the test metric, jittable).
+  """
+  import jax
+  import jax.numpy as jnp
+
+  from optax_dist.cli import pipeline
+
+  raw = task.load(seed)
+  model = task.model()
+  data = jax.tree.map(jnp.asarray, pipeline.shard_examples(raw.train, workers))
+  test = jax.tree.map(jnp.asarray, raw.test)
+  example = {key: value[:1] for key, value in raw.train.items()}
+  params = task.init_params(model, jax.random.PRNGKey(seed), example)
+  metric = task.metric_fn(model)
+  return {"data": data, "params": params, "loss_fn": task.loss_fn(model),
+          "metric_fn": lambda params: metric(params, test)}
+
+
+def _row(name: str, result: Any, schedule: Any, wall_time: float) -> dict[str, Any]:
+  """The results of one protocol (see :func:`run`)."""
+  staleness = result.commit_staleness
+  return {
+    "protocol": name,
+    "test_accuracy": float(result.eval_metrics[-1]),
+    "commits": int(result.committed.sum()),
+    "dropped_fraction": result.dropped_fraction,
+    "mean_staleness": float(staleness.mean()) if len(staleness) else 0.0,
+    "max_staleness_seen": int(staleness.max()) if len(staleness) else 0,
+    "simulated_time": float(result.time[-1]),
+    "events": schedule.num_events,
+    "wall_time_s": wall_time,
+    "history": {
+      "time": result.eval_time.tolist(),
+      "server_step": result.eval_step.tolist(),
+      "test_accuracy": np.asarray(result.eval_metrics).tolist(),
+    },
+    "staleness": staleness.tolist(),
+  }
+
+
+def run(
+  task: Task,
+  *,
+  workers: int = DEFAULTS["workers"],
+  max_staleness: int = DEFAULTS["max_staleness"],
+  stragglers: int = DEFAULTS["stragglers"],
+  slowdown: float = DEFAULTS["slowdown"],
+  jitter: float = DEFAULTS["jitter"],
+  latency: float = DEFAULTS["latency"],
+  restarts: Sequence[tuple[int, float]] = DEFAULTS["restarts"],
+  duration: float = DEFAULTS["duration"],
+  batch_size: int = DEFAULTS["batch_size"],
+  learning_rate: float = DEFAULTS["learning_rate"],
+  communication_period: int = DEFAULTS["communication_period"],
+  moving_rate: float = DEFAULTS["moving_rate"],
+  eval_every: int = DEFAULTS["eval_every"],
+  seed: int = DEFAULTS["seed"],
+  protocols: Sequence[str] = PROTOCOLS,
+  progress: bool = False,
+) -> list[dict[str, Any]]:
+  """Runs each asynchronous protocol on ``task`` for ``duration`` simulated time; one row each.
+
+  Every protocol sees the same cluster: ``workers`` workers whose steps take 1 time unit
+  (uniformly jittered by ``±jitter``), the last ``stragglers`` of them ``slowdown`` × slower, plus
+  ``latency`` per exchange with the server, and the same ``restarts`` ((worker, time) pairs:
+  the worker loses its step in flight and restarts from the server or center). All start from the
+  same params; SGD with ``learning_rate`` everywhere (the server's, or each worker's and the
+  center's). The test metric is measured on the server params (downpour) or the center, every
+  ``eval_every`` events and at the end.
+
+  Args:
+    task: the data, model, loss and metric.
+    workers, stragglers, slowdown, jitter, latency, restarts: the cluster
+      (:class:`optax_dist.async_emulator.Cluster`); ``slowdown`` ≥ 1, ``jitter`` in [0, 1).
+    max_staleness: ``drop_stale_gradients``' threshold for ``downpour+drop_stale``.
+    duration: the simulated time each protocol runs for (a step takes about 1).
+    batch_size: each worker's minibatch.
+    learning_rate: the SGD learning rate.
+    communication_period: τ of ``elastic_average`` and ``agn``, in local steps.
+    moving_rate: α of ``elastic_average``.
+    eval_every: events between test-metric measurements.
+    seed: the seed of the data split, the init, the compute times and the minibatch order.
+    protocols: which of :data:`PROTOCOLS` to run.
+    progress: show a progress bar (one tick per protocol) on stderr.
+
+  Returns:
+    One dict per protocol with the keys of :data:`optax_dist.cli.reports.ASYNC_COLUMNS`
+    (``test_accuracy`` is the final metric; ``mean_staleness`` and ``max_staleness_seen`` over
+    commits; for ``elastic_average`` and ``agn`` staleness counts other workers' exchanges with
+    the center since the worker's last one), plus ``history`` (``time``, ``server_step``,
+    ``test_accuracy`` lists) and ``staleness`` (the staleness of every commit).
+  """
+  import jax
+  from tqdm.auto import tqdm
+
+  from optax_dist import async_emulator as ae
+
+  cluster = ae.Cluster(num_workers=workers, compute_time=1.0, jitter=jitter,
+                       stragglers=stragglers, slowdown=slowdown, latency=latency, seed=seed)
+  problem = setup(task, workers, seed)
+  rows = []
+  for name in tqdm(protocols, desc="async", unit="protocol", disable=not progress, leave=False,
+                   file=sys.stderr):
+    start = time.perf_counter()
+    protocol = make_protocol(name, learning_rate=learning_rate, moving_rate=moving_rate,
+                             communication_period=communication_period,
+                             max_staleness=max_staleness)
+    schedule = cluster.schedule(
+      duration=duration, communication_period=protocol.communication_period, restarts=restarts)
+    result = ae.emulate(
+      protocol, problem["loss_fn"], problem["params"], problem["data"], schedule,
+      batch_size=batch_size, seed=seed, eval_fn=problem["metric_fn"], eval_every=eval_every)
+    jax.block_until_ready(result.params)
+    rows.append(_row(name, result, schedule, time.perf_counter() - start))
+  return rows
+
+
+def describe(task: Task, *, workers: int, stragglers: int, slowdown: float, latency: float,
+             restarts: Sequence[Any], max_staleness: int, communication_period: int) -> str:
+  """One line saying what :func:`run` emulated (the plot's title)."""
+  extra = (f", latency {latency:g}" if latency else "") + (
+    f", {len(restarts)} restart(s)" if restarts else "")
+  return (f"{task.name}, {workers} async workers ({stragglers} × {slowdown:g} slower{extra}),"
+          f" max_staleness={max_staleness}, τ={communication_period}")

