@@ -372,6 +372,28 @@ def test_streaming_diloco_with_one_fragment_is_diloco(inner):
     np.testing.assert_array_equal(a, b)
 
 
+def test_diloco_under_pmap_matches_vmap():
+  """Users still write pmap loops: the same steps, one per device."""
+  x0, c, d = problem(8)
+  tx = optax_dist.diloco(optax.sgd(0.1, momentum=0.9), sync_period=2, axis_name=AXIS)
+  history, _ = run(tx, x0, c, d)
+  devices = jax.devices()[:N]
+
+  def step(x, s, c, d):
+    u, s = tx.update(_grad(x, c, d), s, x)
+    return optax.apply_updates(x, u), s
+
+  step = jax.pmap(step, axis_name=AXIS, devices=devices)
+  to32 = lambda tree: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)
+  x = to32({k: np.broadcast_to(v, (N, *v.shape)) for k, v in x0.items()})
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(x)
+  for t in range(STEPS):
+    x, state = step(x, state, to32(c), to32({k: v[t] for k, v in d.items()}))
+    for k in x0:
+      np.testing.assert_allclose(np.asarray(x[k]), history[k][t], rtol=RTOL, atol=ATOL)
+  assert_identical_on_workers(state.anchor)
+
+
 @pytest.mark.parametrize(
   "make",
   [
