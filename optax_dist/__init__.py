@@ -13,6 +13,8 @@
 * :func:`apply_if_finite`: ``optax.apply_if_finite`` with the skip agreed across the workers.
 * :func:`diloco`, :func:`streaming_diloco` and :func:`local_sgd`: local steps with periodic
   outer steps or model averages (DiLoCo, Streaming DiLoCo, local / post-local SGD).
+* :func:`resize_state`: a run's state and params moved to another number of workers (elastic
+  resume).
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(..., axis_name=...)``.
@@ -33,6 +35,7 @@ from optax_dist._elastic_average import ElasticAverageState, elastic_average
 from optax_dist._eval_params import eval_params
 from optax_dist._local_sgd import LocalSGDState, local_sgd
 from optax_dist._moving_average import MovingAverageState, moving_average
+from optax_dist._resize import resize_state
 from optax_dist._streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from optax_dist._tower import all_reduce, split_batch, tower
 
@@ -62,6 +65,7 @@ __all__ = (
   "eval_params",
   "local_sgd",
   "moving_average",
+  "resize_state",
   "split_batch",
   "streaming_diloco",
   "tower",

@@ -1,0 +1,378 @@
+"""Elastic resume: a run's optimizer state and params moved to another number of workers."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_dist import _common
+from optax_dist._accumulation import AccumulateThenReduceState
+from optax_dist._agn import AGNState
+from optax_dist._apply_if_finite import ApplyIfFiniteState
+from optax_dist._diloco import DiLoCoState
+from optax_dist._drop_stale_gradients import DropStaleGradientsState
+from optax_dist._elastic_average import ElasticAverageState
+from optax_dist._local_sgd import LocalSGDState
+from optax_dist._moving_average import MovingAverageState
+from optax_dist._streaming_diloco import StreamingDiLoCoState
+
+_FN = "resize_state"
+_MODES = ("reset", "mean", "copy")
+
+# How each field of the library's states is carried to the new workers:
+#   KEEP  global state, identical on every worker: worker 0's value, exactly, on every new worker.
+#   MEAN  the workers' mean (exactly worker 0's value wherever every worker holds the same one).
+#   INNER an inner state: nested library states are walked, optax's own states follow the
+#         `inner_state` mode.
+KEEP, MEAN, INNER = "keep", "mean", "inner"
+FIELDS = {
+  MovingAverageState: {"count": KEEP, "ema": MEAN, "inner_state": INNER},
+  ElasticAverageState: {"local_step": KEEP, "center": KEEP, "inner_state": INNER},
+  AGNState: {
+    "local_step": KEEP, "center": KEEP, "grad_accum": MEAN, "inner_state": INNER,
+    "center_inner_state": KEEP,
+  },
+  DropStaleGradientsState: {"global_step": KEEP, "num_dropped": KEEP, "inner_state": INNER},
+  AccumulateThenReduceState: {
+    "mini_step": KEEP, "gradient_step": KEEP, "inner_opt_state": INNER, "acc_grads": MEAN,
+  },
+  ApplyIfFiniteState: {
+    "notfinite_count": KEEP, "last_finite": KEEP, "total_notfinite": KEEP, "inner_state": INNER,
+  },
+  DiLoCoState: {"local_step": KEEP, "anchor": KEEP, "inner_state": INNER, "outer_state": KEEP},
+  LocalSGDState: {"local_step": KEEP, "inner_state": INNER},
+  StreamingDiLoCoState: {
+    "local_step": KEEP, "anchor": KEEP, "inner_state": INNER, "outer_state": KEEP,
+  },
+}
+"""Per library state, per field: ``KEEP``, ``MEAN`` or ``INNER``."""
+
+RESTART = {
+  ElasticAverageState: "center", AGNState: "center", DiLoCoState: "anchor",
+  StreamingDiLoCoState: "anchor",
+}
+"""The states whose field the workers' params restart from (the first in a depth-first walk)."""
+
+_STATES = tuple(FIELDS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Walking a state tree one level at a time.
+
+
+def _children(node: Any) -> tuple[list, Any]:
+  """``node``'s direct children and the treedef that rebuilds it from them."""
+  return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+
+
+def _is_leaf(node: Any) -> bool:
+  return jax.tree_util.all_leaves([node])
+
+
+def _holds(node: Any, predicate: Any) -> bool:
+  """Whether ``node`` or a node below it satisfies ``predicate``."""
+  if predicate(node):
+    return True
+  return not _is_leaf(node) and any(_holds(c, predicate) for c in _children(node)[0])
+
+
+def _is_state(node: Any) -> bool:
+  return isinstance(node, _STATES)
+
+
+def _is_leafy_record(node: Any) -> bool:
+  """A ``NamedTuple`` holding arrays (``MaskedNode`` and ``EmptyState`` hold none)."""
+  return isinstance(node, tuple) and hasattr(node, "_fields") and bool(jax.tree.leaves(node))
+
+
+def _is_record(node: Any) -> bool:
+  """One optax state (``ScaleByAdamState``, ``TraceState``, ...): a ``NamedTuple`` of arrays
+  with no other state inside, reset or kept as a whole (adam's count with its moments)."""
+  if not _is_leafy_record(node) or _is_state(node):
+    return False
+  return not any(_holds(c, _is_leafy_record) for c in _children(node)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-leaf rules on stacked arrays (axis 0: the workers).
+
+
+def _broadcast(x: jax.Array, m: int) -> jax.Array:
+  return jnp.broadcast_to(x, (m, *jnp.shape(x)))
+
+
+def _first(x: jax.Array) -> jax.Array:
+  return x[0]
+
+
+def _agreed_mean(x: jax.Array) -> jax.Array:
+  """The mean over axis 0, and exactly ``x[0]`` wherever every row agrees; non-floating: ``x[0]``.
+
+  Floating leaves are averaged in at least float32 and cast back.
+  """
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x[0]
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  mean = jnp.mean(x.astype(wide), axis=0).astype(x.dtype)
+  return jnp.where(jnp.all(x == x[0], axis=0), x[0], mean)
+
+
+def _same_on_every_worker(tree: Any) -> jax.Array:
+  """``bool[]``: every leaf of ``tree`` is bitwise the same on every worker."""
+  flags = [jnp.all(x == x[0]) for x in jax.tree.leaves(tree)]
+  return functools.reduce(jnp.logical_and, flags, jnp.array(True))
+
+
+# ----------------------------------------------------------------------------------------------
+# The walk.
+
+
+def _inner(old: Any, template: Any, m: int, mode: str) -> Any:
+  """An inner state with no library state inside, carried by ``mode``."""
+  if mode == "mean":
+    return jax.tree.map(lambda x: _broadcast(_agreed_mean(x), m), old)
+  if mode == "copy":
+    return jax.tree.map(lambda x: _broadcast(x[0], m), old)
+  if _is_record(old) or _is_leaf(old):  # "reset", unless identical on every worker (global)
+    same = _same_on_every_worker(old)
+    return jax.tree.map(
+      lambda x, t: jnp.where(same, _broadcast(x[0], m), t.astype(x.dtype)), old, template
+    )
+  children, treedef = _children(old)
+  new = [_inner(c, t, m, mode) for c, t in zip(children, _children(template)[0], strict=True)]
+  return treedef.unflatten(new)
+
+
+def _walk(old: Any, template: Any, m: int, mode: str) -> Any:
+  """The state for ``m`` workers: library states field by field, the rest as inner states."""
+  if _is_state(old):
+    rules = FIELDS[type(old)]
+    fields = {}
+    for name in old._fields:
+      value, rule = getattr(old, name), rules[name]
+      if rule == KEEP:
+        fields[name] = jax.tree.map(lambda x: _broadcast(x[0], m), value)
+      elif rule == MEAN:
+        fields[name] = jax.tree.map(lambda x: _broadcast(_agreed_mean(x), m), value)
+      else:
+        fields[name] = _walk(value, getattr(template, name), m, mode)
+    return type(old)(**fields)
+  if not _holds(old, _is_state):
+    return _inner(old, template, m, mode)
+  children, treedef = _children(old)
+  new = [_walk(c, t, m, mode) for c, t in zip(children, _children(template)[0], strict=True)]
+  return treedef.unflatten(new)
+
+
+def _restart_point(node: Any) -> Any:
+  """The center or anchor of the first such state in a depth-first walk, or ``None``."""
+  if isinstance(node, tuple(RESTART)):
+    return getattr(node, RESTART[type(node)])
+  if _is_leaf(node):
+    return None
+  for child in _children(node)[0]:
+    found = _restart_point(child)
+    if found is not None:
+      return found
+  return None
+
+
+def _resize(tx: Any, m: int, mode: str, opt_state: Any, params: Any) -> tuple[Any, Any]:
+  restart = _restart_point(opt_state)
+  if restart is None:  # local SGD, tower, no distributed wrapper: the workers' mean
+    one = jax.tree.map(_agreed_mean, params)
+  else:  # the center or anchor, identical on every worker, in the params' dtypes
+    one = jax.tree.map(lambda c, p: c[0].astype(p.dtype), restart, params)
+  new_params = jax.tree.map(lambda x: _broadcast(x, m), one)
+  template = jax.vmap(tx.init)(new_params)
+  return _walk(opt_state, template, m, mode), new_params
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks.
+
+
+def _num_workers(opt_state: Any, params: Any) -> int:
+  """The common leading size of every leaf of ``params`` and ``opt_state``."""
+  fix = (
+    " Pass the trees of every worker stacked on axis 0, as `jax.vmap(tx.init)` or a"
+    " `jax.shard_map` with out_specs=P(axis) builds them."
+  )
+  ref = None
+  for tree_name, tree in (("params", params), ("opt_state", opt_state)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      name, shape = tree_name + jax.tree_util.keystr(path), np.shape(leaf)
+      if not shape:
+        raise ValueError(
+          f"`{_FN}` needs every leaf of `params` and `opt_state` stacked over the workers on"
+          f" axis 0, but {name} has shape (): it has no workers' axis." + fix
+        )
+      if ref is None:
+        ref = (name, shape)
+      elif shape[0] != ref[1][0]:
+        raise ValueError(
+          f"`{_FN}` needs every leaf of `params` and `opt_state` stacked over the same number"
+          f" of workers on axis 0, but {name} has shape {shape} while {ref[0]} has shape"
+          f" {ref[1]}." + fix
+        )
+  if ref is None:
+    raise ValueError(f"`{_FN}`: `params` has no leaves; there is nothing to resize.")
+  return ref[1][0]
+
+
+def _check_from_tx(tx: Any, opt_state: Any, params: Any) -> None:
+  """Raise unless ``opt_state`` has the tree, shapes and dtypes of ``vmap(tx.init)(params)``."""
+  expected = jax.eval_shape(jax.vmap(tx.init), params)
+  fix = (
+    " Pass the transformation this state was built with (and, for a restored checkpoint,"
+    " restore it into `jax.eval_shape` of the same mapped init)."
+  )
+  got, want = jax.tree.structure(opt_state), jax.tree.structure(expected)
+  if got != want:
+    raise ValueError(
+      f"`{_FN}`: `opt_state` is not a state of `tx` for these params: its tree is {got}, but"
+      f" `jax.vmap(tx.init)(params)` gives {want}." + fix
+    )
+  for (path, leaf), e in zip(
+    jax.tree_util.tree_leaves_with_path(opt_state), jax.tree.leaves(expected), strict=True
+  ):
+    shape, dtype = np.shape(leaf), jnp.result_type(leaf)
+    if shape != e.shape or dtype != e.dtype:
+      raise ValueError(
+        f"`{_FN}`: `opt_state` is not a state of `tx` for these params: the leaf at"
+        f" opt_state{jax.tree_util.keystr(path)} has shape {shape} and dtype {dtype}, but"
+        f" `jax.vmap(tx.init)(params)` gives {e.shape} and {e.dtype}." + fix
+      )
+
+
+# ----------------------------------------------------------------------------------------------
+# The public function.
+
+
+def resize_state(
+  tx: optax.GradientTransformation,
+  opt_state: optax.OptState,
+  params: optax.Params,
+  num_workers: int,
+  *,
+  inner_state: str = "reset",
+) -> tuple[optax.OptState, optax.Params]:
+  r"""Moves a run's state and params, stacked over N workers, to ``num_workers`` workers.
+
+  Elastic resume: a run checkpointed on N workers continues on M. The global part of the state,
+  identical on every worker, is kept exactly: worker 0's copy goes to every new worker. Each
+  worker's own part is rebuilt from it, as a worker that rejoins a running job rebuilds its own.
+  The walk recognises the library's states at any depth (in ``optax.chain``, nested wrappers):
+
+  * ``ElasticAverageState`` and ``AGNState``: ``local_step`` and ``center`` kept (and AGN's
+    ``center_inner_state``); the params restart from the center; AGN's ``grad_accum``, the
+    current period's gradients, becomes the workers' mean (the next commit keeps them).
+  * ``DiLoCoState`` and ``StreamingDiLoCoState``: ``local_step``, ``anchor`` and
+    ``outer_state`` kept; the params restart from the anchor.
+  * ``LocalSGDState``: ``local_step`` kept; the params restart from the workers' mean.
+  * ``MovingAverageState``: ``count`` kept; ``ema`` becomes the workers' mean.
+  * ``DropStaleGradientsState``: ``global_step`` and ``num_dropped`` kept.
+  * ``ApplyIfFiniteState``: its three counters kept.
+  * ``AccumulateThenReduceState``: ``mini_step`` and ``gradient_step`` kept; ``acc_grads``
+    becomes the workers' mean.
+
+  The params restart from the center or anchor of the first such state in a depth-first walk,
+  else from the workers' mean (``local_sgd``, ``tower``, no distributed wrapper). "Workers' mean"
+  is exact where every worker holds the same value: there it is worker 0's value, bit for bit
+  (the params and EMA under ``tower``). The counters keep their values, so the communication
+  schedule goes on where it was.
+
+  Inner states (``inner_state`` of the wrappers, ``accumulate_then_reduce``'s
+  ``inner_opt_state``, and every optax state outside the library's) follow ``inner_state``,
+  one optax state at a time (``ScaleByAdamState``'s count with its moments):
+
+  * ``"reset"`` (default): a worker's own state, one that differs between the workers, restarts
+    from ``tx.init`` of the new params (zero moments, count 0), as a restarted worker's local
+    optimizer slots do in TF. A state identical on every worker is global and is kept: the
+    inner state under ``tower`` and ``accumulate_then_reduce``, a learning-rate schedule's
+    count, injected hyperparameters.
+  * ``"mean"``: floating leaves become the workers' mean (exactly worker 0's where all agree),
+    integer and boolean leaves (adam's count) worker 0's.
+  * ``"copy"``: worker 0's, on every new worker (a healing replica in torchft loads a healthy
+    peer's inner optimizer state).
+
+  With ``num_workers`` equal to N, ``opt_state`` and ``params`` are returned unchanged, whatever
+  ``inner_state``: resuming on as many workers stays exact.
+
+  Args:
+    tx: the transformation the state was built with (its ``init`` rebuilds the reset inner
+      states; the state's structure does not depend on the number of workers, so the
+      transformation of the old or of the new run).
+    opt_state: the state of ``tx``, every leaf stacked over N workers on axis 0 (as
+      ``jax.vmap(tx.init)`` or ``jax.shard_map`` with ``out_specs=P(axis)`` build it), the step
+      counters included.
+    params: the params of every worker, stacked the same way.
+    num_workers: M, the new number of workers, a positive int.
+    inner_state: ``"reset"``, ``"mean"`` or ``"copy"``: how the inner optimizer states that
+      differ between workers are rebuilt (above).
+
+  Returns:
+    ``(opt_state, params)`` for M workers: every leaf with axis 0 of size M. Place them on the
+    new mesh, e.g. ``jax.device_put(tree, NamedSharding(mesh, P(axis)))``, and train on with a
+    transformation built for M workers.
+
+  Shapes:
+    Leaves ``(N, ...)`` in, ``(M, ...)`` out, the same dtypes. Memory: one new copy of the
+    params and state, M times the per-worker size.
+
+  Collectives:
+    None: call it outside the mapped step, on the stacked arrays (it runs as one jitted
+    program).
+
+  Raises:
+    TypeError: ``tx`` is not a transformation; ``num_workers`` not an int.
+    ValueError: ``num_workers`` < 1; ``inner_state`` not ``"reset"``, ``"mean"`` or
+      ``"copy"``; a leaf of ``params`` or ``opt_state`` that is not stacked on a common leading
+      axis (a scalar, or another leading size; the message names it); ``opt_state`` whose tree,
+      shapes or dtypes are not those of ``jax.vmap(tx.init)(params)`` (a state of another
+      transformation).
+
+  Examples:
+    Four EASGD workers continue as two; the center and the step counter are kept, the workers
+    restart from the center:
+
+    >>> import jax, jax.numpy as jnp, optax, optax_dist
+    >>> tx = optax_dist.elastic_average(
+    ...     optax.sgd(1.0), communication_period=1, moving_rate=0.2, axis_name="w")
+    >>> params = jnp.zeros((4, 1))
+    >>> state = jax.vmap(tx.init, axis_name="w")(params)
+    >>> grads = -jnp.arange(4.0).reshape(4, 1)
+    >>> updates, state = jax.vmap(tx.update, axis_name="w")(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> state2, params2 = optax_dist.resize_state(tx, state, params, 2)
+    >>> state2.center[:, 0], state2.local_step, params2[:, 0]
+    (Array([1.2, 1.2], dtype=float32), Array([1, 1], dtype=int32), Array([1.2, 1.2], dtype=float32))
+
+  References:
+    TensorFlow 1.x, ``ElasticAverageOptimizer.get_init_op`` and ``AGNOptimizer.get_init_op``
+    (a restarted worker copies the center into its local params).
+    torchft, ``torchft.local_sgd.DiLoCo`` (a healing replica loads the anchor and outer
+    optimizer state of a healthy one).
+    Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023.
+  """
+  _check_tx(tx)
+  _common.check_positive_int(_FN, "num_workers", num_workers)
+  _common.check_choice(_FN, "inner_state", inner_state, _MODES)
+  n = _num_workers(opt_state, params)
+  _check_from_tx(tx, opt_state, params)
+  if int(num_workers) == n:
+    return opt_state, params
+  return jax.jit(functools.partial(_resize, tx, int(num_workers), inner_state))(opt_state, params)
+
+
+def _check_tx(tx: Any) -> None:
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    raise TypeError(
+      f"`{_FN}(tx=...)` must be the optax GradientTransformation the state was built with"
+      f" (with `init` and `update`), got {type(tx).__name__}."
+    )
