@@ -12,7 +12,8 @@ with a deterministic event simulation:
    builds one from a list instead (e.g. TF's unit tests' orders).
 2. **Numerics** (device). :func:`emulate` runs the schedule as one ``jax.lax.scan`` over events
    inside ``jax.jit``: no Python work per event. Each worker holds one snapshot of the params
-   (its read of the server, or its local params); no per-event copy is kept.
+   (its read of the server, or its local params and, for DiLoCo, the anchor it read); no
+   per-event copy is kept.
 
 The protocols:
 
@@ -29,13 +30,21 @@ The protocols:
 * :func:`agn` (TF's ``AGNOptimizer``): each worker trains locally and, every
   ``communication_period`` steps, commits its accumulated gradient divided by the period to the
   center (one ``inner`` step with the one shared center optimizer state), then pulls the center.
+* :func:`diloco` (asynchronous DiLoCo, Liu et al. 2024): each worker takes ``sync_period`` (H)
+  local steps from the anchor it read, commits its pseudo-gradient
+  :math:`\hat\theta - x'` to the server's outer optimizer, which steps from the *current*
+  anchor, one commit at a time, then reads the new anchor. :func:`delayed_nesterov` is the
+  paper's outer optimizer for stale pseudo-gradients.
+
 The per-worker numerics are the library's own transformations with ``axis_name=None``
 (:func:`optax_dist.elastic_average`, :func:`optax_dist.agn`), called with the current center
-swapped into their state; only the event order is the emulator's.
+swapped into their state; only the event order is the emulator's. DiLoCo's workers step with
+``inner`` and the server with ``outer``, as :func:`optax_dist.diloco` does with one worker.
 
 The subpackage's modules: :mod:`~optax_dist.async_emulator.timing` (:class:`Cluster`,
 :class:`Schedule`, :func:`explicit_schedule`), :mod:`~optax_dist.async_emulator.protocols`
-(:func:`downpour`, :func:`elastic_average`, :func:`agn`),
+(:func:`downpour`, :func:`elastic_average`, :func:`agn`, :func:`diloco`),
+:mod:`~optax_dist.async_emulator.outer` (:func:`delayed_nesterov`),
 :mod:`~optax_dist.async_emulator.emulation` (:func:`emulate`, :class:`AsyncResult`) and
 :mod:`~optax_dist.async_emulator.simulators` (each protocol's event on the device). Import the
 names from ``optax_dist.async_emulator``.
@@ -59,12 +68,15 @@ Example:
 """
 
 from optax_dist.async_emulator.emulation import AsyncResult, emulate
+from optax_dist.async_emulator.outer import DelayedNesterovState, delayed_nesterov
 from optax_dist.async_emulator.protocols import (
   AGN,
+  DiLoCo,
   Downpour,
   ElasticAverage,
   Protocol,
   agn,
+  diloco,
   downpour,
   elastic_average,
 )
@@ -74,11 +86,15 @@ __all__ = (
   "AGN",
   "AsyncResult",
   "Cluster",
+  "DelayedNesterovState",
+  "DiLoCo",
   "Downpour",
   "ElasticAverage",
   "Protocol",
   "Schedule",
   "agn",
+  "delayed_nesterov",
+  "diloco",
   "downpour",
   "elastic_average",
   "emulate",

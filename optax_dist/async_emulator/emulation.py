@@ -20,7 +20,7 @@ import optax
 
 from optax_dist import _common
 from optax_dist.async_emulator import simulators
-from optax_dist.async_emulator.protocols import AGN, Downpour, ElasticAverage, Protocol
+from optax_dist.async_emulator.protocols import AGN, DiLoCo, Downpour, ElasticAverage, Protocol
 from optax_dist.async_emulator.timing import Schedule
 
 __all__ = ("AsyncResult", "emulate")
@@ -37,22 +37,24 @@ class AsyncResult:
     loss: ``float32[E]``, the minibatch loss the worker computed at the event (at its snapshot
       for downpour, at its local params otherwise); NaN for restarts.
     server_step: ``int32[E]``, the server step after the event: downpour's ``global_step``
-      (accepted commits); for elastic averaging and AGN the number of exchanges with the center.
+      (accepted commits); for elastic averaging and AGN the number of exchanges with the center;
+      for DiLoCo the number of outer steps (commits).
     committed: ``bool[E]``, True where the event exchanged with the server (every downpour step;
-      every τ-th local step otherwise).
+      every τ-th or H-th local step otherwise).
     accepted: ``bool[E]``, committed and not dropped.
     staleness: ``int32[E]``, for commits: the server step at the commit minus the server step
-      the worker read (for elastic averaging and AGN: at its last exchange or restart); -1
+      the worker read (for elastic averaging, AGN and DiLoCo: at its last exchange or restart,
+      so for DiLoCo the outer steps between its read of the anchor and its commit); -1
       elsewhere.
     read_step: ``int32[E]``, for commits: the server step the worker read; -1 elsewhere.
     eval_time, eval_step: ``float64[K]``, ``int32[K]``: when ``eval_fn`` ran (time 0, then after
       every ``eval_every`` events and after the last).
     eval_metrics: ``eval_fn``'s outputs stacked on a leading axis ``[K]``; ``None`` without it.
-    params: the final server params (downpour) or center.
+    params: the final server params (downpour), center, or anchor (DiLoCo).
     worker_params: the final per-worker params, stacked ``[N, ...]``: each worker's last read of
       the server (downpour) or its local params.
-    server_state: the final server optimizer state (downpour), center optimizer state (AGN), or
-      ``None`` (elastic averaging).
+    server_state: the final server optimizer state (downpour), center optimizer state (AGN),
+      outer optimizer state (DiLoCo), or ``None`` (elastic averaging).
   """
 
   time: np.ndarray
@@ -222,8 +224,11 @@ def emulate(
     commits them (``server.update(..., grad_step=read_step)``), then takes a new snapshot;
   * **elastic_average** / **agn**: takes one local step on its own params; on every τ-th local
     step it exchanges with the current center (see :func:`elastic_average`, :func:`agn`);
-  * a **restart** event re-initialises the worker from the current server params or center (its
-    snapshot, or its local params and a fresh local optimizer state).
+  * **diloco**: takes one local step on its own params; on every H-th local step it commits its
+    pseudo-gradient to the server's outer optimizer and reads the new anchor (see
+    :func:`diloco`);
+  * a **restart** event re-initialises the worker from the current server params, center or
+    anchor (its snapshot, or its local params and a fresh local optimizer state).
 
   Call it from Python, not under a ``jit`` of your own: it compiles and runs the scan itself and
   then derives the server steps and staleness on the host. The compiled scan is cached by
@@ -231,7 +236,7 @@ def emulate(
   one length without recompiling.
 
   Args:
-    protocol: :func:`downpour`, :func:`elastic_average` or :func:`agn`.
+    protocol: :func:`downpour`, :func:`elastic_average`, :func:`agn` or :func:`diloco`.
     loss_fn: ``loss_fn(params, batch) -> scalar``, jittable; ``batch`` has the leaves of
       ``data`` with the leading worker axis removed and ``[batch_size, ...]`` rows (``None`` if
       ``data`` is ``None``).
@@ -245,18 +250,19 @@ def emulate(
     batch_size: the rows of a minibatch (ignored when ``data`` is ``None``).
     seed: the seed of the minibatch order.
     eval_fn: optional ``eval_fn(server_params) -> pytree of scalars``, jittable, called on the
-      server params (downpour) or the center: once before the first event, then after every
+      server params (downpour), the center or the anchor (diloco): once before the first event, then after every
       ``eval_every`` events and after the last (inside the scan).
     eval_every: events between evaluations; default: only before and after.
 
   Returns:
     An :class:`AsyncResult`: per-event loss, server step, staleness and acceptance, the
-    evaluations, the final server (or center) params and the workers' params.
+    evaluations, the final server params (center, anchor) and the workers' params.
 
   Shapes:
     With :math:`N` workers, :math:`E` events and :math:`P` params: the device holds the server
-    (or center) and its optimizer state, :math:`N` params snapshots (downpour) or :math:`N`
-    local params and local optimizer states, the data, and :math:`E \times` (``batch_size`` + a
+    (or center, or anchor) and its optimizer state, :math:`N` params snapshots (downpour) or
+    :math:`N` local params and local optimizer states (and, for diloco, :math:`N` anchors read),
+    the data, and :math:`E \times` (``batch_size`` + a
     few) int32 of schedule: :math:`O(NP + E)`, no per-event params.
 
   Collectives:
@@ -303,10 +309,10 @@ def emulate(
 def _check_arguments(protocol, schedule, eval_every):
   """The checks of :func:`emulate` that need no data."""
   fn = "emulate"
-  if not isinstance(protocol, (Downpour, ElasticAverage, AGN)):
+  if not isinstance(protocol, (Downpour, ElasticAverage, AGN, DiLoCo)):
     raise TypeError(
-      f"`{fn}(protocol=...)` must come from `downpour`, `elastic_average` or `agn`, got"
-      f" {type(protocol).__name__}."
+      f"`{fn}(protocol=...)` must come from `downpour`, `elastic_average`, `agn` or `diloco`,"
+      f" got {type(protocol).__name__}."
     )
   if not isinstance(schedule, Schedule):
     raise TypeError(f"`{fn}(schedule=...)` must be a Schedule, got {type(schedule).__name__}.")

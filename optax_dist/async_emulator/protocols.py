@@ -5,7 +5,9 @@ dataclass that :func:`optax_dist.async_emulator.emulate` runs:
 
 * :func:`downpour`: asynchronous SGD, every step a commit of gradients to the server;
 * :func:`elastic_average`: asynchronous EASGD (:func:`optax_dist.elastic_average` per worker);
-* :func:`agn`: asynchronous AGN (:func:`optax_dist.agn` per worker).
+* :func:`agn`: asynchronous AGN (:func:`optax_dist.agn` per worker);
+* :func:`diloco`: asynchronous DiLoCo, every H-th step a commit of a pseudo-gradient to the
+  server's outer optimizer.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ import optax
 
 from optax_dist import _common
 from optax_dist._agn import agn as _agn
+from optax_dist._diloco import default_outer
+from optax_dist._diloco import diloco as _diloco
 from optax_dist._elastic_average import BETA
 from optax_dist._elastic_average import elastic_average as _elastic_average
 
 __all__ = (
   "AGN",
+  "DiLoCo",
   "Downpour",
   "ElasticAverage",
   "Protocol",
   "agn",
+  "diloco",
   "downpour",
   "elastic_average",
 )
@@ -93,7 +99,27 @@ class AGN:
     return _agn(self.inner, communication_period=self.communication_period)
 
 
-Protocol = Downpour | ElasticAverage | AGN
+@dataclasses.dataclass(frozen=True)
+class DiLoCo:
+  """Asynchronous DiLoCo; built by :func:`diloco`.
+
+  Attributes:
+    inner: every worker's local optimizer (each worker has its own state).
+    outer: the server's optimizer of the anchor, fed one pseudo-gradient per commit.
+    sync_period: H, local steps between a worker's commits.
+  """
+
+  inner: optax.GradientTransformation
+  outer: optax.GradientTransformation
+  sync_period: int = 500
+
+  @property
+  def communication_period(self) -> int:
+    """A worker commits on every H-th local step."""
+    return self.sync_period
+
+
+Protocol = Downpour | ElasticAverage | AGN | DiLoCo
 
 
 def downpour(server: optax.GradientTransformation) -> Downpour:
@@ -234,3 +260,67 @@ def agn(inner: optax.GradientTransformation, *, communication_period: int = 10) 
   return AGN(inner, communication_period)
 
 
+
+def diloco(
+  inner: optax.GradientTransformation,
+  outer: optax.GradientTransformation | None = None,
+  *,
+  sync_period: int = 500,
+) -> DiLoCo:
+  r"""Asynchronous DiLoCo: each worker commits its pseudo-gradient to the server on its own.
+
+  Worker :math:`i` reads the anchor :math:`\theta` (:math:`\hat\theta_i \leftarrow \theta`),
+  starts from it (:math:`x_i \leftarrow \hat\theta_i`) and takes H local steps with
+  ``inner``. After its H-th step, with :math:`x'_i` its params and :math:`\theta`,
+  :math:`s` the server's anchor and outer state *as the previous commit left them* (other
+  workers may have committed since worker :math:`i` read), it commits, one worker at a time in
+  event order:
+
+  .. math::
+
+    \Delta_i = \hat\theta_i - x'_i, \qquad
+    (u, s) \leftarrow \mathrm{outer.update}(\Delta_i, s, \theta), \qquad
+    \theta \leftarrow \theta + u, \qquad x_i \leftarrow \hat\theta_i \leftarrow \theta
+
+  and starts again. Each commit is one outer step of the server; its staleness is the number of
+  outer steps (other workers' commits) between the worker's read of :math:`\hat\theta_i` and
+  its commit. ``inner``'s state is the worker's own and is kept across commits, as
+  :func:`optax_dist.diloco` keeps it; a restart starts the worker afresh from the current
+  :math:`\theta`.
+
+  With one worker this is :func:`optax_dist.diloco` (``axis_name=None``). With
+  ``outer=optax.sgd(1.0)`` each commit adds the worker's own progress to the current anchor,
+  :math:`\theta \leftarrow \theta + (x'_i - \hat\theta_i)`. A momentum outer optimizer
+  (the default, Nesterov) takes one momentum step per commit, on stale pseudo-gradients;
+  ``outer=``:func:`delayed_nesterov` (Liu et al. 2024) moves the momentum once every ``N``
+  commits and takes plain gradient steps in between.
+
+  Args:
+    inner: every worker's local optimizer.
+    outer: the server's optimizer of the anchor, fed :math:`\Delta_i` (a descent direction, as a
+      gradient). Default: ``optax.sgd(0.7, momentum=0.9, nesterov=True)``, as
+      :func:`optax_dist.diloco`; or :func:`delayed_nesterov`.
+    sync_period: H, in local steps; a worker's first commit is on its H-th step. Build the
+      schedule with ``cluster.schedule(..., communication_period=sync_period)``.
+
+  Returns:
+    A :class:`DiLoCo` protocol for :func:`emulate`.
+
+  Raises:
+    TypeError, ValueError: as :func:`optax_dist.diloco` for the same arguments.
+
+  Examples:
+    >>> import optax
+    >>> from optax_dist import async_emulator as ae
+    >>> outer = ae.delayed_nesterov(0.7, momentum=0.9, buffer_size=4)
+    >>> ae.diloco(optax.adam(1e-3), outer, sync_period=50).communication_period
+    50
+
+  References:
+    Douillard et al., `DiLoCo: Distributed Low-Communication Training of Language Models
+    <https://arxiv.org/abs/2311.08105>`_, 2023.
+    Liu et al., `Asynchronous Local-SGD Training for Language Modeling
+    <https://arxiv.org/abs/2401.09135>`_, 2024.
+  """
+  _diloco(inner, outer, sync_period=sync_period)  # the library's validation
+  return DiLoCo(inner, default_outer() if outer is None else outer, sync_period)

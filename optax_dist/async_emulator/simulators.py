@@ -1,7 +1,7 @@
 """The device numerics of the asynchronous emulator: one event of each protocol.
 
 A simulator holds the carry of :func:`optax_dist.async_emulator.emulate`'s ``lax.scan`` (the
-server or center and the N workers' rows) and turns one :class:`Event` into the next
+server, center or anchor and the N workers' rows) and turns one :class:`Event` into the next
 carry and a :class:`Record`. The protocols' math is in :mod:`.protocols`; nothing here is
 re-exported by the package.
 """
@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_dist import _common
 from optax_dist._drop_stale_gradients import DropStaleGradientsState
-from optax_dist.async_emulator.protocols import AGN, Downpour
+from optax_dist.async_emulator.protocols import AGN, DiLoCo, Downpour
 
 STEP, RESTART, NOOP = 0, 1, 2
 """The kinds of events on the device (``NOOP`` pads the last chunk)."""
@@ -223,6 +224,70 @@ class CenterSim:
     return shared[0], rows[0], shared[1]
 
 
+class DiLoCoSim:
+  """Asynchronous DiLoCo. Carry: the anchor and the outer state, and the workers' rows (local
+  params, the anchor each read, inner state, local step)."""
+
+  def __init__(self, protocol, loss_fn, num_workers, only_steps):
+    self.inner = _common.wrap_inner(protocol.inner)
+    self.outer = protocol.outer
+    self.period = protocol.sync_period
+    self.loss_fn = loss_fn
+    self.n = num_workers
+    self.only_steps = only_steps
+
+  def fresh(self, anchor):
+    """A worker (re)starting from ``anchor``: it reads it and trains from it, step 0."""
+    return (anchor, anchor, self.inner.init(anchor), jnp.zeros([], jnp.int32))
+
+  def init(self, params):
+    anchor = jax.tree.map(jnp.asarray, params)
+    return (anchor, self.outer.init(anchor)), _stack(self.fresh(anchor), self.n)
+
+  def server_params(self, carry):
+    return carry[0][0]
+
+  def commit(self, shared, read, new_x):
+    """The server's outer step on the pseudo-gradient ``read - new_x``, from the current anchor."""
+    anchor, outer_state = shared
+    delta = jax.tree.map(lambda r, x: r - x.astype(r.dtype), read, new_x)
+    steps, new_outer_state = self.outer.update(delta, outer_state, anchor)
+    new_anchor = optax.apply_updates(anchor, steps)
+    return (_common.keep_dtypes(new_anchor, anchor),
+            _common.keep_dtypes(new_outer_state, outer_state))
+
+  def event(self, carry, ev, batch):
+    shared, rows = carry
+    is_step, is_restart = ev.kind == STEP, ev.kind == RESTART
+    w = ev.worker
+    row = _take(rows, w)
+    x, read, inner_state, local_step = row
+
+    loss, grads = jax.value_and_grad(self.loss_fn)(x, batch)
+    updates, inner_state = self.inner.update(grads, inner_state, x)
+    new_x = optax.apply_updates(x, updates)
+    local_step = local_step + 1
+    committed = is_step & (local_step % self.period == 0)
+    # The commit is computed on every event and selected (see CenterSim on conditionals).
+    shared = optax.tree.where(committed, self.commit(shared, read, new_x), shared)
+    anchor = shared[0]
+    new_x, read = optax.tree.where(committed, (anchor, anchor), (new_x, read))  # read again
+    stepped = (new_x, read, inner_state, local_step)
+    if self.only_steps:
+      row = stepped
+    else:
+      row = optax.tree.where(
+        is_restart, self.fresh(anchor), optax.tree.where(is_step, stepped, row))
+    rows = _put(rows, w, row)
+
+    record = Record(loss=_nan_if(is_step, loss), committed=committed, accepted=committed)
+    return (shared, rows), record
+
+  def outputs(self, carry):
+    (anchor, outer_state), rows = carry
+    return anchor, rows[0], outer_state
+
+
 def simulator(protocol, loss_fn, num_workers, explicit_reads, only_steps):
   """The simulator of ``protocol``'s events.
 
@@ -231,4 +296,6 @@ def simulator(protocol, loss_fn, num_workers, explicit_reads, only_steps):
   """
   if isinstance(protocol, Downpour):
     return DownpourSim(protocol, loss_fn, num_workers, explicit_reads, only_steps)
+  if isinstance(protocol, DiLoCo):
+    return DiLoCoSim(protocol, loss_fn, num_workers, only_steps)
   return CenterSim(protocol, loss_fn, num_workers, only_steps)

@@ -31,8 +31,8 @@ class Schedule:
     num_workers: :math:`N`.
     worker: ``int32[E]``, the worker of each event.
     time: ``float64[E]``, the simulated time of each event, nondecreasing.
-    restart: ``bool[E]``, True for a restart (the worker re-initialises from the server or the
-      center), False for a step (a local step; for downpour a commit).
+    restart: ``bool[E]``, True for a restart (the worker re-initialises from the server, the
+      center or the anchor), False for a step (a local step; for downpour a commit).
     local_step: ``int32[E]``, the worker's step count since its (re)start, after this step; 0
       for restarts.
     read_step: ``int32[E]`` or ``None``. Downpour only: the server ``global_step`` whose params
@@ -88,7 +88,8 @@ class Cluster:
       ``N - 1``, so the chief, worker 0, is fast) or a tuple of their indices.
     slowdown: k ≥ 1, how many times slower a straggler computes.
     latency: ≥ 0, the round trip of one exchange with the server, added to every step that
-      communicates (every step for downpour; every τ-th for elastic averaging and AGN).
+      communicates (every step for downpour; every τ-th for elastic averaging and AGN; every
+      H-th for DiLoCo).
     seed: the seed of the compute-time draws.
   """
 
@@ -156,14 +157,15 @@ class Cluster:
     A restart ``(worker, time)`` or ``(worker, time, downtime)``: the worker crashes at
     ``time``, so the step it was running is lost (a step ending exactly at ``time`` is not);
     after ``downtime`` (default 0) its restart event re-initialises its params and optimizer
-    state from the server or the center, its local step count restarts at 0, and it continues.
-    The other workers never wait.
+    state from the server, the center or the anchor, its local step count restarts at 0, and it
+    continues. The other workers never wait.
 
     Args:
       num_events: stop after this many steps (restarts not counted; those at or before the last
         step are kept).
       duration: or stop at this simulated time (events at ``time <= duration`` are kept).
-      communication_period: the protocol's τ (1 for downpour): which steps pay ``latency``.
+      communication_period: the protocol's τ (1 for downpour, ``sync_period`` for DiLoCo):
+        which steps pay ``latency``.
       restarts: the restarts, in any order.
 
     Returns:
@@ -294,7 +296,7 @@ def explicit_schedule(events: Sequence[Any], *, num_workers: int | None = None) 
     params of ``global_step == read_step``. The worker must be able to have read them: the
     server must be at that step at some point after the worker's previous commit (steps only
     grow, and a dropped commit does not move them). :func:`emulate` raises otherwise.
-  * ``("restart", w)``: worker ``w`` re-initialises from the server or the center.
+  * ``("restart", w)``: worker ``w`` re-initialises from the server, the center or the anchor.
 
   Every step of a downpour schedule must give ``read_step`` or none must.
 
