@@ -19,10 +19,12 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-COMPARED = ("sync", "elastic_average", "agn", "moving_average")
+COMPARED = ("sync", "elastic_average", "agn", "moving_average", "local_sgd", "diloco")
+PERIODIC = ("elastic_average", "agn", "local_sgd", "diloco")
 STEPS, DEVICES, PERIOD, EVAL_EVERY = 30, 4, 5, 10
 SMALL = ["--steps", str(STEPS), "--devices", str(DEVICES), "--communication-period", str(PERIOD),
-         "--eval-every", str(EVAL_EVERY), "--seed", "1", "--no-progress"]
+         "--sync-period", str(PERIOD), "--eval-every", str(EVAL_EVERY), "--seed", "1",
+         "--no-progress"]
 
 
 def command(*args: str) -> list[str]:
@@ -150,14 +152,14 @@ def test_compare_prints_table_and_writes_results(compared):
   assert results["config"]["seed"] == 1
   assert tuple(results["algorithms"]) == COMPARED
   for name, result in results["algorithms"].items():
-    period = PERIOD if name in ("elastic_average", "agn") else 1
+    period = PERIOD if name in PERIODIC else 1
     check_result(name, result, period)
     row = next(line.split() for line in lines if line.startswith(name + " "))
     accuracy = f"{result['test_accuracy_eval_params']:.4f}"
     assert row[1:4] == [str(STEPS), str(STEPS // period), accuracy]
-  # sync has no average: eval_params gives the params. agn's workers restart from the center on
-  # every commit, and steps 10, 20 and 30 are commits.
-  for name in ("sync", "agn"):
+  # sync and local_sgd have no average: eval_params gives the params. agn's and diloco's workers
+  # restart from the center or the anchor on every commit, and steps 10, 20 and 30 are commits.
+  for name in ("sync", "agn", "local_sgd", "diloco"):
     history = results["algorithms"][name]["history"]
     assert history["test_accuracy_eval_params"][1:] == history["test_accuracy_workers"][1:]
   check_png(out / "accuracy.png")
@@ -230,6 +232,11 @@ def _bad_arguments(tmp_path):
     "out under a regular file": ["compare", "--out", str(regular_file / "runs")],
     "communication period longer than the run": ["compare", "--steps", "5",
                                                  "--communication-period", "10"],
+    "sync period longer than the run": ["train", "--algorithm", "diloco", "--steps", "5",
+                                        "--sync-period", "10"],
+    "warm-up leaves no sync": ["train", "--algorithm", "local_sgd", "--steps", "20",
+                               "--sync-period", "10", "--warmup-steps", "15"],
+    "bad param dtype": ["train", "--param-dtype", "int8"],
     "async: unknown worker restarted": ["async", "--workers", "2", "--restarts", "5@10"],
     "async: malformed restarts": ["async", "--restarts", "soon"],
     "async: more stragglers than workers": ["async", "--workers", "2", "--stragglers", "3"],

