@@ -200,7 +200,8 @@ def test_async_compares_the_protocols(runs):
   assert "protocol/s" not in stderr and "%|" not in stderr  # --no-progress: no progress bar
   out = runs["async"].out
   results = json.loads((out / "results_async.json").read_text())["protocols"]
-  assert list(results) == ["downpour", "downpour+drop_stale", "elastic_average", "agn"]
+  assert list(results) == ["downpour", "downpour+drop_stale", "elastic_average", "agn", "diloco",
+                           "diloco+delayed_nesterov"]
   header, body = check_table(stdout, "protocol", len(results))
   for column in ("test acc", "dropped", "staleness (mean)", "simulated time", "wall time (s)"):
     assert column in header

@@ -10,7 +10,12 @@ same simulated time:
 * ``elastic_average``: asynchronous EASGD, every worker exchanging with the center every
   ``communication_period`` local steps (TF's asynchronous order);
 * ``agn``: asynchronous AGN, every worker committing its mean accumulated gradient to the center
-  every ``communication_period`` local steps.
+  every ``communication_period`` local steps;
+* ``diloco``: asynchronous DiLoCo, every worker committing its pseudo-gradient after
+  ``communication_period`` local steps to the server's outer SGD with learning rate 1/N (each
+  commit moves the anchor by one worker's share: model averaging spread over the commits);
+* ``diloco+delayed_nesterov``: the same with the delayed Nesterov outer optimizer of Liu et al.
+  (2024), its momentum applied once every N commits (N = ``workers``).
 
 The data, model, loss and metric are a task's (:mod:`optax_dist.cli.tasks`), as in ``optax-dist
 train``.
@@ -27,7 +32,8 @@ import numpy as np
 
 from optax_dist.cli.tasks import Task
 
-PROTOCOLS = ("downpour", "downpour+drop_stale", "elastic_average", "agn")
+PROTOCOLS = ("downpour", "downpour+drop_stale", "elastic_average", "agn", "diloco",
+             "diloco+delayed_nesterov")
 """Every protocol :func:`run` runs, in this order."""
 
 DEFAULTS = {
@@ -51,7 +57,7 @@ DEFAULTS = {
 
 def make_protocol(
   name: str, *, learning_rate: float, communication_period: int, moving_rate: float,
-  max_staleness: int,
+  max_staleness: int, workers: int = DEFAULTS["workers"],
 ) -> Any:
   """The :mod:`optax_dist.async_emulator` protocol called ``name`` (one of :data:`PROTOCOLS`)."""
   import optax
@@ -69,6 +75,11 @@ def make_protocol(
       sgd, communication_period=communication_period, moving_rate=moving_rate)
   if name == "agn":
     return ae.agn(sgd, communication_period=communication_period)
+  if name == "diloco":
+    return ae.diloco(sgd, optax.sgd(1.0 / workers), sync_period=communication_period)
+  if name == "diloco+delayed_nesterov":
+    return ae.diloco(sgd, ae.delayed_nesterov(buffer_size=workers),
+                     sync_period=communication_period)
   raise ValueError(
     f"`run(protocols=...)`: unknown protocol {name!r}; choose from {', '.join(PROTOCOLS)}.")
 
@@ -156,7 +167,7 @@ def run(
     duration: the simulated time each protocol runs for (a step takes about 1).
     batch_size: each worker's minibatch.
     learning_rate: the SGD learning rate.
-    communication_period: τ of ``elastic_average`` and ``agn``, in local steps.
+    communication_period: τ of ``elastic_average`` and ``agn``, H of ``diloco``, in local steps.
     moving_rate: α of ``elastic_average``.
     eval_every: events between test-metric measurements.
     seed: the seed of the data split, the init, the compute times and the minibatch order.
@@ -184,7 +195,7 @@ def run(
     start = time.perf_counter()
     protocol = make_protocol(name, learning_rate=learning_rate, moving_rate=moving_rate,
                              communication_period=communication_period,
-                             max_staleness=max_staleness)
+                             max_staleness=max_staleness, workers=workers)
     schedule = cluster.schedule(
       duration=duration, communication_period=protocol.communication_period, restarts=restarts)
     result = ae.emulate(
