@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test docs bench dist clean
+.PHONY: demo test test-lowest docs bench dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,25 @@ demo: $(VENV)/.examples
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q
 
+# The tests run in-process, on the lowest versions pyproject.toml allows: uv resolves every direct
+# dependency to its floor (jax, optax, flax, orbax-checkpoint, ...). The tests that drive
+# subprocesses (command line, multi-process, notebooks, docs, README) run in `make test` only.
+LOWEST := .venv-lowest
+LOWEST_SKIP := cli docs multiprocess notebooks readme
+
+$(LOWEST)/.installed: pyproject.toml
+	rm -rf $(LOWEST)
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install --quiet uv
+	$(LOWEST)/bin/uv pip install --quiet --python $(LOWEST)/bin/python --resolution lowest-direct \
+	  -e ".[test]"
+	touch $@
+
+test-lowest: $(LOWEST)/.installed
+	$(LOWEST)/bin/uv pip freeze --python $(LOWEST)/bin/python \
+	  | grep -iE '^(jax|jaxlib|optax|flax|orbax-checkpoint|scikit-learn)=='
+	$(LOWEST)/bin/python -m pytest -q $(LOWEST_SKIP:%=--ignore=tests/test_%.py)
+
 docs: $(VENV)/.docs
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
 
@@ -32,4 +51,4 @@ dist: $(VENV)/.dist
 	$(BIN)/python -m twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) runs build dist *.egg-info docs/_build
+	rm -rf $(VENV) $(LOWEST) runs build dist *.egg-info docs/_build
