@@ -133,7 +133,7 @@ def test_train_lm_reports_bits_per_byte(tmp_path, algorithm, param_dtype):
   curve = run["history"]["test_bits_per_byte_eval_params"]
   assert len(curve) == 3 and curve[-1] < curve[0] < 9.5  # it learns from 8 bits per byte
   assert run["communication_rounds"] == 2
-  assert "Python" in result["config"]["dataset"]["name"]
+  assert f"Python {sys.version.split()[0]}" in result["config"]["dataset"]["provenance"]
 
 
 def test_lm_resume_after_a_crash_ends_with_the_uninterrupted_params(tmp_path):

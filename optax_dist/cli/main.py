@@ -210,7 +210,8 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
     "comm_dtype": args.comm_dtype, "eval_every": settings.eval_every, "seed": settings.seed,
     "checkpoint_every": args.checkpoint_every,
     "dataset": {"name": task.dataset, "train": len(next(iter(data.train.values()))),
-                "test": len(next(iter(data.test.values())))},
+                "test": len(next(iter(data.test.values()))),
+                "provenance": task.provenance() if task.provenance else None},
     "model": task.model_name, "optimizer": "adam",
   }
 

@@ -47,6 +47,8 @@ class Task:
     metric_key: the metric's name in the results' keys (``test_<metric_key>_eval_params``).
     metric_label: the metric's name in tables and plots.
     lower_is_better: whether a lower metric is better (a loss) or a higher one (an accuracy).
+    provenance: ``provenance() -> str``, where the data came from in detail (e.g. the Python
+      version and byte counts of the ``lm`` corpus), recorded in the results; or ``None``.
     inputs: ``inputs(batch) -> array``, what the model is applied to.
     requires: modules needed beyond the ``examples`` extra, each checked before a run.
     install: how to install :attr:`requires` (the end of the error message when one is missing).
@@ -65,6 +67,7 @@ class Task:
   metric_key: str = "accuracy"
   metric_label: str = "test acc"
   lower_is_better: bool = False
+  provenance: Callable[[], str] | None = None
   requires: tuple[str, ...] = ()
   install: str = ""
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -175,17 +178,18 @@ def bits_per_byte(logits: Any, batch: Batch) -> Any:
   return next_byte_cross_entropy(logits, batch) / np.log(2.0)
 
 
+def lm_provenance() -> str:
+  """:func:`optax_dist.cli.text.describe`: the Python version and the corpus' byte counts."""
+  from optax_dist.cli import text
+
+  return text.describe()
+
+
 def transformer() -> Any:
   """:class:`optax_dist.cli.models.Transformer` (imports Flax when called)."""
   from optax_dist.cli.models import Transformer
 
   return Transformer(context=LM_CONTEXT)
-
-
-def _lm_dataset() -> str:
-  from optax_dist.cli import text
-
-  return text.describe()
 
 
 def mlp(hidden: tuple[int, ...] = (64, 64), num_classes: int = 10) -> Any:
@@ -208,6 +212,7 @@ TASKS: dict[str, Task] = {
          model_name="flax.linen byte-level transformer, 2 layers, width 96, context 64",
          load=load_lm, model=transformer, loss=next_byte_cross_entropy, metric=bits_per_byte,
          metric_key="bits_per_byte", metric_label="val bits/byte", lower_is_better=True,
+         provenance=lm_provenance,
          defaults={"steps": 300, "batch_size": 8, "learning_rate": 3e-3, "eval_every": 50,
                    "communication_period": 10, "sync_period": 50}),
   )
