@@ -322,12 +322,20 @@ def test_streaming_diloco_syncs_one_fragment_per_conditional():
   assert f"{per_sync[0]}" in str(report)
 
 
-def test_hierarchical_diloco_reports_tower_and_sync_bytes_apart():
-  """diloco(tower(adamw, "gpus"), "hosts") on a 2x4 mesh: the tower's all-reduce on every step,
-  the DiLoCo sync in its own conditional, both of the params' bytes."""
+HIERARCHICAL = {
+  "diloco": lambda inner: optax_dist.diloco(inner, sync_period=5, axis_name="hosts"),
+  "local_sgd": lambda inner: optax_dist.local_sgd(inner, sync_period=5, axis_name="hosts"),
+  "elastic_average": lambda inner: optax_dist.elastic_average(
+    inner, communication_period=5, axis_name="hosts"),
+}
+
+
+@pytest.mark.parametrize("name", HIERARCHICAL)
+def test_hierarchical_reports_tower_and_sync_bytes_apart(name):
+  """E.g. diloco(tower(adamw, "gpus"), "hosts") on a 2x4 mesh: the tower's all-reduce on every
+  step, the periodic exchange in its own conditional, both of the params' bytes."""
   mesh = jax.make_mesh((2, 4), ("hosts", "gpus"))
-  tx = optax_dist.diloco(optax_dist.tower(optax.adamw(0.01), "gpus"), sync_period=5,
-                         axis_name="hosts")
+  tx = HIERARCHICAL[name](optax_dist.tower(optax.adamw(0.01), "gpus"))
   spec = P(("hosts", "gpus"))
   params, grads = jax.tree.map(
     lambda x: jax.device_put(x, NamedSharding(mesh, spec)), jax.device_get(_data())
