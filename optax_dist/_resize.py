@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from optax_dist import _common
 from optax_dist._accumulation import AccumulateThenReduceState
@@ -366,10 +367,33 @@ def resize_state(
   _common.check_positive_int(_FN, "num_workers", num_workers)
   _common.check_choice(_FN, "inner_state", inner_state, _MODES)
   n = _num_workers(opt_state, params)
-  _check_from_tx(tx, opt_state, params)
   if int(num_workers) == n:
+    _check_from_tx(tx, opt_state, params)
     return opt_state, params
+  opt_state, params = _auto_axes((opt_state, params))
+  _check_from_tx(tx, opt_state, params)
   return _program(tx, int(num_workers), inner_state)(opt_state, params)
+
+
+def _auto_axes(tree: Any) -> Any:
+  """``tree`` with each leaf sharded over a mesh with explicit axes (``jax.make_mesh``'s default)
+  relabelled onto the same devices and layout with automatic axes.
+
+  Explicitly sharded types refuse ``x[0]`` on the workers' axis under ``jit``, and
+  ``jax.vmap(tx.init)`` outside a mesh context; with automatic axes the compiler moves the data.
+  """
+
+  def relabel(x):
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+      return x
+    mesh = sharding.mesh
+    if AxisType.Explicit not in tuple(getattr(mesh, "axis_types", ())):
+      return x
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return jax.device_put(x, NamedSharding(auto, sharding.spec))
+
+  return jax.tree.map(relabel, tree)
 
 
 def _program(tx: Any, m: int, mode: str) -> Any:

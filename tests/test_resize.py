@@ -191,6 +191,12 @@ def _trained(name):
   return tx, jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state)
 
 
+@functools.cache
+def _trained_on_devices(name):
+  """The same run's device arrays, sharded ``P("workers")`` over a mesh with explicit axes."""
+  return _start(name)
+
+
 # ----------------------------------------------------------------------------------------------
 # NumPy references.
 
@@ -235,7 +241,12 @@ def assert_identical_on_workers(tree):
 def test_resize_keeps_global_state_and_trains_on(name, m):
   case = CASES[name]
   tx, params, state = _trained(name)
-  new_state, new_params = optax_dist.resize_state(tx, state, params, m, inner_state="reset")
+  _, on_devices_params, on_devices_state = _trained_on_devices(name)
+  assert jax.tree.leaves(on_devices_params)[0].sharding.spec[0] == AXIS
+  new_state, new_params = optax_dist.resize_state(
+    tx, on_devices_state, on_devices_params, m, inner_state="reset"
+  )
+  new_state, new_params = jax.tree.map(np.asarray, new_state), jax.tree.map(np.asarray, new_params)
   assert jax.tree.structure(new_state) == jax.tree.structure(state)
   for leaf in jax.tree.leaves((new_state, new_params)):
     assert np.shape(leaf)[0] == m
