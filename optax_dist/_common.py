@@ -114,9 +114,12 @@ def check_num_workers(fn: str, num_workers: Any, axis_name: Hashable | tuple | N
 
 
 def varying_axes(x: Any) -> frozenset:
-  """The mapped axes over which ``x``'s type says it varies (empty where types are unchecked)."""
-  manual = getattr(jax.typeof(x), "manual_axis_type", None)
-  return frozenset(getattr(manual, "varying", ()))
+  """The mapped axes over which ``x``'s type says it varies (empty where types are unchecked).
+
+  Needs JAX >= 0.10 (``manual_axis_type``): without it every value would look invariant and
+  ``tower`` would count gradients already summed by autodiff twice, so an older JAX fails here.
+  """
+  return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 def cast_varying(x: jax.Array, axes: frozenset) -> jax.Array:
