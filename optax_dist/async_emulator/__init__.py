@@ -8,8 +8,9 @@ with a deterministic event simulation:
 1. **Timing** (host, NumPy). A :class:`Cluster` draws every worker's compute times from a seeded
    distribution (constant, uniform jitter, or some workers ``slowdown`` × slower) plus an optional
    communication latency, and :meth:`Cluster.schedule` turns them into a :class:`Schedule`: which
-   worker finishes a step when, in time order, with worker restarts. :func:`explicit_schedule`
-   builds one from a list instead (e.g. TF's unit tests' orders).
+   worker finishes a step when, in time order, with worker restarts, workers that leave for
+   good and workers that join mid-run. :func:`explicit_schedule` builds one from a list instead
+   (e.g. TF's unit tests' orders).
 2. **Numerics** (device). :func:`emulate` runs the schedule as one ``jax.lax.scan`` over events
    inside ``jax.jit``: no Python work per event. Each worker holds one snapshot of the params
    (its read of the server, or its local params and, for DiLoCo, the anchor it read); no

@@ -34,8 +34,10 @@ class AsyncResult:
     time: ``float64[E]``, each event's simulated time.
     worker: ``int32[E]``, each event's worker.
     restart: ``bool[E]``, True for restart events.
+    join: ``bool[E]``, True where a worker joins (see :class:`Schedule`).
+    leave: ``bool[E]``, True where a worker leaves for good.
     loss: ``float32[E]``, the minibatch loss the worker computed at the event (at its snapshot
-      for downpour, at its local params otherwise); NaN for restarts.
+      for downpour, at its local params otherwise); NaN for restarts, joins and leaves.
     server_step: ``int32[E]``, the server step after the event: downpour's ``global_step``
       (accepted commits); for elastic averaging and AGN the number of exchanges with the center;
       for DiLoCo the number of outer steps (commits).
@@ -52,7 +54,8 @@ class AsyncResult:
     eval_metrics: ``eval_fn``'s outputs stacked on a leading axis ``[K]``; ``None`` without it.
     params: the final server params (downpour), center, or anchor (DiLoCo).
     worker_params: the final per-worker params, stacked ``[N, ...]``: each worker's last read of
-      the server (downpour) or its local params.
+      the server (downpour) or its local params; for a worker that left, those it held when it
+      left; for one that never joined, the initial params.
     server_state: the final server optimizer state (downpour), center optimizer state (AGN),
       outer optimizer state (DiLoCo), or ``None`` (elastic averaging).
   """
@@ -60,6 +63,8 @@ class AsyncResult:
   time: np.ndarray
   worker: np.ndarray
   restart: np.ndarray
+  join: np.ndarray
+  leave: np.ndarray
   loss: np.ndarray
   server_step: np.ndarray
   committed: np.ndarray
@@ -148,7 +153,7 @@ def _batch_indices(schedule, data, batch_size, seed):
       f" {batch_size}."
     )
   index = np.zeros((schedule.num_events, batch_size), np.int64)
-  steps = ~schedule.restart
+  steps = schedule.step
   for w in range(n):
     where = np.flatnonzero(steps & (schedule.worker == w))
     if not len(where):
@@ -164,8 +169,8 @@ def _bookkeeping(schedule, committed, accepted):
   """``server_step``, ``staleness``, ``read_step`` (``int32[E]`` each) from the device's flags.
 
   The server step starts at 0 and counts accepted commits (downpour's ``global_step``) or
-  exchanges with the center. A worker reads the server right after its own commit or restart,
-  unless the schedule gives explicit read steps, which are checked here: the server must have
+  exchanges with the center. A worker reads the server right after its own commit, restart or
+  join, unless the schedule gives explicit read steps, which are checked here: the server must have
   been at the requested step at some point since the worker's previous commit.
   """
   n, explicit = schedule.num_workers, schedule.read_step
@@ -173,7 +178,7 @@ def _bookkeeping(schedule, committed, accepted):
   staleness = np.full(len(committed), -1, np.int32)
   read_step = np.full(len(committed), -1, np.int32)
   step, read = 0, np.zeros(n, np.int64)  # read: the step each worker read at its last exchange
-  for k, (w, restart) in enumerate(zip(schedule.worker, schedule.restart)):
+  for k, (w, reads) in enumerate(zip(schedule.worker, schedule.restart | schedule.join)):
     if committed[k]:
       r = read[w] if explicit is None else explicit[k]
       if not read[w] <= r <= step:
@@ -185,7 +190,7 @@ def _bookkeeping(schedule, committed, accepted):
       staleness[k], read_step[k] = step - r, r
     step += int(accepted[k])
     server_step[k] = step
-    if committed[k] or restart:
+    if committed[k] or reads:
       read[w] = step
   return server_step, staleness, read_step
 
@@ -197,7 +202,7 @@ def _next_reads(schedule):
   pending = np.full(n, -1, np.int32)
   for k in range(e - 1, -1, -1):
     out[k] = pending
-    if not schedule.restart[k]:
+    if schedule.step[k]:
       pending[schedule.worker[k]] = schedule.read_step[k]
   return out
 
@@ -228,7 +233,15 @@ def emulate(
     pseudo-gradient to the server's outer optimizer and reads the new anchor (see
     :func:`diloco`);
   * a **restart** event re-initialises the worker from the current server params, center or
-    anchor (its snapshot, or its local params and a fresh local optimizer state).
+    anchor (its snapshot, or its local params and a fresh local optimizer state);
+  * a **join** does the same for a worker absent until then (it joins with the current server
+    params, center or anchor, not the initial ``params``);
+  * a **leave** changes nothing on the server: whatever the worker computed since its last
+    exchange (its step in flight, DiLoCo's local steps, AGN's accumulated gradients) is lost,
+    and the worker has no later event.
+
+  The workers are the schedule's :math:`N`, present or not: ``elastic_average``'s default
+  :math:`\alpha = 0.9 / (\tau N)` counts the workers that join later or have left.
 
   Call it from Python, not under a ``jit`` of your own: it compiles and runs the scan itself and
   then derives the server steps and staleness on the host. The compiled scan is cached by
@@ -296,7 +309,7 @@ def emulate(
   outputs, records, first, evals = _simulate(
     params, data, events, protocol=protocol, loss_fn=loss_fn, eval_fn=eval_fn,
     num_workers=schedule.num_workers, explicit_reads=explicit_reads,
-    only_steps=bool(pad == 0 and not schedule.restart.any()),
+    only_steps=bool(pad == 0 and schedule.step.all()),
   )
   records = jax.tree.map(lambda a: np.asarray(a).reshape((-1,) + a.shape[2:])[:e], records)
   evaluations = None
@@ -334,7 +347,8 @@ def _device_events(schedule, index, next_read, chunk):
   last chunk padded with no-op events; and the number of those."""
   chunks = -(-schedule.num_events // chunk)
   pad = chunks * chunk - schedule.num_events
-  kind = np.where(schedule.restart, simulators.RESTART, simulators.STEP).astype(np.int32)
+  kind = np.select([schedule.restart | schedule.join, schedule.leave],
+                   [simulators.RESTART, simulators.NOOP], simulators.STEP).astype(np.int32)
 
   def padded(a, value):
     a = np.concatenate([a, np.full((pad,) + a.shape[1:], value, a.dtype)])
@@ -359,6 +373,8 @@ def _result(schedule, outputs, records, evaluations, chunk):
     time=schedule.time,
     worker=schedule.worker,
     restart=schedule.restart,
+    join=schedule.join,
+    leave=schedule.leave,
     loss=records.loss,
     server_step=server_step,
     committed=records.committed,
