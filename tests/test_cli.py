@@ -381,3 +381,37 @@ def test_rounds_panel_is_readable(compared, case):
   labels = [float(text) for x, text in ticks if text and low <= x <= high]  # plain numbers
   assert len(labels) >= 3 and labels == sorted(labels), ticks
   assert min(labels) <= min(shown) * 2 + 1 and max(labels) >= max(shown) / 2, (labels, shown)
+
+
+def test_async_leaves_and_joins(tmp_path):
+  """``--leaves`` and ``--joins``: recorded in the config, shown in the title, one-line errors."""
+  from optax_dist.cli import async_run
+  from optax_dist.cli.tasks import TASKS
+
+  out = tmp_path / "async"
+  proc = start("async", "--workers", "4", "--duration", "40", "--leaves", "1@20",
+               "--joins", "3@15", "--no-progress", "--out", str(out))
+  bad = {
+    "--joins 9@3": (["--joins", "9@3"], "argument --joins: worker 9 does not exist"),
+    "--leaves soon": (["--leaves", "soon"], "argument --leaves: must be WORKER@TIME pairs"),
+    "join after leave": (["--leaves", "1@5", "--joins", "1@8"],
+                         "worker 1 joins at 8.0 but leaves at 5.0"),
+  }
+  errors = {name: start("async", "--workers", "4", *args, "--out", str(tmp_path / "bad"))
+            for name, (args, _) in bad.items()}
+  for name, (_, text) in bad.items():
+    check_one_line_error(errors[name], contains=(text,))
+  assert not (tmp_path / "bad").exists()
+  stdout, stderr = proc.communicate(timeout=600)
+  assert proc.returncode == 0, stderr
+  check_table(stdout, "protocol", len(async_run.PROTOCOLS))
+  results = json.loads((out / "results_async.json").read_text())
+  assert results["config"]["leaves"] == [[1, 20.0]] and results["config"]["joins"] == [[3, 15.0]]
+  downpour = results["protocols"]["downpour"]
+  assert downpour["events"] == downpour["commits"] + 2  # every step commits; a leave, a join
+  assert all(0.2 < r["test_accuracy"] <= 1.0 for r in results["protocols"].values())
+  check_png(out / "async.png")
+  title = async_run.describe(
+    TASKS["digits"], workers=4, stragglers=1, slowdown=4.0, latency=0.0, restarts=(),
+    max_staleness=2, communication_period=4, leaves=((1, 20.0),), joins=((3, 15.0),))
+  assert "leaving: 1@20" in title and "joining: 3@15" in title

@@ -44,8 +44,8 @@ positive_float = _number(float, "a positive number", lambda v: v > 0 and math.is
 unit_float = _number(float, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 
 
-def restarts(text: str) -> tuple[tuple[int, float], ...]:
-  """``"W@T,W@T"`` (worker W restarts at simulated time T) as ``((W, T), ...)``."""
+def worker_times(text: str) -> tuple[tuple[int, float], ...]:
+  """``"W@T,W@T"`` (worker W at simulated time T: a restart, leave or join) as ``((W, T), ...)``."""
   pairs = []
   for item in filter(None, text.split(",")):
     worker, sep, at = item.partition("@")
@@ -232,8 +232,8 @@ def _add_async_parser(commands: Any) -> None:
     "async", help="compare asynchronous protocols, emulated",
     description=f"Emulate asynchronous parameter-server training with"
     f" {', '.join(async_run.PROTOCOLS)} on one simulated cluster (per-worker compute times,"
-    " stragglers, restarts) and compare them at the same simulated time; writes"
-    " results_async.json and async.png under --out.",
+    " stragglers, restarts, workers leaving and joining) and compare them at the same simulated"
+    " time; writes results_async.json and async.png under --out.",
   )
   _task_argument(run)
   run.add_argument("--workers", type=positive_int, default=d["workers"],
@@ -245,8 +245,15 @@ def _add_async_parser(commands: Any) -> None:
                    help=f"number of slow workers (default: {d['stragglers']})")
   run.add_argument("--slowdown", type=positive_float, default=d["slowdown"],
                    help=f"how many times slower a straggler is (default: {d['slowdown']:g})")
-  run.add_argument("--restarts", type=restarts, default=d["restarts"], metavar="W@T[,W@T...]",
+  run.add_argument("--restarts", type=worker_times, default=d["restarts"],
+                   metavar="W@T[,W@T...]",
                    help="restart worker W at simulated time T (default: none)")
+  run.add_argument("--leaves", type=worker_times, default=d["leaves"], metavar="W@T[,W@T...]",
+                   help="worker W leaves for good at simulated time T, losing its work since"
+                   " its last exchange (default: none)")
+  run.add_argument("--joins", type=worker_times, default=d["joins"], metavar="W@T[,W@T...]",
+                   help="worker W (one of --workers) is absent until simulated time T, then"
+                   " starts from the server, center or anchor (default: none)")
   run.add_argument("--duration", type=positive_float, default=d["duration"],
                    help="simulated time per protocol; one step takes about 1"
                    f" (default: {d['duration']:g})")

@@ -1,8 +1,8 @@
 """``optax-dist async``: asynchronous parameter-server training of a task, emulated.
 
 Runs four asynchronous protocols with :mod:`optax_dist.async_emulator` on one timing model of
-the cluster (the same compute times, stragglers and restarts for each) and compares them at the
-same simulated time:
+the cluster (the same compute times, stragglers, restarts, and workers leaving for good or
+joining mid-run, for each) and compares them at the same simulated time:
 
 * ``downpour``: asynchronous SGD, every commit applied by the server (``optax.sgd``);
 * ``downpour+drop_stale``: the same with ``drop_stale_gradients(optax.sgd, max_staleness)`` as the
@@ -44,6 +44,8 @@ DEFAULTS = {
   "jitter": 0.2,
   "latency": 0.0,
   "restarts": (),
+  "leaves": (),
+  "joins": (),
   "duration": 400.0,
   "batch_size": 32,
   "learning_rate": 0.1,
@@ -139,6 +141,8 @@ def run(
   jitter: float = DEFAULTS["jitter"],
   latency: float = DEFAULTS["latency"],
   restarts: Sequence[tuple[int, float]] = DEFAULTS["restarts"],
+  leaves: Sequence[tuple[int, float]] = DEFAULTS["leaves"],
+  joins: Sequence[tuple[int, float]] = DEFAULTS["joins"],
   duration: float = DEFAULTS["duration"],
   batch_size: int = DEFAULTS["batch_size"],
   learning_rate: float = DEFAULTS["learning_rate"],
@@ -154,15 +158,18 @@ def run(
   Every protocol sees the same cluster: ``workers`` workers whose steps take 1 time unit
   (uniformly jittered by ``±jitter``), the last ``stragglers`` of them ``slowdown`` × slower, plus
   ``latency`` per exchange with the server, and the same ``restarts`` ((worker, time) pairs:
-  the worker loses its step in flight and restarts from the server or center). All start from the
-  same params; SGD with ``learning_rate`` everywhere (the server's, or each worker's and the
-  center's). The test metric is measured on the server params (downpour) or the center, every
+  the worker loses its step in flight and restarts from the server or center), ``leaves`` (the
+  worker leaves for good, its work since its last exchange lost) and ``joins`` (the worker, one of
+  ``workers``, is absent until then and starts from the server, center or anchor). All start
+  from the same params; SGD with ``learning_rate`` everywhere (the server's, or each worker's and
+  the center's). The test metric is measured on the server params (downpour) or the center, every
   ``eval_every`` events and at the end.
 
   Args:
     task: the data, model, loss and metric.
-    workers, stragglers, slowdown, jitter, latency, restarts: the cluster
-      (:class:`optax_dist.async_emulator.Cluster`); ``slowdown`` ≥ 1, ``jitter`` in [0, 1).
+    workers, stragglers, slowdown, jitter, latency, restarts, leaves, joins: the cluster
+      (:class:`optax_dist.async_emulator.Cluster`, its ``schedule``); ``slowdown`` ≥ 1,
+      ``jitter`` in [0, 1); restarts, leaves and joins as ``(worker, time)`` pairs.
     max_staleness: ``drop_stale_gradients``' threshold for ``downpour+drop_stale``.
     duration: the simulated time each protocol runs for (a step takes about 1).
     batch_size: each worker's minibatch.
@@ -197,7 +204,8 @@ def run(
                              communication_period=communication_period,
                              max_staleness=max_staleness, workers=workers)
     schedule = cluster.schedule(
-      duration=duration, communication_period=protocol.communication_period, restarts=restarts)
+      duration=duration, communication_period=protocol.communication_period, restarts=restarts,
+      leaves=leaves, joins=joins)
     result = ae.emulate(
       protocol, problem["loss_fn"], problem["params"], problem["data"], schedule,
       batch_size=batch_size, seed=seed, eval_fn=problem["metric_fn"], eval_every=eval_every)
@@ -207,9 +215,18 @@ def run(
 
 
 def describe(task: Task, *, workers: int, stragglers: int, slowdown: float, latency: float,
-             restarts: Sequence[Any], max_staleness: int, communication_period: int) -> str:
+             restarts: Sequence[Any], max_staleness: int, communication_period: int,
+             leaves: Sequence[Any] = (), joins: Sequence[Any] = ()) -> str:
   """One line saying what :func:`run` emulated (the plot's title)."""
-  extra = (f", latency {latency:g}" if latency else "") + (
-    f", {len(restarts)} restart(s)" if restarts else "")
+  extra = "".join(
+    [f", latency {latency:g}" if latency else "",
+     f", {len(restarts)} restart(s)" if restarts else "",
+     ", leaving: " + _at(leaves) if leaves else "",
+     ", joining: " + _at(joins) if joins else ""])
   return (f"{task.name}, {workers} async workers ({stragglers} × {slowdown:g} slower{extra}),"
           f" max_staleness={max_staleness}, τ={communication_period}")
+
+
+def _at(pairs: Sequence[Any]) -> str:
+  """``((W, T), ...)`` as ``"W@T, W@T"``."""
+  return ", ".join(f"{w}@{time:g}" for w, time in pairs)

@@ -273,6 +273,24 @@ def _save_params(path: str, states: dict[str, dict[str, Any]]) -> None:
     np.savez(f, **arrays)
 
 
+def _check_worker_times(args: argparse.Namespace) -> None:
+  """Raises :class:`CommandError` for a ``--restarts``, ``--leaves`` or ``--joins`` worker that
+  does not exist, or a combination the emulator refuses (a join after the leave, a restart of an
+  absent worker)."""
+  for flag in ("restarts", "leaves", "joins"):
+    bad = [w for w, _ in getattr(args, flag) if w >= args.workers]
+    if bad:
+      raise CommandError(
+        f"argument --{flag}: worker {bad[0]} does not exist (--workers {args.workers})")
+  from optax_dist import async_emulator as ae
+
+  try:
+    ae.Cluster(args.workers).schedule(
+      duration=args.duration, restarts=args.restarts, leaves=args.leaves, joins=args.joins)
+  except ValueError as e:
+    raise CommandError(f"arguments --restarts, --leaves, --joins: {e}") from None
+
+
 def run_async(args: argparse.Namespace) -> int:
   """Runs ``optax-dist async``: prints the table, writes ``results_async.json``/``async.png``."""
   task = TASKS[args.task]
@@ -280,15 +298,13 @@ def run_async(args: argparse.Namespace) -> int:
   if not 0 <= args.stragglers <= args.workers:
     raise CommandError(f"argument --stragglers: must be in 0..{args.workers} (--workers), got"
                        f" {args.stragglers}")
-  bad = [w for w, _ in args.restarts if w >= args.workers]
-  if bad:
-    raise CommandError(
-      f"argument --restarts: worker {bad[0]} does not exist (--workers {args.workers})")
+  _check_worker_times(args)
   check_out(args.out)
   from optax_dist.cli import async_run, reports
 
   cluster = {key: getattr(args, key) for key in ("workers", "stragglers", "slowdown", "restarts",
-                                                 "max_staleness", "communication_period")}
+                                                 "leaves", "joins", "max_staleness",
+                                                 "communication_period")}
   rows = async_run.run(task, **cluster, duration=args.duration, batch_size=args.batch_size,
                        learning_rate=args.learning_rate, seed=args.seed,
                        progress=not args.no_progress)
