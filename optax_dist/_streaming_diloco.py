@@ -234,7 +234,7 @@ def streaming_diloco(
     {'a': Array([1.], dtype=float32), 'b': Array([0.], dtype=float32)}
 
   References:
-    Liu et al., `Streaming DiLoCo with overlapping communication
+    Douillard et al., `Streaming DiLoCo with overlapping communication
     <https://arxiv.org/abs/2501.18512>`_, 2025.
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023.
     torchft ``torchft.local_sgd.DiLoCo`` (fragments); MaxText ``diloco.py``.

@@ -27,7 +27,7 @@ STEPS, PERIOD, FAIL_AT, CHECKPOINT_EVERY = 20, 5, 10, 4
 ARGS = ["--steps", str(STEPS), "--communication-period", str(PERIOD), "--seed", "1",
         "--no-progress"]
 MULTI = ["--processes", "2", "--devices", "2"]
-COMPARED = ("sync", "elastic_average", "agn", "moving_average")
+COMPARED = ("sync", "elastic_average", "agn", "moving_average", "local_sgd", "diloco")
 # With local processes the launcher polls every 0.05 s, kills the others at once, waits for them
 # and reports: about a second; the bounds leave room for a loaded machine.
 LOCAL_FAULT_BOUND_S = 10.0
@@ -231,3 +231,27 @@ def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path):
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("optax-dist: error: argument --"), (name, stderr)
     assert stdout == "", name
+
+
+def test_resume_on_another_number_of_processes_resizes(root):
+  """A 2-process run (4 workers) resumes on 1 process (2 workers), and a 1-process run on 2."""
+  layouts = {"shrink": (MULTI, ["--devices", "2"]), "grow": (["--devices", "2"], MULTI)}
+  common = ["train", "--algorithm", "diloco", *ARGS, "--sync-period", str(PERIOD),
+            "--checkpoint-every", str(CHECKPOINT_EVERY)]
+  crashed = {name: Run(*common, *first, "--out", root / name, "--fail-at-step", str(FAIL_AT))
+             for name, (first, _) in layouts.items()}
+  for name, run_ in crashed.items():
+    returncode, _, stderr = run_.result()
+    assert returncode == 1 and f"exiting at step {FAIL_AT}" in stderr, (name, stderr)
+  resumed = {name: Run(*common, *second, "--out", root / name, "--resume")
+             for name, (_, second) in layouts.items()}
+  for name, (before, after) in {"shrink": (4, 2), "grow": (2, 4)}.items():
+    returncode, stdout, stderr = resumed[name].result()
+    assert returncode == 0, stderr
+    line = f"diloco: resized from {before} to {after} workers at step 8"
+    assert line in stdout
+    result = json.loads((root / name / "results_diloco.json").read_text())["algorithms"]["diloco"]
+    assert result["resized"] == {"step": 8, "from_workers": before, "to_workers": after}
+    assert result["devices"] == after
+    assert result["history"]["step"] == [0, 10, 20]  # the evaluations of the checkpoint kept
+    assert result["test_accuracy_eval_params"] > 0.8  # trains on after the resize

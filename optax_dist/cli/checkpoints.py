@@ -68,11 +68,17 @@ class Checkpoints:
       state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()
 
-  def restore(self, state: Any) -> tuple[Any, dict[str, Any]] | None:
-    """The latest checkpoint's state (shaped and sharded like ``state``) and JSON, or ``None``.
+  def restore(self, state: Any, replicated: Any) -> tuple[Any, dict[str, Any]] | None:
+    """The latest checkpoint's state and JSON, or ``None`` if there is none.
+
+    ``state``'s leaves have a leading worker axis. A checkpoint of as many workers is restored
+    shaped and sharded like ``state``; one of another number of workers (``settings["devices"]``
+    differs: an elastic resume) is restored with its own worker count, replicated on every
+    device (``replicated``, a sharding), for :func:`optax_dist.resize_state`.
 
     Raises:
-      CheckpointMismatchError: the checkpoint was written with other settings.
+      CheckpointMismatchError: the checkpoint was written with other settings (other than the
+        number of workers).
     """
     import jax
     import orbax.checkpoint as ocp
@@ -81,19 +87,31 @@ class Checkpoints:
     if step is None:
       return None
     meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    self._check_settings(step, {**SETTINGS_ADDED, **meta["settings"]})
-    abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    meta["settings"] = {**SETTINGS_ADDED, **meta["settings"]}
+    self._check_settings(step, meta["settings"])
+    workers = meta["settings"]["devices"]
+
+    def abstract(x):
+      if workers == self.settings["devices"]:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+      return jax.ShapeDtypeStruct((workers, *x.shape[1:]), x.dtype, sharding=replicated)
+
     restored = self.manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract)))["state"]
+      state=ocp.args.StandardRestore(jax.tree.map(abstract, state))))["state"]
     return restored, meta
 
   def _check_settings(self, step: int, saved: dict[str, Any]) -> None:
-    if saved == self.settings:
+    from optax_dist.cli.config import default_moving_rate
+
+    # A resume may change the number of workers, and with it the defaults that depend on it.
+    elastic = ["devices"]
+    if all(s["moving_rate"] == default_moving_rate(s["devices"]) for s in (saved, self.settings)):
+      elastic.append("moving_rate")
+    if all(saved.get(k) == v for k, v in self.settings.items() if k not in elastic):
       return
     changed = ", ".join(
       f"{key} {saved.get(key)!r} -> {value!r}" for key, value in self.settings.items()
-      if saved.get(key) != value)
+      if saved.get(key) != value and key not in elastic)
     raise CheckpointMismatchError(
       f"cannot resume from {self.directory} (step {step}): it was written with other"
       f" settings ({changed}); rerun with the same settings, or without --resume to start over"

@@ -257,6 +257,10 @@ def _report(args: argparse.Namespace, task: Task, data: Any, settings: Settings,
             f" (max staleness {r['max_staleness']})")
     if r.get("resumed_from_step"):
       print(f"{r['algorithm']}: resumed from the checkpoint of step {r['resumed_from_step']}")
+    if r.get("resized"):
+      z = r["resized"]
+      print(f"{r['algorithm']}: resized from {z['from_workers']} to {z['to_workers']} workers at"
+            f" step {z['step']} (optax_dist.resize_state: global state kept, workers rebuilt)")
   print(f"wrote {json_path} and {png_path}")
 
 

@@ -271,7 +271,9 @@ def train(
   Returns:
     A dict of the settings, the final metrics, ``communication_rounds``, ``wall_time_s``
     (compilation included; summed over the resumed runs), ``num_dropped``
-    (``drop_stale_gradients`` only), ``resumed_from_step`` (with ``resume``) and ``history``
+    (``drop_stale_gradients`` only), ``resumed_from_step`` (with ``resume``), ``resized``
+    (``{"step", "from_workers", "to_workers"}``, when ``resume`` continued a checkpoint of
+    another number of workers: see :func:`resize`) and ``history``
     (the lists of :func:`record_keys`; ``train_loss`` is the workers' mean minibatch loss).
 
   Raises:
@@ -281,6 +283,7 @@ def train(
   start = time.perf_counter()
   settings = settings.resolved()
   run = Run(task, data, settings)
+  resized = None
   record = {key: [] for key in record_keys(task)}
   state, earlier_time, resumed_from = run.initial, 0.0, None
   checkpoints = None
@@ -289,7 +292,8 @@ def train(
 
     checkpoints = Checkpoints(checkpoint_dir, settings.as_dict(), resume=resume)
     if resume:
-      state, record, earlier_time, resumed_from = _restore(checkpoints, state, record)
+      state, record, earlier_time, resumed_from, resized = _restore(
+        run, checkpoints, state, record)
   first = (resumed_from or 0) + 1
   if first == 1:
     run.measure(state, record, 0, None)
@@ -309,6 +313,8 @@ def train(
   result = _result(task, settings, state, record, earlier_time + time.perf_counter() - start)
   if resumed_from is not None:
     result["resumed_from_step"] = resumed_from
+  if resized is not None:
+    result["resized"] = resized
   return result
 
 
@@ -330,13 +336,41 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
   return state
 
 
-def _restore(checkpoints: Any, state: State, record: dict[str, list]) -> tuple:
-  """``(state, record, earlier wall time, step)`` of the latest checkpoint (step 0 if none)."""
-  restored = checkpoints.restore(state._asdict())
+def _restore(run: Run, checkpoints: Any, state: State, record: dict[str, list]) -> tuple:
+  """``(state, record, earlier wall time, step, resize)`` of the latest checkpoint (step 0 if
+  none); ``resize`` is ``None``, or ``{"step", "from_workers", "to_workers"}`` when the checkpoint
+  had another number of workers and the state was moved to this run's with
+  :func:`optax_dist.resize_state`."""
+  restored = checkpoints.restore(state._asdict(), run.replicated)
   if restored is None:
-    return state, record, 0.0, 0
+    return state, record, 0.0, 0, None
   saved, meta = restored
-  return State(**saved), meta["record"], meta["wall_time_s"], meta["step"]
+  saved, change = State(**saved), None
+  workers = meta["settings"]["devices"]
+  if workers != run.settings.devices:
+    saved = resize(run, saved)
+    change = {"step": meta["step"], "from_workers": workers, "to_workers": run.settings.devices}
+  return saved, meta["record"], meta["wall_time_s"], meta["step"], change
+
+
+def resize(run: Run, state: State) -> State:
+  """``state`` of another number of workers, moved to ``run``'s by
+  :func:`optax_dist.resize_state` (the inner optimizer states averaged), and sharded over them.
+
+  ``drop_stale_gradients``' params history is the same on every worker (it trains with
+  ``tower``): worker 0's goes to every new worker.
+  """
+  workers = run.settings.devices
+  # On host values: every process computes the same, locally.
+  params, opt_state, history = _replicated_value(state)
+  opt_state, params = optax_dist.resize_state(run.tx, opt_state, params, workers)
+  history = jax.tree.map(lambda h: np.broadcast_to(h[:1], (workers, *h.shape[1:])), history)
+  return State(*run.shard(_replicated_value((params, opt_state))), run.shard(history))
+
+
+def _replicated_value(tree: Any) -> Any:
+  """The host value of ``tree``'s arrays, each whole on every device (and process)."""
+  return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), tree)
 
 
 def _result(task: Task, settings: Settings, state: State, record: dict[str, list],
