@@ -166,8 +166,23 @@ def psum(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
   Floating leaves are cast to ``comm_dtype`` before the collective and back to their own dtype
   after, so the result has ``tree``'s dtypes and the bytes on the wire scale with
   ``comm_dtype``'s itemsize.
+
+  8-bit floats are not summed in 8 bits: XLA CPU's ``psum`` of ``float8_e4m3fn`` rounds after
+  every addition under ``vmap`` but only once under ``shard_map``, and a partial sum past
+  ``float8_e4m3fn``'s range (±448, no infinity) is NaN. Their floating leaves are quantized to
+  ``comm_dtype``, gathered from every worker (``all_gather``: each worker receives N times the
+  bytes it sends) and summed in float32, in the same order on every worker.
   """
-  return _like(jax.lax.psum(_to_dtype(tree, comm_dtype), axis_name), tree)
+  if comm_dtype is None or jnp.finfo(comm_dtype).bits > 8:
+    return _like(jax.lax.psum(_to_dtype(tree, comm_dtype), axis_name), tree)
+
+  def gather_sum(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return jax.lax.psum(x, axis_name)
+    gathered = jax.lax.all_gather(x.astype(comm_dtype), axis_name)
+    return jnp.sum(gathered.astype(jnp.float32), axis=0).astype(x.dtype)
+
+  return jax.tree.map(gather_sum, tree)
 
 
 def all_gather(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:

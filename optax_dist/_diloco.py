@@ -53,35 +53,9 @@ def check_outer(fn: str, outer: Any) -> None:
     )
 
 
-def is_narrow(comm_dtype: Any) -> bool:
-  """True for floating dtypes of 8 bits or fewer, which are exchanged by gathering."""
-  return comm_dtype is not None and jnp.finfo(comm_dtype).bits <= 8
-
-
-def worker_sum(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
-  """The sum over the workers of ``tree``'s leaves, communicated in ``comm_dtype`` if given.
-
-  Float dtypes of 16 bits or more are summed by one ``psum`` (:func:`_common.psum`). 8-bit
-  floats are not summed in 8 bits: XLA CPU's ``psum`` of ``float8_e4m3fn`` sums sequentially
-  with a rounding after each addition under ``vmap`` but rounds the exact sum once under
-  ``shard_map``, and any partial sum may overflow ``float8_e4m3fn``'s range (±448, no
-  infinity: NaN). So each leaf is quantized to ``comm_dtype``, gathered from every worker
-  (``all_gather``: each worker receives N times the bytes it sends) and summed in float32 in
-  the same order on every worker, then cast back to the leaf's dtype.
-  """
-  if not is_narrow(comm_dtype):
-    return _common.psum(tree, axis_name, comm_dtype)
-
-  def gather_sum(x):
-    gathered = jax.lax.all_gather(x.astype(comm_dtype), axis_name)
-    return jnp.sum(gathered.astype(jnp.float32), axis=0).astype(x.dtype)
-
-  return jax.tree.map(gather_sum, tree)
-
-
 def worker_mean(tree: Any, axis_name: Hashable, n: int, comm_dtype: Any = None) -> Any:
   """The mean over the ``n`` workers of ``tree``'s leaves, divided in each leaf's dtype."""
-  total = worker_sum(tree, axis_name, comm_dtype)
+  total = _common.psum(tree, axis_name, comm_dtype)
   return jax.tree.map(lambda t: (t / n).astype(t.dtype), total)
 
 

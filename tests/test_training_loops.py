@@ -262,3 +262,30 @@ def test_agn_sequential_program_size_does_not_grow_with_workers():
     return len(str(jaxpr).splitlines())
 
   assert eqns(2) == eqns(16)
+
+
+# ----------------------------------------------------------------------------------------------
+# 8-bit communication.
+
+
+@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
+def test_tower_float8_comm_dtype_sums_quantized_values_in_float32(mapping):
+  """Each tower's gradient is rounded to float8 once and the sum is exact in float32: no
+  rounding after each addition, no NaN past float8_e4m3fn's 448."""
+  n = 8
+  tx = optax_dist.tower(optax.sgd(1.0), AXIS, reduction="sum", comm_dtype=jnp.float8_e4m3fn)
+  grads = jnp.asarray(np.random.default_rng(0).uniform(50, 200, (n, 16)), jnp.float32)
+
+  def step(g):
+    return tx.update(g, tx.init(g))[0]
+
+  if mapping == "vmap":
+    got = jax.vmap(step, axis_name=AXIS)(grads)
+  else:
+    mesh = jax.make_mesh((n,), (AXIS,))
+    got = jax.shard_map(lambda g: step(g[0])[None], mesh=mesh, in_specs=P(AXIS),
+                        out_specs=P(AXIS))(jax.device_put(grads, NamedSharding(mesh, P(AXIS))))
+  quantized = np.asarray(grads.astype(jnp.float8_e4m3fn).astype(jnp.float32))
+  want = -quantized.sum(axis=0)  # well past 448
+  assert np.all(np.abs(want) > 448)
+  np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(want, got.shape))
