@@ -365,3 +365,37 @@ def check_floating(fn: str, params: Any) -> None:
         f"`{fn}` averages parameters and needs floating-point leaves; the leaf at"
         f" {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}."
       )
+
+
+def workers_axis_size(
+  call: str, params: Any, opt_state: Any, fix: str, num_workers: int | None = None
+) -> tuple[int | None, tuple[str, tuple] | None]:
+  """The common leading size of every leaf of ``params`` and ``opt_state``: the workers' axis.
+
+  Trees stacked over workers (the outputs of ``vmap``, ``shard_map`` with ``P(axis)`` or
+  ``pmap``) have axis 0 on every leaf, the scalar step counters of the state included. Returns
+  the size (``num_workers`` if given, else the first leaf's) and ``(path, shape)`` of the first
+  leaf (``None`` for trees without leaves).
+
+  Raises:
+    ValueError: naming ``call``, the leaf and its shape, then ``fix``: a leaf has no axis 0 (a
+      tree not stacked over workers), or another leading size.
+  """
+  ref, size = None, num_workers
+  for tree_name, tree in (("params", params), ("opt_state", opt_state)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      name, shape = tree_name + jax.tree_util.keystr(path), np.shape(leaf)
+      if not shape:
+        raise ValueError(
+          f"`{call}` needs every leaf of `params` and `opt_state` stacked over the workers on"
+          f" axis 0, but {name} has shape (): it has no workers' axis." + fix
+        )
+      size = shape[0] if size is None else size
+      if shape[0] != size:
+        expected = f"num_workers={num_workers}" if ref is None else f"{ref[0]} has shape {ref[1]}"
+        raise ValueError(
+          f"`{call}` needs every leaf of `params` and `opt_state` stacked over the same number"
+          f" of workers on axis 0, but {name} has shape {shape} while {expected}." + fix
+        )
+      ref = ref or (name, shape)
+  return size, ref

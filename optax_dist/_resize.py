@@ -204,26 +204,10 @@ def _num_workers(opt_state: Any, params: Any) -> int:
     " Pass the trees of every worker stacked on axis 0, as `jax.vmap(tx.init)` or a"
     " `jax.shard_map` with out_specs=P(axis) builds them."
   )
-  ref = None
-  for tree_name, tree in (("params", params), ("opt_state", opt_state)):
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-      name, shape = tree_name + jax.tree_util.keystr(path), np.shape(leaf)
-      if not shape:
-        raise ValueError(
-          f"`{_FN}` needs every leaf of `params` and `opt_state` stacked over the workers on"
-          f" axis 0, but {name} has shape (): it has no workers' axis." + fix
-        )
-      if ref is None:
-        ref = (name, shape)
-      elif shape[0] != ref[1][0]:
-        raise ValueError(
-          f"`{_FN}` needs every leaf of `params` and `opt_state` stacked over the same number"
-          f" of workers on axis 0, but {name} has shape {shape} while {ref[0]} has shape"
-          f" {ref[1]}." + fix
-        )
+  size, ref = _common.workers_axis_size(_FN, params, opt_state, fix)
   if ref is None:
     raise ValueError(f"`{_FN}`: `params` has no leaves; there is nothing to resize.")
-  return ref[1][0]
+  return size
 
 
 def _check_from_tx(tx: Any, opt_state: Any, params: Any) -> None:

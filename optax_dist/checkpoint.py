@@ -41,6 +41,7 @@ import jax
 import numpy as np
 import optax
 
+from optax_dist import _common
 from optax_dist._eval_params import eval_params
 
 
@@ -81,26 +82,8 @@ def _workers_axis_size(params: Any, opt_state: Any, worker: int, num_workers: in
     " Pass `worker=None` when the trees are not stacked over workers (one worker, or one"
     " worker's copy already selected)."
   )
-  ref = None  # (name, shape) of the leaf that sets the workers' axis size
-  size = num_workers
-  for tree_name, tree in (("params", params), ("opt_state", opt_state)):
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-      name, shape = tree_name + jax.tree_util.keystr(path), np.shape(leaf)
-      if not shape:
-        raise ValueError(
-          f"`save_eval_params(worker={worker})` needs `params` and `opt_state` stacked over"
-          f" workers on axis 0, but {name} has shape (): it has no workers' axis." + fix
-        )
-      if size is None:
-        size = shape[0]
-      if shape[0] != size:
-        expected = f"num_workers={num_workers}" if ref is None else f"{ref[0]} has shape {ref[1]}"
-        raise ValueError(
-          f"`save_eval_params(worker={worker})` needs every leaf of `params` and `opt_state`"
-          f" stacked over the same number of workers on axis 0, but {name} has shape {shape}"
-          f" while {expected}." + fix
-        )
-      ref = ref or (name, shape)
+  size, ref = _common.workers_axis_size(
+    f"save_eval_params(worker={worker})", params, opt_state, fix, num_workers)
   if ref is not None and not 0 <= worker < size:
     raise ValueError(
       f"`save_eval_params(worker={worker})` must be in [0, {size}): the workers' axis is axis 0,"

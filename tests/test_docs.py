@@ -15,9 +15,9 @@ import json
 import os
 import pathlib
 import re
-import warnings
 import subprocess
 import sys
+import warnings
 
 import pytest
 

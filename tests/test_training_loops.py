@@ -126,9 +126,9 @@ def run_per_worker(tx, mesh, axes, params, grads):
   """``NUM_STEPS`` steps under ``shard_map`` with per-worker params and state sharded over
   ``axes``; ``params`` and each of ``grads`` have a leading worker axis."""
   spec = P(axes)
-  shard = lambda tree: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
-  unstack = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
-  stack = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+  shard = lambda tree: jax.device_put(tree, NamedSharding(mesh, spec))
+  unstack = lambda tree: jax.tree.map(lambda x: x[0], tree)
+  stack = lambda tree: jax.tree.map(lambda x: x[None], tree)
 
   init = jax.jit(jax.shard_map(lambda p: stack(tx.init(unstack(p))), mesh=mesh,
                                in_specs=spec, out_specs=spec))

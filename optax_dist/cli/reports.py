@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+
 def train_columns(label: str = "test acc", metric: str = "accuracy") -> tuple:
   """The columns of ``train`` and ``compare``: header, key of the result, format.
 

@@ -44,6 +44,7 @@ from optax_dist.cli.algorithms import (
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import Data, Task
 
+
 def record_keys(task: Task) -> tuple[str, ...]:
   """The lists of a run's ``history``, one entry per evaluation (see :func:`metric_keys`)."""
   return ("step", "communication_rounds", *metric_keys(task), "train_loss")
