@@ -92,3 +92,18 @@ def human_bytes(nbytes: float) -> str:
     if abs(nbytes) >= scale:
       return f"{nbytes / scale:,.1f} {unit}"
   return f"{nbytes:.0f} B"
+
+
+def doc_markdown(doc: str, first: int, last: int | None = None) -> str:
+  """Paragraphs ``first`` to ``last`` of a module docstring as Markdown (bullets kept)."""
+  import re
+
+  paragraphs = doc.strip().split("\n\n")[first:None if last is None else last + 1]
+  out = []
+  for p in paragraphs:
+    items = re.split(r"\n\s*\* ", "\n" + p.strip()) if p.lstrip().startswith("* ") else [p]
+    items = [" ".join(i.split()) for i in items if i.strip()]
+    out.append("\n".join(f"- {i}" for i in items) if len(items) > 1 or p.lstrip().startswith(
+      "* ") else items[0])
+  text = "\n\n".join(out).replace("``", "`")
+  return re.sub(r":(?:func|class|mod|data|meth):`~?([^`]+)`", r"`\1`", text)

@@ -1,15 +1,19 @@
-"""Runs every benchmark section and writes ``benchmarks/RESULTS.md`` (and its plot).
+"""Runs every benchmark section and writes ``benchmarks/RESULTS.md`` (and its plots).
 
 Usage::
 
-  python benchmarks/run.py [--quick] [--out benchmarks/RESULTS.md]
+  python benchmarks/run.py [--quick] [--sections lm_quality,lm_overhead,...]
 
-Sections, in this order: overhead (step time of each wrapper against bare adam), memory
-(optimizer state and compiled peak memory), communication (bytes per step from
-:func:`optax_dist.communication_report`), time to accuracy (digits and MNIST-5k, 8 workers) and
-multi-process wall clock (2 processes over gloo). These are measurements, not tests: nothing
-fails when a target is missed; RESULTS.md says which are. ``--quick`` runs every section with
-few repetitions and short training, to check the program, not to measure.
+Sections, in this order: ``lm_quality`` (validation bits per byte of the ``lm`` task against
+steps and bytes communicated, 8 workers), ``lm_overhead`` (the LM step of each transformation
+against bare adam, bound and unbound, donated or not; and the optimizer alone against its
+bytes bound), ``lm_multiprocess`` (2 processes × 2 devices over gloo, hierarchical against
+synchronous), ``mlp_overhead`` (step time and memory of each wrapper on MLPs of ≈1M and ≈10M
+params) and ``communication`` (bytes per step from :func:`optax_dist.communication_report`).
+Each section's results are kept in ``results.json``; ``--sections`` reruns some and keeps the
+others' earlier results, and RESULTS.md says when each was measured. These are measurements,
+not tests: nothing fails when a target is missed; RESULTS.md says which are. ``--quick`` runs
+every section small, to check the program, not to measure.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICES = 8
+SECTIONS = ("lm_quality", "lm_overhead", "lm_multiprocess", "mlp_overhead", "communication")
 
 WHY = {
   "moving_average": (
@@ -53,13 +58,18 @@ def main() -> int:
   parser.add_argument("--quick", action="store_true",
                       help="few repetitions and short training: checks the program only")
   parser.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
-  parser.add_argument("--rounds-1m", type=int, default=60,
-                      help="timing rounds for the ≈1M-param MLP (default: 60)")
-  parser.add_argument("--rounds-10m", type=int, default=16,
-                      help="timing rounds for the ≈10M-param MLP (default: 16)")
-  parser.add_argument("--seeds", type=int, default=3,
-                      help="seeds of the time-to-accuracy runs (default: 3)")
+  parser.add_argument("--sections", default=",".join(SECTIONS),
+                      help=f"comma-separated sections to run (default: all: {','.join(SECTIONS)})")
+  parser.add_argument("--seeds", type=int, default=3, help="seeds of the LM runs (default: 3)")
+  parser.add_argument("--lm-steps", type=int, default=600,
+                      help="training steps of each LM quality run (default: 600)")
+  parser.add_argument("--render", action="store_true",
+                      help="only rewrite RESULTS.md (and the plots) from results.json")
   args = parser.parse_args()
+  sections = [] if args.render else [x for x in args.sections.split(",") if x]
+  unknown = [x for x in sections if x not in SECTIONS]
+  if unknown:
+    parser.error(f"--sections: unknown {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
 
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
@@ -67,105 +77,106 @@ def main() -> int:
   jax.config.update("jax_num_cpu_devices", DEVICES)
   sys.path.insert(0, HERE)
   import _util
-  import bench_accuracy
-  import bench_communication
-  import bench_multiprocess
-  import bench_overhead
 
-  start, cpu_start = time.perf_counter(), time.process_time()
-  load_start = _util.load_average()
-  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   out_dir = os.path.dirname(os.path.abspath(args.out))
   os.makedirs(out_dir, exist_ok=True)
-  plot_name = "time_to_accuracy.png"
-  rounds = {"≈1M": 3, "≈10M": 2} if args.quick else {"≈1M": args.rounds_1m,
-                                                     "≈10M": args.rounds_10m}
-  timings = {}
-
-  def section(name, fn):
-    t = time.perf_counter()
-    print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-    result = fn()
-    timings[name] = (time.perf_counter() - t, _util.load_average())
-    print(f"[bench] {name}: {timings[name][0]:.0f} s", file=sys.stderr, flush=True)
-    return result
-
-  overhead = section("overhead and memory", lambda: bench_overhead.measure(rounds))
-  communication = section("communication", bench_communication.measure)
-  accuracy = section("time to accuracy", lambda: bench_accuracy.measure(
-    tuple(range(1 if args.quick else args.seeds)), steps_scale=0.2 if args.quick else 1.0))
-  bench_accuracy.plot(accuracy, os.path.join(out_dir, plot_name))
-  multiprocess = section("multi-process", bench_multiprocess.measure)
-
-  wall = time.perf_counter() - start
-  cpu = time.process_time() - cpu_start
-  m, v = _util.machine(), _util.versions()
+  json_path = os.path.join(out_dir, "results.json")
+  store = _load(json_path)
   command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
-  lines = [
-    "# Benchmarks",
-    "",
-    (f"Written by `{command}` (`make bench`) on {date}. Measurements, not tests: a missed"
-     " target is reported here, nothing fails."),
-    "",
-    _util.table(["", ""], [
-      ["CPU", m["cpu"]], ["cores", m["cores"]], ["memory", m["memory"]],
-      ["versions", ", ".join(f"{k} {val}" for k, val in v.items())],
-      ["command", f"`{command}`"],
-      ["date", date],
-      ["JAX devices", f"{DEVICES} emulated CPU devices (`jax_num_cpu_devices`)"],
-      ["load average (1, 5, 15 min)",
-       f"{load_start} at the start, {_util.load_average()} at the end"],
-      ["run time", (f"{wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU (this process; the"
-                    " multi-process runs are subprocesses) — "
-                    + ", ".join(f"{k} {t:.0f} s" for k, (t, _) in timings.items()))],
-    ], "ll"),
-    "",
-    ("When the load average exceeds the core count, the machine was shared with other jobs"
-     " during this run: wall-clock times are then inflated and noisy, which is why the overhead"
-     " section interleaves every measurement with the reference's and reports medians, and"
-     " gives process CPU time beside wall time."),
-    "",
-    "## Overhead",
-    "",
-    _overhead_intro(bench_overhead),
-    "",
-    bench_overhead.overhead_markdown(overhead),
-    "",
-    _overhead_verdicts(overhead, bench_overhead.TARGET),
-    "",
-    "## Memory",
-    "",
-    _memory_intro(overhead),
-    "",
-    bench_overhead.memory_markdown(overhead),
-    "",
-    _memory_notes(overhead),
-    "",
-    "## Communication",
-    "",
-    _communication_intro(communication, bench_communication),
-    "",
-    bench_communication.markdown(communication),
-    "",
-    "## Time to accuracy",
-    "",
-    _accuracy_intro(bench_accuracy),
-    "",
-    bench_accuracy.markdown(accuracy, plot_name),
-    "",
-    "## Multi-process wall clock",
-    "",
-    bench_multiprocess.markdown(multiprocess),
-    "",
-  ]
-  with open(args.out, "w") as f:
-    f.write("\n".join(lines))
-  with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump({"date": date, "command": command, "machine": m, "versions": v,
-               "overhead": overhead, "communication": communication,
-               "accuracy": accuracy, "multiprocess": multiprocess}, f, indent=1, default=str)
-  print(f"[bench] wrote {args.out} in {wall / 60:.1f} min", file=sys.stderr)
+  if set(sections) != set(SECTIONS):
+    command += f" --sections {','.join(sections)}"
+  start = time.perf_counter()
+  if args.render:
+    _replot(store, out_dir)
+    _render(store, args.out)
+  for name in SECTIONS:
+    if name not in sections:
+      continue
+    print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+    load_before, t = _util.load_average(), time.perf_counter()
+    result = RUNNERS[name](args, out_dir)
+    store["sections"][name] = {
+      "result": result, "seconds": time.perf_counter() - t, "load_before": load_before,
+      "load_after": _util.load_average(), "command": command, "date": _now()}
+    print(f"[bench] {name}: {store['sections'][name]['seconds']:.0f} s", file=sys.stderr,
+          flush=True)
+    store |= {"machine": _util.machine(), "versions": _util.versions()}
+    with open(json_path, "w") as f:  # after every section: a stopped run keeps what it had
+      json.dump(store, f, indent=1, default=str)
+    _render(store, args.out)
+  print(f"[bench] wrote {args.out} in {(time.perf_counter() - start) / 60:.1f} min",
+        file=sys.stderr)
   return 0
+
+
+def _replot(store: dict, out_dir: str) -> None:
+  """Redraws the plots of the stored LM sections."""
+  import bench_lm_multiprocess
+  import bench_lm_overhead
+  import bench_lm_quality
+
+  for name, module, png in (("lm_quality", bench_lm_quality, "lm_quality.png"),
+                            ("lm_overhead", bench_lm_overhead, "lm_overhead.png"),
+                            ("lm_multiprocess", bench_lm_multiprocess, "lm_multiprocess.png")):
+    if name in store["sections"]:
+      module.plot(store["sections"][name]["result"], os.path.join(out_dir, png))
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _load(path: str) -> dict:
+  """The results of earlier runs (``{"sections": {}}`` if none, or in an older layout)."""
+  try:
+    with open(path) as f:
+      store = json.load(f)
+  except (OSError, ValueError):
+    return {"sections": {}}
+  return store if isinstance(store.get("sections"), dict) else {"sections": {}}
+
+
+def _run_lm_quality(args, out_dir):
+  import bench_lm_quality
+
+  seeds = tuple(range(1 if args.quick else args.seeds))
+  result = bench_lm_quality.measure(seeds, steps=60 if args.quick else args.lm_steps)
+  bench_lm_quality.plot(result, os.path.join(out_dir, "lm_quality.png"))
+  return result
+
+
+def _run_lm_overhead(args, out_dir):
+  import bench_lm_overhead
+
+  rounds = (2, 3, 3) if args.quick else (20, 60, 40)
+  result = bench_lm_overhead.measure(*rounds)
+  bench_lm_overhead.plot(result, os.path.join(out_dir, "lm_overhead.png"))
+  return result
+
+
+def _run_lm_multiprocess(args, out_dir):
+  import bench_lm_multiprocess
+
+  result = bench_lm_multiprocess.measure(quick=args.quick)
+  bench_lm_multiprocess.plot(result, os.path.join(out_dir, "lm_multiprocess.png"))
+  return result
+
+
+def _run_mlp_overhead(args, out_dir):
+  import bench_overhead
+
+  return bench_overhead.measure({"≈1M": 3, "≈10M": 2} if args.quick else {"≈1M": 60, "≈10M": 16})
+
+
+def _run_communication(args, out_dir):
+  import bench_communication
+
+  return bench_communication.measure()
+
+
+RUNNERS = {"lm_quality": _run_lm_quality, "lm_overhead": _run_lm_overhead,
+           "lm_multiprocess": _run_lm_multiprocess, "mlp_overhead": _run_mlp_overhead,
+           "communication": _run_communication}
 
 
 def _overhead_intro(b) -> str:
@@ -258,17 +269,113 @@ def _communication_intro(result, b) -> str:
   )
 
 
-def _accuracy_intro(b) -> str:
-  return (
-    "Each algorithm of `optax-dist train` (`optax_dist.cli.trainer.train`, the program behind the"
-    f" command) over {b.DEVICES} workers, each training on its own 1/{b.DEVICES} of the"
-    " training set with minibatch 16 and adam 0.01; `elastic_average` and `agn` at"
-    f" communication period {b.PERIOD} (`elastic_average`'s moving rate 0.9/{b.DEVICES}),"
-    " `moving_average` decay 0.99, `drop_stale_gradients` max staleness 2 with random delays"
-    " of 0–3 steps. Test accuracy of `optax_dist.eval_params` (center, EMA or params),"
-    " every 10 steps, averaged over the seeds (each seed: split, init, minibatches)."
-    " *Comm. rounds*: steps on which the workers communicate."
-  )
+def _render(store: dict, out: str) -> None:
+  """Writes RESULTS.md from the stored sections (a section not yet measured says so)."""
+
+  secs = store["sections"]
+  lines = [
+    "# Benchmarks",
+    "",
+    ("Written by `python benchmarks/run.py` (`make bench`). Measurements, not tests: a missed"
+     " target is reported here, nothing fails. The headline is the language model (the `lm`"
+     " task of `optax-dist`); the MLP sections below it measure the wrappers on larger"
+     " params."),
+    "",
+    _machine_table(store, secs),
+    "",
+    ("When the load average exceeds the core count, the machine was shared with other jobs"
+     " during the run: wall-clock times are then inflated and noisy, which is why every timing"
+     " interleaves each measurement with its reference's and reports medians, with process CPU"
+     " time beside wall time. The validation losses do not depend on the load."),
+    "",
+  ]
+  for title, name, body in (
+      ("Language model: quality against communication", "lm_quality", _lm_quality_md),
+      ("Language model: overhead on the step", "lm_overhead", _lm_overhead_md),
+      ("Language model: two processes, hierarchical", "lm_multiprocess", _lm_multiprocess_md),
+      ("MLP: overhead and memory", "mlp_overhead", _mlp_md),
+      ("MLP: communication", "communication", _communication_md)):
+    lines += [f"## {title}", ""]
+    if name in secs:
+      lines += [body(secs[name]["result"]), ""]
+    else:
+      lines += [f"Not measured yet (`python benchmarks/run.py --sections {name}`).", ""]
+  with open(out, "w") as f:
+    f.write("\n".join(lines))
+
+
+def _machine_table(store: dict, secs: dict) -> str:
+  import _util
+
+  m, v = store.get("machine", {}), store.get("versions", {})
+  rows = [["CPU", m.get("cpu", "")], ["cores", m.get("cores", "")],
+          ["memory", m.get("memory", "")],
+          ["versions", ", ".join(f"{k} {val}" for k, val in v.items())],
+          ["JAX devices", f"{DEVICES} emulated CPU devices (`jax_num_cpu_devices`)"]]
+  for name in SECTIONS:
+    if name in secs:
+      s = secs[name]
+      rows.append([f"`{name}`", (f"{s['date']}, `{s['command']}`: {s['seconds'] / 60:.1f} min;"
+                                 f" load average {s['load_before']} before,"
+                                 f" {s['load_after']} after")])
+  total = sum(secs[n]["seconds"] for n in SECTIONS if n in secs)
+  rows.append(["total", f"{total / 60:.1f} min over the sections above"])
+  return _util.table(["", ""], rows, "ll")
+
+
+def _lm_quality_md(result) -> str:
+  import bench_lm_quality as b
+
+  d = result["defaults"]
+  intro = (
+    f"`optax_dist.cli.trainer.train` on the `lm` task ({result['model']}; {result['dataset']})"
+    f" over {b.DEVICES} workers, one emulated CPU device each, each with its own 1/{b.DEVICES}"
+    f" of the training windows, minibatch {d['batch_size']} windows of 64 bytes per worker, adam"
+    f" {d['learning_rate']:g}; `elastic_average` moving rate 0.9/8, `diloco` and"
+    " `streaming_diloco` with the paper's outer Nesterov SGD (0.7, momentum 0.9), the"
+    " streaming fragments balanced by size. Validation bits per byte of"
+    " `optax_dist.eval_params` (center, anchor or params) and of the workers' own params"
+    " (their mean); *sent per worker*: bytes each worker sends in the run, from the compiled"
+    " step (table below); *steps to sync + 2%*: the first evaluated step where the seed-mean"
+    " curve is within 2% of sync's final loss.")
+  return "\n".join([intro, "", b.markdown(result, "lm_quality.png")])
+
+
+def _lm_overhead_md(result) -> str:
+  import _util
+  import bench_lm_overhead as b
+
+  return "\n".join([
+    _util.doc_markdown(b.__doc__, 1, 4), "",
+    b.matrix_markdown(result), "", b.missed_markdown(result), "",
+    ("Temp bytes (`compile().memory_analysis()`) and bytes written by `copy` instructions in"
+     " each compiled LM step:"), "", b.memory_markdown(result), "",
+    "![LM step time over bare adam's](lm_overhead.png)", "",
+    "### The optimizer alone", "", _util.doc_markdown(b.__doc__, 5, 5), "",
+    b.optimizer_markdown(result)])
+
+
+def _lm_multiprocess_md(result) -> str:
+  import bench_lm_multiprocess as b
+
+  return b.markdown(result, "lm_multiprocess.png")
+
+
+def _mlp_md(result) -> str:
+  import bench_overhead
+
+  return "\n".join([
+    _overhead_intro(bench_overhead), "", bench_overhead.overhead_markdown(result), "",
+    _overhead_verdicts(result, bench_overhead.TARGET), "", "### Memory", "",
+    _memory_intro(result), "", bench_overhead.memory_markdown(result), "",
+    _memory_notes(result)])
+
+
+def _communication_md(result) -> str:
+  import bench_communication
+
+  return "\n".join([_communication_intro(result, bench_communication), "",
+                    bench_communication.markdown(result)])
 
 
 if __name__ == "__main__":

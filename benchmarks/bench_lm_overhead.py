@@ -1,0 +1,521 @@
+"""Step-time overhead of each transformation on the LM step, and of the optimizer alone.
+
+**The LM step**: forward, backward, ``tx.update`` and ``apply_updates`` of the ``lm`` task's
+transformer (:class:`optax_dist.cli.models.Transformer`, 0.28M params) on minibatches of 8
+windows of 64 bytes per worker, jitted, for each transformation around ``optax.adam(3e-3)``
+against the same step with bare adam, in four configurations:
+
+* *bound*: ``jax.shard_map`` over 8 emulated CPU devices with axis ``"w"`` (8 workers, each its
+  own params: every leaf's first axis is the 8 workers' blocks concatenated, so nothing is
+  reshaped), the collectives real; *unbound*: one device, ``axis_name=None``, no collectives;
+* the params and optimizer state *donated* (``donate_argnums=(0, 1)``) or not.
+
+The periodic transformations are timed on their non-communication and communication steps
+apart: before each call the step counter (``local_step``) is set so that the call is the one
+wanted (``k·τ − 1`` for a communication step; for ``streaming_diloco``, the step before
+fragment 0's sync).
+
+Timing: each round calls the bare-adam step, then each transformation's step followed by
+bare adam again (in a seeded random order), so each call sits between two adam calls; its ratio
+is its time over their mean. Reported: the median ratio over the rounds (after a warm-up call of
+each) with its interquartile range, the median of the same ratio in process CPU time, the
+median wall time. Also, for each compiled step, XLA's temp bytes
+(``compile().memory_analysis()``) and the bytes written by ``copy`` instructions in its HLO.
+
+**The optimizer alone**: ``update`` + ``apply_updates`` on a 4M-param float32 tree, jitted on
+one device with params and state donated, against a bound from bytes: each transformation must
+make a known number of params-sized passes over memory (adam: read g, p, μ, ν, write μ, ν, p:
+7), timed against the measured bandwidth of a fused ``a + b`` (3 passes) on the same tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import _util
+import bench_overhead
+import numpy as np
+
+AXIS = "w"
+DEVICES = 8
+BATCH = 8
+LEARNING_RATE = 3e-3
+PERIOD = 10
+SYNC_PERIOD = 50
+FRAGMENTS = 4
+TARGET = 1.03
+OPTIMIZER_SHAPES = {"w1": (1024, 2048), "w2": (2048, 1024), "b1": (2048,), "b2": (1024,)}
+"""The 4M-param float32 tree of the optimizer-alone timing (4,197,376 params, 16 MiB)."""
+
+CONFIGS = (("bound", True), ("bound", False), ("unbound", True), ("unbound", False))
+"""(axis, donated) of the four LM-step configurations."""
+
+
+@dataclasses.dataclass
+class Variant:
+  """One transformation, its phases, and its params-sized passes over memory per phase.
+
+  ``phases``: ``(name, local_step before the call or None, communicates, passes)``; ``passes``:
+  the params-sized reads and writes the optimizer step must make (``None``: no bound given).
+  """
+
+  name: str
+  label: str
+  make: Callable[[Any, Any, Any], Any]  # (adam, axis_name, params) -> transformation
+  phases: tuple[tuple[str, int | None, bool, int | None], ...]
+  why: str = ""
+  grad_step: bool = False
+
+
+def variants() -> list[Variant]:
+  import optax_dist
+  from optax_dist.cli.algorithms import balanced_fragments
+
+  offset = SYNC_PERIOD // FRAGMENTS  # fragment 0 syncs where (local_step + 1) % H == H // F
+
+  def periodic(period, comm_passes, passes=7):
+    return (("non-communication step", 0, False, passes),
+            ("communication step", period - 1, True, comm_passes))
+
+  return [
+    Variant("tower", "tower(adam)", lambda adam, axis, p: optax_dist.tower(adam, axis),
+            (("every step (all-reduce when bound)", None, True, 7),)),
+    Variant("moving_average", "moving_average(adam, 0.999)",
+            lambda adam, axis, p: optax_dist.moving_average(adam, 0.999),
+            (("every step", None, False, 9),),
+            why="reads and writes the EMA on every step: 2 passes more than adam's 7"),
+    Variant("drop_stale_gradients", "drop_stale_gradients(adam, 2)",
+            lambda adam, axis, p: optax_dist.drop_stale_gradients(adam, 2),
+            (("every step (accepted)", None, False, 7),), grad_step=True,
+            why="adam's update and state are computed and then selected with `tree.where`"
+                " against the old state: the old moments are read again"),
+    Variant("elastic_average", f"elastic_average(adam, τ={PERIOD})",
+            lambda adam, axis, p: optax_dist.elastic_average(
+              adam, communication_period=PERIOD, axis_name=axis), periodic(PERIOD, 9),
+            why="adam's updates are an operand of the `lax.cond` (the elastic term is added on"
+                " communication steps), so they are materialised instead of fused into"
+                " `apply_updates`"),
+    Variant("agn", f"agn(adam, τ={PERIOD})",
+            lambda adam, axis, p: optax_dist.agn(adam, communication_period=PERIOD,
+                                                 axis_name=axis), periodic(PERIOD, None, 9),
+            why="the gradient accumulator a += g is a read-modify-write of a params-sized"
+                " buffer on every step (9 passes: inherent), and the `lax.cond` takes the"
+                " updates as an operand"),
+    Variant("local_sgd", f"local_sgd(adam, H={PERIOD})",
+            lambda adam, axis, p: optax_dist.local_sgd(adam, sync_period=PERIOD, axis_name=axis),
+            periodic(PERIOD, 7),
+            why="the new params pass through the `lax.cond` (averaged on a sync)"),
+    Variant("diloco", f"diloco(adam, H={SYNC_PERIOD})",
+            lambda adam, axis, p: optax_dist.diloco(adam, sync_period=SYNC_PERIOD,
+                                                    axis_name=axis), periodic(SYNC_PERIOD, 11),
+            why="the `lax.cond` takes adam's updates as an operand (a sync replaces the params"
+                " by the new anchor)"),
+    Variant("streaming_diloco", f"streaming_diloco(adam, H={SYNC_PERIOD}, F={FRAGMENTS})",
+            lambda adam, axis, p: optax_dist.streaming_diloco(
+              adam, sync_period=SYNC_PERIOD, num_fragments=FRAGMENTS, axis_name=axis,
+              fragments=balanced_fragments(p, FRAGMENTS)),
+            (("non-communication step", 0, False, 7),
+             ("fragment 0's sync", offset - 1, True, None)),
+            why=f"{FRAGMENTS} conditionals (one per fragment), each taking its fragment's"
+                " updates as an operand"),
+  ]
+
+
+class LMProblem:
+  """The LM's params, minibatch and step builders, bound over 8 devices or on one device."""
+
+  def __init__(self, bound: bool, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from optax_dist.cli import tasks
+
+    self.bound = bound
+    self.axis = AXIS if bound else None
+    self.n = DEVICES if bound else 1
+    self.task = tasks.TASKS["lm"]
+    model = self.task.model()
+    self.loss_fn = self.task.loss_fn(model)
+    init = jax.jit(lambda key: model.init(key, jnp.zeros((1, tasks.LM_CONTEXT), jnp.uint8)))
+    self.params = jax.device_get(init(jax.random.key(seed))["params"])  # one worker's
+    self.num_params = sum(x.size for x in jax.tree.leaves(self.params))
+    self.mesh = Mesh(np.array(jax.devices()[:self.n]), (AXIS,))
+    data = self.task.load(seed).train
+    rng = np.random.default_rng(seed)
+    rows = rng.choice(len(data["x"]), self.n * BATCH, replace=False)
+    self.batch = self.put({k: v[rows] for k, v in data.items()}, tile=False)
+
+  def spec(self, tree):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    return jax.tree.map(lambda x: P(AXIS) if np.ndim(x) else P(), tree)
+
+  def put(self, tree, tile: bool = True):
+    """``tree`` on the devices; ``tile``: one worker's values repeated for every worker."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    def one(x, s):
+      x = np.asarray(x)
+      if tile and x.ndim:
+        x = np.concatenate([x] * self.n)
+      return jax.device_put(x, NamedSharding(self.mesh, s))
+
+    return jax.tree.map(one, tree, self.spec(tree))
+
+  def abstract(self, tree):
+    import jax
+    from jax.sharding import NamedSharding
+
+    return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(
+        ((self.n * x.shape[0],) + x.shape[1:]) if x.ndim else (), x.dtype,
+        sharding=NamedSharding(self.mesh, s)), tree, self.spec(tree))
+
+  def init(self, tx):
+    import jax
+
+    return self.put(jax.device_get(jax.jit(tx.init)(self.params)))
+
+  def compiled(self, tx, *, donate: bool, grad_step: bool = False):
+    """The step of ``tx``, compiled for this configuration."""
+    import jax
+    import optax
+
+    loss_fn = self.loss_fn
+
+    def step(params, opt_state, batch):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      kwargs = {"grad_step": opt_state.global_step} if grad_step else {}
+      updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    state_shape = jax.eval_shape(tx.init, self.params)
+    if self.bound:
+      from jax.sharding import PartitionSpec as P
+
+      step = jax.shard_map(
+        _with_loss_axis(step), mesh=self.mesh,
+        in_specs=(self.spec(self.params), self.spec(state_shape), P(AXIS)),
+        out_specs=(self.spec(self.params), self.spec(state_shape), P(AXIS)))
+    jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    return jitted.lower(self.abstract(self.params), self.abstract(state_shape),
+                        self.batch).compile()
+
+
+def _with_loss_axis(step):
+  def mapped(params, opt_state, batch):
+    params, opt_state, loss = step(params, opt_state, batch)
+    return params, opt_state, loss[None]
+
+  return mapped
+
+
+class Runner:
+  """Calls one compiled step on its own params and state, as a training loop would."""
+
+  def __init__(self, put, step, params, state, counter=None, value=None, batch=None):
+    self.put, self.step, self.params, self.state = put, step, params, state
+    self.counter, self.value, self.batch = counter, value, batch
+
+  def __call__(self) -> tuple[float, float]:
+    """Runs one step; returns its wall-clock and process CPU seconds."""
+    import jax
+
+    state = self.state
+    if self.counter is not None:
+      state = state._replace(**{self.counter: jax.block_until_ready(self.put(np.int32(
+        self.value)))})
+    start, cpu = time.perf_counter(), time.process_time()
+    out = self.step(self.params, state, *self.batch)
+    jax.block_until_ready(out)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    self.params, self.state = out[0], out[1]
+    return elapsed, cpu
+
+
+def interleaved(baseline: Runner, runners: list[Runner], rounds: int, seed: int) -> dict:
+  """Times ``runners`` against ``baseline`` in interleaved rounds (see the module docstring)."""
+  baseline()
+  for r in runners:
+    r()
+  rng = np.random.default_rng(seed)
+  base, times = [], [[] for _ in runners]
+  ratios = [[] for _ in runners]
+  for _ in range(rounds):
+    previous = baseline()
+    base.append(previous)
+    for i in rng.permutation(len(runners)):
+      t = runners[i]()
+      after = baseline()
+      base.append(after)
+      times[i].append(t)
+      ratios[i].append(tuple(t[j] / (0.5 * (previous[j] + after[j])) for j in (0, 1)))
+      previous = after
+  return {
+    "base_ms": 1e3 * _util.median([t[0] for t in base]),
+    "base_cpu_ms": 1e3 * _util.median([t[1] for t in base]),
+    "rows": [{
+      "ms": 1e3 * _util.median([t[0] for t in ts]),
+      "ratio": _util.median([r[0] for r in rs]),
+      "q1": float(np.percentile([r[0] for r in rs], 25)),
+      "q3": float(np.percentile([r[0] for r in rs], 75)),
+      "cpu_ratio": _util.median([r[1] for r in rs]),
+    } for ts, rs in zip(times, ratios)],
+  }
+
+
+def _memory(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  return {"temp": int(m.temp_size_in_bytes), "copies": bench_overhead.copy_bytes(compiled)}
+
+
+def measure_config(bound: bool, donated: bool, rounds: int, seed: int = 0) -> dict[str, Any]:
+  """Times every variant's phases on the LM step in one configuration."""
+  import optax
+
+  problem = LMProblem(bound, seed)
+  adam = optax.adam(LEARNING_RATE)
+  start, load_before = time.perf_counter(), _util.load_average()
+  base_step = problem.compiled(adam, donate=donated)
+  params = problem.put(problem.params)
+  baseline = Runner(problem.put, base_step, params, problem.init(adam), batch=(problem.batch,))
+  runners, meta = [], []
+  for v in variants():
+    tx = v.make(adam, problem.axis, problem.params)
+    step = problem.compiled(tx, donate=donated, grad_step=v.grad_step)
+    memory = _memory(step)
+    for phase, value, communicates, _ in v.phases:
+      counter = None if value is None else "local_step"
+      runners.append(Runner(problem.put, step, problem.put(problem.params), problem.init(tx),
+                            counter, value, batch=(problem.batch,)))
+      meta.append({"name": v.name, "label": v.label, "phase": phase,
+                   "communicates": communicates and bound,
+                   "sync_phase": communicates and value is not None, **memory})
+  compile_s = time.perf_counter() - start
+  timing = interleaved(baseline, runners, rounds, seed)
+  rows = [m | r for m, r in zip(meta, timing["rows"])]
+  return {"axis": "bound" if bound else "unbound", "donated": donated, "rounds": rounds,
+          "devices": problem.n, "num_params": problem.num_params,
+          "adam_ms": timing["base_ms"], "adam_cpu_ms": timing["base_cpu_ms"],
+          "adam_memory": _memory(base_step), "rows": rows, "compile_s": compile_s,
+          "timing_s": time.perf_counter() - start - compile_s, "load_before": load_before,
+          "load_after": _util.load_average()}
+
+
+def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
+  """``update`` + ``apply_updates`` on the 4M-param tree against its bytes-per-pass bound."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  rng = np.random.default_rng(seed)
+  host = {k: rng.normal(size=s).astype(np.float32) for k, s in OPTIMIZER_SHAPES.items()}
+  params_bytes = sum(x.nbytes for x in host.values())
+  grads = jax.device_put(jax.tree.map(lambda x: 1e-3 * x, host))
+  adam = optax.adam(LEARNING_RATE)
+  put = jax.device_put
+
+  def compiled(tx, grad_step=False):
+    def step(params, state, g):
+      kwargs = {"grad_step": state.global_step} if grad_step else {}
+      updates, state = tx.update(g, state, params, **kwargs)
+      return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1)).lower(host, jax.eval_shape(tx.init, host),
+                                                      grads).compile()
+
+  def runner(tx, step, counter=None, value=None):
+    return Runner(lambda x: put(x), step, put(host), jax.jit(tx.init)(host), counter, value,
+                  batch=(grads,))
+
+  start, load_before = time.perf_counter(), _util.load_average()
+  baseline = runner(adam, compiled(adam))
+  runners, meta = [], []
+  for v in variants():
+    tx = v.make(adam, None, host)
+    step = compiled(tx, v.grad_step)
+    for phase, value, _, passes in v.phases:
+      runners.append(runner(tx, step, None if value is None else "local_step", value))
+      meta.append({"name": v.name, "label": v.label, "phase": phase, "passes": passes,
+                   **_memory(step)})
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
+  copy_in = [put(host)]
+
+  def stream():  # 3 params-sized passes: read a, read b, write a
+    copy_in[0] = add(copy_in[0], grads)
+    return copy_in[0]
+
+  jax.block_until_ready(stream())
+  stream_s = _util.median([_util.time_call(stream) for _ in range(max(rounds, 20))])
+  bandwidth = 3 * params_bytes / stream_s
+  timing = interleaved(baseline, runners, rounds, seed)
+  rows = []
+  for m, r in zip(meta, timing["rows"]):
+    bound_ms = None if m["passes"] is None else 1e3 * m["passes"] * params_bytes / bandwidth
+    rows.append(m | r | {"bound_ms": bound_ms, "bound_ratio": None if m["passes"] is None
+                         else m["passes"] / 7})
+  return {"num_params": sum(x.size for x in host.values()), "params_bytes": params_bytes,
+          "bandwidth": bandwidth, "adam_ms": timing["base_ms"],
+          "adam_bound_ms": 1e3 * 7 * params_bytes / bandwidth, "rows": rows, "rounds": rounds,
+          "adam_memory": _memory(baseline.step), "wall_s": time.perf_counter() - start,
+          "load_before": load_before, "load_after": _util.load_average()}
+
+
+def measure(rounds_bound: int, rounds_unbound: int, rounds_optimizer: int) -> dict[str, Any]:
+  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+  configs = []
+  for axis, donated in CONFIGS:
+    bound = axis == "bound"
+    print(f"[bench]   LM step, {axis}, donated={donated}", flush=True)
+    configs.append(measure_config(bound, donated, rounds_bound if bound else rounds_unbound))
+  print("[bench]   optimizer alone", flush=True)
+  return {"configs": configs, "optimizer": measure_optimizer(rounds_optimizer)}
+
+
+def _config_name(c: dict[str, Any]) -> str:
+  where = f"bound, {c['devices']} devices" if c["axis"] == "bound" else "unbound, 1 device"
+  return f"{where}, {'donated' if c['donated'] else 'not donated'}"
+
+
+def _applies(row: dict[str, Any]) -> bool:
+  """Whether the 1.03× target applies: a step without collectives that is not a sync."""
+  return not row["communicates"] and not row["sync_phase"]
+
+
+def matrix_markdown(result: dict[str, Any]) -> str:
+  """One row per transformation and phase, one column group per configuration."""
+  configs = result["configs"]
+  header = ["transformation", "step"]
+  for c in configs:
+    header += [f"{_config_name(c)}: ratio (IQR)", "CPU"]
+  header.append(f"≤ {TARGET}× (wall)")
+  base = ["bare adam", "every step"]
+  for c in configs:
+    base += [f"{c['adam_ms']:.1f} ms", f"{c['adam_cpu_ms']:.1f} ms"]
+  rows = [base + [""]]
+  for j, row in enumerate(configs[0]["rows"]):
+    cells = [f"`{row['label']}`", row["phase"]]
+    verdict = []
+    for c in configs:
+      r = c["rows"][j]
+      cells += [f"**{r['ratio']:.3f}** ({r['q1']:.2f}–{r['q3']:.2f})", f"{r['cpu_ratio']:.3f}"]
+      verdict.append(("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a")
+    rows.append(cells + [", ".join(verdict)])
+  lines = [_util.table(header, rows, "ll" + "rr" * len(configs) + "l"), ""]
+  for c in configs:
+    lines.append(
+      f"- {_config_name(c)}: bare adam {c['adam_ms']:.1f} ms wall, {c['adam_cpu_ms']:.1f} ms"
+      f" CPU per step; {c['rounds']} rounds; compile {c['compile_s']:.0f} s, timing"
+      f" {c['timing_s']:.0f} s; load average {c['load_before']} before, {c['load_after']} after.")
+  return "\n".join(lines)
+
+
+def memory_markdown(result: dict[str, Any]) -> str:
+  """Temp and copy bytes of each compiled LM step, against bare adam's, per configuration."""
+  configs = result["configs"]
+  header = ["transformation"] + [f"{_config_name(c)}: temp / copies KiB" for c in configs]
+  rows = [["bare adam"] + [f"{c['adam_memory']['temp'] / 1024:.0f} /"
+                           f" {c['adam_memory']['copies'] / 1024:.0f}" for c in configs]]
+  seen = set()
+  for j, row in enumerate(configs[0]["rows"]):
+    if row["label"] in seen:
+      continue
+    seen.add(row["label"])
+    rows.append([f"`{row['label']}`"] + [
+      f"{c['rows'][j]['temp'] / 1024:.0f} / {c['rows'][j]['copies'] / 1024:.0f}"
+      for c in configs])
+  return _util.table(header, rows, "l" + "r" * len(configs))
+
+
+def missed_markdown(result: dict[str, Any]) -> str:
+  """Which non-communication rows missed the target, where, and why."""
+  whys = {v.label: v.why for v in variants()}
+  params_kib = result["configs"][0]["num_params"] * 4 / 1024
+  lines = []
+  for c in result["configs"]:
+    for r in c["rows"]:
+      if _applies(r) and r["ratio"] > TARGET:
+        lines.append((r["label"], r["phase"], _config_name(c), r, c))
+  if not lines:
+    return (f"Every non-communication LM step is within {TARGET}× of bare adam in every"
+            " configuration.")
+  out = [(f"Missed (> {TARGET}× wall on a non-communication step), and why (params:"
+          f" {params_kib:.0f} KiB per worker):"), ""]
+  by_label = {}
+  for label, phase, config, r, c in lines:
+    extra_temp = (r["temp"] - c["adam_memory"]["temp"]) / 1024
+    extra_copies = (r["copies"] - c["adam_memory"]["copies"]) / 1024
+    by_label.setdefault((label, phase), []).append(
+      f"{config} {r['ratio']:.3f}× (CPU {r['cpu_ratio']:.3f}×; temp {extra_temp:+.0f} KiB,"
+      f" copies {extra_copies:+.0f} KiB vs adam)")
+  for (label, phase), where in by_label.items():
+    why = whys.get(label.strip("`"), "") or "no structural cost expected: noise"
+    out.append(f"- `{label}`, {phase}: {'; '.join(where)}. Why: {why}.")
+  return "\n".join(out)
+
+
+def optimizer_markdown(result: dict[str, Any]) -> str:
+  o = result["optimizer"]
+  header = ["transformation", "step", "ms", "vs adam", "CPU vs adam", "passes", "bound ms",
+            "bound vs adam", "ms / bound", "temp / copies MiB"]
+  base = o["adam_memory"]
+  rows = [["bare adam", "every step", f"{o['adam_ms']:.2f}", "1", "1", "7",
+           f"{o['adam_bound_ms']:.2f}", "1", f"{o['adam_ms'] / o['adam_bound_ms']:.2f}",
+           f"{_util.mib(base['temp'])} / {_util.mib(base['copies'])}"]]
+  for r in o["rows"]:
+    bound = r["bound_ms"]
+    rows.append([f"`{r['label']}`", r["phase"], f"{r['ms']:.2f}",
+                 f"**{r['ratio']:.3f}** ({r['q1']:.2f}–{r['q3']:.2f})", f"{r['cpu_ratio']:.3f}",
+                 "—" if r["passes"] is None else str(r["passes"]),
+                 "—" if bound is None else f"{bound:.2f}",
+                 "—" if bound is None else f"{r['bound_ratio']:.3f}",
+                 "—" if bound is None else f"{r['ms'] / bound:.2f}",
+                 f"{_util.mib(r['temp'])} / {_util.mib(r['copies'])}"])
+  return "\n".join([
+    (f"{o['num_params']:,} params ({_util.human_bytes(o['params_bytes'])}), one device,"
+    f" `axis_name=None`, donated; measured bandwidth {o['bandwidth'] / 1e9:.1f} GB/s (a fused"
+    f" `a + b` over the tree, 3 passes); {o['rounds']} rounds; load average {o['load_before']}"
+    f" before, {o['load_after']} after. *passes*: the params-sized reads and writes the step"
+    " must make (adam 7: read g, p, μ, ν, write μ, ν, p; an EMA +2; an accumulator +2; a"
+    " DiLoCo sync +4: read anchor and outer momentum, write both; —: not counted); *bound*:"
+    " passes × params bytes / bandwidth."),
+    "",
+    _util.table(header, rows, "llrrrrrrrr"),
+  ])
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  configs = result["configs"]
+  labels = [f"{r['label']}\n{r['phase']}" for r in configs[0]["rows"]]
+  y = np.arange(len(labels))
+  fig, ax = plt.subplots(figsize=(10, 0.45 * len(labels) + 1.5))
+  height = 0.8 / len(configs)
+  for k, c in enumerate(configs):
+    ratios = [r["ratio"] for r in c["rows"]]
+    err = [[r["ratio"] - r["q1"] for r in c["rows"]], [r["q3"] - r["ratio"] for r in c["rows"]]]
+    ax.barh(y + k * height, ratios, height, xerr=err, label=_config_name(c), alpha=0.8)
+  ax.axvline(1.0, color="black", lw=0.8)
+  ax.axvline(TARGET, color="grey", lw=0.8, ls="--")
+  ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xlabel("LM step time / bare adam's (median, IQR)")
+  ax.legend(fontsize=7)
+  first, last = configs[0], configs[-1]
+  ax.set_title(f"Overhead on the LM step (dashed: {TARGET}×). {_util.machine()['cores']} CPUs;"
+               f" load average {first['load_before']} before, {last['load_after']} after",
+               fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
