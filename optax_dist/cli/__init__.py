@@ -7,6 +7,7 @@ One concern per module:
 * :mod:`~optax_dist.cli.arguments`: the command line (flags, their checks, the help);
 * :mod:`~optax_dist.cli.config`: the settings of a training run and their defaults;
 * :mod:`~optax_dist.cli.tasks`: the problems to train on (data, model, loss, metric);
+* :mod:`~optax_dist.cli.text`: the ``lm`` task's corpus (the standard library's sources);
 * :mod:`~optax_dist.cli.models`: the Flax models of the tasks;
 * :mod:`~optax_dist.cli.algorithms`: the optimizer of each algorithm;
 * :mod:`~optax_dist.cli.pipeline`: the workers' shards of the data and the minibatch order;
