@@ -240,6 +240,7 @@ def _bad_arguments(tmp_path):
     "bad param dtype": ["train", "--param-dtype", "int8"],
     "async: unknown worker restarted": ["async", "--workers", "2", "--restarts", "5@10"],
     "async: malformed restarts": ["async", "--restarts", "soon"],
+    "async: the lm task": ["async", "--task", "lm"],
     "async: more stragglers than workers": ["async", "--workers", "2", "--stragglers", "3"],
   }
   try:

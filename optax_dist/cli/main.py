@@ -298,6 +298,10 @@ def _check_worker_times(args: argparse.Namespace) -> None:
 def run_async(args: argparse.Namespace) -> int:
   """Runs ``optax-dist async``: prints the table, writes ``results_async.json``/``async.png``."""
   task = TASKS[args.task]
+  if task.metric_key != "accuracy":
+    raise CommandError(f"argument --task: async emulates the classification tasks"
+                       f" ({', '.join(t for t in TASKS if TASKS[t].metric_key == 'accuracy')}),"
+                       f" not {task.name}; train {task.name} with train or compare")
   _require(task, checkpoints=False)
   if not 0 <= args.stragglers <= args.workers:
     raise CommandError(f"argument --stragglers: must be in 0..{args.workers} (--workers), got"
