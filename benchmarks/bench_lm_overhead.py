@@ -87,24 +87,27 @@ def variants() -> list[Variant]:
     Variant("moving_average", "moving_average(adam, 0.999)",
             lambda adam, axis, p: optax_dist.moving_average(adam, 0.999),
             (("every step", None, False, 9),),
-            why="reads and writes the EMA on every step: 2 passes more than adam's 7"),
+            why="reads and writes the EMA on every step: 2 passes more than adam's 7 (inherent"
+                " to an EMA)"),
     Variant("drop_stale_gradients", "drop_stale_gradients(adam, 2)",
             lambda adam, axis, p: optax_dist.drop_stale_gradients(adam, 2),
             (("every step (accepted)", None, False, 7),), grad_step=True,
             why="adam's update and state are computed and then selected with `tree.where`"
-                " against the old state: the old moments are read again"),
+                " against the old state: the old moments are read again (no extra temp or"
+                " copies)"),
     Variant("elastic_average", f"elastic_average(adam, τ={PERIOD})",
             lambda adam, axis, p: optax_dist.elastic_average(
               adam, communication_period=PERIOD, axis_name=axis), periodic(PERIOD, 9),
-            why="adam's updates are an operand of the `lax.cond` (the elastic term is added on"
-                " communication steps), so they are materialised instead of fused into"
-                " `apply_updates`"),
+            why="adam's updates are an operand of the `lax.cond`, so they are written to"
+                " memory instead of fused into `apply_updates`; the branch that skips hands the"
+                " center and the updates back through `copy` instructions; and the `where`"
+                " after it reads the new params, d and the updates on every step"),
     Variant("agn", f"agn(adam, τ={PERIOD})",
             lambda adam, axis, p: optax_dist.agn(adam, communication_period=PERIOD,
                                                  axis_name=axis), periodic(PERIOD, None, 9),
             why="the gradient accumulator a += g is a read-modify-write of a params-sized"
-                " buffer on every step (9 passes: inherent), and the `lax.cond` takes the"
-                " updates as an operand"),
+                " buffer on every step (9 passes instead of 7: inherent to AGN), and the"
+                " `lax.cond` takes the updates and the accumulator as operands"),
     Variant("local_sgd", f"local_sgd(adam, H={PERIOD})",
             lambda adam, axis, p: optax_dist.local_sgd(adam, sync_period=PERIOD, axis_name=axis),
             periodic(PERIOD, 7),
@@ -112,16 +115,18 @@ def variants() -> list[Variant]:
     Variant("diloco", f"diloco(adam, H={SYNC_PERIOD})",
             lambda adam, axis, p: optax_dist.diloco(adam, sync_period=SYNC_PERIOD,
                                                     axis_name=axis), periodic(SYNC_PERIOD, 11),
-            why="the `lax.cond` takes adam's updates as an operand (a sync replaces the params"
-                " by the new anchor)"),
+            why="adam's updates are an operand of the `lax.cond` (written to memory instead"
+                " of fused into `apply_updates`), the conditional returns the anchor and the"
+                " outer momentum through a temp buffer, and the `where(sync, anchor − params,"
+                " updates)` after it reads the anchor on every step"),
     Variant("streaming_diloco", f"streaming_diloco(adam, H={SYNC_PERIOD}, F={FRAGMENTS})",
             lambda adam, axis, p: optax_dist.streaming_diloco(
               adam, sync_period=SYNC_PERIOD, num_fragments=FRAGMENTS, axis_name=axis,
               fragments=balanced_fragments(p, FRAGMENTS)),
             (("non-communication step", 0, False, 7),
              ("fragment 0's sync", offset - 1, True, None)),
-            why=f"{FRAGMENTS} conditionals (one per fragment), each taking its fragment's"
-                " updates as an operand"),
+            why=f"as `diloco`, once per fragment: {FRAGMENTS} conditionals, each taking its"
+                " fragment's updates, anchor and outer momentum as operands"),
   ]
 
 
@@ -478,6 +483,21 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
                  "—" if bound is None else f"{r['bound_ratio']:.3f}",
                  "—" if bound is None else f"{r['ms'] / bound:.2f}",
                  f"{_util.mib(r['temp'])} / {_util.mib(r['copies'])}"])
+  slow = [r for r in o["rows"] if r["bound_ms"] is not None
+          and r["ratio"] > 1.25 * r["bound_ratio"]]
+  note = ""
+  if slow:
+    note = (
+      "Beyond their bound (time over bare adam's more than 1.25× the bound's ratio): "
+      + "; ".join(f"`{r['label']}` {r['phase']} {r['ratio']:.1f}× adam (bound"
+                  f" {r['bound_ratio']:.2f}×; temp {_util.mib(r['temp'])} MiB, copies"
+                  f" {_util.mib(r['copies'])} MiB)" for r in slow)
+      + ". Each of these steps has a `lax.cond` whose operands include params-sized trees"
+      " (adam's updates, the center, the anchor): XLA writes them to temp buffers (and, for"
+      " `elastic_average`, copies them back in the branch that skips), and the time exceeds"
+      " what those bytes cost at the measured bandwidth, so the conditional itself runs slowly"
+      " on XLA's CPU backend. On the LM step, where forward and backward dominate, the same"
+      " cost is the few percent of the table above.")
   return "\n".join([
     (f"{o['num_params']:,} params ({_util.human_bytes(o['params_bytes'])}), one device,"
     f" `axis_name=None`, donated; measured bandwidth {o['bandwidth'] / 1e9:.1f} GB/s (a fused"
@@ -488,6 +508,8 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
     " passes × params bytes / bandwidth."),
     "",
     _util.table(header, rows, "llrrrrrrrr"),
+    "",
+    note,
   ])
 
 
@@ -510,6 +532,7 @@ def plot(result: dict[str, Any], path: str) -> None:
   ax.axvline(TARGET, color="grey", lw=0.8, ls="--")
   ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=7)
   ax.invert_yaxis()
+  ax.set_xlim(left=0.8)
   ax.set_xlabel("LM step time / bare adam's (median, IQR)")
   ax.legend(fontsize=7)
   first, last = configs[0], configs[-1]
