@@ -3,6 +3,14 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA CPU aborts the process when the threads of the emulated devices have not all joined a
+# collective within 40 s; on a loaded 2-core machine one step can take longer. The subprocesses
+# the tests start (the command, the docs' code) inherit this.
+os.environ["XLA_FLAGS"] = " ".join([
+  os.environ.get("XLA_FLAGS", ""),
+  "--xla_cpu_collective_call_terminate_timeout_seconds=600",
+  "--xla_cpu_collective_timeout_seconds=600",
+]).strip()
 
 import jax  # noqa: E402
 

@@ -129,7 +129,6 @@ def test_code_blocks_run(page, tmp_path):
   spec = tmp_path / "blocks.json"
   spec.write_text(json.dumps(blocks))
   env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
-  env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
     [sys.executable, "-c", _RUNNER, str(spec)],
     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
