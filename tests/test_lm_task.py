@@ -148,3 +148,17 @@ def test_lm_resume_after_a_crash_ends_with_the_uninterrupted_params(tmp_path):
   assert sorted(whole) == sorted(again)
   for key in whole:
     np.testing.assert_array_equal(whole[key], again[key], err_msg=key)
+
+
+@pytest.mark.parametrize("steps,periods", [(300, (10, 50)), (5, (5, 5))])
+def test_lm_default_periods_adapt_to_short_runs(steps, periods):
+  """The task's own periods (10, and 50 for DiLoCo) are capped at --steps, as the defaults are."""
+  from optax_dist.cli.arguments import build_parser
+  from optax_dist.cli.main import settings_of
+
+  args = build_parser().parse_args(["compare", "--task", "lm", "--steps", str(steps)])
+  settings = settings_of(args, tasks.TASKS["lm"])
+  assert (settings.communication_period, settings.sync_period) == periods
+  given = build_parser().parse_args(["compare", "--task", "lm", "--steps", "5", "--sync-period",
+                                     "7"])
+  assert settings_of(given, tasks.TASKS["lm"]).sync_period == 7  # given: kept (and refused)

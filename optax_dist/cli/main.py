@@ -17,6 +17,7 @@ before it initialises its backends. Needs the ``examples`` extra.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -110,6 +111,9 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
   """The resolved settings of the run ``args`` asks for (``algorithm``: ``train``'s)."""
   given = {key: getattr(args, key) for key in TASK_DEFAULTS if getattr(args, key) is not None}
   values = {key: DEFAULTS[key] for key in TASK_DEFAULTS} | dict(task.defaults) | given
+  for key in ("communication_period", "sync_period"):  # a task's default adapts to --steps
+    if key not in given and values[key] is not None:
+      values[key] = min(values[key], values["steps"])
   return Settings(
     task=task.name, algorithm=getattr(args, "algorithm", "sync"),
     devices=args.processes * args.devices, moving_rate=args.moving_rate, decay=args.decay,
@@ -203,7 +207,7 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
     "workers": settings.devices, "steps": settings.steps, "batch_size": settings.batch_size,
     "learning_rate": settings.learning_rate,
     "communication_period": settings.communication_period, "moving_rate": settings.moving_rate,
-    "sync_period": settings.sync_period, "outer_learning_rate": settings.outer_learning_rate,
+    "sync_period": _sync_period(settings), "outer_learning_rate": settings.outer_learning_rate,
     "outer_momentum": settings.outer_momentum, "num_fragments": settings.num_fragments,
     "warmup_steps": settings.warmup_steps, "param_dtype": settings.param_dtype,
     "decay": settings.decay, "max_staleness": settings.max_staleness,
@@ -216,6 +220,11 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
   }
 
 
+def _sync_period(settings: Settings) -> int:
+  """The DiLoCo family's sync period of this run (resolved per algorithm by the trainer)."""
+  return dataclasses.replace(settings, algorithm="diloco").resolved().sync_period
+
+
 def _summary(args: argparse.Namespace, task: Task, settings: Settings,
              algorithms: list[str]) -> str:
   """The line above the table: what was trained, on how many workers, with which optimizer."""
@@ -224,7 +233,7 @@ def _summary(args: argparse.Namespace, task: Task, settings: Settings,
             if periodic else "")
   synced = [a for a in algorithms if a in SYNCED]
   if synced:
-    period += (f", sync period {settings.sync_period} ({', '.join(synced)}; outer Nesterov lr"
+    period += (f", sync period {_sync_period(settings)} ({', '.join(synced)}; outer Nesterov lr"
                f" {settings.outer_learning_rate:g}, momentum {settings.outer_momentum:g})")
   layout = f" ({args.processes} processes x {args.devices} devices)" if args.processes > 1 else ""
   workers = settings.devices
