@@ -235,6 +235,15 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     "",
     _util.table(header, rows),
     "",
+    ("Both processes and their 4 devices share one machine's cores, and gloo runs over loopback:"
+     " a cross-process all-reduce of the gradients (1.1 MB) costs little here, so the rates"
+     " measure each algorithm's own step cost (the DiLoCo wrapper's, see the overhead section)"
+     " and how long each process waits for the other in the collectives, not a network. The"
+     " waiting grows with the machine's load (a descheduled process stalls every collective of"
+     " the other), so the synchronous step, with a cross-process collective on every step, is"
+     " the more sensitive of the two to it; across a real network the per-step all-reduce is"
+     " what the hierarchical layout saves."),
+    "",
     f"![steps per second and validation loss, two processes]({plot_name})",
   ])
 
