@@ -98,10 +98,19 @@ def agn(
     during a communication step; beyond a few workers prefer ``center_update="mean"`` (one
     params-sized buffer, one ``inner`` step per commit round).
 
+  Static hint:
+    ``update(..., communicate=True)`` or ``communicate=False`` (a Python bool, fixed at trace
+    time) replaces the counter rule for that call: the step commits to the center or not,
+    compiled without the ``lax.cond`` (``False``: without the collective). ``local_step``
+    advances either way. A hint that agrees with the rule gives the rule's results (to float
+    rounding: XLA fuses the two programs differently); one that disagrees adds or skips that one
+    commit, and the rule's later ones stay where they were. ``None`` (or leaving it out) is the
+    rule. It is not forwarded to ``inner``.
+
   Raises:
     TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type;
       ``comm_dtype`` not ``None`` or a floating dtype; a param leaf is not floating point (the
-      message names its path).
+      message names its path); ``update``'s ``communicate`` not ``None`` or a bool.
     ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``center_update``
       not ``"sequential"`` or ``"mean"``; ``num_workers > 1`` with ``axis_name=None``;
       ``num_workers`` different from the axis size; ``update`` without ``params``, where a
@@ -148,6 +157,7 @@ def agn(
     _common.require_params(fn, params)
     _common.check_floating(fn, params)
     _common.check_tree_matches(fn, updates, state.center, "params")
+    hint = _common.communication_hint(fn, extra_args)
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
 
     # x_i <- x_i + inner(g_i); a_i <- a_i + g_i.
@@ -181,16 +191,17 @@ def agn(
     def keep(center, grad_accum, center_inner_state):
       return center, center_inner_state
 
-    communicate = _common.is_communication_step(local_step, communication_period)
+    communicate = _common.is_communication_step(local_step, communication_period, hint)
     center, center_inner_state = _common.communicate_if(
       communicate, commit, keep, state.center, grad_accum, state.center_inner_state,
     )
     # x_i <- center, a_i <- 0 on a communication step.
     local_updates = jax.tree.map(
-      lambda c, p, u: jnp.where(communicate, (c - p).astype(u.dtype), u),
+      lambda c, p, u: _common.select(communicate, (c - p).astype(u.dtype), u),
       center, params, local_updates,
     )
-    grad_accum = jax.tree.map(lambda a: jnp.where(communicate, jnp.zeros_like(a), a), grad_accum)
+    grad_accum = jax.tree.map(
+      lambda a: _common.select(communicate, jnp.zeros_like(a), a), grad_accum)
     return local_updates, AGNState(
       local_step=local_step,
       center=center,

@@ -4,8 +4,10 @@ Written once here and reused by each algorithm module:
 
 * the worker axis: :func:`axis_size` (``None`` where ``axis_name`` is unbound) and
   :func:`resolve_num_workers` (checks a user's ``num_workers`` against the axis);
-* the communication step: :func:`is_communication_step` and :func:`communicate_if`, a
-  ``lax.cond`` whose two branches may differ in how their results vary over mapped axes;
+* the communication step: :func:`is_communication_step`, :func:`communication_hint` (the static
+  ``communicate`` extra argument) and :func:`communicate_if`, a ``lax.cond`` whose two branches
+  may differ in how their results vary over mapped axes (no conditional when the step is known at
+  trace time), with :func:`select`;
 * argument validation with messages that name the call site, the argument, the value received
   and the constraint.
 """
@@ -127,8 +129,32 @@ def cast_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def communication_hint(fn: str, extra_args: dict) -> bool | None:
+  """Removes the static ``communicate`` extra argument from ``extra_args`` and returns it.
+
+  ``None`` (absent): the counter rule decides each step, inside a ``lax.cond``. ``True`` or
+  ``False``: the caller states at trace time whether this ``update`` makes the exchange; the step
+  is then compiled without the conditional. It is consumed here, never forwarded to ``inner``
+  (an inner transformation with its own schedule keeps its own counter rule).
+
+  Raises:
+    TypeError: the value is not ``None`` or a Python/NumPy bool (a traced value cannot decide
+      what is compiled: mark the argument static, e.g. ``jax.jit(..., static_argnames=...)``).
+  """
+  hint = extra_args.pop("communicate", None)
+  if hint is None or isinstance(hint, (bool, np.bool_)):
+    return None if hint is None else bool(hint)
+  raise TypeError(
+    f"`{fn}`: the extra argument `communicate` must be None, True or False, fixed at trace"
+    f" time; got {hint!r} of type {type(hint).__name__}. A traced value cannot decide what is"
+    " compiled: pass a Python bool (static under jit), or leave it out to let the step counter"
+    " decide."
+  )
+
+
 def communicate_if(
-  pred: jax.Array, communicate: Callable[..., Any], skip: Callable[..., Any], *operands: Any
+  pred: jax.Array | bool, communicate: Callable[..., Any], skip: Callable[..., Any],
+  *operands: Any,
 ) -> Any:
   """``lax.cond(pred, communicate, skip, *operands)`` with the branches' types reconciled.
 
@@ -137,7 +163,8 @@ def communicate_if(
   therefore cast (``jax.lax.pcast(..., to="varying")``) to the union of the axes both branches
   vary over. Where varying types are not checked (``vmap``, ``pmap``, ``check_vma=False``) this
   is a plain ``lax.cond``. ``pred`` must be identical on every worker, so that the collectives in
-  ``communicate`` execute on all of them or on none.
+  ``communicate`` execute on all of them or on none. A Python bool ``pred`` (a step known at trace
+  time) calls the one branch it names, with no conditional, and gives the same output types.
   """
   shapes = [jax.eval_shape(branch, *operands) for branch in (communicate, skip)]
   axes = jax.tree.map(lambda a, b: varying_axes(a) | varying_axes(b), *shapes)
@@ -145,7 +172,16 @@ def communicate_if(
   def reconciled(branch):
     return lambda *ops: jax.tree.map(cast_varying, branch(*ops), axes)
 
+  if isinstance(pred, bool):
+    return reconciled(communicate if pred else skip)(*operands)
   return jax.lax.cond(pred, reconciled(communicate), reconciled(skip), *operands)
+
+
+def select(pred: jax.Array | bool, on_true: Any, on_false: Any) -> Any:
+  """``jnp.where(pred, on_true, on_false)``, or the one operand a Python bool ``pred`` names."""
+  if isinstance(pred, bool):
+    return on_true if pred else on_false
+  return jnp.where(pred, on_true, on_false)
 
 
 def _to_dtype(tree: Any, dtype: Any) -> Any:
@@ -190,8 +226,15 @@ def all_gather(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
   return _like(jax.lax.all_gather(_to_dtype(tree, comm_dtype), axis_name), tree)
 
 
-def is_communication_step(local_step: jax.Array, communication_period: Any) -> jax.Array:
-  """True where ``local_step`` (already incremented) is a multiple of ``communication_period``."""
+def is_communication_step(
+  local_step: jax.Array, communication_period: Any, hint: bool | None = None
+) -> jax.Array | bool:
+  """True where ``local_step`` (already incremented) is a multiple of ``communication_period``.
+
+  A ``hint`` (:func:`communication_hint`) replaces the rule: it is returned as a Python bool.
+  """
+  if hint is not None:
+    return hint
   return local_step % communication_period == 0
 
 

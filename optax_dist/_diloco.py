@@ -156,10 +156,20 @@ def diloco(
     receives N times that. None when ``axis_name`` is ``None``. :func:`communication_report`
     measures them.
 
+  Static hint:
+    ``update(..., communicate=True)`` or ``communicate=False`` (a Python bool, fixed at trace
+    time) replaces the counter rule for that call: the step syncs or not, compiled without the
+    ``lax.cond`` (``False``: without the ``psum``). ``local_step`` advances either way. A hint
+    that agrees with the rule gives the rule's results (to float rounding: XLA fuses the two
+    programs differently); one that disagrees adds or skips that one sync, and the rule's later
+    ones stay where they were. ``None`` (or leaving it out) is the rule. It is not forwarded to
+    ``inner``.
+
   Raises:
     TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period`` or
       ``num_workers`` not an int; ``comm_dtype`` or ``anchor_dtype`` not ``None`` or a floating
-      dtype; a non-floating param leaf (in ``init``).
+      dtype; a non-floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None``
+      or a bool.
     ValueError: ``sync_period`` or ``num_workers`` not positive; ``num_workers > 1`` with
       ``axis_name=None``; ``num_workers`` different from the axis size; ``update`` without
       ``params``, or where a named ``axis_name`` is not bound.
@@ -206,11 +216,12 @@ def diloco(
   def update_fn(updates, state, params=None, **extra_args):
     _common.require_params(fn, params)
     _common.check_tree_matches(fn, updates, state.anchor, "params")
+    hint = _common.communication_hint(fn, extra_args)
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
 
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
-    sync = _common.is_communication_step(local_step, sync_period)
+    sync = _common.is_communication_step(local_step, sync_period, hint)
 
     # The conditional carries only what a sync changes: the anchor and the outer state. On
     # other steps it hands them back unchanged (XLA then writes no copy of them).
@@ -229,7 +240,8 @@ def diloco(
     )
     # x_i <- theta on a sync step.
     local_updates = jax.tree.map(
-      lambda a, p, u: jnp.where(sync, (a - p).astype(u.dtype), u), anchor, params, local_updates
+      lambda a, p, u: _common.select(sync, (a - p).astype(u.dtype), u), anchor, params,
+      local_updates,
     )
     return local_updates, DiLoCoState(
       local_step=local_step, anchor=anchor, inner_state=inner_state, outer_state=outer_state

@@ -92,10 +92,19 @@ def elastic_average(
     (``local_step % communication_period == 0``), inside a ``lax.cond``; none on other steps.
     None when ``axis_name`` is ``None``. :func:`communication_report` measures them.
 
+  Static hint:
+    ``update(..., communicate=True)`` or ``communicate=False`` (a Python bool, fixed at trace
+    time) replaces the counter rule for that call: the step makes the exchange or not, compiled
+    without the ``lax.cond`` (``False``: without the ``psum``). ``local_step`` advances either
+    way. A hint that agrees with the rule gives the rule's results (to float rounding: XLA fuses
+    the two programs differently); one that disagrees adds or skips that one exchange, and the
+    rule's later ones stay where they were. ``None`` (or leaving it out) is the rule. It is not
+    forwarded to ``inner``.
+
   Raises:
     TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type;
       ``comm_dtype`` not ``None`` or a floating dtype; a param leaf is not floating point (the
-      message names its path).
+      message names its path); ``update``'s ``communicate`` not ``None`` or a bool.
     ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``moving_rate``
       ≤ 0; ``rho`` < 0; ``learning_rate`` ≤ 0; ``num_workers > 1`` with ``axis_name=None``;
       ``num_workers`` different from the axis size; ``update`` without ``params``, where a
@@ -152,6 +161,7 @@ def elastic_average(
     _common.require_params(fn, params)
     _common.check_floating(fn, params)
     _common.check_tree_matches(fn, updates, state.center, "params")
+    hint = _common.communication_hint(fn, extra_args)
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     alpha = BETA / communication_period / n if moving_rate is None else moving_rate
     _warn_if_unstable(alpha, n)
@@ -174,7 +184,7 @@ def elastic_average(
     local_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
 
-    communicate = _common.is_communication_step(local_step, communication_period)
+    communicate = _common.is_communication_step(local_step, communication_period, hint)
 
     # The conditional carries only what a communication step changes: the center, and d_i for
     # the returned updates. On other steps it hands the center and u_i back unchanged (XLA then
@@ -195,7 +205,7 @@ def elastic_average(
     center, d = _common.communicate_if(communicate, exchange, keep, local_updates, center)
     # x_i <- x'_i - d_i on a communication step.
     local_updates = jax.tree.map(
-      lambda x, d, p, u: jnp.where(communicate, ((x - d) - p).astype(u.dtype), u),
+      lambda x, d, p, u: _common.select(communicate, ((x - d) - p).astype(u.dtype), u),
       optax.apply_updates(params, local_updates), d, params, local_updates,
     )
     return local_updates, ElasticAverageState(

@@ -95,9 +95,19 @@ def local_sgd(
     :func:`all_reduce`, one all-reduce of the gradients per step. None when ``axis_name`` is
     ``None``. :func:`communication_report` measures them.
 
+  Static hint:
+    ``update(..., communicate=True)`` or ``communicate=False`` (a Python bool, fixed at trace
+    time) replaces the counter rule for that call: the step averages the models or not, compiled
+    without the ``lax.cond`` (``False``: without the ``psum``). ``local_step`` advances either
+    way. A hint that agrees with the rule gives the rule's results (to float rounding: XLA fuses
+    the two programs differently); one that disagrees adds or skips that one average, and the
+    rule's later ones stay where they were. ``None`` (or leaving it out) is the rule. It is not
+    forwarded to ``inner``. The warm-up's all-reduce follows the counter whatever the hint.
+
   Raises:
     TypeError: ``inner`` is not a transformation; ``sync_period``, ``warmup_steps`` or
-      ``num_workers`` not an int; ``comm_dtype`` not ``None`` or a floating dtype.
+      ``num_workers`` not an int; ``comm_dtype`` not ``None`` or a floating dtype; ``update``'s
+      ``communicate`` not ``None`` or a bool.
     ValueError: ``sync_period`` or ``num_workers`` not positive; ``warmup_steps`` < 0;
       ``num_workers > 1`` with ``axis_name=None``; ``num_workers`` different from the axis
       size; ``update`` without ``params``, or where a named ``axis_name`` is not bound.
@@ -139,6 +149,7 @@ def local_sgd(
   def update_fn(updates, state, params=None, **extra_args):
     _common.require_params(fn, params)
     _common.check_tree_matches(fn, updates, params, "params")
+    hint = _common.communication_hint(fn, extra_args)
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     local_step = optax.safe_increment(state.local_step)
 
@@ -154,7 +165,9 @@ def local_sgd(
 
     # Model average on steps W + H, W + 2H, ...: x_i <- mean_j x'_j.
     since_warmup = local_step - warmup_steps
-    sync = (since_warmup > 0) & _common.is_communication_step(since_warmup, sync_period)
+    sync = _common.is_communication_step(since_warmup, sync_period, hint)
+    if hint is None:
+      sync = (since_warmup > 0) & sync
 
     def average(u):
       new_params = optax.apply_updates(params, u)  # x'_i

@@ -208,11 +208,19 @@ def streaming_diloco(
     ``comm_dtype``, an ``all_gather`` instead (N times the bytes received). None when
     ``axis_name`` is ``None``. :func:`communication_report` measures them, per conditional.
 
+  Static hint:
+    ``update(..., communicate=False)`` (a Python bool, fixed at trace time): no fragment syncs,
+    and the step is compiled with no conditional and no collective; ``communicate=True`` keeps
+    each fragment's conditional, and the rule picks the fragment(s) that sync. ``local_step``
+    advances either way, so a ``False`` on a sync step skips that fragment's sync and the rule's
+    later syncs stay where they were. ``None`` (or leaving it out) is the rule. It is not
+    forwarded to ``inner``.
+
   Raises:
     TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period``,
-      ``num_fragments``, ``num_workers`` or a ``fragments`` id not an int; ``mixing`` not a
-      real number; ``comm_dtype`` or ``anchor_dtype`` not ``None`` or a floating dtype; a
-      non-floating param leaf (in ``init``).
+      ``num_fragments``, ``num_workers`` or a ``fragments`` id not an int; ``mixing`` not a real
+      number; ``comm_dtype`` or ``anchor_dtype`` not ``None`` or a floating dtype; a non-
+      floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None`` or a bool.
     ValueError: ``sync_period``, ``num_fragments`` or ``num_workers`` not positive;
       ``mixing`` outside [0, 1]; a ``fragments`` id outside ``[0, F)``; (in ``init``)
       ``fragments`` without the params' structure, or a fragment left empty; ``num_workers >
@@ -299,11 +307,12 @@ def streaming_diloco(
     if not no_mixing:
       x = optax.apply_updates(p, u)
       target = mixing * x.astype(a.dtype) + (1 - mixing) * a
-    return jnp.where(sync, (target - p).astype(u.dtype), u)
+    return _common.select(sync, (target - p).astype(u.dtype), u)
 
   def update_fn(updates, state, params=None, **extra_args):
     _common.require_params(fn, params)
     _common.check_tree_matches(fn, updates, state.anchor, "params")
+    hint = _common.communication_hint(fn, extra_args)
     n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     ids = assign_fragments(fn, state.anchor, num_fragments, fragments)
 
@@ -315,6 +324,8 @@ def streaming_diloco(
     outer_states, syncs = [], []
     for f in range(num_fragments):
       sync = local_step % sync_period == sync_offset(f, sync_period, num_fragments)
+      if hint is False:  # no fragment syncs; True leaves the choice of fragment to the rule
+        sync = False
       anchor, outer_state_f = sync_fragment(
         f, sync, anchor, state.outer_state[f], p_leaves, u_leaves, ids, treedef, n
       )

@@ -1,0 +1,304 @@
+"""The static ``communicate`` extra argument of the transformations with a periodic exchange.
+
+* A hint that agrees with the counter rule gives the same params and state as no hint (to float
+  rounding), under ``vmap`` and under ``shard_map`` with params and state donated.
+* A hinted step has no conditional (and a ``False`` step no collective); ``streaming_diloco``
+  keeps its fragments' conditionals on a ``True`` step.
+* A hint that disagrees with the rule adds or skips that one exchange; the counter still
+  advances, so the rule's later exchanges stay where they were.
+* The hint is consumed, not forwarded to ``inner``; a traced or non-bool hint raises.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_dist
+
+AXIS = "w"
+N = 4
+PERIOD = 3
+STEPS = 2 * 3 * PERIOD
+
+
+def nesterov():
+  return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+def transformations():
+  adam = optax.adam(1e-2)
+  return {
+    "elastic_average": optax_dist.elastic_average(
+      adam, communication_period=PERIOD, moving_rate=0.1, rho=0.1, axis_name=AXIS),
+    "agn": optax_dist.agn(adam, communication_period=PERIOD, axis_name=AXIS),
+    "agn_mean": optax_dist.agn(
+      adam, communication_period=PERIOD, center_update="mean", axis_name=AXIS),
+    "diloco": optax_dist.diloco(adam, nesterov(), sync_period=PERIOD, axis_name=AXIS),
+    "local_sgd": optax_dist.local_sgd(adam, sync_period=PERIOD, warmup_steps=2, axis_name=AXIS),
+    "streaming_diloco": optax_dist.streaming_diloco(
+      adam, nesterov(), sync_period=2 * PERIOD, num_fragments=2, mixing=0.5,
+      fragments={"w": 0, "b": 1}, axis_name=AXIS),
+  }
+
+
+NAMES = list(transformations())
+
+
+def rule(name, step):
+  """The counter rule of each transformation above, written out: does ``step`` (from 1) sync?"""
+  if name == "local_sgd":
+    return step > 2 and (step - 2) % PERIOD == 0
+  if name == "streaming_diloco":  # fragment f at s_f = floor((f + 1) H / F) mod H: 3 and 0
+    return step % (2 * PERIOD) in (PERIOD, 0)
+  return step % PERIOD == 0
+
+
+def worker_params():
+  """The same initial params on every worker (stacked), as data-parallel training starts."""
+  one = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(3, 2), "b": jnp.ones(2)}
+  return jax.tree.map(lambda p: jnp.broadcast_to(p, (N,) + p.shape), one)
+
+
+def grads_at(step, params, worker):
+  """Gradients that differ between the workers (``worker``: the worker's index)."""
+  return jax.tree.map(lambda p: jnp.sin(3.0 * p + step + worker), params)
+
+
+WORKERS = jnp.arange(N, dtype=jnp.float32)
+
+# The hinted and the rule's programs are fused differently by XLA, so they agree to float
+# rounding, not bit for bit; a step on the wrong schedule moves the params by ~1e-2.
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def run_vmap(tx, hints):
+  """``len(hints)`` steps under ``vmap``, step ``t`` given ``communicate=hints[t - 1]``."""
+  params = worker_params()
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  for t, hint in enumerate(hints, start=1):
+    kwargs = {} if hint is None else {"communicate": hint}
+    update = jax.vmap(functools.partial(tx.update, **kwargs), axis_name=AXIS)
+    grads = jax.vmap(grads_at, in_axes=(None, 0, 0))(t, params, WORKERS)
+    updates, state = jax.jit(update)(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hint_agreeing_with_the_rule_gives_the_rule_s_results_under_vmap(name):
+  tx = transformations()[name]
+  expected = run_vmap(tx, [None] * STEPS)
+  got = run_vmap(tx, [rule(name, t) for t in range(1, STEPS + 1)])
+  chex.assert_trees_all_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def squeeze(tree):
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def unsqueeze(tree):
+  return jax.tree.map(lambda x: x[None], tree)
+
+
+def sharded_step(tx, mesh, communicate=None):
+  """One training step of every worker under ``shard_map``, with ``communicate`` if given."""
+  kwargs = {} if communicate is None else {"communicate": communicate}
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P()),
+                     out_specs=(P(AXIS), P(AXIS)))
+  def step(params, state, t):
+    params, state = squeeze(params), squeeze(state)
+    grads = grads_at(t, params, jax.lax.axis_index(AXIS))
+    updates, state = tx.update(grads, state, params, **kwargs)
+    return unsqueeze(optax.apply_updates(params, updates)), unsqueeze(state)
+
+  return step
+
+
+def mesh_of_workers():
+  return jax.make_mesh((N,), (AXIS,), devices=jax.devices()[:N])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hint_under_shard_map_with_donation(name):
+  """Two steps compiled from one function (``communicate`` static), params and state donated
+  right after an eager ``init``: the same results as the rule's single compiled step."""
+  tx = transformations()[name]
+  mesh = mesh_of_workers()
+  split = NamedSharding(mesh, P(AXIS))
+  jitted = jax.jit(lambda params, state, t, communicate=None: sharded_step(
+    tx, mesh, communicate)(params, state, t), static_argnames="communicate",
+    donate_argnums=(0, 1))
+  results = []
+  for hinted in (False, True):
+    params = jax.device_put(worker_params(), split)
+    state = jax.device_put(jax.vmap(tx.init, axis_name=AXIS)(worker_params()), split)
+    for t in range(1, STEPS + 1):
+      hint = rule(name, t) if hinted else None
+      params, state = jitted(params, state, jnp.float32(t), communicate=hint)
+    results.append(jax.device_get((params, state)))
+  chex.assert_trees_all_close(results[1], results[0], rtol=RTOL, atol=ATOL)
+
+
+def primitives(jaxpr):
+  """The names of every primitive in ``jaxpr`` and in its sub-jaxprs."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else [value]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          names |= primitives(sub)
+  return names
+
+
+def update_primitives(tx, hint):
+  """The primitives of one step under ``shard_map`` (under ``vmap`` a ``cond`` on a per-worker
+  counter becomes a ``select`` and a ``psum`` a sum)."""
+  mesh = mesh_of_workers()
+  split = NamedSharding(mesh, P(AXIS))
+  params = jax.device_put(worker_params(), split)
+  state = jax.device_put(jax.vmap(tx.init, axis_name=AXIS)(worker_params()), split)
+  step = sharded_step(tx, mesh, hint)
+  return primitives(jax.make_jaxpr(step)(params, state, jnp.float32(1)).jaxpr)
+
+
+COLLECTIVES = {"psum", "all_gather", "psum_invariant"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hinted_steps_have_no_conditional(name):
+  tx = transformations()[name]
+  assert "cond" in update_primitives(tx, None)
+  quiet = update_primitives(tx, False)
+  warm_up = name == "local_sgd"  # its warm-up all-reduce follows the counter, hint or not
+  assert ("cond" in quiet) == warm_up
+  assert bool(quiet & COLLECTIVES) == warm_up
+  loud = update_primitives(tx, True)
+  assert ("cond" in loud) == (warm_up or name == "streaming_diloco")
+  assert loud & COLLECTIVES
+
+
+def test_without_warm_up_local_sgd_steps_have_no_conditional():
+  tx = optax_dist.local_sgd(optax.sgd(0.1), sync_period=PERIOD, axis_name=AXIS)
+  assert not {"cond"} & (update_primitives(tx, False) | update_primitives(tx, True))
+  assert not update_primitives(tx, False) & COLLECTIVES
+
+
+def test_false_on_a_due_step_skips_that_exchange_only():
+  """diloco with outer sgd(1): a sync sets every worker to the mean of the x'_j. Skipping the
+  sync of step 3 leaves the workers apart; the rule still syncs on step 6."""
+  tx = optax_dist.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_period=PERIOD, axis_name=AXIS)
+  hints = [None, None, False]
+  params, state = run_vmap(tx, hints)
+  unsynced, _ = run_vmap(optax_dist.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_period=100,
+                                           axis_name=AXIS), [None] * 3)
+  chex.assert_trees_all_close(params, unsynced)
+  assert np.asarray(state.local_step).tolist() == [3] * N
+  chex.assert_trees_all_equal(state.anchor, worker_params())  # never synced
+  params, state = run_vmap(tx, hints + [None] * 3)
+  for leaf in jax.tree.leaves(params):  # step 6: every worker on the anchor
+    np.testing.assert_allclose(leaf, np.broadcast_to(leaf[:1], leaf.shape), rtol=1e-6)
+  chex.assert_trees_all_close(params, state.anchor, rtol=1e-6)
+
+
+def test_true_off_schedule_adds_one_exchange():
+  """elastic_average with sgd(1), alpha = 1/4, rho = 0 and zero gradients: an exchange moves
+  each worker a quarter of the way to the (initially zero) center and the center by the sum of
+  those moves. ``True`` on step 1 of a period-3 schedule does that; steps 2 (no hint) and 3
+  (the rule's) then follow."""
+  tx = optax_dist.elastic_average(optax.sgd(1.0), communication_period=PERIOD,
+                                  moving_rate=0.25, axis_name=AXIS)
+  x = np.arange(1.0, N + 1.0)
+  params = {"x": jnp.asarray(x)}
+  state = jax.vmap(tx.init, axis_name=AXIS)({"x": jnp.zeros(N)})
+  center = 0.0
+  expected = x.copy()
+  for t, hint in enumerate([True, None, None], start=1):
+    kwargs = {} if hint is None else {"communicate": hint}
+    update = jax.vmap(functools.partial(tx.update, **kwargs), axis_name=AXIS)
+    updates, state = update({"x": jnp.zeros(N)}, state, params)
+    params = optax.apply_updates(params, updates)
+    if t in (1, 3):  # NumPy reference of the exchange
+      d = 0.25 * (expected - center)
+      expected, center = expected - d, center + d.sum()
+    np.testing.assert_allclose(params["x"], expected, rtol=1e-6)
+    np.testing.assert_allclose(state.center["x"], np.full(N, center), rtol=1e-6)
+  assert np.asarray(state.local_step).tolist() == [3] * N
+
+
+def test_streaming_true_lets_the_rule_choose_the_fragment():
+  tx = transformations()["streaming_diloco"]
+  hints = [True] * STEPS  # True on every step: only the rule's fragment syncs
+  chex.assert_trees_all_equal(run_vmap(tx, hints), run_vmap(tx, [None] * STEPS))
+
+
+class Recorder:
+  """An inner transformation (sgd 1) that records the extra args it is given."""
+
+  def __init__(self):
+    self.seen = []
+
+  def transformation(self):
+    def update(updates, state, params=None, **extra_args):
+      self.seen.append(sorted(extra_args))
+      return jax.tree.map(jnp.negative, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("name", ["elastic_average", "agn", "diloco", "local_sgd",
+                                  "streaming_diloco"])
+def test_hint_is_not_forwarded_to_inner(name):
+  recorder = Recorder()
+  inner = recorder.transformation()
+  tx = {
+    "elastic_average": lambda: optax_dist.elastic_average(inner, axis_name=AXIS),
+    "agn": lambda: optax_dist.agn(inner, axis_name=AXIS),
+    "diloco": lambda: optax_dist.diloco(inner, nesterov(), axis_name=AXIS),
+    "local_sgd": lambda: optax_dist.local_sgd(inner, sync_period=PERIOD, axis_name=AXIS),
+    "streaming_diloco": lambda: optax_dist.streaming_diloco(
+      inner, nesterov(), num_fragments=2, fragments={"w": 0, "b": 1}, axis_name=AXIS),
+  }[name]()
+  params = worker_params()
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  update = functools.partial(tx.update, communicate=False, grad_step=3)
+  jax.vmap(update, axis_name=AXIS)(params, state, params)
+  assert ["grad_step"] in recorder.seen
+  assert not any("communicate" in seen for seen in recorder.seen)
+
+
+@pytest.mark.parametrize("hint", [1, "yes", np.array(True), jnp.bool_(True)])
+def test_a_hint_that_is_not_a_bool_raises(hint):
+  tx = transformations()["diloco"]
+  params = worker_params()
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  update = functools.partial(tx.update, communicate=hint)
+  with pytest.raises(TypeError, match=r"`diloco`: the extra argument `communicate` must be"):
+    jax.vmap(update, axis_name=AXIS)(params, state, params)
+
+
+def test_a_traced_hint_raises():
+  tx = transformations()["elastic_average"]
+  params = worker_params()
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+
+  @jax.jit
+  def step(params, state, communicate):
+    update = functools.partial(tx.update, communicate=communicate)
+    return jax.vmap(update, axis_name=AXIS)(params, state, params)
+
+  with pytest.raises(TypeError, match=r"fixed at trace time; got .*Tracer"):
+    step(params, state, True)
