@@ -43,25 +43,38 @@ SYNCED = ("local_sgd", "diloco", "streaming_diloco")
 """The algorithms that sync every ``sync_period`` steps (the DiLoCo family)."""
 
 
+def communicates(settings: Settings, step: int) -> bool | None:
+  """Whether step ``step`` (from 1) of ``settings.algorithm`` makes its periodic exchange.
+
+  The counter rule of the algorithm's transformation, written out: the trainer passes it to
+  ``update`` as the static ``communicate`` hint, and compiles one step of each kind.
+  ``streaming_diloco``: some fragment syncs; ``local_sgd``: the model average (its warm-up's
+  all-reduce follows the counter). ``None`` for the algorithms that communicate on every step.
+  """
+  s = settings
+  if s.algorithm in PERIODIC:
+    return step % s.communication_period == 0
+  if s.algorithm == "local_sgd":
+    return step > s.warmup_steps and (step - s.warmup_steps) % s.sync_period == 0
+  if s.algorithm == "diloco":
+    return step % s.sync_period == 0
+  if s.algorithm == "streaming_diloco":
+    offsets = {((f + 1) * s.sync_period // s.num_fragments) % s.sync_period
+               for f in range(s.num_fragments)}
+    return step % s.sync_period in offsets
+  return None
+
+
 def communication_rounds(settings: Settings, steps: int) -> int:
   """The number of the first ``steps`` steps on which ``settings.algorithm`` communicates.
 
   ``streaming_diloco``: the steps on which some fragment syncs (each sends about 1/F of the
   params); ``local_sgd``: every warm-up step, then one per ``sync_period``.
   """
-  s = settings
-  if s.algorithm in PERIODIC:
-    return steps // s.communication_period
-  if s.algorithm == "local_sgd":
-    warmup = min(steps, s.warmup_steps)
-    return warmup + (steps - warmup) // s.sync_period
-  if s.algorithm == "diloco":
-    return steps // s.sync_period
-  if s.algorithm == "streaming_diloco":
-    offsets = {((f + 1) * s.sync_period // s.num_fragments) % s.sync_period
-               for f in range(s.num_fragments)}
-    return sum(1 for t in range(1, steps + 1) if t % s.sync_period in offsets)
-  return steps
+  if communicates(settings, 1) is None:
+    return steps
+  warmup = min(steps, settings.warmup_steps) if settings.algorithm == "local_sgd" else 0
+  return warmup + sum(bool(communicates(settings, t)) for t in range(1, steps + 1))
 
 
 def balanced_fragments(params: Any, num_fragments: int) -> Any:

@@ -38,6 +38,7 @@ from optax_dist.cli.algorithms import (
   AXIS,
   PERIODIC,
   SYNCED,
+  communicates,
   communication_rounds,
   make_optimizer,
 )
@@ -101,18 +102,21 @@ def initial_params(task: Task, seed: int, example: tuple[tuple[str, tuple, str],
   return jax.device_get(init(jax.random.key(seed, impl="rbg")))
 
 
-def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int) -> Callable:
+def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int,
+            communicate: bool | None = None) -> Callable:
   """One training step of one worker, to run under ``shard_map`` over :data:`AXIS`.
 
   ``step(params, opt_state, history, train, idx, delay)``: ``train`` is the worker's shard, ``idx``
   its minibatch's indices, ``delay`` (``drop_stale_gradients`` only) how many accepted steps old
   the params the gradients are computed at are. Returns the new state and the workers' mean loss.
+  ``communicate`` (if not ``None``) is passed to ``tx.update`` as its static hint.
   """
+  hint = {} if communicate is None else {"communicate": communicate}
 
   def step(params, opt_state, history, train, idx, delay):
     params, opt_state, history = _unstack((params, opt_state, history))
     batch = jax.tree.map(lambda shard: shard[0][idx[0]], train)
-    read, extra = params, {}
+    read, extra = params, dict(hint)
     if stale:  # every worker reads the params of `delay` accepted steps ago
       grad_step = jnp.maximum(opt_state.global_step - delay, 0)
       read = jax.tree.map(lambda h: h[grad_step % depth], history)
@@ -172,13 +176,19 @@ class Run:
     s = self.settings
     init = jax.shard_map(self._init_fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
     self.initial = State(params, *jax.jit(init)(params))
-    step = jax.shard_map(
-      step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth), mesh=mesh,
-      in_specs=(P(AXIS),) * 5 + (P(),), out_specs=(P(AXIS),) * 3 + (P(),))
     idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))
-    # Compiled ahead of time: a call with other types would raise instead of recompiling.
-    self._step = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
-      *self.initial, self.train, idx, pipeline.put(self.delays[0], self.replicated)).compile()
+    delay = pipeline.put(self.delays[0], self.replicated)
+    # One step for each value of the hint: with a schedule, a step that communicates and one
+    # that does not (no conditional, no collective). Compiled ahead of time: a call with other
+    # types would raise instead of recompiling.
+    hints = (None,) if communicates(s, 1) is None else (False, True)
+    self._steps = {}
+    for hint in hints:
+      step = jax.shard_map(
+        step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint),
+        mesh=mesh, in_specs=(P(AXIS),) * 5 + (P(),), out_specs=(P(AXIS),) * 3 + (P(),))
+      self._steps[hint] = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
+        *self.initial, self.train, idx, delay).compile()
     self._evaluate = jax.jit(evaluate_fn(metric_fn)).lower(
       self.initial.params, self.initial.opt_state, self.test).compile()
 
@@ -194,7 +204,7 @@ class Run:
     s = self.settings
     idx = self.shard(pipeline.minibatch(s.seed, s.devices, self.n_local, s.batch_size, step - 1))
     delay = pipeline.put(self.delays[step - 1], self.replicated)
-    *state, loss = self._step(*state, self.train, idx, delay)
+    *state, loss = self._steps[communicates(s, step)](*state, self.train, idx, delay)
     return State(*state), loss
 
   def measure(self, state: State, record: dict[str, list], step: int, loss: Any) -> None:
