@@ -13,7 +13,10 @@ against the same step with bare adam, in four configurations:
 The periodic transformations are timed on their non-communication and communication steps
 apart: before each call the step counter (``local_step``) is set so that the call is the one
 wanted (``k·τ − 1`` for a communication step; for ``streaming_diloco``, the step before
-fragment 0's sync).
+fragment 0's sync). Each of these steps is timed twice: compiled with the counter rule (one
+step with a ``lax.cond``, the default) and compiled with the static hint
+``update(..., communicate=False)`` or ``communicate=True`` (rows marked *hint*: a trainer that
+knows its schedule compiles one step of each kind, without the conditional).
 
 Timing: each round calls the bare-adam step, then each transformation's step followed by
 bare adam again (in a seeded random order), so each call sits between two adam calls; its ratio
@@ -69,6 +72,8 @@ class Variant:
   phases: tuple[tuple[str, int | None, bool, int | None], ...]
   why: str = ""
   grad_step: bool = False
+  hinted_why: str | None = None
+  """Why a step compiled with the hint still costs more than adam (``None``: no hint)."""
 
 
 def variants() -> list[Variant]:
@@ -101,24 +106,27 @@ def variants() -> list[Variant]:
             why="adam's updates are an operand of the `lax.cond`, so they are written to"
                 " memory instead of fused into `apply_updates`; the branch that skips hands the"
                 " center and the updates back through `copy` instructions; and the `where`"
-                " after it reads the new params, d and the updates on every step"),
+                " after it reads the new params, d and the updates on every step",
+            hinted_why=""),
     Variant("agn", f"agn(adam, τ={PERIOD})",
             lambda adam, axis, p: optax_dist.agn(adam, communication_period=PERIOD,
                                                  axis_name=axis), periodic(PERIOD, None, 9),
             why="the gradient accumulator a += g is a read-modify-write of a params-sized"
                 " buffer on every step (9 passes instead of 7: inherent to AGN), and the"
-                " `lax.cond` takes the updates and the accumulator as operands"),
+                " `lax.cond` takes the updates and the accumulator as operands",
+            hinted_why="the gradient accumulator a += g, a read-modify-write of a params-sized"
+                       " buffer on every step (9 passes instead of 7: inherent to AGN)"),
     Variant("local_sgd", f"local_sgd(adam, H={PERIOD})",
             lambda adam, axis, p: optax_dist.local_sgd(adam, sync_period=PERIOD, axis_name=axis),
             periodic(PERIOD, 7),
-            why="the new params pass through the `lax.cond` (averaged on a sync)"),
+            why="the new params pass through the `lax.cond` (averaged on a sync)", hinted_why=""),
     Variant("diloco", f"diloco(adam, H={SYNC_PERIOD})",
             lambda adam, axis, p: optax_dist.diloco(adam, sync_period=SYNC_PERIOD,
                                                     axis_name=axis), periodic(SYNC_PERIOD, 11),
             why="adam's updates are an operand of the `lax.cond` (written to memory instead"
                 " of fused into `apply_updates`), the conditional returns the anchor and the"
                 " outer momentum through a temp buffer, and the `where(sync, anchor − params,"
-                " updates)` after it reads the anchor on every step"),
+                " updates)` after it reads the anchor on every step", hinted_why=""),
     Variant("streaming_diloco", f"streaming_diloco(adam, H={SYNC_PERIOD}, F={FRAGMENTS})",
             lambda adam, axis, p: optax_dist.streaming_diloco(
               adam, sync_period=SYNC_PERIOD, num_fragments=FRAGMENTS, axis_name=axis,
@@ -126,7 +134,7 @@ def variants() -> list[Variant]:
             (("non-communication step", 0, False, 7),
              ("fragment 0's sync", offset - 1, True, None)),
             why=f"as `diloco`, once per fragment: {FRAGMENTS} conditionals, each taking its"
-                " fragment's updates, anchor and outer momentum as operands"),
+                " fragment's updates, anchor and outer momentum as operands", hinted_why=""),
   ]
 
 
@@ -188,8 +196,9 @@ class LMProblem:
 
     return self.put(jax.device_get(jax.jit(tx.init)(self.params)))
 
-  def compiled(self, tx, *, donate: bool, grad_step: bool = False):
-    """The step of ``tx``, compiled for this configuration."""
+  def compiled(self, tx, *, donate: bool, grad_step: bool = False,
+               communicate: bool | None = None):
+    """The step of ``tx``, compiled for this configuration (``communicate``: the hint)."""
     import jax
     import optax
 
@@ -197,7 +206,7 @@ class LMProblem:
 
     def step(params, opt_state, batch):
       loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      kwargs = {"grad_step": opt_state.global_step} if grad_step else {}
+      kwargs = _extra_args(opt_state, grad_step, communicate)
       updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
       return optax.apply_updates(params, updates), opt_state, loss
 
@@ -212,6 +221,21 @@ class LMProblem:
     jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
     return jitted.lower(self.abstract(self.params), self.abstract(state_shape),
                         self.batch).compile()
+
+
+def _extra_args(opt_state, grad_step: bool, communicate: bool | None) -> dict[str, Any]:
+  kwargs = {"grad_step": opt_state.global_step} if grad_step else {}
+  return kwargs if communicate is None else kwargs | {"communicate": communicate}
+
+
+def phases(v: Variant):
+  """``(phase, local_step, communicates, passes, hint)`` of ``v``: each phase with the counter
+  rule, and (for the transformations that take one) each again with the static hint."""
+  for phase, value, communicates, passes in v.phases:
+    yield phase, value, communicates, passes, None
+  if v.hinted_why is not None:
+    for phase, value, communicates, passes in v.phases:
+      yield f"{phase}, hint", value, communicates, passes, communicates
 
 
 def _with_loss_axis(step):
@@ -294,15 +318,18 @@ def measure_config(bound: bool, donated: bool, rounds: int, seed: int = 0) -> di
   runners, meta = [], []
   for v in variants():
     tx = v.make(adam, problem.axis, problem.params)
-    step = problem.compiled(tx, donate=donated, grad_step=v.grad_step)
-    memory = _memory(step)
-    for phase, value, communicates, _ in v.phases:
+    steps = {}  # one compiled step per value of the hint
+    for phase, value, communicates, _, hint in phases(v):
+      if hint not in steps:
+        steps[hint] = problem.compiled(tx, donate=donated, grad_step=v.grad_step,
+                                       communicate=hint)
+      step = steps[hint]
       counter = None if value is None else "local_step"
       runners.append(Runner(problem.put, step, problem.put(problem.params), problem.init(tx),
                             counter, value, batch=(problem.batch,)))
-      meta.append({"name": v.name, "label": v.label, "phase": phase,
+      meta.append({"name": v.name, "label": v.label, "phase": phase, "hint": hint,
                    "communicates": communicates and bound,
-                   "sync_phase": communicates and value is not None, **memory})
+                   "sync_phase": communicates and value is not None, **_memory(step)})
   compile_s = time.perf_counter() - start
   timing = interleaved(baseline, runners, rounds, seed)
   rows = [m | r for m, r in zip(meta, timing["rows"])]
@@ -327,9 +354,9 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
   adam = optax.adam(LEARNING_RATE)
   put = jax.device_put
 
-  def compiled(tx, grad_step=False):
+  def compiled(tx, grad_step=False, communicate=None):
     def step(params, state, g):
-      kwargs = {"grad_step": state.global_step} if grad_step else {}
+      kwargs = _extra_args(state, grad_step, communicate)
       updates, state = tx.update(g, state, params, **kwargs)
       return optax.apply_updates(params, updates), state
 
@@ -345,11 +372,12 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
   runners, meta = [], []
   for v in variants():
     tx = v.make(adam, None, host)
-    step = compiled(tx, v.grad_step)
-    for phase, value, _, passes in v.phases:
+    steps = {}  # one compiled step per value of the hint
+    for phase, value, _, passes, hint in phases(v):
+      step = steps[hint] = steps.get(hint) or compiled(tx, v.grad_step, hint)
       runners.append(runner(tx, step, None if value is None else "local_step", value))
       meta.append({"name": v.name, "label": v.label, "phase": phase, "passes": passes,
-                   **_memory(step)})
+                   "hint": hint, **_memory(step)})
   add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
   copy_in = [put(host)]
 
@@ -430,10 +458,12 @@ def memory_markdown(result: dict[str, Any]) -> str:
                            f" {c['adam_memory']['copies'] / 1024:.0f}" for c in configs]]
   seen = set()
   for j, row in enumerate(configs[0]["rows"]):
-    if row["label"] in seen:
+    key = (row["label"], row["hint"])
+    if key in seen:
       continue
-    seen.add(row["label"])
-    rows.append([f"`{row['label']}`"] + [
+    seen.add(key)
+    hint = "" if row["hint"] is None else f", `communicate={row['hint']}`"
+    rows.append([f"`{row['label']}`{hint}"] + [
       f"{c['rows'][j]['temp'] / 1024:.0f} / {c['rows'][j]['copies'] / 1024:.0f}"
       for c in configs])
   return _util.table(header, rows, "l" + "r" * len(configs))
@@ -441,27 +471,28 @@ def memory_markdown(result: dict[str, Any]) -> str:
 
 def missed_markdown(result: dict[str, Any]) -> str:
   """Which non-communication rows missed the target, where, and why."""
-  whys = {v.label: v.why for v in variants()}
+  whys = {(v.label, hinted): v.hinted_why if hinted else v.why
+          for v in variants() for hinted in (False, True)}
   params_kib = result["configs"][0]["num_params"] * 4 / 1024
   lines = []
   for c in result["configs"]:
     for r in c["rows"]:
       if _applies(r) and r["ratio"] > TARGET:
-        lines.append((r["label"], r["phase"], _config_name(c), r, c))
+        lines.append((r["label"], r["phase"], r.get("hint") is not None, _config_name(c), r, c))
   if not lines:
     return (f"Every non-communication LM step is within {TARGET}× of bare adam in every"
             " configuration.")
   out = [(f"Missed (> {TARGET}× wall on a non-communication step), and why (params:"
           f" {params_kib:.0f} KiB per worker):"), ""]
   by_label = {}
-  for label, phase, config, r, c in lines:
+  for label, phase, hinted, config, r, c in lines:
     extra_temp = (r["temp"] - c["adam_memory"]["temp"]) / 1024
     extra_copies = (r["copies"] - c["adam_memory"]["copies"]) / 1024
-    by_label.setdefault((label, phase), []).append(
+    by_label.setdefault((label, phase, hinted), []).append(
       f"{config} {r['ratio']:.3f}× (CPU {r['cpu_ratio']:.3f}×; temp {extra_temp:+.0f} KiB,"
       f" copies {extra_copies:+.0f} KiB vs adam)")
-  for (label, phase), where in by_label.items():
-    why = whys.get(label.strip("`"), "") or "no structural cost expected: noise"
+  for (label, phase, hinted), where in by_label.items():
+    why = whys.get((label, hinted)) or "no structural cost expected: noise"
     out.append(f"- `{label}`, {phase}: {'; '.join(where)}. Why: {why}.")
   return "\n".join(out)
 
