@@ -13,8 +13,10 @@ axes ``("processes", "devices")``; each of the 4 devices is a worker with its ow
 
 The training loop is this module's own (the trainer's mesh is 1-D): run as ``python
 bench_lm_multiprocess.py --worker ...``, each process builds the same global arrays and runs
-the same jitted ``shard_map`` step. Steps per second exclude the first step (compilation):
-``(steps − 1) / (time after the last step − time after the first)``. The final validation bits
+the same jitted ``shard_map`` steps: for ``diloco`` two, compiled ahead of time, one that syncs
+and one that does not (the static ``communicate`` hint, as ``optax-dist`` trains). Steps per
+second exclude the first step: ``(steps − 1) / (time after the last step − time after the
+first)``. The final validation bits
 per byte are those of :func:`optax_dist.eval_params` (the anchor, or the params), the workers'
 mean. Each algorithm runs 3 times (seeds 0, 1, 2), interleaved.
 """
@@ -95,16 +97,26 @@ def train(algorithm: str, steps: int, seed: int) -> dict[str, Any]:
 
     return g
 
-  def step(params, opt_state, shard, idx):
-    batch = jax.tree.map(lambda x: x[idx], shard)
-    grads = jax.grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  def step_fn(hint):
+    extra = {} if hint is None else {"communicate": hint}
+
+    def step(params, opt_state, shard, idx):
+      batch = jax.tree.map(lambda x: x[idx], shard)
+      grads = jax.grad(loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params, **extra)
+      return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(jax.shard_map(per_worker(step), mesh=mesh, in_specs=P(WORKERS),
+                                 out_specs=P(WORKERS)), donate_argnums=(0, 1))
 
   opt_state = jax.jit(jax.shard_map(per_worker(tx.init), mesh=mesh, in_specs=P(WORKERS),
                                     out_specs=P(WORKERS)))(params)
-  step = jax.jit(jax.shard_map(per_worker(step), mesh=mesh, in_specs=P(WORKERS),
-                               out_specs=P(WORKERS)), donate_argnums=(0, 1))
+  idx = pipeline.put(pipeline.minibatch(seed, n, n_local, BATCH, 0), split)
+  # diloco: a step that syncs and one that does not, as the trainer compiles them (the static
+  # `communicate` hint); both compiled before the first step.
+  hints = (None,) if algorithm == "tower" else (False, True)
+  steps_by_hint = {h: step_fn(h).lower(params, opt_state, train_data, idx).compile()
+                   for h in hints}
 
   @jax.jit
   def evaluate(params, opt_state):
@@ -114,7 +126,8 @@ def train(algorithm: str, steps: int, seed: int) -> dict[str, Any]:
   marks = []
   for s in range(steps):
     idx = pipeline.put(pipeline.minibatch(seed, n, n_local, BATCH, s), split)
-    params, opt_state = step(params, opt_state, train_data, idx)
+    hint = None if algorithm == "tower" else (s + 1) % SYNC_PERIOD == 0
+    params, opt_state = steps_by_hint[hint](params, opt_state, train_data, idx)
     jax.block_until_ready(params)
     marks.append(time.perf_counter())
   bits = float(np.asarray(evaluate(params, opt_state).addressable_data(0)))
