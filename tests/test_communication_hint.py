@@ -302,3 +302,42 @@ def test_a_traced_hint_raises():
 
   with pytest.raises(TypeError, match=r"fixed at trace time; got .*Tracer"):
     step(params, state, True)
+
+
+def test_flax_train_state_on_a_2d_mesh_with_a_tuple_axis():
+  """``TrainState.apply_gradients(grads=..., communicate=...)`` passes the hint to ``update``:
+  diloco over the tuple axis ``("hosts", "gpus")`` of a 2x2 mesh, a jitted step donating the
+  state, two steps compiled from one function; the same state as the counter rule's."""
+  from optax_dist.flax import TrainState
+
+  axes = ("hosts", "gpus")
+  mesh = jax.make_mesh((2, 2), axes, devices=jax.devices()[:4])
+  spec = P(axes)
+  tx = optax_dist.diloco(optax.adam(1e-2), nesterov(), sync_period=PERIOD, axis_name=axes)
+
+  def init(params):
+    state = TrainState.create(apply_fn=None, params=squeeze(params), tx=tx)
+    return unsqueeze(jax.tree.map(jnp.asarray, state))  # its step is a Python int
+
+  def train_step(state, communicate=None):
+    kwargs = {} if communicate is None else {"communicate": communicate}
+
+    def per_worker(state):
+      state = squeeze(state)
+      worker = jax.lax.axis_index(axes).astype(jnp.float32)
+      grads = grads_at(state.step.astype(jnp.float32), state.params, worker)
+      return unsqueeze(state.apply_gradients(grads=grads, **kwargs))
+
+    return jax.shard_map(per_worker, mesh=mesh, in_specs=spec, out_specs=spec)(state)
+
+  step = jax.jit(train_step, static_argnames="communicate", donate_argnums=0)
+  create = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=spec, out_specs=spec))
+  finals = []
+  for hinted in (False, True):
+    state = create(jax.device_put(worker_params(), NamedSharding(mesh, spec)))
+    for t in range(1, STEPS + 1):
+      state = step(state, communicate=t % PERIOD == 0 if hinted else None)
+    finals.append(jax.device_get((state.step, state.params, state.opt_state)))
+  chex.assert_trees_all_close(finals[1], finals[0], rtol=RTOL, atol=ATOL)
+  for leaf in jax.tree.leaves(finals[1][1]):  # step 18 synced: every worker on the anchor
+    np.testing.assert_allclose(leaf, np.broadcast_to(leaf[:1], leaf.shape), rtol=1e-6)
