@@ -341,3 +341,44 @@ def test_flax_train_state_on_a_2d_mesh_with_a_tuple_axis():
   chex.assert_trees_all_close(finals[1], finals[0], rtol=RTOL, atol=ATOL)
   for leaf in jax.tree.leaves(finals[1][1]):  # step 18 synced: every worker on the anchor
     np.testing.assert_allclose(leaf, np.broadcast_to(leaf[:1], leaf.shape), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hint_with_gradients_in_another_dtype(name):
+  """bfloat16 params and float32 gradients: the hinted steps give the rule's params and state
+  (to bfloat16 rounding), in the params' and the state's own dtypes."""
+  tx = transformations()[name]
+
+  def run(hints):
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), worker_params())
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    dtypes = jax.tree.map(lambda x: x.dtype, state)
+    for t, hint in enumerate(hints, start=1):
+      kwargs = {} if hint is None else {"communicate": hint}
+      update = jax.vmap(functools.partial(tx.update, **kwargs), axis_name=AXIS)
+      grads = jax.vmap(grads_at, in_axes=(None, 0, 0))(
+        t, jax.tree.map(lambda p: p.astype(jnp.float32), params), WORKERS)
+      updates, state = jax.jit(update)(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      assert jax.tree.map(lambda x: x.dtype, state) == dtypes
+    return params, state
+
+  ruled = run([None] * STEPS)
+  hinted = run([rule(name, t) for t in range(1, STEPS + 1)])
+  chex.assert_trees_all_equal_dtypes(hinted, ruled)
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda x: x.astype(jnp.float32), hinted),
+    jax.tree.map(lambda x: x.astype(jnp.float32), ruled), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("hint", [False, True])
+def test_hint_with_a_misspelled_axis_raises(name, hint):
+  """A hinted step has no collective when ``False``, but an axis name that is not bound still
+  raises: no worker silently trains alone."""
+  tx = transformations()[name]
+  params = worker_params()
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  update = functools.partial(tx.update, communicate=hint)
+  with pytest.raises(ValueError, match=f"'{AXIS}'"):
+    jax.vmap(update, axis_name="workers")(params, state, params)
