@@ -100,16 +100,20 @@ def _linen_runs(tx, params, xs, ys, grad_steps=None):
       updates, state = tx.update(grads, state, params, **extra(gs))
       return (optax.apply_updates(params, updates), state), None
 
-    def with_train_state(state, batch):
-      x, y, gs = batch
-      grads = jax.grad(_linen_loss)(state.params, x, y)
-      kwargs = extra(gs) if isinstance(state, optax_dist.flax.TrainState) else {}
-      return state.apply_gradients(grads=grads, **kwargs), None
+    def with_train_state():  # one body per class: no trace cached for one serves the other
+      def body(state, batch):
+        x, y, gs = batch
+        grads = jax.grad(_linen_loss)(state.params, x, y)
+        kwargs = extra(gs) if isinstance(state, optax_dist.flax.TrainState) else {}
+        return state.apply_gradients(grads=grads, **kwargs), None
+
+      return body
 
     ref = jax.lax.scan(plain, (params, tx.init(params)), (xs, ys, steps))[0]
     states = [
       jax.lax.scan(
-        with_train_state, cls.create(apply_fn=_MODEL.apply, params=params, tx=tx), (xs, ys, steps)
+        with_train_state(), cls.create(apply_fn=_MODEL.apply, params=params, tx=tx),
+        (xs, ys, steps),
       )[0]
       for cls in (train_state.TrainState, optax_dist.flax.TrainState)
     ]
