@@ -85,7 +85,6 @@ class Variant:
 
 def variants() -> list[Variant]:
   import optax_dist
-  from optax_dist.cli.algorithms import balanced_fragments
 
   offset = SYNC_PERIOD // FRAGMENTS  # fragment 0 syncs where (local_step + 1) % H == H // F
 
@@ -140,7 +139,7 @@ def variants() -> list[Variant]:
     Variant("streaming_diloco", f"streaming_diloco(adam, H={SYNC_PERIOD}, F={FRAGMENTS})",
             lambda adam, axis, p: optax_dist.streaming_diloco(
               adam, sync_period=SYNC_PERIOD, num_fragments=FRAGMENTS, axis_name=axis,
-              fragments=balanced_fragments(p, FRAGMENTS)),
+              fragments="balanced"),
             (("non-communication step", 0, False, 7),
              ("fragment 0's sync", offset - 1, True, None)),
             why=f"as `diloco`, once per fragment: {FRAGMENTS} conditionals, each taking its"

@@ -15,6 +15,10 @@
   outer steps or model averages (DiLoCo, Streaming DiLoCo, local / post-local SGD).
 * :func:`resize_state`: a run's state and params moved to another number of workers (elastic
   resume).
+* Each periodic transformation's schedule, the rule its ``update`` applies to its step counter:
+  :func:`elastic_average_communicates`, :func:`agn_communicates`, :func:`diloco_syncs`,
+  :func:`streaming_diloco_syncs`, :func:`local_sgd_syncs` (and :func:`local_sgd_warming_up`);
+  :func:`hinted_step` compiles a step with and without the exchange and calls each by it.
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(..., axis_name=...)``.
@@ -27,16 +31,25 @@ from optax_dist._accounting import (
   communication_report,
 )
 from optax_dist._accumulation import AccumulateThenReduceState, accumulate_then_reduce
-from optax_dist._agn import AGNState, agn
+from optax_dist._agn import AGNState, agn, agn_communicates
 from optax_dist._apply_if_finite import ApplyIfFiniteState, apply_if_finite
-from optax_dist._diloco import DiLoCoState, diloco
+from optax_dist._diloco import DiLoCoState, diloco, diloco_syncs
 from optax_dist._drop_stale_gradients import DropStaleGradientsState, drop_stale_gradients
-from optax_dist._elastic_average import ElasticAverageState, elastic_average
+from optax_dist._elastic_average import (
+  ElasticAverageState,
+  elastic_average,
+  elastic_average_communicates,
+)
 from optax_dist._eval_params import eval_params
-from optax_dist._local_sgd import LocalSGDState, local_sgd
+from optax_dist._hinted_step import hinted_step
+from optax_dist._local_sgd import LocalSGDState, local_sgd, local_sgd_syncs, local_sgd_warming_up
 from optax_dist._moving_average import MovingAverageState, moving_average
 from optax_dist._resize import resize_state
-from optax_dist._streaming_diloco import StreamingDiLoCoState, streaming_diloco
+from optax_dist._streaming_diloco import (
+  StreamingDiLoCoState,
+  streaming_diloco,
+  streaming_diloco_syncs,
+)
 from optax_dist._tower import all_reduce, split_batch, tower
 
 __version__ = "0.1.0"
@@ -56,17 +69,24 @@ __all__ = (
   "StreamingDiLoCoState",
   "accumulate_then_reduce",
   "agn",
+  "agn_communicates",
   "all_reduce",
   "apply_if_finite",
   "communication_report",
   "diloco",
+  "diloco_syncs",
   "drop_stale_gradients",
   "elastic_average",
+  "elastic_average_communicates",
   "eval_params",
+  "hinted_step",
   "local_sgd",
+  "local_sgd_syncs",
+  "local_sgd_warming_up",
   "moving_average",
   "resize_state",
   "split_batch",
   "streaming_diloco",
+  "streaming_diloco_syncs",
   "tower",
 )

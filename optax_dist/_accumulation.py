@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common, _tower
+from optax_dist import _axis, _checks, _state
 
 
 class AccumulateThenReduceState(NamedTuple):
@@ -28,6 +28,13 @@ class AccumulateThenReduceState(NamedTuple):
   gradient_step: jax.Array
   inner_opt_state: optax.OptState
   acc_grads: optax.Updates
+
+  AVERAGE = None  # eval_params returns this field
+  RESTART = None  # resize_state restarts the workers' params from this field
+  RESIZE = {
+    "mini_step": _state.KEEP, "gradient_step": _state.KEEP, "inner_opt_state": _state.INNER,
+    "acc_grads": _state.MEAN,
+  }
 
 
 def accumulate_then_reduce(
@@ -122,13 +129,12 @@ def accumulate_then_reduce(
     ``tf.contrib.estimator.TowerOptimizer`` (synchronous tower reduction).
   """
   fn = "accumulate_then_reduce"
-  _common.check_transformation(fn, inner)
-  inner = _common.wrap_inner(inner)
-  _common.check_positive_int(fn, "every_k", every_k)
-  _common.check_choice(fn, "reduction", reduction, ("mean", "sum"))
-  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
-  accumulator_dtype = _common.check_floating_dtype(fn, "accumulator_dtype", accumulator_dtype)
-  reduce = _tower.all_reduce_as(fn, axis_name, reduction, comm_dtype)
+  _checks.check_transformation(fn, inner)
+  inner = _axis.wrap_inner(inner)
+  _checks.check_positive_int(fn, "every_k", every_k)
+  _checks.check_choice(fn, "reduction", reduction, ("mean", "sum"))
+  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  accumulator_dtype = _checks.check_floating_dtype(fn, "accumulator_dtype", accumulator_dtype)
 
   def accumulator(p):
     dtype = jnp.result_type(p)
@@ -147,13 +153,13 @@ def accumulate_then_reduce(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    _common.check_tree_matches(fn, updates, state.acc_grads, "params")
-    _common.bound_axis_size(fn, axis_name)
+    _checks.check_tree_matches(fn, updates, state.acc_grads, "params")
+    _axis.bound_axis_size(fn, axis_name)
 
     # A_i <- A_i + g_{i,m}
     acc_grads = jax.tree.map(lambda a, g: (a + g).astype(a.dtype), state.acc_grads, updates)
     mini_step = optax.safe_increment(state.mini_step)
-    emit = _common.is_communication_step(mini_step, every_k)
+    emit = _axis.agree(mini_step % every_k == 0, axis_name)
 
     def local_grads(acc_grads):  # A_i / k, in the gradients' dtypes
       if use_grad_mean:
@@ -161,7 +167,7 @@ def accumulate_then_reduce(
       return optax.tree.cast_like(acc_grads, updates)
 
     def reduce_and_step(acc_grads, inner_state):
-      grads, _ = reduce.update(local_grads(acc_grads), optax.EmptyState())  # G
+      grads = _axis.reduce_gradients(fn, local_grads(acc_grads), axis_name, reduction, comm_dtype)
       u, new_state = inner.update(grads, inner_state, params, **extra_args)  # u = inner(G)
       return u, new_state, optax.tree.zeros_like(acc_grads)
 
@@ -173,7 +179,7 @@ def accumulate_then_reduce(
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       return zeros, inner_state, acc_grads  # u = 0
 
-    new_updates, inner_state, acc_grads = _common.communicate_if(
+    new_updates, inner_state, acc_grads = _axis.communicate_if(
       emit, reduce_and_step, accumulate, acc_grads, state.inner_opt_state
     )
     gradient_step = jnp.where(

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis, _checks, _state
 
 
 class AGNState(NamedTuple):
@@ -30,6 +30,45 @@ class AGNState(NamedTuple):
   grad_accum: optax.Updates
   inner_state: optax.OptState
   center_inner_state: optax.OptState
+
+  AVERAGE = "center"  # eval_params returns this field
+  RESTART = "center"  # resize_state restarts the workers' params from this field
+  RESIZE = {
+    "local_step": _state.KEEP, "center": _state.KEEP, "grad_accum": _state.MEAN,
+    "inner_state": _state.INNER, "center_inner_state": _state.KEEP,
+  }
+
+
+def agn_communicates(step: Any, *, communication_period: int) -> Any:
+  """Whether ``update`` call number ``step`` (from 1) of :func:`agn` commits to the center.
+
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % communication_period == 0``. Public
+  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
+  (:func:`hinted_step`), to count communication rounds, or to plot.
+
+  Args:
+    step: the 1-based number of the ``update`` call (a Python int or an integer array).
+    communication_period: τ, as given to :func:`agn`.
+
+  Returns:
+    A bool for a Python int ``step``; a bool array for an integer array.
+
+  Collectives:
+    None: a function of the step count alone.
+
+  Raises:
+    TypeError, ValueError: a period or count not a positive int (checked when concrete).
+
+  Examples:
+    >>> import optax_dist
+    >>> [t for t in range(1, 8) if optax_dist.agn_communicates(t, communication_period=3)]
+    [3, 6]
+
+  References:
+    TensorFlow 1.x, ``tf.contrib.opt.AGNOptimizer`` (``communication_period``).
+  """
+  _checks.check_positive_int("agn_communicates", "communication_period", communication_period)
+  return step % communication_period == 0
 
 
 def agn(
@@ -135,30 +174,30 @@ def agn(
     <https://arxiv.org/abs/1710.02368>`_, ACML 2017.
   """
   fn = "agn"
-  _common.check_transformation(fn, inner)
-  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
-  _common.check_positive_int(fn, "communication_period", communication_period)
-  _common.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
-  _common.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  _checks.check_transformation(fn, inner)
+  inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
+  _checks.check_positive_int(fn, "communication_period", communication_period)
+  _checks.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
+  _checks.check_num_workers(fn, num_workers, axis_name)
+  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
 
   def init_fn(params):
-    _common.check_floating(fn, params)
-    _common.resolve_num_workers(fn, num_workers, axis_name)
+    _checks.check_floating(fn, params)
+    _axis.resolve_num_workers(fn, num_workers, axis_name)
     return AGNState(
       local_step=jnp.zeros([], jnp.int32),
-      center=_common.copy(params),
+      center=_axis.copy(params),
       grad_accum=optax.tree.zeros_like(params),
       inner_state=inner.init(params),
       center_inner_state=inner.init(params),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    _common.require_params(fn, params)
-    _common.check_floating(fn, params)
-    _common.check_tree_matches(fn, updates, state.center, "params")
-    hint = _common.communication_hint(fn, extra_args)
-    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _checks.require_params(fn, params)
+    _checks.check_floating(fn, params)
+    _checks.check_tree_matches(fn, updates, state.center, "params")
+    hint = _axis.communication_hint(fn, extra_args)
+    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
 
     # x_i <- x_i + inner(g_i); a_i <- a_i + g_i.
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
@@ -179,29 +218,32 @@ def agn(
       if axis_name is None:
         carry, _ = center_step(carry, mean_grad)
       elif center_update == "mean":
-        total = _common.psum(mean_grad, axis_name, comm_dtype)  # divided in the params' dtypes
+        total = _axis.psum(mean_grad, axis_name, comm_dtype)  # divided in the params' dtypes
         carry, _ = center_step(carry, jax.tree.map(lambda t: (t / n).astype(t.dtype), total))
       else:
         # The N commits in axis order, one scan step each: the program size does not grow
         # with N. The gathered tree holds N x params elements on every worker.
-        gathered = _common.all_gather(mean_grad, axis_name, comm_dtype)
+        gathered = _axis.all_gather(mean_grad, axis_name, comm_dtype)
         carry, _ = jax.lax.scan(center_step, carry, gathered, length=n)
       return carry
 
     def keep(center, grad_accum, center_inner_state):
       return center, center_inner_state
 
-    communicate = _common.is_communication_step(local_step, communication_period, hint)
-    center, center_inner_state = _common.communicate_if(
+    communicate = _axis.communicates(
+      agn_communicates(local_step, communication_period=communication_period), hint,
+      axis_name,
+    )
+    center, center_inner_state = _axis.communicate_if(
       communicate, commit, keep, state.center, grad_accum, state.center_inner_state,
     )
     # x_i <- center, a_i <- 0 on a communication step.
     local_updates = jax.tree.map(
-      lambda c, p, u: _common.select(communicate, (c - p).astype(u.dtype), u),
+      lambda c, p, u: _axis.select(communicate, (c - p).astype(u.dtype), u),
       center, params, local_updates,
     )
     grad_accum = jax.tree.map(
-      lambda a: _common.select(communicate, jnp.zeros_like(a), a), grad_accum)
+      lambda a: _axis.select(communicate, jnp.zeros_like(a), a), grad_accum)
     return local_updates, AGNState(
       local_step=local_step,
       center=center,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis, _checks, _state
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -31,6 +31,13 @@ class ApplyIfFiniteState(NamedTuple):
   last_finite: jax.Array
   total_notfinite: jax.Array
   inner_state: optax.OptState
+
+  AVERAGE = None  # eval_params returns this field
+  RESTART = None  # resize_state restarts the workers' params from this field
+  RESIZE = {
+    "notfinite_count": _state.KEEP, "last_finite": _state.KEEP,
+    "total_notfinite": _state.KEEP, "inner_state": _state.INNER,
+  }
 
 
 def _all_finite(tree: optax.Updates) -> jax.Array:
@@ -119,11 +126,11 @@ def apply_if_finite(
     Optax, ``optax.apply_if_finite`` and ``optax.ApplyIfFiniteState``.
   """
   fn = "apply_if_finite"
-  _common.check_transformation(fn, inner)
-  _common.check_int(fn, "max_consecutive_errors", max_consecutive_errors)
-  if (v := _common.concrete(max_consecutive_errors)) is not None and v < 0:
+  _checks.check_transformation(fn, inner)
+  _checks.check_int(fn, "max_consecutive_errors", max_consecutive_errors)
+  if (v := _checks.concrete(max_consecutive_errors)) is not None and v < 0:
     raise ValueError(f"`{fn}(max_consecutive_errors=...)` must be a non-negative int, got {v}.")
-  inner = _common.wrap_inner(inner)
+  inner = _axis.wrap_inner(inner)
 
   def init_fn(params):
     return ApplyIfFiniteState(
@@ -136,7 +143,7 @@ def apply_if_finite(
   def update_fn(updates, state, params=None, **extra_args):
     # f: finite on every worker. One pmax of this worker's flag "some element is not finite".
     notfinite = jnp.logical_not(_all_finite(updates)).astype(jnp.int32)
-    if _common.bound_axis_size(fn, axis_name) is not None:
+    if _axis.bound_axis_size(fn, axis_name) is not None:
       notfinite = jax.lax.pmax(notfinite, axis_name)
     isfinite = notfinite == 0
 
@@ -154,13 +161,13 @@ def apply_if_finite(
       new_updates, _ = jax.eval_shape(apply, updates, inner_state)
       return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), new_updates), inner_state
 
-    updates, inner_state = _common.communicate_if(
+    updates, inner_state = _axis.communicate_if(
       jnp.logical_or(isfinite, notfinite_count > max_consecutive_errors),
       apply, skip, updates, state.inner_state,
     )
     # The agreed flag is typed invariant over the axis; keep each counter's type as it came in.
     def like(new, old):
-      return _common.cast_varying(new, _common.varying_axes(old))
+      return _axis.cast_varying(new, _axis.varying_axes(old))
 
     return updates, ApplyIfFiniteState(
       notfinite_count=like(notfinite_count, state.notfinite_count),

@@ -1,9 +1,4 @@
-"""DiLoCo: local inner steps, an outer optimizer step on the workers' mean pseudo-gradient.
-
-Also the pieces :func:`local_sgd` and :func:`streaming_diloco` share with it: the default outer
-optimizer, the workers' sum in ``comm_dtype`` (gathered and summed in float32 for 8-bit floats),
-and one DiLoCo sync on a tree or on a masked sub-tree of it.
-"""
+"""DiLoCo: local inner steps, an outer optimizer step on the workers' mean pseudo-gradient."""
 
 from __future__ import annotations
 
@@ -14,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis, _checks, _outer, _state
 
 
 class DiLoCoState(NamedTuple):
@@ -34,56 +29,44 @@ class DiLoCoState(NamedTuple):
   inner_state: optax.OptState
   outer_state: optax.OptState
 
-
-# ----------------------------------------------------------------------------------------------
-# Shared by diloco, local_sgd and streaming_diloco.
-
-
-def default_outer() -> optax.GradientTransformation:
-  """The DiLoCo paper's outer optimizer: Nesterov momentum SGD, learning rate 0.7, momentum 0.9."""
-  return optax.sgd(0.7, momentum=0.9, nesterov=True)
+  AVERAGE = "anchor"  # eval_params returns this field
+  RESTART = "anchor"  # resize_state restarts the workers' params from this field
+  RESIZE = {
+    "local_step": _state.KEEP, "anchor": _state.KEEP, "inner_state": _state.INNER,
+    "outer_state": _state.KEEP,
+  }
 
 
-def check_outer(fn: str, outer: Any) -> None:
-  """Raise unless ``outer`` looks like an optax gradient transformation."""
-  if not (callable(getattr(outer, "init", None)) and callable(getattr(outer, "update", None))):
-    raise TypeError(
-      f"`{fn}(outer=...)` must be an optax GradientTransformation (with `init` and `update`),"
-      f" e.g. optax.sgd(0.7, momentum=0.9, nesterov=True), got {type(outer).__name__}."
-    )
+def diloco_syncs(step: Any, *, sync_period: int) -> Any:
+  """Whether ``update`` call number ``step`` (from 1) of :func:`diloco` syncs.
 
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % sync_period == 0``. Public
+  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
+  (:func:`hinted_step`), to count communication rounds, or to plot.
 
-def worker_mean(tree: Any, axis_name: Hashable, n: int, comm_dtype: Any = None) -> Any:
-  """The mean over the ``n`` workers of ``tree``'s leaves, divided in each leaf's dtype."""
-  total = _common.psum(tree, axis_name, comm_dtype)
-  return jax.tree.map(lambda t: (t / n).astype(t.dtype), total)
-
-
-def outer_sync(
-  outer: optax.GradientTransformation,
-  anchor: Any,
-  outer_state: optax.OptState,
-  new_params: Any,
-  *,
-  axis_name: Hashable | None,
-  num_workers: int,
-  comm_dtype: Any = None,
-) -> tuple[Any, optax.OptState]:
-  """One DiLoCo sync of ``anchor`` (a tree, or a sub-tree with ``optax.MaskedNode`` leaves).
-
-  The pseudo-gradient is :math:`\\Delta = \\frac{1}{N}\\sum_j (\\theta - x'_j)`, computed in the
-  anchor's dtype and all-reduced in ``comm_dtype``; then ``outer`` takes one step on it from
-  :math:`\\theta`. ``axis_name=None`` means one worker: :math:`\\Delta = \\theta - x'`.
+  Args:
+    step: the 1-based number of the ``update`` call (a Python int or an integer array).
+    sync_period: H, as given to :func:`diloco`.
 
   Returns:
-    The new anchor and outer state, with the dtypes of the old ones.
+    A bool for a Python int ``step``; a bool array for an integer array.
+
+  Collectives:
+    None: a function of the step count alone.
+
+  Raises:
+    TypeError, ValueError: a period or count not a positive int (checked when concrete).
+
+  Examples:
+    >>> import optax_dist
+    >>> [t for t in range(1, 11) if optax_dist.diloco_syncs(t, sync_period=4)]
+    [4, 8]
+
+  References:
+    Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1).
   """
-  delta = jax.tree.map(lambda a, x: a - x.astype(a.dtype), anchor, new_params)
-  if axis_name is not None:
-    delta = worker_mean(delta, axis_name, num_workers, comm_dtype)
-  steps, new_outer_state = outer.update(delta, outer_state, anchor)
-  new_anchor = _common.keep_dtypes(optax.apply_updates(anchor, steps), anchor)
-  return new_anchor, _common.keep_dtypes(new_outer_state, outer_state)
+  _checks.check_positive_int("diloco_syncs", "sync_period", sync_period)
+  return step % sync_period == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,19 +176,19 @@ def diloco(
     torchft ``torchft.local_sgd.DiLoCo``; MaxText ``diloco.py``.
   """
   fn = "diloco"
-  _common.check_transformation(fn, inner)
-  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
-  outer = default_outer() if outer is None else outer
-  check_outer(fn, outer)
-  _common.check_positive_int(fn, "sync_period", sync_period)
-  _common.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
-  anchor_dtype = _common.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
+  _checks.check_transformation(fn, inner)
+  inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
+  outer = _outer.default_outer() if outer is None else outer
+  _checks.check_transformation(fn, outer, "outer")
+  _checks.check_positive_int(fn, "sync_period", sync_period)
+  _checks.check_num_workers(fn, num_workers, axis_name)
+  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
 
   def init_fn(params):
-    _common.check_floating(fn, params)
-    _common.resolve_num_workers(fn, num_workers, axis_name)
-    anchor = _common.copy(params, anchor_dtype)
+    _checks.check_floating(fn, params)
+    _axis.resolve_num_workers(fn, num_workers, axis_name)
+    anchor = _axis.copy(params, anchor_dtype)
     return DiLoCoState(
       local_step=jnp.zeros([], jnp.int32),
       anchor=anchor,
@@ -214,20 +197,20 @@ def diloco(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    _common.require_params(fn, params)
-    _common.check_tree_matches(fn, updates, state.anchor, "params")
-    hint = _common.communication_hint(fn, extra_args)
-    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _checks.require_params(fn, params)
+    _checks.check_tree_matches(fn, updates, state.anchor, "params")
+    hint = _axis.communication_hint(fn, extra_args)
+    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
 
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
-    sync = _common.is_communication_step(local_step, sync_period, hint)
+    sync = _axis.communicates(diloco_syncs(local_step, sync_period=sync_period), hint, axis_name)
 
     # The conditional carries only what a sync changes: the anchor and the outer state. On
     # other steps it hands them back unchanged (XLA then writes no copy of them).
     def synchronize(anchor, outer_state, u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      return outer_sync(
+      return _outer.outer_sync(
         outer, anchor, outer_state, new_params,
         axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
       )
@@ -235,12 +218,12 @@ def diloco(
     def keep(anchor, outer_state, u):
       return anchor, outer_state
 
-    anchor, outer_state = _common.communicate_if(
+    anchor, outer_state = _axis.communicate_if(
       sync, synchronize, keep, state.anchor, state.outer_state, local_updates
     )
     # x_i <- theta on a sync step.
     local_updates = jax.tree.map(
-      lambda a, p, u: _common.select(sync, (a - p).astype(u.dtype), u), anchor, params,
+      lambda a, p, u: _axis.select(sync, (a - p).astype(u.dtype), u), anchor, params,
       local_updates,
     )
     return local_updates, DiLoCoState(

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis, _checks, _state
 
 
 class DropStaleGradientsState(NamedTuple):
@@ -23,6 +23,12 @@ class DropStaleGradientsState(NamedTuple):
   global_step: jax.Array
   num_dropped: jax.Array
   inner_state: optax.OptState
+
+  AVERAGE = None  # eval_params returns this field
+  RESTART = None  # resize_state restarts the workers' params from this field
+  RESIZE = {
+    "global_step": _state.KEEP, "num_dropped": _state.KEEP, "inner_state": _state.INNER,
+  }
 
 
 def _check_grad_step(grad_step: Any) -> None:
@@ -111,9 +117,9 @@ def drop_stale_gradients(
     <https://arxiv.org/abs/1803.01113>`_, AISTATS 2018.
   """
   fn = "drop_stale_gradients"
-  _common.check_transformation(fn, inner)
-  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
-  _common.check_int(fn, "max_staleness", max_staleness)
+  _checks.check_transformation(fn, inner)
+  inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
+  _checks.check_int(fn, "max_staleness", max_staleness)
 
   def init_fn(params):
     return DropStaleGradientsState(

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis, _checks, _state
 
 BETA = 0.9
 """TF's default for ``moving_rate * communication_period * num_workers`` (as in the paper)."""
@@ -29,6 +29,42 @@ class ElasticAverageState(NamedTuple):
   local_step: jax.Array
   center: optax.Params
   inner_state: optax.OptState
+
+  AVERAGE = "center"  # eval_params returns this field
+  RESTART = "center"  # resize_state restarts the workers' params from this field
+  RESIZE = {"local_step": _state.KEEP, "center": _state.KEEP, "inner_state": _state.INNER}
+
+
+def elastic_average_communicates(step: Any, *, communication_period: int) -> Any:
+  """Whether ``update`` call number ``step`` (from 1) of :func:`elastic_average` communicates.
+
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % communication_period == 0``. Public
+  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
+  (:func:`hinted_step`), to count communication rounds, or to plot.
+
+  Args:
+    step: the 1-based number of the ``update`` call (a Python int or an integer array).
+    communication_period: τ, as given to :func:`elastic_average`.
+
+  Returns:
+    A bool for a Python int ``step``; a bool array for an integer array.
+
+  Collectives:
+    None: a function of the step count alone.
+
+  Raises:
+    TypeError, ValueError: a period or count not a positive int (checked when concrete).
+
+  Examples:
+    >>> import optax_dist
+    >>> [t for t in range(1, 8) if optax_dist.elastic_average_communicates(t, communication_period=3)]
+    [3, 6]
+
+  References:
+    TensorFlow 1.x, ``tf.contrib.opt.ElasticAverageOptimizer`` (``communication_period``).
+  """
+  _checks.check_positive_int("elastic_average_communicates", "communication_period", communication_period)
+  return step % communication_period == 0
 
 
 def elastic_average(
@@ -134,35 +170,35 @@ def elastic_average(
     <https://arxiv.org/abs/1412.6651>`_, NeurIPS 2015.
   """
   fn = "elastic_average"
-  _common.check_transformation(fn, inner)
-  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
-  _common.check_positive_int(fn, "communication_period", communication_period)
-  _common.check_num_workers(fn, num_workers, axis_name)
+  _checks.check_transformation(fn, inner)
+  inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
+  _checks.check_positive_int(fn, "communication_period", communication_period)
+  _checks.check_num_workers(fn, num_workers, axis_name)
   if moving_rate is not None:
-    _common.check_number(fn, "moving_rate", moving_rate, lower=0.0, lower_open=True,
+    _checks.check_number(fn, "moving_rate", moving_rate, lower=0.0, lower_open=True,
                          constraint="> 0")
   if rho is not None:
-    _common.check_number(fn, "rho", rho, lower=0.0, constraint=">= 0")
+    _checks.check_number(fn, "rho", rho, lower=0.0, constraint=">= 0")
   if learning_rate is not None:
-    _common.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
+    _checks.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
                          constraint="> 0")
-  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
 
   def init_fn(params):
-    _common.check_floating(fn, params)
-    _common.resolve_num_workers(fn, num_workers, axis_name)
+    _checks.check_floating(fn, params)
+    _axis.resolve_num_workers(fn, num_workers, axis_name)
     return ElasticAverageState(
       local_step=jnp.zeros([], jnp.int32),
-      center=_common.copy(params),
+      center=_axis.copy(params),
       inner_state=inner.init(params),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    _common.require_params(fn, params)
-    _common.check_floating(fn, params)
-    _common.check_tree_matches(fn, updates, state.center, "params")
-    hint = _common.communication_hint(fn, extra_args)
-    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _checks.require_params(fn, params)
+    _checks.check_floating(fn, params)
+    _checks.check_tree_matches(fn, updates, state.center, "params")
+    hint = _axis.communication_hint(fn, extra_args)
+    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     alpha = BETA / communication_period / n if moving_rate is None else moving_rate
     _warn_if_unstable(alpha, n)
     if rho is not None:
@@ -184,7 +220,10 @@ def elastic_average(
     local_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
 
-    communicate = _common.is_communication_step(local_step, communication_period, hint)
+    communicate = _axis.communicates(
+      elastic_average_communicates(local_step, communication_period=communication_period), hint,
+      axis_name,
+    )
 
     # The conditional carries only what a communication step changes: the center, and d_i for
     # the returned updates. On other steps it hands the center and u_i back unchanged (XLA then
@@ -195,17 +234,17 @@ def elastic_average(
       if axis_name is None:
         total = d
       else:
-        total = _common.psum(d, axis_name, comm_dtype)
+        total = _axis.psum(d, axis_name, comm_dtype)
       return optax.tree.add(center, total), d  # center <- center + sum_j d_j
 
     def keep(u, center):
       # The second result is unused on these steps; u_i has d_i's shapes (dtypes cast).
       return center, jax.tree.map(lambda x, c: x.astype(c.dtype), u, center)
 
-    center, d = _common.communicate_if(communicate, exchange, keep, local_updates, center)
+    center, d = _axis.communicate_if(communicate, exchange, keep, local_updates, center)
     # x_i <- x'_i - d_i on a communication step.
     local_updates = jax.tree.map(
-      lambda x, d, p, u: _common.select(communicate, ((x - d) - p).astype(u.dtype), u),
+      lambda x, d, p, u: _axis.select(communicate, ((x - d) - p).astype(u.dtype), u),
       optax.apply_updates(params, local_updates), d, params, local_updates,
     )
     return local_updates, ElasticAverageState(
@@ -217,7 +256,7 @@ def elastic_average(
 
 def _warn_if_unstable(alpha: Any, num_workers: int) -> None:
   """Warn if ``moving_rate * num_workers > 1`` (both concrete): the center would overshoot."""
-  rate = _common.concrete(alpha)
+  rate = _checks.concrete(alpha)
   if rate is not None and rate * num_workers > 1:
     warnings.warn(
       f"`elastic_average`: moving_rate * num_workers = {rate} * {num_workers} ="

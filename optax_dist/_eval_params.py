@@ -7,21 +7,13 @@ from typing import Any
 import jax
 import optax
 
-from optax_dist._agn import AGNState
-from optax_dist._diloco import DiLoCoState
-from optax_dist._elastic_average import ElasticAverageState
-from optax_dist._moving_average import MovingAverageState
-from optax_dist._streaming_diloco import StreamingDiLoCoState
+from optax_dist import _state
 
 
 def _find_average(node: Any) -> Any:
   """The averaged params of the first averaging state in a depth-first walk, or ``None``."""
-  if isinstance(node, MovingAverageState):
-    return node.ema
-  if isinstance(node, (ElasticAverageState, AGNState)):
-    return node.center
-  if isinstance(node, (DiLoCoState, StreamingDiLoCoState)):
-    return node.anchor
+  if _state.is_library_state(node) and node.AVERAGE is not None:
+    return getattr(node, node.AVERAGE)
   if isinstance(node, dict):
     children = node.values()
   elif isinstance(node, (tuple, list)):
@@ -38,7 +30,8 @@ def _find_average(node: Any) -> Any:
 def eval_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params:
   """The parameters to evaluate and to save (TF's ``swapping_saver``).
 
-  Of the averaging states in ``opt_state`` (:class:`MovingAverageState` gives its ``ema``;
+  Of the averaging states in ``opt_state`` (each declares its field as ``AVERAGE``:
+  :class:`MovingAverageState` gives its ``ema``;
   :class:`ElasticAverageState` and :class:`AGNState` give their ``center``;
   :class:`DiLoCoState` and :class:`StreamingDiLoCoState` their ``anchor``; :class:`LocalSGDState`
   has none, each worker's params being identical right after a model average), the first in a

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common, _diloco, _tower
+from optax_dist import _axis, _checks, _state
 
 
 class LocalSGDState(NamedTuple):
@@ -23,13 +23,87 @@ class LocalSGDState(NamedTuple):
   local_step: jax.Array
   inner_state: optax.OptState
 
+  AVERAGE = None  # eval_params returns this field
+  RESTART = None  # resize_state restarts the workers' params from this field
+  RESIZE = {"local_step": _state.KEEP, "inner_state": _state.INNER}
+
 
 def check_warmup_steps(fn: str, warmup_steps: Any) -> None:
   """Raise unless ``warmup_steps`` is an int >= 0."""
-  _common.check_int(fn, "warmup_steps", warmup_steps)
-  value = _common.concrete(warmup_steps)
+  _checks.check_int(fn, "warmup_steps", warmup_steps)
+  value = _checks.concrete(warmup_steps)
   if value is not None and value < 0:
     raise ValueError(f"`{fn}(warmup_steps=...)` must be an int >= 0, got {value}.")
+
+
+def local_sgd_warming_up(step: Any, *, warmup_steps: int = 0) -> Any:
+  """Whether ``update`` call number ``step`` (from 1) of :func:`local_sgd` is a warm-up step.
+
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step <= warmup_steps``; on these steps the gradients are all-reduced. Public
+  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
+  (:func:`hinted_step`), to count communication rounds, or to plot.
+
+  Args:
+    step: the 1-based number of the ``update`` call (a Python int or an integer array).
+    warmup_steps: W, as given to :func:`local_sgd`.
+
+  Returns:
+    A bool for a Python int ``step``; a bool array for an integer array.
+
+  Collectives:
+    None: a function of the step count alone.
+
+  Raises:
+    TypeError, ValueError: a period or count not a positive int (checked when concrete).
+
+  Examples:
+    >>> import optax_dist
+    >>> [t for t in range(1, 6) if optax_dist.local_sgd_warming_up(t, warmup_steps=2)]
+    [1, 2]
+
+  References:
+    Lin, Stich, Patel & Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
+    <https://arxiv.org/abs/1808.07217>`_, ICLR 2020 (post-local SGD).
+  """
+  check_warmup_steps("local_sgd_warming_up", warmup_steps)
+  return step <= warmup_steps
+
+
+def local_sgd_syncs(step: Any, *, sync_period: int, warmup_steps: int = 0) -> Any:
+  """Whether ``update`` call number ``step`` (from 1) of :func:`local_sgd` averages the models.
+
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step > W`` and ``(step - W) % H == 0``, the first average on step :math:`W + H`. Public
+  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
+  (:func:`hinted_step`), to count communication rounds, or to plot. The warm-up's all-reduces
+  (:func:`local_sgd_warming_up`) are not model averages.
+
+  Args:
+    step: the 1-based number of the ``update`` call (a Python int or an integer array).
+    sync_period: H, as given to :func:`local_sgd`.
+    warmup_steps: W, as given to :func:`local_sgd`.
+
+  Returns:
+    A bool for a Python int ``step``; a bool array for an integer array.
+
+  Collectives:
+    None: a function of the step count alone.
+
+  Raises:
+    TypeError, ValueError: a period or count not a positive int (checked when concrete).
+
+  Examples:
+    >>> import optax_dist
+    >>> [t for t in range(1, 12) if optax_dist.local_sgd_syncs(t, sync_period=3, warmup_steps=4)]
+    [7, 10]
+
+  References:
+    Lin, Stich, Patel & Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
+    <https://arxiv.org/abs/1808.07217>`_, ICLR 2020 (post-local SGD).
+  """
+  _checks.check_positive_int("local_sgd_syncs", "sync_period", sync_period)
+  check_warmup_steps("local_sgd_syncs", warmup_steps)
+  since_warmup = step - warmup_steps
+  return (since_warmup > 0) & (since_warmup % sync_period == 0)
 
 
 def local_sgd(
@@ -133,48 +207,46 @@ def local_sgd(
     PyTorch ``PostLocalSGDOptimizer``; torchft ``torchft.local_sgd.LocalSGD``.
   """
   fn = "local_sgd"
-  _common.check_transformation(fn, inner)
-  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
-  _common.check_positive_int(fn, "sync_period", sync_period)
+  _checks.check_transformation(fn, inner)
+  inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
+  _checks.check_positive_int(fn, "sync_period", sync_period)
   check_warmup_steps(fn, warmup_steps)
-  _common.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
-  average_grads = _tower.all_reduce_as(fn, axis_name, "mean", comm_dtype)
+  _checks.check_num_workers(fn, num_workers, axis_name)
+  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
 
   def init_fn(params):
-    _common.check_floating(fn, params)
-    _common.resolve_num_workers(fn, num_workers, axis_name)
+    _checks.check_floating(fn, params)
+    _axis.resolve_num_workers(fn, num_workers, axis_name)
     return LocalSGDState(local_step=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    _common.require_params(fn, params)
-    _common.check_tree_matches(fn, updates, params, "params")
-    hint = _common.communication_hint(fn, extra_args)
-    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _checks.require_params(fn, params)
+    _checks.check_tree_matches(fn, updates, params, "params")
+    hint = _axis.communication_hint(fn, extra_args)
+    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     local_step = optax.safe_increment(state.local_step)
 
     # Warm-up: synchronous data parallelism while local_step <= W, one all-reduce per step.
-    if axis_name is not None and _common.concrete(warmup_steps) != 0:
-      warm = local_step <= warmup_steps
-      updates = _common.communicate_if(
-        warm, lambda g: average_grads.update(g, optax.EmptyState())[0], lambda g: g, updates
+    if axis_name is not None and _checks.concrete(warmup_steps) != 0:
+      warm = _axis.agree(local_sgd_warming_up(local_step, warmup_steps=warmup_steps), axis_name)
+      updates = _axis.communicate_if(
+        warm, lambda g: _axis.reduce_gradients(fn, g, axis_name, "mean", comm_dtype),
+        lambda g: g, updates,
       )
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     if axis_name is None:  # one worker: its own mean
       return local_updates, LocalSGDState(local_step=local_step, inner_state=inner_state)
 
     # Model average on steps W + H, W + 2H, ...: x_i <- mean_j x'_j.
-    since_warmup = local_step - warmup_steps
-    sync = _common.is_communication_step(since_warmup, sync_period, hint)
-    if hint is None:
-      sync = (since_warmup > 0) & sync
+    rule = local_sgd_syncs(local_step, sync_period=sync_period, warmup_steps=warmup_steps)
+    sync = _axis.communicates(rule, hint, axis_name)
 
     def average(u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      mean = _diloco.worker_mean(new_params, axis_name, n, comm_dtype)
+      mean = _axis.worker_mean(new_params, axis_name, n, comm_dtype)
       return jax.tree.map(lambda m, p, u: (m - p).astype(u.dtype), mean, params, u)
 
-    local_updates = _common.communicate_if(sync, average, lambda u: u, local_updates)
+    local_updates = _axis.communicate_if(sync, average, lambda u: u, local_updates)
     return local_updates, LocalSGDState(local_step=local_step, inner_state=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis, _checks, _state
 
 
 class MovingAverageState(NamedTuple):
@@ -24,6 +24,10 @@ class MovingAverageState(NamedTuple):
   count: jax.Array
   ema: optax.Params
   inner_state: optax.OptState
+
+  AVERAGE = "ema"  # eval_params returns this field
+  RESTART = None  # resize_state restarts the workers' params from this field
+  RESIZE = {"count": _state.KEEP, "ema": _state.MEAN, "inner_state": _state.INNER}
 
 
 def moving_average(
@@ -96,23 +100,23 @@ def moving_average(
     <https://doi.org/10.1137/0330046>`_, 1992.
   """
   fn = "moving_average"
-  _common.check_transformation(fn, inner)
-  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
+  _checks.check_transformation(fn, inner)
+  inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   if not callable(decay):
-    _common.check_number(fn, "decay", decay, lower=0.0, upper=1.0, constraint="in [0, 1]")
-  ema_dtype = _common.check_floating_dtype(fn, "ema_dtype", ema_dtype)
+    _checks.check_number(fn, "decay", decay, lower=0.0, upper=1.0, constraint="in [0, 1]")
+  ema_dtype = _checks.check_floating_dtype(fn, "ema_dtype", ema_dtype)
 
   def init_fn(params):
-    _common.check_floating(fn, params)
+    _checks.check_floating(fn, params)
     return MovingAverageState(
       count=jnp.zeros([], jnp.int32),
-      ema=_common.copy(params, ema_dtype),
+      ema=_axis.copy(params, ema_dtype),
       inner_state=inner.init(params),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    _common.require_params(fn, params)
-    _common.check_tree_matches(fn, updates, state.ema, "params")
+    _checks.require_params(fn, params)
+    _checks.check_tree_matches(fn, updates, state.ema, "params")
     updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
 
     d = decay(state.count) if callable(decay) else decay

@@ -11,56 +11,10 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from optax_dist import _common
-from optax_dist._accumulation import AccumulateThenReduceState
-from optax_dist._agn import AGNState
-from optax_dist._apply_if_finite import ApplyIfFiniteState
-from optax_dist._diloco import DiLoCoState
-from optax_dist._drop_stale_gradients import DropStaleGradientsState
-from optax_dist._elastic_average import ElasticAverageState
-from optax_dist._local_sgd import LocalSGDState
-from optax_dist._moving_average import MovingAverageState
-from optax_dist._streaming_diloco import StreamingDiLoCoState
+from optax_dist import _axis, _checks, _state
 
 _FN = "resize_state"
 _MODES = ("mean", "reset", "copy")
-
-# How each field of the library's states is carried to the new workers:
-#   KEEP  global state, identical on every worker: worker 0's value, exactly, on every new worker.
-#   MEAN  the workers' mean (exactly worker 0's value wherever every worker holds the same one).
-#   INNER an inner state: nested library states are walked, optax's own states follow the
-#         `inner_state` mode.
-KEEP, MEAN, INNER = "keep", "mean", "inner"
-FIELDS = {
-  MovingAverageState: {"count": KEEP, "ema": MEAN, "inner_state": INNER},
-  ElasticAverageState: {"local_step": KEEP, "center": KEEP, "inner_state": INNER},
-  AGNState: {
-    "local_step": KEEP, "center": KEEP, "grad_accum": MEAN, "inner_state": INNER,
-    "center_inner_state": KEEP,
-  },
-  DropStaleGradientsState: {"global_step": KEEP, "num_dropped": KEEP, "inner_state": INNER},
-  AccumulateThenReduceState: {
-    "mini_step": KEEP, "gradient_step": KEEP, "inner_opt_state": INNER, "acc_grads": MEAN,
-  },
-  ApplyIfFiniteState: {
-    "notfinite_count": KEEP, "last_finite": KEEP, "total_notfinite": KEEP, "inner_state": INNER,
-  },
-  DiLoCoState: {"local_step": KEEP, "anchor": KEEP, "inner_state": INNER, "outer_state": KEEP},
-  LocalSGDState: {"local_step": KEEP, "inner_state": INNER},
-  StreamingDiLoCoState: {
-    "local_step": KEEP, "anchor": KEEP, "inner_state": INNER, "outer_state": KEEP,
-  },
-}
-"""Per library state, per field: ``KEEP``, ``MEAN`` or ``INNER``."""
-
-RESTART = {
-  ElasticAverageState: "center", AGNState: "center", DiLoCoState: "anchor",
-  StreamingDiLoCoState: "anchor",
-}
-"""The states whose field the workers' params restart from (the first in a depth-first walk)."""
-
-_STATES = tuple(FIELDS)
-
 
 # ----------------------------------------------------------------------------------------------
 # Walking a state tree one level at a time.
@@ -83,7 +37,7 @@ def _holds(node: Any, predicate: Any) -> bool:
 
 
 def _is_state(node: Any) -> bool:
-  return isinstance(node, _STATES)
+  return _state.is_library_state(node)
 
 
 def _is_leafy_record(node: Any) -> bool:
@@ -152,13 +106,13 @@ def _inner(old: Any, template: Any, m: int, mode: str) -> Any:
 def _walk(old: Any, template: Any, m: int, mode: str) -> Any:
   """The state for ``m`` workers: library states field by field, the rest as inner states."""
   if _is_state(old):
-    rules = FIELDS[type(old)]
+    rules = old.RESIZE
     fields = {}
     for name in old._fields:
       value, rule = getattr(old, name), rules[name]
-      if rule == KEEP:
+      if rule == _state.KEEP:
         fields[name] = jax.tree.map(lambda x: _broadcast(x[0], m), value)
-      elif rule == MEAN:
+      elif rule == _state.MEAN:
         fields[name] = jax.tree.map(lambda x: _broadcast(_agreed_mean(x), m), value)
       else:
         fields[name] = _walk(value, getattr(template, name), m, mode)
@@ -172,8 +126,8 @@ def _walk(old: Any, template: Any, m: int, mode: str) -> Any:
 
 def _restart_point(node: Any) -> Any:
   """The center or anchor of the first such state in a depth-first walk, or ``None``."""
-  if isinstance(node, tuple(RESTART)):
-    return getattr(node, RESTART[type(node)])
+  if _state.is_library_state(node) and node.RESTART is not None:
+    return getattr(node, node.RESTART)
   if _is_leaf(node):
     return None
   for child in _children(node)[0]:
@@ -204,7 +158,7 @@ def _num_workers(opt_state: Any, params: Any) -> int:
     " Pass the trees of every worker stacked on axis 0, as `jax.vmap(tx.init)` or a"
     " `jax.shard_map` with out_specs=P(axis) builds them."
   )
-  size, ref = _common.workers_axis_size(_FN, params, opt_state, fix)
+  size, ref = _axis.workers_axis_size(_FN, params, opt_state, fix)
   if ref is None:
     raise ValueError(f"`{_FN}`: `params` has no leaves; there is nothing to resize.")
   return size
@@ -252,7 +206,8 @@ def resize_state(
   Elastic resume: a run checkpointed on N workers continues on M. The global part of the state,
   identical on every worker, is kept exactly: worker 0's copy goes to every new worker. Each
   worker's own part is rebuilt from it, as a worker that rejoins a running job rebuilds its own.
-  The walk recognises the library's states at any depth (in ``optax.chain``, nested wrappers):
+  The walk recognises the library's states at any depth (in ``optax.chain``, nested wrappers)
+  and reads the rule each declares beside its fields (``RESIZE`` and ``RESTART``):
 
   * ``ElasticAverageState`` and ``AGNState``: ``local_step`` and ``center`` kept (and AGN's
     ``center_inner_state``); the params restart from the center; AGN's ``grad_accum``, the
@@ -348,8 +303,8 @@ def resize_state(
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023.
   """
   _check_tx(tx)
-  _common.check_positive_int(_FN, "num_workers", num_workers)
-  _common.check_choice(_FN, "inner_state", inner_state, _MODES)
+  _checks.check_positive_int(_FN, "num_workers", num_workers)
+  _checks.check_choice(_FN, "inner_state", inner_state, _MODES)
   n = _num_workers(opt_state, params)
   if int(num_workers) == n:
     _check_from_tx(tx, opt_state, params)

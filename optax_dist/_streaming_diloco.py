@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
+import operator
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -11,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import _common, _diloco
+from optax_dist import _axis, _checks, _outer, _state
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -34,6 +36,13 @@ class StreamingDiLoCoState(NamedTuple):
   inner_state: optax.OptState
   outer_state: tuple[optax.OptState, ...]
 
+  AVERAGE = "anchor"  # eval_params returns this field
+  RESTART = "anchor"  # resize_state restarts the workers' params from this field
+  RESIZE = {
+    "local_step": _state.KEEP, "anchor": _state.KEEP, "inner_state": _state.INNER,
+    "outer_state": _state.KEEP,
+  }
+
 
 # ----------------------------------------------------------------------------------------------
 # Fragments.
@@ -46,7 +55,7 @@ def _size(leaf: Any) -> int:
 def check_fragment_ids(fn: str, fragments: Any, num_fragments: int) -> None:
   """Raise unless every leaf of ``fragments`` is an int in ``[0, num_fragments)``."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(fragments):
-    value = _common.concrete(leaf)
+    value = _checks.concrete(leaf)
     where = jax.tree_util.keystr(path) or "<root>"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
       raise TypeError(
@@ -74,14 +83,16 @@ def assign_fragments(
       leaf (F exceeds the number of leaves, or the leaves' sizes leave a run empty).
   """
   leaves = jax.tree.leaves(params)
-  if fragments is not None:
+  if isinstance(fragments, str):  # "balanced"
+    ids = _balanced(leaves, num_fragments)
+  elif fragments is not None:
     got, want = jax.tree.structure(fragments), jax.tree.structure(params)
     if got != want:
       raise ValueError(
         f"`{fn}(fragments=...)` must have the params' tree structure, got {got}, expected"
         f" {want}."
       )
-    ids = tuple(int(_common.concrete(f)) for f in jax.tree.leaves(fragments))
+    ids = tuple(int(_checks.concrete(f)) for f in jax.tree.leaves(fragments))
   else:
     sizes = [_size(leaf) for leaf in leaves]
     total, before, ids = sum(sizes), 0, []
@@ -91,7 +102,7 @@ def assign_fragments(
     ids = tuple(ids)
   empty = sorted(set(range(num_fragments)) - set(ids))
   if empty:
-    if fragments is not None:
+    if fragments is not None and not isinstance(fragments, str):
       raise ValueError(
         f"`{fn}(fragments=...)` assigns no leaf to fragment {empty[0]} of"
         f" num_fragments={num_fragments}; use every id in [0, {num_fragments}) or pass a"
@@ -106,9 +117,68 @@ def assign_fragments(
   return ids
 
 
+def _balanced(leaves: list, num_fragments: int) -> tuple[int, ...]:
+  """``fragments="balanced"``: the largest leaf first to the fragment with the fewest elements."""
+  sizes, ids = np.zeros(num_fragments, np.int64), [0] * len(leaves)
+  for j in sorted(range(len(leaves)), key=lambda j: -_size(leaves[j])):
+    ids[j] = int(np.argmin(sizes))
+    sizes[ids[j]] += _size(leaves[j])
+  return tuple(ids)
+
+
 def sync_offset(fragment: int, sync_period: Any, num_fragments: int) -> Any:
   """:math:`s_f \\bmod H` with :math:`s_f = \\lfloor (f + 1) H / F \\rfloor`."""
   return ((fragment + 1) * sync_period // num_fragments) % sync_period
+
+
+def streaming_diloco_syncs(
+  step: Any, *, sync_period: int, num_fragments: int, fragment: int | None = None
+) -> Any:
+  """Whether ``update`` call number ``step`` (from 1) of :func:`streaming_diloco` syncs.
+
+  The rule ``update`` applies to its own ``local_step`` (after its increment): fragment f syncs where ``step % H == s_f % H``, :math:`s_f = \\lfloor (f + 1) H / F
+  \\rfloor`. Public
+  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
+  (:func:`hinted_step`), to count communication rounds, or to plot.
+
+  Args:
+    step: the 1-based number of the ``update`` call (a Python int or an integer array).
+    sync_period: H, as given to :func:`streaming_diloco`.
+    num_fragments: F, as given to :func:`streaming_diloco`.
+    fragment: the fragment f in ``[0, F)``; ``None`` (default): whether any fragment syncs.
+
+  Returns:
+    A bool for a Python int ``step``; a bool array for an integer array.
+
+  Collectives:
+    None: a function of the step count alone.
+
+  Raises:
+    TypeError, ValueError: a period or count not a positive int (checked when concrete).
+
+  Examples:
+    >>> import optax_dist
+    >>> [[f for f in range(2) if optax_dist.streaming_diloco_syncs(
+    ...     t, sync_period=4, num_fragments=2, fragment=f)] for t in range(1, 9)]
+    [[], [0], [], [1], [], [0], [], [1]]
+
+  References:
+    Douillard et al., `Streaming DiLoCo with overlapping communication
+    <https://arxiv.org/abs/2501.18512>`_, 2025.
+  """
+  fn = "streaming_diloco_syncs"
+  _checks.check_positive_int(fn, "sync_period", sync_period)
+  _checks.check_positive_int(fn, "num_fragments", num_fragments)
+  if fragment is not None:
+    _checks.check_int(fn, "fragment", fragment)
+    if not 0 <= fragment < num_fragments:
+      raise ValueError(
+        f"`{fn}(fragment=...)` must be in [0, num_fragments) = [0, {num_fragments}), got"
+        f" {fragment}."
+      )
+  fragments = range(num_fragments) if fragment is None else (fragment,)
+  due = [step % sync_period == sync_offset(f, sync_period, num_fragments) for f in fragments]
+  return functools.reduce(operator.or_, due)
 
 
 def _select(leaves: list, ids: tuple[int, ...], fragment: int, treedef: Any) -> Any:
@@ -121,11 +191,6 @@ def _select(leaves: list, ids: tuple[int, ...], fragment: int, treedef: Any) -> 
 def _leaves(masked: Any) -> list:
   """The leaves of a masked tree, ``MaskedNode`` included, in the full tree's leaf order."""
   return jax.tree.leaves(masked, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-
-
-def _is_placeholder(params: Any) -> bool:
-  """True for the leafless stand-in for the params that ``optax.tree.map_params`` passes."""
-  return not jax.tree.leaves(params) and type(params).__name__ == "_ParamsPlaceholder"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,8 +242,11 @@ def streaming_diloco(
       ``optax.sgd(0.7, momentum=0.9, nesterov=True)``, DiLoCo's outer Nesterov momentum.
     sync_period: H, a count of ``update`` calls between two syncs of one fragment.
     num_fragments: F, a positive int, at most the number of param leaves.
-    fragments: ``None`` (the contiguous runs above), or a tree with the params' structure
-      holding each leaf's fragment id, an int in ``[0, F)``; every id must be used.
+    fragments: ``None`` (the contiguous runs above); ``"balanced"``: the largest leaf first
+      to the fragment with the fewest elements so far, so that the syncs' bytes are as equal as
+      the leaves allow (the contiguous runs can leave a fragment empty on a small MLP); or a tree
+      with the params' structure holding each leaf's fragment id, an int in ``[0, F)``; every id
+      must be used.
     mixing: :math:`\alpha` in [0, 1], dimensionless: the weight of the worker's own params
       when a fragment lands (0, the default: replaced by the new anchor, as :func:`diloco`).
     axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers;
@@ -248,25 +316,27 @@ def streaming_diloco(
     torchft ``torchft.local_sgd.DiLoCo`` (fragments); MaxText ``diloco.py``.
   """
   fn = "streaming_diloco"
-  _common.check_transformation(fn, inner)
-  inner = _common.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
-  outer = _diloco.default_outer() if outer is None else outer
-  _diloco.check_outer(fn, outer)
-  _common.check_positive_int(fn, "sync_period", sync_period)
-  _common.check_positive_int(fn, "num_fragments", num_fragments)
-  if fragments is not None:
+  _checks.check_transformation(fn, inner)
+  inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
+  outer = _outer.default_outer() if outer is None else outer
+  _checks.check_transformation(fn, outer, "outer")
+  _checks.check_positive_int(fn, "sync_period", sync_period)
+  _checks.check_positive_int(fn, "num_fragments", num_fragments)
+  if fragments is not None and not isinstance(fragments, str):
     check_fragment_ids(fn, fragments, num_fragments)
-  _common.check_number(fn, "mixing", mixing, lower=0.0, upper=1.0, constraint="in [0, 1]")
-  _common.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _common.check_floating_dtype(fn, "comm_dtype", comm_dtype)
-  anchor_dtype = _common.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
+  elif fragments is not None:
+    _checks.check_choice(fn, "fragments", fragments, ("balanced",))
+  _checks.check_number(fn, "mixing", mixing, lower=0.0, upper=1.0, constraint="in [0, 1]")
+  _checks.check_num_workers(fn, num_workers, axis_name)
+  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
   no_mixing = isinstance(mixing, numbers.Real) and mixing == 0
 
   def init_fn(params):
-    _common.check_floating(fn, params)
-    _common.resolve_num_workers(fn, num_workers, axis_name)
-    anchor = _common.copy(params, anchor_dtype)
-    if _is_placeholder(params):  # optax.tree.map_params: every outer state is params-shaped
+    _checks.check_floating(fn, params)
+    _axis.resolve_num_workers(fn, num_workers, axis_name)
+    anchor = _axis.copy(params, anchor_dtype)
+    if not jax.tree.leaves(params):  # optax.tree.map_params' placeholder: params-shaped states
       outer_state = tuple(outer.init(anchor) for _ in range(num_fragments))
     else:
       ids = assign_fragments(fn, params, num_fragments, fragments)
@@ -286,7 +356,7 @@ def streaming_diloco(
 
     def synchronize(anchor_f, outer_state_f, u_f):
       x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-      return _diloco.outer_sync(
+      return _outer.outer_sync(
         outer, anchor_f, outer_state_f, x_f, axis_name=axis_name, num_workers=n,
         comm_dtype=comm_dtype,
       )
@@ -294,7 +364,7 @@ def streaming_diloco(
     def keep(anchor_f, outer_state_f, u_f):
       return anchor_f, outer_state_f
 
-    anchor_f, outer_state_f = _common.communicate_if(
+    anchor_f, outer_state_f = _axis.communicate_if(
       sync, synchronize, keep, _select(anchor, ids, f, treedef), outer_state_f,
       _select(u_leaves, ids, f, treedef),
     )
@@ -307,13 +377,13 @@ def streaming_diloco(
     if not no_mixing:
       x = optax.apply_updates(p, u)
       target = mixing * x.astype(a.dtype) + (1 - mixing) * a
-    return _common.select(sync, (target - p).astype(u.dtype), u)
+    return _axis.select(sync, (target - p).astype(u.dtype), u)
 
   def update_fn(updates, state, params=None, **extra_args):
-    _common.require_params(fn, params)
-    _common.check_tree_matches(fn, updates, state.anchor, "params")
-    hint = _common.communication_hint(fn, extra_args)
-    n = _common.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _checks.require_params(fn, params)
+    _checks.check_tree_matches(fn, updates, state.anchor, "params")
+    hint = _axis.communication_hint(fn, extra_args)
+    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
     ids = assign_fragments(fn, state.anchor, num_fragments, fragments)
 
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
@@ -323,9 +393,11 @@ def streaming_diloco(
     u_leaves, p_leaves = jax.tree.leaves(local_updates), jax.tree.leaves(params)
     outer_states, syncs = [], []
     for f in range(num_fragments):
-      sync = local_step % sync_period == sync_offset(f, sync_period, num_fragments)
-      if hint is False:  # no fragment syncs; True leaves the choice of fragment to the rule
-        sync = False
+      rule = streaming_diloco_syncs(
+        local_step, sync_period=sync_period, num_fragments=num_fragments, fragment=f
+      )
+      # False: no fragment syncs; True leaves the choice of fragment to the rule.
+      sync = False if hint is False else _axis.agree(rule, axis_name)
       anchor, outer_state_f = sync_fragment(
         f, sync, anchor, state.outer_state[f], p_leaves, u_leaves, ids, treedef, n
       )

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis, _checks
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -82,12 +82,12 @@ def all_reduce(
   References:
     TensorFlow 1.x, ``tf.contrib.estimator.TowerOptimizer`` with ``replicate_model_fn``.
   """
-  _common.check_choice("all_reduce", "reduction", reduction, _REDUCTIONS)
-  comm_dtype = _common.check_floating_dtype("all_reduce", "comm_dtype", comm_dtype)
-  return all_reduce_as("all_reduce", axis_name, reduction, comm_dtype)
+  _checks.check_choice("all_reduce", "reduction", reduction, _REDUCTIONS)
+  comm_dtype = _checks.check_floating_dtype("all_reduce", "comm_dtype", comm_dtype)
+  return _all_reduce("all_reduce", axis_name, reduction, comm_dtype)
 
 
-def all_reduce_as(
+def _all_reduce(
   fn: str, axis_name: Hashable, reduction: str, comm_dtype: Any
 ) -> optax.GradientTransformationExtraArgs:
   """:func:`all_reduce`, whose errors name ``fn`` (the public function the user called)."""
@@ -98,19 +98,7 @@ def all_reduce_as(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    n = _common.bound_axis_size(fn, axis_name)
-    if n is None:
-      return updates, state
-
-    def reduce(g):
-      # Per axis of the tuple: already summed by autodiff where checked and invariant; psum over
-      # the others. The mean divides by N, the product of all the axes' sizes.
-      summed = _common.summed_axes(axis_name, g)
-      others = tuple(a for a in _common.axis_names(axis_name) if a not in summed)
-      total = _common.psum(g, others, comm_dtype) if others else g
-      return total if reduction == "sum" else (total / n).astype(g.dtype)
-
-    return jax.tree.map(reduce, updates), state
+    return _axis.reduce_gradients(fn, updates, axis_name, reduction, comm_dtype), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -178,11 +166,11 @@ def tower(
   References:
     TensorFlow 1.x, ``tf.contrib.estimator.TowerOptimizer`` with ``replicate_model_fn``.
   """
-  _common.check_transformation("tower", inner)
-  _common.check_choice("tower", "reduction", reduction, _REDUCTIONS)
-  comm_dtype = _common.check_floating_dtype("tower", "comm_dtype", comm_dtype)
+  _checks.check_transformation("tower", inner)
+  _checks.check_choice("tower", "reduction", reduction, _REDUCTIONS)
+  comm_dtype = _checks.check_floating_dtype("tower", "comm_dtype", comm_dtype)
   return optax.chain(
-    all_reduce_as("tower", axis_name, reduction, comm_dtype), _common.wrap_inner(inner)
+    _all_reduce("tower", axis_name, reduction, comm_dtype), _axis.wrap_inner(inner)
   )
 
 
@@ -214,7 +202,7 @@ def split_batch(batch: Any, num_towers: int) -> Any:
   References:
     TensorFlow 1.x, ``replicate_model_fn``'s input split (``_split_batch``).
   """
-  _common.check_positive_int("split_batch", "num_towers", num_towers)
+  _checks.check_positive_int("split_batch", "num_towers", num_towers)
   _check_same_batch_size(batch)
 
   def split(path, leaf):

@@ -41,7 +41,7 @@ import jax
 import numpy as np
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis
 from optax_dist._eval_params import eval_params
 
 
@@ -82,7 +82,7 @@ def _workers_axis_size(params: Any, opt_state: Any, worker: int, num_workers: in
     " Pass `worker=None` when the trees are not stacked over workers (one worker, or one"
     " worker's copy already selected)."
   )
-  size, ref = _common.workers_axis_size(
+  size, ref = _axis.workers_axis_size(
     f"save_eval_params(worker={worker})", params, opt_state, fix, num_workers)
   if ref is not None and not 0 <= worker < size:
     raise ValueError(

@@ -36,7 +36,7 @@ except ImportError as e:  # one line naming the extra, instead of Flax's own tra
     f'`optax_dist.flax` needs Flax: install it with `pip install "optax-dist[examples]"` ({e}).'
   ) from None
 
-from optax_dist import _common
+from optax_dist import _axis, _checks
 from optax_dist._eval_params import eval_params as _eval_params
 
 # Flax's key for variables updated by their gradient directly, not by ``tx``.
@@ -214,7 +214,7 @@ def sync_batch_stats(batch_stats: Any, axis_name: Hashable | tuple) -> Any:
   def mean(x):
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
       return x
-    return _common.cast_varying(jax.lax.pmean(x, axis_name), _common.varying_axes(x))
+    return _axis.cast_varying(jax.lax.pmean(x, axis_name), _axis.varying_axes(x))
 
   return jax.tree.map(mean, batch_stats)
 
@@ -452,13 +452,13 @@ def _check_training(fn: str, bn: nn.BatchNorm, path: tuple, args: tuple, kwargs:
       f" {where}. Pass the 'batch_stats' collection that model.init made."
     )
   given = kwargs.get("use_running_average", args[1] if len(args) > 1 else None)
-  if _common.concrete(bn.use_running_average if given is None else given):
+  if _checks.concrete(bn.use_running_average if given is None else given):
     raise ValueError(
       f"`{fn}`: the BatchNorm at {where} ran with use_running_average=True, so it computes no"
       " batch statistics. Pass what puts the model in training mode as keyword arguments,"
       " e.g. update_bn(..., train=True)."
     )
-  if _common.concrete(bn.momentum) == 1:
+  if _checks.concrete(bn.momentum) == 1:
     raise ValueError(
       f"`{fn}`: the BatchNorm at {where} has momentum=1, so it never stores batch statistics."
     )
@@ -471,7 +471,7 @@ def _mean_over_batches(stats: jax.Array, like: jax.Array, axis_name: Any) -> jax
   if axis_name is not None:
     mean = jax.lax.pmean(mean, axis_name)
   mean = mean.astype(jnp.result_type(like))
-  return _common.cast_varying(mean, _common.varying_axes(like))
+  return _axis.cast_varying(mean, _axis.varying_axes(like))
 
 
 def _check_batches(fn: str, batches: Any) -> None:
@@ -488,7 +488,7 @@ def _check_bound(fn: str, axis_name: Any) -> None:
   if axis_name is None:
     return
   names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  missing = [a for a in names if _common.axis_size(a) is None]
+  missing = [a for a in names if _axis.axis_size(a) is None]
   if missing:
     raise ValueError(
       f"`{fn}(axis_name={axis_name!r})`: axis {missing[0]!r} is not bound here, so the workers"

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dist
-from optax_dist import _resize
+from optax_dist import _state
 
 AXIS = "workers"
 N = 4
@@ -387,12 +387,16 @@ def test_agn_grad_accum_is_the_workers_mean_mid_period():
     )
 
 
-def test_every_state_field_has_a_rule():
+def test_every_state_declares_its_rules():
+  """Each library state declares, beside its fields, a resize rule per field and the fields
+  eval_params and resize_state read."""
   states = [getattr(optax_dist, n) for n in optax_dist.__all__ if n.endswith("State")]
-  assert set(_resize.FIELDS) == set(states)
-  for cls, rules in _resize.FIELDS.items():
-    assert list(rules) == list(cls._fields), cls.__name__
-    assert set(rules.values()) <= {_resize.KEEP, _resize.MEAN, _resize.INNER}
+  assert len(states) == 9
+  for cls in states:
+    assert list(cls.RESIZE) == list(cls._fields), cls.__name__
+    assert set(cls.RESIZE.values()) <= {_state.KEEP, _state.MEAN, _state.INNER}, cls.__name__
+    for declared in (cls.AVERAGE, cls.RESTART):
+      assert declared is None or declared in cls._fields, cls.__name__
 
 
 def test_resized_state_can_be_donated():

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import _common
+from optax_dist import _checks
 from optax_dist.async_emulator import simulators
 from optax_dist.async_emulator.protocols import AGN, DiLoCo, Downpour, ElasticAverage, Protocol
 from optax_dist.async_emulator.timing import Schedule
@@ -146,7 +146,7 @@ def _batch_indices(schedule, data, batch_size, seed):
       " `optax_dist.split_batch(data, num_workers)`."
     )
   m = next(iter(shapes))[1]
-  _common.check_positive_int("emulate", "batch_size", batch_size)
+  _checks.check_positive_int("emulate", "batch_size", batch_size)
   if batch_size > m:
     raise ValueError(
       f"`emulate(batch_size=...)` must be at most the examples per worker ({m}), got"
@@ -339,7 +339,7 @@ def _check_arguments(protocol, schedule, eval_every):
   if schedule.read_step is not None and not isinstance(protocol, Downpour):
     raise ValueError(f"`{fn}`: explicit `read_step`s are for the downpour protocol only.")
   if eval_every is not None:
-    _common.check_positive_int(fn, "eval_every", eval_every)
+    _checks.check_positive_int(fn, "eval_every", eval_every)
 
 
 def _device_events(schedule, index, next_read, chunk):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis, _checks
 
 __all__ = ("DelayedNesterovState", "delayed_nesterov")
 
@@ -101,13 +101,13 @@ def delayed_nesterov(
     <https://arxiv.org/abs/2401.09135>`_, 2024 (Algorithm 3, the Delayed Nesterov update).
   """
   fn = "delayed_nesterov"
-  _common.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
+  _checks.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
                        constraint="> 0")
-  _common.check_number(fn, "momentum", momentum, lower=0.0, constraint="in [0, 1)")
-  if (_common.concrete(momentum) or 0.0) >= 1.0:
+  _checks.check_number(fn, "momentum", momentum, lower=0.0, constraint="in [0, 1)")
+  if (_checks.concrete(momentum) or 0.0) >= 1.0:
     raise ValueError(f"`{fn}(momentum=...)` must be in [0, 1), got {momentum}.")
-  _common.check_positive_int(fn, "buffer_size", buffer_size)
-  _common.check_number(fn, "activation", activation, lower=0.0, upper=1.0 / buffer_size,
+  _checks.check_positive_int(fn, "buffer_size", buffer_size)
+  _checks.check_number(fn, "activation", activation, lower=0.0, upper=1.0 / buffer_size,
                        constraint=f"in [0, 1/buffer_size] = [0, {1.0 / buffer_size:g}]")
 
   def init_fn(params):
@@ -130,6 +130,6 @@ def delayed_nesterov(
       lambda m, g: (-learning_rate * (share * m + g / buffer_size)).astype(g.dtype), mom, updates)
     buffer = jax.tree.map(lambda d: jnp.where(moves, jnp.zeros_like(d), d), buffer)
     new_state = DelayedNesterovState(count=count, momentum=mom, buffer=buffer)
-    return steps, _common.keep_dtypes(new_state, state)
+    return steps, _axis.keep_dtypes(new_state, state)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -16,9 +16,9 @@ import dataclasses
 
 import optax
 
-from optax_dist import _common
+from optax_dist import _checks
 from optax_dist._agn import agn as _agn
-from optax_dist._diloco import default_outer
+from optax_dist._outer import default_outer
 from optax_dist._diloco import diloco as _diloco
 from optax_dist._elastic_average import BETA
 from optax_dist._elastic_average import elastic_average as _elastic_average
@@ -161,7 +161,7 @@ def downpour(server: optax.GradientTransformation) -> Downpour:
     <https://papers.nips.cc/paper/4687-large-scale-distributed-deep-networks>`_, NeurIPS 2012.
     TensorFlow 1.x, ``tf.contrib.opt.DropStaleGradientOptimizer``.
   """
-  _common.check_transformation("downpour", server)
+  _checks.check_transformation("downpour", server)
   return Downpour(server)
 
 

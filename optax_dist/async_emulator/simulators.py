@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _common
+from optax_dist import _axis
 from optax_dist._drop_stale_gradients import DropStaleGradientsState
 from optax_dist.async_emulator.protocols import AGN, DiLoCo, Downpour
 
@@ -229,7 +229,7 @@ class DiLoCoSim:
   params, the anchor each read, inner state, local step)."""
 
   def __init__(self, protocol, loss_fn, num_workers, only_steps):
-    self.inner = _common.wrap_inner(protocol.inner)
+    self.inner = _axis.wrap_inner(protocol.inner)
     self.outer = protocol.outer
     self.period = protocol.sync_period
     self.loss_fn = loss_fn
@@ -253,8 +253,8 @@ class DiLoCoSim:
     delta = jax.tree.map(lambda r, x: r - x.astype(r.dtype), read, new_x)
     steps, new_outer_state = self.outer.update(delta, outer_state, anchor)
     new_anchor = optax.apply_updates(anchor, steps)
-    return (_common.keep_dtypes(new_anchor, anchor),
-            _common.keep_dtypes(new_outer_state, outer_state))
+    return (_axis.keep_dtypes(new_anchor, anchor),
+            _axis.keep_dtypes(new_outer_state, outer_state))
 
   def event(self, carry, ev, batch):
     shared, rows = carry

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from optax_dist import _common
+from optax_dist import _checks
 
 __all__ = ("Cluster", "Schedule", "explicit_schedule")
 
@@ -130,15 +130,15 @@ class Cluster:
 
   def __post_init__(self):
     fn = "Cluster"
-    _common.check_positive_int(fn, "num_workers", self.num_workers)
-    _common.check_number(fn, "compute_time", self.compute_time, lower=0.0, lower_open=True,
+    _checks.check_positive_int(fn, "num_workers", self.num_workers)
+    _checks.check_number(fn, "compute_time", self.compute_time, lower=0.0, lower_open=True,
                          constraint="> 0")
-    _common.check_number(fn, "jitter", self.jitter, lower=0.0, upper=1.0, constraint="in [0, 1)")
+    _checks.check_number(fn, "jitter", self.jitter, lower=0.0, upper=1.0, constraint="in [0, 1)")
     if self.jitter >= 1.0:
       raise ValueError(f"`Cluster(jitter=...)` must be in [0, 1), got {self.jitter}.")
-    _common.check_number(fn, "slowdown", self.slowdown, lower=1.0, constraint=">= 1")
-    _common.check_number(fn, "latency", self.latency, lower=0.0, constraint=">= 0")
-    _common.check_int(fn, "seed", self.seed)
+    _checks.check_number(fn, "slowdown", self.slowdown, lower=1.0, constraint=">= 1")
+    _checks.check_number(fn, "latency", self.latency, lower=0.0, constraint=">= 0")
+    _checks.check_int(fn, "seed", self.seed)
     slow = self.straggler_ids
     bad = [i for i in slow if not 0 <= i < self.num_workers]
     if bad or len(set(slow)) != len(slow):
@@ -237,11 +237,11 @@ class Cluster:
     if (num_events is None) == (duration is None):
       raise ValueError(f"`{fn}` needs exactly one of `num_events` and `duration`.")
     if num_events is not None:
-      _common.check_positive_int(fn, "num_events", num_events)
+      _checks.check_positive_int(fn, "num_events", num_events)
     else:
-      _common.check_number(fn, "duration", duration, lower=0.0, lower_open=True,
+      _checks.check_number(fn, "duration", duration, lower=0.0, lower_open=True,
                            constraint="> 0")
-    _common.check_positive_int(fn, "communication_period", communication_period)
+    _checks.check_positive_int(fn, "communication_period", communication_period)
     presence = _Presence.parse(fn, self.num_workers, joins, leaves)
     crashes = _parse_restarts(fn, restarts, self.num_workers, presence)
     steps = self._all_steps(num_events, duration, communication_period, crashes, presence)
@@ -473,7 +473,7 @@ def explicit_schedule(events: Sequence[Any], *, num_workers: int | None = None) 
   worker, kind = (np.asarray(a, np.int64) for a in list(zip(*parsed))[:2])
   read = [r for _, _, r in parsed]
   n = int(worker.max()) + 1 if num_workers is None else num_workers
-  _common.check_positive_int(fn, "num_workers", n)
+  _checks.check_positive_int(fn, "num_workers", n)
   if worker.min() < 0 or worker.max() >= n:
     raise ValueError(
       f"`{fn}(events=...)`: worker indices must be in [0, {n}), got {sorted(set(worker))}."

@@ -14,7 +14,7 @@
   ``sgd(outer_learning_rate, momentum=outer_momentum, nesterov=True)``;
 * ``streaming_diloco``: ``streaming_diloco(adam, outer, sync_period=H, num_fragments=F,
   fragments=...)``, the params' leaves assigned to the fragments by size
-  (:func:`balanced_fragments`).
+  (``fragments="balanced"``).
 
 With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``diloco``,
 ``streaming_diloco``) are kept in float32.
@@ -46,22 +46,27 @@ SYNCED = ("local_sgd", "diloco", "streaming_diloco")
 def communicates(settings: Settings, step: int) -> bool | None:
   """Whether step ``step`` (from 1) of ``settings.algorithm`` makes its periodic exchange.
 
-  The counter rule of the algorithm's transformation, written out: the trainer passes it to
+  The schedule of the algorithm's transformation, from the library: the trainer passes it to
   ``update`` as the static ``communicate`` hint, and compiles one step of each kind.
   ``streaming_diloco``: some fragment syncs; ``local_sgd``: the model average (its warm-up's
   all-reduce follows the counter). ``None`` for the algorithms that communicate on every step.
   """
+  import optax_dist
+
   s = settings
-  if s.algorithm in PERIODIC:
-    return step % s.communication_period == 0
+  if s.algorithm == "elastic_average":
+    return optax_dist.elastic_average_communicates(
+      step, communication_period=s.communication_period)
+  if s.algorithm == "agn":
+    return optax_dist.agn_communicates(step, communication_period=s.communication_period)
   if s.algorithm == "local_sgd":
-    return step > s.warmup_steps and (step - s.warmup_steps) % s.sync_period == 0
+    return optax_dist.local_sgd_syncs(step, sync_period=s.sync_period,
+                                      warmup_steps=s.warmup_steps)
   if s.algorithm == "diloco":
-    return step % s.sync_period == 0
+    return optax_dist.diloco_syncs(step, sync_period=s.sync_period)
   if s.algorithm == "streaming_diloco":
-    offsets = {((f + 1) * s.sync_period // s.num_fragments) % s.sync_period
-               for f in range(s.num_fragments)}
-    return step % s.sync_period in offsets
+    return optax_dist.streaming_diloco_syncs(step, sync_period=s.sync_period,
+                                             num_fragments=s.num_fragments)
   return None
 
 
@@ -75,22 +80,6 @@ def communication_rounds(settings: Settings, steps: int) -> int:
     return steps
   warmup = min(steps, settings.warmup_steps) if settings.algorithm == "local_sgd" else 0
   return warmup + sum(bool(communicates(settings, t)) for t in range(1, steps + 1))
-
-
-def balanced_fragments(params: Any, num_fragments: int) -> Any:
-  """Assigns ``params``' leaves to ``num_fragments`` fragments, the largest leaf first to the
-  fragment with the fewest elements so far: the syncs' bytes are as equal as the leaves allow
-  (the contiguous default of :func:`optax_dist.streaming_diloco` can leave a fragment empty on
-  a small MLP). Returns ``params``' tree of fragment ids."""
-  import jax
-  import numpy as np
-
-  leaves, treedef = jax.tree.flatten(params)
-  sizes, ids = np.zeros(num_fragments, np.int64), [0] * len(leaves)
-  for j in sorted(range(len(leaves)), key=lambda j: -int(np.size(leaves[j]))):
-    ids[j] = int(np.argmin(sizes))
-    sizes[ids[j]] += int(np.size(leaves[j]))
-  return jax.tree.unflatten(treedef, ids)
 
 
 def make_optimizer(settings: Settings, params: Any = None) -> Any:
@@ -155,4 +144,4 @@ def _diloco_family(settings: Settings, inner: Any, params: Any) -> Any:
                      " assign their leaves to fragments.")
   return optax_dist.streaming_diloco(
     inner, outer, num_fragments=s.num_fragments,
-    fragments=balanced_fragments(params, s.num_fragments), **common)
+    fragments="balanced", **common)
