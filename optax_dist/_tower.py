@@ -1,7 +1,9 @@
-"""Synchronous gradient reduction across device towers (TF's ``TowerOptimizer``)."""
+"""Synchronous gradient reduction across the workers (TF's ``TowerOptimizer``, whose device towers
+are the workers here)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -17,7 +19,7 @@ _REDUCTIONS = ("mean", "sum")
 def all_reduce(
   axis_name: Hashable, reduction: str = "mean", *, comm_dtype: Any = None
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Replaces the updates by their sum or mean over the towers of ``axis_name``.
+  r"""Replaces the updates by their sum or mean over the workers of ``axis_name``.
 
   .. math::
 
@@ -26,15 +28,15 @@ def all_reduce(
     g \leftarrow \tfrac{1}{N} \textstyle\sum_{k=1}^{N} g_k \quad (\text{``"mean"``, every
       other TF reduction})
 
-  The result is the sum or mean of the per-tower gradients whichever way the towers were mapped.
-  Under ``vmap``, ``pmap``, and ``shard_map`` with per-tower params, each tower's gradient varies
+  The result is the sum or mean of the per-worker gradients whichever way the workers were mapped.
+  Under ``vmap``, ``pmap``, and ``shard_map`` with per-worker params, each worker's gradient varies
   over the axis and is reduced with ``psum``/``pmean``. Under ``shard_map`` (varying types
   checked, its default) with params replicated as ``P()``, autodiff has already summed the
-  gradient over the towers and typed it invariant: ``"sum"`` leaves it as is and ``"mean"``
-  divides it by :math:`N` (a plain ``pmean`` would count the towers twice). With
-  ``axis_name=None`` (one tower), updates pass through unreduced.
+  gradient over the workers and typed it invariant: ``"sum"`` leaves it as is and ``"mean"``
+  divides it by :math:`N` (a plain ``pmean`` would count the workers twice). With
+  ``axis_name=None`` (one worker), updates pass through unreduced.
 
-  ``axis_name`` may be a tuple of mesh axes (e.g. ``("hosts", "gpus")``): the towers are the
+  ``axis_name`` may be a tuple of mesh axes (e.g. ``("hosts", "gpus")``): the workers are the
   positions of all of them together, :math:`N` is the product of their sizes, and the rule above
   applies per axis: a leaf is ``psum``-med over the axes it varies over and treated as already
   summed over those where types are checked and it is invariant (e.g. params ``P("hosts")``
@@ -47,8 +49,8 @@ def all_reduce(
   ``comm_dtype``.
 
   Args:
-    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the towers; ``None``
-      for one tower.
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers; ``None``
+      for one worker.
     reduction: ``"mean"`` or ``"sum"``.
     comm_dtype: the floating dtype in which the gradients are communicated (e.g.
       ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) communicates each leaf
@@ -74,9 +76,9 @@ def all_reduce(
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax_dist
-    >>> tx = optax_dist.all_reduce("towers", reduction="sum")
+    >>> tx = optax_dist.all_reduce("workers", reduction="sum")
     >>> reduce = lambda g: tx.update(g, tx.init(g))[0]
-    >>> jax.vmap(reduce, axis_name="towers")(jnp.array([1.0, 2.0, 3.0]))
+    >>> jax.vmap(reduce, axis_name="workers")(jnp.array([1.0, 2.0, 3.0]))
     Array([6., 6., 6.], dtype=float32)
 
   References:
@@ -110,7 +112,7 @@ def tower(
   reduction: str = "mean",
   comm_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Reduces the gradients of all towers, then takes one ``inner`` step on the result.
+  r"""Reduces the gradients of all workers, then takes one ``inner`` step on the result.
 
   ``tower(inner, axis_name, reduction=r, comm_dtype=c)`` is
   ``optax.chain(all_reduce(axis_name, r, comm_dtype=c), inner)``:
@@ -120,13 +122,13 @@ def tower(
     u = \mathrm{inner}\big(\textstyle\sum_k g_k\big) \ (\text{``"sum"``}) \quad\text{or}\quad
     u = \mathrm{inner}\big(\tfrac{1}{N}\textstyle\sum_k g_k\big) \ (\text{``"mean"``})
 
-  identical on every tower when every tower starts from the same params and state: synchronous
+  identical on every worker when every worker starts from the same params and state: synchronous
   data parallelism. See :func:`all_reduce` for how the reduction adapts to the mapping.
 
   Args:
     inner: the optimizer applied once per step to the reduced gradients.
-    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the towers.
-    reduction: ``"mean"`` (TF's default losses, divided by the number of towers) or ``"sum"``.
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers.
+    reduction: ``"mean"`` (TF's default losses, divided by the number of workers) or ``"sum"``.
     comm_dtype: the floating dtype in which the gradients are all-reduced (e.g.
       ``jnp.bfloat16``); ``None`` (default) uses each gradient's own dtype. ``inner`` always
       receives the reduced gradients in their own dtype.
@@ -154,13 +156,13 @@ def tower(
     :math:`x = y = 1` and :math:`2`, summed, SGD with learning rate 1:
 
     >>> import jax, jax.numpy as jnp, optax, optax_dist
-    >>> tx = optax_dist.tower(optax.sgd(1.0), "towers", reduction="sum")
+    >>> tx = optax_dist.tower(optax.sgd(1.0), "workers", reduction="sum")
     >>> c = jnp.array(10.0)
     >>> def step(x, y):
     ...   g = jax.grad(lambda c: jnp.abs(x * c - y))(c)
     ...   updates, _ = tx.update(g, tx.init(c), c)
     ...   return optax.apply_updates(c, updates)
-    >>> jax.vmap(step, axis_name="towers")(jnp.array([1.0, 2.0]), jnp.array([1.0, 2.0]))
+    >>> jax.vmap(step, axis_name="workers")(jnp.array([1.0, 2.0]), jnp.array([1.0, 2.0]))
     Array([7., 7.], dtype=float32)
 
   References:
@@ -174,24 +176,31 @@ def tower(
   )
 
 
-def split_batch(batch: Any, num_towers: int) -> Any:
-  """Splits every leaf of ``batch`` on axis 0 into ``num_towers`` equal shards.
+def split_batch(
+  batch: Any, num_workers: int | None = None, *, num_towers: int | None = None
+) -> Any:
+  """Splits every leaf of ``batch`` on axis 0 into ``num_workers`` equal shards.
 
   Args:
     batch: a pytree of arrays whose leaves share the leading (batch) dimension :math:`B`.
-    num_towers: the number of shards :math:`N`, a positive int dividing :math:`B`.
+    num_workers: the number of shards :math:`N`, one per worker, a positive int dividing
+      :math:`B`.
+    num_towers: the former name of ``num_workers`` (TF's towers), deprecated: it still works
+      and warns (``DeprecationWarning``).
 
   Returns:
     The same tree with leaves of shape ``(N, B // N, ...)``, ready to be mapped over
-    (``vmap``/``pmap``) or placed with a ``NamedSharding`` over the tower axis for ``shard_map``.
+    (``vmap``/``pmap``) or placed with a ``NamedSharding`` over the workers' axis for
+    ``shard_map``.
 
   Collectives:
     None: call it outside the mapped step, on the whole batch.
 
   Raises:
-    ValueError: ``num_towers`` not a positive int; a leaf is 0-d; the leaves' leading sizes
+    TypeError: ``num_workers`` not an int; both ``num_workers`` and ``num_towers`` given.
+    ValueError: ``num_workers`` not positive; a leaf is 0-d; the leaves' leading sizes
       differ (the shards would no longer line up); the batch size is not divisible by
-      ``num_towers``.
+      ``num_workers``.
 
   Examples:
     >>> import jax.numpy as jnp, optax_dist
@@ -202,7 +211,15 @@ def split_batch(batch: Any, num_towers: int) -> Any:
   References:
     TensorFlow 1.x, ``replicate_model_fn``'s input split (``_split_batch``).
   """
-  _checks.check_positive_int("split_batch", "num_towers", num_towers)
+  if num_towers is not None:
+    if num_workers is not None:
+      raise TypeError("`split_batch`: pass `num_workers` only (`num_towers` is its former name).")
+    warnings.warn(
+      "`split_batch(num_towers=...)` is deprecated: pass `num_workers=...` (same meaning).",
+      DeprecationWarning, stacklevel=2,
+    )
+    num_workers = num_towers
+  _checks.check_positive_int("split_batch", "num_workers", num_workers)
   _check_same_batch_size(batch)
 
   def split(path, leaf):
@@ -212,12 +229,12 @@ def split_batch(batch: Any, num_towers: int) -> Any:
         f"`split_batch`: the leaf at {jax.tree_util.keystr(path) or '<root>'} is a scalar;"
         " every leaf needs a leading batch dimension."
       )
-    if shape[0] % num_towers:
+    if shape[0] % num_workers:
       raise ValueError(
-        f"`split_batch`: the batch size must be divisible by the number of towers, got batch"
-        f" size {shape[0]} and {num_towers} towers."
+        f"`split_batch`: the batch size must be divisible by the number of workers, got batch"
+        f" size {shape[0]} and {num_workers} workers."
       )
-    return leaf.reshape((num_towers, shape[0] // num_towers) + tuple(shape[1:]))
+    return leaf.reshape((num_workers, shape[0] // num_workers) + tuple(shape[1:]))
 
   return jax.tree_util.tree_map_with_path(split, batch)
 

@@ -451,7 +451,7 @@ def test_split_batch_labels_dict():
 
 def test_split_batch_not_divisible():
   """``test_batch_size_that_is_not_divisible_by_the_number_of_gpus``: 3 rows, 2 towers."""
-  with pytest.raises(ValueError, match=r"(?s)batch size.*divisible.*number of towers") as info:
+  with pytest.raises(ValueError, match=r"(?s)batch size.*divisible.*number of workers") as info:
     optax_dist.split_batch({"x": jnp.ones((3, 1))}, 2)
   assert "3" in str(info.value) and "2" in str(info.value)
 

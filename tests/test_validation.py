@@ -389,8 +389,8 @@ def test_grad_step_accepts_python_and_array_integers():
 @pytest.mark.parametrize("batch,towers", [(5, 2), (6, 4), (3, 8)])
 def test_split_batch_size_must_divide(batch, towers):
   pattern = re.escape(
-    f"`split_batch`: the batch size must be divisible by the number of towers, got batch size"
-    f" {batch} and {towers} towers."
+    f"`split_batch`: the batch size must be divisible by the number of workers, got batch size"
+    f" {batch} and {towers} workers."
   )
   with pytest.raises(ValueError, match=pattern):
     optax_dist.split_batch({"x": np.zeros((batch, 2))}, towers)
@@ -400,11 +400,11 @@ def test_split_batch_rejects_scalars_and_bad_tower_counts():
   with pytest.raises(ValueError, match=re.escape("`split_batch`: the leaf at ['y'] is a scalar")):
     optax_dist.split_batch({"x": np.zeros(4), "y": np.float32(1.0)}, 2)
   with pytest.raises(
-    ValueError, match=error("split_batch", "num_towers", "must be a positive int", 0)
+    ValueError, match=error("split_batch", "num_workers", "must be a positive int", 0)
   ):
     optax_dist.split_batch(np.zeros(4), 0)
   with pytest.raises(
-    TypeError, match=error("split_batch", "num_towers", "must be a positive int", 2.0)
+    TypeError, match=error("split_batch", "num_workers", "must be a positive int", 2.0)
   ):
     optax_dist.split_batch(np.zeros(4), 2.0)
 
@@ -569,3 +569,12 @@ def test_elastic_average_warns_when_the_center_would_overshoot():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     jax.vmap(stable.update, axis_name=AXIS)(jnp.zeros_like(params), state, params)
+
+
+def test_split_batch_num_towers_is_deprecated_and_equal():
+  batch = {"x": jnp.arange(8.0)}
+  with pytest.warns(DeprecationWarning, match="num_towers"):
+    old = optax_dist.split_batch(batch, num_towers=4)
+  np.testing.assert_array_equal(old["x"], optax_dist.split_batch(batch, num_workers=4)["x"])
+  with pytest.raises(TypeError, match="num_towers"):
+    optax_dist.split_batch(batch, 4, num_towers=4)
