@@ -1,0 +1,200 @@
+"""The global view: ``jax.jit`` of ``jax.vmap(update, axis_name=..., spmd_axis_name=...)`` over
+replicas stacked on a mesh axis, each replica's params sharded over an inner axis (FSDP).
+
+* Without the hint, a non-communication step's compiled program has no params-sized
+  collective outside a conditional (the predicate is agreed: one 4-byte all-reduce).
+* Every transformation gives the values of plain ``jax.vmap(axis_name=...)`` on one device and
+  of a partial-manual ``jax.shard_map(..., axis_names={"replica"})`` (default ``check_vma``),
+  on 2×4 and 4×2 meshes, keeps the params' and state's shardings, and a hinted
+  non-communication step has no collective.
+* :func:`optax_dist.state_shardings` places a new state (``out_shardings``) and an Orbax restore.
+* Explicit mesh axes: what runs and what JAX refuses.
+* Flax: NNX ``nnx.Optimizer`` and Linen ``TrainState`` with a sharded model under DiLoCo.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_dist
+
+R = "replica"
+MESHES = {"2x4": (2, 4), "4x2": (4, 2)}
+PERIOD = 2
+STEPS = 4
+SPECS = {"w": P("inner", None), "b": P("inner")}  # one replica's layout
+
+# The three programs reduce over the replicas in different orders (an XLA all-reduce across
+# devices, a reduction over vmap's batch dimension) and fuse differently: after four steps they
+# differ by at most one float32 ulp of the O(1) params (1.5e-7 measured), and Adam's moments
+# near zero by ~2e-8 (relative 1.5e-6 there, hence the absolute floor).
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def transformations():
+  adam = optax.adam(1e-2)
+  nesterov = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  return {
+    "tower": optax_dist.tower(adam, R),
+    "elastic_average": optax_dist.elastic_average(
+      adam, communication_period=PERIOD, moving_rate=0.2, axis_name=R),
+    "agn": optax_dist.agn(adam, communication_period=PERIOD, axis_name=R),
+    "moving_average": optax_dist.moving_average(optax_dist.tower(adam, R), decay=0.9),
+    "drop_stale_gradients": optax_dist.drop_stale_gradients(optax_dist.tower(adam, R), 2),
+    "local_sgd": optax_dist.local_sgd(adam, sync_period=PERIOD, axis_name=R),
+    "diloco": optax_dist.diloco(adam, nesterov, sync_period=PERIOD, axis_name=R),
+    "streaming_diloco": optax_dist.streaming_diloco(
+      adam, nesterov, sync_period=PERIOD, num_fragments=2, fragments={"w": 0, "b": 1},
+      axis_name=R),
+    "apply_if_finite": optax_dist.apply_if_finite(adam, 3, axis_name=R),
+    "accumulate_then_reduce": optax_dist.accumulate_then_reduce(adam, PERIOD, R),
+  }
+
+
+NAMES = list(transformations())
+PERIODIC = ["diloco", "local_sgd", "streaming_diloco", "elastic_average", "agn"]
+
+
+def make_mesh(shape, axis_type=AxisType.Auto):
+  return jax.make_mesh(shape, (R, "inner"), axis_types=(axis_type,) * 2)
+
+
+def one_replica():
+  return {"w": jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), "b": jnp.linspace(0.5, 1.0, 8)}
+
+
+def stacked(tree, n):
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), tree)
+
+
+def step_fn(tx, **hint):
+  """One replica's step: its own gradients (they differ between replicas), then ``update``."""
+
+  def step(params, state, t, replica):
+    grads = jax.tree.map(lambda p: jnp.sin(3.0 * p + t + replica), params)
+    updates, state = tx.update(grads, state, params, **hint)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def global_view(tx, **hint):
+  return jax.jit(jax.vmap(
+    step_fn(tx, **hint), in_axes=(0, 0, None, 0), axis_name=R, spmd_axis_name=R))
+
+
+def emulated(tx):
+  return jax.jit(jax.vmap(step_fn(tx), in_axes=(0, 0, None, 0), axis_name=R))
+
+
+def partial_manual(tx, mesh):
+  step = step_fn(tx)
+
+  def body(params, state, t, replica):
+    squeeze = functools.partial(jax.tree.map, lambda x: x[0])
+    new = step(squeeze(params), squeeze(state), t, replica[0])
+    return jax.tree.map(lambda x: x[None], new)
+
+  return jax.jit(jax.shard_map(
+    body, mesh=mesh, in_specs=(P(R), P(R), P(), P(R)), out_specs=P(R), axis_names={R}))
+
+
+def placed(tx, mesh):
+  """Stacked params and a new state on ``mesh``: params ``P(R, *spec)``, state by
+  :func:`optax_dist.state_shardings` (``out_shardings`` of the jitted init)."""
+  n = mesh.shape[R]
+  shardings = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
+  params = jax.device_put(
+    stacked(one_replica(), n), {k: NamedSharding(mesh, P(R, *s)) for k, s in SPECS.items()})
+  state_sh = optax_dist.state_shardings(tx, one_replica(), shardings, replica_axis=R)
+  state = jax.jit(jax.vmap(tx.init), out_shardings=state_sh)(params)
+  replicas = jax.device_put(jnp.arange(n, dtype=jnp.float32), NamedSharding(mesh, P(R)))
+  return params, state, replicas
+
+
+def run(step, params, state, replicas, steps=STEPS):
+  for t in range(1, steps + 1):
+    params, state = step(params, state, jnp.float32(t), replicas)
+  return params, state
+
+
+# apply_if_finite's `last_finite` is agreed over the replicas (a psum), so XLA returns it
+# replicated, P(), rather than P(R): the same values. A loop that pins `out_shardings` to the
+# state's shardings (docs/global_view.md) avoids the one recompilation this causes.
+REPLICATED = {"apply_if_finite": "[1].last_finite"}
+
+
+def assert_same_shardings(got, want, name=None):
+  for (path, g), w in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+  ):
+    if REPLICATED.get(name) == jax.tree_util.keystr(path):
+      assert g.sharding.is_fully_replicated
+      continue
+    assert g.sharding.is_equivalent_to(w.sharding, w.ndim), (jax.tree_util.keystr(path), g, w)
+
+
+# ----------------------------------------------------------------------------------------------
+# The agreed predicate: no params-sized collective outside the conditional.
+
+
+@pytest.mark.parametrize("name", PERIODIC)
+def test_unhinted_step_keeps_the_exchange_inside_a_conditional(name):
+  tx = transformations()[name]
+  mesh = make_mesh(MESHES["2x4"])
+  params, state, replicas = placed(tx, mesh)
+  report = optax_dist.communication_report(
+    global_view(tx), params, state, jnp.float32(1), replicas)
+  # The exchange is conditional; outside it only the agreed predicates, one int32 pmax per
+  # conditional (streaming_diloco has one per fragment).
+  exchanges = len(report.per_conditional)
+  assert exchanges == (2 if name == "streaming_diloco" else 1), report.conditional
+  assert report.unconditional.bytes <= 4 * exchanges, report.unconditional
+  assert all(s in ("s32[]", "pred[]") for c in report.unconditional for s in c.shapes)
+  assert report.non_communication_step.bytes == report.unconditional.bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# Every transformation: the global view, vmap on one device and partial-manual shard_map agree.
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("name", NAMES)
+def test_global_view_equals_vmap_and_partial_manual_shard_map(name, mesh_name):
+  tx = transformations()[name]
+  mesh = make_mesh(MESHES[mesh_name])
+  params, state, replicas = placed(tx, mesh)
+
+  got = run(global_view(tx), params, state, replicas)
+  assert_same_shardings(got, (params, state), name)
+  manual = run(partial_manual(tx, mesh), params, state, replicas)
+  assert_same_shardings(manual, (params, state))
+  one_device = jax.device_put((params, state, replicas), jax.devices()[0])
+  want = run(emulated(tx), *one_device)
+  chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=RTOL, atol=ATOL)
+  chex.assert_trees_all_close(jax.device_get(manual), jax.device_get(want), rtol=RTOL, atol=ATOL)
+  # The params moved, and the replicas differ where the algorithm keeps them apart.
+  assert not np.allclose(got[0]["w"], params["w"])
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("name", PERIODIC)
+def test_hinted_non_communication_step_has_no_collective(name, mesh_name):
+  tx = transformations()[name]
+  mesh = make_mesh(MESHES[mesh_name])
+  params, state, replicas = placed(tx, mesh)
+  quiet = optax_dist.communication_report(
+    global_view(tx, communicate=False), params, state, jnp.float32(1), replicas)
+  assert not quiet.collectives, quiet.collectives
+  loud = optax_dist.communication_report(
+    global_view(tx, communicate=True), params, state, jnp.float32(1), replicas)
+  assert loud.communication_step.bytes > 0
