@@ -198,3 +198,123 @@ def test_hinted_non_communication_step_has_no_collective(name, mesh_name):
   loud = optax_dist.communication_report(
     global_view(tx, communicate=True), params, state, jnp.float32(1), replicas)
   assert loud.communication_step.bytes > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# state_shardings: a new state placed by out_shardings, a checkpoint restored onto the mesh.
+
+
+def expected_spec(path, leaf):
+  """What the state's leaf at ``path`` should be sharded as: a params-shaped leaf like the param
+  it mirrors (the last key of its path), anything else over the replicas only."""
+  key = path[-1].key if path and isinstance(path[-1], jax.tree_util.DictKey) else None
+  if key in SPECS and leaf.shape[1:] == one_replica()[key].shape:
+    return P(R, *SPECS[key])
+  return P(R)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_shardings_places_a_new_state_like_the_params_inside_each_replica(name):
+  tx = transformations()[name]
+  mesh = make_mesh(MESHES["2x4"])
+  _, state, _ = placed(tx, mesh)
+  leaves = jax.tree_util.tree_leaves_with_path(state)
+  assert any(leaf.ndim > 1 for _, leaf in leaves)
+  for path, leaf in leaves:
+    spec = expected_spec(path, leaf)
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (path, spec)
+    # Each device holds its replica's row and its quarter of the param's first dimension.
+    per_device = (1, leaf.shape[1] // 4, *leaf.shape[2:]) if len(spec) > 1 else (1, *leaf.shape[1:])
+    assert {s.data.shape for s in leaf.addressable_shards} == {per_device}, path
+
+
+def test_state_shardings_keeps_streaming_diloco_masked_fragments_and_takes_specs():
+  tx = transformations()["streaming_diloco"]
+  specs = optax_dist.state_shardings(tx, one_replica(), SPECS)
+  traces = [outer[0].trace for outer in specs.outer_state]
+  assert traces[0]["b"] == optax.MaskedNode() and traces[1]["w"] == optax.MaskedNode()
+  assert traces[0]["w"] == P(R, "inner", None) and traces[1]["b"] == P(R, "inner")
+  assert specs.local_step == P(R)
+  with pytest.raises(ValueError, match=r"params\['w'\].*already names 'replica'"):
+    optax_dist.state_shardings(tx, one_replica(), {"w": P(R), "b": P()})
+  with pytest.raises(ValueError, match="one sharding per leaf"):
+    optax_dist.state_shardings(tx, one_replica(), {"w": P()})
+
+
+def test_orbax_restores_a_state_onto_the_mesh_and_resize_state_onto_other_replicas(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  tx = transformations()["diloco"]
+  mesh = make_mesh(MESHES["2x4"])
+  params, state, replicas = placed(tx, mesh)
+  params, state = run(global_view(tx), params, state, replicas, steps=3)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+
+  # A fresh process would know only the shapes and the mesh: eval_shape and state_shardings.
+  shardings = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
+  state_sh = optax_dist.state_shardings(tx, one_replica(), shardings)
+  abstract_params = jax.eval_shape(lambda: stacked(one_replica(), 2))
+  abstract_state = jax.eval_shape(jax.vmap(tx.init), abstract_params)
+  abstract = {
+    "params": jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(R, *s))),
+      abstract_params, SPECS),
+    "opt_state": jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state_sh),
+  }
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(tmp_path / "ckpt", abstract)
+  chex.assert_trees_all_equal(jax.device_get(restored["opt_state"]), jax.device_get(state))
+  assert_same_shardings((restored["params"], restored["opt_state"]), (params, state))
+  # The restored state trains on in the global view, without recompiling for new shardings.
+  run(global_view(tx), restored["params"], restored["opt_state"], replicas, steps=1)
+
+  # The same checkpoint continues on four replicas (a 4x2 mesh).
+  state4, params4 = optax_dist.resize_state(tx, restored["opt_state"], restored["params"], 4)
+  mesh4 = make_mesh(MESHES["4x2"])
+  state4 = jax.device_put(state4, optax_dist.state_shardings(
+    tx, one_replica(), {k: NamedSharding(mesh4, s) for k, s in SPECS.items()}))
+  params4 = jax.device_put(params4, {k: NamedSharding(mesh4, P(R, *s)) for k, s in SPECS.items()})
+  np.testing.assert_array_equal(state4.anchor["w"][3], state.anchor["w"][0])
+  replicas4 = jax.device_put(jnp.arange(4, dtype=jnp.float32), NamedSharding(mesh4, P(R)))
+  params4, state4 = run(global_view(tx), params4, state4, replicas4, steps=2)
+  assert state4.anchor["w"].sharding.is_equivalent_to(NamedSharding(mesh4, P(R, "inner")), 3)
+  assert np.isfinite(params4["w"]).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Explicit mesh axes (jax.sharding.AxisType.Explicit, jax.set_mesh).
+
+
+def test_explicit_axes_run_plain_adam_once_the_counters_are_sharded_over_the_replicas():
+  tx = optax.adam(1e-2)
+  mesh = make_mesh(MESHES["2x4"], AxisType.Explicit)
+  step = jax.jit(jax.vmap(tx.update, axis_name=R, spmd_axis_name=R))
+  with jax.set_mesh(mesh):
+    params = jax.device_put(stacked(one_replica(), 2), {k: P(R, *s) for k, s in SPECS.items()})
+    # Without out_shardings the count is built replicated, and vmap refuses the mix.
+    state = jax.jit(jax.vmap(tx.init))(params)
+    with pytest.raises(ValueError, match="inconsistent axis specs"):
+      step(params, state, params)
+    state_sh = optax_dist.state_shardings(tx, one_replica(), SPECS)
+    state = jax.jit(jax.vmap(tx.init), out_shardings=state_sh)(params)
+    updates, new_state = step(params, state, params)
+  assert jax.typeof(new_state[0].count).sharding.spec == P(R)
+  assert jax.typeof(new_state[0].mu["w"]).sharding.spec == P(R, "inner", None)
+
+
+@pytest.mark.xfail(
+  strict=True, raises=AssertionError,
+  reason="JAX 0.10.2: a collective over the spmd_axis_name of vmap on an Explicit mesh axis"
+  " fails in jax._src.core._make_lengths_same (AssertionError: (0, P('replica',))); use"
+  " automatic axes or shard_map",
+)
+def test_explicit_axes_run_diloco():
+  tx = transformations()["diloco"]
+  mesh = make_mesh(MESHES["2x4"], AxisType.Explicit)
+  with jax.set_mesh(mesh):
+    params = jax.device_put(stacked(one_replica(), 2), {k: P(R, *s) for k, s in SPECS.items()})
+    state_sh = optax_dist.state_shardings(tx, one_replica(), SPECS)
+    state = jax.jit(jax.vmap(tx.init), out_shardings=state_sh)(params)
+    replicas = jax.device_put(jnp.arange(2, dtype=jnp.float32), P(R))
+    run(global_view(tx), params, state, replicas, steps=1)
