@@ -73,7 +73,7 @@ def one_replica():
 
 
 def stacked(tree, n):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), tree)
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
 
 
 def step_fn(tx, **hint):
@@ -318,3 +318,106 @@ def test_explicit_axes_run_diloco():
     state = jax.jit(jax.vmap(tx.init), out_shardings=state_sh)(params)
     replicas = jax.device_put(jnp.arange(2, dtype=jnp.float32), P(R))
     run(global_view(tx), params, state, replicas, steps=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Flax: a sharded Dense layer trained with DiLoCo in the global view.
+
+D_IN, D_OUT, BATCH = 4, 8, 3
+KERNEL, BIAS = P(None, "inner"), P("inner")
+
+
+def batches(n, steps=STEPS):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(steps, n, BATCH, D_IN)).astype(np.float32)
+  y = rng.normal(size=(steps, n, BATCH, D_OUT)).astype(np.float32)
+  return x, y
+
+
+def train_global_and_emulated(step, state, mesh, shardings):
+  """``STEPS`` steps of ``step`` (one replica's) in the global view on ``mesh`` from ``state``
+  placed by ``shardings``, and under plain vmap on one device; returns both end states."""
+  n = mesh.shape[R]
+  xs, ys = batches(n)
+  data = NamedSharding(mesh, P(R))
+  results = []
+  for mapped, put in (
+    (jax.vmap(step, axis_name=R, spmd_axis_name=R), lambda t, s: jax.device_put(t, s)),
+    (jax.vmap(step, axis_name=R), lambda t, s: jax.device_put(t, jax.devices()[0])),
+  ):
+    mapped = jax.jit(mapped)
+    current = put(state, shardings)
+    for x, y in zip(xs, ys):
+      current = mapped(current, put(x, data), put(y, data))
+    results.append(current)
+  return results
+
+
+def test_nnx_optimizer_with_a_sharded_model_in_the_global_view():
+  from flax import nnx
+
+  tx = transformations()["diloco"]
+  mesh = make_mesh(MESHES["2x4"])
+  model = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+  state = stacked(state, 2)
+
+  # Every leaf shaped like the kernel or the bias (the params, DiLoCo's anchor, the moments)
+  # is sharded like it inside each replica; the counters over the replicas only.
+  def sharding_of(x):
+    spec = {(2, D_IN, D_OUT): P(R, *KERNEL), (2, D_OUT): P(R, *BIAS)}.get(x.shape, P(R))
+    return NamedSharding(mesh, spec)
+
+  shardings = jax.tree.map(sharding_of, state)
+
+  def step(state, x, y):
+    model, optimizer = nnx.merge(graphdef, state)
+    grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  got, want = train_global_and_emulated(step, state, mesh, shardings)
+  chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=RTOL, atol=ATOL)
+  for leaf, sharding in zip(jax.tree.leaves(got), jax.tree.leaves(shardings), strict=True):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+  model, optimizer = nnx.merge(graphdef, got)
+  anchor = nnx.as_pure(optimizer.opt_state).anchor["kernel"]
+  assert anchor.sharding.is_equivalent_to(NamedSharding(mesh, P(R, *KERNEL)), 3)
+  # Two syncs in four steps: the replicas end on the same anchor.
+  np.testing.assert_array_equal(anchor[0], anchor[1])
+
+
+def test_linen_train_state_with_a_sharded_model_in_the_global_view():
+  from flax import linen as nn
+
+  from optax_dist.flax import TrainState
+
+  tx = transformations()["diloco"]
+  mesh = make_mesh(MESHES["2x4"])
+  dense = nn.Dense(D_OUT)
+  params = dense.init(jax.random.key(0), jnp.zeros((1, D_IN)))
+  specs = {"params": {"kernel": KERNEL, "bias": BIAS}}
+  state = stacked(TrainState.create(apply_fn=dense.apply, params=params, tx=tx), 2)
+  named = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  # The train state's shardings: the step over the replicas, the params P(R, *spec), the
+  # optimizer state from state_shardings.
+  shardings = state.replace(
+    step=NamedSharding(mesh, P(R)),
+    params=jax.tree.map(lambda s: NamedSharding(mesh, P(R, *s)), specs),
+    opt_state=optax_dist.state_shardings(tx, params, named),
+  )
+
+  def step(state, x, y):
+    grads = jax.grad(lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  got, want = train_global_and_emulated(step, state, mesh, shardings)
+  chex.assert_trees_all_close(
+    jax.device_get((got.params, got.opt_state)), jax.device_get((want.params, want.opt_state)),
+    rtol=RTOL, atol=ATOL)
+  assert got.opt_state.anchor["params"]["kernel"].sharding.is_equivalent_to(
+    NamedSharding(mesh, P(R, *KERNEL)), 3)
+  assert got.params["params"]["bias"].sharding.is_equivalent_to(
+    NamedSharding(mesh, P(R, *BIAS)), 2)
+  np.testing.assert_array_equal(got.opt_state.anchor["params"]["kernel"][0],
+                                got.opt_state.anchor["params"]["kernel"][1])
