@@ -421,3 +421,41 @@ def test_linen_train_state_with_a_sharded_model_in_the_global_view():
     NamedSharding(mesh, P(R, *BIAS)), 2)
   np.testing.assert_array_equal(got.opt_state.anchor["params"]["kernel"][0],
                                 got.opt_state.anchor["params"]["kernel"][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient accumulation around or inside diloco.
+
+
+def test_multisteps_inside_diloco_exchanges_once_per_sync_with_the_results_of_outside():
+  """``optax.MultiSteps(diloco(inner, sync_period=H), k)`` under vmap: MultiSteps' own
+  conditional has a batched predicate, so it runs diloco's update on every micro-step and
+  keeps the result only on the k-th; diloco's (agreed) sync predicate is true on all k
+  micro-steps of a sync window, so the exchange runs k times per sync. The same algorithm as
+  ``diloco(optax.MultiSteps(inner, k), sync_period=H * k)`` exchanges once."""
+  k, h, syncs = 2, 2, 2
+  outer_calls = []
+
+  def counted_outer():  # the outer step runs only in the exchange's branch
+    def update(updates, state, params=None):
+      jax.debug.callback(lambda: outer_calls.append(1))
+      return updates, state
+
+    return optax.chain(optax.sgd(0.7, momentum=0.9), optax.GradientTransformation(
+      lambda params: optax.EmptyState(), update))
+
+  outside = optax.MultiSteps(
+    optax_dist.diloco(optax.adam(1e-2), counted_outer(), sync_period=h, axis_name=R), k)
+  inside = optax_dist.diloco(
+    optax.MultiSteps(optax.adam(1e-2), k), counted_outer(), sync_period=h * k, axis_name=R)
+  mesh = make_mesh(MESHES["2x4"])
+  results = {}
+  for name, tx in (("outside", outside), ("inside", inside)):
+    outer_calls.clear()
+    params, state, replicas = placed(tx, mesh)
+    results[name] = run(global_view(tx), params, state, replicas, steps=k * h * syncs)[0]
+    jax.effects_barrier()
+    results[name + " exchanges"] = len(outer_calls)
+  assert results["outside exchanges"] == k * syncs
+  assert results["inside exchanges"] == syncs
+  chex.assert_trees_all_close(results["inside"], results["outside"], rtol=RTOL, atol=ATOL)
