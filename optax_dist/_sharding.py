@@ -107,8 +107,8 @@ def state_shardings(
 
   References:
     MaxText ``diloco.py`` (the DiLoCo state stacked over a ``diloco`` mesh axis, sharded like
-    the params inside each replica); JAX, `Distributed arrays and automatic parallelization
-    <https://docs.jax.dev/en/latest/notebooks/Distributed_arrays_and_automatic_parallelization.html>`_.
+    the params inside each replica); JAX, ``jax.vmap``'s ``spmd_axis_name`` and
+    ``jax.jit``'s ``out_shardings``.
   """
   _checks.check_transformation(_FN, tx)
   if shardings is None:
