@@ -15,13 +15,16 @@
   outer steps or model averages (DiLoCo, Streaming DiLoCo, local / post-local SGD).
 * :func:`resize_state`: a run's state and params moved to another number of workers (elastic
   resume).
+* :func:`state_shardings`: the shardings of a state stacked over replicas (the global view),
+  from one replica's params shardings.
 * Each periodic transformation's schedule, the rule its ``update`` applies to its step counter:
   :func:`elastic_average_communicates`, :func:`agn_communicates`, :func:`diloco_syncs`,
   :func:`streaming_diloco_syncs`, :func:`local_sgd_syncs` (and :func:`local_sgd_warming_up`);
   :func:`hinted_step` compiles a step with and without the exchange and calls each by it.
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
-runs under ``jax.shard_map``, ``jax.pmap`` and ``jax.vmap(..., axis_name=...)``.
+runs under ``jax.shard_map``, ``jax.vmap(..., axis_name=...)``, ``jax.jit`` of
+``jax.vmap(..., spmd_axis_name=...)`` (the global view) and ``jax.pmap``.
 """
 
 from optax_dist._accounting import (
@@ -45,6 +48,7 @@ from optax_dist._hinted_step import hinted_step
 from optax_dist._local_sgd import LocalSGDState, local_sgd, local_sgd_syncs, local_sgd_warming_up
 from optax_dist._moving_average import MovingAverageState, moving_average
 from optax_dist._resize import resize_state
+from optax_dist._sharding import state_shardings
 from optax_dist._streaming_diloco import (
   StreamingDiLoCoState,
   streaming_diloco,
@@ -86,6 +90,7 @@ __all__ = (
   "moving_average",
   "resize_state",
   "split_batch",
+  "state_shardings",
   "streaming_diloco",
   "streaming_diloco_syncs",
   "tower",

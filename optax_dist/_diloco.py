@@ -139,6 +139,13 @@ def diloco(
     receives N times that. None when ``axis_name`` is ``None``. :func:`communication_report`
     measures them.
 
+    To accumulate gradients, put the accumulation inside: ``diloco(optax.MultiSteps(inner, k),
+    sync_period=H * k)`` is the same algorithm as ``optax.MultiSteps(diloco(inner,
+    sync_period=H), k)`` and exchanges once per sync. The latter, under ``vmap`` (and the
+    global view), runs this ``update`` on every micro-step (``MultiSteps``' predicate is
+    batched, its conditional a select) and the sync predicate holds on all k micro-steps of a
+    sync window: k exchanges per sync, k - 1 of them discarded.
+
   Static hint:
     ``update(..., communicate=True)`` or ``communicate=False`` (a Python bool, fixed at trace
     time) replaces the counter rule for that call: the step syncs or not, compiled without the

@@ -171,11 +171,10 @@ def _check_from_tx(tx: Any, opt_state: Any, params: Any) -> None:
     " Pass the transformation this state was built with (and, for a restored checkpoint,"
     " restore it into `jax.eval_shape` of the same mapped init)."
   )
-  got, want = jax.tree.structure(opt_state), jax.tree.structure(expected)
-  if got != want:
+  if jax.tree.structure(opt_state) != jax.tree.structure(expected):
     raise ValueError(
-      f"`{_FN}`: `opt_state` is not a state of `tx` for these params: its tree is {got}, but"
-      f" `jax.vmap(tx.init)(params)` gives {want}." + fix
+      f"`{_FN}`: `opt_state` is not a state of `tx` for these params: "
+      + _first_difference(opt_state, expected) + fix
     )
   for (path, leaf), e in zip(
     jax.tree_util.tree_leaves_with_path(opt_state), jax.tree.leaves(expected), strict=True
@@ -187,6 +186,35 @@ def _check_from_tx(tx: Any, opt_state: Any, params: Any) -> None:
         f" opt_state{jax.tree_util.keystr(path)} has shape {shape} and dtype {dtype}, but"
         f" `jax.vmap(tx.init)(params)` gives {e.shape} and {e.dtype}." + fix
       )
+
+
+def _first_difference(got: Any, want: Any, path: tuple = ()) -> str:
+  """Where the trees ``got`` (``opt_state``) and ``want`` (``vmap(tx.init)``'s) first differ."""
+  where = "opt_state" + jax.tree_util.keystr(path)
+  got_leaf, want_leaf = _is_leaf(got), _is_leaf(want)
+  if got_leaf or want_leaf:
+    if got_leaf and want_leaf:
+      return f"the trees differ at {where}."
+    kind = "an array" if got_leaf else f"a node of type {type(got).__name__}"
+    wanted = "an array" if want_leaf else f"a node of type {type(want).__name__}"
+    return f"{where} is {kind}, where `jax.vmap(tx.init)(params)` has {wanted}."
+  got_children = jax.tree_util.tree_flatten_with_path(got, is_leaf=lambda x: x is not got)[0]
+  want_children = jax.tree_util.tree_flatten_with_path(want, is_leaf=lambda x: x is not want)[0]
+  got_keys = [k for k, _ in got_children]
+  want_keys = [k for k, _ in want_children]
+  if type(got) is not type(want) or got_keys != want_keys:
+
+    def describe(node, keys):
+      return f"{type(node).__name__}({', '.join(jax.tree_util.keystr(k) for k in keys)})"
+
+    return (
+      f"{where} is {describe(got, got_keys)}, where `jax.vmap(tx.init)(params)` has"
+      f" {describe(want, want_keys)}."
+    )
+  for (key, g), (_, w) in zip(got_children, want_children, strict=True):
+    if jax.tree.structure(g) != jax.tree.structure(w):
+      return _first_difference(g, w, path + key)
+  return f"the trees differ at {where}."
 
 
 # ----------------------------------------------------------------------------------------------

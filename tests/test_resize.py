@@ -451,6 +451,25 @@ def test_state_of_another_transformation_raises():
     optax_dist.resize_state(ea, wide, params, 2)
 
 
+def test_tree_mismatch_names_the_first_path_that_differs():
+  params = {"a": jnp.zeros((N, 3)), "b": jnp.zeros((N, 2))}
+  sgd = optax_dist.diloco(optax.sgd(0.1), sync_period=2, axis_name=AXIS)
+  adam = optax_dist.diloco(optax.adam(0.1), sync_period=2, axis_name=AXIS)
+  with pytest.raises(ValueError, match=(
+    r"opt_state\.inner_state\[0\] is EmptyState\(\), where `jax\.vmap\(tx\.init\)\(params\)`"
+    r" has ScaleByAdamState\(\.count, \.mu, \.nu\)\."
+  )) as raised:
+    optax_dist.resize_state(adam, jax.vmap(sgd.init)(params), params, 3)
+  assert "PyTreeDef" not in str(raised.value)
+  with pytest.raises(ValueError, match=(
+    r"opt_state\.anchor is dict\(\['a'\]\), where .* has dict\(\['a'\], \['b'\]\)"
+  )):
+    optax_dist.resize_state(sgd, jax.vmap(sgd.init)({"a": params["a"]}), params, 3)
+  ea = optax_dist.elastic_average(optax.sgd(0.1), communication_period=2, axis_name=AXIS)
+  with pytest.raises(ValueError, match=r"opt_state is ElasticAverageState\(\.local_step, "):
+    optax_dist.resize_state(sgd, jax.vmap(ea.init)(params), params, 3)
+
+
 def test_mean_is_exact_where_the_workers_agree():
   """Three workers of tower: params and adam state identical on each. The mean of three equal
   float32 values is not always that value after rounding; here it is, bit for bit."""
