@@ -224,11 +224,11 @@ def required_bandwidth(*, num_params: float, step_time: float, latency: float = 
 
   Closed form of :func:`plan`'s model (the module docstring's W_u): the smallest bandwidth whose
   stall per exchange is at most ``period · step_time · (1 / target_utilization − 1)``. Plugging it
-  back into :func:`plan` gives ``target_utilization`` (when it is reachable at all).
+  back into :func:`plan` gives ``target_utilization`` (when it is reachable at all). The other
+  arguments are :func:`plan`'s.
 
   Args:
     target_utilization: the compute utilization to reach, in (0, 1].
-    others: as :func:`plan`'s.
 
   Returns:
     ``{method: bit/s}`` in the order of ``methods``: ``math.inf`` when latency alone keeps the
