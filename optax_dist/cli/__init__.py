@@ -15,6 +15,7 @@ One concern per module:
 * :mod:`~optax_dist.cli.checkpoints`: Orbax checkpoints and exact resuming;
 * :mod:`~optax_dist.cli.launcher`: several ``jax.distributed`` processes and their watchdog;
 * :mod:`~optax_dist.cli.async_run`: the ``async`` subcommand's emulated protocols;
+* :mod:`~optax_dist.cli.plan`: the ``plan`` subcommand: each method's utilization over a link;
 * :mod:`~optax_dist.cli.reports`: the tables, the JSON files and the plots;
 * :mod:`~optax_dist.cli.errors`: one-line errors and the check of the ``examples`` extra.
 
