@@ -7,10 +7,21 @@ nearest to :math:`x / s_b` and received as :math:`\hat x = s_b\, g`:
 
 .. math::
 
-  s_b = \frac{\max_{i \in b} |x_i|}{\max G}, \qquad
-  \hat x_i = s_b \cdot \operatorname*{round}_{g \in G}\!\left(\frac{x_i}{s_b}\right)
+  s_b = \operatorname{up}_p\!\left(\max_{i \in b} |x_i| \cdot
+    \mathrm{fl}\!\left(\frac{1}{\max G}\right)\right), \qquad
+  \hat x_i = s_b \cdot \operatorname*{round}_{g \in G}\!\left(x_i \cdot
+    \mathrm{fl}\!\left(\frac{1}{s_b}\right)\right)
   \quad (\hat x_i = 0 \text{ where } s_b = 0)
 
+in float32, where :math:`\mathrm{fl}(1/a)` is the float32 reciprocal and
+:math:`\operatorname{up}_p` rounds up to :math:`p` significant bits: 17 for ``int8``, 22 for
+``float4_e2m1fn``, 24 (no rounding) for ``e3m0``, a relative increase below :math:`2^{-16}`.
+Two consequences hold on every backend. Decoding is exact: a grid value's odd part has at most
+:math:`24 - p` bits, so :math:`s_b\, g` is a float32 without rounding (a compiler that fuses
+the decoding multiply into an addition, an FMA, gives the same sums). Encoding is
+reproducible: it multiplies by reciprocals instead of dividing, so no compiler rewrite of a
+division changes a code. A block whose scale would be below :math:`2^{-126}` (float32's
+smallest normal: :math:`\max |x| < 1.5 \cdot 10^{-36}` for ``int8``) is sent as zeros.
 Formats (``fmt``), their grids and codes:
 
 * ``"int8"``: :math:`G = \{-127, \dots, 127\}`, rounded to nearest (ties to even, as
@@ -68,6 +79,11 @@ _GRIDS = {"float4_e2m1fn": _E2M1, "e3m0": _E3M0}
 """Magnitudes of the 4-bit formats, in code order (code ``sign << 3 | index``)."""
 
 _MAX = {"int8": 127.0, "float4_e2m1fn": 6.0, "e3m0": 1.0}
+_CLEARED_BITS = {"int8": 7, "float4_e2m1fn": 2, "e3m0": 0}
+"""Low mantissa bits a scale is rounded up to zero in: a grid value's odd part has at most 7
+(127), 2 (3) and 1 (1) bits, so that many fewer significant bits in the scale keep every product
+``grid value × scale`` within float32's 24."""
+_TINY = np.float32(2.0**-126)  # float32's smallest normal
 
 
 class Packed(NamedTuple):
@@ -78,7 +94,8 @@ class Packed(NamedTuple):
   Attributes:
     codes: ``int8[K, B]`` for ``"int8"``; ``uint8[K, B // 2]`` for the 4-bit formats, two codes
       per byte (value :math:`2k` of a block in the low nibble, :math:`2k + 1` in the high one).
-    scales: ``float32[K]``, each block's scale :math:`s_b = \\max_b |x| / \\max G`.
+    scales: ``float32[K]``, each block's scale :math:`s_b \\approx \\max_b |x| / \\max G`
+      (see the module's docstring).
   """
 
   codes: jax.Array
@@ -136,6 +153,17 @@ def _round_to_grid(magnitude: jax.Array, grid: np.ndarray) -> jax.Array:
   return index
 
 
+def _round_up(scales: jax.Array, bits: int) -> jax.Array:
+  """Non-negative ``scales`` rounded up to the nearest float32 whose ``bits`` lowest mantissa
+  bits are zero (a carry moves into the exponent; infinities and NaN are kept)."""
+  if bits == 0:
+    return scales
+  mask = np.uint32(2**bits - 1)
+  pattern = jax.lax.bitcast_convert_type(scales, jnp.uint32)
+  rounded = jax.lax.bitcast_convert_type((pattern + mask) & ~mask, jnp.float32)
+  return jnp.where(jnp.isfinite(scales), rounded, scales)
+
+
 def _pack(codes: jax.Array) -> jax.Array:
   """``uint8[K, B]`` codes below 16 -> ``uint8[K, B // 2]``, value ``2k`` in the low nibble."""
   pairs = codes.reshape(codes.shape[0], -1, 2)
@@ -153,8 +181,9 @@ def encode(x: jax.Array, fmt: Any = "int8", block_size: int = 256) -> Packed:
 
   ``x`` is flattened (row-major) and padded with zeros at the end to :math:`K = \lceil n / B
   \rceil` blocks of :math:`B` = ``block_size`` values; zeros change no block's scale and are
-  dropped by :func:`decode`. Each block gets :math:`s_b = \max_b |x| / \max G` and each value
-  the code of :math:`\operatorname{round}_G(x / s_b)` (code 0 where :math:`s_b = 0`).
+  dropped by :func:`decode`. Each block gets :math:`s_b \approx \max_b |x| / \max G` and each
+  value the code of :math:`\operatorname{round}_G(x / s_b)` (code 0 where :math:`s_b = 0`); the
+  module's docstring gives the exact float32 computation.
 
   Args:
     x: a floating array, any shape (computed in float32).
@@ -176,8 +205,11 @@ def encode(x: jax.Array, fmt: Any = "int8", block_size: int = 256) -> Packed:
   flat = jnp.ravel(x).astype(jnp.float32)
   num_blocks = -(-flat.size // block_size)
   blocks = jnp.pad(flat, (0, num_blocks * block_size - flat.size)).reshape(num_blocks, block_size)
-  scales = jnp.max(jnp.abs(blocks), axis=1, initial=0.0) / np.float32(_MAX[fmt])
-  y = blocks / jnp.where(scales > 0, scales, 1.0)[:, None]
+  scales = _round_up(
+    jnp.max(jnp.abs(blocks), axis=1, initial=0.0) * np.float32(1 / _MAX[fmt]), _CLEARED_BITS[fmt]
+  )
+  scales = jnp.where(scales >= _TINY, scales, jnp.where(jnp.isnan(scales), scales, 0.0))
+  y = blocks * jnp.where(scales > 0, 1 / scales, 0.0)[:, None]
   if fmt == "int8":
     return Packed(jnp.clip(jnp.round(y), -127, 127).astype(jnp.int8), scales)
   codes = _round_to_grid(jnp.abs(y), _GRIDS[fmt]) | (jnp.signbit(y).astype(jnp.uint8) << 3)
@@ -310,7 +342,7 @@ def _gathered_sum(packed: Packed, axis_name: Hashable | tuple, fmt: str, shape, 
   gathered = jax.lax.all_gather(packed, axis_name)  # [N, K, ...] on every worker
 
   def add(total, worker):
-    return total + _decode_blocks(Packed(*worker), fmt), None
+    return total + _decode_blocks(Packed(*worker), fmt), None  # exact products: FMA-proof
 
   first = _decode_blocks(Packed(gathered.codes[0], gathered.scales[0]), fmt)
   rest = jax.tree.map(lambda a: a[1:], tuple(gathered))
