@@ -208,7 +208,8 @@ def test_wire_bytes(fmt, block_size, expected):
 
 def test_errors():
   choices = "'int8', 'float4_e2m1fn', 'e3m0'"
-  with pytest.raises(ValueError, match=rf"`encode\(fmt=...\)` must be one of {choices}, got 'int4'"):
+  message = rf"`encode\(fmt=...\)` must be one of {choices}, got 'int4'"
+  with pytest.raises(ValueError, match=message):
     _quantize.encode(jnp.ones(4), "int4")
   with pytest.raises(ValueError, match=r"`quantized_sum\(fmt=...\)`.*got 'float8'"):
     _quantize.quantized_sum(jnp.ones(4), "w", "float8")
