@@ -21,7 +21,8 @@ Two consequences hold on every backend. Decoding is exact: a grid value's odd pa
 the decoding multiply into an addition, an FMA, gives the same sums). Encoding is
 reproducible: it multiplies by reciprocals instead of dividing, so no compiler rewrite of a
 division changes a code. A block whose scale would be below :math:`2^{-126}` (float32's
-smallest normal: :math:`\max |x| < 1.5 \cdot 10^{-36}` for ``int8``) is sent as zeros.
+smallest normal: :math:`\max |x| < 1.5 \cdot 10^{-36}` for ``int8``) is sent as zeros, as
+XLA's CPU backend, which flushes subnormals, would do anyway.
 Formats (``fmt``), their grids and codes:
 
 * ``"int8"``: :math:`G = \{-127, \dots, 127\}`, rounded to nearest (ties to even, as
@@ -227,7 +228,8 @@ def _decode_blocks(packed: Packed, fmt: str) -> jax.Array:
 
 
 def decode(
-  packed: Packed, fmt: Any = "int8", shape: tuple[int, ...] = None, dtype: Any = jnp.float32
+  packed: Packed, fmt: Any = "int8", shape: tuple[int, ...] | None = None,
+  dtype: Any = jnp.float32,
 ) -> jax.Array:
   r"""The values :math:`\hat x = s_b\, g` of an :func:`encode`\ d array, in ``shape`` and ``dtype``.
 
