@@ -249,6 +249,53 @@ def streaming_diloco(
   several fragments share a step, each syncing independently. The returned updates are
   :math:`x_i^{\text{new}} - x_i`.
 
+  **Overlap** (``overlap`` :math:`\tau \ge 1`, Douillard et al. 2025, streaming with
+  overlapping communication, their :math:`\tau` and :math:`\alpha`): fragment f's pseudo-gradient is computed and all-reduced on
+  its send step s (the step above), and applied :math:`\tau` steps later, on step
+  :math:`s + \tau`, while the worker trains on. On the landing step, the outer optimizer steps
+  the fragment's anchor with the averaged pseudo-gradient of step s, stale by :math:`\tau`
+  steps, and the worker's leaves merge the params it has then with the new anchor (the paper's
+  merge, :math:`\alpha` weighting the local params):
+
+  .. math::
+
+    \text{send, step } s:\quad \Delta^f_i &= \theta^f - x'^f_i(s), \qquad
+      \Delta^f = \tfrac{1}{N} \textstyle\sum_j \Delta^f_j \quad \text{(the psum)} \\
+    \text{land, step } s + \tau:\quad \theta^f_{\text{new}} &= \theta^f +
+      \mathrm{outer}_f(\Delta^f), \qquad
+      x^f_i \leftarrow \alpha\, x'^f_i(s + \tau) + (1 - \alpha)\, \tilde\theta^f_i
+
+  with :math:`\tilde\theta^f_i = \theta^f_{\text{new}}`. :math:`\theta^f` does not change
+  between the send and the landing (:math:`\tau < H`), so both see the anchor of the previous
+  landing, as in the paper's ``OuterOpt`` step from :math:`\theta^{(t - \tau - H)}_p`.
+  ``overlap=0`` (the default) lands on the send step: the equations above, bit for bit.
+
+  **Eager** (``eager=True``, Kale et al. 2025, the eager update): on the landing step each
+  worker replaces its own stale share :math:`\Delta^f_i(s)/N` of the mean by its fresh one,
+  :math:`\Delta^f_i(s + \tau) = \theta^f - x'^f_i(s + \tau)`:
+
+  .. math::
+
+    \tilde\Delta^f_i = \Delta^f + \tfrac{1}{N}\big(\Delta^f_i(s + \tau) - \Delta^f_i(s)\big),
+    \qquad \tilde\theta^f_i = \theta^f + \mathrm{outer}_f(\tilde\Delta^f_i)
+
+  with ``outer``'s state before the step. The anchor and the outer state still advance with the
+  stale mean :math:`\Delta^f` (identical on every worker: :func:`eval_params` and
+  :func:`resize_state` read them); only the point the worker lands on is eager, and the
+  difference :math:`\tilde\theta^f_i - \theta^f_{\text{new}}` comes back to the anchor
+  through the worker's next pseudo-gradient. (The paper, with a delay of one whole outer round,
+  keeps the outer params on each worker instead.)
+
+  Edge cases. :math:`\tau` at least the gap between two fragments' send steps is allowed:
+  several fragments are then in flight at once, each landing on its own step (with H = 4 and
+  F = 2, sends on steps 2 and 4: :math:`\tau = 2` lands fragment 0 on fragment 1's send
+  step; :math:`\tau = 3` has both in flight on step 4). :math:`\tau \ge H` would send a
+  fragment again before its previous exchange landed, and raises. A send skipped by the hint
+  (``communicate=False``) puts nothing in flight, so nothing lands :math:`\tau` steps later.
+  :func:`resize_state` with an exchange in flight keeps it (``in_flight``, ``in_flight_step``):
+  it lands on its step on the new workers, which restart from the anchor; with ``eager`` their
+  own shares ``own_in_flight`` become the old workers' mean.
+
   ``fragments=None`` assigns the leaves, in ``jax.tree.leaves`` order, in contiguous runs of
   about equal element counts: leaf j goes to fragment :math:`\lfloor F c_j / C \rfloor`, with
   :math:`c_j` the number of elements in the leaves before j and C the total. The assignment
@@ -267,6 +314,10 @@ def streaming_diloco(
       must be used.
     mixing: :math:`\alpha` in [0, 1], dimensionless: the weight of the worker's own params
       when a fragment lands (0, the default: replaced by the new anchor, as :func:`diloco`).
+    overlap: :math:`\tau`, an int in ``[0, sync_period)``, a count of ``update`` calls between a
+      fragment's send (its all-reduce) and the step that applies it; 0 (default): the same step.
+    eager: with ``overlap >= 1``, land each worker on the outer step of its eager
+      pseudo-gradient :math:`\tilde\Delta^f_i` (above); ``False`` (default): on the new anchor.
     axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers;
       ``None`` for one worker.
     num_workers: number of workers :math:`N`; defaults to the size of ``axis_name`` (1 when it
@@ -284,7 +335,9 @@ def streaming_diloco(
     ``updates`` and ``params`` share one tree (each worker's own); the returned updates have
     ``inner``'s dtypes, ``anchor`` the params' tree and shapes. Memory per worker: the anchor
     (one copy of the params) plus the F outer states, which together hold as much as one
-    ``outer`` state of the whole params (one more copy for momentum).
+    ``outer`` state of the whole params (one more copy for momentum). ``overlap >= 1`` adds
+    ``in_flight`` (one more copy of the params, in the anchor's dtype) and ``in_flight_step``
+    (F int32); ``eager`` adds ``own_in_flight`` (one more copy). ``overlap=0`` adds nothing.
 
   Collectives:
     One ``psum`` over ``axis_name`` of fragment f's leaves on each of its sync steps, inside
@@ -293,6 +346,9 @@ def streaming_diloco(
     dtype), and over H steps the params' bytes once, as :func:`diloco`. With an 8-bit
     ``comm_dtype``, an ``all_gather`` instead (N times the bytes received). None when
     ``axis_name`` is ``None``. :func:`communication_report` measures them, per conditional.
+    With ``overlap >= 1`` the ``psum`` runs on the send step, as above; the landing step needs
+    no collective (the mean is in the state): it runs in another conditional per fragment, on
+    a predicate read from ``in_flight_step``, local to each worker (under ``vmap`` a select).
 
   Static hint:
     ``update(..., communicate=False)`` (a Python bool, fixed at trace time): no fragment syncs,
@@ -300,15 +356,19 @@ def streaming_diloco(
     each fragment's conditional, and the rule picks the fragment(s) that sync. ``local_step``
     advances either way, so a ``False`` on a sync step skips that fragment's sync and the rule's
     later syncs stay where they were. ``None`` (or leaving it out) is the rule. It is not
-    forwarded to ``inner``.
+    forwarded to ``inner``. With ``overlap >= 1`` the hint is about the send step: a ``False``
+    step compiles with no collective but keeps the F landing conditionals, so a landing step
+    hinted ``False`` lands as the rule's would.
 
   Raises:
     TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period``,
       ``num_fragments``, ``num_workers`` or a ``fragments`` id not an int; ``mixing`` not a real
-      number; ``comm_dtype`` or ``anchor_dtype`` not ``None`` or a floating dtype; a non-
+      number; ``overlap`` not an int; ``eager`` not a bool; ``comm_dtype`` or
+      ``anchor_dtype`` not ``None`` or a floating dtype; a non-
       floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None`` or a bool.
     ValueError: ``sync_period``, ``num_fragments`` or ``num_workers`` not positive;
-      ``mixing`` outside [0, 1]; a ``fragments`` id outside ``[0, F)``; (in ``init``)
+      ``mixing`` outside [0, 1]; ``overlap`` outside ``[0, sync_period)`` (:math:`\tau < H`);
+      ``eager=True`` with ``overlap=0``; a ``fragments`` id outside ``[0, F)``; (in ``init``)
       ``fragments`` without the params' structure, or a fragment left empty; ``num_workers >
       1`` with ``axis_name=None``; ``num_workers`` different from the axis size; ``update``
       without ``params``, or where a named ``axis_name`` is not bound.
@@ -327,11 +387,23 @@ def streaming_diloco(
     >>> state.anchor  # step 1: fragment 0 ("a") synced
     {'a': Array([1.], dtype=float32), 'b': Array([0.], dtype=float32)}
 
+    With ``overlap=1`` fragment 0 is sent on step 1 and lands on step 2:
+
+    >>> tx = optax_dist.streaming_diloco(
+    ...     optax.sgd(1.0), optax.sgd(1.0), sync_period=2, num_fragments=2, overlap=1)
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(grads, state, params)
+    >>> state.anchor["a"], state.in_flight["a"], state.in_flight_step
+    (Array([0.], dtype=float32), Array([-1.], dtype=float32), Array([1, 0], dtype=int32))
+
   References:
     Douillard et al., `Streaming DiLoCo with overlapping communication
     <https://arxiv.org/abs/2501.18512>`_, 2025.
+    Kale, Douillard and Donchev, `Eager Updates For Overlapped Communication and Computation in
+    DiLoCo <https://arxiv.org/abs/2502.12996>`_, 2025.
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023.
-    torchft ``torchft.local_sgd.DiLoCo`` (fragments); MaxText ``diloco.py``.
+    torchft ``torchft.local_sgd.DiLoCo`` (fragments, ``fragment_sync_delay``); MaxText
+    ``diloco.py``.
   """
   fn = "streaming_diloco"
   _checks.check_transformation(fn, inner)
