@@ -250,12 +250,12 @@ def streaming_diloco(
   :math:`x_i^{\text{new}} - x_i`.
 
   **Overlap** (``overlap`` :math:`\tau \ge 1`, Douillard et al. 2025, streaming with
-  overlapping communication, their :math:`\tau` and :math:`\alpha`): fragment f's pseudo-gradient is computed and all-reduced on
-  its send step s (the step above), and applied :math:`\tau` steps later, on step
-  :math:`s + \tau`, while the worker trains on. On the landing step, the outer optimizer steps
-  the fragment's anchor with the averaged pseudo-gradient of step s, stale by :math:`\tau`
-  steps, and the worker's leaves merge the params it has then with the new anchor (the paper's
-  merge, :math:`\alpha` weighting the local params):
+  overlapping communication, their :math:`\tau` and :math:`\alpha`): fragment f's
+  pseudo-gradient is computed and all-reduced on its send step s (the step above), and applied
+  :math:`\tau` steps later, on step :math:`s + \tau`, while the worker trains on. On the landing
+  step, the outer optimizer steps the fragment's anchor with the averaged pseudo-gradient of
+  step s, stale by :math:`\tau` steps, and the worker's leaves merge the params it has then with
+  the new anchor (the paper's merge, :math:`\alpha` weighting the local params):
 
   .. math::
 

@@ -11,6 +11,8 @@ the stale one, a missing 1/N or swapped mixing weights move the params by.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -373,3 +375,40 @@ def test_bad_overlap_and_eager_raise():
     make(0, eager=True)
   with pytest.raises(TypeError, match=r"`streaming_diloco\(eager=...\)` must be a bool"):
     make(1, eager="yes")
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints written before the overlap fields existed.
+
+
+class FourFieldState(NamedTuple):
+  """The state's fields before ``overlap``: what such a checkpoint holds."""
+
+  local_step: jax.Array
+  anchor: dict
+  inner_state: tuple
+  outer_state: tuple
+
+
+def test_a_four_field_checkpoint_restores_with_the_guide_recipe(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  n = 2
+  x0, c, d = problem(n)
+  tx = make(0, mixing=0.3)
+  history, state = run(tx, stacked(x0, n), c, {k: v[:5] for k, v in d.items()})
+  params = {k: jnp.asarray(history[k][-1], jnp.float32) for k in history}
+  path = str(tmp_path / "old")
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path, {"params": params, "opt_state": FourFieldState(*state[:4])})
+
+  init = jax.vmap(tx.init, axis_name=AXIS)
+  abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": init(p)}, params)
+  with ocp.StandardCheckpointer() as ckpt, pytest.raises(ValueError, match="in_flight"):
+    ckpt.restore(path, abstract)  # three more fields: Orbax refuses
+  old = ("local_step", "anchor", "inner_state", "outer_state")
+  abstract["opt_state"] = {k: getattr(abstract["opt_state"], k) for k in old}
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(path, abstract)
+  opt_state = optax_dist.StreamingDiLoCoState(**restored["opt_state"])
+  jax.tree.map(np.testing.assert_array_equal, opt_state, state)
+  assert jax.tree.structure(opt_state) == jax.tree.structure(state)
