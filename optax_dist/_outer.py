@@ -16,6 +16,20 @@ def default_outer() -> optax.GradientTransformation:
   return optax.sgd(0.7, momentum=0.9, nesterov=True)
 
 
+def pseudo_gradient(anchor: Any, new_params: Any) -> Any:
+  """This worker's pseudo-gradient :math:`\\theta - x'`, in the anchor's dtypes."""
+  return jax.tree.map(lambda a, x: a - x.astype(a.dtype), anchor, new_params)
+
+
+def outer_step(
+  outer: optax.GradientTransformation, anchor: Any, outer_state: optax.OptState, delta: Any
+) -> tuple[Any, optax.OptState]:
+  """One step of ``outer`` from ``anchor`` on the pseudo-gradient ``delta``, dtypes kept."""
+  steps, new_outer_state = outer.update(delta, outer_state, anchor)
+  new_anchor = _axis.keep_dtypes(optax.apply_updates(anchor, steps), anchor)
+  return new_anchor, _axis.keep_dtypes(new_outer_state, outer_state)
+
+
 def outer_sync(
   outer: optax.GradientTransformation,
   anchor: Any,
@@ -35,9 +49,7 @@ def outer_sync(
   Returns:
     The new anchor and outer state, with the dtypes of the old ones.
   """
-  delta = jax.tree.map(lambda a, x: a - x.astype(a.dtype), anchor, new_params)
+  delta = pseudo_gradient(anchor, new_params)
   if axis_name is not None:
     delta = _axis.worker_mean(delta, axis_name, num_workers, comm_dtype)
-  steps, new_outer_state = outer.update(delta, outer_state, anchor)
-  new_anchor = _axis.keep_dtypes(optax.apply_updates(anchor, steps), anchor)
-  return new_anchor, _axis.keep_dtypes(new_outer_state, outer_state)
+  return outer_step(outer, anchor, outer_state, delta)

@@ -22,25 +22,41 @@ class StreamingDiLoCoState(NamedTuple):
   Attributes:
     local_step: ``int32[]``, the number of ``update`` calls of this worker so far.
     anchor: the global params :math:`\\theta`, each fragment's leaves as of that fragment's last
-      sync; the params' tree and shapes, in ``anchor_dtype`` (default: each param's dtype);
-      identical on every worker.
+      landed sync (an exchange still in flight is not in it); the params' tree and shapes, in
+      ``anchor_dtype`` (default: each param's dtype); identical on every worker.
     inner_state: the state of ``inner``, local to this worker, kept across syncs.
     outer_state: a tuple of ``num_fragments`` states of ``outer``; the f-th is ``outer.init``
       of the anchor with the leaves of the other fragments replaced by ``optax.MaskedNode()``
       (as ``optax.masked`` does), and advances only on fragment f's syncs; identical on every
       worker.
+    in_flight: ``None`` when ``overlap=0``; else the anchor's tree, shapes and dtypes, each
+      fragment's leaves holding the workers' mean pseudo-gradient :math:`\\Delta^f` it sent last
+      and has not yet applied (meaningful while ``in_flight_step[f] > 0``); identical on every
+      worker.
+    in_flight_step: ``None`` when ``overlap=0``; else ``int32[F]``, the ``local_step`` at which
+      fragment f sent the exchange now in flight, 0 when none is; identical on every worker.
+    own_in_flight: ``None`` unless ``eager``; else the anchor's tree, shapes and dtypes, each
+      fragment's leaves holding this worker's own pseudo-gradient :math:`\\Delta^f_i` of that
+      send; local to this worker.
   """
 
   local_step: jax.Array
   anchor: optax.Params
   inner_state: optax.OptState
   outer_state: tuple[optax.OptState, ...]
+  in_flight: optax.Params | None = None
+  in_flight_step: jax.Array | None = None
+  own_in_flight: optax.Params | None = None
 
   AVERAGE = "anchor"  # eval_params returns this field
   RESTART = "anchor"  # resize_state restarts the workers' params from this field
+  # An exchange in flight lands after a resize as it would have without one; the new workers'
+  # own pseudo-gradients (eager) are the old workers' mean, so their eager correction starts
+  # from the averaged share.
   RESIZE = {
     "local_step": _state.KEEP, "anchor": _state.KEEP, "inner_state": _state.INNER,
-    "outer_state": _state.KEEP,
+    "outer_state": _state.KEEP, "in_flight": _state.KEEP, "in_flight_step": _state.KEEP,
+    "own_in_flight": _state.MEAN,
   }
 
 
@@ -205,6 +221,8 @@ def streaming_diloco(
   num_fragments: int = 4,
   fragments: Any = None,
   mixing: float = 0.0,
+  overlap: int = 0,
+  eager: bool = False,
   axis_name: Hashable | None = None,
   num_workers: int | None = None,
   comm_dtype: Any = None,
@@ -231,6 +249,53 @@ def streaming_diloco(
   several fragments share a step, each syncing independently. The returned updates are
   :math:`x_i^{\text{new}} - x_i`.
 
+  **Overlap** (``overlap`` :math:`\tau \ge 1`, Douillard et al. 2025, streaming with
+  overlapping communication, their :math:`\tau` and :math:`\alpha`): fragment f's
+  pseudo-gradient is computed and all-reduced on its send step s (the step above), and applied
+  :math:`\tau` steps later, on step :math:`s + \tau`, while the worker trains on. On the landing
+  step, the outer optimizer steps the fragment's anchor with the averaged pseudo-gradient of
+  step s, stale by :math:`\tau` steps, and the worker's leaves merge the params it has then with
+  the new anchor (the paper's merge, :math:`\alpha` weighting the local params):
+
+  .. math::
+
+    \text{send, step } s:\quad \Delta^f_i &= \theta^f - x'^f_i(s), \qquad
+      \Delta^f = \tfrac{1}{N} \textstyle\sum_j \Delta^f_j \quad \text{(the psum)} \\
+    \text{land, step } s + \tau:\quad \theta^f_{\text{new}} &= \theta^f +
+      \mathrm{outer}_f(\Delta^f), \qquad
+      x^f_i \leftarrow \alpha\, x'^f_i(s + \tau) + (1 - \alpha)\, \tilde\theta^f_i
+
+  with :math:`\tilde\theta^f_i = \theta^f_{\text{new}}`. :math:`\theta^f` does not change
+  between the send and the landing (:math:`\tau < H`), so both see the anchor of the previous
+  landing, as in the paper's ``OuterOpt`` step from :math:`\theta^{(t - \tau - H)}_p`.
+  ``overlap=0`` (the default) lands on the send step: the equations above, bit for bit.
+
+  **Eager** (``eager=True``, Kale et al. 2025, the eager update): on the landing step each
+  worker replaces its own stale share :math:`\Delta^f_i(s)/N` of the mean by its fresh one,
+  :math:`\Delta^f_i(s + \tau) = \theta^f - x'^f_i(s + \tau)`:
+
+  .. math::
+
+    \tilde\Delta^f_i = \Delta^f + \tfrac{1}{N}\big(\Delta^f_i(s + \tau) - \Delta^f_i(s)\big),
+    \qquad \tilde\theta^f_i = \theta^f + \mathrm{outer}_f(\tilde\Delta^f_i)
+
+  with ``outer``'s state before the step. The anchor and the outer state still advance with the
+  stale mean :math:`\Delta^f` (identical on every worker: :func:`eval_params` and
+  :func:`resize_state` read them); only the point the worker lands on is eager, and the
+  difference :math:`\tilde\theta^f_i - \theta^f_{\text{new}}` comes back to the anchor
+  through the worker's next pseudo-gradient. (The paper, with a delay of one whole outer round,
+  keeps the outer params on each worker instead.)
+
+  Edge cases. :math:`\tau` at least the gap between two fragments' send steps is allowed:
+  several fragments are then in flight at once, each landing on its own step (with H = 4 and
+  F = 2, sends on steps 2 and 4: :math:`\tau = 2` lands fragment 0 on fragment 1's send
+  step; :math:`\tau = 3` has both in flight on step 4). :math:`\tau \ge H` would send a
+  fragment again before its previous exchange landed, and raises. A send skipped by the hint
+  (``communicate=False``) puts nothing in flight, so nothing lands :math:`\tau` steps later.
+  :func:`resize_state` with an exchange in flight keeps it (``in_flight``, ``in_flight_step``):
+  it lands on its step on the new workers, which restart from the anchor; with ``eager`` their
+  own shares ``own_in_flight`` become the old workers' mean.
+
   ``fragments=None`` assigns the leaves, in ``jax.tree.leaves`` order, in contiguous runs of
   about equal element counts: leaf j goes to fragment :math:`\lfloor F c_j / C \rfloor`, with
   :math:`c_j` the number of elements in the leaves before j and C the total. The assignment
@@ -249,6 +314,10 @@ def streaming_diloco(
       must be used.
     mixing: :math:`\alpha` in [0, 1], dimensionless: the weight of the worker's own params
       when a fragment lands (0, the default: replaced by the new anchor, as :func:`diloco`).
+    overlap: :math:`\tau`, an int in ``[0, sync_period)``, a count of ``update`` calls between a
+      fragment's send (its all-reduce) and the step that applies it; 0 (default): the same step.
+    eager: with ``overlap >= 1``, land each worker on the outer step of its eager
+      pseudo-gradient :math:`\tilde\Delta^f_i` (above); ``False`` (default): on the new anchor.
     axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers;
       ``None`` for one worker.
     num_workers: number of workers :math:`N`; defaults to the size of ``axis_name`` (1 when it
@@ -266,7 +335,9 @@ def streaming_diloco(
     ``updates`` and ``params`` share one tree (each worker's own); the returned updates have
     ``inner``'s dtypes, ``anchor`` the params' tree and shapes. Memory per worker: the anchor
     (one copy of the params) plus the F outer states, which together hold as much as one
-    ``outer`` state of the whole params (one more copy for momentum).
+    ``outer`` state of the whole params (one more copy for momentum). ``overlap >= 1`` adds
+    ``in_flight`` (one more copy of the params, in the anchor's dtype) and ``in_flight_step``
+    (F int32); ``eager`` adds ``own_in_flight`` (one more copy). ``overlap=0`` adds nothing.
 
   Collectives:
     One ``psum`` over ``axis_name`` of fragment f's leaves on each of its sync steps, inside
@@ -275,6 +346,9 @@ def streaming_diloco(
     dtype), and over H steps the params' bytes once, as :func:`diloco`. With an 8-bit
     ``comm_dtype``, an ``all_gather`` instead (N times the bytes received). None when
     ``axis_name`` is ``None``. :func:`communication_report` measures them, per conditional.
+    With ``overlap >= 1`` the ``psum`` runs on the send step, as above; the landing step needs
+    no collective (the mean is in the state): it runs in another conditional per fragment, on
+    a predicate read from ``in_flight_step``, local to each worker (under ``vmap`` a select).
 
   Static hint:
     ``update(..., communicate=False)`` (a Python bool, fixed at trace time): no fragment syncs,
@@ -282,15 +356,19 @@ def streaming_diloco(
     each fragment's conditional, and the rule picks the fragment(s) that sync. ``local_step``
     advances either way, so a ``False`` on a sync step skips that fragment's sync and the rule's
     later syncs stay where they were. ``None`` (or leaving it out) is the rule. It is not
-    forwarded to ``inner``.
+    forwarded to ``inner``. With ``overlap >= 1`` the hint is about the send step: a ``False``
+    step compiles with no collective but keeps the F landing conditionals, so a landing step
+    hinted ``False`` lands as the rule's would.
 
   Raises:
     TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period``,
       ``num_fragments``, ``num_workers`` or a ``fragments`` id not an int; ``mixing`` not a real
-      number; ``comm_dtype`` or ``anchor_dtype`` not ``None`` or a floating dtype; a non-
+      number; ``overlap`` not an int; ``eager`` not a bool; ``comm_dtype`` or
+      ``anchor_dtype`` not ``None`` or a floating dtype; a non-
       floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None`` or a bool.
     ValueError: ``sync_period``, ``num_fragments`` or ``num_workers`` not positive;
-      ``mixing`` outside [0, 1]; a ``fragments`` id outside ``[0, F)``; (in ``init``)
+      ``mixing`` outside [0, 1]; ``overlap`` outside ``[0, sync_period)`` (:math:`\tau < H`);
+      ``eager=True`` with ``overlap=0``; a ``fragments`` id outside ``[0, F)``; (in ``init``)
       ``fragments`` without the params' structure, or a fragment left empty; ``num_workers >
       1`` with ``axis_name=None``; ``num_workers`` different from the axis size; ``update``
       without ``params``, or where a named ``axis_name`` is not bound.
@@ -309,11 +387,23 @@ def streaming_diloco(
     >>> state.anchor  # step 1: fragment 0 ("a") synced
     {'a': Array([1.], dtype=float32), 'b': Array([0.], dtype=float32)}
 
+    With ``overlap=1`` fragment 0 is sent on step 1 and lands on step 2:
+
+    >>> tx = optax_dist.streaming_diloco(
+    ...     optax.sgd(1.0), optax.sgd(1.0), sync_period=2, num_fragments=2, overlap=1)
+    >>> state = tx.init(params)
+    >>> _, state = tx.update(grads, state, params)
+    >>> state.anchor["a"], state.in_flight["a"], state.in_flight_step
+    (Array([0.], dtype=float32), Array([-1.], dtype=float32), Array([1, 0], dtype=int32))
+
   References:
     Douillard et al., `Streaming DiLoCo with overlapping communication
     <https://arxiv.org/abs/2501.18512>`_, 2025.
+    Kale, Douillard and Donchev, `Eager Updates For Overlapped Communication and Computation in
+    DiLoCo <https://arxiv.org/abs/2502.12996>`_, 2025.
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023.
-    torchft ``torchft.local_sgd.DiLoCo`` (fragments); MaxText ``diloco.py``.
+    torchft ``torchft.local_sgd.DiLoCo`` (fragments, ``fragment_sync_delay``); MaxText
+    ``diloco.py``.
   """
   fn = "streaming_diloco"
   _checks.check_transformation(fn, inner)
@@ -330,6 +420,20 @@ def streaming_diloco(
   _checks.check_num_workers(fn, num_workers, axis_name)
   comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
   anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
+  _checks.check_int(fn, "overlap", overlap)
+  if overlap < 0 or overlap >= sync_period:
+    raise ValueError(
+      f"`{fn}(overlap=...)` must be an int in [0, sync_period) = [0, {sync_period}) (overlap <"
+      f" sync_period: a fragment's exchange must land before its next send), got {overlap}."
+    )
+  if not isinstance(eager, (bool, np.bool_)):
+    raise TypeError(f"`{fn}(eager=...)` must be a bool, got {eager!r}.")
+  if eager and overlap == 0:
+    raise ValueError(
+      f"`{fn}(eager=True)` needs overlap >= 1 (with overlap=0 every exchange lands on its send"
+      " step and there is no stale share to replace), got overlap=0."
+    )
+  eager = bool(eager)
   no_mixing = isinstance(mixing, numbers.Real) and mixing == 0
 
   def init_fn(params):
@@ -344,12 +448,20 @@ def streaming_diloco(
       outer_state = tuple(
         outer.init(_select(leaves, ids, f, treedef)) for f in range(num_fragments)
       )
-    return StreamingDiLoCoState(
+    state = StreamingDiLoCoState(
       local_step=jnp.zeros([], jnp.int32),
       anchor=anchor,
       inner_state=inner.init(params),
       outer_state=outer_state,
     )
+    if overlap:
+      state = state._replace(
+        in_flight=jax.tree.map(jnp.zeros_like, anchor),
+        in_flight_step=jnp.zeros([num_fragments], jnp.int32),
+      )
+    if eager:
+      state = state._replace(own_in_flight=jax.tree.map(jnp.zeros_like, anchor))
+    return state
 
   def sync_fragment(f, sync, anchor, outer_state_f, p_leaves, u_leaves, ids, treedef, n):
     """Fragment f's DiLoCo sync in its own conditional, carrying only its leaves and state."""
@@ -368,11 +480,64 @@ def streaming_diloco(
       sync, synchronize, keep, _select(anchor, ids, f, treedef), outer_state_f,
       _select(u_leaves, ids, f, treedef),
     )
-    anchor = [a if i != f else b for a, b, i in zip(anchor, _leaves(anchor_f), ids, strict=True)]
+    anchor = _merge(anchor, anchor_f, ids, f)
     return anchor, outer_state_f
 
+  def send_fragment(f, send, anchor, in_flight, own, p_leaves, u_leaves, ids, treedef, n):
+    """Fragment f's send (overlap >= 1): its pseudo-gradient, all-reduced in a conditional."""
+
+    def communicate(anchor_f, u_f, in_flight_f, own_f):
+      x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
+      own_f = _outer.pseudo_gradient(anchor_f, x_f)  # Delta_i = theta - x'_i
+      mean_f = own_f
+      if axis_name is not None:
+        mean_f = _axis.worker_mean(own_f, axis_name, n, comm_dtype)  # Delta, the psum
+      return mean_f, (own_f if eager else None)
+
+    def keep(anchor_f, u_f, in_flight_f, own_f):
+      return in_flight_f, own_f
+
+    sel = functools.partial(_select, ids=ids, fragment=f, treedef=treedef)
+    in_flight_f, own_f = _axis.communicate_if(
+      send, communicate, keep, sel(anchor), sel(u_leaves), sel(in_flight),
+      sel(own) if eager else None,
+    )
+    in_flight = _merge(in_flight, in_flight_f, ids, f)
+    if eager:
+      own = _merge(own, own_f, ids, f)
+    return in_flight, own
+
+  def land_fragment(f, landing, anchor, outer_state_f, in_flight, own, p_leaves, u_leaves, ids,
+                    treedef, n):
+    """Fragment f's landing (overlap >= 1): the outer step on the stale mean, no collective.
+
+    Returns the new anchor leaves, the outer state and the leaves the worker lands on (the new
+    anchor, or with ``eager`` the outer step on its own eager pseudo-gradient)."""
+
+    def apply(anchor_f, outer_state_f, delta_f, own_f, u_f):
+      new_anchor_f, new_outer_state_f = _outer.outer_step(outer, anchor_f, outer_state_f, delta_f)
+      target_f = new_anchor_f
+      if eager:  # Delta~_i = Delta + (Delta_i(now) - Delta_i(sent)) / N, from the same state
+        x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)
+        fresh_f = _outer.pseudo_gradient(anchor_f, x_f)
+        eager_f = jax.tree.map(
+          lambda d, now, sent: (d + (now - sent) / n).astype(d.dtype), delta_f, fresh_f, own_f
+        )
+        target_f, _ = _outer.outer_step(outer, anchor_f, outer_state_f, eager_f)
+      return new_anchor_f, new_outer_state_f, target_f
+
+    def stay(anchor_f, outer_state_f, delta_f, own_f, u_f):
+      return anchor_f, outer_state_f, anchor_f
+
+    sel = functools.partial(_select, ids=ids, fragment=f, treedef=treedef)
+    anchor_f, outer_state_f, target_f = _axis.communicate_if(
+      landing, apply, stay, sel(anchor), outer_state_f, sel(in_flight),
+      sel(own) if eager else None, sel(u_leaves),
+    )
+    return _merge(anchor, anchor_f, ids, f), outer_state_f, _leaves(target_f)
+
   def land(sync, a, p, u):
-    """On a sync of its fragment, a leaf becomes mixing x' + (1 - mixing) theta."""
+    """On a landing of its fragment, a leaf becomes mixing x' + (1 - mixing) a (a: the target)."""
     target = a
     if not no_mixing:
       x = optax.apply_updates(p, u)
@@ -391,27 +556,74 @@ def streaming_diloco(
 
     anchor, treedef = jax.tree.flatten(state.anchor)
     u_leaves, p_leaves = jax.tree.leaves(local_updates), jax.tree.leaves(params)
-    outer_states, syncs = [], []
+    sends = []
     for f in range(num_fragments):
       rule = streaming_diloco_syncs(
         local_step, sync_period=sync_period, num_fragments=num_fragments, fragment=f
       )
       # False: no fragment syncs; True leaves the choice of fragment to the rule.
-      sync = False if hint is False else _axis.agree(rule, axis_name)
-      anchor, outer_state_f = sync_fragment(
-        f, sync, anchor, state.outer_state[f], p_leaves, u_leaves, ids, treedef, n
+      sends.append(False if hint is False else _axis.agree(rule, axis_name))
+
+    if not overlap:  # each fragment's exchange lands on its send step
+      outer_states = []
+      for f in range(num_fragments):
+        anchor, outer_state_f = sync_fragment(
+          f, sends[f], anchor, state.outer_state[f], p_leaves, u_leaves, ids, treedef, n
+        )
+        outer_states.append(outer_state_f)
+      local_updates = treedef.unflatten([
+        land(sends[f], a, p, u)
+        for a, p, u, f in zip(anchor, p_leaves, u_leaves, ids, strict=True)
+      ])
+      return local_updates, StreamingDiLoCoState(
+        local_step=local_step,
+        anchor=treedef.unflatten(anchor),
+        inner_state=inner_state,
+        outer_state=tuple(outer_states),
+      )
+
+    # overlap >= 1: a fragment sent at step s lands at s + overlap < s + H, its next send, so a
+    # fragment never sends and lands on one step and has at most one exchange in flight.
+    in_flight = jax.tree.leaves(state.in_flight)
+    own = jax.tree.leaves(state.own_in_flight) if eager else None
+    targets = list(anchor)
+    outer_states, landings, in_flight_step = [], [], []
+    for f in range(num_fragments):
+      sent = state.in_flight_step[f]
+      landing = (sent > 0) & (local_step == sent + overlap)  # local: no collective, no agree
+      anchor, outer_state_f, target_f = land_fragment(
+        f, landing, anchor, state.outer_state[f], in_flight, own, p_leaves, u_leaves, ids,
+        treedef, n,
+      )
+      targets = [t if i != f else g for t, g, i in zip(targets, target_f, ids, strict=True)]
+      in_flight, own = send_fragment(
+        f, sends[f], anchor, in_flight, own, p_leaves, u_leaves, ids, treedef, n
       )
       outer_states.append(outer_state_f)
-      syncs.append(sync)
+      landings.append(landing)
+      in_flight_step.append(
+        _axis.select(sends[f], local_step, jnp.where(landing, 0, sent).astype(jnp.int32))
+      )
 
     local_updates = treedef.unflatten([
-      land(syncs[f], a, p, u) for a, p, u, f in zip(anchor, p_leaves, u_leaves, ids, strict=True)
+      land(landings[f], t, p, u)
+      for t, p, u, f in zip(targets, p_leaves, u_leaves, ids, strict=True)
     ])
     return local_updates, StreamingDiLoCoState(
       local_step=local_step,
       anchor=treedef.unflatten(anchor),
       inner_state=inner_state,
       outer_state=tuple(outer_states),
+      in_flight=treedef.unflatten(in_flight),
+      in_flight_step=jnp.stack(in_flight_step).astype(jnp.int32),
+      own_in_flight=treedef.unflatten(own) if eager else None,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _merge(leaves: list, masked: Any, ids: tuple[int, ...], fragment: int) -> list:
+  """``leaves`` with fragment ``fragment``'s replaced by those of the masked tree ``masked``."""
+  return [
+    a if i != fragment else b for a, b, i in zip(leaves, _leaves(masked), ids, strict=True)
+  ]
