@@ -241,7 +241,9 @@ def resize_state(
     ``center_inner_state``); the params restart from the center; AGN's ``grad_accum``, the
     current period's gradients, becomes the workers' mean (the next commit keeps them).
   * ``DiLoCoState`` and ``StreamingDiLoCoState``: ``local_step``, ``anchor`` and
-    ``outer_state`` kept; the params restart from the anchor.
+    ``outer_state`` kept; the params restart from the anchor. Streaming DiLoCo's exchanges in
+    flight (``in_flight``, ``in_flight_step``) are kept and land on their step; with eager
+    updates each new worker's own share (``own_in_flight``) is the old workers' mean.
   * ``LocalSGDState``: ``local_step`` kept; the params restart from the workers' mean.
   * ``MovingAverageState``: ``count`` kept; ``ema`` becomes the workers' mean.
   * ``DropStaleGradientsState``: ``global_step`` and ``num_dropped`` kept.
