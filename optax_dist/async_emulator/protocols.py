@@ -292,14 +292,14 @@ def diloco(
   ``outer=optax.sgd(1.0)`` each commit adds the worker's own progress to the current anchor,
   :math:`\theta \leftarrow \theta + (x'_i - \hat\theta_i)`. A momentum outer optimizer
   (the default, Nesterov) takes one momentum step per commit, on stale pseudo-gradients;
-  ``outer=``:func:`delayed_nesterov` (Liu et al. 2024) moves the momentum once every ``N``
+  ``outer=``:func:`optax_dist.delayed_nesterov` (Liu et al. 2024) moves the momentum once every ``N``
   commits and takes plain gradient steps in between.
 
   Args:
     inner: every worker's local optimizer.
     outer: the server's optimizer of the anchor, fed :math:`\Delta_i` (a descent direction, as a
       gradient). Default: ``optax.sgd(0.7, momentum=0.9, nesterov=True)``, as
-      :func:`optax_dist.diloco`; or :func:`delayed_nesterov`.
+      :func:`optax_dist.diloco`; or :func:`optax_dist.delayed_nesterov`.
     sync_period: H, in local steps; a worker's first commit is on its H-th step. Build the
       schedule with ``cluster.schedule(..., communication_period=sync_period)``.
 
@@ -310,9 +310,9 @@ def diloco(
     TypeError, ValueError: as :func:`optax_dist.diloco` for the same arguments.
 
   Examples:
-    >>> import optax
+    >>> import optax, optax_dist
     >>> from optax_dist import async_emulator as ae
-    >>> outer = ae.delayed_nesterov(0.7, momentum=0.9, buffer_size=4)
+    >>> outer = optax_dist.delayed_nesterov(0.7, momentum=0.9, buffer_size=4)
     >>> ae.diloco(optax.adam(1e-3), outer, sync_period=50).communication_period
     50
 

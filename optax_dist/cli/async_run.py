@@ -80,7 +80,7 @@ def make_protocol(
   if name == "diloco":
     return ae.diloco(sgd, optax.sgd(1.0 / workers), sync_period=communication_period)
   if name == "diloco+delayed_nesterov":
-    return ae.diloco(sgd, ae.delayed_nesterov(buffer_size=workers),
+    return ae.diloco(sgd, optax_dist.delayed_nesterov(buffer_size=workers),
                      sync_period=communication_period)
   raise ValueError(
     f"`run(protocols=...)`: unknown protocol {name!r}; choose from {', '.join(PROTOCOLS)}.")
