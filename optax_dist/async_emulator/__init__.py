@@ -45,7 +45,8 @@ swapped into their state; only the event order is the emulator's. DiLoCo's worke
 
 The subpackage's modules: :mod:`~optax_dist.async_emulator.timing` (:class:`Cluster`,
 :class:`Schedule`, :func:`explicit_schedule`), :mod:`~optax_dist.async_emulator.protocols`
-(:func:`downpour`, :func:`elastic_average`, :func:`agn`, :func:`diloco`),
+(:func:`downpour`, :func:`elastic_average`, :func:`agn`, :func:`diloco`,
+:func:`dylu_sync_periods`),
 :mod:`~optax_dist.async_emulator.emulation` (:func:`emulate`, :class:`AsyncResult`) and
 :mod:`~optax_dist.async_emulator.simulators` (each protocol's event on the device). Import the
 names from ``optax_dist.async_emulator``.
@@ -80,6 +81,7 @@ from optax_dist.async_emulator.protocols import (
   agn,
   diloco,
   downpour,
+  dylu_sync_periods,
   elastic_average,
 )
 from optax_dist.async_emulator.timing import Cluster, Schedule, explicit_schedule
@@ -96,6 +98,7 @@ __all__ = (
   "agn",
   "diloco",
   "downpour",
+  "dylu_sync_periods",
   "elastic_average",
   "emulate",
   "explicit_schedule",

@@ -1,6 +1,14 @@
 """Deprecated: :func:`optax_dist.delayed_nesterov` and its state now live in :mod:`optax_dist`.
 
-Importing ``delayed_nesterov`` or ``DelayedNesterovState`` from here still works and warns.
+Importing ``delayed_nesterov`` or ``DelayedNesterovState`` from here still works and warns:
+
+>>> import warnings, optax_dist
+>>> from optax_dist.async_emulator import outer
+>>> with warnings.catch_warnings(record=True) as caught:
+...   warnings.simplefilter("always")
+...   same = outer.delayed_nesterov is optax_dist.delayed_nesterov
+>>> same, caught[0].category.__name__
+(True, 'DeprecationWarning')
 """
 
 from __future__ import annotations
