@@ -15,6 +15,7 @@ from optax_dist import _common
 from optax_dist._accumulation import AccumulateThenReduceState
 from optax_dist._agn import AGNState
 from optax_dist._apply_if_finite import ApplyIfFiniteState
+from optax_dist._delayed_nesterov import DelayedNesterovState
 from optax_dist._diloco import DiLoCoState
 from optax_dist._drop_stale_gradients import DropStaleGradientsState
 from optax_dist._elastic_average import ElasticAverageState
@@ -50,6 +51,9 @@ FIELDS = {
   StreamingDiLoCoState: {
     "local_step": KEEP, "anchor": KEEP, "inner_state": INNER, "outer_state": KEEP,
   },
+  # As diloco's outer it sits in a KEEP field; elsewhere (a worker's own optimizer) the momentum
+  # and the buffer are averaged, exact where every worker holds the same.
+  DelayedNesterovState: {"count": KEEP, "momentum": MEAN, "buffer": MEAN},
 }
 """Per library state, per field: ``KEEP``, ``MEAN`` or ``INNER``."""
 

@@ -185,3 +185,19 @@ def test_errors():
     optax_dist.delayed_nesterov(momentum=1.0, buffer_size=2)
   with pytest.raises(ValueError, match=r"delayed_nesterov\(learning_rate=...\)"):
     optax_dist.delayed_nesterov(0.0, buffer_size=2)
+
+
+def test_resize_state_keeps_diloco_outer_delayed_nesterov_state():
+  outer = optax_dist.delayed_nesterov(0.6, buffer_size=3, activation=0.2)
+  tx = optax_dist.diloco(optax.sgd(0.1), outer, sync_period=2, axis_name=AXIS)
+  c, d = quadratic_data()
+  x = jnp.tile(jnp.asarray(np.linspace(-1.0, 1.0, 3), jnp.float32), (W, 1))
+  state = jax.vmap(tx.init)(x)
+  step = jax.jit(jax.vmap(lambda g, s, p: tx.update(g, s, p), axis_name=AXIS))
+  for t in range(5):
+    updates, state = step(jnp.asarray(c) * x - jnp.asarray(d[:, t]), state, x)
+    x = optax.apply_updates(x, updates)
+  new_state, new_x = optax_dist.resize_state(tx, state, x, 2)
+  for old, new in zip(jax.tree.leaves(state.outer_state), jax.tree.leaves(new_state.outer_state)):
+    np.testing.assert_array_equal(new, np.broadcast_to(old[0], new.shape))
+  assert new_state.outer_state.momentum.shape == (2, 3)
