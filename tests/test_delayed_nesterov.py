@@ -201,3 +201,15 @@ def test_resize_state_keeps_diloco_outer_delayed_nesterov_state():
   for old, new in zip(jax.tree.leaves(state.outer_state), jax.tree.leaves(new_state.outer_state)):
     np.testing.assert_array_equal(new, np.broadcast_to(old[0], new.shape))
   assert new_state.outer_state.momentum.shape == (2, 3)
+
+
+def test_inject_hyperparams_gives_the_same_updates():
+  injected = optax.inject_hyperparams(optax_dist.delayed_nesterov, static_args=("buffer_size",))(
+    learning_rate=0.7, momentum=0.9, buffer_size=3, activation=0.1)
+  plain = optax_dist.delayed_nesterov(0.7, 0.9, buffer_size=3, activation=0.1)
+  s1, s2 = injected.init(jnp.zeros(2)), plain.init(jnp.zeros(2))
+  update = jax.jit(injected.update)
+  for g in np.random.default_rng(3).normal(size=(7, 2)).astype(np.float32):
+    (u1, s1), (u2, s2) = update(jnp.asarray(g), s1), plain.update(jnp.asarray(g), s2)
+    np.testing.assert_allclose(u1, u2, rtol=1e-6, atol=1e-7)
+  assert update._cache_size() == 1
