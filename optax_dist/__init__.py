@@ -13,6 +13,8 @@
 * :func:`apply_if_finite`: ``optax.apply_if_finite`` with the skip agreed across the workers.
 * :func:`diloco`, :func:`streaming_diloco` and :func:`local_sgd`: local steps with periodic
   outer steps or model averages (DiLoCo, Streaming DiLoCo, local / post-local SGD).
+* :func:`delayed_nesterov`: an outer optimizer whose momentum moves once every N
+  pseudo-gradients (asynchronous DiLoCo's, usable as :func:`diloco`'s ``outer``).
 * :func:`resize_state`: a run's state and params moved to another number of workers (elastic
   resume).
 * :func:`state_shardings`: the shardings of a state stacked over replicas (the global view),
@@ -36,6 +38,7 @@ from optax_dist._accounting import (
 from optax_dist._accumulation import AccumulateThenReduceState, accumulate_then_reduce
 from optax_dist._agn import AGNState, agn, agn_communicates
 from optax_dist._apply_if_finite import ApplyIfFiniteState, apply_if_finite
+from optax_dist._delayed_nesterov import DelayedNesterovState, delayed_nesterov
 from optax_dist._diloco import DiLoCoState, diloco, diloco_syncs
 from optax_dist._drop_stale_gradients import DropStaleGradientsState, drop_stale_gradients
 from optax_dist._elastic_average import (
@@ -65,6 +68,7 @@ __all__ = (
   "Collective",
   "Collectives",
   "CommunicationReport",
+  "DelayedNesterovState",
   "DiLoCoState",
   "DropStaleGradientsState",
   "ElasticAverageState",
@@ -77,6 +81,7 @@ __all__ = (
   "all_reduce",
   "apply_if_finite",
   "communication_report",
+  "delayed_nesterov",
   "diloco",
   "diloco_syncs",
   "drop_stale_gradients",

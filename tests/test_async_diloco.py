@@ -1,4 +1,4 @@
-"""Asynchronous DiLoCo in the emulator, and the delayed Nesterov outer optimizer.
+"""Asynchronous DiLoCo in the emulator, with optax SGD/Nesterov and delayed Nesterov outers.
 
 The expected numbers come from sequential NumPy re-implementations written here (asynchronous
 DiLoCo with stragglers and restarts, delayed Nesterov as its equations state), from closed forms
@@ -111,7 +111,7 @@ STRAGGLER_EVENTS = (
 OUTERS = {
   "nesterov": (lambda: optax.sgd(0.6, momentum=0.9, nesterov=True), lambda: np_nesterov(0.6, 0.9)),
   "delayed_nesterov": (
-    lambda: ae.delayed_nesterov(0.6, momentum=0.9, buffer_size=3, activation=0.2),
+    lambda: optax_dist.delayed_nesterov(0.6, momentum=0.9, buffer_size=3, activation=0.2),
     lambda: np_delayed_nesterov(0.6, 0.9, 3, 0.2),
   ),
 }
@@ -216,77 +216,10 @@ def test_eval_fn_sees_the_anchor_and_a_restart_starts_from_it():
 
 
 # ----------------------------------------------------------------------------------------------
-# Delayed Nesterov.
-
-
-@pytest.mark.parametrize(("buffer_size", "activation"), [(3, 0.0), (3, 0.25), (1, 0.0)])
-def test_delayed_nesterov_matches_its_equations(buffer_size, activation):
-  rng = np.random.default_rng(0)
-  grads = rng.normal(size=(10, 5)).astype(np.float32)
-  tx = ae.delayed_nesterov(0.3, momentum=0.8, buffer_size=buffer_size, activation=activation)
-  update = jax.jit(tx.update)
-  state = tx.init(jnp.zeros(5))
-  np_init, np_step = np_delayed_nesterov(0.3, 0.8, buffer_size, activation)
-  np_state = np_init(np.zeros(5))
-  for g in grads:
-    u, state = update(jnp.asarray(g), state)
-    np_u, np_state = np_step(np_state, g.astype(np.float64))
-    np.testing.assert_allclose(u, np_u, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(state.momentum, np_state[1], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(state.buffer, np_state[2], rtol=1e-5, atol=1e-6)
-  assert int(state.count) == len(grads)
-
-
-def test_delayed_nesterov_with_a_buffer_of_one_is_optax_nesterov():
-  grads = np.random.default_rng(1).normal(size=(6, 3)).astype(np.float32)
-  ours = ae.delayed_nesterov(0.7, momentum=0.9, buffer_size=1)
-  theirs = optax.sgd(0.7, momentum=0.9, nesterov=True)
-  s1, s2 = ours.init(jnp.zeros(3)), theirs.init(jnp.zeros(3))
-  for g in grads:
-    (u1, s1), (u2, s2) = ours.update(jnp.asarray(g), s1), theirs.update(jnp.asarray(g), s2)
-    np.testing.assert_allclose(u1, u2, rtol=1e-6, atol=1e-7)
-
-
-def test_delayed_nesterov_window_is_one_nesterov_step_on_the_mean():
-  # With c = 0 the N updates of a window sum to optax's Nesterov update on their mean.
-  n = 4
-  grads = np.random.default_rng(2).normal(size=(3, n, 2)).astype(np.float32)
-  ours = ae.delayed_nesterov(0.5, momentum=0.7, buffer_size=n)
-  theirs = optax.sgd(0.5, momentum=0.7, nesterov=True)
-  s1, s2 = ours.init(jnp.zeros(2)), theirs.init(jnp.zeros(2))
-  for window in grads:
-    total = jnp.zeros(2)
-    for g in window:
-      u, s1 = ours.update(jnp.asarray(g), s1)
-      total = total + u
-    expected, s2 = theirs.update(jnp.asarray(window.mean(axis=0)), s2)
-    np.testing.assert_allclose(total, expected, rtol=1e-5, atol=1e-6)
-
-
-def test_delayed_nesterov_keeps_its_state_dtypes_under_jit():
-  tx = ae.delayed_nesterov(0.5, buffer_size=2, activation=0.5)
-  params = {"w": jnp.zeros(3, jnp.bfloat16), "b": jnp.zeros((), jnp.float32)}
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  for _ in range(3):
-    updates, state = update(jax.tree.map(jnp.ones_like, params), state)
-  assert update._cache_size() == 1
-  assert jax.tree.map(lambda x: x.dtype, state.momentum) == jax.tree.map(
-    lambda x: x.dtype, params)
-  assert jax.tree.map(lambda x: x.dtype, updates) == jax.tree.map(lambda x: x.dtype, params)
-
-
-# ----------------------------------------------------------------------------------------------
 # Errors.
 
 
 def test_errors():
-  with pytest.raises(ValueError, match=r"delayed_nesterov\(activation=...\)` must be in \[0, 1/"):
-    ae.delayed_nesterov(buffer_size=4, activation=0.5)
-  with pytest.raises(ValueError, match=r"delayed_nesterov\(buffer_size=...\)` must be a positive"):
-    ae.delayed_nesterov(buffer_size=0)
-  with pytest.raises(ValueError, match=r"delayed_nesterov\(momentum=...\)` must be in \[0, 1\)"):
-    ae.delayed_nesterov(momentum=1.0, buffer_size=2)
   with pytest.raises(ValueError, match=r"diloco\(sync_period=...\)` must be a positive int"):
     ae.diloco(optax.sgd(0.1), sync_period=0)
   with pytest.raises(TypeError, match=r"diloco\(outer=...\)"):

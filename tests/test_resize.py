@@ -391,7 +391,7 @@ def test_every_state_declares_its_rules():
   """Each library state declares, beside its fields, a resize rule per field and the fields
   eval_params and resize_state read."""
   states = [getattr(optax_dist, n) for n in optax_dist.__all__ if n.endswith("State")]
-  assert len(states) == 9
+  assert len(states) == 10
   for cls in states:
     assert list(cls.RESIZE) == list(cls._fields), cls.__name__
     assert set(cls.RESIZE.values()) <= {_state.KEEP, _state.MEAN, _state.INNER}, cls.__name__

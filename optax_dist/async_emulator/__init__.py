@@ -34,8 +34,9 @@ The protocols:
 * :func:`diloco` (asynchronous DiLoCo, Liu et al. 2024): each worker takes ``sync_period`` (H)
   local steps from the anchor it read, commits its pseudo-gradient
   :math:`\hat\theta - x'` to the server's outer optimizer, which steps from the *current*
-  anchor, one commit at a time, then reads the new anchor. :func:`delayed_nesterov` is the
-  paper's outer optimizer for stale pseudo-gradients.
+  anchor, one commit at a time, then reads the new anchor. :func:`optax_dist.delayed_nesterov`
+  is the paper's outer optimizer for stale pseudo-gradients. ``dylu=True`` gives each worker
+  its own number of local steps, proportional to its speed (the paper's dynamic local updates).
 
 The per-worker numerics are the library's own transformations with ``axis_name=None``
 (:func:`optax_dist.elastic_average`, :func:`optax_dist.agn`), called with the current center
@@ -44,8 +45,8 @@ swapped into their state; only the event order is the emulator's. DiLoCo's worke
 
 The subpackage's modules: :mod:`~optax_dist.async_emulator.timing` (:class:`Cluster`,
 :class:`Schedule`, :func:`explicit_schedule`), :mod:`~optax_dist.async_emulator.protocols`
-(:func:`downpour`, :func:`elastic_average`, :func:`agn`, :func:`diloco`),
-:mod:`~optax_dist.async_emulator.outer` (:func:`delayed_nesterov`),
+(:func:`downpour`, :func:`elastic_average`, :func:`agn`, :func:`diloco`,
+:func:`dylu_sync_periods`),
 :mod:`~optax_dist.async_emulator.emulation` (:func:`emulate`, :class:`AsyncResult`) and
 :mod:`~optax_dist.async_emulator.simulators` (each protocol's event on the device). Import the
 names from ``optax_dist.async_emulator``.
@@ -68,8 +69,9 @@ Example:
   True
 """
 
+import warnings
+
 from optax_dist.async_emulator.emulation import AsyncResult, emulate
-from optax_dist.async_emulator.outer import DelayedNesterovState, delayed_nesterov
 from optax_dist.async_emulator.protocols import (
   AGN,
   DiLoCo,
@@ -79,6 +81,7 @@ from optax_dist.async_emulator.protocols import (
   agn,
   diloco,
   downpour,
+  dylu_sync_periods,
   elastic_average,
 )
 from optax_dist.async_emulator.timing import Cluster, Schedule, explicit_schedule
@@ -87,17 +90,30 @@ __all__ = (
   "AGN",
   "AsyncResult",
   "Cluster",
-  "DelayedNesterovState",
   "DiLoCo",
   "Downpour",
   "ElasticAverage",
   "Protocol",
   "Schedule",
   "agn",
-  "delayed_nesterov",
   "diloco",
   "downpour",
+  "dylu_sync_periods",
   "elastic_average",
   "emulate",
   "explicit_schedule",
 )
+
+_MOVED = ("DelayedNesterovState", "delayed_nesterov")
+"""Names that moved to :mod:`optax_dist`; still reachable here, with a ``DeprecationWarning``."""
+
+
+def __getattr__(name):
+  if name in _MOVED:
+    import optax_dist
+
+    warnings.warn(
+      f"`optax_dist.async_emulator.{name}` is deprecated: use `optax_dist.{name}` (the same"
+      " object).", DeprecationWarning, stacklevel=2)
+    return getattr(optax_dist, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

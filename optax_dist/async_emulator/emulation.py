@@ -103,14 +103,16 @@ class AsyncResult:
 @functools.partial(
   jax.jit,
   static_argnames=("protocol", "loss_fn", "eval_fn", "num_workers", "explicit_reads",
-                   "only_steps"))
+                   "only_steps", "periods"))
 def _simulate(params, data, events, *, protocol, loss_fn, eval_fn, num_workers, explicit_reads,
-              only_steps):
+              only_steps, periods=None):
   """The emulation: ``events`` leaves are ``[chunks, chunk, ...]``; ``eval_fn`` after each chunk.
 
   ``only_steps``: every event is a step (no restart, no padding), so no event needs a select.
+  ``periods``: DiLoCo with ``dylu``: each worker's local steps per commit; else ``None``.
   """
-  sim = simulators.simulator(protocol, loss_fn, num_workers, explicit_reads, only_steps)
+  sim = simulators.simulator(protocol, loss_fn, num_workers, explicit_reads, only_steps,
+                             periods)
   flat = None if data is None else jax.tree.map(
     lambda d: d.reshape((-1,) + d.shape[2:]), data)
 
@@ -229,9 +231,9 @@ def emulate(
     commits them (``server.update(..., grad_step=read_step)``), then takes a new snapshot;
   * **elastic_average** / **agn**: takes one local step on its own params; on every τ-th local
     step it exchanges with the current center (see :func:`elastic_average`, :func:`agn`);
-  * **diloco**: takes one local step on its own params; on every H-th local step it commits its
-    pseudo-gradient to the server's outer optimizer and reads the new anchor (see
-    :func:`diloco`);
+  * **diloco**: takes one local step on its own params; on every H-th local step (with
+    ``dylu``, every :math:`H_w`-th of worker :math:`w`) it commits its pseudo-gradient to the
+    server's outer optimizer and reads the new anchor (see :func:`diloco`);
   * a **restart** event re-initialises the worker from the current server params, center or
     anchor (its snapshot, or its local params and a fresh local optimizer state);
   * a **join** does the same for a worker absent until then (it joins with the current server
@@ -258,8 +260,9 @@ def emulate(
       ``leaf[i]`` (``optax_dist.split_batch`` shards a dataset); or ``None`` for losses without
       data. The minibatch indices are computed on the host: each worker walks a fresh permutation
       of its shard per epoch, from ``numpy.random.default_rng((seed, worker))``.
-    schedule: from :meth:`Cluster.schedule` (with the protocol's ``communication_period``) or
-      :func:`explicit_schedule`.
+    schedule: from :meth:`Cluster.schedule` (with the protocol's ``communication_period``; for
+      DiLoCo with ``dylu``, ``protocol.sync_periods(cluster.worker_speeds)``) or
+      :func:`explicit_schedule` (not with ``dylu``: it has no speeds).
     batch_size: the rows of a minibatch (ignored when ``data`` is ``None``).
     seed: the seed of the minibatch order.
     eval_fn: optional ``eval_fn(server_params) -> pytree of scalars``, jittable, called on the
@@ -282,7 +285,9 @@ def emulate(
     None: the workers are emulated one event at a time on one device.
 
   Raises:
-    ValueError: the schedule's ``communication_period`` differs from the protocol's; explicit
+    ValueError: the schedule's ``communication_period`` differs from the protocol's (for
+      DiLoCo with ``dylu``, from its per-worker periods at the schedule's speeds); ``dylu`` with
+      an explicit schedule; explicit
       ``read_step`` with a protocol other than downpour, or steps the server never reached in
       time (detected after the run); ``data`` leaves not ``[N, M, ...]``; a bad ``batch_size``
       or ``eval_every``.
@@ -299,7 +304,7 @@ def emulate(
     >>> r.worker_params[:, 0], r.params[0]  # v0 of both workers, and of the center
     (Array([0.5 , 0.75], dtype=float32), Array(0.75, dtype=float32))
   """
-  _check_arguments(protocol, schedule, eval_every)
+  periods = _check_arguments(protocol, schedule, eval_every)
   explicit_reads = schedule.read_step is not None
   index = _batch_indices(schedule, data, batch_size, seed)
   e = schedule.num_events
@@ -309,7 +314,7 @@ def emulate(
   outputs, records, first, evals = _simulate(
     params, data, events, protocol=protocol, loss_fn=loss_fn, eval_fn=eval_fn,
     num_workers=schedule.num_workers, explicit_reads=explicit_reads,
-    only_steps=bool(pad == 0 and schedule.step.all()),
+    only_steps=bool(pad == 0 and schedule.step.all()), periods=periods,
   )
   records = jax.tree.map(lambda a: np.asarray(a).reshape((-1,) + a.shape[2:])[:e], records)
   evaluations = None
@@ -320,7 +325,8 @@ def emulate(
 
 
 def _check_arguments(protocol, schedule, eval_every):
-  """The checks of :func:`emulate` that need no data."""
+  """The checks of :func:`emulate` that need no data; DiLoCo's per-worker periods with ``dylu``
+  (else ``None``)."""
   fn = "emulate"
   if not isinstance(protocol, (Downpour, ElasticAverage, AGN, DiLoCo)):
     raise TypeError(
@@ -329,8 +335,22 @@ def _check_arguments(protocol, schedule, eval_every):
     )
   if not isinstance(schedule, Schedule):
     raise TypeError(f"`{fn}(schedule=...)` must be a Schedule, got {type(schedule).__name__}.")
+  dylu = isinstance(protocol, DiLoCo) and protocol.dylu
+  if dylu:
+    if schedule.speeds is None:
+      raise ValueError(
+        f"`{fn}`: `diloco(dylu=True)` needs the workers' speeds, which an explicit schedule does"
+        " not have; build the schedule with `Cluster(...).schedule(...)`.")
+    periods = protocol.sync_periods(schedule.speeds)
+    if schedule.periods != periods:
+      raise ValueError(
+        f"`{fn}`: the schedule was made with communication_period="
+        f"{schedule.communication_period} but `diloco(dylu=True)` commits every {periods} local"
+        f" steps at the workers' speeds {schedule.speeds}; build it with"
+        f" `cluster.schedule(..., communication_period={periods})`.")
   period = schedule.communication_period
-  if period is not None and period != protocol.communication_period:
+  if not dylu and period is not None and schedule.periods != (
+      (protocol.communication_period,) * schedule.num_workers):
     raise ValueError(
       f"`{fn}`: the schedule was made with communication_period={period} but the protocol"
       f" communicates every {protocol.communication_period} steps; build it with"
@@ -340,6 +360,7 @@ def _check_arguments(protocol, schedule, eval_every):
     raise ValueError(f"`{fn}`: explicit `read_step`s are for the downpour protocol only.")
   if eval_every is not None:
     _checks.check_positive_int(fn, "eval_every", eval_every)
+  return periods if dylu else None
 
 
 def _device_events(schedule, index, next_read, chunk):

@@ -1,135 +1,31 @@
-r"""Outer optimizers for asynchronous DiLoCo: :func:`delayed_nesterov`.
+"""Deprecated: :func:`optax_dist.delayed_nesterov` and its state now live in :mod:`optax_dist`.
 
-An outer optimizer is an ordinary optax transformation fed one pseudo-gradient per commit; the
-server of :func:`optax_dist.async_emulator.diloco` calls it once per commit, in event order.
+Importing ``delayed_nesterov`` or ``DelayedNesterovState`` from here still works and warns:
+
+>>> import warnings, optax_dist
+>>> from optax_dist.async_emulator import outer
+>>> with warnings.catch_warnings(record=True) as caught:
+...   warnings.simplefilter("always")
+...   same = outer.delayed_nesterov is optax_dist.delayed_nesterov
+>>> same, caught[0].category.__name__
+(True, 'DeprecationWarning')
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import warnings
 
-import jax
-import jax.numpy as jnp
-import optax
+__all__ = ()
 
-from optax_dist import _axis, _checks
-
-__all__ = ("DelayedNesterovState", "delayed_nesterov")
+_MOVED = ("DelayedNesterovState", "delayed_nesterov")
 
 
-class DelayedNesterovState(NamedTuple):
-  """State of :func:`delayed_nesterov`.
+def __getattr__(name):
+  if name in _MOVED:
+    import optax_dist
 
-  Attributes:
-    count: ``int32[]``, the number of ``update`` calls (commits) so far.
-    momentum: :math:`m`, the momentum; the params' tree, shapes and dtypes.
-    buffer: :math:`\\Delta`, the sum of the pseudo-gradients received since the last momentum
-      update; the params' tree, shapes and dtypes.
-  """
-
-  count: jax.Array
-  momentum: optax.Updates
-  buffer: optax.Updates
-
-
-def delayed_nesterov(
-  learning_rate: float = 0.7,
-  momentum: float = 0.9,
-  *,
-  buffer_size: int,
-  activation: float = 0.0,
-) -> optax.GradientTransformation:
-  r"""Delayed Nesterov: the outer momentum moves once every N commits, plain steps in between.
-
-  With :math:`g_t` the pseudo-gradient of the :math:`t`-th commit (:math:`t = 0, 1, \dots`),
-  :math:`\varepsilon` the learning rate, :math:`\beta` the momentum, :math:`N` the buffer size
-  and :math:`c` the momentum activation, each ``update`` returns :math:`u_t` (the server then
-  sets :math:`\theta \leftarrow \theta + u_t`):
-
-  .. math::
-
-    \Delta &\leftarrow \Delta + g_t \\
-    \text{if } (t + 1) \bmod N = 0:\quad
-      m &\leftarrow \beta m + \Delta / N, \qquad
-      u_t = -\varepsilon \big((1 - cN + c)\,\beta m + g_t / N\big), \qquad
-      \Delta \leftarrow 0 \\
-    \text{otherwise:}\quad u_t &= -\varepsilon \big(c \beta m + g_t / N\big)
-
-  with :math:`m = \Delta = 0` at the start. So with :math:`c = 0` the :math:`N` commits of a
-  window move the anchor by :math:`-\varepsilon (\bar g + \beta m)`, :math:`\bar g` their mean
-  and :math:`m` updated once with it: one Nesterov step on the mean pseudo-gradient, spread over
-  the window. Stale pseudo-gradients of single workers then never drive the momentum alone.
-  With :math:`N = 1` and :math:`c = 0` it is ``optax.sgd(ε, momentum=β, nesterov=True)``.
-
-  Args:
-    learning_rate: :math:`\varepsilon`, the outer learning rate, > 0.
-    momentum: :math:`\beta`, the momentum decay, in [0, 1).
-    buffer_size: :math:`N`, commits per momentum update, a positive int (the paper uses the
-      number of workers).
-    activation: :math:`c`, the fraction of the momentum applied at each commit between
-      momentum updates, in :math:`[0, 1/N]`; 0 (default) applies it only at the update.
-
-  Returns:
-    An ``optax.GradientTransformation`` whose state is :class:`DelayedNesterovState`.
-
-  Shapes:
-    The state holds two copies of the params (:math:`m` and :math:`\Delta`) and a counter.
-
-  Collectives:
-    None.
-
-  Raises:
-    TypeError, ValueError: ``learning_rate`` not > 0; ``momentum`` not in [0, 1);
-      ``buffer_size`` not a positive int; ``activation`` not in :math:`[0, 1/N]`.
-
-  Examples:
-    Two commits of a pseudo-gradient 1 with :math:`N = 2`: a plain step of
-    :math:`\varepsilon / N`, then the momentum update (:math:`m = 1`) and
-    :math:`-\varepsilon (\beta m + 1/2)`:
-
-    >>> import jax.numpy as jnp
-    >>> from optax_dist import async_emulator as ae
-    >>> tx = ae.delayed_nesterov(1.0, momentum=0.5, buffer_size=2)
-    >>> state = tx.init(jnp.zeros(1))
-    >>> u0, state = tx.update(jnp.ones(1), state)
-    >>> u1, state = tx.update(jnp.ones(1), state)
-    >>> u0, u1, state.momentum
-    (Array([-0.5], dtype=float32), Array([-1.], dtype=float32), Array([1.], dtype=float32))
-
-  References:
-    Liu et al., `Asynchronous Local-SGD Training for Language Modeling
-    <https://arxiv.org/abs/2401.09135>`_, 2024 (Algorithm 3, the Delayed Nesterov update).
-  """
-  fn = "delayed_nesterov"
-  _checks.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
-                       constraint="> 0")
-  _checks.check_number(fn, "momentum", momentum, lower=0.0, constraint="in [0, 1)")
-  if (_checks.concrete(momentum) or 0.0) >= 1.0:
-    raise ValueError(f"`{fn}(momentum=...)` must be in [0, 1), got {momentum}.")
-  _checks.check_positive_int(fn, "buffer_size", buffer_size)
-  _checks.check_number(fn, "activation", activation, lower=0.0, upper=1.0 / buffer_size,
-                       constraint=f"in [0, 1/buffer_size] = [0, {1.0 / buffer_size:g}]")
-
-  def init_fn(params):
-    return DelayedNesterovState(
-      count=jnp.zeros([], jnp.int32),
-      momentum=optax.tree.zeros_like(params),
-      buffer=optax.tree.zeros_like(params),
-    )
-
-  def update_fn(updates, state, params=None):
-    del params
-    count = optax.safe_increment(state.count)  # t + 1
-    moves = count % buffer_size == 0  # the momentum moves on this commit
-    buffer = jax.tree.map(lambda d, g: d + g, state.buffer, updates)  # Δ + g_t
-    mom = jax.tree.map(
-      lambda m, d: jnp.where(moves, momentum * m + d / buffer_size, m), state.momentum, buffer)
-    share = jnp.where(moves, (1.0 - activation * buffer_size + activation) * momentum,
-                      activation * momentum)
-    steps = jax.tree.map(
-      lambda m, g: (-learning_rate * (share * m + g / buffer_size)).astype(g.dtype), mom, updates)
-    buffer = jax.tree.map(lambda d: jnp.where(moves, jnp.zeros_like(d), d), buffer)
-    new_state = DelayedNesterovState(count=count, momentum=mom, buffer=buffer)
-    return steps, _axis.keep_dtypes(new_state, state)
-
-  return optax.GradientTransformation(init_fn, update_fn)
+    warnings.warn(
+      f"`optax_dist.async_emulator.outer.{name}` is deprecated: use `optax_dist.{name}` (the"
+      " same object).", DeprecationWarning, stacklevel=2)
+    return getattr(optax_dist, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,12 +7,16 @@ dataclass that :func:`optax_dist.async_emulator.emulate` runs:
 * :func:`elastic_average`: asynchronous EASGD (:func:`optax_dist.elastic_average` per worker);
 * :func:`agn`: asynchronous AGN (:func:`optax_dist.agn` per worker);
 * :func:`diloco`: asynchronous DiLoCo, every H-th step a commit of a pseudo-gradient to the
-  server's outer optimizer.
+  server's outer optimizer; with ``dylu=True`` every :math:`H_w`-th step of worker :math:`w`
+  (:func:`dylu_sync_periods`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
 
 import optax
 
@@ -32,6 +36,7 @@ __all__ = (
   "agn",
   "diloco",
   "downpour",
+  "dylu_sync_periods",
   "elastic_average",
 )
 
@@ -106,17 +111,29 @@ class DiLoCo:
   Attributes:
     inner: every worker's local optimizer (each worker has its own state).
     outer: the server's optimizer of the anchor, fed one pseudo-gradient per commit.
-    sync_period: H, local steps between a worker's commits.
+    sync_period: H, local steps between a worker's commits (the fastest worker's with
+      ``dylu``).
+    dylu: whether each worker's local steps per commit scale with its speed
+      (:func:`dylu_sync_periods`).
   """
 
   inner: optax.GradientTransformation
   outer: optax.GradientTransformation
   sync_period: int = 500
+  dylu: bool = False
 
   @property
   def communication_period(self) -> int:
-    """A worker commits on every H-th local step."""
+    """A worker commits on every H-th local step (with ``dylu``, the fastest worker)."""
     return self.sync_period
+
+  def sync_periods(self, speeds: Sequence[float]) -> tuple[int, ...]:
+    """Each worker's local steps per commit given the workers' ``speeds``: H for every worker,
+    or :func:`dylu_sync_periods` with ``dylu``. Pass the result to ``Cluster.schedule(...,
+    communication_period=...)`` with ``speeds=cluster.worker_speeds``."""
+    if self.dylu:
+      return dylu_sync_periods(speeds, self.sync_period)
+    return (self.sync_period,) * len(speeds)
 
 
 Protocol = Downpour | ElasticAverage | AGN | DiLoCo
@@ -261,11 +278,57 @@ def agn(inner: optax.GradientTransformation, *, communication_period: int = 10) 
 
 
 
+def dylu_sync_periods(speeds: Sequence[float], sync_period: int) -> tuple[int, ...]:
+  r"""Dynamic local updates: each worker's local steps per commit, proportional to its speed.
+
+  With :math:`v_w` the speed of worker :math:`w` (steps per unit of time) and :math:`H` the
+  fastest worker's local steps per commit:
+
+  .. math::
+
+    H_w = \max\Big(1, \Big\lfloor \frac{v_w}{\max_u v_u}\, H \Big\rfloor\Big)
+
+  so every worker's round of local steps takes about as long as the fastest worker's, and slow
+  workers' pseudo-gradients are no staler than the fast ones'. (A product within a relative
+  :math:`10^{-9}` below an integer counts as that integer, against float rounding:
+  ``0.29 * 100`` gives 29.)
+
+  Args:
+    speeds: one speed :math:`v_w > 0` per worker, any unit (``Cluster.worker_speeds``).
+    sync_period: :math:`H`, in local steps, a positive int.
+
+  Returns:
+    :math:`(H_0, \dots, H_{N-1})`, positive ints, in local steps.
+
+  Raises:
+    ValueError: ``speeds`` empty or not all finite and > 0; ``sync_period`` not a positive int.
+
+  Examples:
+    >>> from optax_dist import async_emulator as ae
+    >>> ae.dylu_sync_periods((1.0, 1.0, 0.5, 0.25), 30)
+    (30, 30, 15, 7)
+
+  References:
+    Liu et al., `Asynchronous Local-SGD Training for Language Modeling
+    <https://arxiv.org/abs/2401.09135>`_, 2024 (dynamic local updates, DyLU).
+  """
+  fn = "dylu_sync_periods"
+  _checks.check_positive_int(fn, "sync_period", sync_period)
+  speeds = tuple(speeds)
+  if not speeds or not all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                           and 0 < v < math.inf for v in speeds):
+    raise ValueError(
+      f"`{fn}(speeds=...)` must be one finite speed > 0 per worker, got {speeds!r}.")
+  fastest = max(speeds)
+  return tuple(max(1, math.floor(v / fastest * sync_period * (1.0 + 1e-9))) for v in speeds)
+
+
 def diloco(
   inner: optax.GradientTransformation,
   outer: optax.GradientTransformation | None = None,
   *,
   sync_period: int = 500,
+  dylu: bool = False,
 ) -> DiLoCo:
   r"""Asynchronous DiLoCo: each worker commits its pseudo-gradient to the server on its own.
 
@@ -292,29 +355,47 @@ def diloco(
   ``outer=optax.sgd(1.0)`` each commit adds the worker's own progress to the current anchor,
   :math:`\theta \leftarrow \theta + (x'_i - \hat\theta_i)`. A momentum outer optimizer
   (the default, Nesterov) takes one momentum step per commit, on stale pseudo-gradients;
-  ``outer=``:func:`delayed_nesterov` (Liu et al. 2024) moves the momentum once every ``N``
+  ``outer=``:func:`optax_dist.delayed_nesterov` (Liu et al. 2024) moves the momentum once every ``N``
   commits and takes plain gradient steps in between.
 
   Args:
     inner: every worker's local optimizer.
     outer: the server's optimizer of the anchor, fed :math:`\Delta_i` (a descent direction, as a
       gradient). Default: ``optax.sgd(0.7, momentum=0.9, nesterov=True)``, as
-      :func:`optax_dist.diloco`; or :func:`delayed_nesterov`.
+      :func:`optax_dist.diloco`; or :func:`optax_dist.delayed_nesterov`.
     sync_period: H, in local steps; a worker's first commit is on its H-th step. Build the
       schedule with ``cluster.schedule(..., communication_period=sync_period)``.
+    dylu: dynamic local updates (Liu et al. 2024): worker :math:`w` commits every
+      :math:`H_w` local steps instead, :math:`H_w = \max(1, \lfloor v_w / \max_u v_u
+      \cdot H \rfloor)` with :math:`v_w` its speed in the schedule's cluster
+      (:func:`dylu_sync_periods`, :attr:`Cluster.worker_speeds`). Build the schedule with
+      ``cluster.schedule(..., communication_period=protocol.sync_periods(
+      cluster.worker_speeds))``. ``False`` (default): every worker commits every H steps.
 
   Returns:
     A :class:`DiLoCo` protocol for :func:`emulate`.
 
   Raises:
-    TypeError, ValueError: as :func:`optax_dist.diloco` for the same arguments.
+    TypeError, ValueError: as :func:`optax_dist.diloco` for the same arguments; ``dylu`` not a
+      bool.
 
   Examples:
-    >>> import optax
+    >>> import optax, optax_dist
     >>> from optax_dist import async_emulator as ae
-    >>> outer = ae.delayed_nesterov(0.7, momentum=0.9, buffer_size=4)
+    >>> outer = optax_dist.delayed_nesterov(0.7, momentum=0.9, buffer_size=4)
     >>> ae.diloco(optax.adam(1e-3), outer, sync_period=50).communication_period
     50
+
+    With dynamic local updates on workers of speeds 1 : 1 : 0.5 : 0.25:
+
+    >>> cluster = ae.Cluster(4, speeds=(1.0, 1.0, 0.5, 0.25))
+    >>> protocol = ae.diloco(optax.sgd(0.1), outer, sync_period=30, dylu=True)
+    >>> periods = protocol.sync_periods(cluster.worker_speeds)
+    >>> periods
+    (30, 30, 15, 7)
+    >>> schedule = cluster.schedule(duration=60.0, communication_period=periods)
+    >>> schedule.time[schedule.communicates].tolist()  # every round takes about 30
+    [28.0, 30.0, 30.0, 30.0, 56.0, 60.0, 60.0, 60.0]
 
   References:
     Douillard et al., `DiLoCo: Distributed Low-Communication Training of Language Models
@@ -323,4 +404,6 @@ def diloco(
     <https://arxiv.org/abs/2401.09135>`_, 2024.
   """
   _diloco(inner, outer, sync_period=sync_period)  # the library's validation
-  return DiLoCo(inner, default_outer() if outer is None else outer, sync_period)
+  if not isinstance(dylu, bool):
+    raise TypeError(f"`diloco(dylu=...)` must be a bool, got {dylu!r}.")
+  return DiLoCo(inner, default_outer() if outer is None else outer, sync_period, dylu)

@@ -226,12 +226,16 @@ class CenterSim:
 
 class DiLoCoSim:
   """Asynchronous DiLoCo. Carry: the anchor and the outer state, and the workers' rows (local
-  params, the anchor each read, inner state, local step)."""
+  params, the anchor each read, inner state, local step).
 
-  def __init__(self, protocol, loss_fn, num_workers, only_steps):
+  ``periods``: each worker's local steps per commit (``dylu``), or ``None`` for H everywhere.
+  """
+
+  def __init__(self, protocol, loss_fn, num_workers, only_steps, periods=None):
     self.inner = _axis.wrap_inner(protocol.inner)
     self.outer = protocol.outer
     self.period = protocol.sync_period
+    self.periods = periods
     self.loss_fn = loss_fn
     self.n = num_workers
     self.only_steps = only_steps
@@ -267,7 +271,8 @@ class DiLoCoSim:
     updates, inner_state = self.inner.update(grads, inner_state, x)
     new_x = optax.apply_updates(x, updates)
     local_step = local_step + 1
-    committed = is_step & (local_step % self.period == 0)
+    period = self.period if self.periods is None else jnp.asarray(self.periods, jnp.int32)[w]
+    committed = is_step & (local_step % period == 0)
     # The commit is computed on every event and selected (see CenterSim on conditionals).
     shared = optax.tree.where(committed, self.commit(shared, read, new_x), shared)
     anchor = shared[0]
@@ -288,14 +293,15 @@ class DiLoCoSim:
     return anchor, rows[0], outer_state
 
 
-def simulator(protocol, loss_fn, num_workers, explicit_reads, only_steps):
+def simulator(protocol, loss_fn, num_workers, explicit_reads, only_steps, periods=None):
   """The simulator of ``protocol``'s events.
 
   ``explicit_reads``: the schedule gives downpour's read steps. ``only_steps``: every event is a
   step (no restart, no padding), so no event needs a select between a step and something else.
+  ``periods``: DiLoCo with ``dylu``: each worker's local steps per commit.
   """
   if isinstance(protocol, Downpour):
     return DownpourSim(protocol, loss_fn, num_workers, explicit_reads, only_steps)
   if isinstance(protocol, DiLoCo):
-    return DiLoCoSim(protocol, loss_fn, num_workers, only_steps)
+    return DiLoCoSim(protocol, loss_fn, num_workers, only_steps, periods)
   return CenterSim(protocol, loss_fn, num_workers, only_steps)

@@ -38,13 +38,16 @@ class Schedule:
     read_step: ``int32[E]`` or ``None``. Downpour only: the server ``global_step`` whose params
       the step's gradients are computed at (explicit schedules). ``None``: each worker reads the
       server right after its own previous commit (or restart), as in the timing model.
-    communication_period: the period the schedule's latencies assume (``None`` for explicit
-      schedules); :func:`emulate` checks it against the protocol's.
+    communication_period: the period the schedule's latencies assume: an int, or one int per
+      worker (DiLoCo with ``dylu=True``); ``None`` for explicit schedules. :func:`emulate`
+      checks it against the protocol's.
     join: ``bool[E]``, True for a join: a worker absent until then reads the server, the center
       or the anchor and starts with a fresh optimizer state (on the device, a restart). A
       worker with a join has no event before it. ``None`` (the default) means no joins.
     leave: ``bool[E]``, True where a worker leaves for good: it has no event after it, and
       nothing it computed since its last exchange reaches the server. ``None``: no leaves.
+    speeds: the cluster's :attr:`Cluster.worker_speeds` (one float per worker, the fastest
+      1 or less), or ``None`` (explicit schedules: no timing model).
 
   The other events (``~(restart | join | leave)``, :attr:`step`) are steps: a local step, for
   downpour a commit.
@@ -56,9 +59,10 @@ class Schedule:
   restart: np.ndarray
   local_step: np.ndarray
   read_step: np.ndarray | None = None
-  communication_period: int | None = None
+  communication_period: int | tuple[int, ...] | None = None
   join: np.ndarray | None = None
   leave: np.ndarray | None = None
+  speeds: tuple[float, ...] | None = None
 
   def __post_init__(self):
     for name in ("join", "leave"):
@@ -83,10 +87,24 @@ class Schedule:
     return active.astype(np.int32)
 
   @property
+  def periods(self) -> tuple[int, ...] | None:
+    """Each worker's communication period (``communication_period`` per worker), or ``None``."""
+    period = self.communication_period
+    if period is None:
+      return None
+    if isinstance(period, numbers.Integral):
+      return (int(period),) * self.num_workers
+    return tuple(int(p) for p in period)
+
+  @property
   def communicates(self) -> np.ndarray:
-    """``bool[E]``: the steps that exchange with the server (every ``communication_period``-th)."""
-    period = self.communication_period or 1
-    return self.step & (self.local_step % period == 0)
+    """``bool[E]``: the steps that exchange with the server (every ``communication_period``-th
+    of the event's worker)."""
+    periods = self.periods
+    if periods is None or len(set(periods)) == 1:
+      period = self.communication_period if periods is None else periods[0]
+      return self.step & (self.local_step % (period or 1) == 0)
+    return self.step & (self.local_step % np.asarray(periods)[self.worker] == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +119,11 @@ class Cluster:
       + \\mathrm{latency} \\cdot [\\text{the step communicates}],
     \\qquad u_{i,k} \\sim \\mathcal{U}[1 - \\mathrm{jitter}, 1 + \\mathrm{jitter}]
 
-  with :math:`\\kappa_i = \\mathrm{slowdown}` for the stragglers and 1 for the others. So
-  ``jitter=0`` and no stragglers is the constant model; ``jitter > 0`` uniform jitter;
-  ``stragglers`` with ``slowdown=k`` the straggler model (they combine). The draws come from
+  with :math:`\\kappa_i = \\mathrm{slowdown} / v_i` for the stragglers and :math:`1 / v_i` for
+  the others, :math:`v_i` the worker's entry of ``speeds`` (1 without it). So ``jitter=0`` and no
+  stragglers is the constant model; ``jitter > 0`` uniform jitter; ``stragglers`` with
+  ``slowdown=k`` the straggler model; ``speeds`` one relative speed per worker, e.g.
+  ``(1, 1, 0.5, 0.25)`` (they all combine). The draws come from
   ``numpy.random.default_rng((seed, i))``, one stream per worker, so a schedule depends only on
   the fields and its length.
 
@@ -118,6 +138,9 @@ class Cluster:
       communicates (every step for downpour; every τ-th for elastic averaging and AGN; every
       H-th for DiLoCo).
     seed: the seed of the compute-time draws.
+    speeds: ``None`` (every :math:`v_i = 1`) or one relative speed :math:`v_i > 0` per worker:
+      worker :math:`i`'s steps take :math:`1 / v_i` times ``compute_time`` (times ``slowdown``
+      for a straggler). See :attr:`worker_speeds` for the result of both.
   """
 
   num_workers: int
@@ -127,6 +150,7 @@ class Cluster:
   slowdown: float = 1.0
   latency: float = 0.0
   seed: int = 0
+  speeds: tuple[float, ...] | None = None
 
   def __post_init__(self):
     fn = "Cluster"
@@ -139,6 +163,16 @@ class Cluster:
     _checks.check_number(fn, "slowdown", self.slowdown, lower=1.0, constraint=">= 1")
     _checks.check_number(fn, "latency", self.latency, lower=0.0, constraint=">= 0")
     _checks.check_int(fn, "seed", self.seed)
+    if self.speeds is not None:
+      speeds = tuple(self.speeds) if isinstance(self.speeds, Sequence) else None
+      ok = speeds is not None and len(speeds) == self.num_workers and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < np.inf
+        for v in speeds)
+      if not ok:
+        raise ValueError(
+          f"`Cluster(speeds=...)` must be None or {self.num_workers} (num_workers) finite"
+          f" numbers > 0, one relative speed per worker, got {self.speeds!r}.")
+      object.__setattr__(self, "speeds", tuple(float(v) for v in speeds))
     slow = self.straggler_ids
     bad = [i for i in slow if not 0 <= i < self.num_workers]
     if bad or len(set(slow)) != len(slow):
@@ -160,10 +194,22 @@ class Cluster:
       return tuple(range(self.num_workers - count, self.num_workers))
     return tuple(int(i) for i in self.stragglers)
 
+  @property
+  def worker_speeds(self) -> tuple[float, ...]:
+    """Each worker's speed :math:`1 / \\kappa_i`: steps per ``compute_time``, without jitter."""
+    return tuple(1.0 / self._factor(w) for w in range(self.num_workers))
+
+  def _factor(self, worker):
+    """:math:`\\kappa_i`, worker ``worker``'s step time in units of ``compute_time``."""
+    factor = self.slowdown if worker in self.straggler_ids else 1.0
+    if self.speeds is not None:
+      factor = factor / self.speeds[worker]
+    return factor
+
   def compute_times(self, worker: int, num_steps: int) -> np.ndarray:
     """``float64[num_steps]``: the compute part of worker ``worker``'s first steps (no latency)."""
     rng = np.random.default_rng((self.seed, worker))
-    factor = self.slowdown if worker in self.straggler_ids else 1.0
+    factor = self._factor(worker)
     u = rng.uniform(1.0 - self.jitter, 1.0 + self.jitter, size=num_steps)
     return self.compute_time * factor * (u if self.jitter > 0 else np.ones(num_steps))
 
@@ -172,7 +218,7 @@ class Cluster:
     *,
     num_events: int | None = None,
     duration: float | None = None,
-    communication_period: int = 1,
+    communication_period: int | Sequence[int] = 1,
     restarts: Sequence[tuple[int, float] | tuple[int, float, float]] = (),
     leaves: Sequence[tuple[int, float]] = (),
     joins: Sequence[tuple[int, float]] = (),
@@ -204,8 +250,9 @@ class Cluster:
       num_events: stop after this many steps (restarts, joins and leaves not counted; those at
         or before the last step are kept).
       duration: or stop at this simulated time (events at ``time <= duration`` are kept).
-      communication_period: the protocol's τ (1 for downpour, ``sync_period`` for DiLoCo):
-        which steps pay ``latency``.
+      communication_period: the protocol's τ (1 for downpour, ``sync_period`` for DiLoCo), or
+        one per worker (DiLoCo with ``dylu=True``: ``protocol.sync_periods(
+        cluster.worker_speeds)``): which steps pay ``latency``.
       restarts: the restarts, in any order; a worker's must fall while it is present (a crash
         after its join, back before its leave).
       leaves: ``(worker, time)`` pairs, at most one per worker.
@@ -215,7 +262,8 @@ class Cluster:
       A :class:`Schedule`.
 
     Raises:
-      ValueError: not exactly one of ``num_events`` and ``duration``; a bad restart, leave or
+      ValueError: not exactly one of ``num_events`` and ``duration``; ``communication_period``
+        neither a positive int nor ``num_workers`` of them; a bad restart, leave or
         join (a worker outside ``[0, num_workers)``, a negative time, a worker twice, a join at
         or after the worker's leave, a restart outside the worker's presence); ``num_events``
         more steps than the workers take before they all leave.
@@ -241,10 +289,10 @@ class Cluster:
     else:
       _checks.check_number(fn, "duration", duration, lower=0.0, lower_open=True,
                            constraint="> 0")
-    _checks.check_positive_int(fn, "communication_period", communication_period)
+    periods = _parse_periods(fn, communication_period, self.num_workers)
     presence = _Presence.parse(fn, self.num_workers, joins, leaves)
     crashes = _parse_restarts(fn, restarts, self.num_workers, presence)
-    steps = self._all_steps(num_events, duration, communication_period, crashes, presence)
+    steps = self._all_steps(num_events, duration, periods, crashes, presence)
     events = _in_time_order(steps, crashes, presence)
     if num_events is not None:
       last = np.flatnonzero(events["kind"] == _STEP)[num_events - 1]
@@ -258,17 +306,19 @@ class Cluster:
       time=events["time"][keep].astype(np.float64),
       restart=kind == _RESTART,
       local_step=events["local"][keep].astype(np.int32),
-      communication_period=communication_period,
+      communication_period=(
+        communication_period if isinstance(communication_period, numbers.Integral) else periods),
       join=kind == _JOIN,
       leave=kind == _LEAVE,
+      speeds=self.worker_speeds,
     )
 
-  def _all_steps(self, num_events, duration, period, crashes, presence):
+  def _all_steps(self, num_events, duration, periods, crashes, presence):
     """Every worker's steps (end times, local step counts), drawn until the end is covered."""
     n = self.num_workers
     per_worker = max(16, 2 * (num_events or 0) // n + 16)
     while True:
-      steps = [self._worker_steps(w, per_worker, period, crashes[w], presence.span(w))
+      steps = [self._worker_steps(w, per_worker, periods[w], crashes[w], presence.span(w))
                for w in range(n)]
       horizon = min(covered for _, _, covered in steps)  # every step before it is drawn
       all_times = np.sort(np.concatenate([t for t, _, _ in steps]))
@@ -309,6 +359,21 @@ class Cluster:
         return np.asarray(times, np.float64), np.asarray(locals_, np.int64), np.inf
       start = crash + downtime
     raise AssertionError("unreachable: the leave ends the loop")
+
+
+def _parse_periods(fn, period, num_workers):
+  """One positive int period per worker, from an int or a sequence of ``num_workers`` ints."""
+  if isinstance(period, Sequence) and not isinstance(period, str):
+    periods = tuple(period)
+    ok = len(periods) == num_workers and all(
+      isinstance(p, numbers.Integral) and not isinstance(p, bool) and p > 0 for p in periods)
+    if not ok:
+      raise ValueError(
+        f"`{fn}(communication_period=...)` must be a positive int or {num_workers}"
+        f" (num_workers) positive ints, one per worker, got {period!r}.")
+    return tuple(int(p) for p in periods)
+  _checks.check_positive_int(fn, "communication_period", period)
+  return (int(period),) * num_workers
 
 
 _STEP, _LEAVE, _JOIN, _RESTART = 0, 1, 2, 3

@@ -267,4 +267,7 @@ def _add_async_parser(commands: Any) -> None:
                    f" (default: {d['communication_period']})")
   run.add_argument("--seed", type=integer, default=d["seed"],
                    help="seed of the data split, init, compute times and minibatches (default: 0)")
+  run.add_argument("--dylu", action="store_true",
+                   help="DiLoCo with dynamic local updates: each worker's local steps per commit"
+                   " proportional to its speed (default: off)")
   _output_arguments(run)

@@ -17,6 +17,11 @@ joining mid-run, for each) and compares them at the same simulated time:
 * ``diloco+delayed_nesterov``: the same with the delayed Nesterov outer optimizer of Liu et al.
   (2024), its momentum applied once every N commits (N = ``workers``).
 
+With ``dylu=True`` (``--dylu``) both DiLoCo protocols use dynamic local updates: worker ``w``
+commits every ``H_w = max(1, floor(v_w / max(v) * H))`` local steps, ``v_w`` its speed (a
+straggler's is ``1 / slowdown``), so the slow workers' rounds take about as long as the fast
+ones'.
+
 The data, model, loss and metric are a task's (:mod:`optax_dist.cli.tasks`), as in ``optax-dist
 train``.
 """
@@ -53,15 +58,17 @@ DEFAULTS = {
   "moving_rate": 0.2,
   "eval_every": 50,
   "seed": 0,
+  "dylu": False,
 }
 """The defaults of :func:`run` (and of ``optax-dist async``)."""
 
 
 def make_protocol(
   name: str, *, learning_rate: float, communication_period: int, moving_rate: float,
-  max_staleness: int, workers: int = DEFAULTS["workers"],
+  max_staleness: int, workers: int = DEFAULTS["workers"], dylu: bool = DEFAULTS["dylu"],
 ) -> Any:
-  """The :mod:`optax_dist.async_emulator` protocol called ``name`` (one of :data:`PROTOCOLS`)."""
+  """The :mod:`optax_dist.async_emulator` protocol called ``name`` (one of :data:`PROTOCOLS`);
+  ``dylu``: the DiLoCo protocols with dynamic local updates."""
   import optax
 
   import optax_dist
@@ -78,10 +85,10 @@ def make_protocol(
   if name == "agn":
     return ae.agn(sgd, communication_period=communication_period)
   if name == "diloco":
-    return ae.diloco(sgd, optax.sgd(1.0 / workers), sync_period=communication_period)
+    return ae.diloco(sgd, optax.sgd(1.0 / workers), sync_period=communication_period, dylu=dylu)
   if name == "diloco+delayed_nesterov":
-    return ae.diloco(sgd, ae.delayed_nesterov(buffer_size=workers),
-                     sync_period=communication_period)
+    return ae.diloco(sgd, optax_dist.delayed_nesterov(buffer_size=workers),
+                     sync_period=communication_period, dylu=dylu)
   raise ValueError(
     f"`run(protocols=...)`: unknown protocol {name!r}; choose from {', '.join(PROTOCOLS)}.")
 
@@ -152,6 +159,8 @@ def run(
   seed: int = DEFAULTS["seed"],
   protocols: Sequence[str] = PROTOCOLS,
   progress: bool = False,
+  dylu: bool = DEFAULTS["dylu"],
+  speeds: Sequence[float] | None = None,
 ) -> list[dict[str, Any]]:
   """Runs each asynchronous protocol on ``task`` for ``duration`` simulated time; one row each.
 
@@ -180,6 +189,10 @@ def run(
     seed: the seed of the data split, the init, the compute times and the minibatch order.
     protocols: which of :data:`PROTOCOLS` to run.
     progress: show a progress bar (one tick per protocol) on stderr.
+    dylu: the DiLoCo protocols with dynamic local updates (each worker's local steps per commit
+      proportional to its speed; :func:`optax_dist.async_emulator.dylu_sync_periods`).
+    speeds: ``None`` or one relative speed per worker (``Cluster(speeds=...)``, e.g.
+      ``(1, 1, 0.5, 0.25)``), combined with ``stragglers`` and ``slowdown``.
 
   Returns:
     One dict per protocol with the keys of :data:`optax_dist.cli.reports.ASYNC_COLUMNS`
@@ -194,7 +207,8 @@ def run(
   from optax_dist import async_emulator as ae
 
   cluster = ae.Cluster(num_workers=workers, compute_time=1.0, jitter=jitter,
-                       stragglers=stragglers, slowdown=slowdown, latency=latency, seed=seed)
+                       stragglers=stragglers, slowdown=slowdown, latency=latency, seed=seed,
+                       speeds=None if speeds is None else tuple(speeds))
   problem = setup(task, workers, seed)
   rows = []
   for name in tqdm(protocols, desc="async", unit="protocol", disable=not progress, leave=False,
@@ -202,10 +216,12 @@ def run(
     start = time.perf_counter()
     protocol = make_protocol(name, learning_rate=learning_rate, moving_rate=moving_rate,
                              communication_period=communication_period,
-                             max_staleness=max_staleness, workers=workers)
-    schedule = cluster.schedule(
-      duration=duration, communication_period=protocol.communication_period, restarts=restarts,
-      leaves=leaves, joins=joins)
+                             max_staleness=max_staleness, workers=workers, dylu=dylu)
+    period = protocol.communication_period
+    if isinstance(protocol, ae.DiLoCo):  # one per worker with dylu
+      period = protocol.sync_periods(cluster.worker_speeds)
+    schedule = cluster.schedule(duration=duration, communication_period=period,
+                                restarts=restarts, leaves=leaves, joins=joins)
     result = ae.emulate(
       protocol, problem["loss_fn"], problem["params"], problem["data"], schedule,
       batch_size=batch_size, seed=seed, eval_fn=problem["metric_fn"], eval_every=eval_every)
@@ -216,10 +232,12 @@ def run(
 
 def describe(task: Task, *, workers: int, stragglers: int, slowdown: float, latency: float,
              restarts: Sequence[Any], max_staleness: int, communication_period: int,
-             leaves: Sequence[Any] = (), joins: Sequence[Any] = ()) -> str:
+             leaves: Sequence[Any] = (), joins: Sequence[Any] = (),
+             dylu: bool = DEFAULTS["dylu"]) -> str:
   """One line saying what :func:`run` emulated (the plot's title)."""
   extra = "".join(
     [f", latency {latency:g}" if latency else "",
+     ", DiLoCo with DyLU" if dylu else "",
      f", {len(restarts)} restart(s)" if restarts else "",
      ", leaving: " + _at(leaves) if leaves else "",
      ", joining: " + _at(joins) if joins else ""])
