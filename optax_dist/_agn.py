@@ -79,6 +79,7 @@ def agn(
   center_update: str = "sequential",
   axis_name: Hashable | None = None,
   comm_dtype: Any = None,
+  comm_block_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulated gradient normalization: workers commit their mean gradient to a center.
 
@@ -114,6 +115,13 @@ def agn(
       exchanged (e.g. ``jnp.bfloat16``: half the bytes of ``float32``): cast to it before the
       ``all_gather`` or ``pmean`` and back to the params' dtypes after, so the center's ``inner``
       steps run in the params' dtypes. ``None`` (default) communicates in the params' dtypes.
+      ``jnp.int8`` (or ``"int8"``), ``jnp.float4_e2m1fn`` (or ``"float4_e2m1fn"``) and
+      ``"e3m0"`` send block-quantized codes with one float32 scale per ``comm_block_size``
+      values (``optax_dist._quantize``): ``"mean"`` sums the decoded commits in float32 in
+      worker order; ``"sequential"`` decodes each worker's commit and applies it as above.
+      There is no error feedback: a worker's accumulator restarts from zero after each commit.
+    comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
+      the default, is 256; even for the 4-bit formats); ignored otherwise.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Extra args are forwarded to ``inner``'s local
@@ -130,7 +138,14 @@ def agn(
     (params bytes sent, N × params bytes received per worker) and applies the N commits in
     order with a ``lax.scan`` (the program's size does not grow with N); ``"mean"`` issues one
     ``pmean`` of a params-sized tree (the params' bytes). With ``comm_dtype``, bytes are element
-    counts times its itemsize. None when ``axis_name`` is ``None``.
+    counts times its itemsize. With a quantized format both are two ``all_gather`` per leaf
+    (codes and scales): each worker sends ``wire_bytes``, :math:`n (c + 4/B)` bytes for
+    :math:`n` values (:math:`c = 1` for ``int8``, :math:`\frac12` for 4-bit), and receives N
+    times that; for ``"mean"``, counting what arrives from the other workers,
+    :math:`(N - 1)(c + 4/B)` against a float32 ring all-reduce's :math:`8 (N - 1)/N` per value,
+    ``int8`` receives fewer up to N = 7 workers and 4-bit up to N = 15 (:math:`B = 256`); for
+    ``"sequential"`` it is 3.9 (``int8``) and 7.8 (4-bit) times fewer than float32 at any N.
+    None when ``axis_name`` is ``None``.
     :func:`communication_report` measures them.
 
     Memory: ``"sequential"`` holds the gathered commits, N × params elements, on every worker
@@ -148,9 +163,11 @@ def agn(
 
   Raises:
     TypeError: ``inner`` is not a transformation; a hyperparameter has the wrong type;
-      ``comm_dtype`` not ``None`` or a floating dtype; a param leaf is not floating point (the
-      message names its path); ``update``'s ``communicate`` not ``None`` or a bool.
-    ValueError: ``communication_period`` or ``num_workers`` not a positive int; ``center_update``
+      ``comm_dtype`` not ``None``, a floating dtype or a quantized format; a param leaf is not
+      floating point (the message names its path); ``update``'s ``communicate`` not ``None`` or
+      a bool.
+    ValueError: ``communication_period``, ``num_workers`` or ``comm_block_size`` not a positive
+      int; ``comm_block_size`` odd with a 4-bit ``comm_dtype``; ``center_update``
       not ``"sequential"`` or ``"mean"``; ``num_workers > 1`` with ``axis_name=None``;
       ``num_workers`` different from the axis size; ``update`` without ``params``, where a
       named ``axis_name`` is not bound, or with updates whose shapes differ from the params'.
@@ -179,7 +196,8 @@ def agn(
   _checks.check_positive_int(fn, "communication_period", communication_period)
   _checks.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
   _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
+  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
 
   def init_fn(params):
     _checks.check_floating(fn, params)
@@ -218,12 +236,13 @@ def agn(
       if axis_name is None:
         carry, _ = center_step(carry, mean_grad)
       elif center_update == "mean":
-        total = _axis.psum(mean_grad, axis_name, comm_dtype)  # divided in the params' dtypes
+        # Summed, then divided in the params' dtypes.
+        total = _axis.psum(mean_grad, axis_name, comm_dtype, comm_block_size)
         carry, _ = center_step(carry, jax.tree.map(lambda t: (t / n).astype(t.dtype), total))
       else:
         # The N commits in axis order, one scan step each: the program size does not grow
         # with N. The gathered tree holds N x params elements on every worker.
-        gathered = _axis.all_gather(mean_grad, axis_name, comm_dtype)
+        gathered = _axis.all_gather(mean_grad, axis_name, comm_dtype, comm_block_size)
         carry, _ = jax.lax.scan(center_step, carry, gathered, length=n)
       return carry
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import _checks
+from optax_dist import _checks, _quantize
 
 
 
@@ -149,12 +149,18 @@ def _to_dtype(tree: Any, dtype: Any) -> Any:
   )
 
 
-def psum(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
+def psum(tree: Any, axis_name: Hashable, comm_dtype: Any = None, block_size: int = 256) -> Any:
   """``jax.lax.psum`` of ``tree``'s leaves, communicated in ``comm_dtype`` (if given).
 
   Floating leaves are cast to ``comm_dtype`` before the collective and back to their own dtype
   after, so the result has ``tree``'s dtypes and the bytes on the wire scale with
   ``comm_dtype``'s itemsize.
+
+  A quantized format's name (``"int8"``, ``"float4_e2m1fn"``, ``"e3m0"``, as
+  :func:`optax_dist._checks.check_comm_dtype` resolves ``jnp.int8`` and ``jnp.float4_e2m1fn``)
+  sends the floating leaves in blocks of ``block_size`` values with float32 scales:
+  :func:`optax_dist._quantize.quantized_sum` (each worker sends ``wire_bytes`` and receives N
+  times that).
 
   8-bit floats are not summed in 8 bits: XLA CPU's ``psum`` of ``float8_e4m3fn`` rounds after
   every addition under ``vmap`` but only once under ``shard_map``, and a partial sum past
@@ -162,6 +168,8 @@ def psum(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
   ``comm_dtype``, gathered from every worker (``all_gather``: each worker receives N times the
   bytes it sends) and summed in float32, in the same order on every worker.
   """
+  if isinstance(comm_dtype, str):
+    return _quantize.quantized_sum(tree, axis_name, comm_dtype, block_size)
   if comm_dtype is None or jnp.finfo(comm_dtype).bits > 8:
     return optax.tree.cast_like(jax.lax.psum(_to_dtype(tree, comm_dtype), axis_name), tree)
 
@@ -174,20 +182,40 @@ def psum(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
   return jax.tree.map(gather_sum, tree)
 
 
-def all_gather(tree: Any, axis_name: Hashable, comm_dtype: Any = None) -> Any:
-  """``jax.lax.all_gather`` of ``tree``'s leaves, communicated in ``comm_dtype`` (if given)."""
+def all_gather(
+  tree: Any, axis_name: Hashable, comm_dtype: Any = None, block_size: int = 256
+) -> Any:
+  """``jax.lax.all_gather`` of ``tree``'s leaves, communicated in ``comm_dtype`` (if given; a
+  quantized format's name sends block codes, :func:`optax_dist._quantize.quantized_all_gather`)."""
+  if isinstance(comm_dtype, str):
+    return _quantize.quantized_all_gather(tree, axis_name, comm_dtype, block_size)
   gathered = jax.lax.all_gather(_to_dtype(tree, comm_dtype), axis_name)
   return jax.tree.map(lambda g, x: g.astype(jnp.result_type(x)), gathered, tree)
 
 
-def worker_mean(tree: Any, axis_name: Hashable, n: int, comm_dtype: Any = None) -> Any:
+def worker_mean(
+  tree: Any, axis_name: Hashable, n: int, comm_dtype: Any = None, block_size: int = 256
+) -> Any:
   """The mean over the ``n`` workers of ``tree``'s leaves, divided in each leaf's dtype."""
-  total = psum(tree, axis_name, comm_dtype)
+  total = psum(tree, axis_name, comm_dtype, block_size)
   return jax.tree.map(lambda t: (t / n).astype(t.dtype), total)
 
 
+def worker_mean_with_feedback(
+  tree: Any, residual: Any, axis_name: Hashable, n: int, comm_dtype: str, block_size: int = 256
+) -> tuple[Any, Any]:
+  """:func:`worker_mean` in a quantized format ``comm_dtype``, each worker adding its
+  ``residual`` (float32, ``tree``'s shapes) before quantizing: returns the mean and the new
+  residual (:func:`optax_dist._quantize.quantized_sum_with_feedback`)."""
+  total, new_residual = _quantize.quantized_sum_with_feedback(
+    tree, residual, axis_name, comm_dtype, block_size
+  )
+  return jax.tree.map(lambda t: (t / n).astype(t.dtype), total), new_residual
+
+
 def reduce_gradients(
-  fn: str, updates: Any, axis_name: Hashable | tuple | None, reduction: str, comm_dtype: Any
+  fn: str, updates: Any, axis_name: Hashable | tuple | None, reduction: str, comm_dtype: Any,
+  block_size: int = 256,
 ) -> Any:
   """The gradients summed (``"sum"``) or averaged (``"mean"``) over the workers.
 
@@ -203,7 +231,7 @@ def reduce_gradients(
   def reduce(g):
     summed = summed_axes(axis_name, g)
     others = tuple(a for a in axis_names(axis_name) if a not in summed)
-    total = psum(g, others, comm_dtype) if others else g
+    total = psum(g, others, comm_dtype, block_size) if others else g
     return total if reduction == "sum" else (total / n).astype(g.dtype)
 
   return jax.tree.map(reduce, updates)

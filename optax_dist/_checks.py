@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_dist import _quantize
+
 NO_PARAMS_MSG = (
   "`{fn}` needs the current parameters: call `update(updates, state, params)` with"
   " `params` given (got `params=None`)."
@@ -93,6 +95,93 @@ def check_floating_dtype(fn: str, name: str, dtype: Any) -> np.dtype | None:
       f"`{fn}({name}=...)` must be None or a floating dtype such as jnp.bfloat16, got {dtype!r}."
     )
   return resolved
+
+
+QUANTIZED_FORMATS = _quantize.FORMATS
+"""The block-quantized exchange formats a ``comm_dtype`` may name."""
+
+
+def check_comm_dtype(fn: str, comm_dtype: Any, name: str = "comm_dtype") -> np.dtype | str | None:
+  """``comm_dtype`` resolved: ``None``, a floating NumPy dtype, or a quantized format's name.
+
+  ``jnp.int8`` and ``jnp.float4_e2m1fn`` (or their names) and ``"e3m0"`` name the block-quantized
+  formats of ``optax_dist._quantize``: they resolve to the format's name, which
+  :func:`optax_dist._axis.psum` sends to ``quantized_sum``. Other floating dtypes resolve to
+  themselves (a cast before the collective).
+
+  Raises:
+    TypeError: ``comm_dtype`` is none of these, naming the choices.
+  """
+  if comm_dtype is None:
+    return None
+  if isinstance(comm_dtype, str) and comm_dtype in QUANTIZED_FORMATS:
+    return comm_dtype
+  try:
+    resolved = jnp.dtype(comm_dtype)
+  except (TypeError, ValueError):
+    resolved = None
+  if resolved is not None and resolved.name in QUANTIZED_FORMATS:
+    return resolved.name
+  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    raise TypeError(
+      f"`{fn}({name}=...)` must be None, a floating dtype such as jnp.bfloat16, or a quantized"
+      " format: jnp.int8 (or \"int8\"), jnp.float4_e2m1fn (or \"float4_e2m1fn\") or \"e3m0\";"
+      f" got {comm_dtype!r}."
+    )
+  return resolved
+
+
+def check_comm_block_size(fn: str, block_size: Any, comm_dtype: Any) -> int:
+  """``comm_block_size`` as an int (``None``: 256): positive, and even for a 4-bit
+  ``comm_dtype`` (resolved by :func:`check_comm_dtype`), whose codes are packed two per byte.
+
+  The default is ``None`` rather than 256 so that ``optax.inject_hyperparams``, which turns every
+  int argument into an array, leaves it alone: the block size fixes the shapes of the codes and
+  cannot be traced.
+
+  Raises:
+    TypeError: not an int, or traced (with ``optax.inject_hyperparams``: pass
+      ``static_args=("comm_block_size",)``).
+    ValueError: below 1, or odd with ``comm_dtype`` ``"float4_e2m1fn"`` or ``"e3m0"``.
+  """
+  if block_size is None:
+    return 256
+  if isinstance(block_size, jax.core.Tracer):
+    raise TypeError(
+      f"`{fn}(comm_block_size=...)` must be a Python int, fixed at trace time (it sets the"
+      f" shapes of the codes), got a traced value {block_size!r}. With optax.inject_hyperparams,"
+      " pass static_args=(\"comm_block_size\",)."
+    )
+  value = concrete(block_size)
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"`{fn}(comm_block_size=...)` must be a positive int, got {block_size!r}.")
+  if value < 1:
+    raise ValueError(f"`{fn}(comm_block_size=...)` must be a positive int, got {value}.")
+  if comm_dtype in ("float4_e2m1fn", "e3m0") and value % 2:
+    raise ValueError(
+      f"`{fn}(comm_block_size=...)` must be even with comm_dtype={comm_dtype!r}, which packs two"
+      f" 4-bit codes per byte; got {value}. Use e.g. {value + 1}."
+    )
+  return int(value)
+
+
+def check_error_feedback(fn: str, error_feedback: Any, comm_dtype: Any) -> bool:
+  """``error_feedback`` as a bool; ``True`` needs a quantized ``comm_dtype`` (resolved by
+  :func:`check_comm_dtype`).
+
+  Raises:
+    TypeError: not a bool.
+    ValueError: ``True`` with ``comm_dtype`` not one of the quantized formats.
+  """
+  if not isinstance(error_feedback, (bool, np.bool_)):
+    raise TypeError(f"`{fn}(error_feedback=...)` must be a bool, got {error_feedback!r}.")
+  if error_feedback and comm_dtype not in QUANTIZED_FORMATS:
+    raise ValueError(
+      f"`{fn}(error_feedback=True)` needs a quantized comm_dtype (jnp.int8, jnp.float4_e2m1fn or"
+      f" \"e3m0\"), got comm_dtype={comm_dtype!r}: only a quantized exchange drops a part worth"
+      " feeding back. Pass one, or error_feedback=False."
+    )
+  return bool(error_feedback)
 
 
 def check_choice(fn: str, name: str, value: Any, choices: tuple[str, ...]) -> None:

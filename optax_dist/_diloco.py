@@ -22,18 +22,26 @@ class DiLoCoState(NamedTuple):
       param's dtype); identical on every worker.
     inner_state: the state of ``inner``, local to this worker, kept across syncs.
     outer_state: the state of ``outer``, ``outer.init(anchor)``; identical on every worker.
+    error_feedback: with ``error_feedback=True``, this worker's residual :math:`r_i`: the part
+      of its pseudo-gradients that quantization has dropped so far, to be added to the next one;
+      the params' tree and shapes, ``float32``, zeros at ``init``; local to this worker. ``None``
+      (no leaves) otherwise. On a resize it becomes the workers' mean on every worker
+      (``MEAN``): the next sync's :math:`\\Delta` adds :math:`\\frac{1}{M}\\sum_i r_i`, and
+      :math:`M` copies of the mean owe the mean pseudo-gradient exactly what the :math:`N` old
+      residuals owed it (worker 0's, ``KEEP``, would owe :math:`r_0`; zeros would drop it).
   """
 
   local_step: jax.Array
   anchor: optax.Params
   inner_state: optax.OptState
   outer_state: optax.OptState
+  error_feedback: Any = None
 
   AVERAGE = "anchor"  # eval_params returns this field
   RESTART = "anchor"  # resize_state restarts the workers' params from this field
   RESIZE = {
     "local_step": _state.KEEP, "anchor": _state.KEEP, "inner_state": _state.INNER,
-    "outer_state": _state.KEEP,
+    "outer_state": _state.KEEP, "error_feedback": _state.MEAN,
   }
 
 
@@ -81,6 +89,8 @@ def diloco(
   axis_name: Hashable | None = None,
   num_workers: int | None = None,
   comm_dtype: Any = None,
+  comm_block_size: int | None = None,
+  error_feedback: bool = False,
   anchor_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: H local ``inner`` steps, then an ``outer`` step on the workers' mean pseudo-gradient.
@@ -116,7 +126,21 @@ def diloco(
     comm_dtype: the floating dtype in which :math:`\theta - x'_i` is all-reduced (e.g.
       ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) communicates in the
       anchor's dtypes. 8-bit floats (``jnp.float8_e4m3fn``, ...) are quantized, all-gathered
-      and summed in float32 (see Collectives).
+      and summed in float32 (see Collectives). ``jnp.int8`` (or ``"int8"``),
+      ``jnp.float4_e2m1fn`` (or ``"float4_e2m1fn"``) and ``"e3m0"`` send block-quantized codes
+      with one float32 scale per ``comm_block_size`` values (the block's largest magnitude
+      maps to the format's largest; ``optax_dist._quantize`` gives the grids and rounding),
+      gathered and summed in float32 in worker order.
+    comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
+      the default, is 256; even for the 4-bit formats); ignored otherwise. Smaller blocks track
+      the local magnitude more closely at :math:`4/B` bytes per value. Fixed at trace time: with
+      ``optax.inject_hyperparams``, name it in ``static_args``.
+    error_feedback: with a quantized ``comm_dtype``, each worker keeps what quantization
+      dropped from its pseudo-gradient in ``state.error_feedback`` (float32) and adds it to the
+      next one before quantizing: :math:`t_i = \theta - x'_i + r_i`, sent :math:`Q(t_i)`,
+      :math:`r_i \leftarrow t_i - Q(t_i)`. Over K syncs the sent sum plus the residual equals
+      the pseudo-gradients' sum (to float32 rounding): the error is delayed, not lost. Costs
+      one float32 params-sized tree per worker. Default ``False``.
     anchor_dtype: the floating dtype of the anchor, of the pseudo-gradient and of ``outer``'s
       state (``jnp.float32`` is the usual choice for bfloat16 params); ``None`` (default) keeps
       each param's dtype.
@@ -134,10 +158,17 @@ def diloco(
     One ``psum`` over ``axis_name`` of a params-sized tree (the params' element count times the
     itemsize of ``comm_dtype`` or of the anchor's dtype), on sync steps only
     (``local_step % sync_period == 0``), inside a ``lax.cond``; none on other steps: per step
-    on average :math:`1/H` of the params' bytes. With an 8-bit ``comm_dtype`` the ``psum`` is
-    an ``all_gather`` instead: each worker sends the params' element count in bytes and
-    receives N times that. None when ``axis_name`` is ``None``. :func:`communication_report`
-    measures them.
+    on average :math:`1/H` of the params' bytes. With an 8-bit float ``comm_dtype`` the
+    ``psum`` is an ``all_gather`` instead: each worker sends the params' element count in bytes
+    and receives N times that. With a quantized format it is two ``all_gather`` per leaf, codes
+    and scales: each worker sends ``wire_bytes``, :math:`n (c + 4/B)` bytes for :math:`n`
+    values (:math:`c = 1` for ``int8``, :math:`\frac12` for the 4-bit formats, 1.016 and 0.516
+    bytes per value at :math:`B = 256`), and receives N times that. The bytes received grow
+    with N where a float32 ring all-reduce receives about :math:`8 (N - 1)/N` per value:
+    counting what arrives from the other workers, :math:`(N - 1)(c + 4/B)` against
+    :math:`8 (N - 1)/N`, ``int8`` receives fewer up to N = 7 and the 4-bit formats up to N = 15
+    (against bfloat16's ring, :math:`4 (N - 1)/N`: up to 3 and 7). None when ``axis_name`` is
+    ``None``. :func:`communication_report` measures them.
 
     To accumulate gradients, put the accumulation inside: ``diloco(optax.MultiSteps(inner, k),
     sync_period=H * k)`` is the same algorithm as ``optax.MultiSteps(diloco(inner,
@@ -157,10 +188,13 @@ def diloco(
 
   Raises:
     TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period`` or
-      ``num_workers`` not an int; ``comm_dtype`` or ``anchor_dtype`` not ``None`` or a floating
-      dtype; a non-floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None``
-      or a bool.
-    ValueError: ``sync_period`` or ``num_workers`` not positive; ``num_workers > 1`` with
+      ``num_workers`` not an int; ``comm_dtype`` not ``None``, a floating dtype or a quantized
+      format; ``anchor_dtype`` not ``None`` or a floating dtype; ``comm_block_size`` not an int;
+      ``error_feedback`` not a bool; a non-floating param leaf (in ``init``); ``update``'s
+      ``communicate`` not ``None`` or a bool.
+    ValueError: ``sync_period``, ``num_workers`` or ``comm_block_size`` not positive;
+      ``comm_block_size`` odd with a 4-bit ``comm_dtype``; ``error_feedback=True`` without a
+      quantized ``comm_dtype``; ``num_workers > 1`` with
       ``axis_name=None``; ``num_workers`` different from the axis size; ``update`` without
       ``params``, or where a named ``axis_name`` is not bound.
 
@@ -189,7 +223,9 @@ def diloco(
   _checks.check_transformation(fn, outer, "outer")
   _checks.check_positive_int(fn, "sync_period", sync_period)
   _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
+  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
+  error_feedback = _checks.check_error_feedback(fn, error_feedback, comm_dtype)
   anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
 
   def init_fn(params):
@@ -201,6 +237,10 @@ def diloco(
       anchor=anchor,
       inner_state=inner.init(params),
       outer_state=outer.init(anchor),
+      error_feedback=(
+        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        if error_feedback else None
+      ),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -215,18 +255,21 @@ def diloco(
 
     # The conditional carries only what a sync changes: the anchor and the outer state. On
     # other steps it hands them back unchanged (XLA then writes no copy of them).
-    def synchronize(anchor, outer_state, u):
+    # With error feedback it also carries this worker's residual r_i.
+    def synchronize(anchor, outer_state, residual, u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      return _outer.outer_sync(
-        outer, anchor, outer_state, new_params,
-        axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
+      delta, residual = _outer.pseudo_gradient(  # mean_j Q(theta - x'_j + r_j); r_i updated
+        anchor, new_params, axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
+        comm_block_size=comm_block_size, residual=residual,
       )
+      return (*_outer.outer_step(outer, anchor, outer_state, delta), residual)
 
-    def keep(anchor, outer_state, u):
-      return anchor, outer_state
+    def keep(anchor, outer_state, residual, u):
+      return anchor, outer_state, residual
 
-    anchor, outer_state = _axis.communicate_if(
-      sync, synchronize, keep, state.anchor, state.outer_state, local_updates
+    anchor, outer_state, residual = _axis.communicate_if(
+      sync, synchronize, keep, state.anchor, state.outer_state, state.error_feedback,
+      local_updates,
     )
     # x_i <- theta on a sync step.
     local_updates = jax.tree.map(
@@ -234,7 +277,8 @@ def diloco(
       local_updates,
     )
     return local_updates, DiLoCoState(
-      local_step=local_step, anchor=anchor, inner_state=inner_state, outer_state=outer_state
+      local_step=local_step, anchor=anchor, inner_state=inner_state, outer_state=outer_state,
+      error_feedback=residual,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

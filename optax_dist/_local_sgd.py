@@ -114,6 +114,8 @@ def local_sgd(
   num_workers: int | None = None,
   warmup_steps: int = 0,
   comm_dtype: Any = None,
+  comm_block_size: int | None = None,
+  error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Local SGD: every worker trains alone for H steps, then all land on the mean of the params.
 
@@ -152,7 +154,21 @@ def local_sgd(
       average it rounds the params themselves, :math:`x'_j` (there is no anchor to take
       differences from): prefer ``diloco(inner, optax.sgd(1.0), comm_dtype=...)`` for
       compressed averaging. 8-bit floats are quantized, all-gathered and summed in float32.
-      ``None`` (default) communicates in the params' dtypes.
+      ``jnp.int8`` (or ``"int8"``), ``jnp.float4_e2m1fn`` (or ``"float4_e2m1fn"``) and
+      ``"e3m0"`` send block-quantized codes with one float32 scale per ``comm_block_size``
+      values (``optax_dist._quantize``), gathered and summed in float32 in worker order; for
+      the model average the error of a value is up to half a grid step of its block's largest
+      param (:math:`\max|x| / 254` for ``int8``), whatever the change since the last average,
+      so a change over H steps below that can be rounded away on every average. ``None``
+      (default) communicates in the params' dtypes.
+    comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
+      the default, is 256; even for the 4-bit formats); ignored otherwise.
+    error_feedback: must be ``False`` (the default). Feeding the quantization error back would
+      keep a params-sized float32 residual per worker, as much memory as an anchor, while
+      still rounding the params themselves (an error proportional to :math:`|x|`, not to the
+      change): ``diloco(inner, optax.sgd(1.0), comm_dtype=...)`` is the same model average for
+      one params-sized copy (the anchor), exchanging the change since the last average, so
+      its error is proportional to that change; ``error_feedback=True`` there feeds it back.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra args are forwarded to ``inner``.
@@ -165,9 +181,14 @@ def local_sgd(
     On sync steps only (:math:`s > W`, :math:`(s - W) \bmod H = 0`), inside a ``lax.cond``:
     one ``psum`` over ``axis_name`` of a params-sized tree (the params' bytes, or their element
     count times ``comm_dtype``'s itemsize; an ``all_gather`` for 8-bit floats, receiving N
-    times that). During the warm-up (:math:`s \le W`), inside another ``lax.cond``: those of
-    :func:`all_reduce`, one all-reduce of the gradients per step. None when ``axis_name`` is
-    ``None``. :func:`communication_report` measures them.
+    times that). With a quantized format, two ``all_gather`` per leaf (codes and scales): each
+    worker sends ``wire_bytes``, :math:`n (c + 4/B)` bytes for :math:`n` values (:math:`c = 1`
+    for ``int8``, :math:`\frac12` for 4-bit), and receives N times that; counting what arrives
+    from the other workers, :math:`(N - 1)(c + 4/B)` against a float32 ring all-reduce's
+    :math:`8 (N - 1)/N` per value, ``int8`` receives fewer up to N = 7 workers and 4-bit up to
+    N = 15 (:math:`B = 256`). During the warm-up (:math:`s \le W`), inside another
+    ``lax.cond``: those of :func:`all_reduce`, one all-reduce of the gradients per step. None
+    when ``axis_name`` is ``None``. :func:`communication_report` measures them.
 
   Static hint:
     ``update(..., communicate=True)`` or ``communicate=False`` (a Python bool, fixed at trace
@@ -180,9 +201,12 @@ def local_sgd(
 
   Raises:
     TypeError: ``inner`` is not a transformation; ``sync_period``, ``warmup_steps`` or
-      ``num_workers`` not an int; ``comm_dtype`` not ``None`` or a floating dtype; ``update``'s
+      ``num_workers`` not an int; ``comm_dtype`` not ``None``, a floating dtype or a quantized
+      format; ``comm_block_size`` not an int; ``error_feedback`` not a bool; ``update``'s
       ``communicate`` not ``None`` or a bool.
-    ValueError: ``sync_period`` or ``num_workers`` not positive; ``warmup_steps`` < 0;
+    ValueError: ``sync_period``, ``num_workers`` or ``comm_block_size`` not positive;
+      ``comm_block_size`` odd with a 4-bit ``comm_dtype``; ``error_feedback=True``;
+      ``warmup_steps`` < 0;
       ``num_workers > 1`` with ``axis_name=None``; ``num_workers`` different from the axis
       size; ``update`` without ``params``, or where a named ``axis_name`` is not bound.
 
@@ -212,7 +236,17 @@ def local_sgd(
   _checks.check_positive_int(fn, "sync_period", sync_period)
   check_warmup_steps(fn, warmup_steps)
   _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
+  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
+  if _checks.check_error_feedback(fn, error_feedback, comm_dtype):
+    raise ValueError(
+      "`local_sgd(error_feedback=True)` is not supported: local SGD exchanges the params"
+      " themselves, so a fed-back residual would cost a params-sized float32 copy per worker"
+      " (as much as an anchor) while the rounding error stays proportional to the params, not"
+      " to their change. Use diloco(inner, optax.sgd(1.0), comm_dtype=...): the same model"
+      " average for one params-sized copy, exchanging the change since the last average (its"
+      " error proportional to that change), with error_feedback=True there if wanted."
+    )
 
   def init_fn(params):
     _checks.check_floating(fn, params)
@@ -230,7 +264,8 @@ def local_sgd(
     if axis_name is not None and _checks.concrete(warmup_steps) != 0:
       warm = _axis.agree(local_sgd_warming_up(local_step, warmup_steps=warmup_steps), axis_name)
       updates = _axis.communicate_if(
-        warm, lambda g: _axis.reduce_gradients(fn, g, axis_name, "mean", comm_dtype),
+        warm,
+        lambda g: _axis.reduce_gradients(fn, g, axis_name, "mean", comm_dtype, comm_block_size),
         lambda g: g, updates,
       )
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
@@ -243,7 +278,7 @@ def local_sgd(
 
     def average(u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      mean = _axis.worker_mean(new_params, axis_name, n, comm_dtype)
+      mean = _axis.worker_mean(new_params, axis_name, n, comm_dtype, comm_block_size)
       return jax.tree.map(lambda m, p, u: (m - p).astype(u.dtype), mean, params, u)
 
     local_updates = _axis.communicate_if(sync, average, lambda u: u, local_updates)

@@ -16,15 +16,53 @@ def default_outer() -> optax.GradientTransformation:
   return optax.sgd(0.7, momentum=0.9, nesterov=True)
 
 
-def pseudo_gradient(anchor: Any, new_params: Any) -> Any:
+def local_pseudo_gradient(anchor: Any, new_params: Any) -> Any:
   """This worker's pseudo-gradient :math:`\\theta - x'`, in the anchor's dtypes."""
   return jax.tree.map(lambda a, x: a - x.astype(a.dtype), anchor, new_params)
+
+
+def pseudo_gradient(
+  anchor: Any,
+  new_params: Any,
+  *,
+  axis_name: Hashable | None,
+  num_workers: int,
+  comm_dtype: Any = None,
+  comm_block_size: int = 256,
+  residual: Any = None,
+) -> tuple[Any, Any]:
+  r"""The workers' mean pseudo-gradient :math:`\Delta = \frac{1}{N}\sum_j (\theta - x'_j)`.
+
+  Each :math:`\theta - x'_j` is computed in the anchor's dtype and all-reduced in
+  ``comm_dtype`` (a floating dtype, or a quantized format's name sent in blocks of
+  ``comm_block_size`` values: :func:`optax_dist._axis.psum`). With error feedback
+  (``residual``, float32, the anchor's tree and shapes; a quantized ``comm_dtype``) each worker
+  sends :math:`\theta - x'_j + r_j` quantized and keeps what quantization dropped,
+  :math:`r_j' = \theta - x'_j + r_j - Q(\theta - x'_j + r_j)`, for the next sync.
+  ``axis_name=None`` means one worker: :math:`\Delta = \theta - x'`, nothing quantized.
+
+  Returns:
+    ``(delta, new_residual)``: :math:`\Delta` in the anchor's dtypes, and :math:`r'`
+    (``residual`` itself when it is ``None`` or nothing is exchanged).
+  """
+  delta = local_pseudo_gradient(anchor, new_params)
+  if axis_name is None:
+    return delta, residual
+  if residual is None:
+    return _axis.worker_mean(delta, axis_name, num_workers, comm_dtype, comm_block_size), None
+  return _axis.worker_mean_with_feedback(
+    delta, residual, axis_name, num_workers, comm_dtype, comm_block_size
+  )
 
 
 def outer_step(
   outer: optax.GradientTransformation, anchor: Any, outer_state: optax.OptState, delta: Any
 ) -> tuple[Any, optax.OptState]:
-  """One step of ``outer`` from ``anchor`` on the pseudo-gradient ``delta``, dtypes kept."""
+  """One step of ``outer`` on the pseudo-gradient ``delta`` from ``anchor``.
+
+  Returns:
+    The new anchor and outer state, with the dtypes of the old ones.
+  """
   steps, new_outer_state = outer.update(delta, outer_state, anchor)
   new_anchor = _axis.keep_dtypes(optax.apply_updates(anchor, steps), anchor)
   return new_anchor, _axis.keep_dtypes(new_outer_state, outer_state)
@@ -39,17 +77,22 @@ def outer_sync(
   axis_name: Hashable | None,
   num_workers: int,
   comm_dtype: Any = None,
+  comm_block_size: int = 256,
 ) -> tuple[Any, optax.OptState]:
   """One DiLoCo sync of ``anchor`` (a tree, or a sub-tree with ``optax.MaskedNode`` leaves).
 
   The pseudo-gradient is :math:`\\Delta = \\frac{1}{N}\\sum_j (\\theta - x'_j)`, computed in the
-  anchor's dtype and all-reduced in ``comm_dtype``; then ``outer`` takes one step on it from
-  :math:`\\theta`. ``axis_name=None`` means one worker: :math:`\\Delta = \\theta - x'`.
+  anchor's dtype and all-reduced in ``comm_dtype`` (a floating dtype, or a quantized format's
+  name as :func:`optax_dist._checks.check_comm_dtype` resolves it, sent in blocks of
+  ``comm_block_size`` values); then ``outer`` takes one step on it from :math:`\\theta`.
+  ``axis_name=None`` means one worker: :math:`\\Delta = \\theta - x'`. Error feedback is
+  :func:`pseudo_gradient` with a ``residual``, then :func:`outer_step`.
 
   Returns:
     The new anchor and outer state, with the dtypes of the old ones.
   """
-  delta = pseudo_gradient(anchor, new_params)
-  if axis_name is not None:
-    delta = _axis.worker_mean(delta, axis_name, num_workers, comm_dtype)
+  delta, _ = pseudo_gradient(
+    anchor, new_params, axis_name=axis_name, num_workers=num_workers, comm_dtype=comm_dtype,
+    comm_block_size=comm_block_size,
+  )
   return outer_step(outer, anchor, outer_state, delta)

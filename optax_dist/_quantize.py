@@ -406,3 +406,73 @@ def quantized_sum(
     return _gathered_sum(encode(x, fmt, block_size), axis_name, fmt, x.shape, x.dtype)
 
   return jax.tree.map(leaf_sum, tree)
+
+
+def quantized_sum_with_feedback(
+  tree: Any, residual: Any, axis_name: Hashable | tuple, fmt: Any = "int8",
+  block_size: int = 256,
+) -> tuple[Any, Any]:
+  r""":func:`quantized_sum` of ``tree`` plus each worker's ``residual``; returns the new residual.
+
+  Each floating leaf :math:`x^{(w)}` is sent as :func:`quantize_with_feedback` ``(x, r)`` sends
+  it, :math:`t = x + r` encoded, and the sums are those of :func:`quantized_sum` of the
+  :math:`t`. Leaves that are not floating point, and empty leaves, are summed with
+  ``jax.lax.psum`` and keep their residual.
+
+  Args:
+    tree: a pytree of arrays, the same structure and shapes on every worker.
+    residual: ``tree``'s structure and shapes, ``float32``: this worker's error left over from
+      the previous exchange (zeros at first).
+    axis_name, fmt, block_size: as :func:`quantized_sum`.
+
+  Returns:
+    ``(sums, new_residual)``: the sums in ``tree``'s dtypes, and this worker's
+    :math:`r' = t - \hat t` (``float32``).
+
+  Collectives:
+    Those of :func:`quantized_sum`.
+
+  Raises:
+    As :func:`quantized_sum`.
+  """
+  fmt = _format("quantized_sum_with_feedback", fmt)
+  block_size = _block_size("quantized_sum_with_feedback", block_size, fmt)
+
+  def leaf_sum(x, r):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0:
+      return jax.lax.psum(x, axis_name), r
+    packed, new_r = quantize_with_feedback(x, r, fmt, block_size)
+    return _gathered_sum(packed, axis_name, fmt, x.shape, x.dtype), new_r
+
+  pairs = jax.tree.map(leaf_sum, tree, residual)
+  outer, inner = jax.tree.structure(tree), jax.tree.structure((0, 0))
+  return jax.tree.transpose(outer, inner, pairs)
+
+
+def quantized_all_gather(
+  tree: Any, axis_name: Hashable | tuple, fmt: Any = "int8", block_size: int = 256
+) -> Any:
+  r"""``jax.lax.all_gather`` of ``tree``'s leaves, each worker sending :func:`encode`\ d codes.
+
+  Returns ``tree``'s structure with a new leading axis of the :math:`N` workers (axis order),
+  each worker's leaf decoded to its dtype. Leaves that are not floating point, and empty
+  leaves, are gathered as they are.
+
+  Collectives:
+    Those of :func:`quantized_sum`: per floating leaf, each worker sends :func:`wire_bytes` and
+    receives :math:`N` times that.
+  """
+  fmt = _format("quantized_all_gather", fmt)
+  block_size = _block_size("quantized_all_gather", block_size, fmt)
+
+  def leaf_gather(x):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0:
+      return jax.lax.all_gather(x, axis_name)
+    gathered = jax.lax.all_gather(encode(x, fmt, block_size), axis_name)
+    values = jax.vmap(lambda c, s: _decode_blocks(Packed(c, s), fmt))(*gathered)
+    n = values.shape[0]
+    return values.reshape(n, -1)[:, : x.size].reshape((n, *x.shape)).astype(x.dtype)
+
+  return jax.tree.map(leaf_gather, tree)

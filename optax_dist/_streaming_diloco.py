@@ -226,6 +226,7 @@ def streaming_diloco(
   axis_name: Hashable | None = None,
   num_workers: int | None = None,
   comm_dtype: Any = None,
+  comm_block_size: int | None = None,
   anchor_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Streaming DiLoCo: :func:`diloco`'s sync on one fragment at a time, staggered over H steps.
@@ -324,7 +325,12 @@ def streaming_diloco(
       is ``None``). If given, it must equal that size.
     comm_dtype: the floating dtype in which :math:`\theta^f - x'^f_i` is all-reduced (e.g.
       ``jnp.bfloat16``); ``None`` (default) communicates in the anchor's dtypes. 8-bit floats
-      are quantized, all-gathered and summed in float32.
+      are quantized, all-gathered and summed in float32. The block-quantized formats of
+      :func:`diloco` (``jnp.int8``, ``jnp.float4_e2m1fn``, ``"e3m0"``) are sent as codes with
+      one float32 scale per ``comm_block_size`` values, gathered and summed in float32 (no
+      error feedback here).
+    comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
+      the default, is 256; even for the 4-bit formats); ignored otherwise. Fixed at trace time.
     anchor_dtype: the floating dtype of the anchor, of the pseudo-gradients and of the outer
       states; ``None`` (default) keeps each param's dtype.
 
@@ -418,7 +424,8 @@ def streaming_diloco(
     _checks.check_choice(fn, "fragments", fragments, ("balanced",))
   _checks.check_number(fn, "mixing", mixing, lower=0.0, upper=1.0, constraint="in [0, 1]")
   _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
+  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
   anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
   _checks.check_int(fn, "overlap", overlap)
   if overlap < 0 or overlap >= sync_period:
@@ -470,7 +477,7 @@ def streaming_diloco(
       x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
       return _outer.outer_sync(
         outer, anchor_f, outer_state_f, x_f, axis_name=axis_name, num_workers=n,
-        comm_dtype=comm_dtype,
+        comm_dtype=comm_dtype, comm_block_size=comm_block_size,
       )
 
     def keep(anchor_f, outer_state_f, u_f):
@@ -488,10 +495,10 @@ def streaming_diloco(
 
     def communicate(anchor_f, u_f, in_flight_f, own_f):
       x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-      own_f = _outer.pseudo_gradient(anchor_f, x_f)  # Delta_i = theta - x'_i
+      own_f = _outer.local_pseudo_gradient(anchor_f, x_f)  # Delta_i = theta - x'_i
       mean_f = own_f
       if axis_name is not None:
-        mean_f = _axis.worker_mean(own_f, axis_name, n, comm_dtype)  # Delta, the psum
+        mean_f = _axis.worker_mean(own_f, axis_name, n, comm_dtype, comm_block_size)  # the psum
       return mean_f, (own_f if eager else None)
 
     def keep(anchor_f, u_f, in_flight_f, own_f):
@@ -519,7 +526,7 @@ def streaming_diloco(
       target_f = new_anchor_f
       if eager:  # Delta~_i = Delta + (Delta_i(now) - Delta_i(sent)) / N, from the same state
         x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)
-        fresh_f = _outer.pseudo_gradient(anchor_f, x_f)
+        fresh_f = _outer.local_pseudo_gradient(anchor_f, x_f)
         eager_f = jax.tree.map(
           lambda d, now, sent: (d + (now - sent) / n).astype(d.dtype), delta_f, fresh_f, own_f
         )
