@@ -39,7 +39,7 @@ LATENCY = "50ms"
 """tbf's latency: the longest a packet may wait in the bucket's queue before it is dropped."""
 
 MIN_BURST = 32 * 1024
-"""tbf's smallest bucket, in bytes (the bucket holds at least 4 ms at the rate, see :func:`burst`)."""
+"""tbf's smallest bucket, in bytes (see :func:`burst`)."""
 
 PORT = 5201
 """The TCP port of :meth:`Link.measure_rate`'s receiver."""
@@ -84,12 +84,12 @@ def unavailable() -> str | None:
     return "network namespaces need root (run as root, e.g. sudo make bench-network)"
   missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
   if missing:
-    return (f"{' and '.join(missing)} not found; install iproute2 (apt-get install -y iproute2)")
+    return f"{' and '.join(missing)} not found; install iproute2 (apt-get install -y iproute2)"
   return None
 
 
 def bits_per_second(rate: str | None) -> float | None:
-  """``"10mbit"`` → 1e7; ``None`` or ``"unshaped"`` → ``None`` (tc's units: kbit, mbit, gbit)."""
+  """``"10mbit"`` → 1e7; ``None`` or ``"unshaped"`` → ``None`` (units: kbit, mbit, gbit)."""
   if rate is None or rate == "unshaped":
     return None
   match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)bit", rate.lower())
