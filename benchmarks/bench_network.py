@@ -245,7 +245,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
         f"{sent / 1e6:.1f} / {_mean(runs, 'bytes_b_to_a') / 1e6:.1f}",
         f"{sent / p / max(rounds, 1):.2f}", f"{_mean(runs, 'bits_per_byte'):.3f}",
         f"{runs[-1]['load_before'][0]:.1f} → {runs[-1]['load_after'][0]:.1f}"])
-  header = ["rate", "achieved Mbit/s", "algorithm", "whole run s", "training s",
+  header = ["rate", "achieved Mbit/s (slower way)", "algorithm", "whole run s", "training s",
             "exchange step s", "local step s", "exchanges", "MB a→b / b→a",
             "a→b per exchange / params", "val bits/byte", "load (1 min)"]
   machine = _util.machine()
@@ -262,7 +262,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" {', '.join(map(str, result['load_after']))} after; {result['seconds'] / 60:.1f} min."
      f"{extra} Steps' medians leave out step 1; \"per exchange / params\" is the bytes a sent"
      " over the run divided by the exchanges and by the params' bytes (evaluations, start-up and"
-     " the coordination service's traffic included)."),
+     " the coordination service's traffic included; `streaming_diloco` sends one fragment,"
+     " about 1/F of the params, per exchange)."),
     "",
     _util.table(header, rows, align="lrlrrrrrrrrr"),
     "",
@@ -320,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
                            " benchmarks/network; with --quick, a temporary directory)")
   parser.add_argument("--keep-logs", default=None, metavar="DIR",
                       help="keep each run's results and logs under DIR")
+  parser.add_argument("--from-json", default=None, metavar="PATH",
+                      help="rewrite the figure and the Markdown of PATH's results; runs nothing")
   args = parser.parse_args(argv)
+  if args.from_json:
+    with open(args.from_json) as f:
+      return report(json.load(f), args.output or args.from_json.removesuffix("_results.json"))
   reason = netns.unavailable()
   if reason is not None:
     print(f"[network] skipped: {reason}")
@@ -343,12 +349,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   with open(f"{output}_results.json", "w") as f:
     json.dump(result, f, indent=1)
+  return report(result, output)
+
+
+def report(result: dict[str, Any], output: str) -> int:
+  """Writes ``OUTPUT.png`` and ``OUTPUT.md`` of ``result`` and prints the Markdown."""
   plot(result, f"{output}.png")
   text = markdown(result, os.path.basename(f"{output}.png"))
   with open(f"{output}.md", "w") as f:
     f.write(text + "\n")
   print(text)
-  print(f"[network] wrote {output}_results.json, {output}.png and {output}.md")
+  print(f"[network] wrote {output}.png and {output}.md")
   return 0
 
 
