@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-lowest docs bench dist clean
+.PHONY: demo test test-lowest docs bench bench-network dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,15 @@ docs: $(VENV)/.docs
 
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/run.py
+
+# Training over a veth pair between two network namespaces, shaped with tc's tbf: needs root
+# (installs iproute2 if ip or tc is missing); says why and does nothing otherwise.
+bench-network: $(VENV)/.bench
+	@if [ "$$(id -u)" != 0 ]; then echo "bench-network: skipped: needs root"; exit 0; fi; \
+	if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then \
+	  apt-get install -y iproute2 || { apt-get update && apt-get install -y iproute2; }; \
+	fi; \
+	$(BIN)/python benchmarks/bench_network.py $(BENCH_NETWORK_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist

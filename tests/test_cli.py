@@ -118,6 +118,8 @@ def check_result(name, result, period):
     assert accuracies[-1] > 0.6, (name, key, accuracies)
     assert accuracies[-1] > accuracies[0] + 0.3
   assert result["wall_time_s"] > 0
+  assert len(result["step_times"]) == STEPS and all(t > 0 for t in result["step_times"])
+  assert sum(result["step_times"]) < result["wall_time_s"]
 
 
 def check_table(stdout, first_column, rows):

@@ -284,8 +284,11 @@ def train(
     (compilation included; summed over the resumed runs), ``num_dropped``
     (``drop_stale_gradients`` only), ``resumed_from_step`` (with ``resume``), ``resized``
     (``{"step", "from_workers", "to_workers"}``, when ``resume`` continued a checkpoint of
-    another number of workers: see :func:`resize`) and ``history``
-    (the lists of :func:`record_keys`; ``train_loss`` is the workers' mean minibatch loss).
+    another number of workers: see :func:`resize`), ``history``
+    (the lists of :func:`record_keys`; ``train_loss`` is the workers' mean minibatch loss) and
+    ``step_times`` (the seconds of each step this call ran, from the step's start until its
+    loss is ready on this process: evaluations and checkpoints excluded; after ``resume``, the
+    steps after the checkpoint's).
 
   Raises:
     ValueError: too few devices, or a batch larger than a worker's shard.
@@ -315,13 +318,16 @@ def train(
       checkpoints.save(s, state._asdict(), {
         "record": record, "wall_time_s": earlier_time + time.perf_counter() - start})
 
+  step_times = []
   with _progress_bar(settings, first - 1, progress) as bar:
-    state = _loop(run, state, record, first, save=save, on_step=on_step, bar=bar)
+    state = _loop(run, state, record, first, save=save, on_step=on_step, bar=bar,
+                  step_times=step_times)
   if checkpoints is not None:
     checkpoints.close()
   if final_state is not None:
     final_state.update(to_host({"params": state.params, "opt_state": state.opt_state}))
   result = _result(task, settings, state, record, earlier_time + time.perf_counter() - start)
+  result["step_times"] = step_times
   if resumed_from is not None:
     result["resumed_from_step"] = resumed_from
   if resized is not None:
@@ -330,14 +336,19 @@ def train(
 
 
 def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: Callable,
-          on_step: Callable | None, bar: Any) -> State:
-  """Trains from step ``first`` to the end: evaluates, saves, reports progress; the last state."""
+          on_step: Callable | None, bar: Any, step_times: list[float]) -> State:
+  """Trains from step ``first`` to the end: evaluates, saves, reports progress; the last state.
+
+  Appends each step's seconds (the step until its loss is ready) to ``step_times``.
+  """
   settings = run.settings
   for s in range(first, settings.steps + 1):
+    started = time.perf_counter()
     state, loss = run.step(state, s)
     # One step at a time: XLA CPU's collectives time out when many steps' worth of device
     # threads queue up on few cores.
     jax.block_until_ready(loss)
+    step_times.append(time.perf_counter() - started)
     if s % settings.eval_every == 0 or s == settings.steps:
       run.measure(state, record, s, loss)
     save(s, state)

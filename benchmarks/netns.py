@@ -1,0 +1,320 @@
+"""Two Linux network namespaces joined by a veth pair, each direction shaped by a token bucket.
+
+:class:`Link` creates namespaces ``PREFIX-a-PID`` and ``PREFIX-b-PID``, a veth pair between them
+with the addresses ``10.213.X.1`` (a) and ``10.213.X.2`` (b) of a private /30, brings up ``lo`` in
+each, and writes ``/etc/netns/NAME/hosts`` mapping this machine's host name to that namespace's
+address (``ip netns exec`` bind-mounts it over ``/etc/hosts``: gloo binds to the address the host
+name resolves to, which would otherwise be 127.0.0.1, unreachable from the other namespace).
+Each veth's egress is shaped with ``tc qdisc ... root tbf rate R burst B latency L`` (both
+directions at rate R), or left unshaped; :meth:`Link.shape` changes the rate in place. Leaving the
+``with`` block, on any exit, kills what still runs in the namespaces and removes the veth pair,
+the namespaces and their ``/etc/netns`` directories.
+
+Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable` says why not, before any change::
+
+  with Link(rate="10mbit") as link:
+    link.popen("a", ["python", "-m", "http.server"])  # runs in namespace a
+    print(link.counters(), link.measure_rate())
+
+Run as a script, it creates a link at each rate given and prints the rate a timed TCP transfer
+achieves in each direction: ``python benchmarks/netns.py 10mbit 100mbit``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+PREFIX = "odist"
+"""The first part of the namespaces' names (``odist-a-PID``)."""
+
+LATENCY = "50ms"
+"""tbf's latency: the longest a packet may wait in the bucket's queue before it is dropped."""
+
+MIN_BURST = 32 * 1024
+"""tbf's smallest bucket, in bytes (see :func:`burst`)."""
+
+PORT = 5201
+"""The TCP port of :meth:`Link.measure_rate`'s receiver."""
+
+_RECEIVER = """
+import socket, sys, time
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind((sys.argv[1], int(sys.argv[2])))
+server.listen(1)
+print("ready", flush=True)
+conn, _ = server.accept()
+total, first, last = 0, None, None
+while True:
+  chunk = conn.recv(1 << 20)
+  if not chunk:
+    break
+  last = time.perf_counter()
+  first = first or last
+  total += len(chunk)
+print(total, first and last - first, flush=True)
+"""
+
+_SENDER = """
+import socket, sys
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+block, left = bytes(1 << 20), int(sys.argv[3])
+while left > 0:
+  conn.sendall(block[:min(left, len(block))])
+  left -= min(left, len(block))
+conn.close()
+"""
+
+
+class Unavailable(RuntimeError):
+  """Namespaces cannot be made here: not root, no ``ip``/``tc``, or no namespace support."""
+
+
+def unavailable() -> str | None:
+  """Why :class:`Link` cannot run here (not root, ``ip`` or ``tc`` missing), or ``None``."""
+  if os.geteuid() != 0:
+    return "network namespaces need root (run as root, e.g. sudo make bench-network)"
+  missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+  if missing:
+    return f"{' and '.join(missing)} not found; install iproute2 (apt-get install -y iproute2)"
+  return None
+
+
+def bits_per_second(rate: str | None) -> float | None:
+  """``"10mbit"`` → 1e7; ``None`` or ``"unshaped"`` → ``None`` (units: kbit, mbit, gbit)."""
+  if rate is None or rate == "unshaped":
+    return None
+  match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)bit", rate.lower())
+  if match is None:
+    raise ValueError(f"a rate must be like 10mbit, 1gbit or unshaped, got {rate!r}")
+  return float(match[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
+
+
+def burst(rate: str) -> int:
+  """tbf's bucket for ``rate``, in bytes: 4 ms at the rate, and at least :data:`MIN_BURST`.
+
+  The bucket must hold what the rate allows between two timer ticks, or the link falls short of
+  its rate; a larger one lets longer bursts through at the link's full speed.
+  """
+  return max(int(bits_per_second(rate) / 8 / 250), MIN_BURST)
+
+
+def _run(*argv: str) -> str:
+  done = subprocess.run(argv, capture_output=True, text=True)
+  if done.returncode != 0:
+    raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip() or f'exit {done.returncode}'}")
+  return done.stdout
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def namespaces() -> list[str]:
+  """The names of the network namespaces ``ip netns list`` shows."""
+  return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def remove_stale(prefix: str = PREFIX) -> list[str]:
+  """Removes the namespaces of ``prefix`` whose creating process has exited; their names."""
+  removed = []
+  for name in namespaces():
+    match = re.fullmatch(rf"{re.escape(prefix)}-[ab]-(\d+)", name)
+    if match and not _alive(int(match[1])):
+      _remove_namespace(name)
+      removed.append(name)
+  return removed
+
+
+def _remove_namespace(name: str) -> None:
+  """Kills the processes in namespace ``name``, deletes it and its ``/etc/netns`` directory."""
+  try:
+    pids = _run("ip", "netns", "pids", name).split()
+  except RuntimeError:
+    pids = []
+  for pid in pids:
+    try:
+      os.kill(int(pid), signal.SIGKILL)
+    except (ProcessLookupError, ValueError):
+      pass
+  subprocess.run(["ip", "netns", "del", name], capture_output=True)
+  shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
+
+
+class Link:
+  """Namespaces ``a`` and ``b`` and a veth pair between them shaped at ``rate`` each way.
+
+  Args:
+    rate: tc's rate, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc.
+    latency: tbf's ``latency`` (the queue's longest wait).
+    prefix: the first part of the namespaces' names.
+
+  Attributes:
+    names: ``{"a": namespace, "b": namespace}``.
+    devices: ``{"a": veth in a, "b": veth in b}``.
+    addresses: ``{"a": "10.213.X.1", "b": "10.213.X.2"}``.
+
+  Raises (on entering):
+    Unavailable: see :func:`unavailable`, or ``ip netns add`` failed (no namespace support).
+  """
+
+  def __init__(self, rate: str | None = None, latency: str = LATENCY, prefix: str = PREFIX):
+    pid = os.getpid()
+    self.rate, self.latency = rate, latency
+    self.names = {side: f"{prefix}-{side}-{pid}" for side in "ab"}
+    self.devices = {side: f"od{pid}{side}" for side in "ab"}
+    subnet = f"10.213.{pid % 256}"
+    self.addresses = {"a": f"{subnet}.1", "b": f"{subnet}.2"}
+    self._made: list[str] = []
+    self._previous_handlers: dict[int, Any] = {}
+
+  def __enter__(self) -> Link:
+    reason = unavailable()
+    if reason is not None:
+      raise Unavailable(reason)
+    self._catch_signals()
+    try:
+      self._create()
+    except BaseException:
+      self.close()
+      raise
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  def _catch_signals(self) -> None:
+    """SIGTERM and SIGHUP raise ``SystemExit``, so that the ``with`` block's exit still runs."""
+
+    def leave(signum, frame):
+      raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+      try:
+        self._previous_handlers[signum] = signal.signal(signum, leave)
+      except ValueError:  # not the main thread
+        pass
+
+  def _create(self) -> None:
+    host = socket.gethostname()
+    for side, name in self.names.items():
+      try:
+        _run("ip", "netns", "add", name)
+      except RuntimeError as e:
+        raise Unavailable(f"cannot create a network namespace: {e}") from None
+      self._made.append(name)
+      os.makedirs(os.path.join("/etc/netns", name), exist_ok=True)
+      with open(os.path.join("/etc/netns", name, "hosts"), "w") as f:
+        f.write(f"127.0.0.1\tlocalhost\n{self.addresses[side]}\t{host}\n")
+    a, b = self.devices["a"], self.devices["b"]
+    _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+    for side in "ab":
+      _run("ip", "link", "set", self.devices[side], "netns", self.names[side])
+      self.run(side, ["ip", "addr", "add", f"{self.addresses[side]}/30", "dev",
+                      self.devices[side]])
+      self.run(side, ["ip", "link", "set", self.devices[side], "up"])
+      self.run(side, ["ip", "link", "set", "lo", "up"])
+    self.shape(self.rate)
+
+  def shape(self, rate: str | None, latency: str | None = None) -> None:
+    """Shapes both directions at ``rate`` (``None``/``"unshaped"``: removes the shaping)."""
+    self.rate, self.latency = rate, latency or self.latency
+    for side in "ab":
+      dev = self.devices[side]
+      subprocess.run(["ip", "netns", "exec", self.names[side], "tc", "qdisc", "del", "dev", dev,
+                      "root"], capture_output=True)  # fails if there is none
+      if bits_per_second(rate) is not None:
+        self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
+                        str(burst(rate)), "latency", self.latency])
+
+  def close(self) -> None:
+    """Removes the namespaces (killing what runs in them), the veth pair and ``/etc/netns``."""
+    while self._made:
+      _remove_namespace(self._made.pop())
+    for signum, handler in self._previous_handlers.items():
+      signal.signal(signum, handler)
+    self._previous_handlers.clear()
+
+  def command(self, side: str, argv: list[str]) -> list[str]:
+    """``argv`` run in namespace ``side`` (``"a"`` or ``"b"``): ``ip netns exec NAME *argv``."""
+    return ["ip", "netns", "exec", self.names[side], *argv]
+
+  def run(self, side: str, argv: list[str]) -> str:
+    """Runs ``argv`` in namespace ``side``; its stdout (raises ``RuntimeError`` on failure)."""
+    return _run(*self.command(side, argv))
+
+  def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Starts ``argv`` in namespace ``side`` (``subprocess.Popen``'s ``kwargs``)."""
+    return subprocess.Popen(self.command(side, argv), **kwargs)
+
+  def counters(self) -> dict[str, dict[str, int]]:
+    """``{side: {"tx_bytes", "rx_bytes"}}`` of each veth (``/sys/class/net/DEV/statistics``)."""
+    out = {}
+    for side in "ab":
+      stats = f"/sys/class/net/{self.devices[side]}/statistics"
+      values = self.run(side, ["cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"]).split()
+      out[side] = {"tx_bytes": int(values[0]), "rx_bytes": int(values[1])}
+    return out
+
+  def transfer_size(self) -> int:
+    """The bytes :meth:`measure_rate` sends: about 1 s at the rate, 1 to 64 MiB."""
+    rate = bits_per_second(self.rate)
+    if rate is None:
+      return 64 << 20
+    return int(min(max(rate / 8, 1 << 20), 64 << 20))
+
+  def measure_rate(self, sender: str = "b", nbytes: int | None = None,
+                   timeout: float = 120) -> float:
+    """The rate, in bits per second, of a TCP transfer of ``nbytes`` from ``sender``'s side.
+
+    The receiver, in the other namespace, times from the first byte it receives to the last.
+    """
+    receiver = "a" if sender == "b" else "b"
+    nbytes = nbytes or self.transfer_size()
+    address = self.addresses[receiver]
+    listen = self.popen(receiver, [sys.executable, "-c", _RECEIVER, address, str(PORT)],
+                        stdout=subprocess.PIPE, text=True)
+    try:
+      if listen.stdout.readline().strip() != "ready":
+        raise RuntimeError("the rate measurement's receiver did not start")
+      self.run(sender, [sys.executable, "-c", _SENDER, address, str(PORT), str(nbytes)])
+      out, _ = listen.communicate(timeout=timeout)
+    finally:
+      if listen.poll() is None:
+        listen.kill()
+        listen.wait()
+    total, seconds = out.split()
+    if int(total) != nbytes:
+      raise RuntimeError(f"the receiver got {total} of {nbytes} bytes")
+    return 8 * nbytes / float(seconds)
+
+
+def main(argv: list[str]) -> int:
+  reason = unavailable()
+  if reason is not None:
+    print(f"skipped: {reason}")
+    return 0
+  with Link() as link:
+    for rate in argv or ["unshaped"]:
+      link.shape(rate)
+      rates = {s: link.measure_rate(s) / 1e6 for s in "ba"}
+      print(f"{rate}: b->a {rates['b']:.1f} Mbit/s, a->b {rates['a']:.1f} Mbit/s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
