@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -226,3 +227,69 @@ def shard_map_step(tx):
 
 def error(fn, arg, constraint, value):
   return f"{re.escape(f'`{fn}({arg}=')}.*{re.escape(constraint)}.*got {re.escape(repr(value))}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The exchange in comm_dtype: values that rounding to bfloat16 or float8_e4m3fn moves, and
+# whose rounded sums are exact in either dtype.
+
+COMM_DTYPES = {"bfloat16": jnp.bfloat16, "float8_e4m3fn": jnp.float8_e4m3fn}
+
+
+def integer_plus_a_little(seed, scale=1.0):
+  """Per-worker ``(N, ...)`` float32 values ``scale * (m + 0.003)``, ``m`` an integer in
+  [1, 6]: bfloat16 and float8_e4m3fn round ``m + 0.003`` and ``2 (m + 0.003)`` to the integer,
+  and every partial sum of four such integers is exact in both, so an exchange in either dtype
+  gives the mean of the rounded values exactly, and one in float32 misses it by 0.003 ``scale``."""
+  rng = np.random.RandomState(seed)
+  out = {}
+  for k, s in SHAPES.items():
+    out[k] = (scale * (rng.randint(1, 7, (N, *s)) + 0.003)).astype(np.float32)
+  return out
+
+
+def rounded(values, comm):
+  """``values`` rounded to the ``comm`` dtype (a name of COMM_DTYPES) by ml_dtypes, in float64."""
+  dtype = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}[comm]
+  return np.asarray(values).astype(dtype).astype(np.float64)
+
+
+def steps(tx, grads_seq, mapping):
+  """Steps from zero params on N workers, one per gradient tree of ``grads_seq``; the params and
+  the state after each step."""
+  params = {k: jnp.zeros((N, *s)) for k, s in SHAPES.items()}
+  if mapping == "vmap":
+    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(step, axis_name=AXIS))
+  else:
+    init, step, put = shard_map_step(tx)
+    params = put(params)
+    state = init(params)
+    grads_seq = [put(jax.tree.map(jnp.asarray, g)) for g in grads_seq]
+  history = []
+  for grads in grads_seq:
+    params, state = step(params, state, grads)
+    history.append((params, state))
+  return history
+
+
+def exchange_bytes(make):
+  """``{comm_dtype name: (kinds, operand bytes, result bytes)}`` of the collectives inside the
+  step's conditionals, as JAX lowers the shard_map step (XLA's CPU compiler would widen bfloat16
+  to float32)."""
+  out = {}
+  for name, dtype in {"float32": None, **COMM_DTYPES}.items():
+    init, step, put = shard_map_step(make(dtype))
+    params = put({k: jnp.zeros((N, *s)) for k, s in SHAPES.items()})
+    report = optax_dist.communication_report(
+      step, params, init(params), params, stage="lowered"
+    )
+    assert not report.unconditional, report.unconditional
+    kinds = tuple(sorted({c.kind for c in report.conditional}))
+    out[name] = (kinds, report.conditional.bytes, report.conditional.result_bytes)
+  return out

@@ -13,6 +13,7 @@ from _diloco_reference import (
   ATOL,
   ATOL_ADAM,
   AXIS,
+  COMM_DTYPES,
   INNERS,
   OUTERS,
   RTOL,
@@ -23,9 +24,13 @@ from _diloco_reference import (
   assert_eval_params_is_anchor,
   assert_history_close,
   assert_identical_on_workers,
+  exchange_bytes,
+  integer_plus_a_little,
   problem,
+  rounded,
   run,
   shard_map_step,
+  steps,
   streaming_reference,
 )
 
@@ -194,3 +199,37 @@ def test_one_worker_diloco_is_an_outer_step_on_its_own_progress():
   np.testing.assert_allclose(params, [2.66], rtol=1e-6)
   np.testing.assert_allclose(state.anchor, [2.66], rtol=1e-6)
   np.testing.assert_allclose(state.outer_state[0].trace, [-2.0])
+
+
+@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
+@pytest.mark.parametrize("comm", sorted(COMM_DTYPES))
+def test_comm_dtype_rounds_the_exchanged_pseudo_gradients(comm, mapping):
+  """From x0 = 0, inner SGD 1 and outer SGD 1, one sync: each worker's pseudo-gradient is its
+  gradient, rounded to ``comm_dtype`` before the exchange; the anchor and the params become
+  minus the mean of the rounded values, exactly."""
+  grads = integer_plus_a_little(11)
+  tx = optax_dist.diloco(
+    optax.sgd(1.0), optax.sgd(1.0), sync_period=1, axis_name=AXIS, comm_dtype=COMM_DTYPES[comm]
+  )
+  [(params, state)] = steps(tx, [grads], mapping)
+  for k, g in grads.items():
+    expected = -rounded(g, comm).sum(axis=0) / N
+    assert np.all(np.abs(expected + g.astype(np.float64).mean(axis=0)) > 1e-3)  # rounding shows
+    np.testing.assert_array_equal(np.asarray(state.anchor[k], np.float64), [expected] * N)
+    np.testing.assert_array_equal(np.asarray(params[k], np.float64), [expected] * N)
+
+
+def test_comm_dtype_sets_the_bytes_of_the_sync():
+  """bfloat16 halves the float32 all-reduce; float8_e4m3fn is gathered, a quarter of the bytes
+  sent and N times that received."""
+  params_bytes = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
+  got = exchange_bytes(
+    lambda dtype: optax_dist.diloco(
+      optax.sgd(0.1), sync_period=3, axis_name=AXIS, comm_dtype=dtype
+    )
+  )
+  assert got == {
+    "float32": (("all-reduce",), params_bytes, params_bytes),
+    "bfloat16": (("all-reduce",), params_bytes // 2, params_bytes // 2),
+    "float8_e4m3fn": (("all-gather",), params_bytes // 4, N * params_bytes // 4),
+  }

@@ -14,15 +14,22 @@ from _diloco_reference import (
   ATOL,
   ATOL_ADAM,
   AXIS,
+  COMM_DTYPES,
   INNERS,
   OUTERS,
   RTOL,
+  SHAPES,
+  N,
   assert_eval_params_is_anchor,
   assert_history_close,
   assert_identical_on_workers,
   error,
+  exchange_bytes,
+  integer_plus_a_little,
   problem,
+  rounded,
   run,
+  steps,
   streaming_reference,
 )
 
@@ -276,3 +283,66 @@ def test_explicit_fragments_are_checked():
   state = make({"a": 1, "b": 0}).init(params)
   assert isinstance(state.outer_state[0][0].trace["a"], optax.MaskedNode)
   assert isinstance(state.outer_state[1][0].trace["b"], optax.MaskedNode)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixing with alpha and 1 - alpha apart; the exchange in comm_dtype.
+
+
+@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
+def test_mixing_weighs_the_workers_params_by_alpha(mapping):
+  """At alpha = 0.3 (alpha and 1 - alpha differ, unlike 0.5) a synced leaf becomes
+  ``0.3 x' + 0.7 theta``, as the NumPy reference computes it, on every sync of both fragments."""
+  x0, c, d = problem(5)
+  tx = optax_dist.streaming_diloco(
+    INNERS["momentum"][0](), OUTERS["nesterov"][0](), sync_period=3, num_fragments=2,
+    mixing=0.3, axis_name=AXIS,
+  )
+  history, state = run(tx, x0, c, d, mapping)
+  ids = dict(zip(x0, [0, 0, 1]))  # the default assignment of three equal leaves to 2 fragments
+  reference, anchor = streaming_reference(
+    INNERS["momentum"][1](), OUTERS["nesterov"][1](), x0, c, d, sync_period=3, ids=ids,
+    mixing=0.3,
+  )
+  assert_history_close(history, reference)
+  for k in anchor:
+    np.testing.assert_allclose(np.asarray(state.anchor[k])[0], anchor[k], RTOL, ATOL)
+  # After a sync the workers still differ (by 0.3 of their own progress), unlike mixing 0.
+  assert not np.allclose(history["c"][2, 0], history["c"][2, 1])
+
+
+@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
+@pytest.mark.parametrize("comm", sorted(COMM_DTYPES))
+def test_comm_dtype_rounds_each_fragment_s_pseudo_gradients(comm, mapping):
+  """From x0 = 0, inner SGD 1, outer SGD 1 and constant gradients g: fragment 0 syncs on step 1
+  (pseudo-gradients g_i), fragment 1 on step 2 (2 g_i). Each is rounded to ``comm_dtype`` before
+  the exchange: the anchor becomes minus the mean of the rounded values, exactly."""
+  grads = integer_plus_a_little(13)
+  fragments = {"a": 0, "b": 1, "c": 1}
+  tx = optax_dist.streaming_diloco(
+    optax.sgd(1.0), optax.sgd(1.0), sync_period=2, num_fragments=2, fragments=fragments,
+    axis_name=AXIS, comm_dtype=COMM_DTYPES[comm],
+  )
+  (params1, state1), (params2, state2) = steps(tx, [grads, grads], mapping)
+  for k, g in grads.items():
+    synced = 1 if fragments[k] == 0 else 2
+    expected = -rounded(synced * g, comm).sum(axis=0) / N
+    assert np.all(np.abs(expected + synced * g.astype(np.float64).mean(axis=0)) > 1e-3)
+    state, params = (state1, params1) if synced == 1 else (state2, params2)
+    np.testing.assert_array_equal(np.asarray(state.anchor[k], np.float64), [expected] * N)
+    np.testing.assert_array_equal(np.asarray(params[k], np.float64), [expected] * N)
+    np.testing.assert_array_equal(state2.anchor[k], state.anchor[k])  # fragment 0 kept on step 2
+
+
+def test_comm_dtype_sets_the_bytes_of_each_fragment_s_sync():
+  params_bytes = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
+  got = exchange_bytes(
+    lambda dtype: optax_dist.streaming_diloco(
+      optax.sgd(0.1), sync_period=3, num_fragments=3, axis_name=AXIS, comm_dtype=dtype
+    )
+  )
+  assert got == {
+    "float32": (("all-reduce",), params_bytes, params_bytes),
+    "bfloat16": (("all-reduce",), params_bytes // 2, params_bytes // 2),
+    "float8_e4m3fn": (("all-gather",), params_bytes // 4, N * params_bytes // 4),
+  }
