@@ -5,6 +5,9 @@ update); with ``use_num_updates`` the decay is capped at ``(1 + t) / (10 + t)`` 
 *after* the increment (1 on the first update); ``ema = d ema + (1 - d) p`` with ``p`` the params
 after this update (``sequential_update=True``) or before it. Every case moves the params on every
 step, so a wrong count, a wrong cap or the params of the wrong side of the update all show.
+
+Also TF's MovingAverageOptimizer numbers, four workers each with its own average (no
+collectives), and bad inputs.
 """
 
 from __future__ import annotations
