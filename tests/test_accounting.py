@@ -355,3 +355,66 @@ def test_hierarchical_reports_tower_and_sync_bytes_apart(name):
   (sync,) = report.per_conditional.values()
   assert sync.bytes == PARAMS_BYTES  # the pseudo-gradient's mean over "hosts"
   assert report.non_communication_step.bytes == PARAMS_BYTES
+
+
+# ----------------------------------------------------------------------------------------------
+# Nested loops and conditionals, compiled from JAX.
+
+
+def _compiled_report(f, *scalars):
+  """The compiled report of ``f(x, *scalars)`` under ``shard_map``, ``x`` 4 floats per worker."""
+  step = jax.jit(
+    jax.shard_map(f, mesh=MESH, in_specs=(P("w"),) + (P(),) * len(scalars), out_specs=P("w"))
+  )
+  x = jax.device_put(jnp.ones(N * 4), NamedSharding(MESH, P("w")))
+  return optax_dist.communication_report(step, x, *scalars)
+
+
+def _exchange(x):
+  """An all-reduce of ``x`` (16 bytes per worker) whose result the next one depends on."""
+  return jnp.sin(jax.lax.psum(x, "w")) + 0.5 * x
+
+
+def test_nested_loops_count_each_collective_per_execution_of_both():
+  """An all-reduce in a loop of 3 inside a loop of 5 runs 15 times per step; one in the outer
+  loop's body only, 5 times."""
+
+  def f(x):
+    def outer(i, x):
+      x = jax.lax.fori_loop(0, 3, lambda j, x: _exchange(x) + j, x)
+      return _exchange(x) + i
+
+    return jax.lax.fori_loop(0, 5, outer, x)
+
+  report = _compiled_report(f)
+  assert sorted(c.trip_count for c in report.collectives) == [5, 15]
+  assert all(c.bytes == 16 and not c.conditionals for c in report.collectives)
+  assert report.unconditional.count == 20
+  assert report.unconditional.bytes == 20 * 16
+  assert report.communication_step.by_kind() == {"all-reduce": (20, 320)}
+
+
+def test_nested_conditionals_and_a_conditional_in_a_loop():
+  """An all-reduce in a cond inside a cond names both, outermost first, and runs on the
+  communication step only; one in a cond inside a loop of 5 runs 5 times there."""
+
+  def f(x, a, b):
+    def inner(x):
+      return jax.lax.cond(b > 0, _exchange, lambda x: 2.0 * x, x)
+
+    x = jax.lax.cond(a > 0, inner, lambda x: x + 1.0, x)
+    body = lambda i, x: jax.lax.cond(b > i, _exchange, lambda x: x - 1.0, x)
+    return jax.lax.fori_loop(0, 5, body, x)
+
+  report = _compiled_report(f, 1, 1)
+  by_depth = sorted(report.collectives, key=lambda c: len(c.conditionals))
+  in_loop, nested = by_depth
+  assert len(nested.conditionals) == 2 and nested.trip_count == 1
+  assert len({name for name, _ in nested.conditionals}) == 2
+  assert len(in_loop.conditionals) == 1 and in_loop.trip_count == 5
+  assert in_loop.conditionals[0] not in nested.conditionals
+  assert not report.unconditional
+  assert report.conditional.count == 6
+  assert report.communication_step.by_kind() == {"all-reduce": (6, 96)}
+  assert not report.non_communication_step
+  assert set(report.per_conditional) == {nested.conditionals[-1][0], in_loop.conditionals[0][0]}

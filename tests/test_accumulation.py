@@ -242,3 +242,23 @@ def test_validation(kwargs, error, message):
   args = {"inner": optax.sgd(0.1), "every_k": 2, "axis_name": "w"} | kwargs
   with pytest.raises(error, match=message):
     optax_dist.accumulate_then_reduce(**args)
+
+
+def test_bf16_accumulation_defaults_to_float32_as_multisteps():
+  """512 gradients of 1.0 on bf16 params: a bf16 accumulator stops at 256 (mean 0.5)."""
+  k = 512
+  params = jnp.zeros(2, jnp.bfloat16)
+  ours = optax_dist.accumulate_then_reduce(optax.sgd(1.0), k, None)
+  theirs = optax.MultiSteps(optax.sgd(1.0), k)
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  assert s_ours.acc_grads.dtype == s_theirs.acc_grads.dtype == jnp.float32
+  step_ours, step_theirs = jax.jit(ours.update), jax.jit(theirs.update)
+  g = jnp.ones(2, jnp.bfloat16)
+  for _ in range(k):
+    u_ours, s_ours = step_ours(g, s_ours, params)
+    u_theirs, s_theirs = step_theirs(g, s_theirs, params)
+  np.testing.assert_array_equal(u_ours, [-1.0, -1.0])
+  np.testing.assert_array_equal(u_ours, u_theirs)
+  explicit = optax_dist.accumulate_then_reduce(optax.sgd(1.0), k, None,
+                                               accumulator_dtype=jnp.bfloat16)
+  assert explicit.init(params).acc_grads.dtype == jnp.bfloat16

@@ -346,7 +346,8 @@ def test_flax_train_state_on_a_2d_mesh_with_a_tuple_axis():
 @pytest.mark.parametrize("name", NAMES)
 def test_hint_with_gradients_in_another_dtype(name):
   """bfloat16 params and float32 gradients: the hinted steps give the rule's params and state
-  (to bfloat16 rounding), in the params' and the state's own dtypes."""
+  (to two bfloat16 roundings, 2**-7 relative: one on each side), in the params' and the state's
+  own dtypes. A sync one step early or late moves the params by ~1e-2, far more."""
   tx = transformations()[name]
 
   def run(hints):
@@ -368,7 +369,7 @@ def test_hint_with_gradients_in_another_dtype(name):
   chex.assert_trees_all_equal_dtypes(hinted, ruled)
   chex.assert_trees_all_close(
     jax.tree.map(lambda x: x.astype(jnp.float32), hinted),
-    jax.tree.map(lambda x: x.astype(jnp.float32), ruled), rtol=1e-2, atol=1e-2)
+    jax.tree.map(lambda x: x.astype(jnp.float32), ruled), rtol=2**-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -409,6 +409,50 @@ def test_resized_state_can_be_donated():
   assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
 
 
+@pytest.mark.parametrize("inner_state", ["mean", "reset"])
+def test_bfloat16_params_and_float32_anchor_keep_their_dtypes(inner_state):
+  """bfloat16 params, diloco's anchor (and outer state) in float32, inner momentum in bfloat16:
+  four workers resized to two keep every leaf's dtype, the params stay bfloat16, and a jitted
+  step compiled on a fresh two-worker state runs the resized one without compiling again."""
+  tx = optax_dist.diloco(
+    optax.sgd(0.1, momentum=0.9), sync_period=3, anchor_dtype=jnp.float32, axis_name=AXIS
+  )
+  params = {k: jnp.linspace(-1.0, 1.0, N * int(np.prod(s)), dtype=jnp.bfloat16).reshape(N, *s)
+            for k, s in SHAPES.items()}
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  update = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
+  for t in range(STEPS):  # past the sync on step 3: the anchor has moved, in float32
+    grads = jax.tree.map(lambda p: jnp.cos(p.astype(jnp.float32) * (t + 1)), params)
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  dtypes = lambda tree: jax.tree.map(lambda x: (np.shape(x)[1:], jnp.result_type(x)), tree)
+  assert {jnp.result_type(a) for a in jax.tree.leaves(state.anchor)} == {np.dtype(jnp.float32)}
+  assert {jnp.result_type(x) for x in jax.tree.leaves(state.inner_state)} == {np.dtype(jnp.bfloat16)}
+
+  new_state, new_params = optax_dist.resize_state(tx, state, params, 2, inner_state=inner_state)
+  assert dtypes(new_state) == dtypes(state)
+  assert dtypes(new_params) == dtypes(params)
+  for k in params:  # the workers restart from the anchor, rounded to the params' dtype
+    np.testing.assert_array_equal(
+      new_params[k], jnp.broadcast_to(state.anchor[k][0].astype(jnp.bfloat16), new_params[k].shape)
+    )
+
+  traces = []
+
+  def step(params, state):
+    traces.append(None)
+    grads = jax.tree.map(lambda p: jnp.cos(p.astype(jnp.float32)), params)
+    updates, state = jax.vmap(tx.update, axis_name=AXIS)(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step)
+  fresh = jax.tree.map(lambda p: p[:2], params)
+  step(fresh, jax.vmap(tx.init, axis_name=AXIS)(fresh))
+  params2, state2 = step(new_params, new_state)
+  step(params2, state2)
+  assert len(traces) == 1 and step._cache_size() == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input.
 

@@ -3,8 +3,8 @@
 * A jitted step that donates params and state right after an eager ``init`` (the standard Flax
   loop): ``init`` must share no buffer with the params.
 * ``axis_name`` as a tuple of mesh axes on 2x2 and 2x4 meshes under ``shard_map``, with per-worker
-  params and with params replicated ``P()`` (or over one axis only), against the same run on a
-  1-D mesh of as many devices.
+  params, against the same run on a 1-D mesh of as many devices (tower with replicated params:
+  ``test_tower.py``).
 * Gradients in another floating dtype than the params: each transformation gives what its inner
   optimizer gives, and its state keeps its dtypes from step to step.
 """
@@ -171,27 +171,6 @@ def test_tuple_axis_per_worker_params_matches_1d(name, mesh_name):
   assert not np.allclose(grads[0]["w"][0], grads[0]["w"][-1])
 
 
-@pytest.mark.parametrize("reduction,expected", [("sum", -10.0), ("mean", -2.5)])
-@pytest.mark.parametrize("params_spec", [P(), P("hosts"), P("gpus"), P(("hosts", "gpus"))])
-def test_tower_tuple_axis_counts_each_tower_once(reduction, expected, params_spec):
-  """Per-tower gradients 1..4 on a 2x2 mesh: sum -10, mean -2.5 with sgd(1), whichever axes the
-  params are replicated over (autodiff has then summed over those; the psum runs over the rest)."""
-  mesh = jax.make_mesh((2, 2), ("hosts", "gpus"))
-  tx = optax_dist.tower(optax.sgd(1.0), ("hosts", "gpus"), reduction=reduction)
-  n_params = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(params_spec))]))
-  params = jax.device_put(jnp.zeros(n_params), NamedSharding(mesh, params_spec))
-  x = jax.device_put(jnp.arange(1.0, 5.0), NamedSharding(mesh, P(("hosts", "gpus"))))
-
-  def step(p, x):
-    grads = jax.grad(lambda p: jnp.sum(p[0] * x))(p)
-    updates, _ = tx.update(grads, tx.init(p), p)
-    return updates
-
-  updates = jax.shard_map(step, mesh=mesh, in_specs=(params_spec, P(("hosts", "gpus"))),
-                          out_specs=params_spec)(params, x)
-  np.testing.assert_allclose(updates, np.full(n_params, expected))
-
-
 # ----------------------------------------------------------------------------------------------
 # Mixed precision.
 
@@ -226,80 +205,3 @@ def test_mixed_precision_behaves_as_inner(name, dtypes):
     updates, new_state = update(grads, new_state, params)
   chex.assert_tree_all_finite(params)
   assert update._cache_size() == 1
-
-
-def test_bf16_accumulation_defaults_to_float32_as_multisteps():
-  """512 gradients of 1.0 on bf16 params: a bf16 accumulator stops at 256 (mean 0.5)."""
-  k = 512
-  params = jnp.zeros(2, jnp.bfloat16)
-  ours = optax_dist.accumulate_then_reduce(optax.sgd(1.0), k, None)
-  theirs = optax.MultiSteps(optax.sgd(1.0), k)
-  s_ours, s_theirs = ours.init(params), theirs.init(params)
-  assert s_ours.acc_grads.dtype == s_theirs.acc_grads.dtype == jnp.float32
-  step_ours, step_theirs = jax.jit(ours.update), jax.jit(theirs.update)
-  g = jnp.ones(2, jnp.bfloat16)
-  for _ in range(k):
-    u_ours, s_ours = step_ours(g, s_ours, params)
-    u_theirs, s_theirs = step_theirs(g, s_theirs, params)
-  np.testing.assert_array_equal(u_ours, [-1.0, -1.0])
-  np.testing.assert_array_equal(u_ours, u_theirs)
-  explicit = optax_dist.accumulate_then_reduce(optax.sgd(1.0), k, None,
-                                               accumulator_dtype=jnp.bfloat16)
-  assert explicit.init(params).acc_grads.dtype == jnp.bfloat16
-
-
-# ----------------------------------------------------------------------------------------------
-# AGN's sequential commits: program size independent of N.
-
-
-def test_agn_sequential_program_size_does_not_grow_with_workers():
-  tx = optax_dist.agn(optax.adam(0.1), communication_period=1, axis_name=AXIS)
-
-  def eqns(n):
-    params = jnp.zeros((n, 3))
-    state = jax.vmap(tx.init, axis_name=AXIS)(params)
-    jaxpr = jax.make_jaxpr(jax.vmap(tx.update, axis_name=AXIS))(params, state, params)
-    return _count_eqns(jaxpr.jaxpr)
-
-  assert eqns(2) == eqns(16)
-
-
-def _count_eqns(jaxpr) -> int:
-  """The equations of ``jaxpr`` and of every sub-jaxpr (cond branches, scan bodies), counted
-  rather than its printed lines (whose wrapping depends on the numbers printed)."""
-  total = 0
-  for eqn in jaxpr.eqns:
-    total += 1
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          total += _count_eqns(inner)
-  return total
-
-
-# ----------------------------------------------------------------------------------------------
-# 8-bit communication.
-
-
-@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
-def test_tower_float8_comm_dtype_sums_quantized_values_in_float32(mapping):
-  """Each tower's gradient is rounded to float8 once and the sum is exact in float32: no
-  rounding after each addition, no NaN past float8_e4m3fn's 448."""
-  n = 8
-  tx = optax_dist.tower(optax.sgd(1.0), AXIS, reduction="sum", comm_dtype=jnp.float8_e4m3fn)
-  grads = jnp.asarray(np.random.default_rng(0).uniform(50, 200, (n, 16)), jnp.float32)
-
-  def step(g):
-    return tx.update(g, tx.init(g))[0]
-
-  if mapping == "vmap":
-    got = jax.vmap(step, axis_name=AXIS)(grads)
-  else:
-    mesh = jax.make_mesh((n,), (AXIS,))
-    got = jax.shard_map(lambda g: step(g[0])[None], mesh=mesh, in_specs=P(AXIS),
-                        out_specs=P(AXIS))(jax.device_put(grads, NamedSharding(mesh, P(AXIS))))
-  quantized = np.asarray(grads.astype(jnp.float8_e4m3fn).astype(jnp.float32))
-  want = -quantized.sum(axis=0)  # well past 448
-  assert np.all(np.abs(want) > 448)
-  np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(want, got.shape))

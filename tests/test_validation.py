@@ -4,31 +4,17 @@ constraint. Values that ``optax.inject_hyperparams`` passes as traced arrays are
 from __future__ import annotations
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import called, error, sgd
 
 import optax_dist
 
 AXIS = "workers"
-
-
-def called(fn: str, arg: str) -> str:
-  """Regex for the call site as the messages spell it: `` `fn(arg=...)` ``."""
-  return re.escape(f"`{fn}({arg}=")
-
-
-def error(fn: str, arg: str, constraint: str, value) -> str:
-  """Regex: the call site, then the constraint, then the value received."""
-  return f"{called(fn, arg)}.*{re.escape(constraint)}.*got {re.escape(repr(value))}\\.$"
-
-
-def sgd():
-  return optax.sgd(0.1)
 
 
 COMMUNICATING = {
@@ -157,98 +143,6 @@ def test_integer_hyperparameters_accept_numpy_and_jax_integers(value):
   assert (int(state.global_step), int(state.num_dropped)) == (1, 1)
 
 
-@pytest.mark.parametrize("value", [1.5, "1", None])
-def test_max_staleness_must_be_an_int(value):
-  with pytest.raises(
-    TypeError, match=error("drop_stale_gradients", "max_staleness", "must be an int", value)
-  ):
-    optax_dist.drop_stale_gradients(sgd(), value)
-
-
-def test_negative_max_staleness_is_allowed_and_drops_everything():
-  tx = optax_dist.drop_stale_gradients(sgd(), -1)
-  state = tx.init(jnp.zeros(2))
-  for _ in range(2):
-    updates, state = tx.update(jnp.ones(2), state)  # staleness 0 > -1: dropped
-    np.testing.assert_array_equal(updates, [0.0, 0.0])
-  assert (int(state.global_step), int(state.num_dropped)) == (0, 2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Real-valued hyperparameters.
-
-
-@pytest.mark.parametrize("value", [0, -1, 0.0, float("nan")])
-def test_moving_rate_must_be_positive(value):
-  with pytest.raises(
-    ValueError, match=error("elastic_average", "moving_rate", "must be > 0", value)
-  ):
-    optax_dist.elastic_average(sgd(), moving_rate=value)
-
-
-@pytest.mark.parametrize("value", [-0.1, -1])
-def test_rho_must_be_non_negative(value):
-  with pytest.raises(ValueError, match=error("elastic_average", "rho", "must be >= 0", value)):
-    optax_dist.elastic_average(sgd(), rho=value)
-  optax_dist.elastic_average(sgd(), rho=0.0)  # the paper's Algorithm 1
-
-
-@pytest.mark.parametrize("value", [0, -0.5])
-def test_learning_rate_must_be_positive(value):
-  with pytest.raises(
-    ValueError, match=error("elastic_average", "learning_rate", "must be > 0", value)
-  ):
-    optax_dist.elastic_average(sgd(), learning_rate=value)
-
-
-@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
-def test_decay_must_be_in_unit_interval(value):
-  with pytest.raises(
-    ValueError, match=error("moving_average", "decay", "must be in [0, 1]", value)
-  ):
-    optax_dist.moving_average(sgd(), decay=value)
-  optax_dist.moving_average(sgd(), decay=0.0)
-  optax_dist.moving_average(sgd(), decay=1.0)
-
-
-@pytest.mark.parametrize("value", ["0.9", [0.9]])
-def test_decay_must_be_a_number_or_schedule(value):
-  with pytest.raises(TypeError, match=called("moving_average", "decay") + ".*real number"):
-    optax_dist.moving_average(sgd(), decay=value)
-  optax_dist.moving_average(sgd(), decay=optax.constant_schedule(0.9))
-
-
-@pytest.mark.parametrize("name", ["moving_rate", "rho", "learning_rate"])
-def test_real_hyperparameters_reject_non_numbers(name):
-  with pytest.raises(TypeError, match=called("elastic_average", name) + ".*real number.*'x'"):
-    optax_dist.elastic_average(sgd(), **{name: "x"})
-
-
-# ----------------------------------------------------------------------------------------------
-# Choices.
-
-
-@pytest.mark.parametrize(
-  "fn,make",
-  [
-    ("all_reduce", lambda r: optax_dist.all_reduce(AXIS, reduction=r)),
-    ("tower", lambda r: optax_dist.tower(sgd(), AXIS, reduction=r)),
-  ],
-)
-def test_reduction_must_be_mean_or_sum(fn, make):
-  with pytest.raises(
-    ValueError, match=error(fn, "reduction", "must be one of 'mean', 'sum'", "avg")
-  ):
-    make("avg")
-
-
-def test_center_update_must_be_sequential_or_mean():
-  with pytest.raises(
-    ValueError, match=error("agn", "center_update", "must be one of 'sequential', 'mean'", "bogus")
-  ):
-    optax_dist.agn(sgd(), center_update="bogus")
-
-
 # ----------------------------------------------------------------------------------------------
 # The wrapped transformation.
 
@@ -327,95 +221,6 @@ def test_updates_tree_must_match_params(fn):
   )
   with pytest.raises(ValueError, match=pattern):
     tx.update({"v": jnp.ones(3)}, state, {"v": jnp.ones(3)})
-
-
-@pytest.mark.parametrize(
-  "leaf,dtype", [(jnp.zeros((), jnp.int32), "int32"), (jnp.array([True]), "bool")]
-)
-def test_moving_average_rejects_non_floating_leaves(leaf, dtype):
-  tx = optax_dist.moving_average(optax.sgd(0.1))
-  params = {"w": jnp.ones(2), "step": leaf}
-  pattern = (
-    re.escape("`moving_average`")
-    + ".*floating-point.*"
-    + re.escape("['step']")
-    + ".*"
-    + re.escape(dtype)
-  )
-  with pytest.raises(TypeError, match=pattern):
-    tx.init(params)
-  with pytest.raises(TypeError, match=pattern):
-    jax.eval_shape(tx.init, params)
-
-
-DROP = optax_dist.drop_stale_gradients(optax.sgd(0.1), 1)
-
-
-@pytest.mark.parametrize("grad_step", [1.0, jnp.array(1.0), np.float32(1.0)])
-def test_grad_step_must_be_an_integer(grad_step):
-  params = jnp.ones(2)
-  pattern = re.escape("`drop_stale_gradients` update: `grad_step` must be an integer") + (
-    ".*got dtype float"
-  )
-  with pytest.raises(TypeError, match=pattern):
-    DROP.update(params, DROP.init(params), grad_step=grad_step)
-
-
-@pytest.mark.parametrize(
-  "grad_step,shape", [(jnp.array([1, 2]), "(2,)"), (np.zeros((1, 1), np.int32), "(1, 1)")]
-)
-def test_grad_step_must_be_a_scalar(grad_step, shape):
-  params = jnp.ones(2)
-  pattern = re.escape(
-    f"`drop_stale_gradients` update: `grad_step` must be a scalar, got shape {shape}."
-  )
-  with pytest.raises(ValueError, match=pattern):
-    DROP.update(params, DROP.init(params), grad_step=grad_step)
-
-
-def test_grad_step_accepts_python_and_array_integers():
-  params = jnp.ones(2)
-  state = DROP.init(params)
-  for grad_step in (0, np.int64(0), jnp.array(0, jnp.int32)):
-    updates, new_state = DROP.update(params, state, grad_step=grad_step)
-    np.testing.assert_allclose(updates, [-0.1, -0.1])
-    assert int(new_state.global_step) == 1
-
-
-# ----------------------------------------------------------------------------------------------
-# split_batch and eval_params.
-
-
-@pytest.mark.parametrize("batch,towers", [(5, 2), (6, 4), (3, 8)])
-def test_split_batch_size_must_divide(batch, towers):
-  pattern = re.escape(
-    f"`split_batch`: the batch size must be divisible by the number of workers, got batch size"
-    f" {batch} and {towers} workers."
-  )
-  with pytest.raises(ValueError, match=pattern):
-    optax_dist.split_batch({"x": np.zeros((batch, 2))}, towers)
-
-
-def test_split_batch_rejects_scalars_and_bad_tower_counts():
-  with pytest.raises(ValueError, match=re.escape("`split_batch`: the leaf at ['y'] is a scalar")):
-    optax_dist.split_batch({"x": np.zeros(4), "y": np.float32(1.0)}, 2)
-  with pytest.raises(
-    ValueError, match=error("split_batch", "num_workers", "must be a positive int", 0)
-  ):
-    optax_dist.split_batch(np.zeros(4), 0)
-  with pytest.raises(
-    TypeError, match=error("split_batch", "num_workers", "must be a positive int", 2.0)
-  ):
-    optax_dist.split_batch(np.zeros(4), 2.0)
-
-
-def test_eval_params_rejects_a_different_params_tree():
-  tx = optax_dist.moving_average(optax.sgd(0.1))
-  state = tx.init({"w": jnp.ones(2)})
-  with pytest.raises(
-    ValueError, match=re.escape("`eval_params`: the averaged parameters have tree")
-  ):
-    optax_dist.eval_params(state, {"v": jnp.ones(2)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -526,22 +331,6 @@ def test_param_averaging_rejects_non_floating_leaves(fn, leaf, dtype):
     tx.update(params, state, params)
 
 
-def test_split_batch_leaves_must_share_the_batch_size():
-  batch = {"x": jnp.zeros((8, 4)), "y": jnp.zeros(6)}
-  pattern = (
-    re.escape("`split_batch`: every leaf of `batch` must have the same leading (batch) size")
-    + r".*got 8 at \['x'\], 6 at \['y'\]\.$"
-  )
-  with pytest.raises(ValueError, match=pattern):
-    optax_dist.split_batch(batch, 2)
-
-
-@pytest.mark.parametrize("dtype", [jnp.int32, "bool", "float33"])
-def test_ema_dtype_must_be_floating(dtype):
-  with pytest.raises(TypeError, match=error("moving_average", "ema_dtype", "floating dtype", dtype)):
-    optax_dist.moving_average(sgd(), ema_dtype=dtype)
-
-
 @pytest.mark.parametrize("fn", NEED_PARAMS)
 def test_update_shapes_must_match_params(fn):
   tx = NEED_PARAMS[fn]
@@ -554,27 +343,3 @@ def test_update_shapes_must_match_params(fn):
   )
   with pytest.raises(ValueError, match=pattern):
     tx.update(updates, state, params)
-
-
-def test_elastic_average_warns_when_the_center_would_overshoot():
-  """moving_rate * N = 1.5 * 2 = 3: beyond 2 the exchange diverges (3e32 after 30 steps)."""
-  tx = optax_dist.elastic_average(sgd(), communication_period=1, moving_rate=1.5, axis_name=AXIS)
-  params = jnp.array([[0.0], [1.0]])
-  state = jax.vmap(tx.init, axis_name=AXIS)(params)
-  pattern = r"moving_rate \* num_workers = 1\.5 \* 2 = 3 > 1.*stable for 0 < moving_rate.*< 0\.5"
-  with pytest.warns(UserWarning, match=pattern):
-    jax.vmap(tx.update, axis_name=AXIS)(jnp.zeros_like(params), state, params)
-  stable = optax_dist.elastic_average(sgd(), communication_period=1, moving_rate=0.4,
-                                      axis_name=AXIS)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    jax.vmap(stable.update, axis_name=AXIS)(jnp.zeros_like(params), state, params)
-
-
-def test_split_batch_num_towers_is_deprecated_and_equal():
-  batch = {"x": jnp.arange(8.0)}
-  with pytest.warns(DeprecationWarning, match="num_towers"):
-    old = optax_dist.split_batch(batch, num_towers=4)
-  np.testing.assert_array_equal(old["x"], optax_dist.split_batch(batch, num_workers=4)["x"])
-  with pytest.raises(TypeError, match="num_towers"):
-    optax_dist.split_batch(batch, 4, num_towers=4)

@@ -1,0 +1,83 @@
+"""Helpers shared by several test files: TF's assertion helpers and the validation regexes.
+
+TF's tolerances, as its tests assert them:
+
+* ``assertAllEqual``: exact;
+* ``assertNear(a, b, err)``: ``a == b or |a - b| <= err``;
+* ``assertNDArrayNear(a, b, err)``: ``||a - b||_2 < err``;
+* ``assertAllCloseAccordingToType``: ``numpy.allclose`` with rtol = atol = 1e-6 for
+  float32/float64 and 1e-3 for float16.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def assert_all_equal(expected, actual):
+  np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
+
+
+def assert_near(expected, actual, err):
+  expected, actual = float(expected), float(np.asarray(actual))
+  assert expected == actual or abs(expected - actual) <= err, (expected, actual, err)
+
+
+def assert_pulled(center, params):
+  """``params`` were pulled to ``center``: TF asserts equality; a pull applied as the delta
+  ``center - params`` is exact up to float rounding (ALGORITHMS.md), so allow 2 ulp."""
+  np.testing.assert_array_max_ulp(np.asarray(params), np.asarray(center), maxulp=2)
+
+
+def assert_ndarray_near(expected, actual, err):
+  diff = np.asarray(actual, np.float64) - np.asarray(expected, np.float64)
+  assert np.linalg.norm(diff) < err, (expected, actual, err)
+
+
+_TOLERANCE_BY_DTYPE = {
+  np.dtype(np.float16): 1e-3,
+  np.dtype(np.float32): 1e-6,
+  np.dtype(np.float64): 1e-6,
+}
+
+
+def assert_all_close_according_to_type(expected, actual):
+  actual = np.asarray(actual)
+  tol = _TOLERANCE_BY_DTYPE[actual.dtype]
+  np.testing.assert_allclose(
+    actual.astype(np.float64), np.asarray(expected, np.float64), rtol=tol, atol=tol
+  )
+
+
+def sgd_step(tx):
+  """A jitted ``(params, state, grads, **kw) -> (params, state)`` for ``tx``."""
+
+  @jax.jit
+  def step(params, state, grads, **extra_args):
+    updates, state = tx.update(grads, state, params, **extra_args)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def constant_grads(params, value):
+  return jax.tree.map(lambda p: jnp.full_like(p, value), params)
+
+
+def called(fn: str, arg: str) -> str:
+  """Regex for the call site as the messages spell it: `` `fn(arg=...)` ``."""
+  return re.escape(f"`{fn}({arg}=")
+
+
+def error(fn: str, arg: str, constraint: str, value) -> str:
+  """Regex: the call site, then the constraint, then the value received."""
+  return f"{called(fn, arg)}.*{re.escape(constraint)}.*got {re.escape(repr(value))}\\.$"
+
+
+def sgd():
+  return optax.sgd(0.1)
