@@ -8,7 +8,8 @@ axis names), so one code path runs under ``jax.shard_map`` (full or partial-manu
 * binding: :func:`axis_names`, :func:`axis_size`, :func:`bound_axis_size`,
   :func:`resolve_num_workers`, :func:`workers_axis_size`;
 * varying types: :func:`varying_axes`, :func:`cast_varying`, :func:`summed_axes`;
-* collectives: :func:`psum`, :func:`all_gather`, :func:`worker_mean`, :func:`reduce_gradients`
+* collectives: :func:`psum`, :func:`all_gather`, :func:`worker_mean`, :func:`sliced` (an
+  exchange of identical copies, 1/K per device), :func:`reduce_gradients`
   (the all-reduce core of ``tower``, ``all_reduce``, ``accumulate_then_reduce`` and local SGD's
   warm-up);
 * the communication step: :func:`communication_hint` (the static ``communicate`` extra argument),
@@ -211,6 +212,65 @@ def worker_mean_with_feedback(
     tree, residual, axis_name, comm_dtype, block_size
   )
   return jax.tree.map(lambda t: (t / n).astype(t.dtype), total), new_residual
+
+
+def sliced(
+  exchange: Callable[[Any], Any], tree: Any, slice_axis: Hashable | None
+) -> Any:
+  """``exchange(tree)`` with each device of ``slice_axis`` sending only its 1/K slice.
+
+  Where the K devices along ``slice_axis`` (inside one worker) hold identical copies of ``tree``
+  (the devices of one replica after a ``tower`` over that axis), exchanging the whole tree from
+  each of them would send the same bytes K times across the workers. Here each device flattens
+  every leaf, pads it with zeros to a multiple of K, and passes only its slice ``k`` (its
+  position along ``slice_axis``) to ``exchange`` (a collective across the workers that returns a
+  tree of the same structure, e.g. the workers' mean); an ``all_gather`` over ``slice_axis``,
+  inside the worker, then rebuilds each leaf. Across the workers each device sends
+  :math:`1/K` of the bytes, and the K devices together send the tree's bytes once; inside the
+  worker each device receives :math:`(K-1)/K` of them. An elementwise ``exchange`` gives the
+  same values as without slicing (a quantized format's blocks are cut from the slices).
+  ``slice_axis=None`` is ``exchange(tree)``.
+  """
+  if slice_axis is None:
+    return exchange(tree)
+  k, index = jax.lax.axis_size(slice_axis), jax.lax.axis_index(slice_axis)
+  leaves, treedef = jax.tree.flatten(tree)
+
+  def cut(x):
+    flat = jnp.ravel(x)
+    m = -(-flat.size // k)
+    return jax.lax.dynamic_slice_in_dim(jnp.pad(flat, (0, m * k - flat.size)), index * m, m)
+
+  out = jax.tree.leaves(exchange(treedef.unflatten([cut(x) for x in leaves])))
+
+  def join(part, x):
+    whole = jax.lax.all_gather(part, slice_axis, tiled=True)[: x.size].reshape(x.shape)
+    return cast_varying(whole, varying_axes(x))
+
+  return treedef.unflatten([join(part, x) for part, x in zip(out, leaves, strict=True)])
+
+
+def check_slice_axis(
+  fn: str, slice_axis: Hashable | None, axis_name: Hashable | tuple | None
+) -> None:
+  """Raise unless ``slice_axis`` is ``None``, or an axis bound here and not part of ``axis_name``.
+
+  Raises:
+    ValueError: ``slice_axis`` is one of the workers' axes, or (in ``update``) is not bound.
+  """
+  if slice_axis is None:
+    return
+  if slice_axis in axis_names(axis_name):
+    raise ValueError(
+      f"`{fn}(slice_axis={slice_axis!r})` must be an axis inside each worker, not one of the"
+      f" workers' axes {axis_names(axis_name)!r}."
+    )
+  if axis_size(slice_axis) is None:
+    raise ValueError(
+      f"`{fn}(slice_axis={slice_axis!r})`: `update` was called where axis {slice_axis!r} is not"
+      " bound; map the devices inside each worker over it (check the spelling), or pass"
+      " slice_axis=None."
+    )
 
 
 def reduce_gradients(

@@ -92,6 +92,7 @@ def diloco(
   comm_block_size: int | None = None,
   error_feedback: bool = False,
   anchor_dtype: Any = None,
+  slice_axis: Hashable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: H local ``inner`` steps, then an ``outer`` step on the workers' mean pseudo-gradient.
 
@@ -135,6 +136,12 @@ def diloco(
       the default, is 256; even for the 4-bit formats); ignored otherwise. Smaller blocks track
       the local magnitude more closely at :math:`4/B` bytes per value. Fixed at trace time: with
       ``optax.inject_hyperparams``, name it in ``static_args``.
+    slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose devices hold
+      identical copies of the params, such as the devices of one replica after
+      ``tower(inner, slice_axis)``: each of its K devices then exchanges only its 1/K slice
+      across the workers and the slices are gathered back inside the worker, so the K devices
+      together send the params' bytes once instead of K times. ``None`` (default): every
+      device exchanges the whole tree.
     error_feedback: with a quantized ``comm_dtype``, each worker keeps what quantization
       dropped from its pseudo-gradient in ``state.error_feedback`` (float32) and adds it to the
       next one before quantizing: :math:`t_i = \theta - x'_i + r_i`, sent :math:`Q(t_i)`,
@@ -248,6 +255,7 @@ def diloco(
     _checks.check_tree_matches(fn, updates, state.anchor, "params")
     hint = _axis.communication_hint(fn, extra_args)
     n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _axis.check_slice_axis(fn, slice_axis, axis_name)
 
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
@@ -260,7 +268,7 @@ def diloco(
       new_params = optax.apply_updates(params, u)  # x'_i
       delta, residual = _outer.pseudo_gradient(  # mean_j Q(theta - x'_j + r_j); r_i updated
         anchor, new_params, axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
-        comm_block_size=comm_block_size, residual=residual,
+        comm_block_size=comm_block_size, residual=residual, slice_axis=slice_axis,
       )
       return (*_outer.outer_step(outer, anchor, outer_state, delta), residual)
 

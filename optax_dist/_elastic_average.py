@@ -78,6 +78,7 @@ def elastic_average(
   axis_name: Hashable | None = None,
   comm_dtype: Any = None,
   comm_block_size: int | None = None,
+  slice_axis: Hashable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Elastic averaging SGD (EASGD): local training, elastic exchange with a center every τ steps.
 
@@ -121,6 +122,12 @@ def elastic_average(
       center and is not fed back (there is no ``error_feedback`` here).
     comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
       the default, is 256; even for the 4-bit formats); ignored otherwise.
+    slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose devices hold
+      identical copies of the params, such as the devices of one replica after
+      ``tower(inner, slice_axis)``: each of its K devices then exchanges only its 1/K slice
+      across the workers and the slices are gathered back inside the worker, so the K devices
+      together send the params' bytes once instead of K times. ``None`` (default): every
+      device exchanges the whole tree.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra args are forwarded to ``inner``.
@@ -216,6 +223,7 @@ def elastic_average(
     _checks.check_tree_matches(fn, updates, state.center, "params")
     hint = _axis.communication_hint(fn, extra_args)
     n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _axis.check_slice_axis(fn, slice_axis, axis_name)
     alpha = BETA / communication_period / n if moving_rate is None else moving_rate
     _warn_if_unstable(alpha, n)
     if rho is not None:
@@ -251,7 +259,9 @@ def elastic_average(
       if axis_name is None:
         total = d
       else:
-        total = _axis.psum(d, axis_name, comm_dtype, comm_block_size)
+        total = _axis.sliced(
+          lambda t: _axis.psum(t, axis_name, comm_dtype, comm_block_size), d, slice_axis
+        )
       return optax.tree.add(center, total), d  # center <- center + sum_j d_j
 
     def keep(u, center):

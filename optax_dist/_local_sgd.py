@@ -115,6 +115,7 @@ def local_sgd(
   warmup_steps: int = 0,
   comm_dtype: Any = None,
   comm_block_size: int | None = None,
+  slice_axis: Hashable | None = None,
   error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Local SGD: every worker trains alone for H steps, then all land on the mean of the params.
@@ -163,6 +164,12 @@ def local_sgd(
       (default) communicates in the params' dtypes.
     comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
       the default, is 256; even for the 4-bit formats); ignored otherwise.
+    slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose devices hold
+      identical copies of the params, such as the devices of one replica after
+      ``tower(inner, slice_axis)``: each of its K devices then exchanges only its 1/K slice of the model average
+      across the workers and the slices are gathered back inside the worker, so the K devices
+      together send the params' bytes once instead of K times. ``None`` (default): every
+      device exchanges the whole tree.
     error_feedback: must be ``False`` (the default). Feeding the quantization error back would
       keep a params-sized float32 residual per worker, as much memory as an anchor, while
       still rounding the params themselves (an error proportional to :math:`|x|`, not to the
@@ -258,6 +265,7 @@ def local_sgd(
     _checks.check_tree_matches(fn, updates, params, "params")
     hint = _axis.communication_hint(fn, extra_args)
     n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _axis.check_slice_axis(fn, slice_axis, axis_name)
     local_step = optax.safe_increment(state.local_step)
 
     # Warm-up: synchronous data parallelism while local_step <= W, one all-reduce per step.
@@ -278,7 +286,10 @@ def local_sgd(
 
     def average(u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      mean = _axis.worker_mean(new_params, axis_name, n, comm_dtype, comm_block_size)
+      mean = _axis.sliced(
+        lambda x: _axis.worker_mean(x, axis_name, n, comm_dtype, comm_block_size), new_params,
+        slice_axis,
+      )
       return jax.tree.map(lambda m, p, u: (m - p).astype(u.dtype), mean, params, u)
 
     local_updates = _axis.communicate_if(sync, average, lambda u: u, local_updates)

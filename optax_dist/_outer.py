@@ -30,6 +30,7 @@ def pseudo_gradient(
   comm_dtype: Any = None,
   comm_block_size: int = 256,
   residual: Any = None,
+  slice_axis: Hashable | None = None,
 ) -> tuple[Any, Any]:
   r"""The workers' mean pseudo-gradient :math:`\Delta = \frac{1}{N}\sum_j (\theta - x'_j)`.
 
@@ -40,6 +41,7 @@ def pseudo_gradient(
   sends :math:`\theta - x'_j + r_j` quantized and keeps what quantization dropped,
   :math:`r_j' = \theta - x'_j + r_j - Q(\theta - x'_j + r_j)`, for the next sync.
   ``axis_name=None`` means one worker: :math:`\Delta = \theta - x'`, nothing quantized.
+  ``slice_axis``: each device of that axis exchanges only its slice (:func:`_axis.sliced`).
 
   Returns:
     ``(delta, new_residual)``: :math:`\Delta` in the anchor's dtypes, and :math:`r'`
@@ -49,9 +51,15 @@ def pseudo_gradient(
   if axis_name is None:
     return delta, residual
   if residual is None:
-    return _axis.worker_mean(delta, axis_name, num_workers, comm_dtype, comm_block_size), None
-  return _axis.worker_mean_with_feedback(
-    delta, residual, axis_name, num_workers, comm_dtype, comm_block_size
+    mean = _axis.sliced(
+      lambda d: _axis.worker_mean(d, axis_name, num_workers, comm_dtype, comm_block_size),
+      delta, slice_axis,
+    )
+    return mean, None
+  return _axis.sliced(
+    lambda pair: _axis.worker_mean_with_feedback(
+      *pair, axis_name, num_workers, comm_dtype, comm_block_size),
+    (delta, residual), slice_axis,
   )
 
 
@@ -78,6 +86,7 @@ def outer_sync(
   num_workers: int,
   comm_dtype: Any = None,
   comm_block_size: int = 256,
+  slice_axis: Hashable | None = None,
 ) -> tuple[Any, optax.OptState]:
   """One DiLoCo sync of ``anchor`` (a tree, or a sub-tree with ``optax.MaskedNode`` leaves).
 
@@ -93,6 +102,6 @@ def outer_sync(
   """
   delta, _ = pseudo_gradient(
     anchor, new_params, axis_name=axis_name, num_workers=num_workers, comm_dtype=comm_dtype,
-    comm_block_size=comm_block_size,
+    comm_block_size=comm_block_size, slice_axis=slice_axis,
   )
   return outer_step(outer, anchor, outer_state, delta)

@@ -228,6 +228,7 @@ def streaming_diloco(
   comm_dtype: Any = None,
   comm_block_size: int | None = None,
   anchor_dtype: Any = None,
+  slice_axis: Hashable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Streaming DiLoCo: :func:`diloco`'s sync on one fragment at a time, staggered over H steps.
 
@@ -331,6 +332,12 @@ def streaming_diloco(
       error feedback here).
     comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
       the default, is 256; even for the 4-bit formats); ignored otherwise. Fixed at trace time.
+    slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose devices hold
+      identical copies of the params, such as the devices of one replica after
+      ``tower(inner, slice_axis)``: each of its K devices then exchanges only its 1/K slice
+      across the workers and the slices are gathered back inside the worker, so the K devices
+      together send the params' bytes once instead of K times. ``None`` (default): every
+      device exchanges the whole tree.
     anchor_dtype: the floating dtype of the anchor, of the pseudo-gradients and of the outer
       states; ``None`` (default) keeps each param's dtype.
 
@@ -477,7 +484,7 @@ def streaming_diloco(
       x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
       return _outer.outer_sync(
         outer, anchor_f, outer_state_f, x_f, axis_name=axis_name, num_workers=n,
-        comm_dtype=comm_dtype, comm_block_size=comm_block_size,
+        comm_dtype=comm_dtype, comm_block_size=comm_block_size, slice_axis=slice_axis,
       )
 
     def keep(anchor_f, outer_state_f, u_f):
@@ -498,7 +505,10 @@ def streaming_diloco(
       own_f = _outer.local_pseudo_gradient(anchor_f, x_f)  # Delta_i = theta - x'_i
       mean_f = own_f
       if axis_name is not None:
-        mean_f = _axis.worker_mean(own_f, axis_name, n, comm_dtype, comm_block_size)  # the psum
+        mean_f = _axis.sliced(  # the psum
+          lambda d: _axis.worker_mean(d, axis_name, n, comm_dtype, comm_block_size), own_f,
+          slice_axis,
+        )
       return mean_f, (own_f if eager else None)
 
     def keep(anchor_f, u_f, in_flight_f, own_f):
@@ -556,6 +566,7 @@ def streaming_diloco(
     _checks.check_tree_matches(fn, updates, state.anchor, "params")
     hint = _axis.communication_hint(fn, extra_args)
     n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _axis.check_slice_axis(fn, slice_axis, axis_name)
     ids = assign_fragments(fn, state.anchor, num_fragments, fragments)
 
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)

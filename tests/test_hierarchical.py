@@ -98,19 +98,24 @@ def reference(algorithm, nested, grads, x0):
 # The library under shard_map.
 
 
-def build(algorithm, nested):
+def build(algorithm, nested, slice_axis=None):
   inner = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
   if nested:
     inner, axis_name = optax_dist.tower(inner, "gpus"), "hosts"
   else:
     axis_name = ("hosts", "gpus")
+  common = {"axis_name": axis_name, "slice_axis": slice_axis}
   if algorithm == "diloco":
     outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    return optax_dist.diloco(inner, outer, sync_period=PERIOD, axis_name=axis_name)
+    return optax_dist.diloco(inner, outer, sync_period=PERIOD, **common)
+  if algorithm == "streaming_diloco":
+    outer = optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    return optax_dist.streaming_diloco(inner, outer, sync_period=PERIOD, num_fragments=1,
+                                       **common)
   if algorithm == "local_sgd":
-    return optax_dist.local_sgd(inner, sync_period=PERIOD, axis_name=axis_name)
+    return optax_dist.local_sgd(inner, sync_period=PERIOD, **common)
   return optax_dist.elastic_average(inner, communication_period=PERIOD, moving_rate=MOVING_RATE,
-                                    axis_name=axis_name)
+                                    **common)
 
 
 def run(tx, mesh, grads, x0):
@@ -156,3 +161,55 @@ def test_hierarchical_mesh_matches_numpy(shape, algorithm, nested):
   if averaged:
     values = np.asarray(getattr(state, averaged))
     np.testing.assert_array_equal(values, np.broadcast_to(values[0], values.shape))
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "local_sgd",
+                                       "elastic_average"])
+def test_sliced_exchange_matches_numpy_and_sends_each_byte_once(algorithm):
+  """slice_axis="gpus": the devices of a host hold identical params after the tower, so each
+  sends 1/K of them across the hosts and gathers the rest inside the host; the values are the
+  nested layout's (streaming_diloco with one fragment is diloco)."""
+  shape = (2, 4)
+  mesh = jax.make_mesh(shape, ("hosts", "gpus"))
+  rng = np.random.default_rng(11)
+  grads = rng.normal(size=(STEPS, *shape, *SHAPE))
+  x0 = rng.normal(size=SHAPE)
+  tx = build(algorithm, True, slice_axis="gpus")
+  got, _ = run(tx, mesh, grads, x0)
+  unsliced, _ = run(build(algorithm, True), mesh, grads, x0)
+  np.testing.assert_allclose(got, unsliced, rtol=1e-6, atol=1e-7)
+  reference_algorithm = "diloco" if algorithm == "streaming_diloco" else algorithm
+  np.testing.assert_allclose(got, reference(reference_algorithm, True, grads, x0), rtol=2e-5,
+                             atol=5e-6)
+  # The exchange's conditional: 6 values, in slices of ceil(6 / 4) = 2 float32 per device
+  # across the hosts, gathered back (8 bytes sent, 32 received) inside the host.
+  spec = P(("hosts", "gpus"))
+
+  def step(grad, state, params):
+    grad, state, params = jax.tree.map(lambda v: v[0], (grad, state, params))
+    updates, state = tx.update(grad, state, params, communicate=True)
+    return jax.tree.map(lambda v: v[None], (optax.apply_updates(params, updates), state))
+
+  put = lambda v: jax.device_put(jnp.asarray(v, jnp.float32), NamedSharding(mesh, spec))  # noqa: E731
+  params = put(np.broadcast_to(x0, (8, *SHAPE)))
+  state = jax.jit(jax.shard_map(
+    lambda p: jax.tree.map(lambda v: v[None], tx.init(p[0])), mesh=mesh, in_specs=spec,
+    out_specs=spec))(params)
+  report = optax_dist.communication_report(
+    jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec), put(grads[0].reshape(8, *SHAPE)),
+    state, params)
+  gathers = report.collectives.of_kind("all-gather")
+  assert [(c.bytes, c.result_bytes) for c in gathers] == [(8, 32)]
+  # The tower's all-reduce of the 6 gradients and the exchange's 2 values per device.
+  assert sorted(c.bytes for c in report.collectives.of_kind("all-reduce")) == [8, 24]
+
+
+def test_slice_axis_must_be_inside_the_worker_and_bound():
+  with pytest.raises(ValueError, match=r"`diloco\(slice_axis='hosts'\)` must be an axis inside"):
+    tx = optax_dist.diloco(optax.sgd(1.0), sync_period=2, axis_name="hosts", slice_axis="hosts")
+    jax.vmap(tx.update, axis_name="hosts")(jnp.ones((2, 3)), jax.vmap(tx.init)(jnp.ones((2, 3))),
+                                           jnp.ones((2, 3)))
+  tx = optax_dist.diloco(optax.sgd(1.0), sync_period=2, axis_name="hosts", slice_axis="gpu")
+  with pytest.raises(ValueError, match=r"`diloco\(slice_axis='gpu'\)`: `update` was called where"):
+    jax.vmap(tx.update, axis_name="hosts")(jnp.ones((2, 3)), jax.vmap(tx.init)(jnp.ones((2, 3))),
+                                           jnp.ones((2, 3)))
