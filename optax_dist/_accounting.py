@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 KINDS = (
   "all-reduce",
@@ -56,6 +57,9 @@ class Collective:
     trip_count: how many times it runs per execution of the program: the product of the known
       trip counts of the enclosing ``while`` loops (1 outside loops), or ``None`` if a loop's
       trip count is unknown.
+    groups: the groups of devices that communicate together (the HLO's ``replica_groups``, as
+      positions in the program's device assignment: for a program jitted over a mesh, indices
+      into ``mesh.devices.flat``); empty where the HLO gives none (all devices together).
   """
 
   kind: str
@@ -66,6 +70,31 @@ class Collective:
   result_bytes: int
   conditionals: tuple[tuple[str, int], ...] = ()
   trip_count: int | None = 1
+  groups: tuple[tuple[int, ...], ...] = ()
+
+  def axes(self, mesh: Any) -> tuple[str, ...]:
+    """The axes of ``mesh`` the collective spans: those along which the devices of one of its
+    groups differ (all of them where the HLO gives no groups). ``()`` for a collective within
+    single devices.
+
+    Raises:
+      ValueError: a group names a device position outside ``mesh``.
+    """
+    shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
+    if not self.groups:
+      return tuple(n for n, size in zip(names, shape, strict=True) if size > 1)
+    size = int(np.prod(shape))
+    spanned = set()
+    for group in self.groups:
+      if any(not 0 <= d < size for d in group):
+        raise ValueError(
+          f"`Collective.axes(mesh)`: {self.name} groups devices {group}, outside a mesh of"
+          f" {size} devices {dict(zip(names, shape, strict=True))}; pass the mesh the program"
+          " was compiled for."
+        )
+      coords = np.array(np.unravel_index(np.array(group), shape)).T
+      spanned |= {names[a] for a in range(len(shape)) if len(set(coords[:, a])) > 1}
+    return tuple(n for n in names if n in spanned)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +143,18 @@ class Collectives:
         f" got {kind!r}."
       )
     return Collectives(tuple(c for c in self.items if c.kind == kind))
+
+  def over(self, mesh: Any, axes: str | tuple[str, ...]) -> Collectives:
+    """The collectives that span exactly the mesh ``axes`` (a name or a tuple of names, in the
+    mesh's order), e.g. ``over(mesh, "replica")`` for the exchanges across replicas."""
+    wanted = (axes,) if isinstance(axes, str) else tuple(axes)
+    return Collectives(tuple(c for c in self.items if c.axes(mesh) == wanted))
+
+  def by_axes(self, mesh: Any) -> dict[tuple[str, ...], tuple[int, int]]:
+    """``{mesh axes: (count, bytes)}``: how much crosses each set of axes (e.g. inside a replica
+    and across replicas apart)."""
+    keys = dict.fromkeys(c.axes(mesh) for c in self.items)
+    return {k: (self.over(mesh, k).count, self.over(mesh, k).bytes) for k in keys}
 
   def by_kind(self) -> dict[str, tuple[int, int]]:
     """``{kind: (count, bytes)}`` for each kind present."""
@@ -392,6 +433,30 @@ def _parse_instruction(line: str) -> _Instruction | None:
   return _Instruction(name, shape, op.group(1), operands, after[close:])
 
 
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_IOTA_GROUPS = re.compile(
+  r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+)
+
+
+def _replica_groups(attributes: str) -> tuple[tuple[int, ...], ...]:
+  """The ``replica_groups`` of an instruction: explicit (``{{0,4},{1,5}}``) or iota
+  (``[4,2]<=[2,4]T(1,0)``: the device positions ``arange`` reshaped to the dims, transposed,
+  then cut into the groups); ``()`` if absent."""
+  m = _IOTA_GROUPS.search(attributes)
+  if m:
+    dims = [int(d) for d in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(a) for a in m.group(4).split(",")])
+    return tuple(tuple(int(d) for d in g) for g in ids.reshape(int(m.group(1)), int(m.group(2))))
+  m = _EXPLICIT_GROUPS.search(attributes)
+  if not m:
+    return ()
+  groups = re.findall(r"\{([\d,\s]*)\}", m.group(1))
+  return tuple(tuple(int(d) for d in g.split(",") if d.strip()) for g in groups if g.strip())
+
+
 def _parse_module(text: str) -> _Module:
   computations: dict[str, list[_Instruction]] = {}
   entry, current = None, None
@@ -482,6 +547,7 @@ def _walk(module: _Module, policy: str) -> list[Collective]:
             result_bytes=_shape_bytes(result),
             conditionals=conditionals,
             trip_count=trip_count,
+            groups=_replica_groups(ins.attributes),
           )
         )
         continue  # its `to_apply` is a scalar reduction, not communication

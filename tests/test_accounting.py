@@ -418,3 +418,39 @@ def test_nested_conditionals_and_a_conditional_in_a_loop():
   assert report.communication_step.by_kind() == {"all-reduce": (6, 96)}
   assert not report.non_communication_step
   assert set(report.per_conditional) == {nested.conditionals[-1][0], in_loop.conditionals[0][0]}
+
+
+def test_collectives_name_the_mesh_axes_they_span():
+  """psum over "hosts", over "gpus" and over both on a 2x4 mesh: each collective's groups give
+  the axes it spans, and by_axes splits the bytes (inside a host, across hosts) apart."""
+  mesh = jax.make_mesh((2, 4), ("hosts", "gpus"))
+  spec = jax.sharding.PartitionSpec(("hosts", "gpus"))
+
+  def step(a, b, c):
+    return (jax.lax.psum(a, "hosts"), jax.lax.psum(b, "gpus") * 2.0,
+            jax.lax.psum(c, ("hosts", "gpus")) * 3.0)
+
+  args = [jax.ShapeDtypeStruct((8, n), jnp.float32, sharding=jax.NamedSharding(mesh, spec))
+          for n in (3, 5, 7)]
+  report = optax_dist.communication_report(
+    jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec), *args)
+  assert report.collectives.by_axes(mesh) == {
+    ("hosts",): (1, 12), ("gpus",): (1, 20), ("hosts", "gpus"): (1, 28)}
+  assert report.collectives.over(mesh, "hosts").bytes == 12
+  with pytest.raises(ValueError, match="outside a mesh of 4 devices"):
+    report.collectives.items[0].axes(jax.make_mesh((4,), ("x",), devices=jax.devices()[:4]))
+
+
+def test_iota_replica_groups_are_parsed():
+  """XLA's iota form [G,S]<=[dims]T(perm): arange(8) as 2x4, transposed, cut into 4 groups of 2
+  is {0,4},{1,5},{2,6},{3,7}: the groups across the first axis of a 2x4 mesh."""
+  text = """HloModule m
+
+ENTRY %main (p: f32[3]) -> f32[3] {
+  %p = f32[3]{0} parameter(0)
+  ROOT %ar = f32[3]{0} all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+}
+"""
+  (collective,) = optax_dist.CommunicationReport.from_hlo_text(text).collectives
+  assert collective.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+  assert collective.axes(jax.make_mesh((2, 4), ("hosts", "gpus"))) == ("hosts",)
