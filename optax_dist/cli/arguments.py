@@ -10,9 +10,11 @@ import argparse
 import math
 from typing import Any
 
+from optax_dist import __version__
 from optax_dist.cli import async_run, config
 from optax_dist.cli.algorithms import ALGORITHMS, COMPARED
 from optax_dist.cli.errors import PROG
+from optax_dist.cli.launcher import parse_address
 from optax_dist.cli.tasks import TASKS
 
 
@@ -60,8 +62,6 @@ def worker_times(text: str) -> tuple[tuple[int, float], ...]:
 
 
 def address(text: str) -> str:
-  from optax_dist.cli.launcher import parse_address
-
   try:
     parse_address(text)
   except ValueError as e:
@@ -192,8 +192,6 @@ def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
   """The argument parser of ``optax-dist``."""
-  from optax_dist import __version__
-
   common = Parser(add_help=False)
   _training_arguments(common)
   _output_arguments(common)
@@ -213,8 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     " accuracy_<algorithm>.png under --out.",
     epilog=EPILOG, formatter_class=Formatter,
   )
-  train.add_argument("--algorithm", choices=ALGORITHMS, default="sync",
-                     help="the algorithm (default: sync)")
+  train.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="sync",
+                     help="the algorithm: " + "; ".join(
+                       f"{a.name}: {a.summary}" for a in ALGORITHMS.values())
+                     + " (default: sync)")
   commands.add_parser(
     "compare", parents=[common], help=f"compare {', '.join(COMPARED)}",
     description=f"Train with {', '.join(COMPARED)} and compare them; writes results.json and"

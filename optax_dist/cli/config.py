@@ -15,7 +15,7 @@ class Settings:
 
   Attributes:
     task: the name of the task (:data:`optax_dist.cli.tasks.TASKS`).
-    algorithm: one of :data:`optax_dist.cli.algorithms.ALGORITHMS`.
+    algorithm: a name of :data:`optax_dist.cli.algorithms.ALGORITHMS`.
     devices: the number of workers, one device each (of every process together).
     steps: training steps per worker.
     batch_size: minibatch size per worker, in examples.
@@ -23,7 +23,7 @@ class Settings:
     communication_period: steps between exchanges of ``elastic_average`` and ``agn``; ``None``:
       :data:`COMMUNICATION_PERIOD`, or ``steps`` if the run is shorter (see :meth:`resolved`).
     sync_period: H, steps between syncs of ``local_sgd``, ``diloco`` and ``streaming_diloco``;
-      ``None``: as ``communication_period``'s default (resolved for those algorithms only).
+      ``None``: as ``communication_period``'s default.
     outer_learning_rate: DiLoCo's outer Nesterov SGD learning rate (the paper's 0.7).
     outer_momentum: DiLoCo's outer Nesterov momentum (the paper's 0.9; 0: plain SGD).
     num_fragments: ``streaming_diloco``'s number of fragments F.
@@ -59,14 +59,13 @@ class Settings:
   comm_dtype: str | None = None
 
   def resolved(self) -> Settings:
-    """These settings with the defaults that depend on others filled in."""
-    from optax_dist.cli.algorithms import SYNCED
-
+    """These settings with the defaults that depend on others filled in (both periods, whatever
+    the algorithm: each algorithm reads its own)."""
     period = self.communication_period
     if period is None:
       period = default_communication_period(self.steps)
     sync_period = self.sync_period
-    if sync_period is None and self.algorithm in SYNCED:
+    if sync_period is None:
       sync_period = default_communication_period(self.steps)
     rate = default_moving_rate(self.devices) if self.moving_rate is None else self.moving_rate
     return dataclasses.replace(self, communication_period=period, sync_period=sync_period,

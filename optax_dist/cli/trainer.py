@@ -29,19 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dist
 from optax_dist.cli import pipeline
-from optax_dist.cli.algorithms import (
-  AXIS,
-  PERIODIC,
-  SYNCED,
-  communicates,
-  communication_rounds,
-  make_optimizer,
-)
+from optax_dist.cli.algorithms import ALGORITHMS, AXIS, make_optimizer
+from optax_dist.cli.checkpoints import Checkpoints
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import Data, Task
 
@@ -84,8 +79,6 @@ def to_host(tree: Any) -> Any:
   """``tree``'s global arrays as NumPy arrays on every process (an all-gather across processes)."""
   if jax.process_count() == 1:
     return jax.device_get(tree)
-  from jax.experimental import multihost_utils
-
   return multihost_utils.process_allgather(tree, tiled=True)
 
 
@@ -148,7 +141,8 @@ class Run:
 
   def __init__(self, task: Task, data: Data, settings: Settings):
     s = self.settings = settings
-    self.stale = s.algorithm == "drop_stale_gradients"
+    self.algorithm = ALGORITHMS[s.algorithm]
+    self.stale = self.algorithm.stale_gradients
     self.depth = max(s.max_staleness, 0) + 2  # the params of the last `depth` accepted steps
     mesh = jax.make_mesh((s.devices,), (AXIS,), axis_types=(AxisType.Auto,),
                          devices=_devices(s.devices))
@@ -181,7 +175,7 @@ class Run:
     # One step for each value of the hint: with a schedule, a step that communicates and one
     # that does not (no conditional, no collective). Compiled ahead of time: a call with other
     # types would raise instead of recompiling.
-    hints = (None,) if communicates(s, 1) is None else (False, True)
+    hints = (None,) if self.algorithm.schedule is None else (False, True)
     self._steps = {}
     for hint in hints:
       step = jax.shard_map(
@@ -204,7 +198,8 @@ class Run:
     s = self.settings
     idx = self.shard(pipeline.minibatch(s.seed, s.devices, self.n_local, s.batch_size, step - 1))
     delay = pipeline.put(self.delays[step - 1], self.replicated)
-    *state, loss = self._steps[communicates(s, step)](*state, self.train, idx, delay)
+    hint = self.algorithm.communicates(s, step)
+    *state, loss = self._steps[hint](*state, self.train, idx, delay)
     return State(*state), loss
 
   def measure(self, state: State, record: dict[str, list], step: int, loss: Any) -> None:
@@ -212,7 +207,7 @@ class Run:
     s = self.settings
     metric_eval, metric_workers = self._evaluate(state.params, state.opt_state, self.test)
     record["step"].append(step)
-    record["communication_rounds"].append(communication_rounds(s, step))
+    record["communication_rounds"].append(self.algorithm.communication_rounds(s, step))
     record[self.keys[0]].append(float(metric_eval))
     record[self.keys[1]].append(float(metric_workers))
     record["train_loss"].append(None if loss is None else float(loss))
@@ -299,8 +294,6 @@ def train(
   state, earlier_time, resumed_from = run.initial, 0.0, None
   checkpoints = None
   if checkpoint_dir is not None and (checkpoint_every > 0 or resume):
-    from optax_dist.cli.checkpoints import Checkpoints
-
     checkpoints = Checkpoints(checkpoint_dir, settings.as_dict(), resume=resume)
     if resume:
       state, record, earlier_time, resumed_from, resized = _restore(
@@ -386,8 +379,9 @@ def _replicated_value(tree: Any) -> Any:
 
 def _result(task: Task, settings: Settings, state: State, record: dict[str, list],
             wall_time: float) -> dict[str, Any]:
-  """The results of a finished run (see :func:`train`)."""
-  s = settings
+  """The results of a finished run (see :func:`train`): the settings of the recipe, those the
+  algorithm reads (:attr:`Algorithm.settings`), the final metrics and the history."""
+  s, algorithm = settings, ALGORITHMS[settings.algorithm]
   result = {
     "algorithm": s.algorithm,
     "task": s.task,
@@ -397,33 +391,15 @@ def _result(task: Task, settings: Settings, state: State, record: dict[str, list
     "batch_size": s.batch_size,
     "learning_rate": s.learning_rate,
     "param_dtype": s.param_dtype,
-    "communication_period": _period(s),
-    "communication_rounds": communication_rounds(s, s.steps),
+    **{key: getattr(s, key) for key in algorithm.settings},
+    "communication_rounds": algorithm.communication_rounds(s, s.steps),
     **{key: record[key][-1] for key in metric_keys(task)},
     "final_train_loss": record["train_loss"][-1],
     "wall_time_s": wall_time,
     "history": record,
   }
-  if s.algorithm == "elastic_average":
-    result["moving_rate"] = s.moving_rate
-  if s.algorithm == "moving_average":
-    result["decay"] = s.decay
-  if s.algorithm in SYNCED:
-    result |= {"sync_period": s.sync_period, "warmup_steps": s.warmup_steps,
-               "outer_learning_rate": s.outer_learning_rate,
-               "outer_momentum": s.outer_momentum, "num_fragments": s.num_fragments}
-  if s.algorithm == "drop_stale_gradients":
-    result["max_staleness"] = s.max_staleness
+  if algorithm.stale_gradients:
     # The same on every worker; read from a shard this process holds.
     dropped = state.opt_state.num_dropped.addressable_shards[0].data
     result["num_dropped"] = int(np.asarray(dropped)[0])
   return result
-
-
-def _period(settings: Settings) -> int:
-  """Steps between the communications of ``settings.algorithm`` (1: every step)."""
-  if settings.algorithm in PERIODIC:
-    return settings.communication_period
-  if settings.algorithm in SYNCED:
-    return settings.sync_period
-  return 1
