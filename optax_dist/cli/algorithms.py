@@ -1,7 +1,7 @@
 """The algorithms ``optax-dist`` trains with: an :class:`Algorithm` record each, in one table.
 
 Each record says how to build the algorithm's optax_dist transformation around the inner
-optimizer (:func:`inner_optimizer`, the same for every algorithm), when it communicates
+optimizer (:func:`inner_optimizer`, the same recipe for every algorithm), when it communicates
 (from the library's own schedule functions), which settings it reads, and what the trainer must
 do for it. The rest of the command reads the table and never tests an algorithm's name.
 
@@ -100,8 +100,55 @@ class Algorithm:
 
 
 def inner_optimizer(settings: Settings) -> optax.GradientTransformation:
-  """The optimizer every algorithm trains with: Adam at ``learning_rate``."""
-  return optax.adam(settings.learning_rate)
+  """The recipe every algorithm trains with (the DiLoCo family's inner optimizer).
+
+  ``optax.chain(clip_by_global_norm(clip_norm), optimizer(learning_rate_schedule(settings)))``
+  with ``optimizer`` one of ``adam`` (``b2``), ``adamw`` (``b2``, ``weight_decay``) or ``sgd``
+  (``weight_decay`` as ``add_decayed_weights`` before it); no clipping if ``clip_norm`` is
+  ``None``. The schedule reads the optimizer's own step count: under the DiLoCo family, the
+  inner step.
+  """
+  s = settings
+  lr = learning_rate_schedule(s)
+  if s.optimizer == "adam":
+    tx = optax.adam(lr, b2=s.b2)
+  elif s.optimizer == "adamw":
+    tx = optax.adamw(lr, b2=s.b2, weight_decay=s.weight_decay)
+  elif s.optimizer == "sgd":
+    tx = optax.sgd(lr)
+    if s.weight_decay:
+      tx = optax.chain(optax.add_decayed_weights(s.weight_decay), tx)
+  else:
+    raise ValueError(f"`inner_optimizer(settings.optimizer=...)` must be one of"
+                     f" {', '.join(OPTIMIZERS)}, got {s.optimizer!r}.")
+  if s.clip_norm is None:
+    return tx
+  return optax.chain(optax.clip_by_global_norm(s.clip_norm), tx)
+
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+"""The inner optimizers of :func:`inner_optimizer`."""
+
+LR_SCHEDULES = ("constant", "warmup_cosine")
+"""The learning-rate schedules of :func:`learning_rate_schedule`."""
+
+LR_END_FRACTION = 0.1
+"""``warmup_cosine`` decays to this fraction of the peak learning rate at the last step."""
+
+
+def learning_rate_schedule(settings: Settings) -> Any:
+  """``settings.learning_rate``, constant, or ``warmup_cosine``: linear warm-up from 0 over
+  ``lr_warmup_steps``, then cosine decay to :data:`LR_END_FRACTION` of the peak at ``steps``
+  (``optax.warmup_cosine_decay_schedule``)."""
+  s = settings
+  if s.lr_schedule == "constant":
+    return s.learning_rate
+  if s.lr_schedule == "warmup_cosine":
+    return optax.warmup_cosine_decay_schedule(
+      0.0, s.learning_rate, warmup_steps=s.lr_warmup_steps, decay_steps=s.steps,
+      end_value=LR_END_FRACTION * s.learning_rate)
+  raise ValueError(f"`learning_rate_schedule(settings.lr_schedule=...)` must be one of"
+                   f" {', '.join(LR_SCHEDULES)}, got {s.lr_schedule!r}.")
 
 
 def _global_dtype(settings: Settings) -> Any:

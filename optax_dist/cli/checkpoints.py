@@ -20,8 +20,10 @@ from optax_dist.cli.config import default_moving_rate
 
 SETTINGS_ADDED = {"task": "digits", "sync_period": None, "outer_learning_rate": 0.7,
                   "outer_momentum": 0.9, "num_fragments": 4, "warmup_steps": 0,
-                  "param_dtype": "float32"}
-"""Settings absent from the checkpoints of optax-dist 0.1.0, with the value those runs had."""
+                  "param_dtype": "float32", "optimizer": "adam", "b2": 0.999,
+                  "weight_decay": 0.0, "lr_schedule": "constant", "lr_warmup_steps": 0,
+                  "clip_norm": None}
+"""Settings absent from older checkpoints, with the value those runs had."""
 
 
 def _orbax() -> Any:

@@ -38,8 +38,11 @@ from optax_dist.cli.tasks import TASKS, Task
 TRAINING_MODULES = ("flax", "sklearn", "matplotlib", "tqdm")
 """The modules of the ``examples`` extra every subcommand needs (Orbax: only for checkpoints)."""
 
+RECIPE = ("optimizer", "b2", "weight_decay", "lr_schedule", "lr_warmup_steps", "clip_norm")
+"""The settings of the inner optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`)."""
+
 TASK_DEFAULTS = ("steps", "batch_size", "learning_rate", "eval_every", "communication_period",
-                 "sync_period")
+                 "sync_period", *RECIPE)
 """The settings whose default a task may change (``Task.defaults``)."""
 
 
@@ -129,8 +132,17 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
 
 
 def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: int) -> None:
-  """Raises :class:`CommandError` unless every worker gets a minibatch and periods fit the run."""
+  """Raises :class:`CommandError` unless every worker gets a minibatch, the periods fit the run
+  and the optimizer's settings fit together."""
   workers = settings.devices
+  if settings.optimizer == "adam" and settings.weight_decay:
+    raise CommandError(
+      f"argument --weight-decay: adam has no weight decay, got {settings.weight_decay:g}; use"
+      " --optimizer adamw (decoupled) or sgd")
+  if settings.lr_schedule == "warmup_cosine" and settings.lr_warmup_steps >= settings.steps:
+    raise CommandError(
+      f"argument --lr-warmup-steps: must be less than --steps ({settings.steps}), got"
+      f" {settings.lr_warmup_steps}")
   if n_train // workers < settings.batch_size:
     raise CommandError(
       f"argument --batch-size: each worker needs at least batch-size examples, but the"
@@ -214,7 +226,8 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
     "dataset": {"name": task.dataset, "train": len(next(iter(data.train.values()))),
                 "test": len(next(iter(data.test.values()))),
                 "provenance": task.provenance() if task.provenance else None},
-    "model": task.model_name, "optimizer": "adam",
+    "model": task.model_name,
+    **{key: getattr(settings, key) for key in RECIPE},
   }
 
 
@@ -234,8 +247,25 @@ def _summary(args: argparse.Namespace, task: Task, settings: Settings,
   layout = f" ({args.processes} processes x {args.devices} devices)" if args.processes > 1 else ""
   workers = settings.devices
   return (f"{task.name}, {task.model_name}, {workers} worker{'s' if workers > 1 else ''}{layout}"
-          f" x batch {settings.batch_size}, adam lr {settings.learning_rate:g}{period},"
+          f" x batch {settings.batch_size}, {_recipe(settings)}{period},"
           f" seed {settings.seed}")
+
+
+def _recipe(settings: Settings) -> str:
+  """The inner optimizer in words, e.g. ``adamw lr 0.003 (warmup_cosine, 15 warm-up steps),
+  b2 0.99, weight decay 0.1, clip 1``."""
+  s = settings
+  text = f"{s.optimizer} lr {s.learning_rate:g}"
+  if s.lr_schedule != "constant":
+    text += (f" ({s.lr_schedule}, {s.lr_warmup_steps} warm-up"
+             f" step{'' if s.lr_warmup_steps == 1 else 's'})")
+  if s.optimizer != "sgd" and s.b2 != DEFAULTS["b2"]:
+    text += f", b2 {s.b2:g}"
+  if s.weight_decay:
+    text += f", weight decay {s.weight_decay:g}"
+  if s.clip_norm is not None:
+    text += f", clip {s.clip_norm:g}"
+  return text
 
 
 def _report(args: argparse.Namespace, task: Task, data: Any, settings: Settings,

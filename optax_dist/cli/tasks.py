@@ -57,7 +57,8 @@ class Task:
     requires: modules needed beyond the ``examples`` extra, each checked before a run.
     install: how to install :attr:`requires` (the end of the error message when one is missing).
     defaults: the task's own defaults of :class:`optax_dist.cli.config.Settings` fields
-      (``steps``, ``batch_size``, ``learning_rate``, ``eval_every``).
+      (``steps``, ``batch_size``, ``learning_rate``, ``eval_every``, the periods, the inner
+      optimizer's recipe).
   """
 
   name: str
@@ -143,6 +144,12 @@ def accuracy(logits: Any, batch: Batch) -> Any:
 LM_CONTEXT = 64
 """Bytes the ``lm`` task's model reads to predict each next byte."""
 
+LM_RECIPE = {"optimizer": "adamw", "b2": 0.99, "weight_decay": 0.1,
+             "lr_schedule": "warmup_cosine", "clip_norm": 1.0}
+"""The ``lm`` task's inner optimizer: the language-model literature's recipe (AdamW with
+b2 = 0.99 and weight decay 0.1, a warm-up over 5% of the steps then cosine decay to 10%, the
+gradients clipped to global norm 1)."""
+
 LM_VALIDATION_WINDOWS = 256
 """Validation windows the ``lm`` task evaluates on (evenly spread: 16,640 bytes)."""
 
@@ -207,7 +214,7 @@ TASKS: dict[str, Task] = {
          metric_key="bits_per_byte", metric_label="val bits/byte", lower_is_better=True,
          provenance=lm_provenance,
          defaults={"steps": 300, "batch_size": 8, "learning_rate": 3e-3, "eval_every": 50,
-                   "communication_period": 10, "sync_period": 50}),
+                   "communication_period": 10, "sync_period": 50, **LM_RECIPE}),
   )
 }
 """Every task, by name."""
