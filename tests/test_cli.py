@@ -475,7 +475,7 @@ def test_clipping_bounds_a_huge_gradient():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_weight_decay_is_adamws(optimizer):
-  """adamw: u = -lr (m / (sqrt(v) + eps) + wd p), so the decay adds -lr wd p; sgd: -lr (g + wd p)."""
+  """adamw: u = -lr (m / (sqrt(v) + eps) + wd p): the decay adds -lr wd p; sgd: -lr (g + wd p)."""
   from optax_dist.cli.config import Settings
 
   params = {"w": np.array([1.0, -2.0, 3.0], np.float32)}
