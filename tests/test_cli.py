@@ -150,6 +150,7 @@ def test_compare_prints_table_and_writes_results(compared):
     results = json.load(f)
   assert results["command"] == "compare"
   assert results["config"]["seed"] == 1
+  assert results["config"]["replicas"] == 1
   recipe = {key: results["config"][key] for key in ("optimizer", "b2", "weight_decay",
                                                      "lr_schedule", "lr_warmup_steps", "clip_norm")}
   assert recipe == {"optimizer": "adam", "b2": 0.999, "weight_decay": 0.0,
@@ -243,6 +244,7 @@ def _bad_arguments(tmp_path):
                                "--sync-period", "10", "--warmup-steps", "15"],
     "bad param dtype": ["train", "--param-dtype", "int8"],
     "adam with weight decay": ["train", "--weight-decay", "0.1"],
+    "replicas not dividing the workers": ["train", "--devices", "8", "--replicas", "3"],
     "warm-up as long as the run": ["train", "--steps", "10", "--lr-schedule", "warmup_cosine",
                                    "--lr-warmup-steps", "10"],
     "unknown optimizer": ["train", "--optimizer", "lion"],

@@ -20,6 +20,12 @@ do for it. The rest of the command reads the table and never tests an algorithm'
 * ``streaming_diloco``: ``streaming_diloco(inner, outer, sync_period=H, num_fragments=F,
   fragments="balanced")``, the params' leaves assigned to the fragments by size.
 
+With ``replicas`` R > 1 the workers form R replicas on a 2-D mesh (:data:`REPLICA`,
+:data:`DATA`): the inner optimizer is ``tower(inner, DATA)``, a synchronous reduction within each
+replica on every step, and the algorithm runs across the replicas (``axis_name=REPLICA``). The
+all-reducing algorithms (``sync``, ``moving_average``, ``drop_stale_gradients``) reduce over
+every worker whatever R.
+
 With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``diloco``,
 ``streaming_diloco``) are kept in float32.
 """
@@ -36,7 +42,10 @@ import optax_dist
 from optax_dist.cli.config import Settings
 
 AXIS = "workers"
-"""The mesh axis of the workers, over which the transformations communicate."""
+"""The mesh axis of the workers with one replica (``replicas=1``)."""
+
+REPLICA, DATA = "replica", "data"
+"""The mesh axes with ``replicas`` > 1: the replicas, and the workers within one replica."""
 
 Schedule = Callable[[int], bool]
 """``schedule(step) -> bool``: whether step ``step`` (from 1) makes the periodic exchange."""
@@ -61,6 +70,8 @@ class Algorithm:
       or ``"sync_period"``, the library's argument name), or ``None``: every step.
     settings: the settings the algorithm reads beyond the recipe, recorded in its results.
     compared: whether ``optax-dist compare`` runs it.
+    across_replicas: whether it runs across the replicas of ``replicas`` > 1 (else it reduces
+      over every worker whatever the replicas).
     stale_gradients: whether the trainer feeds it gradients computed at older params.
     evaluated: what :func:`optax_dist.eval_params` gives back for it, in words.
   """
@@ -73,6 +84,7 @@ class Algorithm:
   period_name: str | None = None
   settings: tuple[str, ...] = ()
   compared: bool = False
+  across_replicas: bool = False
   stale_gradients: bool = False
   evaluated: str = "the params"
 
@@ -187,7 +199,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     schedule=lambda s: lambda step: optax_dist.elastic_average_communicates(
       step, communication_period=s.communication_period),
     period_name="communication_period", settings=("communication_period", "moving_rate"),
-    compared=True, evaluated="the center"),
+    compared=True, across_replicas=True, evaluated="the center"),
   Algorithm(
     "agn", "AGN: the workers' accumulated updates averaged every communication period",
     build=lambda s, inner, axis, params: optax_dist.agn(
@@ -195,7 +207,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
       comm_dtype=s.comm_dtype),
     schedule=lambda s: lambda step: optax_dist.agn_communicates(
       step, communication_period=s.communication_period),
-    period_name="communication_period", settings=("communication_period",), compared=True),
+    period_name="communication_period", settings=("communication_period",), compared=True,
+    across_replicas=True),
   Algorithm(
     "moving_average", "tower, evaluated on an exponential moving average of the params",
     build=lambda s, inner, axis, params: optax_dist.moving_average(
@@ -216,21 +229,22 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
       step, sync_period=s.sync_period, warmup_steps=s.warmup_steps),
     warmup=lambda s: lambda step: optax_dist.local_sgd_warming_up(
       step, warmup_steps=s.warmup_steps),
-    period_name="sync_period", settings=("sync_period", "warmup_steps"), compared=True),
+    period_name="sync_period", settings=("sync_period", "warmup_steps"), compared=True,
+    across_replicas=True),
   Algorithm(
     "diloco", "DiLoCo: an outer Nesterov step on the workers' mean change every sync period",
     build=lambda s, inner, axis, params: optax_dist.diloco(
       inner, _outer(s), sync_period=s.sync_period, axis_name=axis, comm_dtype=s.comm_dtype,
       anchor_dtype=_global_dtype(s)),
     schedule=lambda s: lambda step: optax_dist.diloco_syncs(step, sync_period=s.sync_period),
-    period_name="sync_period", settings=_DILOCO, compared=True,
+    period_name="sync_period", settings=_DILOCO, compared=True, across_replicas=True,
     evaluated="the anchor"),
   Algorithm(
     "streaming_diloco", "streaming DiLoCo: DiLoCo with the params synced in fragments, in turn",
     build=_streaming_diloco,
     schedule=lambda s: lambda step: optax_dist.streaming_diloco_syncs(
       step, sync_period=s.sync_period, num_fragments=s.num_fragments),
-    period_name="sync_period", settings=(*_DILOCO, "num_fragments"),
+    period_name="sync_period", settings=(*_DILOCO, "num_fragments"), across_replicas=True,
     evaluated="the anchor"),
 )}
 """Every algorithm ``optax-dist train`` runs, by name; ``compare`` runs those marked
@@ -240,9 +254,14 @@ COMPARED = tuple(name for name, a in ALGORITHMS.items() if a.compared)
 """The algorithms ``optax-dist compare`` runs, in order."""
 
 
+def axes(settings: Settings) -> tuple[str, ...]:
+  """The mesh axes: ``(AXIS,)``, or ``(REPLICA, DATA)`` with ``replicas`` > 1."""
+  return (AXIS,) if settings.replicas == 1 else (REPLICA, DATA)
+
+
 def make_optimizer(settings: Settings, params: Any = None) -> Any:
-  """The per-worker optax transformation of ``settings.algorithm`` over the mesh axis
-  :data:`AXIS`.
+  """The per-worker optax transformation of ``settings.algorithm`` (run under ``shard_map``
+  over the mesh axes :func:`axes`).
 
   ``settings`` must be resolved (:meth:`Settings.resolved`); ``params`` (one worker's, arrays or
   shapes) is needed by ``streaming_diloco`` only.
@@ -252,4 +271,10 @@ def make_optimizer(settings: Settings, params: Any = None) -> Any:
     raise ValueError(
       f"`make_optimizer(settings.algorithm=...)` must be one of {', '.join(ALGORITHMS)}, got"
       f" {settings.algorithm!r}.")
-  return algorithm.build(settings, inner_optimizer(settings), AXIS, params)
+  inner = inner_optimizer(settings)
+  if settings.replicas == 1:
+    return algorithm.build(settings, inner, AXIS, params)
+  if not algorithm.across_replicas:
+    return algorithm.build(settings, inner, (REPLICA, DATA), params)
+  return algorithm.build(settings, optax_dist.tower(inner, DATA, comm_dtype=settings.comm_dtype),
+                         REPLICA, params)

@@ -117,6 +117,13 @@ def _training_arguments(common: argparse.ArgumentParser) -> None:
   common.add_argument("--devices", type=positive_int, default=d["devices"],
                       help="number of emulated CPU devices per process, one worker each"
                       f" (default: {d['devices']})")
+  across = ", ".join(a.name for a in ALGORITHMS.values() if a.across_replicas)
+  common.add_argument("--replicas", type=positive_int, default=d["replicas"], metavar="R",
+                      help="split the workers into R replicas of equal size: every step reduces"
+                      " the gradients within each replica (tower), and the algorithm"
+                      f" ({across}) runs across the replicas; the other algorithms reduce over"
+                      " every worker. With --processes P --replicas P each process holds one"
+                      f" replica (default: {d['replicas']}: the algorithm runs across the workers)")
   common.add_argument("--steps", type=positive_int, default=None,
                       help=f"training steps per worker (default: {d['steps']})")
   common.add_argument("--batch-size", type=positive_int, default=None,

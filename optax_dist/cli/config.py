@@ -20,6 +20,9 @@ class Settings:
     task: the name of the task (:data:`optax_dist.cli.tasks.TASKS`).
     algorithm: a name of :data:`optax_dist.cli.algorithms.ALGORITHMS`.
     devices: the number of workers, one device each (of every process together).
+    replicas: R, the number of replicas the workers form, of ``devices / R`` workers each: every
+      step reduces the gradients within each replica, and the algorithm runs across the
+      replicas (:mod:`optax_dist.cli.algorithms`); 1: the algorithm runs across the workers.
     steps: training steps per worker.
     batch_size: minibatch size per worker, in examples.
     learning_rate: the inner optimizer's (peak) learning rate.
@@ -55,6 +58,7 @@ class Settings:
   task: str = "digits"
   algorithm: str = "sync"
   devices: int = 8
+  replicas: int = 1
   steps: int = 200
   batch_size: int = 16
   learning_rate: float = 1e-2

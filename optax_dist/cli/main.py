@@ -122,7 +122,8 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
       values[key] = min(values[key], values["steps"])
   return Settings(
     task=task.name, algorithm=getattr(args, "algorithm", "sync"),
-    devices=args.processes * args.devices, moving_rate=args.moving_rate, decay=args.decay,
+    devices=args.processes * args.devices, replicas=args.replicas,
+    moving_rate=args.moving_rate, decay=args.decay,
     max_staleness=args.max_staleness, seed=args.seed,
     comm_dtype=None if args.comm_dtype == "float32" else args.comm_dtype,
     outer_learning_rate=args.outer_learning_rate, outer_momentum=args.outer_momentum,
@@ -135,6 +136,10 @@ def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: in
   """Raises :class:`CommandError` unless every worker gets a minibatch, the periods fit the run
   and the optimizer's settings fit together."""
   workers = settings.devices
+  if workers % settings.replicas:
+    raise CommandError(
+      f"argument --replicas: must divide the number of workers (--processes x --devices ="
+      f" {workers}) into replicas of equal size, got {settings.replicas}")
   if settings.optimizer == "adam" and settings.weight_decay:
     raise CommandError(
       f"argument --weight-decay: adam has no weight decay, got {settings.weight_decay:g}; use"
@@ -214,7 +219,8 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
   """The ``config`` of the results' JSON."""
   return {
     "task": task.name, "devices": args.devices, "processes": args.processes,
-    "workers": settings.devices, "steps": settings.steps, "batch_size": settings.batch_size,
+    "workers": settings.devices, "replicas": settings.replicas, "steps": settings.steps,
+    "batch_size": settings.batch_size,
     "learning_rate": settings.learning_rate,
     "communication_period": settings.communication_period, "moving_rate": settings.moving_rate,
     "sync_period": settings.sync_period, "outer_learning_rate": settings.outer_learning_rate,
@@ -246,6 +252,8 @@ def _summary(args: argparse.Namespace, task: Task, settings: Settings,
       period += ")"
   layout = f" ({args.processes} processes x {args.devices} devices)" if args.processes > 1 else ""
   workers = settings.devices
+  if settings.replicas > 1:
+    layout += f" in {settings.replicas} replicas of {workers // settings.replicas}"
   return (f"{task.name}, {task.model_name}, {workers} worker{'s' if workers > 1 else ''}{layout}"
           f" x batch {settings.batch_size}, {_recipe(settings)}{period},"
           f" seed {settings.seed}")

@@ -1,7 +1,9 @@
 """Data-parallel training of any task with any algorithm, over a mesh of workers.
 
-Every worker is one device of a 1-D mesh with axis ``"workers"``; its params, optimizer state and
-shard of the training set live on that device, and one jitted ``jax.shard_map`` step, with the
+Every worker is one device of a 1-D mesh with axis ``"workers"`` (with ``replicas`` R > 1, of a
+``(R, devices / R)`` mesh with axes ``("replica", "data")``: worker ``i`` is in replica
+``i // (devices / R)``); its params, optimizer state and shard of the training set live on that
+device, and one jitted ``jax.shard_map`` step, with the
 params and the optimizer state donated, trains all of them. The test metric is measured on the
 params :func:`optax_dist.eval_params` returns (the center, the EMA, or the params) and on the
 workers' own params.
@@ -35,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_dist
 from optax_dist.cli import pipeline
-from optax_dist.cli.algorithms import ALGORITHMS, AXIS, make_optimizer
+from optax_dist.cli.algorithms import ALGORITHMS, AXIS, DATA, REPLICA, axes, make_optimizer
 from optax_dist.cli.checkpoints import Checkpoints
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import Data, Task
@@ -96,8 +98,8 @@ def initial_params(task: Task, seed: int, example: tuple[tuple[str, tuple, str],
 
 
 def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int,
-            communicate: bool | None = None) -> Callable:
-  """One training step of one worker, to run under ``shard_map`` over :data:`AXIS`.
+            communicate: bool | None = None, axis: Any = AXIS) -> Callable:
+  """One training step of one worker, to run under ``shard_map`` over the mesh axes ``axis``.
 
   ``step(params, opt_state, history, train, idx, delay)``: ``train`` is the worker's shard, ``idx``
   its minibatch's indices, ``delay`` (``drop_stale_gradients`` only) how many accepted steps old
@@ -120,7 +122,7 @@ def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int,
     if stale:
       slot = opt_state.global_step % depth
       history = jax.tree.map(lambda h, p: h.at[slot].set(p), history, params)
-    return (*_stack((params, opt_state, history)), jax.lax.pmean(loss, AXIS))
+    return (*_stack((params, opt_state, history)), jax.lax.pmean(loss, axis))
 
   return step
 
@@ -144,9 +146,9 @@ class Run:
     self.algorithm = ALGORITHMS[s.algorithm]
     self.stale = self.algorithm.stale_gradients
     self.depth = max(s.max_staleness, 0) + 2  # the params of the last `depth` accepted steps
-    mesh = jax.make_mesh((s.devices,), (AXIS,), axis_types=(AxisType.Auto,),
-                         devices=_devices(s.devices))
-    self.split, self.replicated = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+    mesh = _mesh(s)
+    self.axes = axes(s)
+    self.split, self.replicated = NamedSharding(mesh, P(self.axes)), NamedSharding(mesh, P())
     shards = pipeline.shard_examples(data.train, s.devices)
     self.n_local = len(next(iter(shards.values()))[0])
     _check_batch_size(s, len(next(iter(data.train.values()))), self.n_local)
@@ -168,7 +170,8 @@ class Run:
 
   def _compile(self, mesh, params, loss_fn, metric_fn) -> None:
     s = self.settings
-    init = jax.shard_map(self._init_fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    split = P(self.axes)
+    init = jax.shard_map(self._init_fn, mesh=mesh, in_specs=split, out_specs=split)
     self.initial = State(params, *jax.jit(init)(params))
     idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))
     delay = pipeline.put(self.delays[0], self.replicated)
@@ -179,8 +182,9 @@ class Run:
     self._steps = {}
     for hint in hints:
       step = jax.shard_map(
-        step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint),
-        mesh=mesh, in_specs=(P(AXIS),) * 5 + (P(),), out_specs=(P(AXIS),) * 3 + (P(),))
+        step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint,
+                axis=self.axes),
+        mesh=mesh, in_specs=(split,) * 5 + (P(),), out_specs=(split,) * 3 + (P(),))
       self._steps[hint] = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
         *self.initial, self.train, idx, delay).compile()
     self._evaluate = jax.jit(evaluate_fn(metric_fn)).lower(
@@ -211,6 +215,23 @@ class Run:
     record[self.keys[0]].append(float(metric_eval))
     record[self.keys[1]].append(float(metric_workers))
     record["train_loss"].append(None if loss is None else float(loss))
+
+
+def _mesh(settings: Settings) -> jax.sharding.Mesh:
+  """The workers' mesh: 1-D over :data:`AXIS`, or with ``replicas`` R > 1, ``(R, devices / R)``
+  over ``(REPLICA, DATA)``, each replica's workers on consecutive devices (of one process when
+  every process holds a replica)."""
+  s = settings
+  devices = _devices(s.devices)
+  if s.replicas == 1:
+    return jax.make_mesh((s.devices,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+  if s.devices % s.replicas:
+    raise ValueError(
+      f"train(settings.replicas={s.replicas}) must divide settings.devices={s.devices}: the"
+      " replicas have equal numbers of workers.")
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return jax.sharding.Mesh(np.array(devices).reshape(s.replicas, s.devices // s.replicas),
+                           (REPLICA, DATA), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def _devices(devices: int) -> list[Any]:
@@ -387,6 +408,7 @@ def _result(task: Task, settings: Settings, state: State, record: dict[str, list
     "task": s.task,
     "metric": task.metric_key,
     "devices": s.devices,
+    "replicas": s.replicas,
     "steps": s.steps,
     "batch_size": s.batch_size,
     "learning_rate": s.learning_rate,
