@@ -126,7 +126,7 @@ def train(algorithm: str, steps: int, seed: int) -> dict[str, Any]:
   marks = []
   for s in range(steps):
     idx = pipeline.put(pipeline.minibatch(seed, n, n_local, BATCH, s), split)
-    hint = None if algorithm == "tower" else (s + 1) % SYNC_PERIOD == 0
+    hint = None if algorithm == "tower" else optax_dist.diloco_syncs(s + 1, sync_period=SYNC_PERIOD)
     params, opt_state = steps_by_hint[hint](params, opt_state, train_data, idx)
     jax.block_until_ready(params)
     marks.append(time.perf_counter())

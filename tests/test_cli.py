@@ -152,6 +152,11 @@ def test_compare_prints_table_and_writes_results(compared):
     results = json.load(f)
   assert results["command"] == "compare"
   assert results["config"]["seed"] == 1
+  assert results["config"]["replicas"] == 1
+  recipe = {key: results["config"][key] for key in ("optimizer", "b2", "weight_decay",
+                                                     "lr_schedule", "lr_warmup_steps", "clip_norm")}
+  assert recipe == {"optimizer": "adam", "b2": 0.999, "weight_decay": 0.0,
+                    "lr_schedule": "constant", "lr_warmup_steps": 0, "clip_norm": None}
   assert tuple(results["algorithms"]) == COMPARED
   for name, result in results["algorithms"].items():
     period = PERIOD if name in PERIODIC else 1
@@ -240,6 +245,11 @@ def _bad_arguments(tmp_path):
     "warm-up leaves no sync": ["train", "--algorithm", "local_sgd", "--steps", "20",
                                "--sync-period", "10", "--warmup-steps", "15"],
     "bad param dtype": ["train", "--param-dtype", "int8"],
+    "adam with weight decay": ["train", "--weight-decay", "0.1"],
+    "replicas not dividing the workers": ["train", "--devices", "8", "--replicas", "3"],
+    "warm-up as long as the run": ["train", "--steps", "10", "--lr-schedule", "warmup_cosine",
+                                   "--lr-warmup-steps", "10"],
+    "unknown optimizer": ["train", "--optimizer", "lion"],
     "async: unknown worker restarted": ["async", "--workers", "2", "--restarts", "5@10"],
     "async: malformed restarts": ["async", "--restarts", "soon"],
     "async: the lm task": ["async", "--task", "lm"],
@@ -418,3 +428,93 @@ def test_async_leaves_and_joins(tmp_path):
     TASKS["digits"], workers=4, stragglers=1, slowdown=4.0, latency=0.0, restarts=(),
     max_staleness=2, communication_period=4, leaves=((1, 20.0),), joins=((3, 15.0),))
   assert "leaving: 1@20" in title and "joining: 3@15" in title
+
+
+# ------------------------------------------------------------------------------------------
+# The inner optimizer's recipe (--optimizer, --lr-schedule, --clip-norm, --weight-decay, --b2).
+
+
+def _updates(settings, grads, params, steps=1):
+  """The updates of :func:`inner_optimizer` for ``settings`` over ``steps`` calls with ``grads``."""
+  from optax_dist.cli.algorithms import inner_optimizer
+
+  tx = inner_optimizer(settings.resolved())
+  state, updates = tx.init(params), []
+  for _ in range(steps):
+    update, state = tx.update(grads, state, params)
+    updates.append(update)
+  return updates
+
+
+def test_learning_rate_is_warmup_then_cosine_to_a_tenth():
+  """With sgd the update is -lr(t) g: the schedule, read off the built optimizer, by hand."""
+  from optax_dist.cli.config import Settings
+
+  steps, peak = 40, 0.5
+  settings = Settings(optimizer="sgd", learning_rate=peak, steps=steps,
+                      lr_schedule="warmup_cosine")
+  warmup = settings.resolved().lr_warmup_steps
+  assert warmup == 2  # 5% of 40
+  ones = {"w": np.ones(3, np.float32)}
+  lrs = [-float(u["w"][0]) for u in _updates(settings, ones, {"w": np.zeros(3)}, steps)]
+  t = np.arange(steps)  # the count before each update
+  cosine = 0.1 * peak + 0.9 * peak * 0.5 * (1 + np.cos(np.pi * (t - warmup) / (steps - warmup)))
+  expected = np.where(t < warmup, peak * t / warmup, cosine)
+  np.testing.assert_allclose(lrs, expected, rtol=1e-5, atol=1e-7)
+  constant = Settings(optimizer="sgd", learning_rate=peak, steps=steps)
+  lrs = [-float(u["w"][0]) for u in _updates(constant, ones, {"w": np.zeros(3)}, 3)]
+  np.testing.assert_allclose(lrs, peak, rtol=1e-6)
+
+
+def test_clipping_bounds_a_huge_gradient():
+  from optax_dist.cli.config import Settings
+
+  huge = {"w": np.full(4, 1e6, np.float32)}
+  (clipped,) = _updates(Settings(optimizer="sgd", learning_rate=0.1, clip_norm=1.0), huge,
+                        {"w": np.zeros(4)})
+  np.testing.assert_allclose(np.linalg.norm(clipped["w"]), 0.1, rtol=1e-5)  # lr x clip norm
+  (free,) = _updates(Settings(optimizer="sgd", learning_rate=0.1), huge, {"w": np.zeros(4)})
+  assert np.linalg.norm(free["w"]) > 1e4
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_weight_decay_is_adamws(optimizer):
+  """adamw: u = -lr (m / (sqrt(v) + eps) + wd p): the decay adds -lr wd p; sgd: -lr (g + wd p)."""
+  from optax_dist.cli.config import Settings
+
+  params = {"w": np.array([1.0, -2.0, 3.0], np.float32)}
+  grads = {"w": np.array([0.3, 0.1, -0.2], np.float32)}
+  lr, wd = 0.01, 0.1
+  (decayed,) = _updates(Settings(optimizer=optimizer, learning_rate=lr, weight_decay=wd), grads,
+                        params)
+  (plain,) = _updates(Settings(optimizer=optimizer, learning_rate=lr), grads, params)
+  np.testing.assert_allclose(decayed["w"] - plain["w"], -lr * wd * params["w"], rtol=1e-5)
+  if optimizer == "adamw":  # the first step: m / sqrt(v) = sign(g)
+    np.testing.assert_allclose(plain["w"], -lr * np.sign(grads["w"]), rtol=1e-4)
+
+
+def test_b2_and_the_defaults():
+  """digits keeps Adam at a constant rate; lm gets the literature's recipe; --b2 reaches Adam."""
+  from optax_dist.cli.arguments import build_parser
+  from optax_dist.cli.config import Settings
+  from optax_dist.cli.main import settings_of
+  from optax_dist.cli.tasks import TASKS
+
+  digits = settings_of(build_parser().parse_args(["train"]), TASKS["digits"])
+  assert (digits.optimizer, digits.b2, digits.weight_decay, digits.lr_schedule,
+          digits.clip_norm) == ("adam", 0.999, 0.0, "constant", None)
+  lm = settings_of(build_parser().parse_args(["train", "--task", "lm"]), TASKS["lm"])
+  assert (lm.optimizer, lm.b2, lm.weight_decay, lm.lr_schedule, lm.lr_warmup_steps,
+          lm.clip_norm) == ("adamw", 0.99, 0.1, "warmup_cosine", 15, 1.0)
+  # Adam's second step with gradients 1 then 3: m and v bias-corrected, v's decay b2.
+  from optax_dist.cli.algorithms import inner_optimizer
+
+  for b2 in (0.999, 0.5):
+    tx = inner_optimizer(Settings(learning_rate=1.0, b2=b2).resolved())
+    params = {"w": np.zeros(1)}
+    state = tx.init(params)
+    for g in (1.0, 3.0):
+      update, state = tx.update({"w": np.full(1, g, np.float32)}, state, params)
+    m = (0.9 * 0.1 * 1 + 0.1 * 3) / (1 - 0.9 ** 2)
+    v = (b2 * (1 - b2) * 1 + (1 - b2) * 9) / (1 - b2 ** 2)
+    np.testing.assert_allclose(update["w"][0], -m / (np.sqrt(v) + 1e-8), rtol=1e-4)

@@ -1,18 +1,23 @@
-"""The trainer's two compiled steps: the static ``communicate`` hint it derives from
-``optax_dist.cli.algorithms.communicates`` must agree with each transformation's counter rule.
+"""The trainer's two compiled steps: the static ``communicate`` hint it takes from each
+algorithm's schedule (:data:`optax_dist.cli.algorithms.ALGORITHMS`, the library's schedule
+functions) must agree with each transformation's counter rule.
 
 Each algorithm with a schedule is trained twice on digits, in process on the 8 emulated devices:
-with the hint (the trainer's default) and with the counter rule (``communicates`` patched to give
-no hint, so one step with the conditional is compiled). The final params and optimizer state
+with the hint (the trainer's default) and with the counter rule (the algorithm's ``schedule``
+removed, so one step with the conditional is compiled). The final params and optimizer state
 agree to float rounding; a hint one step off the rule moves them by orders of magnitude more.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import pytest
 
+import optax_dist
 from optax_dist.cli import algorithms, trainer
+from optax_dist.cli.algorithms import ALGORITHMS
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import TASKS
 
@@ -22,6 +27,17 @@ CASES = {
   "local_sgd": {"sync_period": 3, "warmup_steps": 2},
   "diloco": {"sync_period": 4},
   "streaming_diloco": {"sync_period": 4, "num_fragments": 2},
+}
+
+LIBRARY = {  # each algorithm's schedule, called as the library documents it
+  "elastic_average": lambda s, t: optax_dist.elastic_average_communicates(
+    t, communication_period=s.communication_period),
+  "agn": lambda s, t: optax_dist.agn_communicates(t, communication_period=s.communication_period),
+  "local_sgd": lambda s, t: optax_dist.local_sgd_syncs(
+    t, sync_period=s.sync_period, warmup_steps=s.warmup_steps),
+  "diloco": lambda s, t: optax_dist.diloco_syncs(t, sync_period=s.sync_period),
+  "streaming_diloco": lambda s, t: optax_dist.streaming_diloco_syncs(
+    t, sync_period=s.sync_period, num_fragments=s.num_fragments),
 }
 
 
@@ -34,22 +50,36 @@ def trained(name, **kwargs):
   return final
 
 
+def test_the_table_schedules_are_the_library_schedules():
+  """Every algorithm with a period has the library's schedule; the others have none."""
+  assert set(LIBRARY) == {n for n, a in ALGORITHMS.items() if a.schedule is not None}
+  assert set(LIBRARY) == {n for n, a in ALGORITHMS.items() if a.period_name is not None}
+  for name in LIBRARY:
+    settings = Settings(algorithm=name, steps=40, **CASES[name]).resolved()
+    table = [ALGORITHMS[name].communicates(settings, t) for t in range(1, 41)]
+    assert table == [bool(LIBRARY[name](settings, t)) for t in range(1, 41)], name
+  for name in set(ALGORITHMS) - set(LIBRARY):
+    assert ALGORITHMS[name].communicates(Settings(algorithm=name).resolved(), 1) is None
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_hinted_steps_train_as_the_counter_rule(name, monkeypatch):
   settings = Settings(algorithm=name, steps=12, **CASES[name]).resolved()
-  schedule = [algorithms.communicates(settings, t) for t in range(1, 13)]
+  schedule = [ALGORITHMS[name].communicates(settings, t) for t in range(1, 13)]
   assert any(schedule) and not all(schedule)
   hinted = trained(name)
-  monkeypatch.setattr(trainer, "communicates", lambda settings, step: None)
+  monkeypatch.setitem(algorithms.ALGORITHMS, name,
+                      dataclasses.replace(ALGORITHMS[name], schedule=None))
   ruled = trained(name)
   chex.assert_trees_all_close(hinted, ruled, rtol=1e-5, atol=1e-6)
 
 
 def test_communication_rounds_count_the_schedule():
+  local_sgd, streaming = ALGORITHMS["local_sgd"], ALGORITHMS["streaming_diloco"]
   settings = Settings(algorithm="local_sgd", steps=12, sync_period=3, warmup_steps=2).resolved()
   # warm-up steps 1 and 2 all-reduce; the averages are on steps 5, 8 and 11
-  assert [t for t in range(1, 13) if algorithms.communicates(settings, t)] == [5, 8, 11]
-  assert algorithms.communication_rounds(settings, 12) == 2 + 3
+  assert [t for t in range(1, 13) if local_sgd.communicates(settings, t)] == [5, 8, 11]
+  assert local_sgd.communication_rounds(settings, 12) == 2 + 3
   settings = Settings(algorithm="streaming_diloco", sync_period=4, num_fragments=2).resolved()
-  assert [t for t in range(1, 13) if algorithms.communicates(settings, t)] == [2, 4, 6, 8, 10, 12]
-  assert algorithms.communicates(Settings(algorithm="sync").resolved(), 1) is None
+  assert [t for t in range(1, 13) if streaming.communicates(settings, t)] == [2, 4, 6, 8, 10, 12]
+  assert ALGORITHMS["sync"].communication_rounds(Settings().resolved(), 7) == 7

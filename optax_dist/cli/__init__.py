@@ -9,7 +9,8 @@ One concern per module:
 * :mod:`~optax_dist.cli.tasks`: the problems to train on (data, model, loss, metric);
 * :mod:`~optax_dist.cli.text`: the ``lm`` task's corpus (the standard library's sources);
 * :mod:`~optax_dist.cli.models`: the Flax models of the tasks;
-* :mod:`~optax_dist.cli.algorithms`: the optimizer of each algorithm;
+* :mod:`~optax_dist.cli.algorithms`: the table of algorithms (``ALGORITHMS``, one record each:
+  how to build it, its schedule, its settings) and the inner optimizer;
 * :mod:`~optax_dist.cli.pipeline`: the workers' shards of the data and the minibatch order;
 * :mod:`~optax_dist.cli.trainer`: the task-agnostic training loop over a mesh of workers;
 * :mod:`~optax_dist.cli.checkpoints`: Orbax checkpoints and exact resuming;

@@ -1,20 +1,31 @@
-"""The optimizer of each algorithm ``optax-dist`` trains with: Adam inside an optax_dist wrapper.
+"""The algorithms ``optax-dist`` trains with: an :class:`Algorithm` record each, in one table.
 
-* ``sync``: ``tower(adam, "workers")``, the gradients all-reduced on every step;
-* ``elastic_average``: ``elastic_average(adam, communication_period=τ, moving_rate=α)`` (EASGD);
-* ``agn``: ``agn(adam, communication_period=τ)``;
-* ``moving_average``: ``moving_average(tower(adam, "workers"), decay, use_num_updates=True)``,
+Each record says how to build the algorithm's optax_dist transformation around the inner
+optimizer (:func:`inner_optimizer`, the same recipe for every algorithm), when it communicates
+(from the library's own schedule functions), which settings it reads, and what the trainer must
+do for it. The rest of the command reads the table and never tests an algorithm's name.
+
+* ``sync``: ``tower(inner, workers)``, the gradients all-reduced on every step;
+* ``elastic_average``: ``elastic_average(inner, communication_period=τ, moving_rate=α)`` (EASGD);
+* ``agn``: ``agn(inner, communication_period=τ)``;
+* ``moving_average``: ``moving_average(tower(inner, workers), decay, use_num_updates=True)``,
   evaluated on the EMA;
-* ``drop_stale_gradients``: ``drop_stale_gradients(tower(adam, "workers"), max_staleness)``, fed
+* ``drop_stale_gradients``: ``drop_stale_gradients(tower(inner, workers), max_staleness)``, fed
   gradients computed at the params of a random number of steps ago (see
   :mod:`optax_dist.cli.trainer`);
-* ``local_sgd``: ``local_sgd(adam, sync_period=H, warmup_steps=W)``, model averaging every H
+* ``local_sgd``: ``local_sgd(inner, sync_period=H, warmup_steps=W)``, model averaging every H
   steps;
-* ``diloco``: ``diloco(adam, outer, sync_period=H)`` with the outer Nesterov SGD
+* ``diloco``: ``diloco(inner, outer, sync_period=H)`` with the outer Nesterov SGD
   ``sgd(outer_learning_rate, momentum=outer_momentum, nesterov=True)``;
-* ``streaming_diloco``: ``streaming_diloco(adam, outer, sync_period=H, num_fragments=F,
-  fragments=...)``, the params' leaves assigned to the fragments by size
-  (``fragments="balanced"``).
+* ``streaming_diloco``: ``streaming_diloco(inner, outer, sync_period=H, num_fragments=F,
+  fragments="balanced")``, the params' leaves assigned to the fragments by size.
+
+With ``replicas`` R > 1 the workers form R replicas on a 2-D mesh (:data:`REPLICA`,
+:data:`DATA`): the inner optimizer is ``tower(inner, DATA)``, a synchronous reduction within each
+replica on every step, and the algorithm runs across the replicas (``axis_name=REPLICA``), each
+device of a replica exchanging only its 1/K slice of the params (``slice_axis=DATA``; ``agn``
+exchanges whole copies). The all-reducing algorithms (``sync``, ``moving_average``, ``drop_stale_gradients``) reduce over
+every worker whatever R.
 
 With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``diloco``,
 ``streaming_diloco``) are kept in float32.
@@ -22,100 +33,139 @@ With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``d
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
+import optax
+
+import optax_dist
 from optax_dist.cli.config import Settings
 
 AXIS = "workers"
-"""The mesh axis of the workers, over which the transformations communicate."""
+"""The mesh axis of the workers with one replica (``replicas=1``)."""
 
-ALGORITHMS = ("sync", "elastic_average", "agn", "moving_average", "drop_stale_gradients",
-              "local_sgd", "diloco", "streaming_diloco")
-"""Every algorithm ``optax-dist train`` runs."""
+REPLICA, DATA = "replica", "data"
+"""The mesh axes with ``replicas`` > 1: the replicas, and the workers within one replica."""
 
-COMPARED = ("sync", "elastic_average", "agn", "moving_average", "local_sgd", "diloco")
-"""The algorithms ``optax-dist compare`` runs, in this order."""
-
-PERIODIC = ("elastic_average", "agn")
-"""The algorithms that communicate every ``communication_period`` steps."""
-
-SYNCED = ("local_sgd", "diloco", "streaming_diloco")
-"""The algorithms that sync every ``sync_period`` steps (the DiLoCo family)."""
+Schedule = Callable[[int], bool]
+"""``schedule(step) -> bool``: whether step ``step`` (from 1) makes the periodic exchange."""
 
 
-def communicates(settings: Settings, step: int) -> bool | None:
-  """Whether step ``step`` (from 1) of ``settings.algorithm`` makes its periodic exchange.
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """One algorithm of the command: how to build it, when it communicates, what it reads.
 
-  The schedule of the algorithm's transformation, from the library: the trainer passes it to
-  ``update`` as the static ``communicate`` hint, and compiles one step of each kind.
-  ``streaming_diloco``: some fragment syncs; ``local_sgd``: the model average (its warm-up's
-  all-reduce follows the counter). ``None`` for the algorithms that communicate on every step.
+  Attributes:
+    name: the name on the command line (``--algorithm``) and in the results.
+    summary: the transformation, in words (for the help).
+    build: ``build(settings, inner, axis, params) -> tx``: the per-worker transformation around
+      ``inner`` over the mesh axis (or axes) ``axis``; ``params`` (one worker's, arrays or
+      shapes) is read by ``streaming_diloco`` only.
+    schedule: ``schedule(settings) -> Schedule``: the library's schedule of the periodic
+      exchange, which the trainer passes to ``update`` as the static ``communicate`` hint;
+      ``None`` for the algorithms that communicate on every step.
+    warmup: ``warmup(settings) -> Schedule``: steps that all-reduce before the schedule starts
+      (``local_sgd``'s synchronous warm-up), counted as communication rounds; or ``None``.
+    period_name: the setting holding the steps between exchanges (``"communication_period"``
+      or ``"sync_period"``, the library's argument name), or ``None``: every step.
+    settings: the settings the algorithm reads beyond the recipe, recorded in its results.
+    compared: whether ``optax-dist compare`` runs it.
+    across_replicas: whether it runs across the replicas of ``replicas`` > 1 (else it reduces
+      over every worker whatever the replicas).
+    sliced_exchange: whether its ``build`` takes ``slice_axis``: across replicas, each device of
+      a replica then exchanges only its 1/K slice of the params (the library's ``slice_axis``),
+      so a replica sends the params' bytes across once rather than K times.
+    stale_gradients: whether the trainer feeds it gradients computed at older params.
+    evaluated: what :func:`optax_dist.eval_params` gives back for it, in words.
   """
-  import optax_dist
 
+  name: str
+  summary: str
+  build: Callable[[Settings, Any, Any, Any], Any]
+  schedule: Callable[[Settings], Schedule] | None = None
+  warmup: Callable[[Settings], Schedule] | None = None
+  period_name: str | None = None
+  settings: tuple[str, ...] = ()
+  compared: bool = False
+  across_replicas: bool = False
+  sliced_exchange: bool = False
+  stale_gradients: bool = False
+  evaluated: str = "the params"
+
+  def period(self, settings: Settings) -> int:
+    """Steps between the exchanges of this algorithm under ``settings`` (1: every step)."""
+    return 1 if self.period_name is None else getattr(settings, self.period_name)
+
+  def communicates(self, settings: Settings, step: int) -> bool | None:
+    """The static hint of step ``step`` (from 1): whether it makes the periodic exchange
+    (``streaming_diloco``: some fragment syncs; ``local_sgd``: the model average); ``None``
+    for the algorithms that communicate on every step."""
+    return None if self.schedule is None else bool(self.schedule(settings)(step))
+
+  def communication_rounds(self, settings: Settings, steps: int) -> int:
+    """The number of the first ``steps`` steps on which this algorithm communicates.
+
+    ``streaming_diloco``: the steps on which some fragment syncs (each sends about 1/F of the
+    params); ``local_sgd``: every warm-up step, then one per ``sync_period``.
+    """
+    if self.schedule is None:
+      return steps
+    schedule = self.schedule(settings)
+    warmup = self.warmup(settings) if self.warmup is not None else lambda step: False
+    return sum(bool(schedule(t)) or bool(warmup(t)) for t in range(1, steps + 1))
+
+
+def inner_optimizer(settings: Settings) -> optax.GradientTransformation:
+  """The recipe every algorithm trains with (the DiLoCo family's inner optimizer).
+
+  ``optax.chain(clip_by_global_norm(clip_norm), optimizer(learning_rate_schedule(settings)))``
+  with ``optimizer`` one of ``adam`` (``b2``), ``adamw`` (``b2``, ``weight_decay``) or ``sgd``
+  (``weight_decay`` as ``add_decayed_weights`` before it); no clipping if ``clip_norm`` is
+  ``None``. The schedule reads the optimizer's own step count: under the DiLoCo family, the
+  inner step.
+  """
   s = settings
-  if s.algorithm == "elastic_average":
-    return optax_dist.elastic_average_communicates(
-      step, communication_period=s.communication_period)
-  if s.algorithm == "agn":
-    return optax_dist.agn_communicates(step, communication_period=s.communication_period)
-  if s.algorithm == "local_sgd":
-    return optax_dist.local_sgd_syncs(step, sync_period=s.sync_period,
-                                      warmup_steps=s.warmup_steps)
-  if s.algorithm == "diloco":
-    return optax_dist.diloco_syncs(step, sync_period=s.sync_period)
-  if s.algorithm == "streaming_diloco":
-    return optax_dist.streaming_diloco_syncs(step, sync_period=s.sync_period,
-                                             num_fragments=s.num_fragments)
-  return None
+  lr = learning_rate_schedule(s)
+  if s.optimizer == "adam":
+    tx = optax.adam(lr, b2=s.b2)
+  elif s.optimizer == "adamw":
+    tx = optax.adamw(lr, b2=s.b2, weight_decay=s.weight_decay)
+  elif s.optimizer == "sgd":
+    tx = optax.sgd(lr)
+    if s.weight_decay:
+      tx = optax.chain(optax.add_decayed_weights(s.weight_decay), tx)
+  else:
+    raise ValueError(f"`inner_optimizer(settings.optimizer=...)` must be one of"
+                     f" {', '.join(OPTIMIZERS)}, got {s.optimizer!r}.")
+  if s.clip_norm is None:
+    return tx
+  return optax.chain(optax.clip_by_global_norm(s.clip_norm), tx)
 
 
-def communication_rounds(settings: Settings, steps: int) -> int:
-  """The number of the first ``steps`` steps on which ``settings.algorithm`` communicates.
+OPTIMIZERS = ("adam", "adamw", "sgd")
+"""The inner optimizers of :func:`inner_optimizer`."""
 
-  ``streaming_diloco``: the steps on which some fragment syncs (each sends about 1/F of the
-  params); ``local_sgd``: every warm-up step, then one per ``sync_period``.
-  """
-  if communicates(settings, 1) is None:
-    return steps
-  warmup = min(steps, settings.warmup_steps) if settings.algorithm == "local_sgd" else 0
-  return warmup + sum(bool(communicates(settings, t)) for t in range(1, steps + 1))
+LR_SCHEDULES = ("constant", "warmup_cosine")
+"""The learning-rate schedules of :func:`learning_rate_schedule`."""
+
+LR_END_FRACTION = 0.1
+"""``warmup_cosine`` decays to this fraction of the peak learning rate at the last step."""
 
 
-def make_optimizer(settings: Settings, params: Any = None) -> Any:
-  """The per-worker optax transformation of ``settings.algorithm`` over axis :data:`AXIS`.
-
-  ``settings`` must be resolved (:meth:`Settings.resolved`); ``params`` (one worker's, arrays or
-  shapes) is needed by ``streaming_diloco`` only.
-  """
-  import optax
-
-  import optax_dist
-
-  adam = optax.adam(settings.learning_rate)
-  dtype = settings.comm_dtype
-  algorithm = settings.algorithm
-  if algorithm in SYNCED:
-    return _diloco_family(settings, adam, params)
-  if algorithm == "sync":
-    return optax_dist.tower(adam, AXIS, comm_dtype=dtype)
-  if algorithm == "elastic_average":
-    return optax_dist.elastic_average(
-      adam, communication_period=settings.communication_period,
-      moving_rate=settings.moving_rate, axis_name=AXIS, comm_dtype=dtype)
-  if algorithm == "agn":
-    return optax_dist.agn(
-      adam, communication_period=settings.communication_period, axis_name=AXIS, comm_dtype=dtype)
-  if algorithm == "moving_average":
-    return optax_dist.moving_average(
-      optax_dist.tower(adam, AXIS, comm_dtype=dtype), settings.decay, use_num_updates=True,
-      ema_dtype=_global_dtype(settings))
-  if algorithm == "drop_stale_gradients":
-    return optax_dist.drop_stale_gradients(
-      optax_dist.tower(adam, AXIS, comm_dtype=dtype), settings.max_staleness)
-  raise ValueError(
-    f"`make_optimizer(settings)`: unknown algorithm {algorithm!r}; choose one of"
-    f" {', '.join(ALGORITHMS)}.")
+def learning_rate_schedule(settings: Settings) -> Any:
+  """``settings.learning_rate``, constant, or ``warmup_cosine``: linear warm-up from 0 over
+  ``lr_warmup_steps``, then cosine decay to :data:`LR_END_FRACTION` of the peak at ``steps``
+  (``optax.warmup_cosine_decay_schedule``)."""
+  s = settings
+  if s.lr_schedule == "constant":
+    return s.learning_rate
+  if s.lr_schedule == "warmup_cosine":
+    return optax.warmup_cosine_decay_schedule(
+      0.0, s.learning_rate, warmup_steps=s.lr_warmup_steps, decay_steps=s.steps,
+      end_value=LR_END_FRACTION * s.learning_rate)
+  raise ValueError(f"`learning_rate_schedule(settings.lr_schedule=...)` must be one of"
+                   f" {', '.join(LR_SCHEDULES)}, got {s.lr_schedule!r}.")
 
 
 def _global_dtype(settings: Settings) -> Any:
@@ -123,25 +173,116 @@ def _global_dtype(settings: Settings) -> Any:
   return "float32" if settings.param_dtype != "float32" else None
 
 
-def _diloco_family(settings: Settings, inner: Any, params: Any) -> Any:
-  """The transformation of ``local_sgd``, ``diloco`` or ``streaming_diloco``."""
-  import optax
-
-  import optax_dist
-
+def _outer(settings: Settings) -> optax.GradientTransformation:
+  """DiLoCo's outer optimizer: Nesterov SGD (plain SGD with ``outer_momentum`` 0)."""
   s = settings
-  if s.algorithm == "local_sgd":
-    return optax_dist.local_sgd(inner, sync_period=s.sync_period, axis_name=AXIS,
-                                warmup_steps=s.warmup_steps, comm_dtype=s.comm_dtype)
-  outer = optax.sgd(s.outer_learning_rate, momentum=s.outer_momentum or None,
-                    nesterov=bool(s.outer_momentum))
-  common = {"sync_period": s.sync_period, "axis_name": AXIS, "comm_dtype": s.comm_dtype,
-            "anchor_dtype": _global_dtype(s)}
-  if s.algorithm == "diloco":
-    return optax_dist.diloco(inner, outer, **common)
+  return optax.sgd(s.outer_learning_rate, momentum=s.outer_momentum or None,
+                   nesterov=bool(s.outer_momentum))
+
+
+def _streaming_diloco(s: Settings, inner: Any, axis: Any, params: Any, slice_axis=None) -> Any:
   if params is None:
     raise ValueError("`make_optimizer(settings, params)`: streaming_diloco needs the params, to"
                      " assign their leaves to fragments.")
   return optax_dist.streaming_diloco(
-    inner, outer, num_fragments=s.num_fragments,
-    fragments="balanced", **common)
+    inner, _outer(s), sync_period=s.sync_period, num_fragments=s.num_fragments,
+    fragments="balanced", axis_name=axis, comm_dtype=s.comm_dtype, anchor_dtype=_global_dtype(s),
+    slice_axis=slice_axis)
+
+
+_DILOCO = ("sync_period", "outer_learning_rate", "outer_momentum")
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+  Algorithm(
+    "sync", "tower: the gradients all-reduced every step",
+    build=lambda s, inner, axis, params: optax_dist.tower(inner, axis, comm_dtype=s.comm_dtype),
+    compared=True),
+  Algorithm(
+    "elastic_average", "EASGD: each worker pulled to a center every communication period",
+    build=lambda s, inner, axis, params, slice_axis=None: optax_dist.elastic_average(
+      inner, communication_period=s.communication_period, moving_rate=s.moving_rate,
+      axis_name=axis, comm_dtype=s.comm_dtype, slice_axis=slice_axis),
+    schedule=lambda s: lambda step: optax_dist.elastic_average_communicates(
+      step, communication_period=s.communication_period),
+    period_name="communication_period", settings=("communication_period", "moving_rate"),
+    compared=True, across_replicas=True, sliced_exchange=True, evaluated="the center"),
+  Algorithm(
+    "agn", "AGN: the workers' accumulated updates averaged every communication period",
+    build=lambda s, inner, axis, params: optax_dist.agn(
+      inner, communication_period=s.communication_period, axis_name=axis,
+      comm_dtype=s.comm_dtype),
+    schedule=lambda s: lambda step: optax_dist.agn_communicates(
+      step, communication_period=s.communication_period),
+    period_name="communication_period", settings=("communication_period",), compared=True,
+    across_replicas=True),
+  Algorithm(
+    "moving_average", "tower, evaluated on an exponential moving average of the params",
+    build=lambda s, inner, axis, params: optax_dist.moving_average(
+      optax_dist.tower(inner, axis, comm_dtype=s.comm_dtype), s.decay, use_num_updates=True,
+      ema_dtype=_global_dtype(s)),
+    settings=("decay",), compared=True, evaluated="the EMA"),
+  Algorithm(
+    "drop_stale_gradients", "tower fed stale gradients, those staler than max staleness dropped",
+    build=lambda s, inner, axis, params: optax_dist.drop_stale_gradients(
+      optax_dist.tower(inner, axis, comm_dtype=s.comm_dtype), s.max_staleness),
+    settings=("max_staleness",), stale_gradients=True),
+  Algorithm(
+    "local_sgd", "local SGD: the workers' params averaged every sync period",
+    build=lambda s, inner, axis, params, slice_axis=None: optax_dist.local_sgd(
+      inner, sync_period=s.sync_period, axis_name=axis, warmup_steps=s.warmup_steps,
+      comm_dtype=s.comm_dtype, slice_axis=slice_axis),
+    schedule=lambda s: lambda step: optax_dist.local_sgd_syncs(
+      step, sync_period=s.sync_period, warmup_steps=s.warmup_steps),
+    warmup=lambda s: lambda step: optax_dist.local_sgd_warming_up(
+      step, warmup_steps=s.warmup_steps),
+    period_name="sync_period", settings=("sync_period", "warmup_steps"), compared=True,
+    across_replicas=True, sliced_exchange=True),
+  Algorithm(
+    "diloco", "DiLoCo: an outer Nesterov step on the workers' mean change every sync period",
+    build=lambda s, inner, axis, params, slice_axis=None: optax_dist.diloco(
+      inner, _outer(s), sync_period=s.sync_period, axis_name=axis, comm_dtype=s.comm_dtype,
+      anchor_dtype=_global_dtype(s), slice_axis=slice_axis),
+    schedule=lambda s: lambda step: optax_dist.diloco_syncs(step, sync_period=s.sync_period),
+    period_name="sync_period", settings=_DILOCO, compared=True, across_replicas=True,
+    sliced_exchange=True, evaluated="the anchor"),
+  Algorithm(
+    "streaming_diloco", "streaming DiLoCo: DiLoCo with the params synced in fragments, in turn",
+    build=_streaming_diloco,
+    schedule=lambda s: lambda step: optax_dist.streaming_diloco_syncs(
+      step, sync_period=s.sync_period, num_fragments=s.num_fragments),
+    period_name="sync_period", settings=(*_DILOCO, "num_fragments"), across_replicas=True,
+    sliced_exchange=True, evaluated="the anchor"),
+)}
+"""Every algorithm ``optax-dist train`` runs, by name; ``compare`` runs those marked
+``compared``, in this order."""
+
+COMPARED = tuple(name for name, a in ALGORITHMS.items() if a.compared)
+"""The algorithms ``optax-dist compare`` runs, in order."""
+
+
+def axes(settings: Settings) -> tuple[str, ...]:
+  """The mesh axes: ``(AXIS,)``, or ``(REPLICA, DATA)`` with ``replicas`` > 1."""
+  return (AXIS,) if settings.replicas == 1 else (REPLICA, DATA)
+
+
+def make_optimizer(settings: Settings, params: Any = None) -> Any:
+  """The per-worker optax transformation of ``settings.algorithm`` (run under ``shard_map``
+  over the mesh axes :func:`axes`).
+
+  ``settings`` must be resolved (:meth:`Settings.resolved`); ``params`` (one worker's, arrays or
+  shapes) is needed by ``streaming_diloco`` only.
+  """
+  algorithm = ALGORITHMS.get(settings.algorithm)
+  if algorithm is None:
+    raise ValueError(
+      f"`make_optimizer(settings.algorithm=...)` must be one of {', '.join(ALGORITHMS)}, got"
+      f" {settings.algorithm!r}.")
+  inner = inner_optimizer(settings)
+  if settings.replicas == 1:
+    return algorithm.build(settings, inner, AXIS, params)
+  if not algorithm.across_replicas:
+    return algorithm.build(settings, inner, (REPLICA, DATA), params)
+  tower = optax_dist.tower(inner, DATA, comm_dtype=settings.comm_dtype)
+  if algorithm.sliced_exchange:  # a replica's devices hold identical params after the tower
+    return algorithm.build(settings, tower, REPLICA, params, slice_axis=DATA)
+  return algorithm.build(settings, tower, REPLICA, params)

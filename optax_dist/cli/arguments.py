@@ -10,9 +10,11 @@ import argparse
 import math
 from typing import Any
 
-from optax_dist.cli import async_run, config
+from optax_dist import __version__
+from optax_dist.cli import algorithms, async_run, config, plan
 from optax_dist.cli.algorithms import ALGORITHMS, COMPARED
 from optax_dist.cli.errors import PROG
+from optax_dist.cli.launcher import parse_address
 from optax_dist.cli.tasks import TASKS
 
 
@@ -42,6 +44,8 @@ positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 integer = _number(int, "an integer")
 positive_float = _number(float, "a positive number", lambda v: v > 0 and math.isfinite(v))
 unit_float = _number(float, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+non_negative_float = _number(float, "a number >= 0", lambda v: v >= 0 and math.isfinite(v))
+integer_at_least_0 = _number(int, "an integer >= 0", lambda v: v >= 0)
 
 
 def worker_times(text: str) -> tuple[tuple[int, float], ...]:
@@ -60,8 +64,6 @@ def worker_times(text: str) -> tuple[tuple[int, float], ...]:
 
 
 def address(text: str) -> str:
-  from optax_dist.cli.launcher import parse_address
-
   try:
     parse_address(text)
   except ValueError as e:
@@ -110,17 +112,48 @@ def _task_argument(parser: argparse.ArgumentParser) -> None:
 
 def _training_arguments(common: argparse.ArgumentParser) -> None:
   """The flags of ``train`` and ``compare`` that set :class:`optax_dist.cli.config.Settings`."""
-  d = config.DEFAULTS
+  d, lm = config.DEFAULTS, TASKS["lm"].defaults
   _task_argument(common)
   common.add_argument("--devices", type=positive_int, default=d["devices"],
                       help="number of emulated CPU devices per process, one worker each"
                       f" (default: {d['devices']})")
+  across = ", ".join(a.name for a in ALGORITHMS.values() if a.across_replicas)
+  common.add_argument("--replicas", type=positive_int, default=d["replicas"], metavar="R",
+                      help="split the workers into R replicas of equal size: every step reduces"
+                      " the gradients within each replica (tower), and the algorithm"
+                      f" ({across}) runs across the replicas; the other algorithms reduce over"
+                      " every worker. With --processes P --replicas P each process holds one"
+                      f" replica (default: {d['replicas']}: the algorithm runs across the workers)")
   common.add_argument("--steps", type=positive_int, default=None,
                       help=f"training steps per worker (default: {d['steps']})")
   common.add_argument("--batch-size", type=positive_int, default=None,
                       help=f"minibatch size per worker (default: {d['batch_size']})")
   common.add_argument("--learning-rate", type=positive_float, default=None,
-                      help=f"Adam learning rate (default: {d['learning_rate']:g})")
+                      help="the inner optimizer's (peak) learning rate (default:"
+                      f" {d['learning_rate']:g}; the lm task: {lm['learning_rate']:g})")
+  recipe = common.add_argument_group(
+    "the inner optimizer (every algorithm's; the DiLoCo family's inner step)")
+  recipe.add_argument("--optimizer", choices=algorithms.OPTIMIZERS, default=None,
+                      help=f"the inner optimizer (default: {d['optimizer']}; the lm task:"
+                      f" {lm['optimizer']})")
+  recipe.add_argument("--b2", type=unit_float, default=None,
+                      help="adam's and adamw's second-moment decay (default:"
+                      f" {d['b2']:g}; the lm task: {lm['b2']:g})")
+  recipe.add_argument("--weight-decay", type=non_negative_float, default=None,
+                      help="adamw's decoupled weight decay, or sgd's (added to the gradient);"
+                      f" adam has none (default: {d['weight_decay']:g}; the lm task:"
+                      f" {lm['weight_decay']:g})")
+  recipe.add_argument("--lr-schedule", choices=algorithms.LR_SCHEDULES, default=None,
+                      help="constant, or warmup_cosine: a linear warm-up from 0 over"
+                      " --lr-warmup-steps, then cosine decay to"
+                      f" {algorithms.LR_END_FRACTION * 100:g}%% of --learning-rate at --steps"
+                      f" (default: {d['lr_schedule']}; the lm task: {lm['lr_schedule']})")
+  recipe.add_argument("--lr-warmup-steps", type=integer_at_least_0, default=None,
+                      help="warmup_cosine's warm-up steps (default:"
+                      f" {config.LR_WARMUP_FRACTION * 100:g}%% of --steps with warmup_cosine)")
+  recipe.add_argument("--clip-norm", type=positive_float, default=None,
+                      help="clip the gradients to this global norm before the optimizer"
+                      f" (default: no clipping; the lm task: {lm['clip_norm']:g})")
   common.add_argument("--communication-period", type=positive_int, default=None,
                       help="steps between exchanges of elastic_average and agn (default:"
                       f" {config.COMMUNICATION_PERIOD}, or --steps if fewer)")
@@ -192,8 +225,6 @@ def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
   """The argument parser of ``optax-dist``."""
-  from optax_dist import __version__
-
   common = Parser(add_help=False)
   _training_arguments(common)
   _output_arguments(common)
@@ -206,15 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
   )
   parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
   commands = parser.add_subparsers(dest="command", required=True,
-                                   metavar="{train,compare,async}")
+                                   metavar="{train,compare,async,plan}")
   train = commands.add_parser(
     "train", parents=[common], help="train with one algorithm",
     description="Train with one algorithm; writes results_<algorithm>.json and"
     " accuracy_<algorithm>.png under --out.",
     epilog=EPILOG, formatter_class=Formatter,
   )
-  train.add_argument("--algorithm", choices=ALGORITHMS, default="sync",
-                     help="the algorithm (default: sync)")
+  train.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="sync",
+                     help="the algorithm: " + "; ".join(
+                       f"{a.name}: {a.summary}" for a in ALGORITHMS.values())
+                     + " (default: sync)")
   commands.add_parser(
     "compare", parents=[common], help=f"compare {', '.join(COMPARED)}",
     description=f"Train with {', '.join(COMPARED)} and compare them; writes results.json and"
@@ -271,3 +304,4 @@ def _add_async_parser(commands: Any) -> None:
                    help="DiLoCo with dynamic local updates: each worker's local steps per commit"
                    " proportional to its speed (default: off)")
   _output_arguments(run)
+  plan.add_parser(commands)

@@ -33,12 +33,30 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
+import optax_dist
+from optax_dist import async_emulator as ae
+from optax_dist.cli import pipeline
 from optax_dist.cli.tasks import Task
 
-PROTOCOLS = ("downpour", "downpour+drop_stale", "elastic_average", "agn", "diloco",
-             "diloco+delayed_nesterov")
+_PROTOCOLS = {  # name: protocol(sgd, period, moving_rate, max_staleness, workers, dylu)
+  "downpour": lambda sgd, tau, alpha, staleness, workers, dylu: ae.downpour(sgd),
+  "downpour+drop_stale": lambda sgd, tau, alpha, staleness, workers, dylu: ae.downpour(
+    optax_dist.drop_stale_gradients(sgd, staleness)),
+  "elastic_average": lambda sgd, tau, alpha, staleness, workers, dylu: ae.elastic_average(
+    sgd, communication_period=tau, moving_rate=alpha),
+  "agn": lambda sgd, tau, alpha, staleness, workers, dylu: ae.agn(sgd, communication_period=tau),
+  "diloco": lambda sgd, tau, alpha, staleness, workers, dylu: ae.diloco(
+    sgd, optax.sgd(1.0 / workers), sync_period=tau, dylu=dylu),
+  "diloco+delayed_nesterov": lambda sgd, tau, alpha, staleness, workers, dylu: ae.diloco(
+    sgd, optax_dist.delayed_nesterov(buffer_size=workers), sync_period=tau, dylu=dylu),
+}
+
+PROTOCOLS = tuple(_PROTOCOLS)
 """Every protocol :func:`run` runs, in this order."""
 
 DEFAULTS = {
@@ -69,28 +87,11 @@ def make_protocol(
 ) -> Any:
   """The :mod:`optax_dist.async_emulator` protocol called ``name`` (one of :data:`PROTOCOLS`);
   ``dylu``: the DiLoCo protocols with dynamic local updates."""
-  import optax
-
-  import optax_dist
-  from optax_dist import async_emulator as ae
-
-  sgd = optax.sgd(learning_rate)
-  if name == "downpour":
-    return ae.downpour(sgd)
-  if name == "downpour+drop_stale":
-    return ae.downpour(optax_dist.drop_stale_gradients(sgd, max_staleness))
-  if name == "elastic_average":
-    return ae.elastic_average(
-      sgd, communication_period=communication_period, moving_rate=moving_rate)
-  if name == "agn":
-    return ae.agn(sgd, communication_period=communication_period)
-  if name == "diloco":
-    return ae.diloco(sgd, optax.sgd(1.0 / workers), sync_period=communication_period, dylu=dylu)
-  if name == "diloco+delayed_nesterov":
-    return ae.diloco(sgd, optax_dist.delayed_nesterov(buffer_size=workers),
-                     sync_period=communication_period, dylu=dylu)
-  raise ValueError(
-    f"`run(protocols=...)`: unknown protocol {name!r}; choose from {', '.join(PROTOCOLS)}.")
+  if name not in _PROTOCOLS:
+    raise ValueError(
+      f"`run(protocols=...)`: unknown protocol {name!r}; choose from {', '.join(PROTOCOLS)}.")
+  return _PROTOCOLS[name](optax.sgd(learning_rate), communication_period, moving_rate,
+                          max_staleness, workers, dylu)
 
 
 def setup(task: Task, workers: int, seed: int) -> dict[str, Any]:
@@ -100,11 +101,6 @@ def setup(task: Task, workers: int, seed: int) -> dict[str, Any]:
   left out). Returns a dict with ``data`` (every leaf ``[workers, M, ...]``), ``params``,
   ``loss_fn(params, batch)`` and ``metric_fn(params)`` (the test metric, jittable).
   """
-  import jax
-  import jax.numpy as jnp
-
-  from optax_dist.cli import pipeline
-
   raw = task.load(seed)
   model = task.model()
   data = jax.tree.map(jnp.asarray, pipeline.shard_examples(raw.train, workers))
@@ -201,10 +197,7 @@ def run(
     the center since the worker's last one), plus ``history`` (``time``, ``server_step``,
     ``test_accuracy`` lists) and ``staleness`` (the staleness of every commit).
   """
-  import jax
-  from tqdm.auto import tqdm
-
-  from optax_dist import async_emulator as ae
+  from tqdm.auto import tqdm  # the examples extra, checked before a run
 
   cluster = ae.Cluster(num_workers=workers, compute_time=1.0, jitter=jitter,
                        stragglers=stragglers, slowdown=slowdown, latency=latency, seed=seed,

@@ -13,10 +13,24 @@ import os
 import shutil
 from typing import Any
 
+import jax
+from jax.experimental import multihost_utils
+
+from optax_dist.cli.config import default_moving_rate
+
 SETTINGS_ADDED = {"task": "digits", "sync_period": None, "outer_learning_rate": 0.7,
                   "outer_momentum": 0.9, "num_fragments": 4, "warmup_steps": 0,
-                  "param_dtype": "float32"}
-"""Settings absent from the checkpoints of optax-dist 0.1.0, with the value those runs had."""
+                  "param_dtype": "float32", "optimizer": "adam", "b2": 0.999,
+                  "weight_decay": 0.0, "lr_schedule": "constant", "lr_warmup_steps": 0,
+                  "clip_norm": None, "replicas": 1}
+"""Settings absent from older checkpoints, with the value those runs had."""
+
+
+def _orbax() -> Any:
+  """``orbax.checkpoint``, imported when a run saves or resumes: the command runs without it."""
+  import orbax.checkpoint as ocp
+
+  return ocp
 
 
 class CheckpointMismatchError(ValueError):
@@ -42,10 +56,7 @@ class Checkpoints:
   """
 
   def __init__(self, directory: str, settings: dict[str, Any], *, resume: bool):
-    import jax
-    import orbax.checkpoint as ocp
-    from jax.experimental import multihost_utils
-
+    ocp = _orbax()
     self.directory = os.path.abspath(directory)
     self.settings = settings
     if not resume:
@@ -61,8 +72,7 @@ class Checkpoints:
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Saves ``state`` (a pytree of global arrays) and ``meta`` (JSON) as checkpoint ``step``."""
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     meta = {"step": step, "settings": self.settings, **meta}
     self.manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -80,14 +90,14 @@ class Checkpoints:
       CheckpointMismatchError: the checkpoint was written with other settings (other than the
         number of workers).
     """
-    import jax
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     step = self.manager.latest_step()
     if step is None:
       return None
     meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     meta["settings"] = {**SETTINGS_ADDED, **meta["settings"]}
+    if meta["settings"]["sync_period"] is None:  # resolved only for the DiLoCo family before
+      meta["settings"]["sync_period"] = self.settings["sync_period"]
     self._check_settings(step, meta["settings"])
     workers = meta["settings"]["devices"]
 
@@ -101,8 +111,6 @@ class Checkpoints:
     return restored, meta
 
   def _check_settings(self, step: int, saved: dict[str, Any]) -> None:
-    from optax_dist.cli.config import default_moving_rate
-
     # A resume may change the number of workers, and with it the defaults that depend on it.
     elastic = ["devices"]
     if all(s["moving_rate"] == default_moving_rate(s["devices"]) for s in (saved, self.settings)):

@@ -8,6 +8,9 @@ from typing import Any
 COMMUNICATION_PERIOD = 10
 """The default communication period, in steps, of runs of at least that many steps."""
 
+LR_WARMUP_FRACTION = 0.05
+"""The default learning-rate warm-up of ``warmup_cosine``, as a fraction of the steps."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -15,15 +18,29 @@ class Settings:
 
   Attributes:
     task: the name of the task (:data:`optax_dist.cli.tasks.TASKS`).
-    algorithm: one of :data:`optax_dist.cli.algorithms.ALGORITHMS`.
+    algorithm: a name of :data:`optax_dist.cli.algorithms.ALGORITHMS`.
     devices: the number of workers, one device each (of every process together).
+    replicas: R, the number of replicas the workers form, of ``devices / R`` workers each: every
+      step reduces the gradients within each replica, and the algorithm runs across the
+      replicas (:mod:`optax_dist.cli.algorithms`); 1: the algorithm runs across the workers.
     steps: training steps per worker.
     batch_size: minibatch size per worker, in examples.
-    learning_rate: Adam's learning rate.
+    learning_rate: the inner optimizer's (peak) learning rate.
+    optimizer: the inner optimizer, ``"adam"``, ``"adamw"`` or ``"sgd"``
+      (:func:`optax_dist.cli.algorithms.inner_optimizer`).
+    b2: Adam's (and AdamW's) second-moment decay.
+    weight_decay: AdamW's decoupled weight decay; with ``sgd``, ``add_decayed_weights``; must be
+      0 with ``adam``.
+    lr_schedule: ``"constant"``, or ``"warmup_cosine"``: linear warm-up over
+      ``lr_warmup_steps``, then cosine decay to 10% of ``learning_rate`` at ``steps``.
+    lr_warmup_steps: the schedule's warm-up steps; ``None``: :data:`LR_WARMUP_FRACTION` of
+      ``steps`` with ``warmup_cosine``, 0 otherwise.
+    clip_norm: the gradients' global norm is clipped to this before the inner optimizer;
+      ``None``: no clipping.
     communication_period: steps between exchanges of ``elastic_average`` and ``agn``; ``None``:
       :data:`COMMUNICATION_PERIOD`, or ``steps`` if the run is shorter (see :meth:`resolved`).
     sync_period: H, steps between syncs of ``local_sgd``, ``diloco`` and ``streaming_diloco``;
-      ``None``: as ``communication_period``'s default (resolved for those algorithms only).
+      ``None``: as ``communication_period``'s default.
     outer_learning_rate: DiLoCo's outer Nesterov SGD learning rate (the paper's 0.7).
     outer_momentum: DiLoCo's outer Nesterov momentum (the paper's 0.9; 0: plain SGD).
     num_fragments: ``streaming_diloco``'s number of fragments F.
@@ -41,9 +58,16 @@ class Settings:
   task: str = "digits"
   algorithm: str = "sync"
   devices: int = 8
+  replicas: int = 1
   steps: int = 200
   batch_size: int = 16
   learning_rate: float = 1e-2
+  optimizer: str = "adam"
+  b2: float = 0.999
+  weight_decay: float = 0.0
+  lr_schedule: str = "constant"
+  lr_warmup_steps: int | None = None
+  clip_norm: float | None = None
   communication_period: int | None = None
   sync_period: int | None = None
   outer_learning_rate: float = 0.7
@@ -59,18 +83,20 @@ class Settings:
   comm_dtype: str | None = None
 
   def resolved(self) -> Settings:
-    """These settings with the defaults that depend on others filled in."""
-    from optax_dist.cli.algorithms import SYNCED
-
+    """These settings with the defaults that depend on others filled in (both periods, whatever
+    the algorithm: each algorithm reads its own)."""
     period = self.communication_period
     if period is None:
       period = default_communication_period(self.steps)
     sync_period = self.sync_period
-    if sync_period is None and self.algorithm in SYNCED:
+    if sync_period is None:
       sync_period = default_communication_period(self.steps)
     rate = default_moving_rate(self.devices) if self.moving_rate is None else self.moving_rate
+    warmup = self.lr_warmup_steps
+    if warmup is None:
+      warmup = default_lr_warmup_steps(self.steps) if self.lr_schedule == "warmup_cosine" else 0
     return dataclasses.replace(self, communication_period=period, sync_period=sync_period,
-                               moving_rate=rate)
+                               moving_rate=rate, lr_warmup_steps=warmup)
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -83,6 +109,11 @@ DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)}
 def default_communication_period(steps: int) -> int:
   """:data:`COMMUNICATION_PERIOD`, or ``steps`` if fewer: every run communicates at least once."""
   return min(COMMUNICATION_PERIOD, steps)
+
+
+def default_lr_warmup_steps(steps: int) -> int:
+  """:data:`LR_WARMUP_FRACTION` of ``steps``, rounded."""
+  return round(LR_WARMUP_FRACTION * steps)
 
 
 def default_moving_rate(devices: int) -> float:

@@ -28,6 +28,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import jax
+
 from optax_dist.cli.errors import PROG, CommandError
 
 HEARTBEAT_TIMEOUT = 10
@@ -71,8 +73,6 @@ def _native_stdout_to_stderr() -> None:
 
 def _join(coordinator: str, processes: int, process_id: int, heartbeat_timeout: int) -> None:
   """Connects this process to the others: ``jax.distributed.initialize`` with gloo collectives."""
-  import jax
-
   _native_stdout_to_stderr()
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
@@ -99,8 +99,6 @@ def init_jax(devices: int, processes: int = 1, process_id: int | None = None,
   Raises:
     CommandError: the process could not join the others, or JAX has fewer devices.
   """
-  import jax
-
   try:
     if not os.environ.get("JAX_PLATFORMS"):
       jax.config.update("jax_platforms", "cpu")  # the workers are emulated CPU devices

@@ -23,9 +23,14 @@ import sys
 import tempfile
 from typing import Any
 
-from optax_dist.cli import errors, launcher
-from optax_dist.cli.algorithms import COMPARED, PERIODIC, SYNCED
+import jax
+import numpy as np
+
+from optax_dist import async_emulator
+from optax_dist.cli import async_run, errors, launcher, plan, reports, trainer
+from optax_dist.cli.algorithms import ALGORITHMS, COMPARED
 from optax_dist.cli.arguments import build_parser
+from optax_dist.cli.checkpoints import CheckpointMismatchError, saved_steps
 from optax_dist.cli.config import DEFAULTS, Settings
 from optax_dist.cli.errors import PROG, CommandError
 from optax_dist.cli.tasks import TASKS, Task
@@ -33,8 +38,11 @@ from optax_dist.cli.tasks import TASKS, Task
 TRAINING_MODULES = ("flax", "sklearn", "matplotlib", "tqdm")
 """The modules of the ``examples`` extra every subcommand needs (Orbax: only for checkpoints)."""
 
+RECIPE = ("optimizer", "b2", "weight_decay", "lr_schedule", "lr_warmup_steps", "clip_norm")
+"""The settings of the inner optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`)."""
+
 TASK_DEFAULTS = ("steps", "batch_size", "learning_rate", "eval_every", "communication_period",
-                 "sync_period")
+                 "sync_period", *RECIPE)
 """The settings whose default a task may change (``Task.defaults``)."""
 
 
@@ -45,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     if args.command == "async":
       return run_async(args)
+    if args.command == "plan":
+      return plan.run(args)
     return run_training(args, argv)
   except CommandError as e:
     errors.report(str(e))
@@ -97,8 +107,6 @@ def _check_processes(args: argparse.Namespace) -> None:
 
 def _check_resume(args: argparse.Namespace, algorithms: tuple[str, ...]) -> None:
   """Raises :class:`CommandError` if ``--resume`` finds no checkpoint of any of ``algorithms``."""
-  from optax_dist.cli.checkpoints import saved_steps
-
   root = os.path.join(args.out, "checkpoints")
   if not args.resume or any(saved_steps(os.path.join(root, a)) for a in algorithms):
     return
@@ -116,7 +124,8 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
       values[key] = min(values[key], values["steps"])
   return Settings(
     task=task.name, algorithm=getattr(args, "algorithm", "sync"),
-    devices=args.processes * args.devices, moving_rate=args.moving_rate, decay=args.decay,
+    devices=args.processes * args.devices, replicas=args.replicas,
+    moving_rate=args.moving_rate, decay=args.decay,
     max_staleness=args.max_staleness, seed=args.seed,
     comm_dtype=None if args.comm_dtype == "float32" else args.comm_dtype,
     outer_learning_rate=args.outer_learning_rate, outer_momentum=args.outer_momentum,
@@ -126,25 +135,38 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
 
 
 def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: int) -> None:
-  """Raises :class:`CommandError` unless every worker gets a minibatch and periods fit the run."""
+  """Raises :class:`CommandError` unless every worker gets a minibatch, the periods fit the run
+  and the optimizer's settings fit together."""
   workers = settings.devices
+  if workers % settings.replicas:
+    raise CommandError(
+      f"argument --replicas: must divide the number of workers (--processes x --devices ="
+      f" {workers}) into replicas of equal size, got {settings.replicas}")
+  if settings.optimizer == "adam" and settings.weight_decay:
+    raise CommandError(
+      f"argument --weight-decay: adam has no weight decay, got {settings.weight_decay:g}; use"
+      " --optimizer adamw (decoupled) or sgd")
+  if settings.lr_schedule == "warmup_cosine" and settings.lr_warmup_steps >= settings.steps:
+    raise CommandError(
+      f"argument --lr-warmup-steps: must be less than --steps ({settings.steps}), got"
+      f" {settings.lr_warmup_steps}")
   if n_train // workers < settings.batch_size:
     raise CommandError(
       f"argument --batch-size: each worker needs at least batch-size examples, but the"
       f" {n_train} training examples give {n_train // workers} to each of {workers}"
       f" workers; lower --batch-size or --devices")
-  if settings.communication_period > settings.steps and set(algorithms) & set(PERIODIC):
-    raise CommandError(
-      f"argument --communication-period: must be at most --steps ({settings.steps}), got"
-      f" {settings.communication_period}; elastic_average and agn would never communicate"
-      " (leave it out to use the default, which adapts to --steps)")
-  synced = [a for a in algorithms if a in SYNCED]
-  sync_period = settings.sync_period or 0
-  if synced and sync_period > settings.steps - settings.warmup_steps:
-    raise CommandError(
-      f"argument --sync-period: must be at most --steps ({settings.steps}) minus"
-      f" --warmup-steps ({settings.warmup_steps}), got {sync_period}; {', '.join(synced)}"
-      " would never sync (leave it out to use the default, which adapts to --steps)")
+  for name in ("communication_period", "sync_period"):
+    users = [a for a in algorithms if ALGORITHMS[a].period_name == name]
+    period = getattr(settings, name)
+    warmup = any(ALGORITHMS[a].warmup is not None for a in users)  # the first exchange after it
+    room = settings.steps - (settings.warmup_steps if warmup else 0)
+    if users and period > room:
+      flag = "--" + name.replace("_", "-")
+      limit = (f"--steps ({settings.steps}) minus --warmup-steps ({settings.warmup_steps})"
+               if warmup else f"--steps ({settings.steps})")
+      raise CommandError(
+        f"argument {flag}: must be at most {limit}, got {period}; {', '.join(users)} would"
+        " never communicate (leave it out to use the default, which adapts to --steps)")
 
 
 def run_training(args: argparse.Namespace, argv: list[str]) -> int:
@@ -171,11 +193,6 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
 def _train_all(args: argparse.Namespace, task: Task, data: Any, settings: Settings,
                algorithms: tuple[str, ...]) -> tuple[list[dict], dict[str, dict]]:
   """Trains with each of ``algorithms``; their results and (with ``--save-params``) states."""
-  import dataclasses
-
-  from optax_dist.cli import trainer
-  from optax_dist.cli.checkpoints import CheckpointMismatchError
-
   process = args.process_id or 0
 
   def on_step(step: int) -> None:
@@ -204,10 +221,11 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
   """The ``config`` of the results' JSON."""
   return {
     "task": task.name, "devices": args.devices, "processes": args.processes,
-    "workers": settings.devices, "steps": settings.steps, "batch_size": settings.batch_size,
+    "workers": settings.devices, "replicas": settings.replicas, "steps": settings.steps,
+    "batch_size": settings.batch_size,
     "learning_rate": settings.learning_rate,
     "communication_period": settings.communication_period, "moving_rate": settings.moving_rate,
-    "sync_period": _sync_period(settings), "outer_learning_rate": settings.outer_learning_rate,
+    "sync_period": settings.sync_period, "outer_learning_rate": settings.outer_learning_rate,
     "outer_momentum": settings.outer_momentum, "num_fragments": settings.num_fragments,
     "warmup_steps": settings.warmup_steps, "param_dtype": settings.param_dtype,
     "decay": settings.decay, "max_staleness": settings.max_staleness,
@@ -216,37 +234,53 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
     "dataset": {"name": task.dataset, "train": len(next(iter(data.train.values()))),
                 "test": len(next(iter(data.test.values()))),
                 "provenance": task.provenance() if task.provenance else None},
-    "model": task.model_name, "optimizer": "adam",
+    "model": task.model_name,
+    **{key: getattr(settings, key) for key in RECIPE},
   }
-
-
-def _sync_period(settings: Settings) -> int:
-  """The DiLoCo family's sync period of this run (resolved per algorithm by the trainer)."""
-  return dataclasses.replace(settings, algorithm="diloco").resolved().sync_period
 
 
 def _summary(args: argparse.Namespace, task: Task, settings: Settings,
              algorithms: list[str]) -> str:
   """The line above the table: what was trained, on how many workers, with which optimizer."""
-  periodic = [a for a in algorithms if a in PERIODIC]
-  period = (f", communication period {settings.communication_period} ({', '.join(periodic)})"
-            if periodic else "")
-  synced = [a for a in algorithms if a in SYNCED]
-  if synced:
-    period += (f", sync period {_sync_period(settings)} ({', '.join(synced)}; outer Nesterov lr"
-               f" {settings.outer_learning_rate:g}, momentum {settings.outer_momentum:g})")
+  period = ""
+  for name, words in (("communication_period", "communication period"),
+                      ("sync_period", "sync period")):
+    users = [a for a in algorithms if ALGORITHMS[a].period_name == name]
+    if users:
+      period += f", {words} {getattr(settings, name)} ({', '.join(users)}"
+      if any("outer_learning_rate" in ALGORITHMS[a].settings for a in users):
+        period += (f"; outer Nesterov lr {settings.outer_learning_rate:g}, momentum"
+                   f" {settings.outer_momentum:g}")
+      period += ")"
   layout = f" ({args.processes} processes x {args.devices} devices)" if args.processes > 1 else ""
   workers = settings.devices
+  if settings.replicas > 1:
+    layout += f" in {settings.replicas} replicas of {workers // settings.replicas}"
   return (f"{task.name}, {task.model_name}, {workers} worker{'s' if workers > 1 else ''}{layout}"
-          f" x batch {settings.batch_size}, adam lr {settings.learning_rate:g}{period},"
+          f" x batch {settings.batch_size}, {_recipe(settings)}{period},"
           f" seed {settings.seed}")
+
+
+def _recipe(settings: Settings) -> str:
+  """The inner optimizer in words, e.g. ``adamw lr 0.003 (warmup_cosine, 15 warm-up steps),
+  b2 0.99, weight decay 0.1, clip 1``."""
+  s = settings
+  text = f"{s.optimizer} lr {s.learning_rate:g}"
+  if s.lr_schedule != "constant":
+    text += (f" ({s.lr_schedule}, {s.lr_warmup_steps} warm-up"
+             f" step{'' if s.lr_warmup_steps == 1 else 's'})")
+  if s.optimizer != "sgd" and s.b2 != DEFAULTS["b2"]:
+    text += f", b2 {s.b2:g}"
+  if s.weight_decay:
+    text += f", weight decay {s.weight_decay:g}"
+  if s.clip_norm is not None:
+    text += f", clip {s.clip_norm:g}"
+  return text
 
 
 def _report(args: argparse.Namespace, task: Task, data: Any, settings: Settings,
             results: list[dict], states: dict[str, dict]) -> None:
   """Writes the JSON, the plot and (``--save-params``) the states; prints the table."""
-  from optax_dist.cli import reports
-
   suffix = "" if args.command == "compare" else f"_{args.algorithm}"
   json_path = os.path.join(args.out, f"results{suffix}.json")
   png_path = os.path.join(args.out, f"accuracy{suffix}.png")
@@ -275,9 +309,6 @@ def _report(args: argparse.Namespace, task: Task, data: Any, settings: Settings,
 
 def _save_params(path: str, states: dict[str, dict[str, Any]]) -> None:
   """Writes each algorithm's final params and optimizer state to ``path`` (npz)."""
-  import jax
-  import numpy as np
-
   arrays = {}
   for algorithm, state in states.items():
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -295,10 +326,8 @@ def _check_worker_times(args: argparse.Namespace) -> None:
     if bad:
       raise CommandError(
         f"argument --{flag}: worker {bad[0]} does not exist (--workers {args.workers})")
-  from optax_dist import async_emulator as ae
-
   try:
-    ae.Cluster(args.workers).schedule(
+    async_emulator.Cluster(args.workers).schedule(
       duration=args.duration, restarts=args.restarts, leaves=args.leaves, joins=args.joins)
   except ValueError as e:
     raise CommandError(f"arguments --restarts, --leaves, --joins: {e}") from None
@@ -317,11 +346,9 @@ def run_async(args: argparse.Namespace) -> int:
                        f" {args.stragglers}")
   _check_worker_times(args)
   check_out(args.out)
-  from optax_dist.cli import async_run, reports
-
   cluster = {key: getattr(args, key) for key in ("workers", "stragglers", "slowdown", "restarts",
                                                  "leaves", "joins", "max_staleness",
-                                                 "communication_period")}
+                                                 "communication_period", "dylu")}
   rows = async_run.run(task, **cluster, duration=args.duration, batch_size=args.batch_size,
                        learning_rate=args.learning_rate, seed=args.seed,
                        progress=not args.no_progress)

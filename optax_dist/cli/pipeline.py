@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 import numpy as np
 
 
@@ -56,7 +57,5 @@ def put(x: Any, sharding: Any) -> Any:
   Every process passes the same ``x`` and contributes the shards on its own devices, so this
   works in one process and across ``jax.distributed`` processes alike.
   """
-  import jax
-
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 
 def train_columns(label: str = "test acc", metric: str = "accuracy") -> tuple:
   """The columns of ``train`` and ``compare``: header, key of the result, format.
@@ -130,8 +132,6 @@ def plot_accuracy(results: Sequence[dict[str, Any]], path: str, title: str = "",
 
 def plot_async(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
   """Writes a PNG: test metric against simulated time, and the staleness of the commits."""
-  import numpy as np
-
   plt = _pyplot()
   fig, (acc, hist) = plt.subplots(1, 2, figsize=(11, 4.2))
   for k, row in enumerate(rows):

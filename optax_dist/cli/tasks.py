@@ -18,7 +18,11 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from optax_dist.cli import text
 
 Batch = dict[str, Any]
 """Arrays with a leading example axis, e.g. ``{"x": [B, F] float32, "y": [B] int32}``."""
@@ -53,7 +57,8 @@ class Task:
     requires: modules needed beyond the ``examples`` extra, each checked before a run.
     install: how to install :attr:`requires` (the end of the error message when one is missing).
     defaults: the task's own defaults of :class:`optax_dist.cli.config.Settings` fields
-      (``steps``, ``batch_size``, ``learning_rate``, ``eval_every``).
+      (``steps``, ``batch_size``, ``learning_rate``, ``eval_every``, the periods, the inner
+      optimizer's recipe).
   """
 
   name: str
@@ -96,7 +101,7 @@ def split_and_standardize(
   The features are standardized with the training set's mean and standard deviation (constant
   pixels are left centred). Returns ``{"x": float32 [N, F], "y": int32 [N]}`` splits.
   """
-  from sklearn.model_selection import train_test_split
+  from sklearn.model_selection import train_test_split  # the examples extra, checked first
 
   x_train, x_test, y_train, y_test = train_test_split(
     x, y, test_size=test_fraction, random_state=seed, stratify=y
@@ -128,20 +133,22 @@ def load_mnist(seed: int) -> Data:
 
 def cross_entropy(logits: Any, batch: Batch) -> Any:
   """The mean softmax cross-entropy of ``logits`` ``[B, C]`` against the labels ``batch["y"]``."""
-  import optax
-
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
 def accuracy(logits: Any, batch: Batch) -> Any:
   """The fraction of ``logits`` ``[B, C]`` whose argmax is the label ``batch["y"]``."""
-  import jax.numpy as jnp
-
   return jnp.mean((jnp.argmax(logits, axis=-1) == batch["y"]).astype(jnp.float32))
 
 
 LM_CONTEXT = 64
 """Bytes the ``lm`` task's model reads to predict each next byte."""
+
+LM_RECIPE = {"optimizer": "adamw", "b2": 0.99, "weight_decay": 0.1,
+             "lr_schedule": "warmup_cosine", "clip_norm": 1.0}
+"""The ``lm`` task's inner optimizer: the language-model literature's recipe (AdamW with
+b2 = 0.99 and weight decay 0.1, a warm-up over 5% of the steps then cosine decay to 10%, the
+gradients clipped to global norm 1)."""
 
 LM_VALIDATION_WINDOWS = 256
 """Validation windows the ``lm`` task evaluates on (evenly spread: 16,640 bytes)."""
@@ -155,8 +162,6 @@ def load_lm(seed: int) -> Data:
   one byte. The test split is :data:`LM_VALIDATION_WINDOWS` windows of the validation files.
   """
   del seed
-  from optax_dist.cli import text
-
   train, validation = text.splits()
   train = text.windows(train, LM_CONTEXT + 1)
   validation = text.windows(validation, LM_CONTEXT + 1, LM_VALIDATION_WINDOWS)
@@ -166,9 +171,6 @@ def load_lm(seed: int) -> Data:
 
 def next_byte_cross_entropy(logits: Any, batch: Batch) -> Any:
   """The mean cross-entropy, in nats, of ``logits`` ``[B, T, 256]`` against ``batch["y"]``."""
-  import jax.numpy as jnp
-  import optax
-
   labels = batch["y"].astype(jnp.int32)
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
@@ -180,21 +182,19 @@ def bits_per_byte(logits: Any, batch: Batch) -> Any:
 
 def lm_provenance() -> str:
   """:func:`optax_dist.cli.text.describe`: the Python version and the corpus' byte counts."""
-  from optax_dist.cli import text
-
   return text.describe()
 
 
 def transformer() -> Any:
   """:class:`optax_dist.cli.models.Transformer` (imports Flax when called)."""
-  from optax_dist.cli.models import Transformer
+  from optax_dist.cli.models import Transformer  # Flax: the examples extra, checked first
 
   return Transformer(context=LM_CONTEXT)
 
 
 def mlp(hidden: tuple[int, ...] = (64, 64), num_classes: int = 10) -> Any:
   """:class:`optax_dist.cli.models.MLP` (imports Flax when called)."""
-  from optax_dist.cli.models import MLP
+  from optax_dist.cli.models import MLP  # Flax: the examples extra, checked first
 
   return MLP(hidden=hidden, num_classes=num_classes)
 
@@ -214,7 +214,7 @@ TASKS: dict[str, Task] = {
          metric_key="bits_per_byte", metric_label="val bits/byte", lower_is_better=True,
          provenance=lm_provenance,
          defaults={"steps": 300, "batch_size": 8, "learning_rate": 3e-3, "eval_every": 50,
-                   "communication_period": 10, "sync_period": 50}),
+                   "communication_period": 10, "sync_period": 50, **LM_RECIPE}),
   )
 }
 """Every task, by name."""

@@ -1,7 +1,9 @@
 """Data-parallel training of any task with any algorithm, over a mesh of workers.
 
-Every worker is one device of a 1-D mesh with axis ``"workers"``; its params, optimizer state and
-shard of the training set live on that device, and one jitted ``jax.shard_map`` step, with the
+Every worker is one device of a 1-D mesh with axis ``"workers"`` (with ``replicas`` R > 1, of a
+``(R, devices / R)`` mesh with axes ``("replica", "data")``: worker ``i`` is in replica
+``i // (devices / R)``); its params, optimizer state and shard of the training set live on that
+device, and one jitted ``jax.shard_map`` step, with the
 params and the optimizer state donated, trains all of them. The test metric is measured on the
 params :func:`optax_dist.eval_params` returns (the center, the EMA, or the params) and on the
 workers' own params.
@@ -29,19 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dist
 from optax_dist.cli import pipeline
-from optax_dist.cli.algorithms import (
-  AXIS,
-  PERIODIC,
-  SYNCED,
-  communicates,
-  communication_rounds,
-  make_optimizer,
-)
+from optax_dist.cli.algorithms import ALGORITHMS, AXIS, DATA, REPLICA, axes, make_optimizer
+from optax_dist.cli.checkpoints import Checkpoints
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import Data, Task
 
@@ -84,8 +81,6 @@ def to_host(tree: Any) -> Any:
   """``tree``'s global arrays as NumPy arrays on every process (an all-gather across processes)."""
   if jax.process_count() == 1:
     return jax.device_get(tree)
-  from jax.experimental import multihost_utils
-
   return multihost_utils.process_allgather(tree, tiled=True)
 
 
@@ -103,8 +98,8 @@ def initial_params(task: Task, seed: int, example: tuple[tuple[str, tuple, str],
 
 
 def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int,
-            communicate: bool | None = None) -> Callable:
-  """One training step of one worker, to run under ``shard_map`` over :data:`AXIS`.
+            communicate: bool | None = None, axis: Any = AXIS) -> Callable:
+  """One training step of one worker, to run under ``shard_map`` over the mesh axes ``axis``.
 
   ``step(params, opt_state, history, train, idx, delay)``: ``train`` is the worker's shard, ``idx``
   its minibatch's indices, ``delay`` (``drop_stale_gradients`` only) how many accepted steps old
@@ -127,7 +122,7 @@ def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int,
     if stale:
       slot = opt_state.global_step % depth
       history = jax.tree.map(lambda h, p: h.at[slot].set(p), history, params)
-    return (*_stack((params, opt_state, history)), jax.lax.pmean(loss, AXIS))
+    return (*_stack((params, opt_state, history)), jax.lax.pmean(loss, axis))
 
   return step
 
@@ -148,11 +143,12 @@ class Run:
 
   def __init__(self, task: Task, data: Data, settings: Settings):
     s = self.settings = settings
-    self.stale = s.algorithm == "drop_stale_gradients"
+    self.algorithm = ALGORITHMS[s.algorithm]
+    self.stale = self.algorithm.stale_gradients
     self.depth = max(s.max_staleness, 0) + 2  # the params of the last `depth` accepted steps
-    mesh = jax.make_mesh((s.devices,), (AXIS,), axis_types=(AxisType.Auto,),
-                         devices=_devices(s.devices))
-    self.split, self.replicated = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+    mesh = _mesh(s)
+    self.axes = axes(s)
+    self.split, self.replicated = NamedSharding(mesh, P(self.axes)), NamedSharding(mesh, P())
     shards = pipeline.shard_examples(data.train, s.devices)
     self.n_local = len(next(iter(shards.values()))[0])
     _check_batch_size(s, len(next(iter(data.train.values()))), self.n_local)
@@ -174,19 +170,21 @@ class Run:
 
   def _compile(self, mesh, params, loss_fn, metric_fn) -> None:
     s = self.settings
-    init = jax.shard_map(self._init_fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    split = P(self.axes)
+    init = jax.shard_map(self._init_fn, mesh=mesh, in_specs=split, out_specs=split)
     self.initial = State(params, *jax.jit(init)(params))
     idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))
     delay = pipeline.put(self.delays[0], self.replicated)
     # One step for each value of the hint: with a schedule, a step that communicates and one
     # that does not (no conditional, no collective). Compiled ahead of time: a call with other
     # types would raise instead of recompiling.
-    hints = (None,) if communicates(s, 1) is None else (False, True)
+    hints = (None,) if self.algorithm.schedule is None else (False, True)
     self._steps = {}
     for hint in hints:
       step = jax.shard_map(
-        step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint),
-        mesh=mesh, in_specs=(P(AXIS),) * 5 + (P(),), out_specs=(P(AXIS),) * 3 + (P(),))
+        step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint,
+                axis=self.axes),
+        mesh=mesh, in_specs=(split,) * 5 + (P(),), out_specs=(split,) * 3 + (P(),))
       self._steps[hint] = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
         *self.initial, self.train, idx, delay).compile()
     self._evaluate = jax.jit(evaluate_fn(metric_fn)).lower(
@@ -204,7 +202,8 @@ class Run:
     s = self.settings
     idx = self.shard(pipeline.minibatch(s.seed, s.devices, self.n_local, s.batch_size, step - 1))
     delay = pipeline.put(self.delays[step - 1], self.replicated)
-    *state, loss = self._steps[communicates(s, step)](*state, self.train, idx, delay)
+    hint = self.algorithm.communicates(s, step)
+    *state, loss = self._steps[hint](*state, self.train, idx, delay)
     return State(*state), loss
 
   def measure(self, state: State, record: dict[str, list], step: int, loss: Any) -> None:
@@ -212,10 +211,27 @@ class Run:
     s = self.settings
     metric_eval, metric_workers = self._evaluate(state.params, state.opt_state, self.test)
     record["step"].append(step)
-    record["communication_rounds"].append(communication_rounds(s, step))
+    record["communication_rounds"].append(self.algorithm.communication_rounds(s, step))
     record[self.keys[0]].append(float(metric_eval))
     record[self.keys[1]].append(float(metric_workers))
     record["train_loss"].append(None if loss is None else float(loss))
+
+
+def _mesh(settings: Settings) -> jax.sharding.Mesh:
+  """The workers' mesh: 1-D over :data:`AXIS`, or with ``replicas`` R > 1, ``(R, devices / R)``
+  over ``(REPLICA, DATA)``, each replica's workers on consecutive devices (of one process when
+  every process holds a replica)."""
+  s = settings
+  devices = _devices(s.devices)
+  if s.replicas == 1:
+    return jax.make_mesh((s.devices,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+  if s.devices % s.replicas:
+    raise ValueError(
+      f"train(settings.replicas={s.replicas}) must divide settings.devices={s.devices}: the"
+      " replicas have equal numbers of workers.")
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  return jax.sharding.Mesh(np.array(devices).reshape(s.replicas, s.devices // s.replicas),
+                           (REPLICA, DATA), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def _devices(devices: int) -> list[Any]:
@@ -302,8 +318,6 @@ def train(
   state, earlier_time, resumed_from = run.initial, 0.0, None
   checkpoints = None
   if checkpoint_dir is not None and (checkpoint_every > 0 or resume):
-    from optax_dist.cli.checkpoints import Checkpoints
-
     checkpoints = Checkpoints(checkpoint_dir, settings.as_dict(), resume=resume)
     if resume:
       state, record, earlier_time, resumed_from, resized = _restore(
@@ -397,44 +411,28 @@ def _replicated_value(tree: Any) -> Any:
 
 def _result(task: Task, settings: Settings, state: State, record: dict[str, list],
             wall_time: float) -> dict[str, Any]:
-  """The results of a finished run (see :func:`train`)."""
-  s = settings
+  """The results of a finished run (see :func:`train`): the settings of the recipe, those the
+  algorithm reads (:attr:`Algorithm.settings`), the final metrics and the history."""
+  s, algorithm = settings, ALGORITHMS[settings.algorithm]
   result = {
     "algorithm": s.algorithm,
     "task": s.task,
     "metric": task.metric_key,
     "devices": s.devices,
+    "replicas": s.replicas,
     "steps": s.steps,
     "batch_size": s.batch_size,
     "learning_rate": s.learning_rate,
     "param_dtype": s.param_dtype,
-    "communication_period": _period(s),
-    "communication_rounds": communication_rounds(s, s.steps),
+    **{key: getattr(s, key) for key in algorithm.settings},
+    "communication_rounds": algorithm.communication_rounds(s, s.steps),
     **{key: record[key][-1] for key in metric_keys(task)},
     "final_train_loss": record["train_loss"][-1],
     "wall_time_s": wall_time,
     "history": record,
   }
-  if s.algorithm == "elastic_average":
-    result["moving_rate"] = s.moving_rate
-  if s.algorithm == "moving_average":
-    result["decay"] = s.decay
-  if s.algorithm in SYNCED:
-    result |= {"sync_period": s.sync_period, "warmup_steps": s.warmup_steps,
-               "outer_learning_rate": s.outer_learning_rate,
-               "outer_momentum": s.outer_momentum, "num_fragments": s.num_fragments}
-  if s.algorithm == "drop_stale_gradients":
-    result["max_staleness"] = s.max_staleness
+  if algorithm.stale_gradients:
     # The same on every worker; read from a shard this process holds.
     dropped = state.opt_state.num_dropped.addressable_shards[0].data
     result["num_dropped"] = int(np.asarray(dropped)[0])
   return result
-
-
-def _period(settings: Settings) -> int:
-  """Steps between the communications of ``settings.algorithm`` (1: every step)."""
-  if settings.algorithm in PERIODIC:
-    return settings.communication_period
-  if settings.algorithm in SYNCED:
-    return settings.sync_period
-  return 1
