@@ -88,15 +88,13 @@ def param_bytes(task_name: str = "lm") -> int:
 
 def exchanges(result: dict[str, Any]) -> list[bool]:
   """For each step of ``result`` (a trainer's results), whether it exchanges across workers."""
-  from optax_dist.cli.algorithms import SYNCED, communicates
+  from optax_dist.cli.algorithms import ALGORITHMS
   from optax_dist.cli.config import Settings
 
-  fields = {k: result[k] for k in ("algorithm", "steps") if k in result}
-  fields["communication_period"] = result["communication_period"]
-  if result["algorithm"] in SYNCED:
-    fields |= {k: result[k] for k in ("sync_period", "num_fragments", "warmup_steps")}
+  algorithm = ALGORITHMS[result["algorithm"]]
+  fields = {k: result[k] for k in ("algorithm", "steps", *algorithm.settings) if k in result}
   settings = Settings(**fields)
-  flags = [communicates(settings, s) for s in range(1, result["steps"] + 1)]
+  flags = [algorithm.communicates(settings, s) for s in range(1, result["steps"] + 1)]
   return [True if f is None else f for f in flags]
 
 
