@@ -42,19 +42,17 @@ class AGNState(NamedTuple):
 def agn_communicates(step: Any, *, communication_period: int) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`agn` commits to the center.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % communication_period == 0``. Public
-  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
-  (:func:`hinted_step`), to count communication rounds, or to plot.
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % communication_period == 0``.
 
   Args:
     step: the 1-based number of the ``update`` call (a Python int or an integer array).
     communication_period: τ, as given to :func:`agn`.
 
   Returns:
-    A bool for a Python int ``step``; a bool array for an integer array.
+    A bool (a bool array for an integer array ``step``).
 
   Collectives:
-    None: a function of the step count alone.
+    None.
 
   Raises:
     TypeError, ValueError: a period or count not a positive int (checked when concrete).

@@ -48,19 +48,17 @@ class DiLoCoState(NamedTuple):
 def diloco_syncs(step: Any, *, sync_period: int) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`diloco` syncs.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % sync_period == 0``. Public
-  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
-  (:func:`hinted_step`), to count communication rounds, or to plot.
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % sync_period == 0``.
 
   Args:
     step: the 1-based number of the ``update`` call (a Python int or an integer array).
     sync_period: H, as given to :func:`diloco`.
 
   Returns:
-    A bool for a Python int ``step``; a bool array for an integer array.
+    A bool (a bool array for an integer array ``step``).
 
   Collectives:
-    None: a function of the step count alone.
+    None.
 
   Raises:
     TypeError, ValueError: a period or count not a positive int (checked when concrete).

@@ -39,19 +39,17 @@ def check_warmup_steps(fn: str, warmup_steps: Any) -> None:
 def local_sgd_warming_up(step: Any, *, warmup_steps: int = 0) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`local_sgd` is a warm-up step.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step <= warmup_steps``; on these steps the gradients are all-reduced. Public
-  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
-  (:func:`hinted_step`), to count communication rounds, or to plot.
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step <= warmup_steps``; on these steps the gradients are all-reduced.
 
   Args:
     step: the 1-based number of the ``update`` call (a Python int or an integer array).
     warmup_steps: W, as given to :func:`local_sgd`.
 
   Returns:
-    A bool for a Python int ``step``; a bool array for an integer array.
+    A bool (a bool array for an integer array ``step``).
 
   Collectives:
-    None: a function of the step count alone.
+    None.
 
   Raises:
     TypeError, ValueError: a period or count not a positive int (checked when concrete).
@@ -72,9 +70,7 @@ def local_sgd_warming_up(step: Any, *, warmup_steps: int = 0) -> Any:
 def local_sgd_syncs(step: Any, *, sync_period: int, warmup_steps: int = 0) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`local_sgd` averages the models.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step > W`` and ``(step - W) % H == 0``, the first average on step :math:`W + H`. Public
-  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
-  (:func:`hinted_step`), to count communication rounds, or to plot. The warm-up's all-reduces
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step > W`` and ``(step - W) % H == 0``, the first average on step :math:`W + H`. The warm-up's all-reduces
   (:func:`local_sgd_warming_up`) are not model averages.
 
   Args:
@@ -83,10 +79,10 @@ def local_sgd_syncs(step: Any, *, sync_period: int, warmup_steps: int = 0) -> An
     warmup_steps: W, as given to :func:`local_sgd`.
 
   Returns:
-    A bool for a Python int ``step``; a bool array for an integer array.
+    A bool (a bool array for an integer array ``step``).
 
   Collectives:
-    None: a function of the step count alone.
+    None.
 
   Raises:
     TypeError, ValueError: a period or count not a positive int (checked when concrete).

@@ -153,9 +153,7 @@ def streaming_diloco_syncs(
   """Whether ``update`` call number ``step`` (from 1) of :func:`streaming_diloco` syncs.
 
   The rule ``update`` applies to its own ``local_step`` (after its increment): fragment f syncs where ``step % H == s_f % H``, :math:`s_f = \\lfloor (f + 1) H / F
-  \\rfloor`. Public
-  for the caller who wants the schedule ahead of time: to pass the static ``communicate`` hint
-  (:func:`hinted_step`), to count communication rounds, or to plot.
+  \\rfloor`.
 
   Args:
     step: the 1-based number of the ``update`` call (a Python int or an integer array).
@@ -164,10 +162,10 @@ def streaming_diloco_syncs(
     fragment: the fragment f in ``[0, F)``; ``None`` (default): whether any fragment syncs.
 
   Returns:
-    A bool for a Python int ``step``; a bool array for an integer array.
+    A bool (a bool array for an integer array ``step``).
 
   Collectives:
-    None: a function of the step count alone.
+    None.
 
   Raises:
     TypeError, ValueError: a period or count not a positive int (checked when concrete).
