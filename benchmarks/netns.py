@@ -29,7 +29,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 PREFIX = "odist"

@@ -278,7 +278,8 @@ def communication_report(
     A backend may change a collective's dtype: XLA's CPU compiler widens ``bfloat16``
     collectives to ``float32`` (after rounding the values to ``bfloat16``), so a
     ``comm_dtype=jnp.bfloat16`` exchange shows ``float32`` bytes there (GPU and TPU
-    communicate ``bfloat16`` natively). ``stage="lowered"`` reports the collectives as the program requests them,
+    communicate ``bfloat16`` natively). ``stage="lowered"`` reports the collectives as the program
+    requests them,
     before any backend pass.
 
   Args:
@@ -536,7 +537,8 @@ def _walk(module: _Module, policy: str) -> list[Collective]:
                                 shapes.get(ref, ""))
         if not any(operand_shapes):  # an unknown operand: an all-reduce's result has its shape
           operand_shapes = [ins.shape]
-        result = done_shapes.get(ins.name, ins.shape) if ins.opcode.endswith("-start") else ins.shape
+        result = (done_shapes.get(ins.name, ins.shape) if ins.opcode.endswith("-start")
+                  else ins.shape)
         found.append(
           Collective(
             kind=kind,

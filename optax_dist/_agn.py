@@ -42,7 +42,8 @@ class AGNState(NamedTuple):
 def agn_communicates(step: Any, *, communication_period: int) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`agn` commits to the center.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % communication_period == 0``.
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step %
+  communication_period == 0``.
 
   Args:
     step: the 1-based number of the ``update`` call (a Python int or an integer array).

@@ -48,7 +48,8 @@ class DiLoCoState(NamedTuple):
 def diloco_syncs(step: Any, *, sync_period: int) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`diloco` syncs.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % sync_period == 0``.
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % sync_period
+  == 0``.
 
   Args:
     step: the 1-based number of the ``update`` call (a Python int or an integer array).

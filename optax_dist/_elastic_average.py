@@ -38,7 +38,8 @@ class ElasticAverageState(NamedTuple):
 def elastic_average_communicates(step: Any, *, communication_period: int) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`elastic_average` communicates.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step % communication_period == 0``.
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step %
+  communication_period == 0``.
 
   Args:
     step: the 1-based number of the ``update`` call (a Python int or an integer array).
@@ -55,13 +56,15 @@ def elastic_average_communicates(step: Any, *, communication_period: int) -> Any
 
   Examples:
     >>> import optax_dist
-    >>> [t for t in range(1, 8) if optax_dist.elastic_average_communicates(t, communication_period=3)]
+    >>> [t for t in range(1, 8)
+    ...  if optax_dist.elastic_average_communicates(t, communication_period=3)]
     [3, 6]
 
   References:
     TensorFlow 1.x, ``tf.contrib.opt.ElasticAverageOptimizer`` (``communication_period``).
   """
-  _checks.check_positive_int("elastic_average_communicates", "communication_period", communication_period)
+  _checks.check_positive_int(
+    "elastic_average_communicates", "communication_period", communication_period)
   return step % communication_period == 0
 
 

@@ -62,7 +62,8 @@ def hinted_step(
       ``functools.partial(optax_dist.diloco_syncs, sync_period=H)``.
     start: the number of steps already taken (a restored run's step counter): the first call is
       call ``start + 1``.
-    jit_kwargs: keyword arguments passed to both ``jax.jit`` calls (``donate_argnums``, ``in_shardings``, ...).
+    jit_kwargs: keyword arguments passed to both ``jax.jit`` calls (``donate_argnums``,
+    ``in_shardings``, ...).
 
   Returns:
     A callable :class:`HintedStep` with the signature of ``step_fn`` without ``communicate``;

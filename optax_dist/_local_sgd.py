@@ -39,7 +39,8 @@ def check_warmup_steps(fn: str, warmup_steps: Any) -> None:
 def local_sgd_warming_up(step: Any, *, warmup_steps: int = 0) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`local_sgd` is a warm-up step.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step <= warmup_steps``; on these steps the gradients are all-reduced.
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step <=
+  warmup_steps``; on these steps the gradients are all-reduced.
 
   Args:
     step: the 1-based number of the ``update`` call (a Python int or an integer array).
@@ -70,7 +71,8 @@ def local_sgd_warming_up(step: Any, *, warmup_steps: int = 0) -> Any:
 def local_sgd_syncs(step: Any, *, sync_period: int, warmup_steps: int = 0) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`local_sgd` averages the models.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step > W`` and ``(step - W) % H == 0``, the first average on step :math:`W + H`. The warm-up's all-reduces
+  The rule ``update`` applies to its own ``local_step`` (after its increment): ``step > W`` and
+  ``(step - W) % H == 0``, the first average on step :math:`W + H`. The warm-up's all-reduces
   (:func:`local_sgd_warming_up`) are not model averages.
 
   Args:
@@ -162,7 +164,8 @@ def local_sgd(
       the default, is 256; even for the 4-bit formats); ignored otherwise.
     slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose devices hold
       identical copies of the params, such as the devices of one replica after
-      ``tower(inner, slice_axis)``: each of its K devices then exchanges only its 1/K slice of the model average
+      ``tower(inner, slice_axis)``: each of its K devices then exchanges only its 1/K slice of the
+      model average
       across the workers and the slices are gathered back inside the worker, so the K devices
       together send the params' bytes once instead of K times. ``None`` (default): every
       device exchanges the whole tree.

@@ -152,7 +152,8 @@ def streaming_diloco_syncs(
 ) -> Any:
   """Whether ``update`` call number ``step`` (from 1) of :func:`streaming_diloco` syncs.
 
-  The rule ``update`` applies to its own ``local_step`` (after its increment): fragment f syncs where ``step % H == s_f % H``, :math:`s_f = \\lfloor (f + 1) H / F
+  The rule ``update`` applies to its own ``local_step`` (after its increment): fragment f
+  syncs where ``step % H == s_f % H``, :math:`s_f = \\lfloor (f + 1) H / F
   \\rfloor`.
 
   Args:

@@ -24,8 +24,8 @@ With ``replicas`` R > 1 the workers form R replicas on a 2-D mesh (:data:`REPLIC
 :data:`DATA`): the inner optimizer is ``tower(inner, DATA)``, a synchronous reduction within each
 replica on every step, and the algorithm runs across the replicas (``axis_name=REPLICA``), each
 device of a replica exchanging only its 1/K slice of the params (``slice_axis=DATA``; ``agn``
-exchanges whole copies). The all-reducing algorithms (``sync``, ``moving_average``, ``drop_stale_gradients``) reduce over
-every worker whatever R.
+exchanges whole copies). The all-reducing algorithms (``sync``, ``moving_average``,
+``drop_stale_gradients``) reduce over every worker whatever R.
 
 With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``diloco``,
 ``streaming_diloco``) are kept in float32.
