@@ -194,6 +194,30 @@ def all_gather(
   return jax.tree.map(lambda g, x: g.astype(jnp.result_type(x)), gathered, tree)
 
 
+def hierarchical_psum(
+  x: jax.Array, axis_name: tuple, comm_dtype: Any = None, block_size: int = 256
+) -> jax.Array:
+  """:func:`psum` of one leaf over the tuple of axes ``axis_name``, the last one first.
+
+  With ``axis_name = (*outer, inner)`` (``inner`` the fast axis, e.g. the devices of one host):
+  the leaf, flattened and padded with zeros to a multiple of K (``inner``'s size), is
+  reduce-scattered over ``inner`` (``psum_scatter``: each device keeps the sum of its 1/K
+  slice), the slices are all-reduced over ``outer`` by :func:`psum` in ``comm_dtype``, and an
+  ``all_gather`` over ``inner`` rebuilds the leaf. Across ``outer`` each device sends and
+  receives the bytes of its 1/K slice, so the K devices of a host together send the leaf's
+  bytes once, where a flat ``psum`` over all the axes crosses between hosts about twice
+  (a ring over every device). The reduce-scatter and all-gather inside ``inner`` run in the
+  leaf's own dtype. The sum's terms are added in another order than a flat ``psum``'s.
+  """
+  *outer, inner = axis_name
+  k = jax.lax.axis_size(inner)
+  flat = jnp.ravel(x)
+  padded = jnp.pad(flat, (0, -flat.size % k))
+  part = jax.lax.psum_scatter(padded, inner, tiled=True)
+  part = psum(part, tuple(outer), comm_dtype, block_size)
+  return jax.lax.all_gather(part, inner, tiled=True)[: flat.size].reshape(x.shape)
+
+
 def worker_mean(
   tree: Any, axis_name: Hashable, n: int, comm_dtype: Any = None, block_size: int = 256
 ) -> Any:
@@ -275,14 +299,15 @@ def check_slice_axis(
 
 def reduce_gradients(
   fn: str, updates: Any, axis_name: Hashable | tuple | None, reduction: str, comm_dtype: Any,
-  block_size: int = 256,
+  block_size: int = 256, hierarchical: bool = False,
 ) -> Any:
   """The gradients summed (``"sum"``) or averaged (``"mean"``) over the workers.
 
   Per axis of ``axis_name``: a leaf already summed by autodiff (typed invariant over a checked
   axis, see :func:`summed_axes`) is not summed again; the others are ``psum``-ed in
-  ``comm_dtype``. The mean divides by N, the product of all the axes' sizes. ``axis_name=None``
-  returns ``updates`` unchanged. Errors name ``fn``, the public function the user called.
+  ``comm_dtype`` (with ``hierarchical``, over two or more axes, by :func:`hierarchical_psum`).
+  The mean divides by N, the product of all the axes' sizes. ``axis_name=None`` returns
+  ``updates`` unchanged. Errors name ``fn``, the public function the user called.
   """
   n = bound_axis_size(fn, axis_name)
   if n is None:
@@ -291,7 +316,10 @@ def reduce_gradients(
   def reduce(g):
     summed = summed_axes(axis_name, g)
     others = tuple(a for a in axis_names(axis_name) if a not in summed)
-    total = psum(g, others, comm_dtype, block_size) if others else g
+    if hierarchical and len(others) > 1:
+      total = hierarchical_psum(g, others, comm_dtype, block_size)
+    else:
+      total = psum(g, others, comm_dtype, block_size) if others else g
     return total if reduction == "sum" else (total / n).astype(g.dtype)
 
   return jax.tree.map(reduce, updates)

@@ -17,7 +17,8 @@ _REDUCTIONS = ("mean", "sum")
 
 
 def all_reduce(
-  axis_name: Hashable, reduction: str = "mean", *, comm_dtype: Any = None
+  axis_name: Hashable, reduction: str = "mean", *, comm_dtype: Any = None,
+  hierarchical: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Replaces the updates by their sum or mean over the workers of ``axis_name``.
 
@@ -48,6 +49,14 @@ def all_reduce(
   scale with ``comm_dtype``'s itemsize, at the cost of rounding every :math:`g_k` and the sum to
   ``comm_dtype``.
 
+  With ``hierarchical=True`` and ``axis_name = (*outer, inner)`` (e.g. ``("hosts", "gpus")``,
+  the last axis the fast one, inside a host), a leaf summed over two or more axes is
+  reduce-scattered over ``inner``, its 1/K slices all-reduced over ``outer`` (in ``comm_dtype``)
+  and all-gathered over ``inner`` (Horovod's hierarchical all-reduce): the same sum, added in
+  another order, with each host's K devices together sending the gradient's bytes across hosts
+  once. A flat ``psum`` over all the axes is one ring over every device, which crosses between
+  hosts about twice per host.
+
   Args:
     axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers; ``None``
       for one worker.
@@ -55,6 +64,8 @@ def all_reduce(
     comm_dtype: the floating dtype in which the gradients are communicated (e.g.
       ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) communicates each leaf
       in its own dtype. Non-floating leaves are always communicated in their own dtype.
+    hierarchical: reduce over a tuple ``axis_name`` inner axis first, as above (default
+      ``False``: one ``psum`` over all the axes).
 
   Returns:
     A stateless ``optax.GradientTransformationExtraArgs``.
@@ -66,11 +77,14 @@ def all_reduce(
     On every step, one ``psum`` (``"sum"``) or ``pmean`` (``"mean"``) over ``axis_name`` per
     leaf that varies over the axis: the gradient's bytes (its element count times the itemsize
     of ``comm_dtype``, or of its own dtype), all-reduced. None for leaves already summed by
-    autodiff, and none with ``axis_name=None``. :func:`communication_report` measures them.
+    autodiff, and none with ``axis_name=None``. With ``hierarchical``: a ``psum_scatter`` and an
+    ``all_gather`` over ``inner`` (the leaf's dtype, padded to a multiple of K values) around a
+    ``psum`` of 1/K of the leaf over ``outer``. :func:`communication_report` measures them.
 
   Raises:
-    TypeError: ``comm_dtype`` not ``None`` or a floating dtype.
-    ValueError: ``reduction`` not ``"mean"`` or ``"sum"``; in ``update``, a named
+    TypeError: ``comm_dtype`` not ``None`` or a floating dtype; ``hierarchical`` not a bool.
+    ValueError: ``hierarchical=True`` with an ``axis_name`` of fewer than two axes;
+      ``reduction`` not ``"mean"`` or ``"sum"``; in ``update``, a named
       ``axis_name`` that is not bound where it runs (a misspelled name, or ``update`` outside
       the mapped function).
 
@@ -86,11 +100,22 @@ def all_reduce(
   """
   _checks.check_choice("all_reduce", "reduction", reduction, _REDUCTIONS)
   comm_dtype = _checks.check_floating_dtype("all_reduce", "comm_dtype", comm_dtype)
-  return _all_reduce("all_reduce", axis_name, reduction, comm_dtype)
+  _check_hierarchical("all_reduce", hierarchical, axis_name)
+  return _all_reduce("all_reduce", axis_name, reduction, comm_dtype, hierarchical)
+
+
+def _check_hierarchical(fn: str, hierarchical: Any, axis_name: Hashable) -> None:
+  if not isinstance(hierarchical, (bool, np.bool_)):
+    raise TypeError(f"`{fn}(hierarchical=...)` must be a bool, got {hierarchical!r}.")
+  if hierarchical and len(_axis.axis_names(axis_name)) < 2:
+    raise ValueError(
+      f"`{fn}(hierarchical=True)` needs a tuple `axis_name` of two or more mesh axes (the last"
+      f" one inside each host), got axis_name={axis_name!r}."
+    )
 
 
 def _all_reduce(
-  fn: str, axis_name: Hashable, reduction: str, comm_dtype: Any
+  fn: str, axis_name: Hashable, reduction: str, comm_dtype: Any, hierarchical: bool = False
 ) -> optax.GradientTransformationExtraArgs:
   """:func:`all_reduce`, whose errors name ``fn`` (the public function the user called)."""
 
@@ -100,7 +125,9 @@ def _all_reduce(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    return _axis.reduce_gradients(fn, updates, axis_name, reduction, comm_dtype), state
+    return _axis.reduce_gradients(
+      fn, updates, axis_name, reduction, comm_dtype, hierarchical=bool(hierarchical)
+    ), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -111,11 +138,12 @@ def tower(
   *,
   reduction: str = "mean",
   comm_dtype: Any = None,
+  hierarchical: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Reduces the gradients of all workers, then takes one ``inner`` step on the result.
 
   ``tower(inner, axis_name, reduction=r, comm_dtype=c)`` is
-  ``optax.chain(all_reduce(axis_name, r, comm_dtype=c), inner)``:
+  ``optax.chain(all_reduce(axis_name, r, comm_dtype=c, hierarchical=h), inner)``:
 
   .. math::
 
@@ -132,6 +160,9 @@ def tower(
     comm_dtype: the floating dtype in which the gradients are all-reduced (e.g.
       ``jnp.bfloat16``); ``None`` (default) uses each gradient's own dtype. ``inner`` always
       receives the reduced gradients in their own dtype.
+    hierarchical: with a tuple ``axis_name`` ``(*outer, inner)``, reduce-scatter over ``inner``,
+      all-reduce the slices over ``outer``, all-gather over ``inner`` (see :func:`all_reduce`):
+      across hosts each gradient's bytes are sent once, not about twice.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with the state of
@@ -147,8 +178,9 @@ def tower(
 
   Raises:
     TypeError: ``inner`` is not a transformation; ``comm_dtype`` not ``None`` or a floating
-      dtype.
-    ValueError: ``reduction`` not ``"mean"`` or ``"sum"``; in ``update``, a named
+      dtype; ``hierarchical`` not a bool.
+    ValueError: ``reduction`` not ``"mean"`` or ``"sum"``; ``hierarchical=True`` with fewer
+      than two axes; in ``update``, a named
       ``axis_name`` that is not bound where it runs.
 
   Examples:
@@ -171,8 +203,9 @@ def tower(
   _checks.check_transformation("tower", inner)
   _checks.check_choice("tower", "reduction", reduction, _REDUCTIONS)
   comm_dtype = _checks.check_floating_dtype("tower", "comm_dtype", comm_dtype)
+  _check_hierarchical("tower", hierarchical, axis_name)
   return optax.chain(
-    _all_reduce("tower", axis_name, reduction, comm_dtype), _axis.wrap_inner(inner)
+    _all_reduce("tower", axis_name, reduction, comm_dtype, hierarchical), _axis.wrap_inner(inner)
   )
 
 

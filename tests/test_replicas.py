@@ -92,3 +92,19 @@ def test_replicas_must_divide_the_workers():
   task = TASKS["digits"]
   with pytest.raises(ValueError, match=r"replicas=3\) must divide settings.devices=8"):
     trainer.train(task, task.load(0), Settings(devices=WORKERS, replicas=3, steps=2))
+
+
+def test_sync_over_replicas_sends_each_slice_across_once():
+  """With 2 replicas of 4 workers, sync reduces hierarchically: across replicas each device
+  all-reduces only its 1/4 slice of every gradient (padded), a replica's devices together the
+  params' bytes once; over all 8 workers at once only the 4-byte mean loss."""
+  task = TASKS["digits"]
+  data = task.load(0)
+  settings = Settings(devices=WORKERS, replicas=2, steps=1, batch_size=BATCH, eval_every=1)
+  result = trainer.train(task, data, settings)
+  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
+  sizes = [np.size(p) for p in jax.tree.leaves(trainer.initial_params(task, 0, example))]
+  step = result["collective_bytes"]["every_step"]
+  assert step["conditional"] == []
+  assert step["unconditional"]["replica"] == sum(4 * -(-n // 4) for n in sizes)
+  assert step["unconditional"]["replica,data"] == 4

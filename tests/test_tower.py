@@ -25,7 +25,7 @@ from _multiworker import (
   stack,
   worker,
 )
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dist
@@ -300,13 +300,16 @@ def test_tower_matches_numpy(mapping, reduction, inner_name):
 # A tuple axis on a 2-D mesh, 8-bit communication.
 
 
+@pytest.mark.parametrize("hierarchical", [False, True])
 @pytest.mark.parametrize("reduction,expected", [("sum", -10.0), ("mean", -2.5)])
 @pytest.mark.parametrize("params_spec", [P(), P("hosts"), P("gpus"), P(("hosts", "gpus"))])
-def test_tower_tuple_axis_counts_each_tower_once(reduction, expected, params_spec):
+def test_tower_tuple_axis_counts_each_tower_once(reduction, expected, params_spec, hierarchical):
   """Per-tower gradients 1..4 on a 2x2 mesh: sum -10, mean -2.5 with sgd(1), whichever axes the
-  params are replicated over (autodiff has then summed over those; the psum runs over the rest)."""
+  params are replicated over (autodiff has then summed over those; the psum runs over the rest),
+  flat or hierarchical."""
   mesh = jax.make_mesh((2, 2), ("hosts", "gpus"))
-  tx = optax_dist.tower(optax.sgd(1.0), ("hosts", "gpus"), reduction=reduction)
+  tx = optax_dist.tower(optax.sgd(1.0), ("hosts", "gpus"), reduction=reduction,
+                        hierarchical=hierarchical)
   n_params = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(params_spec))]))
   params = jax.device_put(jnp.zeros(n_params), NamedSharding(mesh, params_spec))
   x = jax.device_put(jnp.arange(1.0, 5.0), NamedSharding(mesh, P(("hosts", "gpus"))))
@@ -402,3 +405,102 @@ def test_split_batch_num_towers_is_deprecated_and_equal():
   np.testing.assert_array_equal(old["x"], optax_dist.split_batch(batch, num_workers=4)["x"])
   with pytest.raises(TypeError, match="num_towers"):
     optax_dist.split_batch(batch, 4, num_towers=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hierarchical all-reduce: reduce-scatter inside a host, the slices across hosts, all-gather.
+
+HOSTS, GPUS = "hosts", "gpus"
+# Leaves of 21 and 5 values: neither a multiple of 4 (the slices are padded).
+HIER_SHAPES = {"w": (7, 3), "b": (5,)}
+
+
+def _per_worker_grads(rows, cols, dtype=jnp.float32):
+  rng = np.random.default_rng(7)
+  return {k: rng.normal(size=(rows, cols, *s)).astype(np.float32).astype(dtype)
+          for k, s in HIER_SHAPES.items()}
+
+
+def _hierarchical_shard_map(tx, mesh, grads):
+  """``tx``'s updates of per-worker ``grads`` ``[hosts, gpus, ...]`` under shard_map."""
+  spec = P(HOSTS, GPUS)
+  grads = jax.device_put(grads, NamedSharding(mesh, spec))
+
+  def update(g):
+    g = jax.tree.map(lambda x: x[0, 0], g)
+    return jax.tree.map(lambda x: x[None, None], tx.update(g, tx.init(g))[0])
+
+  return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=spec, out_specs=spec)), grads
+
+
+@pytest.mark.parametrize("layout", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("mapping", ["vmap", "shard_map"])
+def test_hierarchical_all_reduce_matches_numpy(layout, reduction, mapping):
+  """Every worker gets the float64 sum (or mean) of all workers' gradients."""
+  rows, cols = layout
+  grads = _per_worker_grads(rows, cols)
+  tx = optax_dist.all_reduce((HOSTS, GPUS), reduction, hierarchical=True)
+  if mapping == "vmap":
+    update = lambda g: tx.update(g, tx.init(g))[0]  # noqa: E731
+    out = jax.vmap(jax.vmap(update, axis_name=GPUS), axis_name=HOSTS)(grads)
+  else:
+    mesh = jax.make_mesh(layout, (HOSTS, GPUS), axis_types=(AxisType.Auto,) * 2)
+    fn, placed = _hierarchical_shard_map(tx, mesh, grads)
+    out = fn(placed)
+  for k, g in grads.items():
+    total = np.sum(np.asarray(g, np.float64), axis=(0, 1))
+    want = total if reduction == "sum" else total / (rows * cols)
+    np.testing.assert_allclose(out[k], np.broadcast_to(want, g.shape), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", [(2, 4), (4, 2)])
+def test_hierarchical_all_reduce_sends_each_slice_across_hosts_once(layout):
+  """Across hosts each device all-reduces ceil(size / K) values per leaf (K devices per host);
+  the flat all-reduce spans both axes with every leaf's whole bytes."""
+  rows, cols = layout
+  mesh = jax.make_mesh(layout, (HOSTS, GPUS), axis_types=(AxisType.Auto,) * 2)
+  grads = _per_worker_grads(rows, cols)
+  slice_bytes = sum(4 * -(-int(np.prod(s)) // cols) for s in HIER_SHAPES.values())
+  leaf_bytes = sum(4 * int(np.prod(s)) for s in HIER_SHAPES.values())
+  found = {}
+  for hierarchical in (False, True):
+    tx = optax_dist.all_reduce((HOSTS, GPUS), hierarchical=hierarchical)
+    fn, placed = _hierarchical_shard_map(tx, mesh, grads)
+    found[hierarchical] = optax_dist.communication_report(fn, placed).unconditional
+  assert found[False].of_kind("all-reduce").over(mesh, (HOSTS, GPUS)).bytes == leaf_bytes
+  assert found[False].over(mesh, HOSTS).bytes == 0
+  across = found[True].over(mesh, HOSTS)
+  assert across.bytes == slice_bytes and set(c.kind for c in across) == {"all-reduce"}
+  inside = found[True].over(mesh, GPUS)
+  assert {c.kind for c in inside} == {"reduce-scatter", "all-gather"}
+  assert found[True].over(mesh, (HOSTS, GPUS)).bytes == 0
+
+
+def test_hierarchical_all_reduce_in_bfloat16_across_hosts():
+  """``comm_dtype`` is the dtype of the exchange across hosts: the slices cross in bfloat16
+  (half the bytes), the result keeps the gradients' float32."""
+  mesh = jax.make_mesh((2, 4), (HOSTS, GPUS), axis_types=(AxisType.Auto,) * 2)
+  grads = _per_worker_grads(2, 4)
+  tx = optax_dist.all_reduce((HOSTS, GPUS), "sum", comm_dtype=jnp.bfloat16, hierarchical=True)
+  fn, placed = _hierarchical_shard_map(tx, mesh, grads)
+  out = fn(placed)
+  # XLA's CPU compiler widens bfloat16 collectives to float32: read the lowered program.
+  report = optax_dist.communication_report(fn, placed, stage="lowered")
+  across = report.unconditional.over(mesh, HOSTS)
+  assert across.bytes == sum(2 * -(-int(np.prod(s)) // 4) for s in HIER_SHAPES.values())
+  for k, g in grads.items():
+    assert out[k].dtype == jnp.float32
+    total = np.sum(np.asarray(g, np.float64), axis=(0, 1))
+    np.testing.assert_allclose(out[k][0, 0], total, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("fn", ["all_reduce", "tower"])
+def test_hierarchical_needs_two_axes_and_a_bool(fn):
+  make = {"all_reduce": lambda **kw: optax_dist.all_reduce(**kw),
+          "tower": lambda **kw: optax_dist.tower(optax.sgd(1.0), **kw)}[fn]
+  with pytest.raises(ValueError, match=re.escape(
+      f"`{fn}(hierarchical=True)` needs a tuple `axis_name` of two or more mesh axes")):
+    make(axis_name="workers", hierarchical=True)
+  with pytest.raises(TypeError, match=re.escape(f"`{fn}(hierarchical=...)` must be a bool")):
+    make(axis_name=(HOSTS, GPUS), hierarchical="yes")

@@ -25,7 +25,10 @@ With ``replicas`` R > 1 the workers form R replicas on a 2-D mesh (:data:`REPLIC
 replica on every step, and the algorithm runs across the replicas (``axis_name=REPLICA``), each
 device of a replica exchanging only its 1/K slice of the params (``slice_axis=DATA``; ``agn``
 exchanges whole copies). The all-reducing algorithms (``sync``, ``moving_average``,
-``drop_stale_gradients``) reduce over every worker whatever R.
+``drop_stale_gradients``) reduce over every worker whatever R, hierarchically
+(``tower(..., hierarchical=True)``: reduce-scatter within each replica, the slices all-reduced
+across replicas, all-gather within), so a replica's devices send the gradients' bytes across
+once.
 
 With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``diloco``,
 ``streaming_diloco``) are kept in float32.
@@ -180,6 +183,13 @@ def _outer(settings: Settings) -> optax.GradientTransformation:
                    nesterov=bool(s.outer_momentum))
 
 
+def _tower(s: Settings, inner: Any, axis: Any) -> Any:
+  """``tower`` over ``axis``; over the mesh axes ``(REPLICA, DATA)``, hierarchical: the gradients
+  reduce-scattered within each replica, all-reduced across replicas, all-gathered within."""
+  return optax_dist.tower(inner, axis, comm_dtype=s.comm_dtype,
+                          hierarchical=isinstance(axis, tuple))
+
+
 def _streaming_diloco(s: Settings, inner: Any, axis: Any, params: Any, slice_axis=None) -> Any:
   if params is None:
     raise ValueError("`make_optimizer(settings, params)`: streaming_diloco needs the params, to"
@@ -195,7 +205,7 @@ _DILOCO = ("sync_period", "outer_learning_rate", "outer_momentum")
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
   Algorithm(
     "sync", "tower: the gradients all-reduced every step",
-    build=lambda s, inner, axis, params: optax_dist.tower(inner, axis, comm_dtype=s.comm_dtype),
+    build=lambda s, inner, axis, params: _tower(s, inner, axis),
     compared=True),
   Algorithm(
     "elastic_average", "EASGD: each worker pulled to a center every communication period",
@@ -218,13 +228,13 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
   Algorithm(
     "moving_average", "tower, evaluated on an exponential moving average of the params",
     build=lambda s, inner, axis, params: optax_dist.moving_average(
-      optax_dist.tower(inner, axis, comm_dtype=s.comm_dtype), s.decay, use_num_updates=True,
+      _tower(s, inner, axis), s.decay, use_num_updates=True,
       ema_dtype=_global_dtype(s)),
     settings=("decay",), compared=True, evaluated="the EMA"),
   Algorithm(
     "drop_stale_gradients", "tower fed stale gradients, those staler than max staleness dropped",
     build=lambda s, inner, axis, params: optax_dist.drop_stale_gradients(
-      optax_dist.tower(inner, axis, comm_dtype=s.comm_dtype), s.max_staleness),
+      _tower(s, inner, axis), s.max_staleness),
     settings=("max_staleness",), stale_gradients=True),
   Algorithm(
     "local_sgd", "local SGD: the workers' params averaged every sync period",
@@ -282,7 +292,7 @@ def make_optimizer(settings: Settings, params: Any = None) -> Any:
     return algorithm.build(settings, inner, AXIS, params)
   if not algorithm.across_replicas:
     return algorithm.build(settings, inner, (REPLICA, DATA), params)
-  tower = optax_dist.tower(inner, DATA, comm_dtype=settings.comm_dtype)
+  tower = _tower(settings, inner, DATA)
   if algorithm.sliced_exchange:  # a replica's devices hold identical params after the tower
     return algorithm.build(settings, tower, REPLICA, params, slice_axis=DATA)
   return algorithm.build(settings, tower, REPLICA, params)

@@ -179,7 +179,7 @@ class Run:
     # that does not (no conditional, no collective). Compiled ahead of time: a call with other
     # types would raise instead of recompiling.
     hints = (None,) if self.algorithm.schedule is None else (False, True)
-    self._steps = {}
+    self._steps, self.collectives = {}, {}
     for hint in hints:
       step = jax.shard_map(
         step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint,
@@ -187,6 +187,7 @@ class Run:
         mesh=mesh, in_specs=(split,) * 5 + (P(),), out_specs=(split,) * 3 + (P(),))
       self._steps[hint] = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
         *self.initial, self.train, idx, delay).compile()
+      self.collectives[_STEP_KINDS[hint]] = _collective_bytes(self._steps[hint], mesh)
     self._evaluate = jax.jit(evaluate_fn(metric_fn)).lower(
       self.initial.params, self.initial.opt_state, self.test).compile()
 
@@ -215,6 +216,23 @@ class Run:
     record[self.keys[0]].append(float(metric_eval))
     record[self.keys[1]].append(float(metric_workers))
     record["train_loss"].append(None if loss is None else float(loss))
+
+
+def _collective_bytes(compiled: Any, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+  """The bytes a device sends into the collectives of ``compiled``, by the mesh axes they span
+  (``{"data": ..., "replica": ...}``): ``unconditional`` (every execution) and, for each
+  ``conditional`` holding collectives, its costliest branch (``conditional``, a list)."""
+  report = optax_dist.CommunicationReport.from_hlo_text(compiled.as_text())
+
+  def by_axes(collectives):
+    return {",".join(a): b for a, (_, b) in collectives.by_axes(mesh).items()}
+
+  return {"unconditional": by_axes(report.unconditional),
+          "conditional": [by_axes(c) for c in report.per_conditional.values()]}
+
+
+_STEP_KINDS = {None: "every_step", True: "communication_step", False: "non_communication_step"}
+"""The results' names of the compiled steps, by their ``communicate`` hint."""
 
 
 def _mesh(settings: Settings) -> jax.sharding.Mesh:
@@ -301,8 +319,14 @@ def train(
     (``drop_stale_gradients`` only), ``resumed_from_step`` (with ``resume``), ``resized``
     (``{"step", "from_workers", "to_workers"}``, when ``resume`` continued a checkpoint of
     another number of workers: see :func:`resize`), ``history``
-    (the lists of :func:`record_keys`; ``train_loss`` is the workers' mean minibatch loss) and
-    ``step_times`` (the seconds of each step this call ran, from the step's start until its
+    (the lists of :func:`record_keys`; ``train_loss`` is the workers' mean minibatch loss),
+    ``collective_bytes`` (per compiled step, ``every_step`` or ``communication_step`` and
+    ``non_communication_step``: the bytes each device sends into collectives, by the mesh axes
+    they span, e.g. ``{"data": ..., "replica": ...}``, within a replica and across replicas
+    apart; ``unconditional``, on every execution, and ``conditional``, a list with each
+    conditional exchange's, e.g. one per fragment of ``streaming_diloco``, of which one runs on
+    a sync step; read from the compiled program, see :func:`optax_dist.communication_report`)
+    and ``step_times`` (the seconds of each step this call ran, from the step's start until its
     loss is ready on this process: evaluations and checkpoints excluded; after ``resume``, the
     steps after the checkpoint's).
 
@@ -342,6 +366,7 @@ def train(
     final_state.update(to_host({"params": state.params, "opt_state": state.opt_state}))
   result = _result(task, settings, state, record, earlier_time + time.perf_counter() - start)
   result["step_times"] = step_times
+  result["collective_bytes"] = run.collectives
   if resumed_from is not None:
     result["resumed_from_step"] = resumed_from
   if resized is not None:
