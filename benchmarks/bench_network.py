@@ -7,12 +7,16 @@ coordination service) crosses the veth pair, shaped at the rate under test in ea
 with a token bucket (``tc ... tbf``), or unshaped. Every run has the same 8 workers (4 devices
 per process, one worker each), the same batch per worker, learning rate, steps and seed; the
 periodic algorithms exchange every H steps (``--sync-period H --communication-period H``).
+With ``--replicas 2`` (the default) each process holds one replica: the gradients are reduced
+inside a process on every step and only the exchanges across replicas cross the link (``sync``
+reduces hierarchically, each device sending its 1/4 slice across).
 
 For each run: the wall-clock of the whole command (start-up, compilation and evaluations
 included); each step's seconds (the trainer's ``step_times``), split into the steps that
 exchange (every step for ``sync``) and those that do not; the bytes each veth sent, read from
-its counters before and after; the validation bits per byte against the training seconds (the
-steps' seconds summed up to each evaluation); and, per rate, the rate a timed TCP transfer
+its counters before and after, beside the bytes predicted from the compiled steps' collectives
+(the trainer's ``collective_bytes``); the validation bits per byte against the training seconds
+(the steps' seconds summed up to each evaluation); and, per rate, the rate a timed TCP transfer
 achieves in each direction. The runs alternate algorithms within each rate; the load average
 is recorded before and after each run.
 
@@ -42,14 +46,17 @@ RATES = ("unshaped", "1gbit", "100mbit", "10mbit")
 ALGORITHMS = ("sync", "diloco", "streaming_diloco", "local_sgd", "elastic_average")
 PROCESSES = 2
 DEVICES = 4
-STEPS = 40
+STEPS = 200
 PERIOD = 10
 """H: the steps between the exchanges of the periodic algorithms."""
+REPLICAS = 2
 BATCH = 8
-EVAL_EVERY = 10
+EVAL_EVERY = 20
 TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
 QUICK = {"rates": ("100mbit",), "algorithms": ("sync", "diloco"), "steps": 6, "period": 3}
+FRAME_OVERHEAD = 66
+"""Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 
 
 def command(algorithm: str, process_id: int, coordinator: str, out: str, *, steps: int,
@@ -96,6 +103,43 @@ def exchanges(result: dict[str, Any]) -> list[bool]:
   settings = Settings(**fields)
   flags = [algorithm.communicates(settings, s) for s in range(1, result["steps"] + 1)]
   return [True if f is None else f for f in flags]
+
+
+def cross_bytes(by_axes: dict[str, int]) -> float:
+  """Bytes one process sends the other for one execution of collectives totalling ``by_axes``
+  per device (the trainer's ``collective_bytes``, keyed by the mesh axes they span).
+
+  Collectives within a process (``data``) send nothing across. Those across the replicas only
+  (``replica``) pair each device with one of the other process: a two-rank all-reduce (or
+  all-gather) sends its operand's bytes each way, for each of the ``DEVICES`` pairs. Those over
+  every worker (``replica,data`` or ``workers``) are taken as one ring over all
+  :math:`n` devices, which crosses once each way carrying :math:`2(n-1)/n` of the bytes.
+  """
+  n = PROCESSES * DEVICES
+  total = 0.0
+  for key, b in by_axes.items():
+    axes = key.split(",")
+    if axes == ["replica"]:
+      total += DEVICES * b
+    elif "replica" in axes or "workers" in axes:
+      total += 2 * (n - 1) / n * b
+  return total
+
+
+def predicted_bytes(result: dict[str, Any], flags: list[bool]) -> float:
+  """Bytes one process sends the other over the run's steps, from the compiled steps'
+  collectives: each step's unconditional ones plus, where the step has conditional exchanges,
+  one of them (their mean: ``streaming_diloco`` syncs one fragment per sync step)."""
+  steps = result["collective_bytes"]
+  total = 0.0
+  for flag in flags:
+    kind = "every_step" if "every_step" in steps else (
+      "communication_step" if flag else "non_communication_step")
+    step = steps[kind]
+    total += cross_bytes(step["unconditional"])
+    if step["conditional"]:
+      total += sum(map(cross_bytes, step["conditional"])) / len(step["conditional"])
+  return total
 
 
 def _median(xs: list[float]) -> float | None:
@@ -171,6 +215,10 @@ def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
     "local_step_s": _median(local),
     "bytes_a_to_b": after["a"]["tx_bytes"] - before["a"]["tx_bytes"],
     "bytes_b_to_a": after["b"]["tx_bytes"] - before["b"]["tx_bytes"],
+    "packets_a_to_b": after["a"]["tx_packets"] - before["a"]["tx_packets"],
+    "packets_b_to_a": after["b"]["tx_packets"] - before["b"]["tx_packets"],
+    "predicted_bytes": predicted_bytes(result, flags),
+    "collective_bytes": result["collective_bytes"],
     "curve": {"step": history["step"], "train_s": elapsed,
               "bits_per_byte": history["test_bits_per_byte_eval_params"]},
     "bits_per_byte": result["test_bits_per_byte_eval_params"],
@@ -214,41 +262,159 @@ def measure(rates: list[str], algorithms: list[str], *, steps: int, period: int,
   return result
 
 
-def _mean(runs: list[dict], key: str) -> float | None:
-  values = [r[key] for r in runs if r[key] is not None]
-  return sum(values) / len(values) if values else None
-
-
 def _fmt(x: float | None, spec: str) -> str:
   return "–" if x is None else format(x, spec)
 
 
-def markdown(result: dict[str, Any], plot_name: str) -> str:
-  """The results as a Markdown section: the method, a table, the figure."""
-  import _util
+def payload(run: dict[str, Any], side: str = "a") -> float:
+  """TCP payload bytes ``side`` sent: the veth's bytes less :data:`FRAME_OVERHEAD` per packet."""
+  other = "b" if side == "a" else "a"
+  return run[f"bytes_{side}_to_{other}"] - FRAME_OVERHEAD * run[f"packets_{side}_to_{other}"]
 
+
+def time_to(run: dict[str, Any], target: float) -> float | None:
+  """Training seconds until the validation bits per byte first reach ``target``, interpolated
+  linearly between evaluations; ``None`` if the run never reaches it."""
+  curve = run["curve"]
+  points = list(zip(curve["train_s"], curve["bits_per_byte"]))
+  for (t0, y0), (t1, y1) in zip(points, points[1:]):
+    if y1 <= target:
+      return t1 if y0 == y1 else t0 + (t1 - t0) * (y0 - target) / (y0 - y1)
+  return points[0][0] if points and points[0][1] <= target else None
+
+
+def loss_at(run: dict[str, Any], budget: float) -> float:
+  """Validation bits per byte at the last evaluation within ``budget`` training seconds."""
+  curve = run["curve"]
+  within = [y for t, y in zip(curve["train_s"], curve["bits_per_byte"]) if t <= budget]
+  return within[-1] if within else curve["bits_per_byte"][0]
+
+
+def _runs(result: dict[str, Any], rate: str, algorithm: str) -> list[dict]:
+  return [r for r in result["runs"] if r["rate"] == rate and r["algorithm"] == algorithm]
+
+
+def _median_of(runs: list[dict], fn: Any) -> float | None:
+  values = [v for v in map(fn, runs) if v is not None]
+  return _median(values)
+
+
+def target_loss(result: dict[str, Any]) -> float:
+  """The highest final validation bits per byte among the unshaped runs (every method reaches
+  it); among the first rate's runs if there is no unshaped one."""
+  rate = "unshaped" if "unshaped" in result["rates"] else result["rates"][0]
+  return max(r["bits_per_byte"] for r in result["runs"] if r["rate"] == rate)
+
+
+def measurements_table(result: dict[str, Any]) -> str:
+  """Every run's wall-clock, step times, bytes and final loss (medians over repeats)."""
   p = result["param_bytes"]
   rows = []
   for rate in result["rates"]:
-    achieved = result["achieved_mbit"][rate]
+    achieved = min(result["achieved_mbit"][rate].values())
     for algorithm in result["algorithms"]:
-      runs = [r for r in result["runs"] if r["rate"] == rate and r["algorithm"] == algorithm]
+      runs = _runs(result, rate, algorithm)
       if not runs:
         continue
-      rounds = runs[0]["communication_rounds"]
-      sent = _mean(runs, "bytes_a_to_b")
+      rounds = max(runs[0]["communication_rounds"], 1)
+      med = lambda key: _median_of(runs, lambda r: r[key])  # noqa: E731
+      spread = max(r["train_s"] for r in runs) - min(r["train_s"] for r in runs)
       rows.append([
-        rate, f"{min(achieved.values()):.1f}", algorithm, f"{_mean(runs, 'wall_s'):.1f}",
-        f"{_mean(runs, 'train_s'):.1f}", _fmt(_mean(runs, "exchange_step_s"), ".3f"),
-        _fmt(_mean(runs, "local_step_s"), ".3f"), str(rounds),
-        f"{sent / 1e6:.1f} / {_mean(runs, 'bytes_b_to_a') / 1e6:.1f}",
-        f"{sent / p / max(rounds, 1):.2f}", f"{_mean(runs, 'bits_per_byte'):.3f}",
+        rate, f"{achieved:.1f}", algorithm, f"{med('wall_s'):.1f}",
+        f"{med('train_s'):.1f}" + (f" ± {spread / 2:.1f}" if len(runs) > 1 else ""),
+        _fmt(med("exchange_step_s"), ".3f"), _fmt(med("local_step_s"), ".3f"),
+        str(runs[0]["communication_rounds"]),
+        f"{med('predicted_bytes') / 1e6:.1f}", f"{_median_of(runs, payload) / 1e6:.1f}",
+        f"{_median_of(runs, payload) / med('predicted_bytes'):.3f}",
+        f"{med('predicted_bytes') / rounds / p:.2f}",
+        f"{med('bits_per_byte'):.3f}",
         f"{runs[-1]['load_before'][0]:.1f} → {runs[-1]['load_after'][0]:.1f}"])
-  header = ["rate", "achieved Mbit/s (slower way)", "algorithm", "whole run s", "training s",
-            "exchange step s", "local step s", "exchanges", "MB a→b / b→a",
-            "a→b per exchange / params", "val bits/byte", "load (1 min)"]
+  header = ["rate", "achieved Mbit/s", "algorithm", "whole run s", "training s",
+            "exchange step s", "local step s", "exchanges", "predicted MB a→b",
+            "payload MB a→b", "payload / predicted", "predicted per exchange / params",
+            "val bits/byte", "load (1 min)"]
+  return _util_table(header, rows, "lrlrrrrrrrrrrr")
+
+
+def summary_table(result: dict[str, Any]) -> str:
+  """Per rate and method: time to the target loss, speed-up over sync, the loss at sync's
+  training time, and the training time over the method's own unshaped time."""
+  target, rows = target_loss(result), []
+  for rate in result["rates"]:
+    sync = _runs(result, rate, "sync")
+    sync_time = _median_of(sync, lambda r: time_to(r, target))
+    budget = _median_of(sync, lambda r: r["train_s"])
+    for algorithm in result["algorithms"]:
+      runs = _runs(result, rate, algorithm)
+      if not runs:
+        continue
+      reach = _median_of(runs, lambda r: time_to(r, target))
+      unshaped = _median_of(_runs(result, "unshaped", algorithm), lambda r: r["train_s"])
+      train = _median_of(runs, lambda r: r["train_s"])
+      rows.append([
+        rate, algorithm, _fmt(reach, ".1f"),
+        _fmt(sync_time / reach if sync_time and reach else None, ".2f"),
+        _fmt(_median_of(runs, lambda r: loss_at(r, budget)) if budget else None, ".3f"),
+        _fmt(train / unshaped if unshaped else None, ".2f")])
+  header = ["rate", "algorithm", f"training s to {target:.3f} bits/byte", "speed-up over sync",
+            "bits/byte at sync's training s", "training s / own unshaped"]
+  return _util_table(header, rows, "llrrrr")
+
+
+def _util_table(header: list[str], rows: list[list[str]], align: str) -> str:
+  import _util
+
+  return _util.table(header, rows, align=align)
+
+
+def targets(result: dict[str, Any]) -> list[str]:
+  """Each target of the slow-link study, met or missed, with its number."""
+  lines, target, p = [], target_loss(result), result["param_bytes"]
+
+  def check(ok: bool | None, text: str) -> None:
+    lines.append(f"- {'n/a' if ok is None else 'met' if ok else 'MISSED'}: {text}")
+
+  slow = "10mbit" if "10mbit" in result["rates"] else None
+  for algorithm in ("diloco", "streaming_diloco"):
+    runs = _runs(result, slow, algorithm) if slow else []
+    if not runs:
+      continue
+    sync = _median_of(_runs(result, slow, "sync"), lambda r: time_to(r, target))
+    reach = _median_of(runs, lambda r: time_to(r, target))
+    speedup = sync / reach if sync and reach else None
+    check(None if speedup is None else speedup >= 3,
+          f"{algorithm} reaches {target:.3f} bits/byte at 10 Mbit/s"
+          f" {_fmt(speedup, '.2f')}× sooner than sync (target ≥ 3×)")
+    unshaped = _median_of(_runs(result, "unshaped", algorithm), lambda r: r["train_s"])
+    ratio = _median_of(runs, lambda r: r["train_s"]) / unshaped if unshaped else None
+    check(None if ratio is None else ratio <= 1.3,
+          f"{algorithm}'s training time at 10 Mbit/s is {_fmt(ratio, '.2f')}× its unshaped"
+          " time (target ≤ 1.3×)")
+  for algorithm, bound, what in (("sync", 1.1, "a step"), ("diloco", 1.1, "an exchange")):
+    runs = [r for r in result["runs"] if r["algorithm"] == algorithm]
+    if runs:
+      rounds = max(runs[0]["communication_rounds"], 1)
+      per = _median_of(runs, lambda r: r["predicted_bytes"]) / rounds / p
+      measured = _median_of(runs, payload) / rounds / p
+      check(per <= bound, f"{algorithm}: {what} sends {per:.3f}× the params' bytes each way"
+            f" (predicted; the veth payload over the whole run, start-up and evaluations"
+            f" included, {measured:.3f}×; target ≤ {bound}×)")
+  ratios = [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]
+  if ratios:
+    worst = max(ratios, key=lambda x: abs(x - 1))
+    check(abs(worst - 1) <= 0.05,
+          f"veth payload a→b within {abs(worst - 1):.1%} of the prediction in the worst run"
+          f" (median {_median(ratios):.3f}×; target within 5%)")
+  return lines
+
+
+def markdown(result: dict[str, Any], plot_name: str) -> str:
+  """The results as a Markdown section: the method, the tables, the targets, the figure."""
+  import _util
+
+  p = result["param_bytes"]
   machine = _util.machine()
-  extra = f" Extra arguments: `{' '.join(result['extra_args'])}`." if result["extra_args"] else ""
+  extra = f" Arguments: `{' '.join(result['extra_args'])}`." if result["extra_args"] else ""
   return "\n".join([
     "## Training over a bandwidth-limited link (two network namespaces)",
     "",
@@ -259,12 +425,23 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" params {p / 1e6:.2f} MB (float32). {machine['cores']} CPUs, shared by both processes;"
      f" load average {', '.join(map(str, result['load_before']))} before,"
      f" {', '.join(map(str, result['load_after']))} after; {result['seconds'] / 60:.1f} min."
-     f"{extra} Steps' medians leave out step 1; \"per exchange / params\" is the bytes a sent"
-     " over the run divided by the exchanges and by the params' bytes (evaluations, start-up and"
-     " the coordination service's traffic included; `streaming_diloco` sends one fragment,"
-     " about 1/F of the params, per exchange)."),
+     f"{extra} Steps' medians leave out step 1. *Predicted*: the bytes process 0 sends process 1"
+     " over the steps, from the compiled steps' collectives (`cross_bytes`); *payload*: the"
+     " veth's bytes less 66 bytes of headers per packet, the whole run (start-up, evaluations"
+     " and the coordination service included); `streaming_diloco` sends one fragment, about"
+     " 1/F of the params, per exchange."),
     "",
-    _util.table(header, rows, align="lrlrrrrrrrrr"),
+    measurements_table(result),
+    "",
+    (f"Time to loss: the target is the highest final validation loss of the unshaped runs,"
+     f" {target_loss(result):.3f} bits/byte; training seconds are the steps' own (start-up,"
+     " compilation and evaluations left out)."),
+    "",
+    summary_table(result),
+    "",
+    "Targets:",
+    "",
+    *targets(result),
     "",
     f"![validation bits per byte against training seconds, one panel per rate]({plot_name})",
   ])
@@ -313,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--period", type=int, default=None,
                       help=f"H, steps between the periodic exchanges (default {PERIOD})")
   parser.add_argument("--repeats", type=int, default=1, help="runs of each algorithm at each rate")
-  parser.add_argument("--extra-args", default="",
-                      help="appended to every run's command line, e.g. --extra-args='--replicas 2'")
+  parser.add_argument("--extra-args", default=f"--replicas {REPLICAS}",
+                      help="appended to every run's command line (default"
+                           f" '--replicas {REPLICAS}'; '' for one worker per device)")
   parser.add_argument("--output", default=None,
                       help="PREFIX of PREFIX_results.json, PREFIX.png and PREFIX.md (default"
                            " benchmarks/network; with --quick, a temporary directory)")

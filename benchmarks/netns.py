@@ -261,12 +261,14 @@ class Link:
     return subprocess.Popen(self.command(side, argv), **kwargs)
 
   def counters(self) -> dict[str, dict[str, int]]:
-    """``{side: {"tx_bytes", "rx_bytes"}}`` of each veth (``/sys/class/net/DEV/statistics``)."""
+    """``{side: {"tx_bytes", "rx_bytes", "tx_packets"}}`` of each veth
+    (``/sys/class/net/DEV/statistics``)."""
     out = {}
+    keys = ("tx_bytes", "rx_bytes", "tx_packets")
     for side in "ab":
       stats = f"/sys/class/net/{self.devices[side]}/statistics"
-      values = self.run(side, ["cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"]).split()
-      out[side] = {"tx_bytes": int(values[0]), "rx_bytes": int(values[1])}
+      values = self.run(side, ["cat", *(f"{stats}/{k}" for k in keys)]).split()
+      out[side] = {k: int(v) for k, v in zip(keys, values, strict=True)}
     return out
 
   def transfer_size(self) -> int:
