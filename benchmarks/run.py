@@ -288,6 +288,7 @@ def _render(store: dict, out: str) -> None:
      " interleaves each measurement with its reference's and reports medians, with process CPU"
      " time beside wall time. The validation losses do not depend on the load."),
     "",
+    *_network_md(),
   ]
   for title, name, body in (
       ("Language model: quality against communication", "lm_quality", _lm_quality_md),
@@ -302,6 +303,23 @@ def _render(store: dict, out: str) -> None:
       lines += [f"Not measured yet (`python benchmarks/run.py --sections {name}`).", ""]
   with open(out, "w") as f:
     f.write("\n".join(lines))
+
+
+def _network_md() -> list[str]:
+  """The slow-link section, from ``network_results.json`` (``make bench-network``, which needs
+  root and runs apart from this script), or a line saying how to measure it."""
+  path = os.path.join(HERE, "network_results.json")
+  title = "## Language model over a bandwidth-limited link (two network namespaces)"
+  if not os.path.exists(path):
+    return [title, "", "Not measured yet (`make bench-network`, as root).", ""]
+  sys.path.insert(0, HERE)
+  import bench_network
+
+  with open(path) as f:
+    result = json.load(f)
+  when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc)
+  body = bench_network.markdown(result, "network.png").split("\n", 1)[1]
+  return [title, "", f"Measured by `make bench-network` ({when:%Y-%m-%d %H:%M} UTC).", body, ""]
 
 
 def _machine_table(store: dict, secs: dict) -> str:
