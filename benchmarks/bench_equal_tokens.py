@@ -1,0 +1,625 @@
+"""DiLoCo against data parallel at equal tokens: the design of "Scaling Laws for DiLoCo".
+
+Charles et al. (2025), Table 4, 35M params, H = 30: DiLoCo with M = 1 replica ends slightly
+below data parallel's final evaluation loss, M = 2 at +0.7%, M = 4 at +2.0%, M = 8 at +3.9%.
+Here the same comparison on the ``lm`` task of ``optax-dist`` (the byte-level transformer on the
+Python standard library's sources) with the command's recipe for that task (AdamW 3e-3, b2 0.99,
+weight decay 0.1, warm-up over 5% of the steps then cosine decay to 10%, gradients clipped to
+norm 1), trained by :func:`optax_dist.cli.trainer.train` on emulated CPU devices.
+
+Equal tokens: every run takes the same global batch, 64 windows of 64 bytes (4,096 tokens)
+per step, for the same steps, and the same learning-rate schedule. Data parallel is
+``--algorithm sync --devices 8 --batch-size 8`` (the gradients of 8 workers all-reduced every
+step). DiLoCo with M replicas is ``--algorithm diloco --devices M --batch-size 64/M``: one device
+per replica, each with 1/M of the global batch and its own 1/M of the training windows, the
+outer Nesterov SGD (momentum 0.9) applied to the replicas' mean pseudo-gradient every H steps.
+``--devices 8 --replicas M`` would keep 8 × 8 windows per step without changing the batch, but
+it cannot express M = 1: ``--replicas 1`` runs DiLoCo across all 8 workers (M = 8). With one
+device per replica, M = 1 is a real DiLoCo over a one-device axis (the outer optimizer steps on
+the pseudo-gradient), and a replica's step is the one ``--replicas`` would take (the mean of equal
+minibatches' mean gradients is the gradient of their union).
+
+The grid, trimmed to fit about 90 minutes on 2 cores: the outer learning rate
+from {0.4, 0.6, 0.8, 1.0} swept at M = 2 and M = 8 on seed 0; M = 1 at 0.6 and M = 4 at 0.8
+(the values Scaling Laws for DiLoCo finds best for few replicas, 0.6 to 0.8, the larger with
+more replicas); every M, and data parallel, on 3 seeds at its best (the swept M at the outer
+learning rate with the lowest seed-0 loss); and H from {1, 5, 10, 30, 100} at M = 2 (seed 0).
+Steps: the fewest multiple of H = 30 with at least 20 tokens per parameter
+(the anchor then holds every inner step; at H = 100 the last sync is up to 99 steps before the
+end, and the workers' own params, which hold them, are reported beside the anchor).
+
+The metric is the final validation loss in bits per byte of :func:`optax_dist.eval_params` (the
+anchor of DiLoCo, the global model the paper evaluates); a ratio of two losses is the same in
+bits as in nats. The gap of M is the mean over seeds of its final loss over data parallel's of
+the same seed, less 1. Targets: M = 1 at or below data parallel; the gap grows with M; M = 2
+within 2% and M = 8 within 5% of data parallel.
+
+Each run's result is kept in ``OUT/equal_tokens_runs/KEY.json``: a stopped study resumes where it
+stopped, and ``--report`` rewrites ``OUT/equal_tokens.md`` and ``OUT/equal_tokens.png`` from
+them. ``make bench-equal-tokens`` runs it (not part of ``make bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _util  # noqa: E402
+
+DEVICES = 8
+"""Data parallel's workers (and the emulated devices)."""
+GLOBAL_BATCH = 64
+"""Windows per step, of every run: 8 workers × the ``lm`` task's batch of 8 (4,096 tokens)."""
+EVAL_EVERY = 100
+OUTER_MOMENTUM = 0.9
+TOKENS_PER_PARAM = 20
+SWEEP_SEED = 0
+"""The seed of the outer-learning-rate and H sweeps; the best setting is chosen on it."""
+PAPER_GAP = {1: None, 2: 0.007, 4: 0.020, 8: 0.039}
+"""Scaling Laws for DiLoCo, Table 4 (35M, H = 30): DiLoCo's final eval loss over data parallel's,
+less 1 (``None``: slightly below 0, M = 1)."""
+TOLERANCE = {2: 0.02, 8: 0.05}
+"""The targets: the gap of M within this of data parallel."""
+SECONDS_PER_STEP = 0.14
+SECONDS_PER_RUN = 25.0
+"""The estimate before any run is cached: a step, and a run's start-up and compilation."""
+QUICK_STEPS = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """The runs of a study.
+
+  Attributes:
+    replicas: the M compared with data parallel, at H = ``period``.
+    swept: the M at which the outer learning rate is swept over ``outer_lrs``.
+    outer_lrs: the outer learning rates of the sweep.
+    fixed_lr: the outer learning rate of each M not swept.
+    period: H of the comparison.
+    periods: the H swept at M = ``period_replicas`` (one of ``swept``).
+  """
+
+  replicas: tuple[int, ...]
+  swept: tuple[int, ...]
+  outer_lrs: tuple[float, ...]
+  fixed_lr: Mapping[int, float]
+  period: int
+  periods: tuple[int, ...]
+  period_replicas: int = 2
+
+
+FULL = Grid(replicas=(1, 2, 4, 8), swept=(2, 8), outer_lrs=(0.4, 0.6, 0.8, 1.0),
+            fixed_lr={1: 0.6, 4: 0.8}, period=30, periods=(1, 5, 10, 30, 100))
+QUICK = Grid(replicas=(1, 2), swept=(2,), outer_lrs=(0.6, 1.0), fixed_lr={1: 0.6}, period=10,
+             periods=(5, 10))
+"""``--quick``: 5 runs of :data:`QUICK_STEPS` steps on one seed, to check the program only."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """One run: data parallel (``replicas`` ``None``), or DiLoCo with M = ``replicas``."""
+
+  replicas: int | None
+  seed: int
+  sync_period: int | None = None
+  outer_lr: float | None = None
+
+  @property
+  def label(self) -> str:
+    if self.replicas is None:
+      return "data parallel"
+    return f"diloco M={self.replicas} H={self.sync_period} lr={self.outer_lr:g}"
+
+  def key(self, steps: int) -> str:
+    """The name of the run's cached result."""
+    if self.replicas is None:
+      return f"dp_s{self.seed}_t{steps}"
+    return (f"diloco_m{self.replicas}_h{self.sync_period}_lr{self.outer_lr:g}_s{self.seed}"
+            f"_t{steps}")
+
+  def settings(self, steps: int) -> Any:
+    """The trainer's :class:`~optax_dist.cli.config.Settings` of this run."""
+    from optax_dist.cli.config import Settings
+    from optax_dist.cli.tasks import TASKS
+
+    fields = {k: v for k, v in TASKS["lm"].defaults.items() if k != "steps"}
+    fields |= {"task": "lm", "steps": steps, "eval_every": min(EVAL_EVERY, steps),
+               "seed": self.seed}
+    if self.replicas is None:
+      return Settings(**fields | {"algorithm": "sync", "devices": DEVICES,
+                                  "batch_size": GLOBAL_BATCH // DEVICES})
+    return Settings(**fields | {
+      "algorithm": "diloco", "devices": self.replicas, "batch_size": GLOBAL_BATCH // self.replicas,
+      "sync_period": self.sync_period, "outer_learning_rate": self.outer_lr,
+      "outer_momentum": OUTER_MOMENTUM})
+
+
+def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
+  """The runs that depend on no other: data parallel, the sweeps, the M not swept."""
+  runs = [Spec(None, s) for s in seeds]
+  for m in grid.replicas:
+    if m in grid.swept:
+      runs += [Spec(m, SWEEP_SEED, grid.period, lr) for lr in grid.outer_lrs]
+    else:
+      runs += [Spec(m, s, grid.period, grid.fixed_lr[m]) for s in seeds]
+  return runs
+
+
+def second_runs(grid: Grid, seeds: Sequence[int], best: Mapping[int, float]) -> list[Spec]:
+  """The runs at the swept M's best outer learning rates ``best``: the other seeds, and H."""
+  runs = [Spec(m, s, grid.period, best[m]) for m in grid.swept for s in seeds if s != SWEEP_SEED]
+  m = grid.period_replicas
+  return runs + [Spec(m, SWEEP_SEED, h, best[m]) for h in grid.periods if h != grid.period]
+
+
+def run_count(grid: Grid, seeds: Sequence[int]) -> int:
+  """The number of runs of ``grid`` on ``seeds`` (whatever the best outer learning rates)."""
+  return len(first_runs(grid, seeds)) + len(second_runs(grid, seeds, _any_lrs(grid)))
+
+
+def _any_lrs(grid: Grid) -> dict[int, float]:
+  return {**grid.fixed_lr, **{m: grid.outer_lrs[0] for m in grid.swept}}
+
+
+def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float]:
+  """Each M's outer learning rate: the swept M's with the lowest final loss at
+  :data:`SWEEP_SEED` and H = ``grid.period`` among ``records``; the others' fixed one."""
+  best = dict(grid.fixed_lr)
+  for m in grid.swept:
+    sweep = [r for r in records if r["replicas"] == m and r["sync_period"] == grid.period
+             and r["seed"] == SWEEP_SEED]
+    if sweep:
+      best[m] = min(sweep, key=lambda r: r["final"])["outer_lr"]
+  return best
+
+
+def record(spec: Spec, result: dict[str, Any], load_before: str) -> dict[str, Any]:
+  """What the cache keeps of one run's ``result`` (the trainer's)."""
+  history = result["history"]
+  return {
+    "label": spec.label, **dataclasses.asdict(spec), "steps": result["steps"],
+    "devices": result["devices"], "batch_size": result["batch_size"],
+    "final": result["test_bits_per_byte_eval_params"],
+    "final_workers": result["test_bits_per_byte_workers"],
+    "communication_rounds": result["communication_rounds"],
+    "curve": {"step": history["step"], "bits_per_byte": history["test_bits_per_byte_eval_params"]},
+    "wall_s": result["wall_time_s"], "train_s": sum(result["step_times"]),
+    "step_s": statistics.median(result["step_times"]),
+    "load_before": load_before, "load_after": _util.load_average(), "date": _now(),
+  }
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
+  """The cached results under ``runs_dir``, by key (files that do not parse are left out)."""
+  out = {}
+  for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
+    try:
+      with open(os.path.join(runs_dir, name)) as f:
+        out[name.removesuffix(".json")] = json.load(f)
+    except (OSError, ValueError):
+      continue
+  return out
+
+
+def save_json(path: str, value: Any) -> None:
+  """Writes ``value`` to ``path`` whole or not at all (a stopped study leaves no half file)."""
+  with open(path + ".tmp", "w") as f:
+    json.dump(value, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def estimate_seconds(runs: int, steps: int, records: Sequence[dict[str, Any]]) -> float:
+  """Seconds of ``runs`` runs of ``steps`` steps: the cached runs' median step and start-up
+  (compilation, evaluations), or :data:`SECONDS_PER_STEP` and :data:`SECONDS_PER_RUN`."""
+  if not records:
+    return runs * (SECONDS_PER_RUN + steps * SECONDS_PER_STEP)
+  step = statistics.median(r["step_s"] for r in records)
+  start = statistics.median(r["wall_s"] - r["train_s"] for r in records)
+  return runs * (start + steps * step)
+
+
+def plan_text(grid: Grid, seeds: Sequence[int], steps: int,
+              records: Mapping[str, dict[str, Any]]) -> str:
+  """The planned runs, how many are cached, and the estimated time of the others."""
+  first = first_runs(grid, seeds)
+  cached = [s for s in first if s.key(steps) in records]
+  if len(cached) == len(first):  # the best outer learning rates are known
+    second = second_runs(grid, seeds, best_lrs(grid, [records[s.key(steps)] for s in cached]))
+    cached += [s for s in second if s.key(steps) in records]
+  total = run_count(grid, seeds)
+  todo = total - len(cached)
+  seconds = estimate_seconds(todo, steps, list(records.values()))
+  return (f"[equal-tokens] {total} runs planned ({len(first)} first, {total - len(first)} at the"
+          f" swept M's best outer learning rate), {len(cached)} cached, {todo} to train: about"
+          f" {seconds / 60:.0f} min at {steps} steps each")
+
+
+def gaps(records: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> list[float]:
+  """Each seed's final loss over data parallel's of the same seed, less 1 (seeds of both)."""
+  base = {r["seed"]: r["final"] for r in dp}
+  return [r["final"] / base[r["seed"]] - 1 for r in sorted(records, key=lambda r: r["seed"])
+          if r["seed"] in base]
+
+
+def _stats(xs: Sequence[float]) -> tuple[float, float] | None:
+  """Mean and standard deviation of ``xs`` (``None`` if empty)."""
+  if not xs:
+    return None
+  mean = sum(xs) / len(xs)
+  return mean, (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5
+
+
+def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """The comparison of the cached ``records``: data parallel, each M at its best outer learning
+  rate and H = ``grid.period``, the sweeps, and the targets."""
+  dp = [r for r in records if r["replicas"] is None]
+  best = best_lrs(grid, records)
+
+  def runs(m: int, lr: float, h: int) -> list[dict[str, Any]]:
+    return [r for r in records if r["replicas"] == m and r["outer_lr"] == lr
+            and r["sync_period"] == h]
+
+  rows = []
+  for m in grid.replicas:
+    mine = runs(m, best[m], grid.period)
+    rows.append({"replicas": m, "outer_lr": best[m], "swept": m in grid.swept,
+                 "seeds": sorted(r["seed"] for r in mine),
+                 "loss": _stats([r["final"] for r in mine]), "gap": _stats(gaps(mine, dp)),
+                 "paper": PAPER_GAP.get(m)})
+  sweep = {m: {lr: _one(runs(m, lr, grid.period), dp) for lr in grid.outer_lrs}
+           for m in grid.swept}
+  m = grid.period_replicas
+  periods = {h: _one(runs(m, best[m], h), dp) for h in grid.periods}
+  return {"dp": {"seeds": sorted(r["seed"] for r in dp),
+                 "loss": _stats([r["final"] for r in dp])},
+          "rows": rows, "sweep": sweep, "periods": periods, "targets": targets(rows)}
+
+
+def _one(runs: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+  """The :data:`SWEEP_SEED` run of ``runs``: its final loss, gap, rounds and the workers' loss
+  (``None``: no such run)."""
+  run = next((r for r in runs if r["seed"] == SWEEP_SEED), None)
+  if run is None:
+    return None
+  gap = gaps([run], dp)
+  return {"loss": run["final"], "gap": gap[0] if gap else None,
+          "rounds": run["communication_rounds"], "workers": run["final_workers"]}
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Each target with ``met`` (``None``: not measured) and its numbers, from the rows' mean gaps."""
+  gap = {r["replicas"]: r["gap"][0] for r in rows if r["gap"] is not None}
+  out = [{"text": "M = 1 at or below data parallel",
+          "met": gap[1] <= 0 if 1 in gap else None, "gaps": {1: gap.get(1)}}]
+  ordered = sorted(gap.items())
+  out.append({"text": "the gap grows with M", "gaps": dict(ordered),
+              "met": all(a < b for (_, a), (_, b) in zip(ordered, ordered[1:]))
+              if len(ordered) > 1 else None})
+  for m, tolerance in TOLERANCE.items():
+    out.append({"text": f"M = {m} within {tolerance:.0%} of data parallel",
+                "met": gap[m] <= tolerance if m in gap else None, "gaps": {m: gap.get(m)}})
+  return out
+
+
+def _pct(x: float | None) -> str:
+  return "—" if x is None else f"{100 * x:+.1f}%"
+
+
+def _mean_sd(stats: tuple[float, float] | None, pct: bool = False) -> str:
+  if stats is None:
+    return "not run"
+  if pct:
+    return f"{100 * stats[0]:+.2f}% ± {100 * stats[1]:.2f}%"
+  return f"{stats[0]:.4f} ± {stats[1]:.4f}"
+
+
+def comparison_table(s: dict[str, Any]) -> str:
+  """Data parallel and each M: final loss, gap to data parallel, the paper's gap."""
+  dp = s["dp"]
+  table = [["data parallel", "—", ", ".join(map(str, dp["seeds"])), _mean_sd(dp["loss"]), "—",
+            "—"]]
+  for r in s["rows"]:
+    paper = "slightly below 0" if r["replicas"] == 1 else _pct(r["paper"])
+    table.append([f"DiLoCo M = {r['replicas']}",
+                  f"{r['outer_lr']:g}" + (" (swept)" if r["swept"] else ""),
+                  ", ".join(map(str, r["seeds"])) or "—", _mean_sd(r["loss"]),
+                  _mean_sd(r["gap"], pct=True), paper])
+  return _util.table(["", "outer lr", "seeds", "val bits/byte (mean ± sd)",
+                      "vs data parallel (mean ± sd over seeds)", "paper, Table 4 (35M)"],
+                     table, "llrrrr")
+
+
+def target_lines(s: dict[str, Any]) -> list[str]:
+  lines = []
+  for t in s["targets"]:
+    verdict = "not measured" if t["met"] is None else "met" if t["met"] else "MISSED"
+    numbers = ", ".join(f"M = {m}: {_pct(g)}" for m, g in t["gaps"].items())
+    lines.append(f"- {verdict}: {t['text']} ({numbers}).")
+  return lines
+
+
+def sweep_table(s: dict[str, Any]) -> str:
+  """The outer learning rate sweep: seed 0's final loss and gap at each swept M."""
+  sweep = s["sweep"]
+  rows = []
+  for lr in next(iter(sweep.values())):
+    rows.append([f"{lr:g}"] + [
+      "not run" if sweep[m][lr] is None else
+      f"{sweep[m][lr]['loss']:.4f} ({_pct(sweep[m][lr]['gap'])})" for m in sweep])
+  return _util.table(["outer lr"] + [f"M = {m}" for m in sweep], rows)
+
+
+def periods_table(s: dict[str, Any]) -> str:
+  rows = [[str(h), "not run", "", "", ""] if p is None else
+          [str(h), str(p["rounds"]), f"{p['loss']:.4f}", _pct(p["gap"]), f"{p['workers']:.4f}"]
+          for h, p in s["periods"].items()]
+  return _util.table(["H", "outer steps", "val bits/byte (anchor)", "vs data parallel",
+                      "workers' params"], rows)
+
+
+def markdown(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
+             plot_name: str) -> str:
+  """The report: the setup, the comparison beside Table 4, the targets, the sweeps, the runs."""
+  s = summary(grid, records)
+  m, best = grid.period_replicas, best_lrs(grid, records)
+  return "\n".join([
+    "# DiLoCo against data parallel at equal tokens", "",
+    _util.doc_markdown(__doc__, 1, 4), "",
+    setup_text(grid, meta), "",
+    f"## Final validation loss, H = {grid.period}", "",
+    comparison_table(s), "",
+    "Targets:", "", *target_lines(s), "",
+    f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", "",
+    sweep_table(s), "",
+    f"## Sync period H at M = {m} (outer lr {best[m]:g}, seed {SWEEP_SEED})", "",
+    periods_table(s), "",
+    "## Runs", "",
+    runs_table(records), "",
+    f"![final validation loss against M and against H]({plot_name})", ""])
+
+
+def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
+  tokens = meta["steps"] * GLOBAL_BATCH * meta["context"]
+  loads = "; ".join(f"{i['date']}: load average {i['load_start']} at the start,"
+                    f" {i['load_end']} at the end, {i['runs_trained']} runs in"
+                    f" {i['wall_s'] / 60:.1f} min" for i in meta["invocations"])
+  quick = " **`--quick`: a tiny grid that checks the program, not a measurement.**"
+  return (
+    f"{meta['num_params']:,} params; {GLOBAL_BATCH} × {meta['context']} ="
+    f" {GLOBAL_BATCH * meta['context']:,} tokens per step for {meta['steps']:,} steps:"
+    f" {tokens / 1e6:.2f}M tokens, {tokens / meta['num_params']:.1f} per parameter,"
+    f" {tokens / meta['train_tokens']:.2f} epochs of the {meta['train_tokens'] / 1e6:.2f}M"
+    f" training tokens. Seeds {', '.join(map(str, meta['seeds']))}."
+    f" {_util.machine()['cores']} CPUs ({_util.machine()['cpu']}). {loads}."
+    + (quick if grid is QUICK else ""))
+
+
+def _loads(meta: dict[str, Any]) -> str:
+  """The 1-minute load averages at the start and the end of each invocation."""
+  return ", ".join(f"{i['load_start'].split(',')[0]} → {i['load_end'].split(',')[0]}"
+                   for i in meta["invocations"]) or "not recorded"
+
+
+def runs_table(records: Sequence[dict[str, Any]]) -> str:
+  rows = [[r["label"], str(r["seed"]), f"{r['devices']} × {r['batch_size']}", f"{r['final']:.4f}",
+           f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}",
+           f"{r['load_before'].split(',')[0]} → {r['load_after'].split(',')[0]}"]
+          for r in sorted(records, key=_order)]
+  return _util.table(["run", "seed", "devices × batch", "val bits/byte", "wall s",
+                      "s / step (median)", "load (1 min)"], rows, "lrrrrrr")
+
+
+def _order(r: dict[str, Any]) -> tuple:
+  return (r["replicas"] or 0, r["sync_period"] or 0, r["outer_lr"] or 0, r["seed"])
+
+
+def plot(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
+         path: str) -> None:
+  """Final validation loss against M (beside Table 4's gaps applied to data parallel's loss) and
+  against H at M = ``grid.period_replicas``."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  s = summary(grid, records)
+  fig, (by_m, by_h) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for ax in (by_m, by_h):
+    if s["dp"]["loss"] is not None:
+      mean, sd = s["dp"]["loss"]
+      ax.axhline(mean, color="k", lw=1, label="data parallel")
+      ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
+    ax.set_xscale("log", base=2)
+    ax.grid(True, alpha=0.3)
+    ax.set_ylabel("final validation bits per byte")
+  rows = [r for r in s["rows"] if r["loss"] is not None]
+  by_m.errorbar([r["replicas"] for r in rows], [r["loss"][0] for r in rows],
+                [r["loss"][1] for r in rows], marker="o", capsize=3, label="DiLoCo (mean ± sd)")
+  if s["dp"]["loss"] is not None:
+    paper = [(m, g) for m, g in PAPER_GAP.items() if g is not None and m in grid.replicas]
+    by_m.plot([m for m, _ in paper], [s["dp"]["loss"][0] * (1 + g) for _, g in paper], "s",
+              mfc="none", color="C3", label="Table 4's gap over data parallel")
+  by_m.set_xticks(grid.replicas, [str(m) for m in grid.replicas])
+  by_m.set_xlabel(f"replicas M (H = {grid.period})")
+  points = [(h, p["loss"]) for h, p in s["periods"].items() if p is not None]
+  by_h.plot([h for h, _ in points], [v for _, v in points], "o-", color="C1",
+            label=f"DiLoCo M = {grid.period_replicas}")
+  by_h.set_xscale("log")
+  by_h.set_xticks(grid.periods, [str(h) for h in grid.periods])
+  by_h.set_xlabel(f"sync period H (M = {grid.period_replicas}, seed {SWEEP_SEED})")
+  for ax in (by_m, by_h):
+    ax.minorticks_off()
+    ax.legend(fontsize=8)
+  fig.suptitle(f"lm task at equal tokens ({meta['steps']} steps of {GLOBAL_BATCH} windows):"
+               f" DiLoCo against data parallel; load average {_loads(meta)}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> int:
+  """Trains every planned run not yet cached under ``runs_dir``; the number trained."""
+  from tqdm.auto import tqdm
+
+  from optax_dist.cli.tasks import TASKS
+
+  os.makedirs(runs_dir, exist_ok=True)
+  task = TASKS["lm"]
+  data = task.load(0)
+  records = {k: r for k, r in load_records(runs_dir).items() if r["steps"] == steps}
+  trained = 0
+  with tqdm(total=run_count(grid, seeds), unit="run", desc="equal tokens") as bar:
+    for spec in first_runs(grid, seeds):
+      trained += _train_once(task, data, spec, steps, runs_dir, records, bar)
+    best = best_lrs(grid, list(records.values()))
+    for spec in second_runs(grid, seeds, best):
+      trained += _train_once(task, data, spec, steps, runs_dir, records, bar)
+  return trained
+
+
+def _train_once(task: Any, data: Any, spec: Spec, steps: int, runs_dir: str,
+                records: dict[str, dict[str, Any]], bar: Any) -> bool:
+  """Trains ``spec`` unless ``records`` has it, caching its record; whether it trained."""
+  from optax_dist.cli import trainer
+
+  key = spec.key(steps)
+  trains = key not in records
+  if trains:
+    bar.set_description(f"{spec.label} seed {spec.seed}")
+
+    def on_step(step: int) -> None:
+      if step % 100 == 0:
+        bar.set_postfix_str(f"step {step}/{steps}")
+
+    load = _util.load_average()
+    result = trainer.train(task, data, spec.settings(steps), on_step=on_step)
+    records[key] = record(spec, result, load)
+    save_json(os.path.join(runs_dir, key + ".json"), records[key])
+  bar.update(1)
+  return trains
+
+
+def default_steps(num_params: int, context: int, period: int) -> int:
+  """The fewest steps with at least :data:`TOKENS_PER_PARAM` tokens per parameter that are a
+  multiple of ``period`` (DiLoCo's anchor, which is evaluated, then holds every inner step)."""
+  per_step = GLOBAL_BATCH * context
+  return period * -(-TOKENS_PER_PARAM * num_params // (per_step * period))
+
+
+def meta_of(seeds: Sequence[int]) -> dict[str, Any]:
+  """The model's params count and the training tokens (from the task), and the seeds."""
+  import jax
+
+  from optax_dist.cli import trainer
+  from optax_dist.cli.tasks import LM_CONTEXT, TASKS
+
+  task = TASKS["lm"]
+  data = task.load(0)
+  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
+  params = trainer.initial_params(task, 0, example)
+  return {"num_params": sum(int(x.size) for x in jax.tree.leaves(params)),
+          "train_tokens": int(data.train["y"].size), "context": LM_CONTEXT, "seeds": list(seeds)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  grid = QUICK if args.quick else FULL
+  seeds = list(range(args.seeds or (1 if args.quick else 3)))
+  runs_dir = os.path.join(args.out, "equal_tokens_runs")
+  _init_jax()
+  meta = _load_meta(os.path.join(args.out, "equal_tokens.json")) | meta_of(seeds)
+  steps = args.steps or (QUICK_STEPS if args.quick else
+                         default_steps(meta["num_params"], meta["context"], grid.period))
+  meta["steps"] = steps
+  per_step = GLOBAL_BATCH * meta["context"]
+  print(f"[equal-tokens] {meta['num_params']:,} params, {per_step:,} tokens per step: {steps}"
+        f" steps are {steps * per_step / meta['num_params']:.1f} tokens per parameter"
+        f" (target ≥ {TOKENS_PER_PARAM})", flush=True)
+  print(plan_text(grid, seeds, steps, load_records(runs_dir)), flush=True)
+  if args.plan:
+    return 0
+  if not args.report:
+    start, load_start, date = time.perf_counter(), _util.load_average(), _now()
+    trained = train_all(grid, seeds, steps, runs_dir)
+    meta["invocations"].append({"date": date, "load_start": load_start,
+                                "load_end": _util.load_average(), "runs_trained": trained,
+                                "wall_s": time.perf_counter() - start})
+  return report(grid, meta, runs_dir, args.out)
+
+
+def report(grid: Grid, meta: dict[str, Any], runs_dir: str, out: str) -> int:
+  """Writes ``equal_tokens.{json,md,png}`` under ``out`` from the cached runs of ``meta``'s
+  steps and seeds."""
+  records = [r for r in load_records(runs_dir).values()
+             if r["steps"] == meta["steps"] and r["seed"] in meta["seeds"]]
+  save_json(os.path.join(out, "equal_tokens.json"),
+            {"meta": meta, "grid": dataclasses.asdict(grid), "versions": _util.versions(),
+             "summary": summary(grid, records)})
+  plot(grid, records, meta, os.path.join(out, "equal_tokens.png"))
+  text = markdown(grid, records, meta, "equal_tokens.png")
+  with open(os.path.join(out, "equal_tokens.md"), "w") as f:
+    f.write(text)
+  print("\n".join(target_lines(summary(grid, records))))
+  print(f"[equal-tokens] wrote {os.path.join(out, 'equal_tokens.md')} and equal_tokens.png")
+  return 0
+
+
+def _load_meta(path: str) -> dict[str, Any]:
+  """The earlier invocations recorded in ``path`` (none if there is no such file)."""
+  try:
+    with open(path) as f:
+      return {"invocations": json.load(f)["meta"]["invocations"]}
+  except (OSError, ValueError, KeyError):
+    return {"invocations": []}
+
+
+def _init_jax() -> None:
+  """CPU with :data:`DEVICES` emulated devices; collectives wait up to 10 minutes for slow
+  threads (on a loaded 2-core machine a step can take longer than XLA's default 40 s)."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), "--xla_cpu_collective_call_terminate_timeout_seconds=600",
+    "--xla_cpu_collective_timeout_seconds=600"]).strip()
+  import jax
+
+  jax.config.update("jax_num_cpu_devices", DEVICES)
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--steps", type=int, default=None,
+                      help=f"steps of every run (default: the fewest multiple of H with"
+                           f" {TOKENS_PER_PARAM} tokens per parameter; --quick: {QUICK_STEPS})")
+  parser.add_argument("--seeds", type=int, default=None,
+                      help="seeds 0..N-1 of data parallel and of each M's best (default 3;"
+                           " --quick: 1)")
+  parser.add_argument("--quick", action="store_true",
+                      help=f"a tiny grid ({run_count(QUICK, [0])} runs of {QUICK_STEPS} steps"
+                           " by default): checks the program only")
+  parser.add_argument("--out", default=HERE,
+                      help="directory of equal_tokens.{md,png,json} and of the cached runs,"
+                           " equal_tokens_runs/ (default: benchmarks/)")
+  parser.add_argument("--plan", action="store_true",
+                      help="print the planned runs and the estimated time; train nothing")
+  parser.add_argument("--report", action="store_true",
+                      help="rewrite the report from the cached runs; train nothing")
+  return parser
+
+
+if __name__ == "__main__":
+  sys.exit(main())
