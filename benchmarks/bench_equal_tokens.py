@@ -172,15 +172,15 @@ def _any_lrs(grid: Grid) -> dict[int, float]:
   return {**grid.fixed_lr, **{m: grid.outer_lrs[0] for m in grid.swept}}
 
 
-def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float]:
+def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float | None]:
   """Each M's outer learning rate: the swept M's with the lowest final loss at
-  :data:`SWEEP_SEED` and H = ``grid.period`` among ``records``; the others' fixed one."""
+  :data:`SWEEP_SEED` and H = ``grid.period`` among ``records`` (``None`` if none was run); the
+  others' fixed one."""
   best = dict(grid.fixed_lr)
   for m in grid.swept:
     sweep = [r for r in records if r["replicas"] == m and r["sync_period"] == grid.period
              and r["seed"] == SWEEP_SEED]
-    if sweep:
-      best[m] = min(sweep, key=lambda r: r["final"])["outer_lr"]
+    best[m] = min(sweep, key=lambda r: r["final"])["outer_lr"] if sweep else None
   return best
 
 
@@ -320,6 +320,10 @@ def _pct(x: float | None) -> str:
   return "—" if x is None else f"{100 * x:+.1f}%"
 
 
+def _lr(x: float | None) -> str:
+  return "—" if x is None else f"{x:g}"
+
+
 def _mean_sd(stats: tuple[float, float] | None, pct: bool = False) -> str:
   if stats is None:
     return "not run"
@@ -336,7 +340,7 @@ def comparison_table(s: dict[str, Any]) -> str:
   for r in s["rows"]:
     paper = "slightly below 0" if r["replicas"] == 1 else _pct(r["paper"])
     table.append([f"DiLoCo M = {r['replicas']}",
-                  f"{r['outer_lr']:g}" + (" (swept)" if r["swept"] else ""),
+                  _lr(r["outer_lr"]) + (" (swept)" if r["swept"] else ""),
                   ", ".join(map(str, r["seeds"])) or "—", _mean_sd(r["loss"]),
                   _mean_sd(r["gap"], pct=True), paper])
   return _util.table(["", "outer lr", "seeds", "val bits/byte (mean ± sd)",
@@ -386,7 +390,7 @@ def markdown(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
     "Targets:", "", *target_lines(s), "",
     f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", "",
     sweep_table(s), "",
-    f"## Sync period H at M = {m} (outer lr {best[m]:g}, seed {SWEEP_SEED})", "",
+    f"## Sync period H at M = {m} (outer lr {_lr(best[m])}, seed {SWEEP_SEED})", "",
     periods_table(s), "",
     "## Runs", "",
     runs_table(records), "",
