@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-lowest docs bench bench-network dist clean
+.PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,13 @@ bench-network: $(VENV)/.bench
 	  apt-get install -y iproute2 || { apt-get update && apt-get install -y iproute2; }; \
 	fi; \
 	$(BIN)/python benchmarks/bench_network.py $(BENCH_NETWORK_ARGS)
+
+# DiLoCo with M = 1, 2, 4, 8 replicas against data parallel at equal tokens (Scaling Laws for
+# DiLoCo, Table 4): 25 runs, about 90 minutes on 2 idle cores; each run is cached under
+# benchmarks/equal_tokens_runs/, so a stopped study resumes. E.g.
+# BENCH_EQUAL_TOKENS_ARGS=--plan prints the runs and the estimated time, --quick checks the program.
+bench-equal-tokens: $(VENV)/.bench
+	$(BIN)/python benchmarks/bench_equal_tokens.py $(BENCH_EQUAL_TOKENS_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist
