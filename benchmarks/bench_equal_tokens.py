@@ -207,7 +207,8 @@ def _now() -> str:
 def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
   """The cached results under ``runs_dir``, by key (files that do not parse are left out)."""
   out = {}
-  for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
+  names = sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []
+  for name in (n for n in names if n.endswith(".json")):
     try:
       with open(os.path.join(runs_dir, name)) as f:
         out[name.removesuffix(".json")] = json.load(f)
@@ -400,7 +401,7 @@ def markdown(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
 def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
   tokens = meta["steps"] * GLOBAL_BATCH * meta["context"]
   loads = "; ".join(f"{i['date']}: load average {i['load_start']} at the start,"
-                    f" {i['load_end']} at the end, {i['runs_trained']} runs in"
+                    f" {i['load_end']} at the end, runs trained: {i['runs_trained']} in"
                     f" {i['wall_s'] / 60:.1f} min" for i in meta["invocations"])
   quick = " **`--quick`: a tiny grid that checks the program, not a measurement.**"
   return (
