@@ -350,6 +350,7 @@ def comparison_table(s: dict[str, Any]) -> str:
 
 
 def target_lines(s: dict[str, Any]) -> list[str]:
+  """Each target of the summary ``s``, met, missed or not measured, with its gaps."""
   lines = []
   for t in s["targets"]:
     verdict = "not measured" if t["met"] is None else "met" if t["met"] else "MISSED"
@@ -370,6 +371,7 @@ def sweep_table(s: dict[str, Any]) -> str:
 
 
 def periods_table(s: dict[str, Any]) -> str:
+  """The H sweep: outer steps, the anchor's final loss and gap, the workers' final loss."""
   rows = [[str(h), "not run", "", "", ""] if p is None else
           [str(h), str(p["rounds"]), f"{p['loss']:.4f}", _pct(p["gap"]), f"{p['workers']:.4f}"]
           for h, p in s["periods"].items()]
@@ -399,6 +401,7 @@ def markdown(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
 
 
 def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
+  """Params, tokens per step and per parameter, epochs, seeds, the machine and its load."""
   tokens = meta["steps"] * GLOBAL_BATCH * meta["context"]
   loads = "; ".join(f"{i['date']}: load average {i['load_start']} at the start,"
                     f" {i['load_end']} at the end, runs trained: {i['runs_trained']} in"
@@ -421,6 +424,7 @@ def _loads(meta: dict[str, Any]) -> str:
 
 
 def runs_table(records: Sequence[dict[str, Any]]) -> str:
+  """Every cached run: its final loss, wall-clock, median step and the load around it."""
   rows = [[r["label"], str(r["seed"]), f"{r['devices']} × {r['batch_size']}", f"{r['final']:.4f}",
            f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}",
            f"{r['load_before'].split(',')[0]} → {r['load_after'].split(',')[0]}"]
