@@ -131,7 +131,8 @@ def _training_arguments(common: argparse.ArgumentParser) -> None:
                       " its devices (FSDP), its minibatch over all of them; the compiler reduces"
                       " the gradients within a replica and the algorithm runs across the"
                       " replicas (sync: tower over the replicas). K must divide the devices of a"
-                      " replica; the examples and the losses are those without --fsdp."
+                      " replica; the same examples as without --fsdp, so the same losses to float"
+                      " rounding."
                       f" {refused} does not run there (default: one shard_map step, every"
                       " device holding whole params)")
   common.add_argument("--steps", type=positive_int, default=None,
