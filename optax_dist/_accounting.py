@@ -439,11 +439,32 @@ _IOTA_GROUPS = re.compile(
   r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
 )
 
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _mesh_groups(match: re.Match) -> tuple[tuple[int, ...], ...]:
+  """The groups of XLA's mesh form ``mesh['a'=2,'b'=4] {'b'}``: the device positions ``arange``
+  laid out on the named axes, one group per position on the axes not listed; ``()`` for a form
+  read no further (sub-axes such as ``'b':(1)2``)."""
+  sizes = dict((name, int(n)) for name, n in re.findall(r"'([^']+)'=(\d+)", match.group(1)))
+  grouped = [entry.strip() for entry in match.group(2).split(",") if entry.strip()]
+  if not all(re.fullmatch(r"'[^']+'", e) and e[1:-1] in sizes for e in grouped):
+    return ()
+  names, grouped = list(sizes), [e[1:-1] for e in grouped]
+  ids = np.arange(int(np.prod(list(sizes.values())))).reshape(list(sizes.values()))
+  order = [names.index(n) for n in names if n not in grouped] + [names.index(n) for n in grouped]
+  size = int(np.prod([sizes[n] for n in grouped]))
+  return tuple(tuple(int(d) for d in g) for g in ids.transpose(order).reshape(-1, size))
+
 
 def _replica_groups(attributes: str) -> tuple[tuple[int, ...], ...]:
-  """The ``replica_groups`` of an instruction: explicit (``{{0,4},{1,5}}``) or iota
+  """The ``replica_groups`` of an instruction: explicit (``{{0,4},{1,5}}``), iota
   (``[4,2]<=[2,4]T(1,0)``: the device positions ``arange`` reshaped to the dims, transposed,
-  then cut into the groups); ``()`` if absent."""
+  then cut into the groups) or over mesh axes (``mesh['a'=2,'b'=4] {'b'}``, see
+  :func:`_mesh_groups`); ``()`` if absent."""
+  m = _MESH_GROUPS.search(attributes)
+  if m:
+    return _mesh_groups(m)
   m = _IOTA_GROUPS.search(attributes)
   if m:
     dims = [int(d) for d in m.group(3).split(",")]

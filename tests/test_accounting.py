@@ -454,3 +454,27 @@ ENTRY %main (p: f32[3]) -> f32[3] {
   (collective,) = optax_dist.CommunicationReport.from_hlo_text(text).collectives
   assert collective.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
   assert collective.axes(jax.make_mesh((2, 4), ("hosts", "gpus"))) == ("hosts",)
+
+
+def test_mesh_axes_replica_groups_are_parsed():
+  """XLA's mesh form ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (the global view's FSDP
+  collectives): the groups along the second axis of a 2x4 mesh, {0,1,2,3} and {4,5,6,7}; a form
+  with sub-axes is not read (no groups)."""
+  hlo = """HloModule m
+
+ENTRY %main (p: f32[3]) -> f32[3] {{
+  %p = f32[3]{{0}} parameter(0)
+  ROOT %ar = f32[3]{{0}} all-reduce(%p), channel_id=1, replica_groups={groups}, use_global_device_ids=true, to_apply=%add
+}}
+"""
+  mesh = jax.make_mesh((2, 4), ("replica", "fsdp"))
+  for groups, expected, axes in [
+      ("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", ((0, 1, 2, 3), (4, 5, 6, 7)), ("fsdp",)),
+      ("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", ((0, 4), (1, 5), (2, 6), (3, 7)), ("replica",)),
+      ("mesh['axis_0'=2,'axis_1'=4,'axis_2'=1] {'axis_1','axis_2'}", ((0, 1, 2, 3), (4, 5, 6, 7)),
+       ("fsdp",)),
+      ("mesh['axis_0'=2,'axis_1'=4] {'axis_1':(1)2}", (), ("replica", "fsdp"))]:
+    text = hlo.format(groups=groups)
+    (collective,) = optax_dist.CommunicationReport.from_hlo_text(text).collectives
+    assert collective.groups == expected, groups
+    assert collective.axes(mesh) == axes, groups

@@ -255,3 +255,26 @@ def test_resume_on_another_number_of_processes_resizes(root):
     assert result["devices"] == after
     assert result["history"]["step"] == [0, 10, 20]  # the evaluations of the checkpoint kept
     assert result["test_accuracy_eval_params"] > 0.8  # trains on after the resize
+
+
+def test_the_global_view_over_two_processes_gives_the_params_of_one(root):
+  """``--fsdp 2 --replicas 2`` over 2 processes of 2 devices (a replica each, its params sharded
+  over its 2 devices) trains as one process of 4 devices."""
+  args = ["train", "--algorithm", "diloco", "--replicas", "2", "--fsdp", "2", *ARGS]
+  started = {
+    "single": Run(*args, "--devices", "4", "--out", root / "fsdp_single",
+                  "--save-params", root / "fsdp_single.npz"),
+    "multi": Run(*args, *MULTI, "--out", root / "fsdp_multi",
+                 "--save-params", root / "fsdp_multi.npz"),
+  }
+  for run_ in started.values():
+    returncode, _, stderr = run_.result()
+    assert returncode == 0, stderr
+  single, multi = load(root / "fsdp_single.npz"), load(root / "fsdp_multi.npz")
+  assert set(single) == set(multi)
+  assert all(value.shape[0] == 2 for value in single.values())  # one row per replica
+  for key, value in single.items():
+    np.testing.assert_allclose(multi[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+  with open(root / "fsdp_multi" / "results_diloco.json") as f:
+    results = json.load(f)
+  assert results["config"]["fsdp"] == results["algorithms"]["diloco"]["fsdp"] == 2

@@ -30,6 +30,13 @@ exchanges whole copies). The all-reducing algorithms (``sync``, ``moving_average
 across replicas, all-gather within), so a replica's devices send the gradients' bytes across
 once.
 
+With ``fsdp`` K (the global view, :class:`optax_dist.cli.trainer.GlobalRun`) the step is
+``jax.vmap`` over the replicas and the compiler reduces the gradients within each replica (its
+loss is the mean over its devices' minibatches): every algorithm is built around the bare inner
+optimizer over :data:`REPLICA` alone, without ``tower`` inside or ``slice_axis``; ``sync`` is
+``tower(inner, REPLICA)``. The algorithms fed stale gradients (``drop_stale_gradients``) are
+refused there: the global view keeps no params history to compute them at.
+
 With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``diloco``,
 ``streaming_diloco``) are kept in float32.
 """
@@ -50,6 +57,9 @@ AXIS = "workers"
 
 REPLICA, DATA = "replica", "data"
 """The mesh axes with ``replicas`` > 1: the replicas, and the workers within one replica."""
+
+FSDP = "fsdp"
+"""The mesh axis, inside each replica, over which ``fsdp`` shards the params (the global view)."""
 
 Schedule = Callable[[int], bool]
 """``schedule(step) -> bool``: whether step ``step`` (from 1) makes the periodic exchange."""
@@ -277,10 +287,14 @@ def axes(settings: Settings) -> tuple[str, ...]:
 
 def make_optimizer(settings: Settings, params: Any = None) -> Any:
   """The per-worker optax transformation of ``settings.algorithm`` (run under ``shard_map``
-  over the mesh axes :func:`axes`).
+  over the mesh axes :func:`axes`), or with ``settings.fsdp``, one replica's (run under
+  ``jax.vmap`` over :data:`REPLICA`).
 
-  ``settings`` must be resolved (:meth:`Settings.resolved`); ``params`` (one worker's, arrays or
-  shapes) is needed by ``streaming_diloco`` only.
+  ``settings`` must be resolved (:meth:`Settings.resolved`); ``params`` (one worker's or
+  replica's, arrays or shapes) is needed by ``streaming_diloco`` only.
+
+  Raises:
+    ValueError: an unknown algorithm; with ``fsdp``, one fed stale gradients.
   """
   algorithm = ALGORITHMS.get(settings.algorithm)
   if algorithm is None:
@@ -288,6 +302,13 @@ def make_optimizer(settings: Settings, params: Any = None) -> Any:
       f"`make_optimizer(settings.algorithm=...)` must be one of {', '.join(ALGORITHMS)}, got"
       f" {settings.algorithm!r}.")
   inner = inner_optimizer(settings)
+  if settings.fsdp is not None:
+    if algorithm.stale_gradients:
+      raise ValueError(
+        f"`make_optimizer(settings.fsdp={settings.fsdp})`: {algorithm.name} does not run on the"
+        " global view, which keeps no params history to compute stale gradients at; train it"
+        " without fsdp.")
+    return algorithm.build(settings, inner, REPLICA, params)
   if settings.replicas == 1:
     return algorithm.build(settings, inner, AXIS, params)
   if not algorithm.across_replicas:

@@ -124,6 +124,17 @@ def _training_arguments(common: argparse.ArgumentParser) -> None:
                       f" ({across}) runs across the replicas; the other algorithms reduce over"
                       " every worker. With --processes P --replicas P each process holds one"
                       f" replica (default: {d['replicas']}: the algorithm runs across the workers)")
+  refused = ", ".join(a.name for a in ALGORITHMS.values() if a.stale_gradients)
+  common.add_argument("--fsdp", type=positive_int, default=None, metavar="K",
+                      help="train on the global view: one jitted jax.vmap step over the"
+                      " replicas, each replica's params and optimizer state sharded over K of"
+                      " its devices (FSDP), its minibatch over all of them; the compiler reduces"
+                      " the gradients within a replica and the algorithm runs across the"
+                      " replicas (sync: tower over the replicas). K must divide the devices of a"
+                      " replica; the same examples as without --fsdp, so the same losses to float"
+                      " rounding."
+                      f" {refused} does not run there (default: one shard_map step, every"
+                      " device holding whole params)")
   common.add_argument("--steps", type=positive_int, default=None,
                       help=f"training steps per worker (default: {d['steps']})")
   common.add_argument("--batch-size", type=positive_int, default=None,

@@ -22,7 +22,7 @@ SETTINGS_ADDED = {"task": "digits", "sync_period": None, "outer_learning_rate": 
                   "outer_momentum": 0.9, "num_fragments": 4, "warmup_steps": 0,
                   "param_dtype": "float32", "optimizer": "adam", "b2": 0.999,
                   "weight_decay": 0.0, "lr_schedule": "constant", "lr_warmup_steps": 0,
-                  "clip_norm": None, "replicas": 1}
+                  "clip_norm": None, "replicas": 1, "fsdp": None}
 """Settings absent from older checkpoints, with the value those runs had."""
 
 
@@ -78,13 +78,16 @@ class Checkpoints:
       state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()
 
-  def restore(self, state: Any, replicated: Any) -> tuple[Any, dict[str, Any]] | None:
+  def restore(self, state: Any, replicated: Any, *,
+              per_worker: bool = True) -> tuple[Any, dict[str, Any]] | None:
     """The latest checkpoint's state and JSON, or ``None`` if there is none.
 
-    ``state``'s leaves have a leading worker axis. A checkpoint of as many workers is restored
-    shaped and sharded like ``state``; one of another number of workers (``settings["devices"]``
-    differs: an elastic resume) is restored with its own worker count, replicated on every
-    device (``replicated``, a sharding), for :func:`optax_dist.resize_state`.
+    With ``per_worker``, ``state``'s leaves have a leading worker axis: a checkpoint of as many
+    workers is restored shaped and sharded like ``state``; one of another number of workers
+    (``settings["devices"]`` differs: an elastic resume) is restored with its own worker count,
+    replicated on every device (``replicated``, a sharding), for
+    :func:`optax_dist.resize_state`. Without (the global view: a leading replica axis), every
+    checkpoint is restored shaped and sharded like ``state``.
 
     Raises:
       CheckpointMismatchError: the checkpoint was written with other settings (other than the
@@ -102,7 +105,7 @@ class Checkpoints:
     workers = meta["settings"]["devices"]
 
     def abstract(x):
-      if workers == self.settings["devices"]:
+      if workers == self.settings["devices"] or not per_worker:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
       return jax.ShapeDtypeStruct((workers, *x.shape[1:]), x.dtype, sharding=replicated)
 

@@ -23,6 +23,10 @@ class Settings:
     replicas: R, the number of replicas the workers form, of ``devices / R`` workers each: every
       step reduces the gradients within each replica, and the algorithm runs across the
       replicas (:mod:`optax_dist.cli.algorithms`); 1: the algorithm runs across the workers.
+    fsdp: K, train on the global view (one ``jax.jit`` of ``jax.vmap`` over the replicas) with
+      each replica's params and optimizer state sharded over K of its devices (FSDP), its
+      minibatch over all of them; K must divide ``devices / replicas``. ``None``: one
+      ``jax.shard_map`` step, every worker holding whole params (:mod:`optax_dist.cli.trainer`).
     steps: training steps per worker.
     batch_size: minibatch size per worker, in examples.
     learning_rate: the inner optimizer's (peak) learning rate.
@@ -59,6 +63,7 @@ class Settings:
   algorithm: str = "sync"
   devices: int = 8
   replicas: int = 1
+  fsdp: int | None = None
   steps: int = 200
   batch_size: int = 16
   learning_rate: float = 1e-2

@@ -124,7 +124,7 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
       values[key] = min(values[key], values["steps"])
   return Settings(
     task=task.name, algorithm=getattr(args, "algorithm", "sync"),
-    devices=args.processes * args.devices, replicas=args.replicas,
+    devices=args.processes * args.devices, replicas=args.replicas, fsdp=args.fsdp,
     moving_rate=args.moving_rate, decay=args.decay,
     max_staleness=args.max_staleness, seed=args.seed,
     comm_dtype=None if args.comm_dtype == "float32" else args.comm_dtype,
@@ -142,6 +142,8 @@ def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: in
     raise CommandError(
       f"argument --replicas: must divide the number of workers (--processes x --devices ="
       f" {workers}) into replicas of equal size, got {settings.replicas}")
+  if settings.fsdp is not None:
+    _check_fsdp(settings, algorithms)
   if settings.optimizer == "adam" and settings.weight_decay:
     raise CommandError(
       f"argument --weight-decay: adam has no weight decay, got {settings.weight_decay:g}; use"
@@ -167,6 +169,21 @@ def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: in
       raise CommandError(
         f"argument {flag}: must be at most {limit}, got {period}; {', '.join(users)} would"
         " never communicate (leave it out to use the default, which adapts to --steps)")
+
+
+def _check_fsdp(settings: Settings, algorithms: tuple[str, ...]) -> None:
+  """Raises :class:`CommandError` unless ``--fsdp`` divides a replica's devices and every
+  algorithm runs on the global view."""
+  per_replica = settings.devices // settings.replicas
+  if per_replica % settings.fsdp:
+    raise CommandError(
+      f"argument --fsdp: must divide the devices of a replica (--processes x --devices /"
+      f" --replicas = {per_replica}), got {settings.fsdp}")
+  refused = [a for a in algorithms if ALGORITHMS[a].stale_gradients]
+  if refused:
+    raise CommandError(
+      f"argument --fsdp: {', '.join(refused)} does not run on the global view, which keeps no"
+      " params history to compute stale gradients at; run it without --fsdp")
 
 
 def run_training(args: argparse.Namespace, argv: list[str]) -> int:
@@ -221,7 +238,8 @@ def _config(args: argparse.Namespace, task: Task, data: Any, settings: Settings)
   """The ``config`` of the results' JSON."""
   return {
     "task": task.name, "devices": args.devices, "processes": args.processes,
-    "workers": settings.devices, "replicas": settings.replicas, "steps": settings.steps,
+    "workers": settings.devices, "replicas": settings.replicas, "fsdp": settings.fsdp,
+    "steps": settings.steps,
     "batch_size": settings.batch_size,
     "learning_rate": settings.learning_rate,
     "communication_period": settings.communication_period, "moving_rate": settings.moving_rate,
@@ -256,6 +274,8 @@ def _summary(args: argparse.Namespace, task: Task, settings: Settings,
   workers = settings.devices
   if settings.replicas > 1:
     layout += f" in {settings.replicas} replicas of {workers // settings.replicas}"
+  if settings.fsdp is not None:
+    layout += f", params sharded over {settings.fsdp} (global view)"
   return (f"{task.name}, {task.model_name}, {workers} worker{'s' if workers > 1 else ''}{layout}"
           f" x batch {settings.batch_size}, {_recipe(settings)}{period},"
           f" seed {settings.seed}")

@@ -37,7 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 import optax_dist
 from optax_dist.cli import pipeline
-from optax_dist.cli.algorithms import ALGORITHMS, AXIS, DATA, REPLICA, axes, make_optimizer
+from optax_dist.cli.algorithms import (ALGORITHMS, AXIS, DATA, FSDP, REPLICA, axes,
+                                       make_optimizer)
 from optax_dist.cli.checkpoints import Checkpoints
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import Data, Task
@@ -139,16 +140,19 @@ def evaluate_fn(metric_fn: Callable) -> Callable:
 
 
 class Run:
-  """One run's mesh, data on the devices and compiled functions (each compiled once)."""
+  """One run's mesh, data on the devices and compiled functions (each compiled once): one
+  ``jax.shard_map`` step, every worker (device) holding whole params."""
+
+  state_per_worker = True
+  """Whether the state's leading axis is the workers' (else the replicas': :class:`GlobalRun`)."""
 
   def __init__(self, task: Task, data: Data, settings: Settings):
     s = self.settings = settings
     self.algorithm = ALGORITHMS[s.algorithm]
     self.stale = self.algorithm.stale_gradients
     self.depth = max(s.max_staleness, 0) + 2  # the params of the last `depth` accepted steps
-    mesh = _mesh(s)
-    self.axes = axes(s)
-    self.split, self.replicated = NamedSharding(mesh, P(self.axes)), NamedSharding(mesh, P())
+    self.mesh, spec = self._layout()
+    self.split, self.replicated = NamedSharding(self.mesh, spec), NamedSharding(self.mesh, P())
     shards = pipeline.shard_examples(data.train, s.devices)
     self.n_local = len(next(iter(shards.values()))[0])
     _check_batch_size(s, len(next(iter(data.train.values()))), self.n_local)
@@ -160,36 +164,59 @@ class Run:
     params = jax.tree.map(lambda p: p.astype(jnp.dtype(s.param_dtype)),
                           initial_params(task, s.seed, example))
     self.tx = make_optimizer(s, params)
-    params = self.shard(jax.tree.map(lambda p: np.broadcast_to(p, (s.devices,) + p.shape), params))
     model = task.model()
-    self._compile(mesh, params, task.loss_fn(model), task.metric_fn(model))
+    self._compile(self.place(params), task.loss_fn(model))
+    self._evaluate = jax.jit(evaluate_fn(task.metric_fn(model))).lower(
+      self.initial.params, self.initial.opt_state, self.test).compile()
+    self.bytes_per_device = {
+      "params": _bytes_per_device(self.initial.params),
+      "opt_state": _bytes_per_device(self.initial.opt_state),
+      "step_arguments": next(iter(self._steps.values())).memory_analysis().argument_size_in_bytes}
+    """What one device holds: its shards of the params and of the optimizer state, and the
+    compiled step's arguments (those and the device's shard of the training set, its minibatch
+    indices), in bytes."""
+
+  def _layout(self) -> tuple[jax.sharding.Mesh, P]:
+    """The mesh, and the spec of the workers' data (their shards of the training set, their
+    minibatch indices): split over the workers along the first axis."""
+    return _mesh(self.settings), P(axes(self.settings))
 
   def shard(self, tree: Any) -> Any:
     """``tree``'s host arrays as global arrays split over the workers along their first axis."""
     return jax.tree.map(lambda x: pipeline.put(x, self.split), tree)
 
-  def _compile(self, mesh, params, loss_fn, metric_fn) -> None:
+  def place(self, params: Any) -> Any:
+    """One worker's host ``params`` as the global params of every worker (``[workers, ...]``)."""
+    devices = self.settings.devices
+    return self.shard(jax.tree.map(lambda p: np.broadcast_to(p, (devices,) + p.shape), params))
+
+  def _compile(self, params, loss_fn) -> None:
     s = self.settings
-    split = P(self.axes)
-    init = jax.shard_map(self._init_fn, mesh=mesh, in_specs=split, out_specs=split)
+    split = self.split.spec
+    init = jax.shard_map(self._init_fn, mesh=self.mesh, in_specs=split, out_specs=split)
     self.initial = State(params, *jax.jit(init)(params))
     idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))
     delay = pipeline.put(self.delays[0], self.replicated)
     # One step for each value of the hint: with a schedule, a step that communicates and one
     # that does not (no conditional, no collective). Compiled ahead of time: a call with other
     # types would raise instead of recompiling.
-    hints = (None,) if self.algorithm.schedule is None else (False, True)
     self._steps, self.collectives = {}, {}
-    for hint in hints:
+    for hint in self.hints():
       step = jax.shard_map(
         step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint,
-                axis=self.axes),
-        mesh=mesh, in_specs=(split,) * 5 + (P(),), out_specs=(split,) * 3 + (P(),))
-      self._steps[hint] = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
-        *self.initial, self.train, idx, delay).compile()
-      self.collectives[_STEP_KINDS[hint]] = _collective_bytes(self._steps[hint], mesh)
-    self._evaluate = jax.jit(evaluate_fn(metric_fn)).lower(
-      self.initial.params, self.initial.opt_state, self.test).compile()
+                axis=axes(s)),
+        mesh=self.mesh, in_specs=(split,) * 5 + (P(),), out_specs=(split,) * 3 + (P(),))
+      self._add_step(hint, jax.jit(step, donate_argnums=(0, 1, 2)).lower(
+        *self.initial, self.train, idx, delay).compile())
+
+  def hints(self) -> tuple[bool | None, ...]:
+    """The ``communicate`` hints of the compiled steps: ``(None,)``, or with a schedule
+    ``(False, True)``."""
+    return (None,) if self.algorithm.schedule is None else (False, True)
+
+  def _add_step(self, hint: bool | None, compiled: Any) -> None:
+    self._steps[hint] = compiled
+    self.collectives[_STEP_KINDS[hint]] = _collective_bytes(compiled, self.mesh)
 
   def _init_fn(self, params):
     params = _unstack(params)
@@ -216,6 +243,120 @@ class Run:
     record[self.keys[0]].append(float(metric_eval))
     record[self.keys[1]].append(float(metric_workers))
     record["train_loss"].append(None if loss is None else float(loss))
+
+
+def global_step_fn(tx: Any, loss_fn: Callable, batch: NamedSharding, *,
+                   communicate: bool | None = None) -> Callable:
+  """The training step of every replica at once, on the global view (``jax.vmap`` of one
+  replica's step over :data:`REPLICA`, ``spmd_axis_name=REPLICA``), to run under ``jax.jit``.
+
+  ``step(params, opt_state, train, idx)``: ``params`` and ``opt_state`` stacked over the R
+  replicas (``[R, ...]``); ``train`` ``[R, W, M, ...]``, the shards of the W workers (devices) of
+  each replica; ``idx`` ``[R, W, B]``, each worker's minibatch indices into its shard. A
+  replica's loss is the mean over its ``W * B`` examples (the mean of its workers' minibatch
+  losses), its batch constrained to ``batch`` (one replica's sharding of the example axis); the
+  compiler reduces the gradients inside each replica, ``tx`` exchanges across the replicas.
+  Returns the new params and state, and the replicas' mean loss. ``communicate`` (if not
+  ``None``) is passed to ``tx.update`` as its static hint.
+  """
+  hint = {} if communicate is None else {"communicate": communicate}
+
+  def replica_step(params, opt_state, train, idx):
+    examples = jax.tree.map(lambda x: jax.vmap(lambda shard, i: shard[i])(x, idx), train)
+    examples = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), examples)
+    loss, grads = jax.value_and_grad(loss_fn)(
+      params, jax.lax.with_sharding_constraint(examples, batch))
+    updates, opt_state = tx.update(grads, opt_state, params, **hint)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  mapped = jax.vmap(replica_step, axis_name=REPLICA, spmd_axis_name=REPLICA)
+
+  def step(params, opt_state, train, idx):
+    params, opt_state, loss = mapped(params, opt_state, train, idx)
+    return params, opt_state, jnp.mean(loss)
+
+  return step
+
+
+class GlobalRun(Run):
+  """A run on the global view (``settings.fsdp`` K): one ``jax.jit`` step of ``jax.vmap`` over
+  the R replicas (:func:`global_step_fn`), on a ``(R, D, K)`` mesh over ``(REPLICA, DATA,
+  FSDP)``.
+
+  The params and the optimizer state are stacked over the replicas, sharded ``P(REPLICA, ...)``;
+  inside each replica every param, and every state leaf shaped like one
+  (:func:`optax_dist.state_shardings`), is sharded over the K devices of :data:`FSDP` on its
+  largest dimension divisible by K (whole on each if none, see :func:`fsdp_spec`). Worker
+  (device) ``i`` holds the ``i``-th shard of the training set and draws the minibatches of
+  :class:`Run`'s worker ``i``, so both train on the same examples. The compiler inserts FSDP's
+  all-gathers and reduce-scatters, and the gradients' reduction inside each replica.
+  """
+
+  state_per_worker = False
+
+  def _layout(self) -> tuple[jax.sharding.Mesh, P]:
+    return _global_mesh(self.settings), P(REPLICA, (DATA, FSDP))
+
+  def shard(self, tree: Any) -> Any:
+    """``tree``'s host arrays ``[workers, ...]`` as global arrays ``[R, W, ...]``, worker ``i`` on
+    device ``i`` of the mesh (replica ``i // W``)."""
+    r = self.settings.replicas
+    return jax.tree.map(
+      lambda x: pipeline.put(np.reshape(x, (r, -1) + np.shape(x)[1:]), self.split), tree)
+
+  def place(self, params: Any) -> Any:
+    """One replica's host ``params`` as the stacked params ``[R, ...]``, sharded by
+    :meth:`shardings`."""
+    r = self.settings.replicas
+    return jax.tree.map(lambda p, sh: pipeline.put(np.broadcast_to(p, (r,) + p.shape), sh),
+                        params, self.shardings(params, stacked=True))
+
+  def shardings(self, params: Any, *, stacked: bool) -> Any:
+    """The ``NamedSharding`` of each of one replica's ``params`` (:func:`fsdp_spec`), with
+    ``stacked`` for the params stacked over the replicas (:data:`REPLICA` first)."""
+    lead = (REPLICA,) if stacked else ()
+    return jax.tree.map(
+      lambda p: NamedSharding(self.mesh, P(*lead, *fsdp_spec(np.shape(p), self.settings.fsdp))),
+      params)
+
+  def _compile(self, params, loss_fn) -> None:
+    s = self.settings
+    one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype), params)
+    state_sh = optax_dist.state_shardings(self.tx, one, self.shardings(one, stacked=False),
+                                          replica_axis=REPLICA)
+    opt_state = jax.jit(jax.vmap(self.tx.init), out_shardings=state_sh)(params)
+    self.initial = State(params, opt_state, {})
+    idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))
+    batch = NamedSharding(self.mesh, P((DATA, FSDP)))
+    outs = (jax.tree.map(lambda p: p.sharding, params), state_sh, self.replicated)
+    self._steps, self.collectives = {}, {}
+    for hint in self.hints():
+      step = jax.jit(global_step_fn(self.tx, loss_fn, batch, communicate=hint),
+                     out_shardings=outs, donate_argnums=(0, 1))
+      self._add_step(hint, step.lower(params, opt_state, self.train, idx).compile())
+
+  def step(self, state: State, step: int) -> tuple[State, Any]:
+    s = self.settings
+    idx = self.shard(pipeline.minibatch(s.seed, s.devices, self.n_local, s.batch_size, step - 1))
+    hint = self.algorithm.communicates(s, step)
+    params, opt_state, loss = self._steps[hint](state.params, state.opt_state, self.train, idx)
+    return State(params, opt_state, {}), loss
+
+
+def _bytes_per_device(tree: Any) -> int:
+  """The bytes of one device's shards of ``tree``'s arrays (every shard of an array has one
+  size: the params are split only on dimensions the devices divide)."""
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def fsdp_spec(shape: tuple[int, ...], k: int) -> P:
+  """The spec of a param of ``shape`` inside one replica: :data:`FSDP` on its largest dimension
+  divisible by ``k`` (the first of equal ones), ``P()`` (whole on every device) if none is."""
+  divisible = [d for d, n in enumerate(shape) if n % k == 0]
+  if not divisible:
+    return P()
+  axis = max(divisible, key=lambda d: (shape[d], -d))
+  return P(*(FSDP if d == axis else None for d in range(len(shape))))
 
 
 def _collective_bytes(compiled: Any, mesh: jax.sharding.Mesh) -> dict[str, Any]:
@@ -250,6 +391,32 @@ def _mesh(settings: Settings) -> jax.sharding.Mesh:
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
   return jax.sharding.Mesh(np.array(devices).reshape(s.replicas, s.devices // s.replicas),
                            (REPLICA, DATA), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _global_mesh(settings: Settings) -> jax.sharding.Mesh:
+  """The global view's mesh: ``(R, D, K)`` over ``(REPLICA, DATA, FSDP)`` with ``R`` the
+  replicas, ``K`` the ``fsdp`` devices a replica's params are sharded over and ``D = devices /
+  (R K)``; the devices in order (by process, then id), so device ``i`` is :func:`_mesh`'s
+  worker ``i``.
+
+  Raises:
+    ValueError: ``fsdp`` not positive, or not dividing the devices of a replica.
+  """
+  s = settings
+  if s.devices % s.replicas:
+    raise ValueError(
+      f"train(settings.replicas={s.replicas}) must divide settings.devices={s.devices}: the"
+      " replicas have equal numbers of devices.")
+  per_replica = s.devices // s.replicas
+  if s.fsdp < 1 or per_replica % s.fsdp:
+    raise ValueError(
+      f"train(settings.fsdp={s.fsdp}) must be a positive divisor of the devices of a replica,"
+      f" settings.devices / settings.replicas = {per_replica}: each replica's params are"
+      " sharded over fsdp of its devices.")
+  devices = sorted(_devices(s.devices), key=lambda d: (d.process_index, d.id))
+  shape = (s.replicas, per_replica // s.fsdp, s.fsdp)
+  return jax.sharding.Mesh(np.array(devices).reshape(shape), (REPLICA, DATA, FSDP),
+                           axis_types=(AxisType.Auto,) * 3)
 
 
 def _devices(devices: int) -> list[Any]:
@@ -302,6 +469,11 @@ def train(
   workers. After ``jax.distributed.initialize`` the workers are the devices of every process,
   and every process calls ``train`` with the same arguments; the results are the same on all.
 
+  With ``settings.fsdp`` K the run is on the global view (:class:`GlobalRun`): one jitted
+  ``jax.vmap`` step over the replicas, each replica's params and state sharded over K of its
+  devices; device ``i`` trains on worker ``i``'s examples, so the losses are those of the
+  per-device step to float rounding. The state then has a leading replica axis.
+
   With ``checkpoint_dir`` and ``checkpoint_every > 0``, the state is saved with Orbax every
   ``checkpoint_every`` steps and at the end; with ``resume``, training continues from the latest
   checkpoint there (from the start if there is none) and ends with the params of an
@@ -311,7 +483,7 @@ def train(
     on_step: called with the step number after each step.
     progress: show a progress bar on stderr.
     final_state: if given, filled with the final ``params`` and ``opt_state`` as NumPy arrays with
-      a leading worker axis (gathered from every process).
+      a leading worker axis (with ``fsdp``, replica axis), gathered from every process.
 
   Returns:
     A dict of the settings, the final metrics, ``communication_rounds``, ``wall_time_s``
@@ -325,18 +497,22 @@ def train(
     they span, e.g. ``{"data": ..., "replica": ...}``, within a replica and across replicas
     apart; ``unconditional``, on every execution, and ``conditional``, a list with each
     conditional exchange's, e.g. one per fragment of ``streaming_diloco``, of which one runs on
-    a sync step; read from the compiled program, see :func:`optax_dist.communication_report`)
-    and ``step_times`` (the seconds of each step this call ran, from the step's start until its
+    a sync step; read from the compiled program, see :func:`optax_dist.communication_report`),
+    ``step_times`` (the seconds of each step this call ran, from the step's start until its
     loss is ready on this process: evaluations and checkpoints excluded; after ``resume``, the
-    steps after the checkpoint's).
+    steps after the checkpoint's) and ``bytes_per_device`` (``params``, ``opt_state``: one
+    device's shards; ``step_arguments``: the compiled step's arguments on one device, from its
+    ``memory_analysis``, the device's shard of the training set included).
 
   Raises:
-    ValueError: too few devices, or a batch larger than a worker's shard.
+    ValueError: too few devices, a batch larger than a worker's shard, replicas not dividing
+      the devices; with ``fsdp``, K not dividing a replica's devices, or an algorithm fed stale
+      gradients.
     CheckpointMismatchError: ``resume`` from a checkpoint written with other settings.
   """
   start = time.perf_counter()
   settings = settings.resolved()
-  run = Run(task, data, settings)
+  run = (Run if settings.fsdp is None else GlobalRun)(task, data, settings)
   resized = None
   record = {key: [] for key in record_keys(task)}
   state, earlier_time, resumed_from = run.initial, 0.0, None
@@ -367,6 +543,7 @@ def train(
   result = _result(task, settings, state, record, earlier_time + time.perf_counter() - start)
   result["step_times"] = step_times
   result["collective_bytes"] = run.collectives
+  result["bytes_per_device"] = run.bytes_per_device
   if resumed_from is not None:
     result["resumed_from_step"] = resumed_from
   if resized is not None:
@@ -401,14 +578,16 @@ def _restore(run: Run, checkpoints: Any, state: State, record: dict[str, list]) 
   """``(state, record, earlier wall time, step, resize)`` of the latest checkpoint (step 0 if
   none); ``resize`` is ``None``, or ``{"step", "from_workers", "to_workers"}`` when the checkpoint
   had another number of workers and the state was moved to this run's with
-  :func:`optax_dist.resize_state`."""
-  restored = checkpoints.restore(state._asdict(), run.replicated)
+  :func:`optax_dist.resize_state`. On the global view (:class:`GlobalRun`) the state is per
+  replica and restores onto this run's mesh whatever the number of devices."""
+  restored = checkpoints.restore(state._asdict(), run.replicated,
+                                 per_worker=run.state_per_worker)
   if restored is None:
     return state, record, 0.0, 0, None
   saved, meta = restored
   saved, change = State(**saved), None
   workers = meta["settings"]["devices"]
-  if workers != run.settings.devices:
+  if workers != run.settings.devices and run.state_per_worker:
     saved = resize(run, saved)
     change = {"step": meta["step"], "from_workers": workers, "to_workers": run.settings.devices}
   return saved, meta["record"], meta["wall_time_s"], meta["step"], change
@@ -445,6 +624,7 @@ def _result(task: Task, settings: Settings, state: State, record: dict[str, list
     "metric": task.metric_key,
     "devices": s.devices,
     "replicas": s.replicas,
+    "fsdp": s.fsdp,
     "steps": s.steps,
     "batch_size": s.batch_size,
     "learning_rate": s.learning_rate,
