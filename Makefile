@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-lowest docs bench bench-network dist clean
+.PHONY: demo test test-lowest docs bench bench-network bench-lm-exchanges dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ bench-network: $(VENV)/.bench
 	  apt-get install -y iproute2 || { apt-get update && apt-get install -y iproute2; }; \
 	fi; \
 	$(BIN)/python benchmarks/bench_network.py $(BENCH_NETWORK_ARGS)
+
+# Validation bits per byte against the bytes sent, by exchange format, on the lm task (8 workers,
+# diloco and streaming_diloco; about 30 min); BENCH_LM_EXCHANGES_ARGS=--quick checks the program.
+bench-lm-exchanges: $(VENV)/.bench
+	$(BIN)/python benchmarks/bench_lm_exchanges.py $(BENCH_LM_EXCHANGES_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist
