@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens dist clean
+.PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens bench-lm-exchanges dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ bench-network: $(VENV)/.bench
 # BENCH_EQUAL_TOKENS_ARGS=--plan prints the runs and the estimated time, --quick checks the program.
 bench-equal-tokens: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_equal_tokens.py $(BENCH_EQUAL_TOKENS_ARGS)
+
+# Validation bits per byte against the bytes sent, by exchange format, on the lm task (8 workers,
+# diloco and streaming_diloco; about 30 min); BENCH_LM_EXCHANGES_ARGS=--quick checks the program.
+bench-lm-exchanges: $(VENV)/.bench
+	$(BIN)/python benchmarks/bench_lm_exchanges.py $(BENCH_LM_EXCHANGES_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist

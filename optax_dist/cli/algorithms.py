@@ -15,10 +15,11 @@ do for it. The rest of the command reads the table and never tests an algorithm'
   :mod:`optax_dist.cli.trainer`);
 * ``local_sgd``: ``local_sgd(inner, sync_period=H, warmup_steps=W)``, model averaging every H
   steps;
-* ``diloco``: ``diloco(inner, outer, sync_period=H)`` with the outer Nesterov SGD
-  ``sgd(outer_learning_rate, momentum=outer_momentum, nesterov=True)``;
+* ``diloco``: ``diloco(inner, outer, sync_period=H, error_feedback=...)`` with the outer Nesterov
+  SGD ``sgd(outer_learning_rate, momentum=outer_momentum, nesterov=True)``;
 * ``streaming_diloco``: ``streaming_diloco(inner, outer, sync_period=H, num_fragments=F,
-  fragments="balanced")``, the params' leaves assigned to the fragments by size.
+  fragments="balanced", mixing=α, overlap=τ, eager=...)``, the params' leaves assigned to the
+  fragments by size.
 
 With ``replicas`` R > 1 the workers form R replicas on a 2-D mesh (:data:`REPLICA`,
 :data:`DATA`): the inner optimizer is ``tower(inner, DATA)``, a synchronous reduction within each
@@ -39,6 +40,12 @@ refused there: the global view keeps no params history to compute them at.
 
 With ``param_dtype="bfloat16"`` the EMA (``moving_average``) and the anchor (``diloco``,
 ``streaming_diloco``) are kept in float32.
+
+The exchange: every algorithm sends in ``comm_dtype``, a float dtype of
+:data:`FLOAT_COMM_DTYPES` or, for those whose :attr:`Algorithm.comm_dtypes` say so, a
+block-quantized format of :data:`QUANTIZED_COMM_DTYPES` (codes with one float32 scale per
+``comm_block_size`` values). The options of :data:`EXCHANGE_OPTIONS` reach the algorithms that
+list them in :attr:`Algorithm.settings`; :func:`check_exchange` refuses the others.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from typing import Any
 import optax
 
 import optax_dist
-from optax_dist.cli.config import Settings
+from optax_dist.cli.config import DEFAULTS, Settings
 
 AXIS = "workers"
 """The mesh axis of the workers with one replica (``replicas=1``)."""
@@ -63,6 +70,21 @@ FSDP = "fsdp"
 
 Schedule = Callable[[int], bool]
 """``schedule(step) -> bool``: whether step ``step`` (from 1) makes the periodic exchange."""
+
+FLOAT_COMM_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+"""The ``comm_dtype`` values every algorithm takes: a cast before the collective (8-bit floats
+are gathered and summed in float32); ``tower`` takes only these."""
+
+QUANTIZED_COMM_DTYPES = ("int8", "float4_e2m1fn", "e3m0")
+"""The block-quantized ``comm_dtype`` values: codes (8 or 4 bits) with one float32 scale per
+``comm_block_size`` values, gathered and summed in float32."""
+
+COMM_DTYPES = FLOAT_COMM_DTYPES + QUANTIZED_COMM_DTYPES
+"""Every ``comm_dtype`` of the command (``--comm-dtype``)."""
+
+EXCHANGE_OPTIONS = ("comm_block_size", "error_feedback", "overlap", "eager", "mixing")
+"""The settings of the exchange that only the algorithms listing them in
+:attr:`Algorithm.settings` take; away from their defaults, the others refuse them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +104,9 @@ class Algorithm:
       (``local_sgd``'s synchronous warm-up), counted as communication rounds; or ``None``.
     period_name: the setting holding the steps between exchanges (``"communication_period"``
       or ``"sync_period"``, the library's argument name), or ``None``: every step.
-    settings: the settings the algorithm reads beyond the recipe, recorded in its results.
+    settings: the settings the algorithm reads beyond the recipe, recorded in its results; of
+      :data:`EXCHANGE_OPTIONS`, those it takes.
+    comm_dtypes: the ``comm_dtype`` values it takes (:data:`COMM_DTYPES`, or the float ones).
     compared: whether ``optax-dist compare`` runs it.
     across_replicas: whether it runs across the replicas of ``replicas`` > 1 (else it reduces
       over every worker whatever the replicas).
@@ -100,6 +124,7 @@ class Algorithm:
   warmup: Callable[[Settings], Schedule] | None = None
   period_name: str | None = None
   settings: tuple[str, ...] = ()
+  comm_dtypes: tuple[str, ...] = FLOAT_COMM_DTYPES
   compared: bool = False
   across_replicas: bool = False
   sliced_exchange: bool = False
@@ -195,9 +220,18 @@ def _outer(settings: Settings) -> optax.GradientTransformation:
 
 def _tower(s: Settings, inner: Any, axis: Any) -> Any:
   """``tower`` over ``axis``; over the mesh axes ``(REPLICA, DATA)``, hierarchical: the gradients
-  reduce-scattered within each replica, all-reduced across replicas, all-gathered within."""
-  return optax_dist.tower(inner, axis, comm_dtype=s.comm_dtype,
-                          hierarchical=isinstance(axis, tuple))
+  reduce-scattered within each replica, all-reduced across replicas, all-gathered within.
+
+  ``tower`` takes float formats only: with a block-quantized ``comm_dtype`` (which only the
+  algorithms across replicas take), the ``tower`` within each replica reduces in the gradients'
+  own dtype and the format applies to the exchange across replicas."""
+  comm = s.comm_dtype if (s.comm_dtype or "float32") in FLOAT_COMM_DTYPES else None
+  return optax_dist.tower(inner, axis, comm_dtype=comm, hierarchical=isinstance(axis, tuple))
+
+
+def _exchange(s: Settings) -> dict[str, Any]:
+  """The library's arguments of an exchange that may be block-quantized."""
+  return {"comm_dtype": s.comm_dtype, "comm_block_size": s.comm_block_size}
 
 
 def _streaming_diloco(s: Settings, inner: Any, axis: Any, params: Any, slice_axis=None) -> Any:
@@ -206,72 +240,77 @@ def _streaming_diloco(s: Settings, inner: Any, axis: Any, params: Any, slice_axi
                      " assign their leaves to fragments.")
   return optax_dist.streaming_diloco(
     inner, _outer(s), sync_period=s.sync_period, num_fragments=s.num_fragments,
-    fragments="balanced", axis_name=axis, comm_dtype=s.comm_dtype, anchor_dtype=_global_dtype(s),
-    slice_axis=slice_axis)
+    fragments="balanced", mixing=s.mixing, overlap=s.overlap, eager=s.eager, axis_name=axis,
+    anchor_dtype=_global_dtype(s), slice_axis=slice_axis, **_exchange(s))
 
 
 _DILOCO = ("sync_period", "outer_learning_rate", "outer_momentum")
+_QUANTIZED = ("comm_dtype", "comm_block_size")
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
   Algorithm(
     "sync", "tower: the gradients all-reduced every step",
-    build=lambda s, inner, axis, params: _tower(s, inner, axis),
+    build=lambda s, inner, axis, params: _tower(s, inner, axis), settings=("comm_dtype",),
     compared=True),
   Algorithm(
     "elastic_average", "EASGD: each worker pulled to a center every communication period",
     build=lambda s, inner, axis, params, slice_axis=None: optax_dist.elastic_average(
       inner, communication_period=s.communication_period, moving_rate=s.moving_rate,
-      axis_name=axis, comm_dtype=s.comm_dtype, slice_axis=slice_axis),
+      axis_name=axis, slice_axis=slice_axis, **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.elastic_average_communicates(
       step, communication_period=s.communication_period),
-    period_name="communication_period", settings=("communication_period", "moving_rate"),
+    period_name="communication_period",
+    settings=("communication_period", "moving_rate", *_QUANTIZED), comm_dtypes=COMM_DTYPES,
     compared=True, across_replicas=True, sliced_exchange=True, evaluated="the center"),
   Algorithm(
     "agn", "AGN: the workers' accumulated updates averaged every communication period",
     build=lambda s, inner, axis, params: optax_dist.agn(
-      inner, communication_period=s.communication_period, axis_name=axis,
-      comm_dtype=s.comm_dtype),
+      inner, communication_period=s.communication_period, axis_name=axis, **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.agn_communicates(
       step, communication_period=s.communication_period),
-    period_name="communication_period", settings=("communication_period",), compared=True,
-    across_replicas=True),
+    period_name="communication_period", settings=("communication_period", *_QUANTIZED),
+    comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True),
   Algorithm(
     "moving_average", "tower, evaluated on an exponential moving average of the params",
     build=lambda s, inner, axis, params: optax_dist.moving_average(
       _tower(s, inner, axis), s.decay, use_num_updates=True,
       ema_dtype=_global_dtype(s)),
-    settings=("decay",), compared=True, evaluated="the EMA"),
+    settings=("decay", "comm_dtype"), compared=True, evaluated="the EMA"),
   Algorithm(
     "drop_stale_gradients", "tower fed stale gradients, those staler than max staleness dropped",
     build=lambda s, inner, axis, params: optax_dist.drop_stale_gradients(
       _tower(s, inner, axis), s.max_staleness),
-    settings=("max_staleness",), stale_gradients=True),
+    settings=("max_staleness", "comm_dtype"), stale_gradients=True),
   Algorithm(
     "local_sgd", "local SGD: the workers' params averaged every sync period",
     build=lambda s, inner, axis, params, slice_axis=None: optax_dist.local_sgd(
       inner, sync_period=s.sync_period, axis_name=axis, warmup_steps=s.warmup_steps,
-      comm_dtype=s.comm_dtype, slice_axis=slice_axis),
+      slice_axis=slice_axis, **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.local_sgd_syncs(
       step, sync_period=s.sync_period, warmup_steps=s.warmup_steps),
     warmup=lambda s: lambda step: optax_dist.local_sgd_warming_up(
       step, warmup_steps=s.warmup_steps),
-    period_name="sync_period", settings=("sync_period", "warmup_steps"), compared=True,
-    across_replicas=True, sliced_exchange=True),
+    period_name="sync_period", settings=("sync_period", "warmup_steps", *_QUANTIZED),
+    comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True, sliced_exchange=True),
   Algorithm(
     "diloco", "DiLoCo: an outer Nesterov step on the workers' mean change every sync period",
     build=lambda s, inner, axis, params, slice_axis=None: optax_dist.diloco(
-      inner, _outer(s), sync_period=s.sync_period, axis_name=axis, comm_dtype=s.comm_dtype,
-      anchor_dtype=_global_dtype(s), slice_axis=slice_axis),
+      inner, _outer(s), sync_period=s.sync_period, axis_name=axis,
+      error_feedback=s.error_feedback, anchor_dtype=_global_dtype(s), slice_axis=slice_axis,
+      **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.diloco_syncs(step, sync_period=s.sync_period),
-    period_name="sync_period", settings=_DILOCO, compared=True, across_replicas=True,
-    sliced_exchange=True, evaluated="the anchor"),
+    period_name="sync_period", settings=(*_DILOCO, *_QUANTIZED, "error_feedback"),
+    comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True, sliced_exchange=True,
+    evaluated="the anchor"),
   Algorithm(
     "streaming_diloco", "streaming DiLoCo: DiLoCo with the params synced in fragments, in turn",
     build=_streaming_diloco,
     schedule=lambda s: lambda step: optax_dist.streaming_diloco_syncs(
       step, sync_period=s.sync_period, num_fragments=s.num_fragments),
-    period_name="sync_period", settings=(*_DILOCO, "num_fragments"), across_replicas=True,
-    sliced_exchange=True, evaluated="the anchor"),
+    period_name="sync_period",
+    settings=(*_DILOCO, "num_fragments", *_QUANTIZED, "overlap", "eager", "mixing"),
+    comm_dtypes=COMM_DTYPES, across_replicas=True, sliced_exchange=True,
+    evaluated="the anchor"),
 )}
 """Every algorithm ``optax-dist train`` runs, by name; ``compare`` runs those marked
 ``compared``, in this order."""
@@ -294,13 +333,15 @@ def make_optimizer(settings: Settings, params: Any = None) -> Any:
   replica's, arrays or shapes) is needed by ``streaming_diloco`` only.
 
   Raises:
-    ValueError: an unknown algorithm; with ``fsdp``, one fed stale gradients.
+    ValueError: an unknown algorithm; with ``fsdp``, one fed stale gradients; an exchange of
+      ``settings`` the algorithm does not take (:func:`check_exchange`).
   """
   algorithm = ALGORITHMS.get(settings.algorithm)
   if algorithm is None:
     raise ValueError(
       f"`make_optimizer(settings.algorithm=...)` must be one of {', '.join(ALGORITHMS)}, got"
       f" {settings.algorithm!r}.")
+  check_exchange(settings)
   inner = inner_optimizer(settings)
   if settings.fsdp is not None:
     if algorithm.stale_gradients:
@@ -317,3 +358,66 @@ def make_optimizer(settings: Settings, params: Any = None) -> Any:
   if algorithm.sliced_exchange:  # a replica's devices hold identical params after the tower
     return algorithm.build(settings, tower, REPLICA, params, slice_axis=DATA)
   return algorithm.build(settings, tower, REPLICA, params)
+
+
+def takers(name: str) -> tuple[str, ...]:
+  """The algorithms that read the setting ``name`` (list it in :attr:`Algorithm.settings`)."""
+  return tuple(a.name for a in ALGORITHMS.values() if name in a.settings)
+
+
+def quantizing() -> tuple[str, ...]:
+  """The algorithms that take the block-quantized formats (:data:`QUANTIZED_COMM_DTYPES`)."""
+  return tuple(a.name for a in ALGORITHMS.values() if set(QUANTIZED_COMM_DTYPES) <= set(
+    a.comm_dtypes))
+
+
+def flag(name: str) -> str:
+  """The command-line flag of the setting ``name``, e.g. ``--comm-block-size``."""
+  return "--" + name.replace("_", "-")
+
+
+def check_exchange(settings: Settings) -> None:
+  """Raises ``ValueError`` unless ``settings.algorithm`` takes the exchange of ``settings``.
+
+  The algorithm must take ``comm_dtype`` (:attr:`Algorithm.comm_dtypes`), and every one of :data:`EXCHANGE_OPTIONS` away from its default; the options must
+  fit together (:func:`_check_options`). The message is one line, ``argument --FLAG: ...``,
+  naming the value and the algorithm: the command reports it as is.
+  """
+  s, algorithm = settings, ALGORITHMS[settings.algorithm]
+  comm = s.comm_dtype or "float32"
+  if comm not in algorithm.comm_dtypes:
+    raise ValueError(
+      f"argument --comm-dtype: {algorithm.name} takes {', '.join(algorithm.comm_dtypes)} only,"
+      f" got {comm}; the block-quantized formats ({', '.join(QUANTIZED_COMM_DTYPES)}) need"
+      f" {', '.join(quantizing())}")
+  for name in EXCHANGE_OPTIONS:
+    value = getattr(s, name)
+    if value != DEFAULTS[name] and name not in algorithm.settings:
+      given = flag(name) if isinstance(value, bool) else f"{flag(name)} {value:g}"
+      raise ValueError(
+        f"argument {flag(name)}: {algorithm.name} does not take it (only"
+        f" {', '.join(takers(name))}), got {given}")
+  _check_options(s, comm)
+
+
+def _check_options(s: Settings, comm: str) -> None:
+  """Raises ``ValueError`` unless the exchange options of ``s`` fit ``comm`` and each other."""
+  if s.error_feedback and comm not in QUANTIZED_COMM_DTYPES:
+    raise ValueError(
+      "argument --error-feedback: needs a block-quantized --comm-dtype"
+      f" ({', '.join(QUANTIZED_COMM_DTYPES)}), got --comm-dtype {comm}")
+  if s.comm_block_size != DEFAULTS["comm_block_size"] and comm not in QUANTIZED_COMM_DTYPES:
+    raise ValueError(
+      f"argument --comm-block-size: sets the blocks of a block-quantized --comm-dtype"
+      f" ({', '.join(QUANTIZED_COMM_DTYPES)}), got --comm-dtype {comm}")
+  if comm in ("float4_e2m1fn", "e3m0") and s.comm_block_size % 2:
+    raise ValueError(
+      f"argument --comm-block-size: must be even with --comm-dtype {comm}, which packs two 4-bit"
+      f" codes per byte, got {s.comm_block_size}")
+  if s.eager and not s.overlap:
+    raise ValueError("argument --eager: needs --overlap >= 1 (with --overlap 0 each exchange"
+                     " lands on its send step: there is no stale share to replace)")
+  if s.overlap and s.overlap >= s.sync_period:
+    raise ValueError(
+      f"argument --overlap: must be less than --sync-period ({s.sync_period}): a fragment's"
+      f" exchange lands before its next send, got {s.overlap}")

@@ -198,11 +198,47 @@ def _training_arguments(common: argparse.ArgumentParser) -> None:
                       f" {d['max_staleness']})")
   common.add_argument("--eval-every", type=positive_int, default=None,
                       help=f"steps between test-accuracy evaluations (default: {d['eval_every']})")
-  common.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default="float32",
-                      help="dtype of the exchanged gradients/center differences (default:"
-                      " float32; bfloat16 halves the bytes on GPU/TPU)")
   common.add_argument("--seed", type=integer, default=d["seed"],
                       help="seed of the train/test split, init and minibatches (default: 0)")
+  _exchange_arguments(common)
+
+
+def _exchange_arguments(common: argparse.ArgumentParser) -> None:
+  """The flags of the exchange: its format, and the options some algorithms take (the
+  algorithms named in each help are those of the table that read the setting)."""
+  d, takers = config.DEFAULTS, algorithms.takers
+  exchange = common.add_argument_group("the exchange (what the workers send each other)")
+  exchange.add_argument(
+    "--comm-dtype", choices=algorithms.COMM_DTYPES, default="float32",
+    help="format of the exchanged values (gradients, center differences, pseudo-gradients or"
+    f" params): {', '.join(algorithms.FLOAT_COMM_DTYPES)}, a cast (8-bit floats are gathered and"
+    f" summed in float32); or {', '.join(algorithms.QUANTIZED_COMM_DTYPES)}, block-quantized:"
+    " codes of 8 or 4 bits with one float32 scale per --comm-block-size values, taken by"
+    f" {', '.join(algorithms.quantizing())}; with --replicas, the format of the exchange across"
+    " replicas, the reduction within a replica staying float32 (default: float32)")
+  exchange.add_argument(
+    "--comm-block-size", type=positive_int, default=d["comm_block_size"], metavar="N",
+    help="values per float32 scale of a block-quantized --comm-dtype, even for the 4-bit ones"
+    f" (default: {d['comm_block_size']})")
+  exchange.add_argument(
+    "--error-feedback", action="store_true",
+    help=f"{', '.join(takers('error_feedback'))}: each worker keeps what quantization dropped"
+    " from its pseudo-gradient and adds it to the next one; needs a block-quantized"
+    " --comm-dtype (default: off)")
+  exchange.add_argument(
+    "--overlap", type=integer_at_least_0, default=d["overlap"], metavar="TAU",
+    help=f"{', '.join(takers('overlap'))}: steps between a fragment's send and the step that"
+    " applies it, the workers training on meanwhile; less than --sync-period (default:"
+    f" {d['overlap']}: the same step)")
+  exchange.add_argument(
+    "--eager", action="store_true",
+    help=f"{', '.join(takers('eager'))} with --overlap >= 1: on the landing step each worker"
+    " replaces its own stale share of the mean by its fresh one (the eager update; default:"
+    " off)")
+  exchange.add_argument(
+    "--mixing", type=unit_float, default=d["mixing"], metavar="ALPHA",
+    help=f"{', '.join(takers('mixing'))}: the weight of a worker's own params when a fragment"
+    f" lands, the new anchor's being 1 - ALPHA (default: {d['mixing']:g}: the anchor)")
 
 
 def _output_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,8 @@ SETTINGS_ADDED = {"task": "digits", "sync_period": None, "outer_learning_rate": 
                   "outer_momentum": 0.9, "num_fragments": 4, "warmup_steps": 0,
                   "param_dtype": "float32", "optimizer": "adam", "b2": 0.999,
                   "weight_decay": 0.0, "lr_schedule": "constant", "lr_warmup_steps": 0,
-                  "clip_norm": None, "replicas": 1, "fsdp": None}
+                  "clip_norm": None, "replicas": 1, "fsdp": None, "comm_block_size": 256,
+                  "error_feedback": False, "overlap": 0, "eager": False, "mixing": 0.0}
 """Settings absent from older checkpoints, with the value those runs had."""
 
 

@@ -56,7 +56,16 @@ class Settings:
     max_staleness: ``drop_stale_gradients``' largest accepted staleness, in steps.
     eval_every: steps between evaluations of the test metric.
     seed: seed of the train/test split, the init, the minibatches and the delays.
-    comm_dtype: dtype of the exchanged values (``None``: the params' float32).
+    comm_dtype: the format of the exchanged values, a name of
+      :data:`optax_dist.cli.algorithms.COMM_DTYPES` passed to the algorithm (``None``: the
+      params' own dtype, float32 unless ``param_dtype`` says otherwise).
+    comm_block_size: the values per float32 scale of a block-quantized ``comm_dtype`` (the
+      library's ``comm_block_size``; 256 is its default).
+    error_feedback: ``diloco``'s error feedback of what quantization dropped (the library's
+      ``error_feedback``; needs a block-quantized ``comm_dtype``).
+    overlap: ``streaming_diloco``'s τ, steps between a fragment's send and its landing.
+    eager: ``streaming_diloco``'s eager update on the landing step (needs ``overlap`` ≥ 1).
+    mixing: ``streaming_diloco``'s α, the weight of a worker's own params when a fragment lands.
   """
 
   task: str = "digits"
@@ -86,6 +95,11 @@ class Settings:
   eval_every: int = 10
   seed: int = 0
   comm_dtype: str | None = None
+  comm_block_size: int = 256
+  error_feedback: bool = False
+  overlap: int = 0
+  eager: bool = False
+  mixing: float = 0.0
 
   def resolved(self) -> Settings:
     """These settings with the defaults that depend on others filled in (both periods, whatever

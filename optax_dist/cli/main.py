@@ -28,7 +28,7 @@ import numpy as np
 
 from optax_dist import async_emulator
 from optax_dist.cli import async_run, errors, launcher, plan, reports, trainer
-from optax_dist.cli.algorithms import ALGORITHMS, COMPARED
+from optax_dist.cli.algorithms import ALGORITHMS, COMPARED, check_exchange
 from optax_dist.cli.arguments import build_parser
 from optax_dist.cli.checkpoints import CheckpointMismatchError, saved_steps
 from optax_dist.cli.config import DEFAULTS, Settings
@@ -128,6 +128,8 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
     moving_rate=args.moving_rate, decay=args.decay,
     max_staleness=args.max_staleness, seed=args.seed,
     comm_dtype=None if args.comm_dtype == "float32" else args.comm_dtype,
+    comm_block_size=args.comm_block_size, error_feedback=args.error_feedback,
+    overlap=args.overlap, eager=args.eager, mixing=args.mixing,
     outer_learning_rate=args.outer_learning_rate, outer_momentum=args.outer_momentum,
     num_fragments=args.num_fragments, warmup_steps=args.warmup_steps,
     param_dtype=args.param_dtype, **values,
@@ -135,8 +137,9 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
 
 
 def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: int) -> None:
-  """Raises :class:`CommandError` unless every worker gets a minibatch, the periods fit the run
-  and the optimizer's settings fit together."""
+  """Raises :class:`CommandError` unless every worker gets a minibatch, the periods fit the run,
+  the optimizer's settings fit together and every algorithm takes the exchange
+  (:func:`optax_dist.cli.algorithms.check_exchange`)."""
   workers = settings.devices
   if workers % settings.replicas:
     raise CommandError(
@@ -169,6 +172,16 @@ def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: in
       raise CommandError(
         f"argument {flag}: must be at most {limit}, got {period}; {', '.join(users)} would"
         " never communicate (leave it out to use the default, which adapts to --steps)")
+  _check_exchanges(settings, algorithms)
+
+
+def _check_exchanges(settings: Settings, algorithms: tuple[str, ...]) -> None:
+  """Raises :class:`CommandError` unless each of ``algorithms`` takes the exchange options."""
+  for algorithm in algorithms:
+    try:
+      check_exchange(dataclasses.replace(settings, algorithm=algorithm))
+    except ValueError as e:
+      raise CommandError(str(e)) from None
 
 
 def _check_fsdp(settings: Settings, algorithms: tuple[str, ...]) -> None:

@@ -1,0 +1,398 @@
+"""Validation bits per byte against the bytes each worker sends, by exchange format, on the LM.
+
+Every run trains the ``lm`` task of ``optax-dist`` (the byte-level transformer, 2 layers, width
+96, context 64, on the Python standard library's sources) with
+:func:`optax_dist.cli.trainer.train` over 8 emulated CPU devices, one worker each, with the
+command's default recipe for the task (AdamW, warm-up then cosine, clipping, batch 8 per worker):
+the settings are those of ``optax-dist train --task lm`` with the run's flags, parsed by the
+command itself. The runs, all at sync period H = 30 and seed 0:
+
+* ``diloco`` with ``--comm-dtype`` float32, bfloat16, float8_e4m3fn, int8, float4_e2m1fn and
+  e3m0, the block-quantized three (blocks of 256 values, one float32 scale each) also with
+  ``--error-feedback``;
+* ``streaming_diloco`` with F = 4 fragments and the same six formats (no error feedback);
+* ``streaming_diloco`` (float32, F = 4) with ``--overlap`` τ = 1 and 5, each with and without
+  ``--eager`` (τ = 0 is the float32 run above; eager needs τ ≥ 1).
+
+The metric is the final validation loss in bits per byte of :func:`optax_dist.eval_params` (the
+anchor). The bytes are those each worker sends into the collectives of the compiled steps (the
+trainer's ``collective_bytes``: the step that exchanges and the one that does not, the trainer's
+4-byte loss mean included), summed over the steps of the run by the algorithm's schedule; a
+``streaming_diloco`` exchange step sends one fragment, the mean of its per-fragment
+conditionals. Each run records its wall time, the median of its step times (the first left out)
+and the load average before and after.
+
+Usage: ``python benchmarks/bench_lm_exchanges.py [--steps N] [--quick] [--out PREFIX]`` writes
+PREFIX.json, PREFIX.md and PREFIX.png (default ``benchmarks/lm_exchanges``; with ``--quick``, a
+few short runs into a temporary directory, to check the program).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _util  # noqa: E402
+
+DEVICES = 8
+STEPS = 450
+"""15 syncs at H = 30: the whole grid in about 30 minutes on 2 busy cores (see the report)."""
+PERIOD = 30
+"""H, the steps between two syncs (of each fragment for ``streaming_diloco``)."""
+FRAGMENTS = 4
+BLOCK = 256
+"""The values per float32 scale of the block-quantized formats (the library's default)."""
+FORMATS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "float4_e2m1fn", "e3m0")
+QUANTIZED = ("int8", "float4_e2m1fn", "e3m0")
+CODE_BYTES = {"int8": 1.0, "float4_e2m1fn": 0.5, "e3m0": 0.5}
+"""Bytes per value of each block-quantized format's codes (the scales come on top)."""
+OVERLAPS = (1, 5)
+QUICK = {"steps": 36, "period": 12,
+         "labels": ("diloco float32", "diloco int8", "diloco float4_e2m1fn",
+                    "diloco float4_e2m1fn + EF", "streaming float32", "streaming τ=1",
+                    "streaming τ=1 eager")}
+"""``--quick``: these runs, of a few dozen steps (the labels of :func:`grid`)."""
+EF_TOLERANCE, OVERLAP_TOLERANCE = 0.01, 0.005
+"""The targets: 4-bit with error feedback within 1% of float32 DiLoCo's final loss; overlap
+τ = 1 within 0.5% of τ = 0."""
+
+
+def _row(label: str, family: str, flags: list[str], fmt: str = "float32", *,
+         error_feedback: bool = False, overlap: int = 0, eager: bool = False) -> dict[str, Any]:
+  return {"label": label, "family": family, "flags": flags, "format": fmt,
+          "error_feedback": error_feedback, "overlap": overlap, "eager": eager}
+
+
+def grid() -> list[dict[str, Any]]:
+  """Every run: its label, family, format, options and ``optax-dist train`` flags."""
+  rows = []
+  for fmt in FORMATS:
+    rows.append(_row(f"diloco {fmt}", "diloco", ["--algorithm", "diloco", "--comm-dtype", fmt],
+                     fmt))
+  for fmt in QUANTIZED:
+    rows.append(_row(f"diloco {fmt} + EF", "diloco + error feedback",
+                     ["--algorithm", "diloco", "--comm-dtype", fmt, "--error-feedback"], fmt,
+                     error_feedback=True))
+  streaming = ["--algorithm", "streaming_diloco", "--num-fragments", str(FRAGMENTS)]
+  for fmt in FORMATS:
+    rows.append(_row(f"streaming {fmt}", "streaming_diloco", [*streaming, "--comm-dtype", fmt],
+                     fmt))
+  for tau in OVERLAPS:
+    for eager in (False, True):
+      rows.append(_row(f"streaming τ={tau}{' eager' if eager else ''}", "streaming overlap",
+                       [*streaming, "--overlap", str(tau), *(["--eager"] if eager else [])],
+                       overlap=tau, eager=eager))
+  return rows
+
+
+def settings(flags: list[str], steps: int, period: int) -> Any:
+  """The settings ``optax-dist train --task lm FLAGS`` trains with, over :data:`DEVICES`."""
+  from optax_dist.cli.arguments import build_parser
+  from optax_dist.cli.main import settings_of
+  from optax_dist.cli.tasks import TASKS
+
+  args = build_parser().parse_args([
+    "train", "--task", "lm", "--devices", str(DEVICES), "--steps", str(steps), "--sync-period",
+    str(period), "--seed", "0", *flags])
+  return settings_of(args, TASKS["lm"])
+
+
+def sent_bytes(result: dict[str, Any], s: Any) -> tuple[list[float], float]:
+  """The bytes a worker has sent after each step of the run, and those of one exchange (the
+  exchanging step's less the other's; for ``streaming_diloco``, one fragment's)."""
+  from optax_dist.cli.algorithms import ALGORITHMS
+
+  steps, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
+
+  def total(by_axes: dict[str, int]) -> int:
+    return sum(by_axes.values())
+
+  def of(kind: str) -> float:
+    step = steps[kind]
+    exchanges = [total(c) for c in step["conditional"]]
+    return total(step["unconditional"]) + (statistics.mean(exchanges) if exchanges else 0.0)
+
+  quiet, loud = of("non_communication_step"), of("communication_step")
+  sent, cumulative = 0.0, []
+  for t in range(1, s.steps + 1):
+    sent += loud if algorithm.communicates(s, t) else quiet
+    cumulative.append(sent)
+  return cumulative, loud - quiet
+
+
+def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, Any]:
+  """Trains one row; its final loss, curve, bytes, times and load."""
+  from optax_dist.cli import trainer
+  from optax_dist.cli.tasks import TASKS
+
+  s = settings(row["flags"], steps, period)
+  load_before = _util.load_average()
+  result = trainer.train(TASKS["lm"], data, s)
+  cumulative, exchange = sent_bytes(result, s)
+  history = result["history"]
+  out = {
+    **row, "steps": s.steps, "sync_period": s.sync_period,
+    "final": result["test_bits_per_byte_eval_params"],
+    "curve": {"step": history["step"], "bits_per_byte": history["test_bits_per_byte_eval_params"],
+              "bytes": [0.0 if t == 0 else cumulative[t - 1] for t in history["step"]]},
+    "communication_rounds": result["communication_rounds"], "total_bytes": cumulative[-1],
+    "exchange_bytes": exchange, "collective_bytes": result["collective_bytes"],
+    "wall_s": result["wall_time_s"], "median_step_s": _util.median(result["step_times"][1:]),
+    "load_before": load_before, "load_after": _util.load_average(),
+  }
+  print(f"[bench] {row['label']}: {out['final']:.4f} bits/byte,"
+        f" {_util.human_bytes(out['total_bytes'])} sent, {out['wall_s']:.0f} s", flush=True)
+  return out
+
+
+def leaf_sizes(data: Any) -> list[int]:
+  """The element count of each leaf of the ``lm`` model's params."""
+  import jax
+
+  from optax_dist.cli import trainer
+  from optax_dist.cli.tasks import TASKS
+
+  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
+  return [int(x.size) for x in jax.tree.leaves(trainer.initial_params(TASKS["lm"], 0, example))]
+
+
+def measure(steps: int, period: int, labels: tuple[str, ...] | None = None) -> dict[str, Any]:
+  """Trains every row of :func:`grid` (or those of ``labels``), in order."""
+  from optax_dist.cli.tasks import TASKS
+
+  start, load_before = time.perf_counter(), _util.load_average()
+  data = TASKS["lm"].load(0)
+  rows = [r for r in grid() if labels is None or r["label"] in labels]
+  runs = [run(r, data, steps, period) for r in rows]
+  return {"steps": steps, "period": period, "fragments": FRAGMENTS, "block": BLOCK,
+          "devices": DEVICES, "runs": runs, "leaf_sizes": leaf_sizes(data),
+          "defaults": dict(TASKS["lm"].defaults), "machine": _util.machine(),
+          "versions": _util.versions(), "load_before": load_before,
+          "load_after": _util.load_average(), "wall_s": time.perf_counter() - start}
+
+
+def expected_exchange(sizes: list[int], fmt: str) -> float:
+  """The bytes of one ``diloco`` exchange of params of leaf sizes ``sizes`` in ``fmt``: codes and
+  float32 scales (:func:`optax_dist._quantize.wire_bytes`), or the values' own bytes."""
+  from optax_dist._quantize import wire_bytes
+
+  if fmt in QUANTIZED:
+    return float(sum(wire_bytes(n, fmt, BLOCK) for n in sizes))
+  itemsize = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}[fmt]
+  return float(itemsize * sum(sizes))
+
+
+def _by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  return {r["label"]: r for r in result["runs"]}
+
+
+def _gap(a: dict[str, Any], b: dict[str, Any]) -> float:
+  """``a``'s final loss relative to ``b``'s, minus 1."""
+  return a["final"] / b["final"] - 1
+
+
+def bytes_targets(result: dict[str, Any]) -> list[str]:
+  """int8 at 1/4 and the 4-bit formats at 1/8 of float32's bytes per value, plus the scales."""
+  runs, sizes = _by_label(result), result["leaf_sizes"]
+  base = runs.get("diloco float32")
+  lines = []
+  for fmt in QUANTIZED:
+    r = runs.get(f"diloco {fmt}")
+    if r is None or base is None:
+      continue
+    expected = expected_exchange(sizes, fmt)
+    ideal = CODE_BYTES[fmt] / 4 + 1 / BLOCK
+    ratio = r["exchange_bytes"] / base["exchange_bytes"]
+    met = r["exchange_bytes"] == expected
+    lines.append(
+      f"- {fmt}: {r['exchange_bytes']:,.0f} B per exchange against float32's"
+      f" {base['exchange_bytes']:,.0f} B, {ratio:.4f} of float32's bytes per value (codes"
+      f" {CODE_BYTES[fmt] / 4:g} + scales 1/{BLOCK} = {ideal:.4f}; the rest is each leaf's last"
+      f" block padded); the codes and scales exactly ({expected:,.0f} B):"
+      f" **{'met' if met else 'missed'}**.")
+  return lines
+
+
+def quality_targets(result: dict[str, Any]) -> list[str]:
+  """4-bit with error feedback within 1% of float32 DiLoCo, and what error feedback recovers."""
+  runs = _by_label(result)
+  base = runs.get("diloco float32")
+  lines = []
+  for fmt in ("float4_e2m1fn", "e3m0"):
+    plain, fed = runs.get(f"diloco {fmt}"), runs.get(f"diloco {fmt} + EF")
+    if base is None or fed is None:
+      continue
+    gap = _gap(fed, base)
+    text = (f"- {fmt} with error feedback within {EF_TOLERANCE:.0%} of float32 DiLoCo's final"
+            f" loss ({base['final']:.4f}): {fed['final']:.4f}, {gap:+.2%}:"
+            f" **{'met' if gap <= EF_TOLERANCE else 'missed'}**.")
+    if plain is not None:
+      lost = plain["final"] - base["final"]
+      recovered = plain["final"] - fed["final"]
+      share = f", {recovered / lost:.0%} of what quantization lost" if lost > 0 else ""
+      text += (f" Without it {plain['final']:.4f} ({_gap(plain, base):+.2%}); error feedback"
+               f" recovers {recovered:+.4f} bits/byte{share}.")
+    lines.append(text)
+  return lines
+
+
+def overlap_targets(result: dict[str, Any]) -> list[str]:
+  """Overlap τ = 1 within 0.5% of τ = 0; eager at τ = 1 (and 5) no worse than plain delay."""
+  runs = _by_label(result)
+  zero, one = runs.get("streaming float32"), runs.get("streaming τ=1")
+  lines = []
+  if zero is not None and one is not None:
+    gap = _gap(one, zero)
+    lines.append(f"- overlap τ=1 within {OVERLAP_TOLERANCE:.1%} of τ=0 ({zero['final']:.4f}):"
+                 f" {one['final']:.4f}, {gap:+.2%}:"
+                 f" **{'met' if abs(gap) <= OVERLAP_TOLERANCE else 'missed'}**.")
+  for tau in OVERLAPS:
+    plain, eager = runs.get(f"streaming τ={tau}"), runs.get(f"streaming τ={tau} eager")
+    if plain is None or eager is None:
+      continue
+    verdict = "met" if eager["final"] <= plain["final"] else "missed"
+    target = "target" if tau == 1 else "not a target, reported"
+    lines.append(f"- eager at τ={tau} no worse than plain delay ({target}): {eager['final']:.4f}"
+                 f" against {plain['final']:.4f} ({_gap(eager, plain):+.2%}): **{verdict}**.")
+  return lines
+
+
+def runs_table(result: dict[str, Any]) -> str:
+  runs = _by_label(result)
+  base = runs.get("diloco float32")
+  header = ["run", "format", "error feedback", "τ", "eager", "val bits/byte (eval_params)",
+            "vs diloco float32", "exchanges", "B per exchange", "sent per worker",
+            "median step s", "wall s", "load before → after"]
+  rows = [[r["label"], r["format"], "yes" if r["error_feedback"] else "",
+           str(r["overlap"]) if r["family"].startswith("streaming") else "—",
+           "yes" if r["eager"] else "", f"{r['final']:.4f}",
+           "—" if base is None else f"{_gap(r, base):+.2%}", str(r["communication_rounds"]),
+           f"{r['exchange_bytes']:,.0f}", _util.human_bytes(r["total_bytes"]),
+           f"{r['median_step_s']:.3f}", f"{r['wall_s']:.0f}",
+           f"{r['load_before'].split(',')[0]} → {r['load_after'].split(',')[0]}"]
+          for r in result["runs"]]
+  return _util.table(header, rows, "lllrlrrrrrrrl")
+
+
+def markdown(result: dict[str, Any], plot_name: str) -> str:
+  m = result["machine"]
+  return "\n".join([
+    "## Exchange formats on the language model: quality against bytes",
+    "",
+    _util.doc_markdown(__doc__, 1, 3),
+    "",
+    (f"{result['steps']} steps per run, H = {result['period']}, F = {result['fragments']},"
+     f" blocks of {result['block']}; {result['devices']} workers; one seed (0), so a"
+     " difference of a few tenths of a percent is within the seed-to-seed spread. Load average"
+     f" {result['load_before']} before, {result['load_after']} after ({m['cores']} CPUs,"
+     f" {m['cpu']}); {result['wall_s'] / 60:.1f} min."),
+    "",
+    runs_table(result),
+    "",
+    "Targets:",
+    "",
+    *bytes_targets(result),
+    *quality_targets(result),
+    *overlap_targets(result),
+    "",
+    f"![validation bits per byte against MB sent per worker]({plot_name})",
+  ])
+
+
+MARKERS = dict(zip(FORMATS, "osD^vP"))
+COLORS = {"diloco": "C0", "diloco + error feedback": "C1", "streaming_diloco": "C2",
+          "streaming overlap": "C3"}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+  """Final bits per byte against MB sent per worker, a marker per format, a colour per family;
+  and the overlap runs' curves against steps."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (by_bytes, by_step) = plt.subplots(1, 2, figsize=(13, 5))
+  for r in result["runs"]:
+    by_bytes.plot(r["total_bytes"] / 1e6, r["final"], MARKERS[r["format"]],
+                  color=COLORS[r["family"]], markersize=8, alpha=0.85)
+    if r["family"] == "streaming overlap":
+      by_bytes.annotate(r["label"].removeprefix("streaming "), (r["total_bytes"] / 1e6,
+                        r["final"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    if r["family"] == "streaming overlap" or r["label"] == "streaming float32":
+      by_step.plot(r["curve"]["step"], r["curve"]["bits_per_byte"], "--" if r["eager"] else "-",
+                   marker=".", label=r["label"])
+  for fmt, marker in MARKERS.items():
+    by_bytes.plot([], [], marker, color="grey", label=fmt)
+  for family, color in COLORS.items():
+    by_bytes.plot([], [], "-", lw=5, color=color, label=family)
+  by_bytes.set_xscale("log")
+  by_bytes.set_xlabel("MB sent per worker over the run (log)")
+  by_bytes.set_ylabel("final validation bits per byte (eval_params)")
+  by_bytes.legend(fontsize=7, ncol=2)
+  by_step.set_xlabel("step")
+  by_step.set_ylabel("validation bits per byte (eval_params)")
+  by_step.legend(fontsize=7)
+  for ax in (by_bytes, by_step):
+    ax.grid(True, alpha=0.3)
+  fig.suptitle(f"lm, {result['devices']} workers, {result['steps']} steps, H = {result['period']},"
+               f" seed 0; load average {result['load_before']} before, {result['load_after']}"
+               " after", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def estimate(result: dict[str, Any], steps: int) -> float:
+  """Minutes the full grid would take at ``steps`` steps, from ``result``'s runs: each run's
+  time outside its steps (compilation, evaluations) plus ``steps`` median steps."""
+  runs = result["runs"]
+  overhead = statistics.median(r["wall_s"] - r["median_step_s"] * r["steps"] for r in runs)
+  step = statistics.median(r["median_step_s"] for r in runs)
+  return len(grid()) * (overhead + steps * step) / 60
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--steps", type=int, default=None,
+                      help=f"training steps per run (default {STEPS}; {QUICK['steps']} with"
+                      " --quick)")
+  parser.add_argument("--quick", action="store_true",
+                      help=f"{len(QUICK['labels'])} runs of {QUICK['steps']} steps at"
+                      f" H = {QUICK['period']}: checks the program only")
+  parser.add_argument("--out", default=None,
+                      help="PREFIX of PREFIX.json, PREFIX.md and PREFIX.png (default"
+                      " benchmarks/lm_exchanges; with --quick, a temporary directory)")
+  args = parser.parse_args(argv)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+
+  jax.config.update("jax_num_cpu_devices", DEVICES)
+  quick = QUICK if args.quick else {}
+  steps = args.steps or quick.get("steps", STEPS)
+  out = args.out or (os.path.join(tempfile.mkdtemp(), "lm_exchanges") if args.quick
+                     else os.path.join(HERE, "lm_exchanges"))
+  result = measure(steps, quick.get("period", PERIOD), quick.get("labels"))
+  with open(f"{out}.json", "w") as f:
+    json.dump(result, f, indent=1)
+  plot(result, f"{out}.png")
+  with open(f"{out}.md", "w") as f:
+    f.write(markdown(result, os.path.basename(f"{out}.png")) + "\n")
+  print(f"[bench] wrote {out}.json, .md and .png in {result['wall_s'] / 60:.1f} min")
+  if args.quick:
+    print(f"[bench] the full grid ({len(grid())} runs) at {STEPS} steps: about"
+          f" {estimate(result, STEPS):.0f} min at this load")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
