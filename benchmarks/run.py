@@ -289,6 +289,7 @@ def _render(store: dict, out: str) -> None:
      " time beside wall time. The validation losses do not depend on the load."),
     "",
     *_network_md(),
+    *_equal_tokens_md(),
   ]
   for title, name, body in (
       ("Language model: quality against communication", "lm_quality", _lm_quality_md),
@@ -320,6 +321,18 @@ def _network_md() -> list[str]:
   when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc)
   body = bench_network.markdown(result, "network.png").split("\n", 1)[1]
   return [title, "", f"Measured by `make bench-network` ({when:%Y-%m-%d %H:%M} UTC).", body, ""]
+
+
+def _equal_tokens_md() -> list[str]:
+  """The equal-tokens study's report (``make bench-equal-tokens``, run apart from this script),
+  its headings one level down, or a line saying how to measure it."""
+  path = os.path.join(HERE, "equal_tokens.md")
+  if not os.path.exists(path):
+    return ["## DiLoCo against data parallel at equal tokens", "",
+            "Not measured yet (`make bench-equal-tokens`).", ""]
+  with open(path) as f:
+    text = f.read()
+  return [("#" + line if line.startswith("#") else line) for line in text.splitlines()] + [""]
 
 
 def _machine_table(store: dict, secs: dict) -> str:
