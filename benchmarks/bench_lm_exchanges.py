@@ -19,7 +19,9 @@ anchor). The bytes are those each worker sends into the collectives of the compi
 trainer's ``collective_bytes``: the step that exchanges and the one that does not, the trainer's
 4-byte loss mean included), summed over the steps of the run by the algorithm's schedule; a
 ``streaming_diloco`` exchange step sends one fragment, the mean of its per-fragment
-conditionals. Each run records its wall time, the median of its step times (the first left out)
+conditionals. XLA's CPU compiler widens bfloat16 collectives to float32 (after rounding the
+values to bfloat16), so on this machine the bfloat16 rows send float32's bytes; GPUs and TPUs
+send bfloat16 (half). Each run records its wall time, the median of its step times (the first left out)
 and the load average before and after.
 
 Usage: ``python benchmarks/bench_lm_exchanges.py [--steps N] [--quick] [--out PREFIX]`` writes
@@ -372,7 +374,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", default=None,
                       help="PREFIX of PREFIX.json, PREFIX.md and PREFIX.png (default"
                       " benchmarks/lm_exchanges; with --quick, a temporary directory)")
+  parser.add_argument("--report", action="store_true",
+                      help="rewrite PREFIX.md and PREFIX.png from PREFIX.json; trains nothing")
   args = parser.parse_args(argv)
+  if args.report:
+    out = args.out or os.path.join(HERE, "lm_exchanges")
+    with open(f"{out}.json") as f:
+      return report(json.load(f), out)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
 
@@ -384,13 +392,20 @@ def main(argv: list[str] | None = None) -> int:
   result = measure(steps, quick.get("period", PERIOD), quick.get("labels"))
   with open(f"{out}.json", "w") as f:
     json.dump(result, f, indent=1)
-  plot(result, f"{out}.png")
-  with open(f"{out}.md", "w") as f:
-    f.write(markdown(result, os.path.basename(f"{out}.png")) + "\n")
-  print(f"[bench] wrote {out}.json, .md and .png in {result['wall_s'] / 60:.1f} min")
+  report(result, out)
+  print(f"[bench] wrote {out}.json in {result['wall_s'] / 60:.1f} min")
   if args.quick:
     print(f"[bench] the full grid ({len(grid())} runs) at {STEPS} steps: about"
           f" {estimate(result, STEPS):.0f} min at this load")
+  return 0
+
+
+def report(result: dict[str, Any], out: str) -> int:
+  """Writes ``OUT.png`` and ``OUT.md`` of ``result``."""
+  plot(result, f"{out}.png")
+  with open(f"{out}.md", "w") as f:
+    f.write(markdown(result, os.path.basename(f"{out}.png")) + "\n")
+  print(f"[bench] wrote {out}.md and .png")
   return 0
 
 
