@@ -289,7 +289,10 @@ def _render(store: dict, out: str) -> None:
      " time beside wall time. The validation losses do not depend on the load."),
     "",
     *_network_md(),
-    *_equal_tokens_md(),
+    *_included("equal_tokens.md", "DiLoCo against data parallel at equal tokens",
+               "make bench-equal-tokens"),
+    *_included("lm_exchanges.md", "Language model: quality against bytes, by exchange format",
+               "make bench-lm-exchanges"),
   ]
   for title, name, body in (
       ("Language model: quality against communication", "lm_quality", _lm_quality_md),
@@ -323,15 +326,16 @@ def _network_md() -> list[str]:
   return [title, "", f"Measured by `make bench-network` ({when:%Y-%m-%d %H:%M} UTC).", body, ""]
 
 
-def _equal_tokens_md() -> list[str]:
-  """The equal-tokens study's report (``make bench-equal-tokens``, run apart from this script),
-  its headings one level down, or a line saying how to measure it."""
-  path = os.path.join(HERE, "equal_tokens.md")
+def _included(name: str, title: str, how: str) -> list[str]:
+  """The report ``name`` of a study run apart from this script (``how``), as a section (a
+  document's headings one level down), or a section ``title`` saying how to measure it."""
+  path = os.path.join(HERE, name)
   if not os.path.exists(path):
-    return ["## DiLoCo against data parallel at equal tokens", "",
-            "Not measured yet (`make bench-equal-tokens`).", ""]
+    return [f"## {title}", "", f"Not measured yet (`{how}`).", ""]
   with open(path) as f:
     text = f.read()
+  if not text.startswith("# "):  # already a section
+    return text.splitlines() + [""]
   return [("#" + line if line.startswith("#") else line) for line in text.splitlines()] + [""]
 
 
