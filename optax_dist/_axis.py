@@ -210,12 +210,20 @@ def hierarchical_psum(
   leaf's own dtype. The sum's terms are added in another order than a flat ``psum``'s.
   """
   *outer, inner = axis_name
-  k = jax.lax.axis_size(inner)
+  part = jax.lax.psum_scatter(_padded(x, jax.lax.axis_size(inner)), inner, tiled=True)
+  return _gathered(psum(part, tuple(outer), comm_dtype, block_size), inner, x)
+
+
+def _padded(x: jax.Array, k: int) -> jax.Array:
+  """``x`` flattened and padded with zeros to a multiple of ``k`` values."""
   flat = jnp.ravel(x)
-  padded = jnp.pad(flat, (0, -flat.size % k))
-  part = jax.lax.psum_scatter(padded, inner, tiled=True)
-  part = psum(part, tuple(outer), comm_dtype, block_size)
-  return jax.lax.all_gather(part, inner, tiled=True)[: flat.size].reshape(x.shape)
+  return jnp.pad(flat, (0, -flat.size % k))
+
+
+def _gathered(part: jax.Array, axis_name: Hashable, x: jax.Array) -> jax.Array:
+  """The slices ``part`` of :func:`_padded` ``x`` all-gathered over ``axis_name``, unpadded and
+  reshaped like ``x``."""
+  return jax.lax.all_gather(part, axis_name, tiled=True)[: x.size].reshape(x.shape)
 
 
 def worker_mean(
@@ -261,15 +269,13 @@ def sliced(
   leaves, treedef = jax.tree.flatten(tree)
 
   def cut(x):
-    flat = jnp.ravel(x)
-    m = -(-flat.size // k)
-    return jax.lax.dynamic_slice_in_dim(jnp.pad(flat, (0, m * k - flat.size)), index * m, m)
+    m = -(-x.size // k)
+    return jax.lax.dynamic_slice_in_dim(_padded(x, k), index * m, m)
 
   out = jax.tree.leaves(exchange(treedef.unflatten([cut(x) for x in leaves])))
 
   def join(part, x):
-    whole = jax.lax.all_gather(part, slice_axis, tiled=True)[: x.size].reshape(x.shape)
-    return cast_varying(whole, varying_axes(x))
+    return cast_varying(_gathered(part, slice_axis, x), varying_axes(x))
 
   return treedef.unflatten([join(part, x) for part, x in zip(out, leaves, strict=True)])
 
