@@ -107,7 +107,9 @@ def check_comm_dtype(fn: str, comm_dtype: Any, name: str = "comm_dtype") -> np.d
   ``jnp.int8`` and ``jnp.float4_e2m1fn`` (or their names) and ``"e3m0"`` name the block-quantized
   formats of ``optax_dist._quantize``: they resolve to the format's name, which
   :func:`optax_dist._axis.psum` sends to ``quantized_sum``. Other floating dtypes resolve to
-  themselves (a cast before the collective).
+  themselves (a cast before the collective). An array stands for its dtype:
+  ``optax.inject_hyperparams`` calls a callable hyperparameter such as ``jnp.int8`` and passes the
+  result.
 
   Raises:
     TypeError: ``comm_dtype`` is none of these, naming the choices.
@@ -116,6 +118,8 @@ def check_comm_dtype(fn: str, comm_dtype: Any, name: str = "comm_dtype") -> np.d
     return None
   if isinstance(comm_dtype, str) and comm_dtype in QUANTIZED_FORMATS:
     return comm_dtype
+  if isinstance(comm_dtype, (jax.Array, np.ndarray)):
+    comm_dtype = comm_dtype.dtype  # inject_hyperparams calls jnp.int8 as if it were a schedule
   try:
     resolved = jnp.dtype(comm_dtype)
   except (TypeError, ValueError):
