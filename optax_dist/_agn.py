@@ -79,6 +79,7 @@ def agn(
   axis_name: Hashable | None = None,
   comm_dtype: Any = None,
   comm_block_size: int | None = None,
+  slice_axis: Hashable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulated gradient normalization: workers commit their mean gradient to a center.
 
@@ -121,6 +122,15 @@ def agn(
       There is no error feedback: a worker's accumulator restarts from zero after each commit.
     comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
       the default, is 256; even for the 4-bit formats); ignored otherwise.
+    slice_axis: a mapped axis inside each worker (not part of ``axis_name``), such as the
+      devices of one replica with ``inner = tower(..., slice_axis)``, whose steps (the center's
+      included) average over it: each of its K devices accumulates its own raw gradients, so the
+      worker's commit is their mean over ``slice_axis``. A reduce-scatter over ``slice_axis``
+      gives each device its 1/K slice of that mean, which alone crosses between the workers,
+      and the slices are gathered back inside the worker (with ``"sequential"``, every worker's
+      commit): the K devices together send the commit's bytes once instead of K times. The
+      center takes the same steps as without it (the tower's mean of K equal commits), to float
+      rounding. ``None`` (default): every device exchanges its whole accumulator.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Extra args are forwarded to ``inner``'s local
@@ -144,6 +154,9 @@ def agn(
     :math:`(N - 1)(c + 4/B)` against a float32 ring all-reduce's :math:`8 (N - 1)/N` per value,
     ``int8`` receives fewer up to N = 7 workers and 4-bit up to N = 15 (:math:`B = 256`); for
     ``"sequential"`` it is 3.9 (``int8``) and 7.8 (4-bit) times fewer than float32 at any N.
+    With ``slice_axis`` of size K every count across the workers is divided by K, and one
+    ``all_gather`` over ``slice_axis`` inside the worker rebuilds the result (N × params
+    elements received with ``"sequential"``, params elements with ``"mean"``).
     None when ``axis_name`` is ``None``.
     :func:`communication_report` measures them.
 
@@ -169,7 +182,8 @@ def agn(
       int; ``comm_block_size`` odd with a 4-bit ``comm_dtype``; ``center_update``
       not ``"sequential"`` or ``"mean"``; ``num_workers > 1`` with ``axis_name=None``;
       ``num_workers`` different from the axis size; ``update`` without ``params``, where a
-      named ``axis_name`` is not bound, or with updates whose shapes differ from the params'.
+      named ``axis_name`` is not bound, or with updates whose shapes differ from the params';
+      ``slice_axis`` one of the workers' axes, or not bound in ``update``.
 
   Examples:
     One worker, committing every 2 steps with plain SGD:
@@ -215,6 +229,7 @@ def agn(
     _checks.check_tree_matches(fn, updates, state.center, "params")
     hint = _axis.communication_hint(fn, extra_args)
     n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
+    _axis.check_slice_axis(fn, slice_axis, axis_name)
 
     # x_i <- x_i + inner(g_i); a_i <- a_i + g_i.
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
@@ -236,12 +251,18 @@ def agn(
         carry, _ = center_step(carry, mean_grad)
       elif center_update == "mean":
         # Summed, then divided in the params' dtypes.
-        total = _axis.psum(mean_grad, axis_name, comm_dtype, comm_block_size)
+        total = _axis.sliced(
+          lambda t: _axis.psum(t, axis_name, comm_dtype, comm_block_size), mean_grad, slice_axis,
+          mean=True,
+        )
         carry, _ = center_step(carry, jax.tree.map(lambda t: (t / n).astype(t.dtype), total))
       else:
         # The N commits in axis order, one scan step each: the program size does not grow
         # with N. The gathered tree holds N x params elements on every worker.
-        gathered = _axis.all_gather(mean_grad, axis_name, comm_dtype, comm_block_size)
+        gathered = _axis.sliced(
+          lambda t: _axis.all_gather(t, axis_name, comm_dtype, comm_block_size), mean_grad,
+          slice_axis, mean=True,
+        )
         carry, _ = jax.lax.scan(center_step, carry, gathered, length=n)
       return carry
 

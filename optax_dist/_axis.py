@@ -222,8 +222,9 @@ def _padded(x: jax.Array, k: int) -> jax.Array:
 
 def _gathered(part: jax.Array, axis_name: Hashable, x: jax.Array) -> jax.Array:
   """The slices ``part`` of :func:`_padded` ``x`` all-gathered over ``axis_name``, unpadded and
-  reshaped like ``x``."""
-  return jax.lax.all_gather(part, axis_name, tiled=True)[: x.size].reshape(x.shape)
+  reshaped like ``x``; leading dims of ``part`` (one slice per worker, say) are kept."""
+  whole = jax.lax.all_gather(part, axis_name, axis=part.ndim - 1, tiled=True)
+  return whole[..., : x.size].reshape(*part.shape[:-1], *x.shape)
 
 
 def worker_mean(
@@ -247,7 +248,7 @@ def worker_mean_with_feedback(
 
 
 def sliced(
-  exchange: Callable[[Any], Any], tree: Any, slice_axis: Hashable | None
+  exchange: Callable[[Any], Any], tree: Any, slice_axis: Hashable | None, *, mean: bool = False
 ) -> Any:
   """``exchange(tree)`` with each device of ``slice_axis`` sending only its 1/K slice.
 
@@ -256,12 +257,17 @@ def sliced(
   each of them would send the same bytes K times across the workers. Here each device flattens
   every leaf, pads it with zeros to a multiple of K, and passes only its slice ``k`` (its
   position along ``slice_axis``) to ``exchange`` (a collective across the workers that returns a
-  tree of the same structure, e.g. the workers' mean); an ``all_gather`` over ``slice_axis``,
-  inside the worker, then rebuilds each leaf. Across the workers each device sends
+  tree of the same structure, e.g. the workers' mean, or with leading dims, e.g. every worker's
+  slice from an ``all_gather``); an ``all_gather`` over ``slice_axis``, inside the worker, then
+  rebuilds each leaf (keeping those leading dims). Across the workers each device sends
   :math:`1/K` of the bytes, and the K devices together send the tree's bytes once; inside the
   worker each device receives :math:`(K-1)/K` of them. An elementwise ``exchange`` gives the
   same values as without slicing (a quantized format's blocks are cut from the slices).
   ``slice_axis=None`` is ``exchange(tree)``.
+
+  ``mean=True`` is for devices that hold different values of which the worker exchanges the mean
+  over ``slice_axis`` (``agn``'s accumulators of raw gradients): each device's slice is then that
+  mean's, from a ``psum_scatter`` over ``slice_axis`` (the bytes of one copy, inside the worker).
   """
   if slice_axis is None:
     return exchange(tree)
@@ -269,6 +275,8 @@ def sliced(
   leaves, treedef = jax.tree.flatten(tree)
 
   def cut(x):
+    if mean:
+      return (jax.lax.psum_scatter(_padded(x, k), slice_axis, tiled=True) / k).astype(x.dtype)
     m = -(-x.size // k)
     return jax.lax.dynamic_slice_in_dim(_padded(x, k), index * m, m)
 

@@ -8,6 +8,9 @@ periodic transformation runs in two layouts:
   every H steps;
 * flat: ``axis_name=("hosts", "gpus")``: every device is a worker of the periodic exchange.
 
+``agn`` commits to its center with either ``center_update`` (``"agn"`` is ``"sequential"``,
+``"agn_mean"`` is ``"mean"``).
+
 The reference is a float64 NumPy loop over the grid of workers written from ALGORITHMS.md.
 """
 
@@ -64,6 +67,7 @@ def reference(algorithm, nested, grads, x0):
   x = np.broadcast_to(x0, (hosts, gpus, *x0.shape)).copy()
   states = [[inner.init(x0) for _ in range(gpus)] for _ in range(hosts)]
   center, outer, outer_state = x0.copy(), Nesterov(), Nesterov().init(x0)
+  accum, center_state = np.zeros_like(x), inner.init(x0)
   history = []
   for t in range(steps):
     g = grads[t]
@@ -73,7 +77,14 @@ def reference(algorithm, nested, grads, x0):
       for d in range(gpus):
         u, states[h][d] = inner.update(g[h, d], states[h][d], x[h, d])
         x[h, d] = x[h, d] + u
-    if (t + 1) % PERIOD == 0:
+    accum += g
+    if (t + 1) % PERIOD == 0 and algorithm.startswith("agn"):
+      commits = (accum[:, 0] if nested else accum.reshape(-1, *x0.shape)) / PERIOD
+      for commit in (commits.mean(axis=0),) if algorithm == "agn_mean" else commits:
+        u, center_state = inner.update(commit, center_state, center)
+        center = center + u
+      x[...], accum[...] = center, 0
+    elif (t + 1) % PERIOD == 0:
       # Nested: the gpus of a host hold identical params; average over hosts only.
       workers = x[:, 0] if nested else x.reshape(-1, *x0.shape)
       if algorithm == "diloco":
@@ -114,6 +125,10 @@ def build(algorithm, nested, slice_axis=None):
                                        **common)
   if algorithm == "local_sgd":
     return optax_dist.local_sgd(inner, sync_period=PERIOD, **common)
+  if algorithm.startswith("agn"):
+    center_update = "mean" if algorithm == "agn_mean" else "sequential"
+    return optax_dist.agn(inner, communication_period=PERIOD, center_update=center_update,
+                          **common)
   return optax_dist.elastic_average(inner, communication_period=PERIOD, moving_rate=MOVING_RATE,
                                     **common)
 
@@ -146,7 +161,8 @@ def run(tx, mesh, grads, x0):
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
-@pytest.mark.parametrize("algorithm", ["diloco", "local_sgd", "elastic_average"])
+@pytest.mark.parametrize("algorithm", ["diloco", "local_sgd", "elastic_average", "agn",
+                                       "agn_mean"])
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_hierarchical_mesh_matches_numpy(shape, algorithm, nested):
   mesh = jax.make_mesh(shape, ("hosts", "gpus"))
@@ -157,14 +173,15 @@ def test_hierarchical_mesh_matches_numpy(shape, algorithm, nested):
   want = reference(algorithm, nested, grads, x0)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
   # The global state is identical on every device.
-  averaged = {"diloco": "anchor", "elastic_average": "center"}.get(algorithm)
+  averaged = {"diloco": "anchor", "elastic_average": "center", "agn": "center",
+              "agn_mean": "center"}.get(algorithm)
   if averaged:
     values = np.asarray(getattr(state, averaged))
     np.testing.assert_array_equal(values, np.broadcast_to(values[0], values.shape))
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "local_sgd",
-                                       "elastic_average"])
+                                       "elastic_average", "agn", "agn_mean"])
 def test_sliced_exchange_matches_numpy_and_sends_each_byte_once(algorithm):
   """slice_axis="gpus": the devices of a host hold identical params after the tower, so each
   sends 1/K of them across the hosts and gathers the rest inside the host; the values are the
@@ -182,7 +199,10 @@ def test_sliced_exchange_matches_numpy_and_sends_each_byte_once(algorithm):
   np.testing.assert_allclose(got, reference(reference_algorithm, True, grads, x0), rtol=2e-5,
                              atol=5e-6)
   # The exchange's conditional: 6 values, in slices of ceil(6 / 4) = 2 float32 per device
-  # across the hosts, gathered back (8 bytes sent, 32 received) inside the host.
+  # across the hosts, gathered back (8 bytes sent, 32 received) inside the host. agn's devices
+  # accumulate their own gradients: a reduce-scatter (32 bytes in, 8 out) gives each its slice of
+  # the host's mean; its sequential commits gather both hosts' slices (8 sent, 16 received)
+  # across, then the two slices of every device inside the host (16 sent, 64 received).
   spec = P(("hosts", "gpus"))
 
   def step(grad, state, params):
@@ -198,10 +218,15 @@ def test_sliced_exchange_matches_numpy_and_sends_each_byte_once(algorithm):
   report = optax_dist.communication_report(
     jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec), put(grads[0].reshape(8, *SHAPE)),
     state, params)
-  gathers = report.collectives.of_kind("all-gather")
-  assert [(c.bytes, c.result_bytes) for c in gathers] == [(8, 32)]
-  # The tower's all-reduce of the 6 gradients and the exchange's 2 values per device.
-  assert sorted(c.bytes for c in report.collectives.of_kind("all-reduce")) == [8, 24]
+  gathers = sorted((c.bytes, c.result_bytes) for c in report.collectives.of_kind("all-gather"))
+  reduces = sorted(c.bytes for c in report.collectives.of_kind("all-reduce"))
+  scatters = [c.bytes for c in report.collectives.of_kind("reduce-scatter")]
+  if algorithm.startswith("agn"):  # the tower's 6 gradients twice (the center's step too),
+    tower = sum(reduces) - (8 if algorithm == "agn_mean" else 0)  # which XLA may combine
+    exchange = [(8, 16), (16, 64)] if algorithm == "agn" else [(8, 32)]
+    assert (gathers, tower, scatters) == (exchange, 48, [32]), (gathers, reduces, scatters)
+  else:  # the tower's all-reduce of the 6 gradients and the exchange's 2 values per device
+    assert (gathers, reduces, scatters) == ([(8, 32)], [8, 24], [])
 
 
 def test_slice_axis_must_be_inside_the_worker_and_bound():

@@ -24,8 +24,7 @@ do for it. The rest of the command reads the table and never tests an algorithm'
 With ``replicas`` R > 1 the workers form R replicas on a 2-D mesh (:data:`REPLICA`,
 :data:`DATA`): the inner optimizer is ``tower(inner, DATA)``, a synchronous reduction within each
 replica on every step, and the algorithm runs across the replicas (``axis_name=REPLICA``), each
-device of a replica exchanging only its 1/K slice of the params (``slice_axis=DATA``; ``agn``
-exchanges whole copies). The all-reducing algorithms (``sync``, ``moving_average``,
+device of a replica exchanging only its 1/K slice of the params (``slice_axis=DATA``). The all-reducing algorithms (``sync``, ``moving_average``,
 ``drop_stale_gradients``) reduce over every worker whatever R, hierarchically
 (``tower(..., hierarchical=True)``: reduce-scatter within each replica, the slices all-reduced
 across replicas, all-gather within), so a replica's devices send the gradients' bytes across
@@ -109,10 +108,8 @@ class Algorithm:
     comm_dtypes: the ``comm_dtype`` values it takes (:data:`COMM_DTYPES`, or the float ones).
     compared: whether ``optax-dist compare`` runs it.
     across_replicas: whether it runs across the replicas of ``replicas`` > 1 (else it reduces
-      over every worker whatever the replicas).
-    sliced_exchange: whether its ``build`` takes ``slice_axis``: across replicas, each device of
-      a replica then exchanges only its 1/K slice of the params (the library's ``slice_axis``),
-      so a replica sends the params' bytes across once rather than K times.
+      over every worker whatever the replicas); its ``build`` then takes ``slice_axis``, so each
+      device of a replica exchanges only its 1/K slice of the params.
     stale_gradients: whether the trainer feeds it gradients computed at older params.
     evaluated: what :func:`optax_dist.eval_params` gives back for it, in words.
   """
@@ -127,7 +124,6 @@ class Algorithm:
   comm_dtypes: tuple[str, ...] = FLOAT_COMM_DTYPES
   compared: bool = False
   across_replicas: bool = False
-  sliced_exchange: bool = False
   stale_gradients: bool = False
   evaluated: str = "the params"
 
@@ -261,11 +257,12 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
       step, communication_period=s.communication_period),
     period_name="communication_period",
     settings=("communication_period", "moving_rate", *_QUANTIZED), comm_dtypes=COMM_DTYPES,
-    compared=True, across_replicas=True, sliced_exchange=True, evaluated="the center"),
+    compared=True, across_replicas=True, evaluated="the center"),
   Algorithm(
     "agn", "AGN: the workers' accumulated updates averaged every communication period",
-    build=lambda s, inner, axis, params: optax_dist.agn(
-      inner, communication_period=s.communication_period, axis_name=axis, **_exchange(s)),
+    build=lambda s, inner, axis, params, slice_axis=None: optax_dist.agn(
+      inner, communication_period=s.communication_period, axis_name=axis, slice_axis=slice_axis,
+      **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.agn_communicates(
       step, communication_period=s.communication_period),
     period_name="communication_period", settings=("communication_period", *_QUANTIZED),
@@ -291,7 +288,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     warmup=lambda s: lambda step: optax_dist.local_sgd_warming_up(
       step, warmup_steps=s.warmup_steps),
     period_name="sync_period", settings=("sync_period", "warmup_steps", *_QUANTIZED),
-    comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True, sliced_exchange=True),
+    comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True),
   Algorithm(
     "diloco", "DiLoCo: an outer Nesterov step on the workers' mean change every sync period",
     build=lambda s, inner, axis, params, slice_axis=None: optax_dist.diloco(
@@ -300,7 +297,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
       **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.diloco_syncs(step, sync_period=s.sync_period),
     period_name="sync_period", settings=(*_DILOCO, *_QUANTIZED, "error_feedback"),
-    comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True, sliced_exchange=True,
+    comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True,
     evaluated="the anchor"),
   Algorithm(
     "streaming_diloco", "streaming DiLoCo: DiLoCo with the params synced in fragments, in turn",
@@ -309,7 +306,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
       step, sync_period=s.sync_period, num_fragments=s.num_fragments),
     period_name="sync_period",
     settings=(*_DILOCO, "num_fragments", *_QUANTIZED, "overlap", "eager", "mixing"),
-    comm_dtypes=COMM_DTYPES, across_replicas=True, sliced_exchange=True,
+    comm_dtypes=COMM_DTYPES, across_replicas=True,
     evaluated="the anchor"),
 )}
 """Every algorithm ``optax-dist train`` runs, by name; ``compare`` runs those marked
@@ -355,9 +352,8 @@ def make_optimizer(settings: Settings, params: Any = None) -> Any:
   if not algorithm.across_replicas:
     return algorithm.build(settings, inner, (REPLICA, DATA), params)
   tower = _tower(settings, inner, DATA)
-  if algorithm.sliced_exchange:  # a replica's devices hold identical params after the tower
-    return algorithm.build(settings, tower, REPLICA, params, slice_axis=DATA)
-  return algorithm.build(settings, tower, REPLICA, params)
+  # A replica's devices hold identical params after the tower: each exchanges its 1/K slice.
+  return algorithm.build(settings, tower, REPLICA, params, slice_axis=DATA)
 
 
 def takers(name: str) -> tuple[str, ...]:
