@@ -1,0 +1,347 @@
+"""Can a cross-process exchange run while local steps compute, on XLA CPU?
+
+Streaming DiLoCo with an overlap τ dispatches an exchange and consumes its result only τ steps
+later; that hides the communication only if the runtime runs the exchange concurrently with the
+steps dispatched after it. This probe measures whether it does, with two ``jax.distributed``
+processes (gloo CPU collectives, :data:`DEVICES` emulated CPU devices each) in two network
+namespaces joined by a shaped veth pair (:mod:`netns`), process 0 (and the coordinator) in ``a``,
+process 1 in ``b``.
+
+The local step is a jitted function over the first :data:`TRAINING` devices of a process (a
+data-parallel tower: a few matmuls on each device's shard and a ``psum`` of a gradient over the
+process's devices); the exchange is an all-reduce (``psum``) across the two processes of
+``--size`` bytes of float32 per process. Each process times, per repeat, with a barrier between
+measurements:
+
+* ``compute``: ``--steps`` local steps, dispatched one after the other, waited for at the end;
+* ``exchange``: the exchange alone, on the dedicated device, waited for;
+* ``blocking``: the exchange, then the steps, each waited for before the next is dispatched;
+* ``overlap_same_devices``: the exchange as its own computation over the training devices of
+  both processes (a 2 x 4 mesh, each device all-reducing a quarter of the bytes), dispatched
+  without waiting, then the steps, then a wait for everything;
+* ``overlap_own_device``: the same with the exchange on a dedicated device per process (the last
+  one: a 2-device mesh across the processes), its input moved there from the training devices
+  with ``jax.device_put``;
+* ``overlap_thread``: as ``overlap_own_device`` with the exchange dispatched and waited for in a
+  Python thread while the main thread dispatches the steps.
+
+XLA's CPU client runs every computation with more than one device of a process in a gang and
+starts a gang only when the previous one has finished, so ``overlap_same_devices`` is expected
+to serialise; a computation with one device of the process waits only for that device's previous
+computation and its inputs. Overlap efficiency is ``(compute + exchange - overlapped) /
+min(compute, exchange)`` from the medians: 1 when the shorter one is fully hidden, 0 when the
+two run one after the other (left out when the exchange is too short to tell, as unshaped).
+Also recorded, for each overlap: the seconds until the exchange's dispatch returned (near 0 when
+dispatch is asynchronous) and until the steps were done (about ``compute`` when they ran beside
+the exchange, ``exchange + compute`` when behind it); whether the exchanges' results equal the
+sum of both processes' inputs; and the load average before and after each rate.
+
+Needs root and iproute2; says why and exits with 0 otherwise. ``python benchmarks/probe_overlap.py
+[--rates 10mbit unshaped] [--out benchmarks/probe_overlap.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import netns  # noqa: E402
+
+DEVICES = 5
+"""Emulated CPU devices per process: the training devices and one for the exchange."""
+TRAINING = 4
+"""The devices of a process the local steps run on (the first ones)."""
+SIZE = 1_120_000
+"""Bytes of float32 each process contributes to the exchange."""
+STEPS = 5
+REPEATS = 5
+PORT = 7713
+TIMEOUT = 600
+"""Seconds the two processes may take at one rate."""
+SHORTEST = 0.05
+"""The overlap efficiency is left out when the shorter of compute and exchange is below this
+fraction of the longer: the noise of the longer then exceeds what overlap could save."""
+VARIANTS = ("compute", "exchange", "blocking", "overlap_same_devices", "overlap_own_device",
+            "overlap_thread")
+OVERLAPPED = VARIANTS[3:]
+
+
+# --- In each process ----------------------------------------------------------------------------
+
+
+def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[str, Any]:
+  """Process ``process_id``'s measurements (it joins the other at ``coordinator``)."""
+  import jax
+
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", DEVICES)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
+
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental.multihost_utils import sync_global_devices
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  def of(process):
+    return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+
+  local, both = of(process_id), [of(0), of(1)]
+  train_mesh = Mesh(np.array(local[:TRAINING]), ("data",))
+  wide_mesh = Mesh(np.array([devs[:TRAINING] for devs in both]), ("replica", "data"))
+  own_mesh = Mesh(np.array([devs[TRAINING] for devs in both]), ("replica",))
+  own_device = local[TRAINING]
+
+  width, layers, rows = args.width, args.layers, args.rows
+
+  def tower(x, w):
+    h = x
+    for _ in range(layers):
+      h = jnp.tanh(h @ w)
+    grad = jax.lax.psum(h.T @ x, "data") / (rows * TRAINING)
+    return w - 1e-3 * grad
+
+  step = jax.jit(jax.shard_map(tower, mesh=train_mesh, in_specs=(P("data"), P()), out_specs=P()))
+
+  def all_reduce(mesh, spec):
+    return jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "replica"), mesh=mesh, in_specs=spec,
+                                 out_specs=spec))
+
+  exchange_wide = all_reduce(wide_mesh, P("replica", "data"))
+  exchange_own = all_reduce(own_mesh, P("replica"))
+  own_sharding = NamedSharding(own_mesh, P("replica"))
+
+  n = args.size // 4 // TRAINING * TRAINING
+  base = np.arange(n, dtype=np.float32) % 7
+  rng = np.random.default_rng(process_id)
+  x = jax.device_put(rng.standard_normal((rows * TRAINING, width), np.float32) / width**0.5,
+                     NamedSharding(train_mesh, P("data")))
+  w0 = jax.device_put(rng.standard_normal((width, width), np.float32) / width**0.5,
+                      NamedSharding(train_mesh, P()))
+  # The exchanged values (a parameter fragment) live on the training devices, split over them.
+  fragment = jax.device_put(((process_id + 1) * base)[None], NamedSharding(train_mesh,
+                                                                             P(None, "data")))
+  whole = jax.device_put(((process_id + 1) * base)[None], NamedSharding(train_mesh, P()))
+  expected = 3 * base
+
+  def wide_input():
+    shards = [s.data for s in sorted(fragment.addressable_shards, key=lambda s: s.device.id)]
+    return jax.make_array_from_single_device_arrays((2, n), NamedSharding(
+      wide_mesh, P("replica", "data")), shards)
+
+  def own_input():
+    moved = jax.device_put(whole.addressable_data(0), own_device)
+    return jax.make_array_from_single_device_arrays((2, n), own_sharding, [moved])
+
+  def steps(w, wait):
+    for _ in range(args.steps):
+      w = step(x, w)
+      if wait:
+        w.block_until_ready()
+    return w
+
+  def correct(result):
+    return all(np.allclose(np.asarray(s.data)[0], expected[s.index[1]])
+               for s in result.addressable_shards)
+
+  def run(variant):
+    """Seconds of ``variant``; for an overlap, the seconds until its exchange's dispatch returned
+    and until its steps were done; and whether its exchange's result was right."""
+    start = time.perf_counter()
+    marks, out = {}, None
+    if variant == "compute":
+      steps(w0, wait=False).block_until_ready()
+    elif variant == "exchange":
+      out = exchange_own(own_input())
+      out.block_until_ready()
+    elif variant == "blocking":
+      exchange_own(own_input()).block_until_ready()
+      steps(w0, wait=True)
+    elif variant == "overlap_thread":
+      box = {}
+
+      def exchange_now():
+        box["out"] = exchange_own(own_input())
+        marks["dispatch"] = time.perf_counter() - start
+        box["out"].block_until_ready()
+
+      thread = threading.Thread(target=exchange_now)
+      thread.start()
+      steps(w0, wait=False).block_until_ready()
+      marks["steps_done"] = time.perf_counter() - start
+      thread.join()
+      out = box["out"]
+    else:
+      same = variant == "overlap_same_devices"
+      out = (exchange_wide(wide_input()) if same else exchange_own(own_input()))
+      marks["dispatch"] = time.perf_counter() - start
+      steps(w0, wait=False).block_until_ready()
+      marks["steps_done"] = time.perf_counter() - start
+      out.block_until_ready()
+    seconds = time.perf_counter() - start
+    return seconds, marks, None if out is None else correct(out)
+
+  for variant in VARIANTS:  # compiles, and opens gloo's connections
+    sync_global_devices(f"warm {variant}")
+    run(variant)
+  times = {v: [] for v in VARIANTS}
+  marks = {v: {"dispatch": [], "steps_done": []} for v in OVERLAPPED}
+  right = {v: [] for v in VARIANTS if v not in ("compute", "blocking")}
+  for r in range(args.repeats):
+    for variant in VARIANTS:
+      sync_global_devices(f"{r} {variant}")
+      seconds, at, ok = run(variant)
+      times[variant].append(seconds)
+      for k, t in at.items():
+        marks[variant][k].append(t)
+      if ok is not None:
+        right[variant].append(ok)
+  sync_global_devices("done")
+  return {"process": process_id, "times": times, "marks": marks,
+          "correct": {v: all(oks) for v, oks in right.items()}}
+
+
+# --- The driver ---------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, str]:
+  """This process's environment with this checkout first on ``PYTHONPATH``, no ``XLA_FLAGS``."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+  return env
+
+
+def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
+  """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
+  coordinator = f"{link.addresses['a']}:{args.port}"
+  options = [f"--{k}={getattr(args, k)}" for k in ("size", "steps", "repeats", "width", "layers",
+                                                   "rows")]
+  procs, logs = [], []
+  for i, side in enumerate("ab"):
+    log = open(os.path.join(tmp, f"process{i}.log"), "w")  # noqa: SIM115
+    logs.append(log)
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--coordinator",
+            coordinator, "--result", os.path.join(tmp, f"process{i}.json"), *options]
+    procs.append(link.popen(side, argv, env=environment(), cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT))
+  deadline = time.perf_counter() + TIMEOUT
+  try:
+    for p in procs:
+      p.wait(timeout=max(deadline - time.perf_counter(), 1))
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for log in logs:
+      log.close()
+  if [p.returncode for p in procs] != [0, 0]:
+    tails = []
+    for i, p in enumerate(procs):
+      with open(os.path.join(tmp, f"process{i}.log")) as f:
+        tails.append(f"process {i} (exit {p.returncode}): "
+                     + " / ".join(f.read().strip().splitlines()[-3:]))
+    raise RuntimeError(f"at {link.rate}: " + "; ".join(tails))
+  results = []
+  for i in range(2):
+    with open(os.path.join(tmp, f"process{i}.json")) as f:
+      results.append(json.load(f))
+  return results
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+  """Medians, minima and maxima of one process's times, and each overlap's efficiency."""
+  stats = {v: {"median": statistics.median(t), "min": min(t), "max": max(t)}
+           for v, t in result["times"].items()}
+  compute, exchange = stats["compute"]["median"], stats["exchange"]["median"]
+  for v in OVERLAPPED:
+    if min(compute, exchange) >= SHORTEST * max(compute, exchange):
+      stats[v]["efficiency"] = (compute + exchange - stats[v]["median"]) / min(compute, exchange)
+    for k, t in result["marks"][v].items():
+      stats[v][f"{k}_median"] = statistics.median(t)
+  for v, ok in result["correct"].items():
+    stats[v]["correct"] = ok
+  return stats
+
+
+def report(rate: str, summaries: list[dict[str, Any]], load: list[float]) -> str:
+  lines = [f"\n{rate} (load average {load[0]:.2f} before, {load[1]:.2f} after)",
+           f"{'variant':<22}" + "".join(
+             f"| p{i} median  min    max   eff.  disp. steps ok " for i in range(2))]
+  for v in VARIANTS:
+    row = f"{v:<22}"
+    for s in summaries:
+      x = s[v]
+      eff = f"{x['efficiency']:5.2f}" if "efficiency" in x else "    -"
+      disp, done = (f"{x[k]:5.2f}" if k in x else "    -" for k in ("dispatch_median",
+                                                                      "steps_done_median"))
+      ok = {True: "yes", False: "NO"}.get(x.get("correct"), " - ")
+      row += f"| {x['median']:9.3f} {x['min']:6.3f} {x['max']:6.3f} {eff} {disp} {done} {ok} "
+    lines.append(row)
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--rates", nargs="+", default=["10mbit", "unshaped"])
+  parser.add_argument("--out", default=os.path.join(HERE, "probe_overlap.json"))
+  parser.add_argument("--size", type=int, default=SIZE, help="bytes each process exchanges")
+  parser.add_argument("--steps", type=int, default=STEPS, help="local steps per measurement")
+  parser.add_argument("--repeats", type=int, default=REPEATS)
+  parser.add_argument("--width", type=int, default=512, help="the tower's width")
+  parser.add_argument("--layers", type=int, default=8, help="matmuls per step")
+  parser.add_argument("--rows", type=int, default=1024, help="rows of the batch per device")
+  parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
+  parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+  parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+  parser.add_argument("--result", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+
+  if args.worker is not None:
+    result = worker(args.worker, args.coordinator, args)
+    with open(args.result, "w") as f:
+      json.dump(result, f)
+    return 0
+
+  reason = netns.unavailable()
+  if reason is not None:
+    print(f"skipped: {reason}")
+    return 0
+  out = {"config": {k: getattr(args, k) for k in ("size", "steps", "repeats", "width", "layers",
+                                                  "rows")} | {"devices": DEVICES,
+                                                              "training": TRAINING},
+         "cores": os.cpu_count(), "rates": {}}
+  with netns.Link() as link, tempfile.TemporaryDirectory() as tmp:
+    for rate in args.rates:
+      link.shape(rate)
+      load = [os.getloadavg()[0]]
+      results = measure(link, args, tmp)
+      load.append(os.getloadavg()[0])
+      summaries = [summarize(r) for r in results]
+      print(report(rate, summaries, load), flush=True)
+      out["rates"][rate] = {"load_average": load, "processes": summaries,
+                            "raw": [r["times"] for r in results]}
+  with open(args.out, "w") as f:
+    json.dump(out, f, indent=1)
+  print(f"\nwrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
