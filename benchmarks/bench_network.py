@@ -43,7 +43,20 @@ sys.path.insert(0, HERE)
 import netns  # noqa: E402
 
 RATES = ("unshaped", "1gbit", "100mbit", "10mbit")
-ALGORITHMS = ("sync", "diloco", "streaming_diloco", "local_sgd", "elastic_average")
+OUTER = ("--outer-learning-rate", "0.7", "--outer-momentum", "0.5")
+"""The outer Nesterov SGD of the DiLoCo family here: :func:`outer_sweep`'s best with momentum at
+this budget (20 outer steps), where the papers' momentum 0.9 ends far behind (see its table)."""
+METHODS = {
+  "sync": ("sync", ()),
+  "diloco": ("diloco", OUTER),
+  "streaming_diloco": ("streaming_diloco", OUTER),
+  "local_sgd": ("local_sgd", ()),
+  "elastic_average": ("elastic_average", ()),
+}
+"""The methods compared: a label, and its ``--algorithm`` and command-line flags."""
+SWEEP = ((0.7, 0.9), (0.85, 0.7), (0.7, 0.5), (1.0, 0.0))
+"""The (outer learning rate, outer momentum) pairs of :func:`outer_sweep`: the papers' 0.7 and
+0.9 first, plain averaging (local SGD's rule) last."""
 PROCESSES = 2
 DEVICES = 4
 STEPS = 200
@@ -54,7 +67,7 @@ BATCH = 8
 EVAL_EVERY = 20
 TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
-QUICK = {"rates": ("100mbit",), "algorithms": ("sync", "diloco"), "steps": 6, "period": 3}
+QUICK = {"rates": ("100mbit",), "methods": ("sync", "diloco"), "steps": 6, "period": 3}
 FRAME_OVERHEAD = 66
 """Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 
@@ -227,16 +240,52 @@ def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
   }
 
 
-def measure(rates: list[str], algorithms: list[str], *, steps: int, period: int,
+def outer_sweep(*, steps: int, period: int, extra: list[str]) -> list[dict[str, Any]]:
+  """DiLoCo's final validation bits per byte for each outer (learning rate, momentum) of
+  :data:`SWEEP`, in one process of ``PROCESSES * DEVICES`` devices (the losses do not depend on
+  the link or on how the devices split into processes)."""
+  runs = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for lr, momentum in SWEEP:
+      cmd = [sys.executable, "-m", "optax_dist.cli", "train", "--task", "lm", "--algorithm",
+             "diloco", "--devices", str(PROCESSES * DEVICES), "--steps", str(steps),
+             "--batch-size", str(BATCH), "--sync-period", str(period), "--eval-every",
+             str(min(EVAL_EVERY, steps)), "--outer-learning-rate", str(lr), "--outer-momentum",
+             str(momentum), "--out", tmp, "--no-progress", *extra]
+      subprocess.run(cmd, env=environment(), cwd=ROOT, check=True, capture_output=True)
+      with open(os.path.join(tmp, "results_diloco.json")) as f:
+        result = json.load(f)["algorithms"]["diloco"]
+      runs.append({"outer_learning_rate": lr, "outer_momentum": momentum,
+                   "bits_per_byte": result["test_bits_per_byte_eval_params"]})
+      print(f"[network] outer sweep lr {lr} momentum {momentum}:"
+            f" {runs[-1]['bits_per_byte']:.4f} bits/byte", flush=True)
+  return runs
+
+
+def sweep_table(runs: list[dict[str, Any]]) -> str:
+  header = ["outer learning rate", "outer momentum", "final val bits/byte"]
+  rows = [[f"{r['outer_learning_rate']:g}", f"{r['outer_momentum']:g}",
+           f"{r['bits_per_byte']:.4f}"] for r in runs]
+  return _util_table(header, rows, "rrr")
+
+
+def measure(rates: list[str], methods: list[str], *, steps: int, period: int,
             extra: list[str], repeats: int = 1, work: str | None = None) -> dict[str, Any]:
-  """Every algorithm at every rate over one :class:`netns.Link` (reshaped between rates)."""
+  """Every method of :data:`METHODS` at every rate over one :class:`netns.Link` (reshaped
+  between rates)."""
   for rate in rates:
     netns.bits_per_second(rate)  # a bad rate fails before anything runs
-  result = {"rates": rates, "algorithms": algorithms, "steps": steps, "period": period,
+  for method in methods:
+    if method not in METHODS:
+      raise ValueError(f"--methods: {method!r} is not one of {', '.join(METHODS)}")
+  result = {"rates": rates, "methods": {m: METHODS[m] for m in methods}, "steps": steps,
+            "period": period,
             "processes": PROCESSES, "devices": DEVICES, "batch_size": BATCH, "extra_args": extra,
             "param_bytes": param_bytes(), "load_before": [round(x, 2) for x in os.getloadavg()],
             "achieved_mbit": {}, "runs": []}
   start, port = time.perf_counter(), 12000
+  if "diloco" in methods or "streaming_diloco" in methods:
+    result["outer_sweep"] = outer_sweep(steps=steps, period=period, extra=extra)
   with tempfile.TemporaryDirectory() as tmp, netns.Link() as link:
     for repeat in range(repeats):
       for rate in rates:
@@ -246,13 +295,15 @@ def measure(rates: list[str], algorithms: list[str], *, steps: int, period: int,
             "b_to_a": link.measure_rate("b") / 1e6, "a_to_b": link.measure_rate("a") / 1e6}
           print(f"[network] {rate}: achieved {result['achieved_mbit'][rate]['b_to_a']:.1f}"
                 f" Mbit/s b->a, {result['achieved_mbit'][rate]['a_to_b']:.1f} a->b", flush=True)
-        for algorithm in algorithms:
+        for method in methods:
           port += 1
-          out = os.path.join(work or tmp, f"{rate}-{algorithm}-{repeat}")
-          run = run_once(link, algorithm, port, out, steps=steps, period=period, extra=extra)
-          run |= {"rate": rate, "repeat": repeat}
+          algorithm, flags = METHODS[method]
+          out = os.path.join(work or tmp, f"{rate}-{method}-{repeat}")
+          run = run_once(link, algorithm, port, out, steps=steps, period=period,
+                         extra=[*flags, *extra])
+          run |= {"rate": rate, "repeat": repeat, "method": method}
           result["runs"].append(run)
-          print(f"[network] {rate} {algorithm}: {run['wall_s']:.1f} s whole,"
+          print(f"[network] {rate} {method}: {run['wall_s']:.1f} s whole,"
                 f" {run['train_s']:.1f} s training, {run['bytes_a_to_b'] / 1e6:.1f} MB a->b,"
                 f" {run['bytes_b_to_a'] / 1e6:.1f} MB b->a, {run['bits_per_byte']:.3f}"
                 f" bits/byte, load {run['load_after'][0]:.2f}", flush=True)
@@ -290,8 +341,8 @@ def loss_at(run: dict[str, Any], budget: float) -> float:
   return within[-1] if within else curve["bits_per_byte"][0]
 
 
-def _runs(result: dict[str, Any], rate: str, algorithm: str) -> list[dict]:
-  return [r for r in result["runs"] if r["rate"] == rate and r["algorithm"] == algorithm]
+def _runs(result: dict[str, Any], rate: str, method: str) -> list[dict]:
+  return [r for r in result["runs"] if r["rate"] == rate and r["method"] == method]
 
 
 def _median_of(runs: list[dict], fn: Any) -> float | None:
@@ -312,15 +363,15 @@ def measurements_table(result: dict[str, Any]) -> str:
   rows = []
   for rate in result["rates"]:
     achieved = min(result["achieved_mbit"][rate].values())
-    for algorithm in result["algorithms"]:
-      runs = _runs(result, rate, algorithm)
+    for method in result["methods"]:
+      runs = _runs(result, rate, method)
       if not runs:
         continue
       rounds = max(runs[0]["communication_rounds"], 1)
       med = lambda key: _median_of(runs, lambda r: r[key])  # noqa: E731
       spread = max(r["train_s"] for r in runs) - min(r["train_s"] for r in runs)
       rows.append([
-        rate, f"{achieved:.1f}", algorithm, f"{med('wall_s'):.1f}",
+        rate, f"{achieved:.1f}", method, f"{med('wall_s'):.1f}",
         f"{med('train_s'):.1f}" + (f" ± {spread / 2:.1f}" if len(runs) > 1 else ""),
         _fmt(med("exchange_step_s"), ".3f"), _fmt(med("local_step_s"), ".3f"),
         str(runs[0]["communication_rounds"]),
@@ -329,7 +380,7 @@ def measurements_table(result: dict[str, Any]) -> str:
         f"{med('predicted_bytes') / rounds / p:.2f}",
         f"{med('bits_per_byte'):.3f}",
         f"{runs[-1]['load_before'][0]:.1f} → {runs[-1]['load_after'][0]:.1f}"])
-  header = ["rate", "achieved Mbit/s", "algorithm", "whole run s", "training s",
+  header = ["rate", "achieved Mbit/s", "method", "whole run s", "training s",
             "exchange step s", "local step s", "exchanges", "predicted MB a→b",
             "payload MB a→b", "payload / predicted", "predicted per exchange / params",
             "val bits/byte", "load (1 min)"]
@@ -344,19 +395,19 @@ def summary_table(result: dict[str, Any]) -> str:
     sync = _runs(result, rate, "sync")
     sync_time = _median_of(sync, lambda r: time_to(r, target))
     budget = _median_of(sync, lambda r: r["train_s"])
-    for algorithm in result["algorithms"]:
-      runs = _runs(result, rate, algorithm)
+    for method in result["methods"]:
+      runs = _runs(result, rate, method)
       if not runs:
         continue
       reach = _median_of(runs, lambda r: time_to(r, target))
-      unshaped = _median_of(_runs(result, "unshaped", algorithm), lambda r: r["train_s"])
+      unshaped = _median_of(_runs(result, "unshaped", method), lambda r: r["train_s"])
       train = _median_of(runs, lambda r: r["train_s"])
       rows.append([
-        rate, algorithm, _fmt(reach, ".1f"),
+        rate, method, _fmt(reach, ".1f"),
         _fmt(sync_time / reach if sync_time and reach else None, ".2f"),
         _fmt(_median_of(runs, lambda r: loss_at(r, budget)) if budget else None, ".3f"),
         _fmt(train / unshaped if unshaped else None, ".2f")])
-  header = ["rate", "algorithm", f"training s to {target:.3f} bits/byte", "speed-up over sync",
+  header = ["rate", "method", f"training s to {target:.3f} bits/byte", "speed-up over sync",
             "bits/byte at sync's training s", "training s / own unshaped"]
   return _util_table(header, rows, "llrrrr")
 
@@ -375,28 +426,28 @@ def targets(result: dict[str, Any]) -> list[str]:
     lines.append(f"- {'n/a' if ok is None else 'met' if ok else 'MISSED'}: {text}")
 
   slow = "10mbit" if "10mbit" in result["rates"] else None
-  for algorithm in ("diloco", "streaming_diloco"):
-    runs = _runs(result, slow, algorithm) if slow else []
+  for method in ("diloco", "streaming_diloco"):
+    runs = _runs(result, slow, method) if slow else []
     if not runs:
       continue
     sync = _median_of(_runs(result, slow, "sync"), lambda r: time_to(r, target))
     reach = _median_of(runs, lambda r: time_to(r, target))
     speedup = sync / reach if sync and reach else None
     check(None if speedup is None else speedup >= 3,
-          f"{algorithm} reaches {target:.3f} bits/byte at 10 Mbit/s"
+          f"{method} reaches {target:.3f} bits/byte at 10 Mbit/s"
           f" {_fmt(speedup, '.2f')}× sooner than sync (target ≥ 3×)")
-    unshaped = _median_of(_runs(result, "unshaped", algorithm), lambda r: r["train_s"])
+    unshaped = _median_of(_runs(result, "unshaped", method), lambda r: r["train_s"])
     ratio = _median_of(runs, lambda r: r["train_s"]) / unshaped if unshaped else None
     check(None if ratio is None else ratio <= 1.3,
-          f"{algorithm}'s training time at 10 Mbit/s is {_fmt(ratio, '.2f')}× its unshaped"
+          f"{method}'s training time at 10 Mbit/s is {_fmt(ratio, '.2f')}× its unshaped"
           " time (target ≤ 1.3×)")
-  for algorithm, bound, what in (("sync", 1.1, "a step"), ("diloco", 1.1, "an exchange")):
-    runs = [r for r in result["runs"] if r["algorithm"] == algorithm]
+  for method, bound, what in (("sync", 1.1, "a step"), ("diloco", 1.1, "an exchange")):
+    runs = [r for r in result["runs"] if r["method"] == method]
     if runs:
       rounds = max(runs[0]["communication_rounds"], 1)
       per = _median_of(runs, lambda r: r["predicted_bytes"]) / rounds / p
       measured = _median_of(runs, payload) / rounds / p
-      check(per <= bound, f"{algorithm}: {what} sends {per:.3f}× the params' bytes each way"
+      check(per <= bound, f"{method}: {what} sends {per:.3f}× the params' bytes each way"
             f" (predicted; the veth payload over the whole run, start-up and evaluations"
             f" included, {measured:.3f}×; target ≤ {bound}×)")
   ratios = [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]
@@ -431,6 +482,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      " and the coordination service included); `streaming_diloco` sends one fragment, about"
      " 1/F of the params, per exchange."),
     "",
+    "Methods (label: algorithm and flags): " + "; ".join(
+      f"{m}: `--algorithm {a}{''.join(' ' + x for x in flags)}`"
+      for m, (a, flags) in result["methods"].items()) + ".",
+    "",
     measurements_table(result),
     "",
     (f"Time to loss: the target is the highest final validation loss of the unshaped runs,"
@@ -443,6 +498,11 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     "",
     *targets(result),
     "",
+    *([(f"DiLoCo's outer optimizer at this budget ({result['steps'] // result['period']} outer"
+        " steps; one process, unshaped, the same losses as over the link): the final validation"
+        " loss for each outer learning rate and Nesterov momentum. The DiLoCo family above runs"
+        f" `{' '.join(OUTER)}`."), "", sweep_table(result["outer_sweep"]), ""]
+      if result.get("outer_sweep") else []),
     f"![validation bits per byte against training seconds, one panel per rate]({plot_name})",
   ])
 
@@ -458,10 +518,10 @@ def plot(result: dict[str, Any], path: str) -> None:
   fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.5), squeeze=False,
                            sharey=True)
   for ax, rate in zip(axes[0], rates):
-    for k, algorithm in enumerate(result["algorithms"]):
-      for r in (r for r in result["runs"] if r["rate"] == rate and r["algorithm"] == algorithm):
+    for k, method in enumerate(result["methods"]):
+      for r in _runs(result, rate, method):
         ax.plot(r["curve"]["train_s"], r["curve"]["bits_per_byte"], "o-", color=f"C{k}",
-                label=algorithm if r["repeat"] == 0 else None, markersize=3)
+                label=method if r["repeat"] == 0 else None, markersize=3)
     achieved = min(result["achieved_mbit"][rate].values())
     ax.set_title(f"{rate} (achieved {achieved:.0f} Mbit/s)", fontsize=9)
     ax.set_xlabel("training seconds (steps only)")
@@ -480,16 +540,16 @@ def plot(result: dict[str, Any], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true",
-                      help=f"{', '.join(QUICK['algorithms'])} at {QUICK['rates'][0]},"
+                      help=f"{', '.join(QUICK['methods'])} at {QUICK['rates'][0]},"
                            f" {QUICK['steps']} steps: checks the program only")
   parser.add_argument("--rates", default=None,
                       help=f"comma-separated tc rates or 'unshaped' (default {','.join(RATES)})")
-  parser.add_argument("--algorithms", default=None,
-                      help=f"comma-separated (default {','.join(ALGORITHMS)})")
+  parser.add_argument("--methods", default=None,
+                      help=f"comma-separated (default {','.join(METHODS)})")
   parser.add_argument("--steps", type=int, default=None, help=f"default {STEPS}")
   parser.add_argument("--period", type=int, default=None,
                       help=f"H, steps between the periodic exchanges (default {PERIOD})")
-  parser.add_argument("--repeats", type=int, default=1, help="runs of each algorithm at each rate")
+  parser.add_argument("--repeats", type=int, default=1, help="runs of each method at each rate")
   parser.add_argument("--extra-args", default=f"--replicas {REPLICAS}",
                       help="appended to every run's command line (default"
                            f" '--replicas {REPLICAS}'; '' for one worker per device)")
@@ -510,15 +570,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   quick = QUICK if args.quick else {}
   rates = args.rates.split(",") if args.rates else list(quick.get("rates", RATES))
-  algorithms = (args.algorithms.split(",") if args.algorithms
-                else list(quick.get("algorithms", ALGORITHMS)))
+  methods = args.methods.split(",") if args.methods else list(quick.get("methods", METHODS))
   steps = args.steps or quick.get("steps", STEPS)
   period = args.period or quick.get("period", PERIOD)
   output = args.output or (os.path.join(tempfile.mkdtemp(), "network") if args.quick
                            else os.path.join(HERE, "network"))
   netns.remove_stale()
   try:
-    result = measure(rates, algorithms, steps=steps, period=period,
+    result = measure(rates, methods, steps=steps, period=period,
                      extra=shlex.split(args.extra_args), repeats=args.repeats,
                      work=args.keep_logs)
   except netns.Unavailable as e:
