@@ -74,34 +74,3 @@ def outer_step(
   steps, new_outer_state = outer.update(delta, outer_state, anchor)
   new_anchor = _axis.keep_dtypes(optax.apply_updates(anchor, steps), anchor)
   return new_anchor, _axis.keep_dtypes(new_outer_state, outer_state)
-
-
-def outer_sync(
-  outer: optax.GradientTransformation,
-  anchor: Any,
-  outer_state: optax.OptState,
-  new_params: Any,
-  *,
-  axis_name: Hashable | None,
-  num_workers: int,
-  comm_dtype: Any = None,
-  comm_block_size: int = 256,
-  slice_axis: Hashable | None = None,
-) -> tuple[Any, optax.OptState]:
-  """One DiLoCo sync of ``anchor`` (a tree, or a sub-tree with ``optax.MaskedNode`` leaves).
-
-  The pseudo-gradient is :math:`\\Delta = \\frac{1}{N}\\sum_j (\\theta - x'_j)`, computed in the
-  anchor's dtype and all-reduced in ``comm_dtype`` (a floating dtype, or a quantized format's
-  name as :func:`optax_dist._checks.check_comm_dtype` resolves it, sent in blocks of
-  ``comm_block_size`` values); then ``outer`` takes one step on it from :math:`\\theta`.
-  ``axis_name=None`` means one worker: :math:`\\Delta = \\theta - x'`. Error feedback is
-  :func:`pseudo_gradient` with a ``residual``, then :func:`outer_step`.
-
-  Returns:
-    The new anchor and outer state, with the dtypes of the old ones.
-  """
-  delta, _ = pseudo_gradient(
-    anchor, new_params, axis_name=axis_name, num_workers=num_workers, comm_dtype=comm_dtype,
-    comm_block_size=comm_block_size, slice_axis=slice_axis,
-  )
-  return outer_step(outer, anchor, outer_state, delta)

@@ -38,6 +38,11 @@ class StreamingDiLoCoState(NamedTuple):
     own_in_flight: ``None`` unless ``eager``; else the anchor's tree, shapes and dtypes, each
       fragment's leaves holding this worker's own pseudo-gradient :math:`\\Delta^f_i` of that
       send; local to this worker.
+    error_feedback: ``None`` unless ``error_feedback=True``; else this worker's residual
+      :math:`r_i`, what quantization has dropped from its pseudo-gradients so far (fragment f's
+      leaves updated on f's sends), to be added to the next one; the params' tree and shapes,
+      ``float32``, zeros at ``init``; local to this worker. On a resize it becomes the workers'
+      mean (``MEAN``), as :class:`optax_dist.DiLoCoState`'s.
   """
 
   local_step: jax.Array
@@ -47,6 +52,7 @@ class StreamingDiLoCoState(NamedTuple):
   in_flight: optax.Params | None = None
   in_flight_step: jax.Array | None = None
   own_in_flight: optax.Params | None = None
+  error_feedback: Any = None
 
   AVERAGE = "anchor"  # eval_params returns this field
   RESTART = "anchor"  # resize_state restarts the workers' params from this field
@@ -56,7 +62,7 @@ class StreamingDiLoCoState(NamedTuple):
   RESIZE = {
     "local_step": _state.KEEP, "anchor": _state.KEEP, "inner_state": _state.INNER,
     "outer_state": _state.KEEP, "in_flight": _state.KEEP, "in_flight_step": _state.KEEP,
-    "own_in_flight": _state.MEAN,
+    "own_in_flight": _state.MEAN, "error_feedback": _state.MEAN,
   }
 
 
@@ -226,6 +232,7 @@ def streaming_diloco(
   num_workers: int | None = None,
   comm_dtype: Any = None,
   comm_block_size: int | None = None,
+  error_feedback: bool = False,
   anchor_dtype: Any = None,
   slice_axis: Hashable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -327,10 +334,16 @@ def streaming_diloco(
       ``jnp.bfloat16``); ``None`` (default) communicates in the anchor's dtypes. 8-bit floats
       are quantized, all-gathered and summed in float32. The block-quantized formats of
       :func:`diloco` (``jnp.int8``, ``jnp.float4_e2m1fn``, ``"e3m0"``) are sent as codes with
-      one float32 scale per ``comm_block_size`` values, gathered and summed in float32 (no
-      error feedback here).
+      one float32 scale per ``comm_block_size`` values, gathered and summed in float32.
     comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
       the default, is 256; even for the 4-bit formats); ignored otherwise. Fixed at trace time.
+    error_feedback: with a quantized ``comm_dtype``, each worker keeps what quantization
+      dropped from each fragment's pseudo-gradient in ``state.error_feedback`` (float32) and
+      adds it to that fragment's next one before quantizing, as :func:`diloco`:
+      :math:`t^f_i = \theta^f - x'^f_i + r^f_i`, sent :math:`Q(t^f_i)`,
+      :math:`r^f_i \leftarrow t^f_i - Q(t^f_i)` on f's send step. With ``eager`` the worker's
+      own share :math:`\Delta^f_i` stays unquantized (it never crosses the link). Costs one
+      float32 params-sized tree per worker. Default ``False``.
     slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose devices hold
       identical copies of the params, such as the devices of one replica after
       ``tower(inner, slice_axis)``: each of its K devices then exchanges only its 1/K slice
@@ -349,7 +362,8 @@ def streaming_diloco(
     (one copy of the params) plus the F outer states, which together hold as much as one
     ``outer`` state of the whole params (one more copy for momentum). ``overlap >= 1`` adds
     ``in_flight`` (one more copy of the params, in the anchor's dtype) and ``in_flight_step``
-    (F int32); ``eager`` adds ``own_in_flight`` (one more copy). ``overlap=0`` adds nothing.
+    (F int32); ``eager`` adds ``own_in_flight`` (one more copy); ``error_feedback`` adds
+    ``error_feedback`` (one float32 copy). ``overlap=0`` adds nothing.
 
   Collectives:
     One ``psum`` over ``axis_name`` of fragment f's leaves on each of its sync steps, inside
@@ -375,12 +389,13 @@ def streaming_diloco(
   Raises:
     TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period``,
       ``num_fragments``, ``num_workers`` or a ``fragments`` id not an int; ``mixing`` not a real
-      number; ``overlap`` not an int; ``eager`` not a bool; ``comm_dtype`` or
+      number; ``overlap`` not an int; ``eager`` or ``error_feedback`` not a bool; ``comm_dtype`` or
       ``anchor_dtype`` not ``None`` or a floating dtype; a non-
       floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None`` or a bool.
     ValueError: ``sync_period``, ``num_fragments`` or ``num_workers`` not positive;
       ``mixing`` outside [0, 1]; ``overlap`` outside ``[0, sync_period)`` (:math:`\tau < H`);
-      ``eager=True`` with ``overlap=0``; a ``fragments`` id outside ``[0, F)``; (in ``init``)
+      ``eager=True`` with ``overlap=0``; ``error_feedback=True`` without a quantized
+      ``comm_dtype``; a ``fragments`` id outside ``[0, F)``; (in ``init``)
       ``fragments`` without the params' structure, or a fragment left empty; ``num_workers >
       1`` with ``axis_name=None``; ``num_workers`` different from the axis size; ``update``
       without ``params``, or where a named ``axis_name`` is not bound.
@@ -432,6 +447,7 @@ def streaming_diloco(
   _checks.check_num_workers(fn, num_workers, axis_name)
   comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
   comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
+  error_feedback = _checks.check_error_feedback(fn, error_feedback, comm_dtype)
   anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
   _checks.check_int(fn, "overlap", overlap)
   if overlap < 0 or overlap >= sync_period:
@@ -474,54 +490,64 @@ def streaming_diloco(
       )
     if eager:
       state = state._replace(own_in_flight=jax.tree.map(jnp.zeros_like, anchor))
+    if error_feedback:
+      state = state._replace(
+        error_feedback=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params))
     return state
 
-  def sync_fragment(f, sync, anchor, outer_state_f, p_leaves, u_leaves, ids, treedef, n):
+  def mean_pseudo_gradient(anchor_f, x_f, residual_f, n):
+    """Fragment f's workers' mean pseudo-gradient (the psum) and this worker's new residual."""
+    return _outer.pseudo_gradient(
+      anchor_f, x_f, axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
+      comm_block_size=comm_block_size, residual=residual_f, slice_axis=slice_axis,
+    )
+
+  def sync_fragment(f, sync, anchor, outer_state_f, residual, p_leaves, u_leaves, ids, treedef,
+                    n):
     """Fragment f's DiLoCo sync in its own conditional, carrying only its leaves and state."""
 
-    def synchronize(anchor_f, outer_state_f, u_f):
+    def synchronize(anchor_f, outer_state_f, residual_f, u_f):
       x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-      return _outer.outer_sync(
-        outer, anchor_f, outer_state_f, x_f, axis_name=axis_name, num_workers=n,
-        comm_dtype=comm_dtype, comm_block_size=comm_block_size, slice_axis=slice_axis,
-      )
+      delta_f, residual_f = mean_pseudo_gradient(anchor_f, x_f, residual_f, n)
+      return (*_outer.outer_step(outer, anchor_f, outer_state_f, delta_f), residual_f)
 
-    def keep(anchor_f, outer_state_f, u_f):
-      return anchor_f, outer_state_f
-
-    anchor_f, outer_state_f = _axis.communicate_if(
-      sync, synchronize, keep, _select(anchor, ids, f, treedef), outer_state_f,
-      _select(u_leaves, ids, f, treedef),
-    )
-    anchor = _merge(anchor, anchor_f, ids, f)
-    return anchor, outer_state_f
-
-  def send_fragment(f, send, anchor, in_flight, own, p_leaves, u_leaves, ids, treedef, n):
-    """Fragment f's send (overlap >= 1): its pseudo-gradient, all-reduced in a conditional."""
-
-    def communicate(anchor_f, u_f, in_flight_f, own_f):
-      x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-      own_f = _outer.local_pseudo_gradient(anchor_f, x_f)  # Delta_i = theta - x'_i
-      mean_f = own_f
-      if axis_name is not None:
-        mean_f = _axis.sliced(  # the psum
-          lambda d: _axis.worker_mean(d, axis_name, n, comm_dtype, comm_block_size), own_f,
-          slice_axis,
-        )
-      return mean_f, (own_f if eager else None)
-
-    def keep(anchor_f, u_f, in_flight_f, own_f):
-      return in_flight_f, own_f
+    def keep(anchor_f, outer_state_f, residual_f, u_f):
+      return anchor_f, outer_state_f, residual_f
 
     sel = functools.partial(_select, ids=ids, fragment=f, treedef=treedef)
-    in_flight_f, own_f = _axis.communicate_if(
+    anchor_f, outer_state_f, residual_f = _axis.communicate_if(
+      sync, synchronize, keep, sel(anchor), outer_state_f,
+      sel(residual) if error_feedback else None, sel(u_leaves),
+    )
+    anchor = _merge(anchor, anchor_f, ids, f)
+    if error_feedback:
+      residual = _merge(residual, residual_f, ids, f)
+    return anchor, outer_state_f, residual
+
+  def send_fragment(f, send, anchor, in_flight, own, residual, p_leaves, u_leaves, ids, treedef,
+                    n):
+    """Fragment f's send (overlap >= 1): its pseudo-gradient, all-reduced in a conditional."""
+
+    def communicate(anchor_f, u_f, in_flight_f, own_f, residual_f):
+      x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
+      mean_f, residual_f = mean_pseudo_gradient(anchor_f, x_f, residual_f, n)
+      own_f = _outer.local_pseudo_gradient(anchor_f, x_f) if eager else None  # Delta_i
+      return mean_f, own_f, residual_f
+
+    def keep(anchor_f, u_f, in_flight_f, own_f, residual_f):
+      return in_flight_f, own_f, residual_f
+
+    sel = functools.partial(_select, ids=ids, fragment=f, treedef=treedef)
+    in_flight_f, own_f, residual_f = _axis.communicate_if(
       send, communicate, keep, sel(anchor), sel(u_leaves), sel(in_flight),
-      sel(own) if eager else None,
+      sel(own) if eager else None, sel(residual) if error_feedback else None,
     )
     in_flight = _merge(in_flight, in_flight_f, ids, f)
     if eager:
       own = _merge(own, own_f, ids, f)
-    return in_flight, own
+    if error_feedback:
+      residual = _merge(residual, residual_f, ids, f)
+    return in_flight, own, residual
 
   def land_fragment(f, landing, anchor, outer_state_f, in_flight, own, p_leaves, u_leaves, ids,
                     treedef, n):
@@ -581,11 +607,13 @@ def streaming_diloco(
       # False: no fragment syncs; True leaves the choice of fragment to the rule.
       sends.append(False if hint is False else _axis.agree(rule, axis_name))
 
+    residual = jax.tree.leaves(state.error_feedback) if error_feedback else None
     if not overlap:  # each fragment's exchange lands on its send step
       outer_states = []
       for f in range(num_fragments):
-        anchor, outer_state_f = sync_fragment(
-          f, sends[f], anchor, state.outer_state[f], p_leaves, u_leaves, ids, treedef, n
+        anchor, outer_state_f, residual = sync_fragment(
+          f, sends[f], anchor, state.outer_state[f], residual, p_leaves, u_leaves, ids, treedef,
+          n,
         )
         outer_states.append(outer_state_f)
       local_updates = treedef.unflatten([
@@ -597,6 +625,7 @@ def streaming_diloco(
         anchor=treedef.unflatten(anchor),
         inner_state=inner_state,
         outer_state=tuple(outer_states),
+        error_feedback=treedef.unflatten(residual) if error_feedback else None,
       )
 
     # overlap >= 1: a fragment sent at step s lands at s + overlap < s + H, its next send, so a
@@ -613,8 +642,8 @@ def streaming_diloco(
         treedef, n,
       )
       targets = [t if i != f else g for t, g, i in zip(targets, target_f, ids, strict=True)]
-      in_flight, own = send_fragment(
-        f, sends[f], anchor, in_flight, own, p_leaves, u_leaves, ids, treedef, n
+      in_flight, own, residual = send_fragment(
+        f, sends[f], anchor, in_flight, own, residual, p_leaves, u_leaves, ids, treedef, n
       )
       outer_states.append(outer_state_f)
       landings.append(landing)
@@ -634,6 +663,7 @@ def streaming_diloco(
       in_flight=treedef.unflatten(in_flight),
       in_flight_step=jnp.stack(in_flight_step).astype(jnp.int32),
       own_in_flight=treedef.unflatten(own) if eager else None,
+      error_feedback=treedef.unflatten(residual) if error_feedback else None,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

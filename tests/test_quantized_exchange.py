@@ -435,6 +435,60 @@ def test_streaming_diloco_fragments_sync_quantized(fmt):
       np.testing.assert_array_equal(np.asarray(state.anchor[k]), _stack({k: expected[k]}, n)[k])
 
 
+@pytest.mark.parametrize("overlap", [0, 1])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_streaming_diloco_error_feedback_matches_numpy_reference(fmt, overlap):
+  """With error feedback, fragment f's send quantizes t_j = theta_f - x'_j,f + r_j,f and keeps
+  r_j,f <- t_j - Q(t_j); the mean of the Q(t_j) lands ``overlap`` steps later."""
+  n, sync_period, rng = 2, 4, np.random.RandomState(5)
+  start = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+  params = _stack(start, n)
+  tx = optax_dist.streaming_diloco(
+    optax.sgd(1.0), optax.sgd(1.0), sync_period=sync_period, num_fragments=2,
+    fragments={"b": 1, "w": 0}, overlap=overlap, axis_name=AXIS, comm_dtype=FORMATS[fmt],
+    comm_block_size=BLOCK, error_feedback=True)
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
+  expected = dict(start)
+  residual = {k: np.zeros((n, *s), np.float32) for k, s in SHAPES.items()}
+  landing = {}  # fragment's leaf -> (step, mean)
+  for t in range(1, 3 * sync_period + 1):
+    grads = _gradients(rng, n)
+    x_new = {k: (params[k] - grads[k]).astype(np.float32) for k in params}
+    updates, state = step(grads, state, params)
+    params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
+    for f, k in enumerate(("w", "b")):
+      if optax_dist.streaming_diloco_syncs(t, sync_period=sync_period, num_fragments=2,
+                                           fragment=f):
+        targets = [(expected[k] - x_new[k][j] + residual[k][j]).astype(np.float32)
+                   for j in range(n)]
+        sent = [quantized(target, fmt, BLOCK) for target in targets]
+        residual[k] = np.stack([a - b for a, b in zip(targets, sent)]).astype(np.float32)
+        landing[k] = (t + overlap, summed(sent) / np.float32(n))
+      if k in landing and landing[k][0] == t:
+        expected[k] = (expected[k] - landing.pop(k)[1]).astype(np.float32)
+      np.testing.assert_array_equal(np.asarray(state.anchor[k]), _stack({k: expected[k]}, n)[k])
+      np.testing.assert_array_equal(np.asarray(state.error_feedback[k]), residual[k])
+
+
+def test_streaming_diloco_error_feedback_is_diloco_with_one_fragment():
+  kwargs = dict(sync_period=H, axis_name=AXIS, comm_dtype="int8", comm_block_size=BLOCK,
+                error_feedback=True)
+  streaming = optax_dist.streaming_diloco(optax.sgd(1.0), optax.sgd(1.0), num_fragments=1,
+                                          **kwargs)
+  diloco = optax_dist.diloco(optax.sgd(1.0), optax.sgd(1.0), **kwargs)
+  rng = np.random.RandomState(2)
+  params = _stack({k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}, 2)
+  states = [jax.vmap(tx.init, axis_name=AXIS)(params) for tx in (streaming, diloco)]
+  for _ in range(3 * H):
+    grads = _gradients(rng, 2)
+    for i, tx in enumerate((streaming, diloco)):
+      _, states[i] = jax.vmap(tx.update, axis_name=AXIS)(grads, states[i], params)
+  for k in SHAPES:
+    np.testing.assert_array_equal(states[0].anchor[k], states[1].anchor[k])
+    np.testing.assert_array_equal(states[0].error_feedback[k], states[1].error_feedback[k])
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad inputs.
 
