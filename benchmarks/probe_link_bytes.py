@@ -1,0 +1,395 @@
+"""What a cross-process all-reduce over gloo puts on the veth, byte for byte.
+
+``bench_network.py`` compares the bytes each veth sent, less :data:`FRAME_OVERHEAD` bytes of
+headers per transmitted packet, with the bytes its model of the compiled collectives predicts (a
+two-rank all-reduce sends its operand's bytes once each way). This probe measures, in isolation,
+what that comparison rests on, with two ``jax.distributed`` processes (gloo CPU collectives,
+:data:`DEVICES` emulated CPU devices each) in two network namespaces joined by a veth pair
+(:mod:`netns`), process 0 and the coordinator in ``a``, process 1 in ``b``:
+
+* ``tcp``: a plain TCP transfer of a known number of bytes from ``b`` to ``a``
+  (:meth:`netns.Link.measure_rate`): the veth's bytes less that payload, over its packets, is the
+  per-packet header overhead the counters actually show;
+* ``pair``: ``--repeats`` all-reduces (``psum``) of ``S`` bytes of float32 per process over a
+  2-device mesh, one device per process, each waited for;
+* ``wide``: the same ``S`` bytes per process split over a 2 x :data:`DEVICES` mesh, each device
+  all-reducing its ``S / DEVICES`` across the processes only (the trainer's ``replica`` axis);
+* ``wide trainer``: one all-reduce over the replicas of 38 operands per device, the shapes XLA
+  leaves in the lm task's exchange (:data:`TRAINER_OPERANDS`, 279424 bytes per device);
+* ``pair small``: one all-reduce of 38 operands of 96 bytes on the 2-device mesh: what an
+  operand costs beyond its bytes;
+* ``idle``: nothing for about a second (the coordination service's background traffic).
+
+Each all-reduce's results are checked against the sum of both processes' inputs, and the number
+of all-reduce instructions in its compiled program is recorded (XLA combines a tuple into one).
+
+Around each measurement (between barriers, so only the measured work falls inside) each process
+reads, in its own namespace: its veth's ``tx_bytes``, ``tx_packets``, ``rx_bytes`` and
+``rx_packets``; ``/proc/net/snmp``'s ``Tcp`` ``OutSegs`` and ``RetransSegs``; and ``ss -tin``'s
+per-connection ``bytes_sent`` and ``data_segs_out``, split into the connections to the
+coordination service (:data:`PORT`) and the others (gloo's). Reported per all-reduce and direction:
+the veth's bytes over ``S``, the veth's bytes less :data:`FRAME_OVERHEAD` per packet over ``S``
+(``bench_network.py``'s payload), gloo's TCP bytes over ``S``, packets, mean bytes per packet and
+retransmitted segments; and ``payload_per_S - 1`` explained by the headers
+(``packets * header`` against the measured header size).
+
+Measured (unshaped, ``benchmarks/probe_link_bytes.json``): the headers are 66.0 bytes per counted
+packet (the counted packets are GSO super-packets of up to 64 KB, each with one set of headers);
+gloo sends an operand's bytes plus about 576 bytes per operand, device pair and direction (12
+TCP data segments per operand), whatever the operand's size; so one large operand costs 1.0006 S
+and the trainer's 38-operand exchange 1.078 S.
+
+Needs root and iproute2; says why and exits with 0 otherwise. ``python
+benchmarks/probe_link_bytes.py [--sizes 1000000 4000000] [--repeats 20] [--rate unshaped]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import netns  # noqa: E402
+
+DEVICES = 4
+"""Emulated CPU devices per process (the ``wide`` mesh's second axis)."""
+SIZES = (1_000_000, 4_000_000)
+REPEATS = 20
+PORT = 7714
+"""The coordination service's port."""
+TIMEOUT = 600
+FRAME_OVERHEAD = 66
+"""``bench_network.py``'s headers per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
+IDLE_SECONDS = 1.0
+TRAINER_OPERANDS = (1536, 24, 24, 6144, 6144, 64, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24, 24, 24,
+                    24, 9216, 24, 9216, 96, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24, 24, 24, 24,
+                    9216, 24, 96, 9216)
+"""float32 elements per device of the operands of the lm task's exchange (``bench_network.py``'s
+trainer, 2 replicas of 4 devices): one ``all-reduce`` of 38 operands over the replicas, 279424
+bytes per device (the compiled sync step's after-optimisation HLO)."""
+SMALL_OPERANDS = (24,) * 38
+"""As many operands as :data:`TRAINER_OPERANDS`, each of its smallest size (96 bytes)."""
+
+
+# --- Counters, in the namespace this process runs in ---------------------------------------------
+
+
+def read_counters(device: str) -> dict[str, Any]:
+  """This namespace's veth counters, ``Tcp`` counters, and TCP bytes sent per kind of connection
+  (``coordination``: to or from :data:`PORT`; ``gloo``: the others)."""
+  out: dict[str, Any] = {}
+  stats = f"/sys/class/net/{device}/statistics"
+  for key in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets"):
+    with open(os.path.join(stats, key)) as f:
+      out[key] = int(f.read())
+  with open("/proc/net/snmp") as f:
+    tcp = [line.split() for line in f if line.startswith("Tcp:")]
+  fields = dict(zip(tcp[0][1:], tcp[1][1:], strict=True))
+  out["OutSegs"], out["RetransSegs"] = int(fields["OutSegs"]), int(fields["RetransSegs"])
+  out["connections"] = connections()
+  return out
+
+
+def connections() -> dict[str, dict[str, int]]:
+  """``{"local peer": {"bytes_sent", "data_segs_out", "retrans"}}`` of this namespace's TCP
+  connections other than loopback ones, from ``ss -tin``."""
+  text = subprocess.run(["ss", "-tinH"], capture_output=True, text=True).stdout
+  out, key = {}, None
+  for line in text.splitlines():
+    if not line.startswith((" ", "\t")):
+      parts = line.split()
+      key = f"{parts[3]} {parts[4]}" if len(parts) >= 5 else None
+      if key and (parts[3].startswith("127.") or parts[4].startswith("127.")):
+        key = None
+      continue
+    if key is None:
+      continue
+    info = {"bytes_sent": 0, "data_segs_out": 0, "retrans": 0}
+    for token in line.split():
+      name, _, value = token.partition(":")
+      if name in ("bytes_sent", "data_segs_out"):
+        info[name] = int(value)
+      elif name == "retrans":  # retrans:NOW/TOTAL
+        info[name] = int(value.split("/")[-1])
+    out[key] = info
+  return out
+
+
+def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+  """``after - before``, with the connections' bytes summed per kind (a connection absent before
+  counts from 0)."""
+  out = {k: after[k] - before[k] for k in after if k != "connections"}
+  for kind in ("coordination", "gloo"):
+    for field in ("bytes_sent", "data_segs_out", "retrans"):
+      out[f"{kind}_{field}"] = 0
+  for key, info in after["connections"].items():
+    kind = "coordination" if any(a.endswith(f":{PORT}") for a in key.split()) else "gloo"
+    old = before["connections"].get(key, {})
+    for field, value in info.items():
+      out[f"{kind}_{field}"] += value - old.get(field, 0)
+  return out
+
+
+# --- In each process ----------------------------------------------------------------------------
+
+
+def worker(process_id: int, coordinator: str, device: str, args: argparse.Namespace
+           ) -> dict[str, Any]:
+  """Process ``process_id``'s counter differences per measurement."""
+  import jax
+
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", DEVICES)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
+
+  import numpy as np
+  from jax.experimental.multihost_utils import sync_global_devices
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  def of(process):
+    return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+
+  local, both = of(process_id), [of(0), of(1)]
+  meshes = {"pair": Mesh(np.array([devs[0] for devs in both]), ("replica",)),
+            "wide": Mesh(np.array(both), ("replica", "data"))}
+  specs = {"pair": P("replica"), "wide": P("replica", "data")}
+
+  def all_reduce(mesh, count):
+    spec = specs[mesh]
+    return jax.jit(jax.shard_map(lambda *v: jax.lax.psum(v, "replica"), mesh=meshes[mesh],
+                                 in_specs=(spec,) * count, out_specs=(spec,) * count))
+
+  def operand(mesh, elements):
+    """A global array of ``elements`` float32 per device of ``mesh``'s process, and the sum
+    of both processes' values."""
+    per_process = elements * (1 if mesh == "pair" else DEVICES)
+    base = np.arange(per_process, dtype=np.float32) % 7
+    values = (process_id + 1) * base
+    sharding = NamedSharding(meshes[mesh], specs[mesh])
+    if mesh == "pair":
+      shards = [jax.device_put(values[None], local[0])]
+    else:
+      shards = [jax.device_put(values[None, i * elements:(i + 1) * elements], d)
+                for i, d in enumerate(local)]
+    return (jax.make_array_from_single_device_arrays((2, per_process), sharding, shards),
+            3 * base)
+
+  results = []
+
+  def measured(name, kind, size, work):
+    sync_global_devices(f"before {name}")
+    before, start = read_counters(device), time.perf_counter()
+    work()
+    seconds, after = time.perf_counter() - start, read_counters(device)
+    sync_global_devices(f"after {name}")
+    results.append({"name": name, "kind": kind, "size": size, "operands": 0,
+                    "seconds": seconds, **difference(before, after)})
+
+  measured("idle", "idle", 0, lambda: time.sleep(IDLE_SECONDS))
+  measurements = [(f"{mesh} {size}", mesh, (size // 4 // DEVICES * DEVICES // width,))
+                  for mesh, width in (("pair", 1), ("wide", DEVICES)) for size in args.sizes]
+  measurements += [("wide trainer", "wide", TRAINER_OPERANDS),
+                   ("pair small", "pair", SMALL_OPERANDS)]
+  for name, mesh, elements in measurements:
+    fn = all_reduce(mesh, len(elements))
+    pairs = [operand(mesh, e) for e in elements]
+    xs = [x for x, _ in pairs]
+    outs = fn(*xs)  # compiles, and opens gloo's connections
+    jax.block_until_ready(outs)
+    ok = all(np.array_equal(np.asarray(s.data)[0], expected[s.index[1]])
+             for out, (_, expected) in zip(outs, pairs, strict=True)
+             for s in out.addressable_shards)
+
+    def repeat(fn=fn, xs=xs):
+      for _ in range(args.repeats):
+        jax.block_until_ready(fn(*xs))
+
+    hlo = fn.lower(*xs).compile().as_text()
+    instructions = sum(" all-reduce(" in line or " all-reduce-start(" in line
+                       for line in hlo.splitlines())
+    nbytes = 4 * sum(elements) * (1 if mesh == "pair" else DEVICES)
+    measured(name, mesh, nbytes, repeat)
+    results[-1] |= {"name": name, "operands": len(elements), "instructions": instructions,
+                    "correct": bool(ok)}
+  measured("idle again", "idle", 0, lambda: time.sleep(IDLE_SECONDS))
+  sync_global_devices("done")
+  return {"process": process_id, "results": results}
+
+
+# --- The driver ---------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, str]:
+  """This process's environment with this checkout first on ``PYTHONPATH``, no ``XLA_FLAGS``."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+  return env
+
+
+def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
+  """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
+  coordinator = f"{link.addresses['a']}:{args.port}"
+  procs, logs = [], []
+  for i, side in enumerate("ab"):
+    log = open(os.path.join(tmp, f"process{i}.log"), "w")  # noqa: SIM115
+    logs.append(log)
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--coordinator",
+            coordinator, "--device", link.devices[side], "--result",
+            os.path.join(tmp, f"process{i}.json"), "--repeats", str(args.repeats), "--sizes",
+            *map(str, args.sizes)]
+    procs.append(link.popen(side, argv, env=environment(), cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT))
+  deadline = time.perf_counter() + TIMEOUT
+  try:
+    for p in procs:
+      p.wait(timeout=max(deadline - time.perf_counter(), 1))
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for log in logs:
+      log.close()
+  if [p.returncode for p in procs] != [0, 0]:
+    tails = []
+    for i, p in enumerate(procs):
+      with open(os.path.join(tmp, f"process{i}.log")) as f:
+        tails.append(f"process {i} (exit {p.returncode}): "
+                     + " / ".join(f.read().strip().splitlines()[-3:]))
+    raise RuntimeError("; ".join(tails))
+  results = []
+  for i in range(2):
+    with open(os.path.join(tmp, f"process{i}.json")) as f:
+      results.append(json.load(f))
+  return results
+
+
+def snmp(link: netns.Link, side: str) -> dict[str, int]:
+  """``Tcp`` ``OutSegs`` and ``RetransSegs`` of namespace ``side``."""
+  tcp = [line.split() for line in link.run(side, ["cat", "/proc/net/snmp"]).splitlines()
+         if line.startswith("Tcp:")]
+  fields = dict(zip(tcp[0][1:], tcp[1][1:], strict=True))
+  return {k: int(fields[k]) for k in ("OutSegs", "RetransSegs")}
+
+
+def plain_tcp(link: netns.Link, nbytes: int) -> dict[str, Any]:
+  """A TCP transfer of ``nbytes`` from ``b`` to ``a``: the sender's veth and ``Tcp`` counters,
+  and the header bytes per packet they imply."""
+  before, segs = link.counters()["b"], snmp(link, "b")
+  link.measure_rate("b", nbytes)
+  after, segs_after = link.counters()["b"], snmp(link, "b")
+  d = {k: after[k] - before[k] for k in ("tx_bytes", "tx_packets")}
+  d |= {k: segs_after[k] - segs[k] for k in segs}
+  d["nbytes"] = nbytes
+  d["header_per_packet"] = (d["tx_bytes"] - nbytes) / d["tx_packets"]
+  d["header_per_segment"] = (d["tx_bytes"] - nbytes) / d["OutSegs"]
+  return d
+
+
+def rows(results: list[dict[str, Any]], repeats: int, header: float) -> list[dict[str, Any]]:
+  """Per measurement and direction, the numbers per all-reduce."""
+  out = []
+  for proc in results:
+    direction = "a->b" if proc["process"] == 0 else "b->a"
+    for r in proc["results"]:
+      count = repeats if r["kind"] != "idle" else 1
+      size = r["size"] or 1
+      row = {"name": r["name"], "operands": r["operands"], "size": r["size"],
+             "direction": direction,
+             "seconds": r["seconds"], "correct": r.get("correct")}
+      row["tx_bytes"] = r["tx_bytes"] / count
+      row["tx_packets"] = r["tx_packets"] / count
+      row["bytes_per_packet"] = r["tx_bytes"] / max(r["tx_packets"], 1)
+      row["out_segs"] = r["OutSegs"] / count
+      row["retrans"] = r["RetransSegs"]
+      row["gloo_bytes"] = r["gloo_bytes_sent"] / count
+      row["coordination_bytes"] = r["coordination_bytes_sent"] / count
+      row["payload_66"] = (r["tx_bytes"] - FRAME_OVERHEAD * r["tx_packets"]) / count
+      row["payload_measured"] = (r["tx_bytes"] - header * r["tx_packets"]) / count
+      for k in ("tx_bytes", "gloo_bytes", "payload_66", "payload_measured"):
+        row[f"{k}/S"] = row[k] / size if r["size"] else None
+      out.append(row)
+  return out
+
+
+def report(tcp: dict[str, Any], table: list[dict[str, Any]], load: list[float]) -> str:
+  lines = [f"load average {load[0]:.2f} before, {load[1]:.2f} after",
+           f"plain TCP b->a of {tcp['nbytes']} B: veth {tcp['tx_bytes']} B in"
+           f" {tcp['tx_packets']} packets ({tcp['OutSegs']} TCP segments,"
+           f" {tcp['RetransSegs']} retransmitted): {tcp['header_per_packet']:.1f} B of headers"
+           f" per packet, {tcp['header_per_segment']:.1f} per segment",
+           "", "per all-reduce and direction (idle: per measurement of "
+           f"{IDLE_SECONDS:.0f} s):",
+           f"{'measurement':<15} {'ops':>3} {'S':>8} {'dir':<5} {'tx/S':>7} {'gloo/S':>7} {'pay66/S':>8}"
+           f" {'paymeas/S':>9} {'packets':>8} {'B/pkt':>7} {'segs':>8} {'retr':>5}"
+           f" {'coord B':>8} {'ok':>3}"]
+  fmt = lambda v, w, p: f"{v:{w}.{p}f}" if v is not None else " " * (w - 1) + "-"  # noqa: E731
+  for r in table:
+    ok = {True: "yes", False: "NO", None: "-"}[r["correct"]]
+    lines.append(f"{r['name']:<15} {r['operands']:>3} {r['size']:>8} {r['direction']:<5} {fmt(r['tx_bytes/S'], 7, 4)}"
+                 f" {fmt(r['gloo_bytes/S'], 7, 4)} {fmt(r['payload_66/S'], 8, 4)}"
+                 f" {fmt(r['payload_measured/S'], 9, 4)} {r['tx_packets']:8.1f}"
+                 f" {r['bytes_per_packet']:7.0f} {r['out_segs']:8.1f} {r['retrans']:5d}"
+                 f" {r['coordination_bytes']:8.0f} {ok:>3}")
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
+                      help="bytes each process all-reduces")
+  parser.add_argument("--repeats", type=int, default=REPEATS)
+  parser.add_argument("--rate", default="unshaped", help="the link's rate, e.g. 100mbit")
+  parser.add_argument("--out", default=os.path.join(HERE, "probe_link_bytes.json"),
+                      help="a JSON file for the results")
+  parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
+  parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+  parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+  parser.add_argument("--device", help=argparse.SUPPRESS)
+  parser.add_argument("--result", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+
+  if args.worker is not None:
+    result = worker(args.worker, args.coordinator, args.device, args)
+    with open(args.result, "w") as f:
+      json.dump(result, f)
+    return 0
+
+  reason = netns.unavailable()
+  if reason is not None:
+    print(f"skipped: {reason}")
+    return 0
+  if subprocess.run(["which", "ss"], capture_output=True).returncode != 0:
+    print("skipped: ss not found; install iproute2 (apt-get install -y iproute2)")
+    return 0
+  with netns.Link(rate=args.rate) as link, tempfile.TemporaryDirectory() as tmp:
+    load = [os.getloadavg()[0]]
+    tcp = plain_tcp(link, args.repeats * max(args.sizes))
+    results = measure(link, args, tmp)
+    load.append(os.getloadavg()[0])
+  table = rows(results, args.repeats, tcp["header_per_packet"])
+  print(report(tcp, table, load))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"rate": args.rate, "repeats": args.repeats, "load_average": load, "tcp": tcp,
+                 "rows": table, "raw": results}, f, indent=1)
+    print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
