@@ -60,7 +60,7 @@ def _hand_built(s: Settings, params) -> optax.GradientTransformation:
     return optax_dist.streaming_diloco(
       inner, outer, sync_period=s.sync_period, num_fragments=s.num_fragments,
       fragments="balanced", mixing=s.mixing, overlap=s.overlap, eager=s.eager, axis_name=AXIS,
-      **comm)
+      error_feedback=s.error_feedback, **comm)
   if s.algorithm == "local_sgd":
     return optax_dist.local_sgd(inner, sync_period=s.sync_period, axis_name=AXIS, **comm)
   if s.algorithm == "elastic_average":
@@ -78,6 +78,9 @@ CASES = {
   "streaming_diloco e3m0, overlap 1, eager, mixing": dict(
     algorithm="streaming_diloco", comm_dtype="e3m0", comm_block_size=8, num_fragments=2,
     overlap=1, eager=True, mixing=0.25),
+  "streaming_diloco int8, error feedback": dict(
+    algorithm="streaming_diloco", comm_dtype="int8", comm_block_size=8, num_fragments=2,
+    error_feedback=True),
   "local_sgd float4_e2m1fn": dict(algorithm="local_sgd", comm_dtype="float4_e2m1fn",
                                   comm_block_size=8),
   "elastic_average int8": dict(algorithm="elastic_average", comm_dtype="int8",
@@ -172,8 +175,8 @@ REFUSED = {
   "compare with e3m0": (["--comm-dtype", "e3m0"], "argument --comm-dtype: sync takes"),
   "error feedback on elastic_average": (
     ["--algorithm", "elastic_average", "--comm-dtype", "int8", "--error-feedback"],
-    "argument --error-feedback: elastic_average does not take it (only diloco), got"
-    " --error-feedback"),
+    "argument --error-feedback: elastic_average does not take it (only diloco,"
+    " streaming_diloco), got --error-feedback"),
   "error feedback in float32": (["--algorithm", "diloco", "--error-feedback"],
                                 "argument --error-feedback: needs a block-quantized --comm-dtype"),
   "overlap on diloco": (["--algorithm", "diloco", "--overlap", "1"],

@@ -108,3 +108,5 @@ def test_sync_over_replicas_sends_each_slice_across_once():
   assert step["conditional"] == []
   assert step["unconditional"]["replica"] == sum(4 * -(-n // 4) for n in sizes)
   assert step["unconditional"]["replica,data"] == 4
+  # One operand per param leaf across replicas (XLA may combine them into fewer collectives).
+  assert step["operands"]["unconditional"]["replica"] == len(sizes)

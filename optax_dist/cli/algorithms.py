@@ -18,8 +18,8 @@ do for it. The rest of the command reads the table and never tests an algorithm'
 * ``diloco``: ``diloco(inner, outer, sync_period=H, error_feedback=...)`` with the outer Nesterov
   SGD ``sgd(outer_learning_rate, momentum=outer_momentum, nesterov=True)``;
 * ``streaming_diloco``: ``streaming_diloco(inner, outer, sync_period=H, num_fragments=F,
-  fragments="balanced", mixing=α, overlap=τ, eager=...)``, the params' leaves assigned to the
-  fragments by size.
+  fragments="balanced", mixing=α, overlap=τ, eager=..., error_feedback=...)``, the params'
+  leaves assigned to the fragments by size.
 
 With ``replicas`` R > 1 the workers form R replicas on a 2-D mesh (:data:`REPLICA`,
 :data:`DATA`): the inner optimizer is ``tower(inner, DATA)``, a synchronous reduction within each
@@ -237,7 +237,8 @@ def _streaming_diloco(s: Settings, inner: Any, axis: Any, params: Any, slice_axi
   return optax_dist.streaming_diloco(
     inner, _outer(s), sync_period=s.sync_period, num_fragments=s.num_fragments,
     fragments="balanced", mixing=s.mixing, overlap=s.overlap, eager=s.eager, axis_name=axis,
-    anchor_dtype=_global_dtype(s), slice_axis=slice_axis, **_exchange(s))
+    error_feedback=s.error_feedback, anchor_dtype=_global_dtype(s), slice_axis=slice_axis,
+    **_exchange(s))
 
 
 _DILOCO = ("sync_period", "outer_learning_rate", "outer_momentum")
@@ -305,7 +306,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     schedule=lambda s: lambda step: optax_dist.streaming_diloco_syncs(
       step, sync_period=s.sync_period, num_fragments=s.num_fragments),
     period_name="sync_period",
-    settings=(*_DILOCO, "num_fragments", *_QUANTIZED, "overlap", "eager", "mixing"),
+    settings=(*_DILOCO, "num_fragments", *_QUANTIZED, "error_feedback", "overlap", "eager",
+              "mixing"),
     comm_dtypes=COMM_DTYPES, across_replicas=True,
     evaluated="the anchor"),
 )}

@@ -362,14 +362,22 @@ def fsdp_spec(shape: tuple[int, ...], k: int) -> P:
 def _collective_bytes(compiled: Any, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   """The bytes a device sends into the collectives of ``compiled``, by the mesh axes they span
   (``{"data": ..., "replica": ...}``): ``unconditional`` (every execution) and, for each
-  ``conditional`` holding collectives, its costliest branch (``conditional``, a list)."""
+  ``conditional`` holding collectives, its costliest branch (``conditional``, a list); and
+  ``operands``, the same for the number of arrays they carry (XLA combines a tree's leaves into
+  one collective of many operands; gloo sends each operand apart, with its own headers)."""
   report = optax_dist.CommunicationReport.from_hlo_text(compiled.as_text())
 
   def by_axes(collectives):
     return {",".join(a): b for a, (_, b) in collectives.by_axes(mesh).items()}
 
+  def operands(collectives):
+    return {",".join(a): sum(len(c.shapes) for c in collectives.over(mesh, a).items)
+            for a in collectives.by_axes(mesh)}
+
   return {"unconditional": by_axes(report.unconditional),
-          "conditional": [by_axes(c) for c in report.per_conditional.values()]}
+          "conditional": [by_axes(c) for c in report.per_conditional.values()],
+          "operands": {"unconditional": operands(report.unconditional),
+                       "conditional": [operands(c) for c in report.per_conditional.values()]}}
 
 
 _STEP_KINDS = {None: "every_step", True: "communication_step", False: "non_communication_step"}
@@ -497,7 +505,8 @@ def train(
     they span, e.g. ``{"data": ..., "replica": ...}``, within a replica and across replicas
     apart; ``unconditional``, on every execution, and ``conditional``, a list with each
     conditional exchange's, e.g. one per fragment of ``streaming_diloco``, of which one runs on
-    a sync step; read from the compiled program, see :func:`optax_dist.communication_report`),
+    a sync step; ``operands``, the same structure counting the arrays they carry; read from
+    the compiled program, see :func:`optax_dist.communication_report`),
     ``step_times`` (the seconds of each step this call ran, from the step's start until its
     loss is ready on this process: evaluations and checkpoints excluded; after ``resume``, the
     steps after the checkpoint's) and ``bytes_per_device`` (``params``, ``opt_state``: one
