@@ -489,6 +489,25 @@ def test_streaming_diloco_error_feedback_is_diloco_with_one_fragment():
     np.testing.assert_array_equal(states[0].error_feedback[k], states[1].error_feedback[k])
 
 
+def test_streaming_diloco_error_feedback_residual_is_mean_on_resize():
+  n, rng = 4, np.random.RandomState(6)
+  params = _stack({k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}, n)
+  tx = optax_dist.streaming_diloco(
+    optax.sgd(1.0), optax.sgd(1.0), sync_period=2, num_fragments=2, fragments={"b": 1, "w": 0},
+    overlap=1, axis_name=AXIS, comm_dtype="e3m0", comm_block_size=BLOCK, error_feedback=True)
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  for _ in range(4):
+    _, state = jax.vmap(tx.update, axis_name=AXIS)(_gradients(rng, n), state, params)
+  residual = {k: np.asarray(v) for k, v in state.error_feedback.items()}
+  assert not np.array_equal(residual["w"][0], residual["w"][1])  # each worker's own
+  new_state, _ = optax_dist.resize_state(tx, state, params, 2)
+  for k, r in residual.items():
+    np.testing.assert_allclose(
+      np.asarray(new_state.error_feedback[k]), np.broadcast_to(r.mean(0), (2, *r.shape[1:])),
+      rtol=1e-6, atol=1e-9,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad inputs.
 
