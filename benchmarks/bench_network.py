@@ -52,8 +52,13 @@ METHODS = {
   "streaming_diloco": ("streaming_diloco", OUTER),
   "local_sgd": ("local_sgd", ()),
   "elastic_average": ("elastic_average", ()),
+  "diloco_int8": ("diloco", (*OUTER, "--comm-dtype", "int8")),
+  "diloco_e3m0_feedback": ("diloco", (*OUTER, "--comm-dtype", "e3m0", "--error-feedback")),
+  "streaming_diloco_overlap": ("streaming_diloco", (*OUTER, "--overlap", "1")),
 }
-"""The methods compared: a label, and its ``--algorithm`` and command-line flags."""
+"""The methods: a label, and its ``--algorithm`` and command-line flags."""
+DEFAULT_METHODS = ("sync", "diloco", "streaming_diloco", "local_sgd", "elastic_average")
+"""The methods compared by default; the others (exchange formats, overlap) by ``--methods``."""
 SWEEP = ((0.7, 0.9), (0.85, 0.7), (0.7, 0.5), (1.0, 0.0))
 """The (outer learning rate, outer momentum) pairs of :func:`outer_sweep`: the papers' 0.7 and
 0.9 first, plain averaging (local SGD's rule) last."""
@@ -465,6 +470,18 @@ def targets(result: dict[str, Any]) -> list[str]:
             f" (the operands of the compiled collectives; the veth payload over the whole run,"
             f" gloo's framing, start-up and evaluations included, {measured:.3f}×; target ≤"
             f" {bound}×)")
+  for method, (_, flags) in result["methods"].items():
+    if "--comm-dtype" not in flags or not _runs(result, slow, "diloco"):
+      continue
+    fmt = flags[list(flags).index("--comm-dtype") + 1]
+    base, runs = _runs(result, slow, "diloco"), _runs(result, slow, method)
+    wire = _median_of(runs, payload) / _median_of(base, payload)
+    operands = _median_of(runs, lambda r: r["operand_bytes"]) / _median_of(
+      base, lambda r: r["operand_bytes"])
+    bound = {"int8": 0.26, "e3m0": 0.135, "float4_e2m1fn": 0.135}.get(fmt)
+    check(None if bound is None else wire <= bound,
+          f"{method}: the veth payload at 10 Mbit/s is {wire:.3f}× float32 diloco's (the"
+          f" compiled exchanges' operands {operands:.3f}×; codes and scales: target ≤ {bound}×)")
   ratios = [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]
   if ratios:
     worst = max(ratios, key=lambda x: abs(x - 1))
@@ -562,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--rates", default=None,
                       help=f"comma-separated tc rates or 'unshaped' (default {','.join(RATES)})")
   parser.add_argument("--methods", default=None,
-                      help=f"comma-separated (default {','.join(METHODS)})")
+                      help=f"comma-separated, of {', '.join(METHODS)} (default"
+                           f" {','.join(DEFAULT_METHODS)})")
   parser.add_argument("--steps", type=int, default=None, help=f"default {STEPS}")
   parser.add_argument("--period", type=int, default=None,
                       help=f"H, steps between the periodic exchanges (default {PERIOD})")
@@ -587,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   quick = QUICK if args.quick else {}
   rates = args.rates.split(",") if args.rates else list(quick.get("rates", RATES))
-  methods = args.methods.split(",") if args.methods else list(quick.get("methods", METHODS))
+  methods = (args.methods.split(",") if args.methods
+             else list(quick.get("methods", DEFAULT_METHODS)))
   steps = args.steps or quick.get("steps", STEPS)
   period = args.period or quick.get("period", PERIOD)
   output = args.output or (os.path.join(tempfile.mkdtemp(), "network") if args.quick
