@@ -37,7 +37,6 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import netns  # noqa: E402
@@ -91,14 +90,6 @@ def command(algorithm: str, process_id: int, coordinator: str, out: str, *, step
           "--batch-size", str(BATCH), "--sync-period", str(period), "--communication-period",
           str(period), "--eval-every", str(min(EVAL_EVERY, steps)), "--out", out,
           "--no-progress", *extra]
-
-
-def environment() -> dict[str, str]:
-  """This process's environment with this checkout first on ``PYTHONPATH``, no ``XLA_FLAGS``."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-  return env
 
 
 def param_bytes(task_name: str = "lm") -> int:
@@ -184,40 +175,13 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
   """One run over ``link``; its wall-clock, bytes, step times and curve (raises RuntimeError)."""
   os.makedirs(out, exist_ok=True)
   coordinator = f"{link.addresses['a']}:{port}"
-  env, logs = environment(), []
   load_before = os.getloadavg()
   before = link.counters()
   start = time.perf_counter()
-  procs = []
-  for i, side in enumerate("ab"):
-    log = open(os.path.join(out, f"process{i}.log"), "w")  # noqa: SIM115
-    logs.append(log)
-    procs.append(link.popen(side, command(algorithm, i, coordinator, out, steps=steps,
-                                          period=period, extra=extra),
-                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
-  try:
-    deadline = start + timeout
-    for p in procs:
-      p.wait(timeout=max(deadline - time.perf_counter(), 1))
-  except subprocess.TimeoutExpired:
-    pass
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    for log in logs:
-      log.close()
+  link.run_pair([command(algorithm, i, coordinator, out, steps=steps, period=period, extra=extra)
+                 for i in range(PROCESSES)], out, timeout, what=algorithm)
   wall = time.perf_counter() - start
   after = link.counters()
-  codes = [p.returncode for p in procs]
-  if codes != [0, 0]:
-    tails = []
-    for i in range(PROCESSES):
-      with open(os.path.join(out, f"process{i}.log")) as f:
-        last = " / ".join(f.read().strip().splitlines()[-3:])
-      tails.append(f"process {i} (exit {codes[i]}): {last}")
-    raise RuntimeError(f"{algorithm} at {link.rate}: " + "; ".join(tails))
   with open(os.path.join(out, f"results_{algorithm}.json")) as f:
     result = json.load(f)["algorithms"][algorithm]
   return summarize(result, wall, before, after, load_before, os.getloadavg())
@@ -271,7 +235,8 @@ def outer_sweep(*, steps: int, period: int, extra: list[str]) -> list[dict[str, 
              "--batch-size", str(BATCH), "--sync-period", str(period), "--eval-every",
              str(min(EVAL_EVERY, steps)), "--outer-learning-rate", str(lr), "--outer-momentum",
              str(momentum), "--out", tmp, "--no-progress", *extra]
-      subprocess.run(cmd, env=environment(), cwd=ROOT, check=True, capture_output=True)
+      subprocess.run(cmd, env=netns.environment(), cwd=netns.ROOT, check=True,
+                     capture_output=True)
       with open(os.path.join(tmp, "results_diloco.json")) as f:
         result = json.load(f)["algorithms"]["diloco"]
       runs.append({"outer_learning_rate": lr, "outer_momentum": momentum,

@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 PREFIX = "odist"
@@ -42,6 +43,9 @@ MIN_BURST = 32 * 1024
 
 PORT = 5201
 """The TCP port of :meth:`Link.measure_rate`'s receiver."""
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The checkout, first on the ``PYTHONPATH`` of :meth:`Link.run_pair`'s processes."""
 
 _RECEIVER = """
 import socket, sys, time
@@ -154,6 +158,14 @@ def _remove_namespace(name: str) -> None:
   shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
 
 
+def environment() -> dict[str, str]:
+  """This process's environment with :data:`ROOT` first on ``PYTHONPATH``, no ``XLA_FLAGS``."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+  return env
+
+
 class Link:
   """Namespaces ``a`` and ``b`` and a veth pair between them shaped at ``rate`` each way.
 
@@ -259,6 +271,39 @@ class Link:
   def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:
     """Starts ``argv`` in namespace ``side`` (``subprocess.Popen``'s ``kwargs``)."""
     return subprocess.Popen(self.command(side, argv), **kwargs)
+
+  def run_pair(self, argvs: list[list[str]], logs: str, timeout: float, what: str = "") -> None:
+    """Runs ``argvs[0]`` in namespace a and ``argvs[1]`` in b at once, from :data:`ROOT` in
+    :func:`environment`, each writing ``LOGS/process{i}.log``; kills both after ``timeout``
+    seconds.
+
+    Raises:
+      RuntimeError: a process failed or timed out, with the last lines of each log.
+    """
+    env = environment()
+    paths = [os.path.join(logs, f"process{i}.log") for i in range(len(argvs))]
+    procs, deadline = [], time.perf_counter() + timeout
+    try:
+      for side, argv, path in zip("ab", argvs, paths, strict=True):
+        with open(path, "w") as log:  # the child keeps its own descriptor
+          procs.append(self.popen(side, argv, env=env, cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT))
+      for p in procs:
+        p.wait(timeout=max(deadline - time.perf_counter(), 1))
+    except subprocess.TimeoutExpired:
+      pass
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+    if [p.returncode for p in procs] != [0] * len(argvs):
+      tails = []
+      for i, (p, path) in enumerate(zip(procs, paths)):
+        with open(path) as f:
+          tails.append(f"process {i} (exit {p.returncode}): "
+                       + " / ".join(f.read().strip().splitlines()[-3:]))
+      raise RuntimeError(f"{what} at {self.rate}: " + "; ".join(tails))
 
   def counters(self) -> dict[str, dict[str, int]]:
     """``{side: {"tx_bytes", "rx_bytes", "tx_packets"}}`` of each veth

@@ -55,7 +55,6 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import netns  # noqa: E402
@@ -230,47 +229,14 @@ def worker(process_id: int, coordinator: str, device: str, args: argparse.Namesp
 # --- The driver ---------------------------------------------------------------------------------
 
 
-def environment() -> dict[str, str]:
-  """This process's environment with this checkout first on ``PYTHONPATH``, no ``XLA_FLAGS``."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-  return env
-
-
 def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
   """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
   coordinator = f"{link.addresses['a']}:{args.port}"
-  procs, logs = [], []
-  for i, side in enumerate("ab"):
-    log = open(os.path.join(tmp, f"process{i}.log"), "w")  # noqa: SIM115
-    logs.append(log)
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--coordinator",
-            coordinator, "--device", link.devices[side], "--result",
-            os.path.join(tmp, f"process{i}.json"), "--repeats", str(args.repeats), "--sizes",
-            *map(str, args.sizes)]
-    procs.append(link.popen(side, argv, env=environment(), cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT))
-  deadline = time.perf_counter() + TIMEOUT
-  try:
-    for p in procs:
-      p.wait(timeout=max(deadline - time.perf_counter(), 1))
-  except subprocess.TimeoutExpired:
-    pass
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    for log in logs:
-      log.close()
-  if [p.returncode for p in procs] != [0, 0]:
-    tails = []
-    for i, p in enumerate(procs):
-      with open(os.path.join(tmp, f"process{i}.log")) as f:
-        tails.append(f"process {i} (exit {p.returncode}): "
-                     + " / ".join(f.read().strip().splitlines()[-3:]))
-    raise RuntimeError("; ".join(tails))
+  link.run_pair([[sys.executable, os.path.abspath(__file__), "--worker", str(i), "--coordinator",
+                  coordinator, "--device", link.devices[side], "--result",
+                  os.path.join(tmp, f"process{i}.json"), "--repeats", str(args.repeats),
+                  "--sizes", *map(str, args.sizes)]
+                 for i, side in enumerate("ab")], tmp, TIMEOUT, what="the probe")
   results = []
   for i in range(2):
     with open(os.path.join(tmp, f"process{i}.json")) as f:

@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,7 +53,6 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import netns  # noqa: E402
@@ -217,47 +215,14 @@ def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[
 # --- The driver ---------------------------------------------------------------------------------
 
 
-def environment() -> dict[str, str]:
-  """This process's environment with this checkout first on ``PYTHONPATH``, no ``XLA_FLAGS``."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-  return env
-
-
 def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
   """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
   coordinator = f"{link.addresses['a']}:{args.port}"
   options = [f"--{k}={getattr(args, k)}" for k in ("size", "steps", "repeats", "width", "layers",
                                                    "rows")]
-  procs, logs = [], []
-  for i, side in enumerate("ab"):
-    log = open(os.path.join(tmp, f"process{i}.log"), "w")  # noqa: SIM115
-    logs.append(log)
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--coordinator",
-            coordinator, "--result", os.path.join(tmp, f"process{i}.json"), *options]
-    procs.append(link.popen(side, argv, env=environment(), cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT))
-  deadline = time.perf_counter() + TIMEOUT
-  try:
-    for p in procs:
-      p.wait(timeout=max(deadline - time.perf_counter(), 1))
-  except subprocess.TimeoutExpired:
-    pass
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    for log in logs:
-      log.close()
-  if [p.returncode for p in procs] != [0, 0]:
-    tails = []
-    for i, p in enumerate(procs):
-      with open(os.path.join(tmp, f"process{i}.log")) as f:
-        tails.append(f"process {i} (exit {p.returncode}): "
-                     + " / ".join(f.read().strip().splitlines()[-3:]))
-    raise RuntimeError(f"at {link.rate}: " + "; ".join(tails))
+  link.run_pair([[sys.executable, os.path.abspath(__file__), "--worker", str(i), "--coordinator",
+                  coordinator, "--result", os.path.join(tmp, f"process{i}.json"), *options]
+                 for i in range(2)], tmp, TIMEOUT, what="the probe")
   results = []
   for i in range(2):
     with open(os.path.join(tmp, f"process{i}.json")) as f:
