@@ -146,10 +146,9 @@ def worker(process_id: int, coordinator: str, device: str, args: argparse.Namesp
   """Process ``process_id``'s counter differences per measurement."""
   import jax
 
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", DEVICES)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
+  from optax_dist.cli.launcher import init_jax
+
+  init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
 
   import numpy as np
   from jax.experimental.multihost_utils import sync_global_devices

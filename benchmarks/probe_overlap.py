@@ -83,10 +83,9 @@ def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[
   """Process ``process_id``'s measurements (it joins the other at ``coordinator``)."""
   import jax
 
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", DEVICES)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
+  from optax_dist.cli.launcher import init_jax
+
+  init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
 
   import jax.numpy as jnp
   import numpy as np
