@@ -23,7 +23,9 @@ The grid, trimmed to fit about 90 minutes on 2 cores: the outer learning rate
 from {0.4, 0.6, 0.8, 1.0} swept at M = 2 and M = 8 on seed 0; M = 1 at 0.6 and M = 4 at 0.8
 (the values Scaling Laws for DiLoCo finds best for few replicas, 0.6 to 0.8, the larger with
 more replicas); every M, and data parallel, on 3 seeds at its best (the swept M at the outer
-learning rate with the lowest seed-0 loss); and H from {1, 5, 10, 30, 100} at M = 2 (seed 0).
+learning rate with the lowest seed-0 loss); H from {1, 5, 10, 30, 100} at M = 2 (seed 0); and
+M = 1, 2 and 8 with outer learning rate 0.7 and momentum 0.5 (seed 0), where the rest has the
+papers' momentum 0.9.
 Steps: the fewest multiple of H = 30 with at least 20 tokens per parameter
 (the anchor then holds every inner step; at H = 100 the last sync is up to 99 steps before the
 end, and the workers' own params, which hold them, are reported beside the anchor).
@@ -88,6 +90,8 @@ class Grid:
     fixed_lr: the outer learning rate of each M not swept.
     period: H of the comparison.
     periods: the H swept at M = ``period_replicas`` (one of ``swept``).
+    momentum_runs: ``(M, outer lr, outer momentum)`` of the runs (seed :data:`SWEEP_SEED`, H =
+      ``period``) with another outer momentum than :data:`OUTER_MOMENTUM`; trained first.
   """
 
   replicas: tuple[int, ...]
@@ -97,10 +101,14 @@ class Grid:
   period: int
   periods: tuple[int, ...]
   period_replicas: int = 2
+  momentum_runs: tuple[tuple[int, float, float], ...] = ()
 
 
 FULL = Grid(replicas=(1, 2, 4, 8), swept=(2, 8), outer_lrs=(0.4, 0.6, 0.8, 1.0),
-            fixed_lr={1: 0.6, 4: 0.8}, period=30, periods=(1, 5, 10, 30, 100))
+            fixed_lr={1: 0.6, 4: 0.8}, period=30, periods=(1, 5, 10, 30, 100),
+            momentum_runs=((1, 0.7, 0.5), (2, 0.7, 0.5), (8, 0.7, 0.5)))
+"""The study; its momentum runs take the slow-link study's outer optimizer (``bench_network``'s
+``OUTER``), the best with momentum there at 20 outer steps."""
 QUICK = Grid(replicas=(1, 2), swept=(2,), outer_lrs=(0.6, 1.0), fixed_lr={1: 0.6}, period=10,
              periods=(5, 10))
 """``--quick``: 5 runs of :data:`QUICK_STEPS` steps on one seed, to check the program only."""
@@ -114,19 +122,25 @@ class Spec:
   seed: int
   sync_period: int | None = None
   outer_lr: float | None = None
+  outer_momentum: float = OUTER_MOMENTUM
 
   @property
   def label(self) -> str:
     if self.replicas is None:
       return "data parallel"
-    return f"diloco M={self.replicas} H={self.sync_period} lr={self.outer_lr:g}"
+    return (f"diloco M={self.replicas} H={self.sync_period} lr={self.outer_lr:g}"
+            + self._momentum(" momentum="))
+
+  def _momentum(self, prefix: str) -> str:
+    """The outer momentum after ``prefix``, or nothing for :data:`OUTER_MOMENTUM`."""
+    return "" if self.outer_momentum == OUTER_MOMENTUM else f"{prefix}{self.outer_momentum:g}"
 
   def key(self, steps: int) -> str:
     """The name of the run's cached result."""
     if self.replicas is None:
       return f"dp_s{self.seed}_t{steps}"
-    return (f"diloco_m{self.replicas}_h{self.sync_period}_lr{self.outer_lr:g}_s{self.seed}"
-            f"_t{steps}")
+    return (f"diloco_m{self.replicas}_h{self.sync_period}_lr{self.outer_lr:g}"
+            f"{self._momentum('_mom')}_s{self.seed}_t{steps}")
 
   def settings(self, steps: int) -> Any:
     """The trainer's :class:`~optax_dist.cli.config.Settings` of this run."""
@@ -142,12 +156,15 @@ class Spec:
     return Settings(**fields | {
       "algorithm": "diloco", "devices": self.replicas, "batch_size": GLOBAL_BATCH // self.replicas,
       "sync_period": self.sync_period, "outer_learning_rate": self.outer_lr,
-      "outer_momentum": OUTER_MOMENTUM})
+      "outer_momentum": self.outer_momentum})
 
 
 def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
-  """The runs that depend on no other: data parallel, the sweeps, the M not swept."""
-  runs = [Spec(None, s) for s in seeds]
+  """The runs that depend on no other: the momentum runs, data parallel, the sweeps, the M not
+  swept."""
+  runs = [Spec(m, SWEEP_SEED, grid.period, lr, momentum) for m, lr, momentum in
+          grid.momentum_runs]
+  runs += [Spec(None, s) for s in seeds]
   for m in grid.replicas:
     if m in grid.swept:
       runs += [Spec(m, SWEEP_SEED, grid.period, lr) for lr in grid.outer_lrs]
@@ -271,9 +288,9 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
   dp = [r for r in records if r["replicas"] is None]
   best = best_lrs(grid, records)
 
-  def runs(m: int, lr: float, h: int) -> list[dict[str, Any]]:
+  def runs(m: int, lr: float, h: int, momentum: float = OUTER_MOMENTUM) -> list[dict[str, Any]]:
     return [r for r in records if r["replicas"] == m and r["outer_lr"] == lr
-            and r["sync_period"] == h]
+            and r["sync_period"] == h and _momentum(r) == momentum]
 
   rows = []
   for m in grid.replicas:
@@ -286,9 +303,19 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
            for m in grid.swept}
   m = grid.period_replicas
   periods = {h: _one(runs(m, best[m], h), dp) for h in grid.periods}
+  momenta = [{"replicas": m, "outer_lr": lr, "outer_momentum": momentum,
+              "run": _one(runs(m, lr, grid.period, momentum), dp),
+              "default": _one(runs(m, best[m], grid.period), dp), "default_lr": best[m]}
+             for m, lr, momentum in grid.momentum_runs]
   return {"dp": {"seeds": sorted(r["seed"] for r in dp),
                  "loss": _stats([r["final"] for r in dp])},
-          "rows": rows, "sweep": sweep, "periods": periods, "targets": targets(rows)}
+          "rows": rows, "sweep": sweep, "periods": periods, "momenta": momenta,
+          "targets": targets(rows)}
+
+
+def _momentum(record: dict[str, Any]) -> float:
+  """A cached run's outer momentum (runs cached before it was recorded had the default)."""
+  return record.get("outer_momentum", OUTER_MOMENTUM)
 
 
 def _one(runs: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -370,6 +397,18 @@ def sweep_table(s: dict[str, Any]) -> str:
   return _util.table(["outer lr"] + [f"M = {m}" for m in sweep], rows)
 
 
+def momentum_table(s: dict[str, Any]) -> str:
+  """The momentum runs beside each M's best run at :data:`OUTER_MOMENTUM` (seed 0)."""
+  def cell(p: dict[str, Any] | None) -> str:
+    return "not run" if p is None else f"{p['loss']:.4f} ({_pct(p['gap'])})"
+
+  rows = [[f"M = {r['replicas']}", f"{r['outer_lr']:g}, {r['outer_momentum']:g}", cell(r["run"]),
+           f"{_lr(r['default_lr'])}, {OUTER_MOMENTUM:g}", cell(r["default"])]
+          for r in s["momenta"]]
+  return _util.table(["", "outer lr, momentum", "val bits/byte (vs data parallel)",
+                      "best lr, momentum", "val bits/byte (vs data parallel)"], rows, "llrlr")
+
+
 def periods_table(s: dict[str, Any]) -> str:
   """The H sweep: outer steps, the anchor's final loss and gap, the workers' final loss."""
   rows = [[str(h), "not run", "", "", ""] if p is None else
@@ -395,6 +434,12 @@ def markdown(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
     sweep_table(s), "",
     f"## Sync period H at M = {m} (outer lr {_lr(best[m])}, seed {SWEEP_SEED})", "",
     periods_table(s), "",
+    *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})", "",
+       (f"The papers' outer Nesterov momentum {OUTER_MOMENTUM:g} averages over about"
+        f" {1 / (1 - OUTER_MOMENTUM):.0f} outer steps; these runs have"
+        f" {meta['steps'] // grid.period}. Beside each M's best run above, the same M with"
+        " another outer learning rate and momentum:"), "",
+       momentum_table(s), ""] if grid.momentum_runs else []),
     "## Runs", "",
     runs_table(records), "",
     f"![final validation loss against M and against H]({plot_name})", ""])
@@ -434,7 +479,8 @@ def runs_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def _order(r: dict[str, Any]) -> tuple:
-  return (r["replicas"] or 0, r["sync_period"] or 0, r["outer_lr"] or 0, r["seed"])
+  return (r["replicas"] or 0, r["sync_period"] or 0, r["outer_lr"] or 0, -_momentum(r),
+          r["seed"])
 
 
 def plot(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],

@@ -21,11 +21,12 @@ META = {"num_params": 279_424, "train_tokens": 4_218_880, "context": 64, "steps"
            "runs_trained": 25, "wall_s": 5000.0}]}
 
 
-def run(replicas, seed, final, sync_period=30, outer_lr=None):
+def run(replicas, seed, final, sync_period=30, outer_lr=None, outer_momentum=0.9):
   """A cached record as :func:`bench_equal_tokens.record` writes it (the fields read)."""
-  spec = b.Spec(replicas, seed, None if replicas is None else sync_period, outer_lr)
+  spec = b.Spec(replicas, seed, None if replicas is None else sync_period, outer_lr,
+                outer_momentum)
   return {"label": spec.label, "replicas": replicas, "seed": seed, "sync_period": spec.sync_period,
-          "outer_lr": outer_lr, "steps": 1380, "devices": replicas or 8,
+          "outer_lr": outer_lr, "outer_momentum": outer_momentum, "steps": 1380, "devices": replicas or 8,
           "batch_size": 64 // (replicas or 8), "final": final, "final_workers": final,
           "communication_rounds": 1380 // sync_period, "wall_s": 200.0, "train_s": 180.0,
           "step_s": 0.13, "load_before": "1.00, 1.00, 1.00", "load_after": "2.00, 1.50, 1.00"}
@@ -45,6 +46,8 @@ def records(gap4=0.03, gaps1=(-0.01, 0, 0)):
   out += [run(8, s, DP[s] * (1 + g), outer_lr=1.0) for s, g in ((1, 0.05), (2, 0.07))]
   out += [run(2, 0, 2.0 * (1 + g), sync_period=h, outer_lr=0.8)
           for h, g in ((1, 0.0), (5, 0.005), (10, 0.008), (100, 0.03))]
+  # Another momentum at M = 2, at the best rate of the sweep (and better): kept apart.
+  out += [run(2, 0, 2.0 * (1 - 0.02), outer_lr=0.8, outer_momentum=0.5)]
   return out
 
 
@@ -53,7 +56,7 @@ def verdicts(summary):
 
 
 def test_plan_and_best_learning_rates():
-  assert b.run_count(b.FULL, [0, 1, 2]) == 25
+  assert b.run_count(b.FULL, [0, 1, 2]) == 25 + len(b.FULL.momentum_runs)
   best = b.best_lrs(b.FULL, records())
   assert best == {1: 0.6, 2: 0.8, 4: 0.8, 8: 1.0}
   second = b.second_runs(b.FULL, [0, 1, 2], best)
@@ -71,6 +74,13 @@ def test_gaps_and_targets():
                          "M = 2 within 2% of data parallel": True,
                          "M = 8 within 5% of data parallel": False}
   assert s["periods"][100]["gap"] == pytest.approx(0.03)
+  grid = b.dataclasses.replace(b.FULL, momentum_runs=((2, 0.8, 0.5), (8, 0.7, 0.5)))
+  momenta = b.summary(grid, records())["momenta"]
+  assert momenta[0]["run"]["gap"] == pytest.approx(-0.02)
+  assert momenta[0]["default"]["gap"] == pytest.approx(0.01)  # seed 0 at 0.8, momentum 0.9
+  assert momenta[1]["run"] is None and momenta[1]["default_lr"] == 1.0
+  assert "| M = 2 | 0.8, 0.5 | 1.9600 (-2.0%) | 0.8, 0.9 | 2.0200 (+1.0%) |" in b.markdown(
+    grid, records(), META, "p.png")
 
 
 def test_targets_missed_and_not_measured(tmp_path):
