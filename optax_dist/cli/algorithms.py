@@ -81,7 +81,8 @@ QUANTIZED_COMM_DTYPES = ("int8", "float4_e2m1fn", "e3m0")
 COMM_DTYPES = FLOAT_COMM_DTYPES + QUANTIZED_COMM_DTYPES
 """Every ``comm_dtype`` of the command (``--comm-dtype``)."""
 
-EXCHANGE_OPTIONS = ("comm_block_size", "error_feedback", "overlap", "eager", "mixing")
+EXCHANGE_OPTIONS = ("comm_block_size", "error_feedback", "overlap", "eager", "mixing",
+                    "exchange_device")
 """The settings of the exchange that only the algorithms listing them in
 :attr:`Algorithm.settings` take; away from their defaults, the others refuse them."""
 
@@ -307,7 +308,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
       step, sync_period=s.sync_period, num_fragments=s.num_fragments),
     period_name="sync_period",
     settings=(*_DILOCO, "num_fragments", *_QUANTIZED, "error_feedback", "overlap", "eager",
-              "mixing"),
+              "mixing", "exchange_device"),
     comm_dtypes=COMM_DTYPES, across_replicas=True,
     evaluated="the anchor"),
 )}
@@ -329,7 +330,11 @@ def make_optimizer(settings: Settings, params: Any = None) -> Any:
   ``jax.vmap`` over :data:`REPLICA`).
 
   ``settings`` must be resolved (:meth:`Settings.resolved`); ``params`` (one worker's or
-  replica's, arrays or shapes) is needed by ``streaming_diloco`` only.
+  replica's, arrays or shapes) is needed by ``streaming_diloco`` only. With
+  ``settings.exchange_device``, ``streaming_diloco`` is built with no axis across the replicas
+  (``axis_name=None``, the ``tower`` within each replica kept): its send step puts the replica's
+  own pseudo-gradient in flight and the trainer exchanges it
+  (:class:`optax_dist.cli.trainer.ExchangeDeviceRun`).
 
   Raises:
     ValueError: an unknown algorithm; with ``fsdp``, one fed stale gradients; an exchange of
@@ -351,6 +356,10 @@ def make_optimizer(settings: Settings, params: Any = None) -> Any:
     return algorithm.build(settings, inner, REPLICA, params)
   if settings.replicas == 1:
     return algorithm.build(settings, inner, AXIS, params)
+  if settings.exchange_device:
+    # Each replica's own pseudo-gradient goes in flight: the trainer exchanges it across the
+    # replicas on its exchange device and puts the mean back before the landing step.
+    return algorithm.build(settings, _tower(settings, inner, DATA), None, params)
   if not algorithm.across_replicas:
     return algorithm.build(settings, inner, (REPLICA, DATA), params)
   tower = _tower(settings, inner, DATA)
@@ -419,3 +428,32 @@ def _check_options(s: Settings, comm: str) -> None:
     raise ValueError(
       f"argument --overlap: must be less than --sync-period ({s.sync_period}): a fragment's"
       f" exchange lands before its next send, got {s.overlap}")
+  if s.exchange_device:
+    _check_exchange_device(s, comm)
+
+
+def _check_exchange_device(s: Settings, comm: str) -> None:
+  """Raises ``ValueError`` unless ``--exchange-device`` fits the other settings (that
+  ``--replicas`` equals ``--processes`` is checked by the command, which knows the processes)."""
+  if not s.overlap:
+    raise ValueError(
+      "argument --exchange-device: needs --overlap >= 1 (the exchange runs beside the steps"
+      " between its send and its landing; with --overlap 0 it lands on its send step), got"
+      " --overlap 0")
+  if s.replicas < 2:
+    raise ValueError(
+      "argument --exchange-device: needs --replicas equal to --processes > 1 (one replica per"
+      f" process, the exchange across them), got --replicas {s.replicas}")
+  if s.fsdp is not None:
+    raise ValueError(
+      "argument --exchange-device: does not run on the global view, whose step exchanges inside"
+      f" its one program; run without --fsdp, got --fsdp {s.fsdp}")
+  if s.eager:
+    raise ValueError(
+      "argument --exchange-device: does not take --eager (the eager update needs the mean and"
+      " the number of workers inside the landing step, which exchanges nothing here), got"
+      " --exchange-device --eager")
+  if comm in QUANTIZED_COMM_DTYPES:
+    raise ValueError(
+      f"argument --comm-dtype: --exchange-device sends each fragment as one float buffer:"
+      f" {', '.join(FLOAT_COMM_DTYPES)} only, got {comm}")

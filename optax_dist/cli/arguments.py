@@ -236,6 +236,14 @@ def _exchange_arguments(common: argparse.ArgumentParser) -> None:
     " replaces its own stale share of the mean by its fresh one (the eager update; default:"
     " off)")
   exchange.add_argument(
+    "--exchange-device", action="store_true",
+    help=f"{', '.join(takers('exchange_device'))} with --overlap >= 1 and --replicas equal to"
+    " --processes > 1: each exchange across the replicas runs as its own computation on one"
+    " extra emulated CPU device per process, beside the next --overlap steps, instead of inside"
+    " its send step (XLA CPU runs a process's multi-device computations one at a time, so an"
+    " exchange on the training devices would wait for the steps); costs one more device per"
+    " process and a copy of the fragment there and back (default: off)")
+  exchange.add_argument(
     "--mixing", type=unit_float, default=d["mixing"], metavar="ALPHA",
     help=f"{', '.join(takers('mixing'))}: the weight of a worker's own params when a fragment"
     f" lands, the new anchor's being 1 - ALPHA (default: {d['mixing']:g}: the anchor)")

@@ -23,7 +23,8 @@ SETTINGS_ADDED = {"task": "digits", "sync_period": None, "outer_learning_rate": 
                   "param_dtype": "float32", "optimizer": "adam", "b2": 0.999,
                   "weight_decay": 0.0, "lr_schedule": "constant", "lr_warmup_steps": 0,
                   "clip_norm": None, "replicas": 1, "fsdp": None, "comm_block_size": 256,
-                  "error_feedback": False, "overlap": 0, "eager": False, "mixing": 0.0}
+                  "error_feedback": False, "overlap": 0, "eager": False, "mixing": 0.0,
+                  "exchange_device": False}
 """Settings absent from older checkpoints, with the value those runs had."""
 
 

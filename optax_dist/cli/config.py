@@ -66,6 +66,10 @@ class Settings:
     overlap: ``streaming_diloco``'s τ, steps between a fragment's send and its landing.
     eager: ``streaming_diloco``'s eager update on the landing step (needs ``overlap`` ≥ 1).
     mixing: ``streaming_diloco``'s α, the weight of a worker's own params when a fragment lands.
+    exchange_device: ``streaming_diloco`` with ``overlap`` ≥ 1 and one replica per process: the
+      exchanges across replicas run as their own computation on one extra emulated CPU device
+      per process, beside the next steps, instead of inside the send step
+      (:class:`optax_dist.cli.trainer.ExchangeDeviceRun`).
   """
 
   task: str = "digits"
@@ -100,6 +104,7 @@ class Settings:
   overlap: int = 0
   eager: bool = False
   mixing: float = 0.0
+  exchange_device: bool = False
 
   def resolved(self) -> Settings:
     """These settings with the defaults that depend on others filled in (both periods, whatever

@@ -130,16 +130,19 @@ def settings_of(args: argparse.Namespace, task: Task) -> Settings:
     comm_dtype=None if args.comm_dtype == "float32" else args.comm_dtype,
     comm_block_size=args.comm_block_size, error_feedback=args.error_feedback,
     overlap=args.overlap, eager=args.eager, mixing=args.mixing,
+    exchange_device=args.exchange_device,
     outer_learning_rate=args.outer_learning_rate, outer_momentum=args.outer_momentum,
     num_fragments=args.num_fragments, warmup_steps=args.warmup_steps,
     param_dtype=args.param_dtype, **values,
   ).resolved()
 
 
-def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: int) -> None:
+def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: int,
+                    processes: int = 1) -> None:
   """Raises :class:`CommandError` unless every worker gets a minibatch, the periods fit the run,
-  the optimizer's settings fit together and every algorithm takes the exchange
-  (:func:`optax_dist.cli.algorithms.check_exchange`)."""
+  the optimizer's settings fit together, every algorithm takes the exchange
+  (:func:`optax_dist.cli.algorithms.check_exchange`) and, with ``exchange_device``, each of the
+  ``processes`` holds one replica."""
   workers = settings.devices
   if workers % settings.replicas:
     raise CommandError(
@@ -173,6 +176,11 @@ def _check_settings(settings: Settings, algorithms: tuple[str, ...], n_train: in
         f"argument {flag}: must be at most {limit}, got {period}; {', '.join(users)} would"
         " never communicate (leave it out to use the default, which adapts to --steps)")
   _check_exchanges(settings, algorithms)
+  if settings.exchange_device and settings.replicas != processes:
+    raise CommandError(
+      "argument --exchange-device: needs one replica per process and more than one process"
+      f" (--replicas equal to --processes > 1), got --replicas {settings.replicas} with"
+      f" --processes {processes}")
 
 
 def _check_exchanges(settings: Settings, algorithms: tuple[str, ...]) -> None:
@@ -209,11 +217,12 @@ def run_training(args: argparse.Namespace, argv: list[str]) -> int:
   _check_resume(args, algorithms)
   data = task.load(args.seed)
   settings = settings_of(args, task)
-  _check_settings(settings, algorithms, len(next(iter(data.train.values()))))
+  _check_settings(settings, algorithms, len(next(iter(data.train.values()))), args.processes)
   if args.processes > 1 and args.process_id is None:
     return launcher.launch(argv, args.processes, args.coordinator)
-  launcher.init_jax(args.devices, args.processes, args.process_id, args.coordinator,
-                    args.heartbeat_timeout)
+  # --exchange-device: one more CPU device per process, beside the training devices.
+  launcher.init_jax(args.devices + settings.exchange_device, args.processes, args.process_id,
+                    args.coordinator, args.heartbeat_timeout)
   results, states = _train_all(args, task, data, settings, algorithms)
   if (args.process_id or 0) == 0:  # process 0 prints and writes the results
     _report(args, task, data, settings, results, states)

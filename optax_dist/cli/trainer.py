@@ -36,6 +36,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dist
+from optax_dist import _axis, _checks
+from optax_dist._streaming_diloco import assign_fragments
 from optax_dist.cli import pipeline
 from optax_dist.cli.algorithms import (ALGORITHMS, AXIS, DATA, FSDP, REPLICA, axes,
                                        make_optimizer)
@@ -99,13 +101,16 @@ def initial_params(task: Task, seed: int, example: tuple[tuple[str, tuple, str],
 
 
 def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int,
-            communicate: bool | None = None, axis: Any = AXIS) -> Callable:
+            communicate: bool | None = None, axis: Any = AXIS,
+            loss_axis: Any = None) -> Callable:
   """One training step of one worker, to run under ``shard_map`` over the mesh axes ``axis``.
 
   ``step(params, opt_state, history, train, idx, delay)``: ``train`` is the worker's shard, ``idx``
   its minibatch's indices, ``delay`` (``drop_stale_gradients`` only) how many accepted steps old
   the params the gradients are computed at are. Returns the new state and the workers' mean loss.
-  ``communicate`` (if not ``None``) is passed to ``tx.update`` as its static hint.
+  ``communicate`` (if not ``None``) is passed to ``tx.update`` as its static hint. With
+  ``loss_axis`` the loss is the mean over that axis only, shaped ``[1]`` (one per replica for
+  :data:`DATA`: no collective across the replicas).
   """
   hint = {} if communicate is None else {"communicate": communicate}
 
@@ -123,6 +128,8 @@ def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int,
     if stale:
       slot = opt_state.global_step % depth
       history = jax.tree.map(lambda h, p: h.at[slot].set(p), history, params)
+    if loss_axis is not None:
+      return (*_stack((params, opt_state, history)), jax.lax.pmean(loss, loss_axis)[None])
     return (*_stack((params, opt_state, history)), jax.lax.pmean(loss, axis))
 
   return step
@@ -145,6 +152,10 @@ class Run:
 
   state_per_worker = True
   """Whether the state's leading axis is the workers' (else the replicas': :class:`GlobalRun`)."""
+
+  loss_axis: str | None = None
+  """The axis the step averages the loss over (``None``: every worker); :data:`DATA` gives one
+  loss per replica (:class:`ExchangeDeviceRun`)."""
 
   def __init__(self, task: Task, data: Data, settings: Settings):
     s = self.settings = settings
@@ -204,8 +215,9 @@ class Run:
     for hint in self.hints():
       step = jax.shard_map(
         step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint,
-                axis=axes(s)),
-        mesh=self.mesh, in_specs=(split,) * 5 + (P(),), out_specs=(split,) * 3 + (P(),))
+                axis=axes(s), loss_axis=self.loss_axis),
+        mesh=self.mesh, in_specs=(split,) * 5 + (P(),),
+        out_specs=(split,) * 3 + (P() if self.loss_axis is None else P(REPLICA),))
       self._add_step(hint, jax.jit(step, donate_argnums=(0, 1, 2)).lower(
         *self.initial, self.train, idx, delay).compile())
 
@@ -233,6 +245,11 @@ class Run:
     hint = self.algorithm.communicates(s, step)
     *state, loss = self._steps[hint](*state, self.train, idx, delay)
     return State(*state), loss
+
+  def settle(self, state: State) -> State:
+    """``state`` with every exchange still in flight outside the step landed in it (only
+    :class:`ExchangeDeviceRun` has such exchanges): what a checkpoint saves."""
+    return state
 
   def measure(self, state: State, record: dict[str, list], step: int, loss: Any) -> None:
     """Appends the test metric of ``state`` at ``step`` to ``record``."""
@@ -343,6 +360,150 @@ class GlobalRun(Run):
     return State(params, opt_state, {}), loss
 
 
+class ExchangeDeviceRun(Run):
+  """A run of ``streaming_diloco`` with ``overlap`` τ ≥ 1 and one replica per process whose
+  exchanges across the replicas run on an exchange device (``settings.exchange_device``).
+
+  Why: XLA's CPU client runs the computations that span several devices of a process one after
+  another, so an exchange dispatched as its own computation over the training devices would wait
+  for the steps, and the steps for it (``benchmarks/probe_overlap.py``); a computation on one
+  extra device of each process runs beside them. (A GPU would run it on a separate stream.)
+
+  The step is :class:`Run`'s with ``streaming_diloco`` built over no axis across the replicas
+  (:func:`optax_dist.cli.algorithms.make_optimizer`) and the loss averaged within each replica:
+  it issues no collective across the processes. After the send step s of fragment f (the
+  library's rule, :func:`optax_dist.streaming_diloco_syncs`), the fragment's leaves of
+  ``opt_state.in_flight`` hold the replica's own pseudo-gradient :math:`\Delta^f_r`. Their copy
+  on one training device goes to the exchange device (``jax.device_put``), where one program
+  over the exchange mesh (the extra device of every process, axis :data:`REPLICA`) packs them
+  into one flat buffer, ``psum``\ s it across the replicas and divides by R in the leaves'
+  dtype, as the library's in-step exchange does: :math:`\Delta^f = (\sum_r \Delta^f_r) / R`.
+  It is dispatched without waiting. Before step :math:`s + \tau`, where the library lands the
+  fragment (``local_step == in_flight_step[f] + overlap``), the mean is copied back to every
+  training device of the process and replaces the fragment's leaves of ``in_flight`` (this
+  waits for the exchange if it has not finished); the library's step then lands it exactly as
+  its own mean. A checkpoint and the end of the run first land every pending exchange
+  (:meth:`settle`), so the saved and returned states are the in-step route's; a resumed state's
+  ``in_flight`` already holds the means. The evaluations read the anchor and the params, which
+  an exchange in flight does not touch.
+
+  Costs: one more emulated CPU device per process (``jax_num_cpu_devices`` = training devices +
+  1), and per exchange one device-to-device copy of the fragment each way inside each process.
+  With R = 2 replicas the sum has one addition: the params are the in-step route's bit for bit.
+
+  ``collectives["exchange"]`` holds the exchange programs' bytes (per device of the exchange
+  mesh, by axis): ``conditional``, one per fragment, of which one runs per fragment's send.
+
+  Raises:
+    ValueError: the processes are not the replicas, or a process has other than
+      ``devices / processes`` + 1 devices, or a fragment's leaves have several dtypes.
+  """
+
+  loss_axis = DATA
+
+  def __init__(self, task: Task, data: Data, settings: Settings):
+    if jax.process_count() != settings.replicas or settings.replicas < 2:
+      raise ValueError(
+        f"train(settings.exchange_device=True) needs one replica per process and more than one"
+        f" process, got settings.replicas={settings.replicas} with {jax.process_count()}"
+        " processes.")
+    super().__init__(task, data, settings)
+
+  def _compile(self, params, loss_fn) -> None:
+    super()._compile(params, loss_fn)
+    s = self.settings
+    self.exchange_mesh = _exchange_mesh(s.devices)
+    (self.exchange_device,) = [d for d in self.exchange_mesh.devices.flat
+                               if d.process_index == jax.process_index()]
+    self.exchange_sharding = NamedSharding(self.exchange_mesh, P(REPLICA))
+    one = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in jax.tree.leaves(params)]
+    ids = assign_fragments("streaming_diloco", one, s.num_fragments, "balanced")
+    self.fragment_leaves = [[j for j, i in enumerate(ids) if i == f]
+                            for f in range(s.num_fragments)]
+    in_flight = jax.tree.leaves(self.initial.opt_state.in_flight)
+    self._exchanges = [self._exchange_program([in_flight[j] for j in leaves])
+                       for leaves in self.fragment_leaves]
+    self.collectives["exchange"] = {"unconditional": {}, "conditional": [
+      _collective_bytes(c, self.exchange_mesh)["unconditional"] for c in self._exchanges]}
+    self.pending: dict[int, tuple[int, Any]] = {}
+    """The exchanges in flight: fragment -> (the step before which it lands, its outputs)."""
+
+  def _exchange_program(self, leaves: list[Any]) -> Any:
+    """The compiled exchange of one fragment's ``in_flight`` leaves (``[workers, ...]``): the
+    replicas' mean of each, in one ``psum`` of a flat buffer over the exchange mesh."""
+    s, r = self.settings, self.settings.replicas
+    dtypes = {x.dtype for x in leaves}
+    if len(dtypes) != 1:
+      raise ValueError(f"train(settings.exchange_device=True) packs a fragment's leaves into one"
+                       f" buffer and needs one dtype, got {sorted(map(str, dtypes))}.")
+    comm = _checks.check_comm_dtype("train", s.comm_dtype)
+
+    def mean(*parts):
+      flat = jnp.concatenate([x.reshape(-1) for x in parts])
+      total = _axis.worker_mean(flat, REPLICA, r, comm)  # the library's psum, / r in the dtype
+      out, start = [], 0
+      for x in parts:
+        out.append(total[start:start + x.size].reshape(x.shape))
+        start += x.size
+      return tuple(out)
+
+    specs = (P(REPLICA),) * len(leaves)
+    program = jax.jit(jax.shard_map(mean, mesh=self.exchange_mesh, in_specs=specs,
+                                    out_specs=specs))
+    return program.lower(*[
+      jax.ShapeDtypeStruct((r, *x.shape[1:]), x.dtype, sharding=self.exchange_sharding)
+      for x in leaves]).compile()
+
+  def step(self, state: State, step: int) -> tuple[State, Any]:
+    """Lands the exchanges due before ``step``, runs it, and sends the fragments it sends."""
+    s = self.settings
+    state = self._land(state, lambda when: when == step)
+    state, loss = super().step(state, step)
+    if self.algorithm.communicates(s, step):
+      for f in range(s.num_fragments):
+        if optax_dist.streaming_diloco_syncs(step, sync_period=s.sync_period,
+                                             num_fragments=s.num_fragments, fragment=f):
+          self._send(state, f, step + s.overlap)
+    return state, loss
+
+  def _send(self, state: State, fragment: int, lands: int) -> None:
+    """Dispatches the exchange of ``fragment``'s ``in_flight`` leaves, landing before ``lands``."""
+    leaves = jax.tree.leaves(state.opt_state.in_flight)
+    inputs = []
+    for j in self.fragment_leaves[fragment]:
+      x = leaves[j]  # every training device of this process holds the replica's own value
+      moved = jax.device_put(x.addressable_shards[0].data, self.exchange_device)
+      inputs.append(jax.make_array_from_single_device_arrays(
+        (self.settings.replicas, *x.shape[1:]), self.exchange_sharding, [moved]))
+    jax.block_until_ready(inputs)  # the copies only, before the next step donates the state
+    self.pending[fragment] = (lands, self._exchanges[fragment](*inputs))
+
+  def _land(self, state: State, due: Callable[[int], bool]) -> State:
+    """``state`` with the means of the pending exchanges whose landing step is ``due`` in place
+    of their fragments' ``in_flight`` leaves (waits for those exchanges)."""
+    ready = [f for f, (lands, _) in self.pending.items() if due(lands)]
+    if not ready:
+      return state
+    leaves, treedef = jax.tree.flatten(state.opt_state.in_flight)
+    for f in ready:
+      _, means = self.pending.pop(f)
+      for j, mean in zip(self.fragment_leaves[f], means, strict=True):
+        x, local = leaves[j], mean.addressable_shards[0].data
+        copies = [jax.device_put(local, shard.device) for shard in x.addressable_shards]
+        leaves[j] = jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
+    opt_state = state.opt_state._replace(in_flight=treedef.unflatten(leaves))
+    return state._replace(opt_state=opt_state)
+
+  def settle(self, state: State) -> State:
+    return self._land(state, lambda lands: True)
+
+  def measure(self, state: State, record: dict[str, list], step: int, loss: Any) -> None:
+    """:meth:`Run.measure`, the loss the mean of the replicas' (one per replica here)."""
+    if loss is not None:
+      loss = float(np.mean(to_host(loss)))
+    super().measure(state, record, step, loss)
+
+
 def _bytes_per_device(tree: Any) -> int:
   """The bytes of one device's shards of ``tree``'s arrays (every shard of an array has one
   size: the params are split only on dimensions the devices divide)."""
@@ -389,7 +550,7 @@ def _mesh(settings: Settings) -> jax.sharding.Mesh:
   over ``(REPLICA, DATA)``, each replica's workers on consecutive devices (of one process when
   every process holds a replica)."""
   s = settings
-  devices = _devices(s.devices)
+  devices = _devices(s.devices, s.exchange_device)
   if s.replicas == 1:
     return jax.make_mesh((s.devices,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
   if s.devices % s.replicas:
@@ -427,8 +588,14 @@ def _global_mesh(settings: Settings) -> jax.sharding.Mesh:
                            axis_types=(AxisType.Auto,) * 3)
 
 
-def _devices(devices: int) -> list[Any]:
-  """The first ``devices`` of ``jax.devices()``; raises ``ValueError`` if that is not all there."""
+def _devices(devices: int, exchange_device: bool = False) -> list[Any]:
+  """The first ``devices`` of ``jax.devices()``; raises ``ValueError`` if that is not all there.
+
+  With ``exchange_device``, the first ``devices / processes`` of each process's devices (by id),
+  the last one of each being left to the exchanges (:func:`_exchange_mesh`).
+  """
+  if exchange_device:
+    return [d for per_process in _process_devices(devices) for d in per_process[:-1]]
   available = jax.devices()
   if devices > len(available):
     raise ValueError(
@@ -439,6 +606,31 @@ def _devices(devices: int) -> list[Any]:
       f"train(settings.devices={devices}): with {jax.process_count()} processes every device is"
       f" a worker; pass devices={len(available)}, the number of devices of all processes.")
   return available[:devices]
+
+
+def _process_devices(devices: int) -> list[list[Any]]:
+  """Each process's devices by id, ``devices / processes`` training devices and one more for the
+  exchanges: raises ``ValueError`` if a process has another number."""
+  processes = jax.process_count()
+  per_process = devices // processes
+  grouped = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+             for p in range(processes)]
+  for p, local in enumerate(grouped):
+    if devices % processes or len(local) != per_process + 1:
+      raise ValueError(
+        f"train(settings.devices={devices}, settings.exchange_device=True) needs"
+        f" devices / processes = {devices / processes:g} training devices and one for the"
+        f" exchanges in each of the {processes} processes, but process {p} has {len(local)};"
+        f' set jax.config.update("jax_num_cpu_devices", {per_process + 1}) before JAX'
+        " initialises.")
+  return grouped
+
+
+def _exchange_mesh(devices: int) -> jax.sharding.Mesh:
+  """The exchanges' mesh over :data:`REPLICA`: the last device of each process (by id), in
+  process order (replica ``r`` is process ``r``'s)."""
+  extra = [local[-1] for local in _process_devices(devices)]
+  return jax.sharding.Mesh(np.array(extra), (REPLICA,), axis_types=(AxisType.Auto,))
 
 
 def _check_batch_size(settings: Settings, n_train: int, n_local: int) -> None:
@@ -521,7 +713,12 @@ def train(
   """
   start = time.perf_counter()
   settings = settings.resolved()
-  run = (Run if settings.fsdp is None else GlobalRun)(task, data, settings)
+  if settings.fsdp is not None:
+    run = GlobalRun(task, data, settings)
+  elif settings.exchange_device:
+    run = ExchangeDeviceRun(task, data, settings)
+  else:
+    run = Run(task, data, settings)
   resized = None
   record = {key: [] for key in record_keys(task)}
   state, earlier_time, resumed_from = run.initial, 0.0, None
@@ -535,16 +732,19 @@ def train(
   if first == 1:
     run.measure(state, record, 0, None)
 
-  def save(s: int, state: State) -> None:
+  def save(s: int, state: State) -> State:
     if checkpoints is not None and checkpoint_every > 0 and (
         s % checkpoint_every == 0 or s == settings.steps):
+      state = run.settle(state)  # no exchange in flight outside the state
       checkpoints.save(s, state._asdict(), {
         "record": record, "wall_time_s": earlier_time + time.perf_counter() - start})
+    return state
 
   step_times = []
   with _progress_bar(settings, first - 1, progress) as bar:
     state = _loop(run, state, record, first, save=save, on_step=on_step, bar=bar,
                   step_times=step_times)
+  state = run.settle(state)
   if checkpoints is not None:
     checkpoints.close()
   if final_state is not None:
@@ -576,7 +776,7 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
     step_times.append(time.perf_counter() - started)
     if s % settings.eval_every == 0 or s == settings.steps:
       run.measure(state, record, s, loss)
-    save(s, state)
+    state = save(s, state)
     bar.update(1)
     if on_step is not None:
       on_step(s)
