@@ -23,7 +23,7 @@ test: $(VENV)/.test
 # dependency to its floor (jax, optax, flax, orbax-checkpoint, ...). The tests that drive
 # subprocesses (command line, multi-process, notebooks, docs, README) run in `make test` only.
 LOWEST := .venv-lowest
-LOWEST_SKIP := cli docs lm_task multiprocess notebooks readme
+LOWEST_SKIP := cli docs exchange_device lm_task multiprocess notebooks readme
 
 $(LOWEST)/.installed: pyproject.toml
 	rm -rf $(LOWEST)

@@ -361,7 +361,7 @@ class GlobalRun(Run):
 
 
 class ExchangeDeviceRun(Run):
-  """A run of ``streaming_diloco`` with ``overlap`` τ ≥ 1 and one replica per process whose
+  r"""A run of ``streaming_diloco`` with ``overlap`` τ ≥ 1 and one replica per process whose
   exchanges across the replicas run on an exchange device (``settings.exchange_device``).
 
   Why: XLA's CPU client runs the computations that span several devices of a process one after
