@@ -17,6 +17,12 @@ The mesh may span several ``jax.distributed`` processes (:mod:`optax_dist.cli.la
 process builds the same global arrays from the same host data, holding the shards of its own
 devices, and runs the same step. The caller must have made enough devices available
 (``jax.config.update("jax_num_cpu_devices", N)``) before JAX initialised.
+
+With ``exchange_device`` (``streaming_diloco``, ``overlap`` τ ≥ 1, one replica per process) the
+exchanges across the replicas leave the step: each runs on one extra CPU device per process
+while the next steps compute, and its mean goes back into the state before the step that lands
+it (:class:`ExchangeDeviceRun`: XLA CPU runs a process's multi-device computations one at a
+time, so only a computation on another device can run beside the steps).
 """
 
 from __future__ import annotations
@@ -423,8 +429,11 @@ class ExchangeDeviceRun(Run):
     in_flight = jax.tree.leaves(self.initial.opt_state.in_flight)
     self._exchanges = [self._exchange_program([in_flight[j] for j in leaves])
                        for leaves in self.fragment_leaves]
-    self.collectives["exchange"] = {"unconditional": {}, "conditional": [
-      _collective_bytes(c, self.exchange_mesh)["unconditional"] for c in self._exchanges]}
+    programs = [_collective_bytes(c, self.exchange_mesh) for c in self._exchanges]
+    self.collectives["exchange"] = {
+      "unconditional": {}, "conditional": [p["unconditional"] for p in programs],
+      "operands": {"unconditional": {},
+                   "conditional": [p["operands"]["unconditional"] for p in programs]}}
     self.pending: dict[int, tuple[int, Any]] = {}
     """The exchanges in flight: fragment -> (the step before which it lands, its outputs)."""
 
@@ -674,6 +683,11 @@ def train(
   devices; device ``i`` trains on worker ``i``'s examples, so the losses are those of the
   per-device step to float rounding. The state then has a leading replica axis.
 
+  With ``settings.exchange_device`` (:class:`ExchangeDeviceRun`) the ``streaming_diloco``
+  exchanges across the replicas run on one extra device per process (JAX must have
+  ``devices / processes`` + 1 CPU devices in each), beside the steps between a fragment's send
+  and its landing; the params and state are the in-step route's.
+
   With ``checkpoint_dir`` and ``checkpoint_every > 0``, the state is saved with Orbax every
   ``checkpoint_every`` steps and at the end; with ``resume``, training continues from the latest
   checkpoint there (from the start if there is none) and ends with the params of an
@@ -698,7 +712,9 @@ def train(
     apart; ``unconditional``, on every execution, and ``conditional``, a list with each
     conditional exchange's, e.g. one per fragment of ``streaming_diloco``, of which one runs on
     a sync step; ``operands``, the same structure counting the arrays they carry; read from
-    the compiled program, see :func:`optax_dist.communication_report`),
+    the compiled program, see :func:`optax_dist.communication_report`; with ``exchange_device``
+    also ``exchange``, the exchange programs', per device of the exchange mesh,
+    ``conditional`` holding one per fragment, and the steps' own have none across replicas),
     ``step_times`` (the seconds of each step this call ran, from the step's start until its
     loss is ready on this process: evaluations and checkpoints excluded; after ``resume``, the
     steps after the checkpoint's) and ``bytes_per_device`` (``params``, ``opt_state``: one
@@ -708,7 +724,9 @@ def train(
   Raises:
     ValueError: too few devices, a batch larger than a worker's shard, replicas not dividing
       the devices; with ``fsdp``, K not dividing a replica's devices, or an algorithm fed stale
-      gradients.
+      gradients; with ``exchange_device``, replicas other than the processes or a process
+      without exactly one device beyond its training devices (and the refusals of
+      :func:`optax_dist.cli.algorithms.check_exchange`).
     CheckpointMismatchError: ``resume`` from a checkpoint written with other settings.
   """
   start = time.perf_counter()
