@@ -53,7 +53,9 @@ METHODS = {
   "elastic_average": ("elastic_average", ()),
   "diloco_int8": ("diloco", (*OUTER, "--comm-dtype", "int8")),
   "diloco_e3m0_feedback": ("diloco", (*OUTER, "--comm-dtype", "e3m0", "--error-feedback")),
-  "streaming_diloco_overlap": ("streaming_diloco", (*OUTER, "--overlap", "1")),
+  "streaming_diloco_overlap": ("streaming_diloco", (*OUTER, "--overlap", "2")),
+  "streaming_diloco_overlap_device": ("streaming_diloco",
+                                      (*OUTER, "--overlap", "2", "--exchange-device")),
 }
 """The methods: a label, and its ``--algorithm`` and command-line flags."""
 DEFAULT_METHODS = ("sync", "diloco", "streaming_diloco", "local_sgd", "elastic_average")
@@ -120,7 +122,7 @@ def exchanges(result: dict[str, Any]) -> list[bool]:
 
 
 def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
-                framing: int = GLOO_OPERAND_BYTES) -> float:
+                framing: int = GLOO_OPERAND_BYTES, pairs: int = DEVICES) -> float:
   """Bytes one process sends the other for one execution of collectives totalling ``by_axes``
   per device and carrying ``operands`` arrays (the trainer's ``collective_bytes`` and its
   ``operands``, keyed by the mesh axes they span).
@@ -128,8 +130,9 @@ def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
   Collectives within a process (``data``) send nothing across. Those across the replicas only
   (``replica``) pair each device with one of the other process: a two-rank all-reduce (or
   all-gather) sends its operands' bytes each way, plus ``framing`` bytes per operand (gloo's,
-  :data:`GLOO_OPERAND_BYTES`; 0 for the operands' bytes alone), for each of the ``DEVICES``
-  pairs. Those over every worker (``replica,data`` or ``workers``)
+  :data:`GLOO_OPERAND_BYTES`; 0 for the operands' bytes alone), for each of the ``pairs`` device
+  pairs (``DEVICES``; 1 for the exchange device's programs of ``--exchange-device``). Those over
+  every worker (``replica,data`` or ``workers``)
   are taken as one ring over all :math:`n` devices, which crosses once each way carrying
   :math:`2(n-1)/n` of the bytes.
   """
@@ -138,7 +141,7 @@ def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
   for key, b in by_axes.items():
     axes = key.split(",")
     if axes == ["replica"]:
-      total += DEVICES * (b + framing * operands[key])
+      total += pairs * (b + framing * operands[key])
     elif "replica" in axes or "workers" in axes:
       total += 2 * (n - 1) / n * b
   return total
@@ -152,6 +155,11 @@ def predicted_bytes(result: dict[str, Any], flags: list[bool],
   fragment per sync step)."""
   steps = result["collective_bytes"]
   total = 0.0
+  if "exchange" in steps:  # --exchange-device: a program apart per fragment, one device pair
+    exchange = steps["exchange"]
+    each = [cross_bytes(b, n, framing, pairs=1) for b, n in
+            zip(exchange["conditional"], exchange["operands"]["conditional"], strict=True)]
+    total += sum(flags) * sum(each) / len(each)
   for flag in flags:
     kind = "every_step" if "every_step" in steps else (
       "communication_step" if flag else "non_communication_step")

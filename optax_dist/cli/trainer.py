@@ -159,9 +159,13 @@ class Run:
   state_per_worker = True
   """Whether the state's leading axis is the workers' (else the replicas': :class:`GlobalRun`)."""
 
-  loss_axis: str | None = None
-  """The axis the step averages the loss over (``None``: every worker); :data:`DATA` gives one
-  loss per replica (:class:`ExchangeDeviceRun`)."""
+  @property
+  def loss_axis(self) -> str | None:
+    """The axis the step averages the loss over: with replicas, :data:`DATA` (one loss per
+    replica, no collective across the replicas on the steps that exchange nothing: the replicas
+    are not held in step by the logging; they are averaged when recorded); else ``None``, every
+    worker."""
+    return DATA if self.settings.replicas > 1 else None
 
   def __init__(self, task: Task, data: Data, settings: Settings):
     s = self.settings = settings
@@ -265,7 +269,9 @@ class Run:
     record["communication_rounds"].append(self.algorithm.communication_rounds(s, step))
     record[self.keys[0]].append(float(metric_eval))
     record[self.keys[1]].append(float(metric_workers))
-    record["train_loss"].append(None if loss is None else float(loss))
+    if loss is not None:  # one per replica with a loss axis, gathered from every process
+      loss = float(np.mean(to_host(loss))) if self.loss_axis else float(loss)
+    record["train_loss"].append(loss)
 
 
 def global_step_fn(tx: Any, loss_fn: Callable, batch: NamedSharding, *,
@@ -316,6 +322,7 @@ class GlobalRun(Run):
   """
 
   state_per_worker = False
+  loss_axis = None  # the step returns the replicas' mean loss
 
   def _layout(self) -> tuple[jax.sharding.Mesh, P]:
     return _global_mesh(self.settings), P(REPLICA, (DATA, FSDP))
@@ -404,8 +411,6 @@ class ExchangeDeviceRun(Run):
     ValueError: the processes are not the replicas, or a process has other than
       ``devices / processes`` + 1 devices, or a fragment's leaves have several dtypes.
   """
-
-  loss_axis = DATA
 
   def __init__(self, task: Task, data: Data, settings: Settings):
     if jax.process_count() != settings.replicas or settings.replicas < 2:
@@ -506,11 +511,6 @@ class ExchangeDeviceRun(Run):
   def settle(self, state: State) -> State:
     return self._land(state, lambda lands: True)
 
-  def measure(self, state: State, record: dict[str, list], step: int, loss: Any) -> None:
-    """:meth:`Run.measure`, the loss the mean of the replicas' (one per replica here)."""
-    if loss is not None:
-      loss = float(np.mean(to_host(loss)))
-    super().measure(state, record, step, loss)
 
 
 def _bytes_per_device(tree: Any) -> int:
