@@ -196,7 +196,7 @@ def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float |
   best = dict(grid.fixed_lr)
   for m in grid.swept:
     sweep = [r for r in records if r["replicas"] == m and r["sync_period"] == grid.period
-             and r["seed"] == SWEEP_SEED]
+             and r["seed"] == SWEEP_SEED and _momentum(r) == OUTER_MOMENTUM]
     best[m] = min(sweep, key=lambda r: r["final"])["outer_lr"] if sweep else None
   return best
 

@@ -46,8 +46,9 @@ def records(gap4=0.03, gaps1=(-0.01, 0, 0)):
   out += [run(8, s, DP[s] * (1 + g), outer_lr=1.0) for s, g in ((1, 0.05), (2, 0.07))]
   out += [run(2, 0, 2.0 * (1 + g), sync_period=h, outer_lr=0.8)
           for h, g in ((1, 0.0), (5, 0.005), (10, 0.008), (100, 0.03))]
-  # Another momentum at M = 2, at the best rate of the sweep (and better): kept apart.
-  out += [run(2, 0, 2.0 * (1 - 0.02), outer_lr=0.8, outer_momentum=0.5)]
+  # Other momenta at M = 2, better than the sweep's best: kept apart from it and from the rows.
+  out += [run(2, 0, 2.0 * (1 - g), outer_lr=lr, outer_momentum=0.5)
+          for lr, g in ((0.8, 0.02), (0.7, 0.03))]
   return out
 
 
@@ -74,6 +75,7 @@ def test_gaps_and_targets():
                          "M = 2 within 2% of data parallel": True,
                          "M = 8 within 5% of data parallel": False}
   assert s["periods"][100]["gap"] == pytest.approx(0.03)
+  assert b.best_lrs(b.FULL, records())[2] == 0.8
   grid = b.dataclasses.replace(b.FULL, momentum_runs=((2, 0.8, 0.5), (8, 0.7, 0.5)))
   momenta = b.summary(grid, records())["momenta"]
   assert momenta[0]["run"]["gap"] == pytest.approx(-0.02)
