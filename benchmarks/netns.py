@@ -22,6 +22,8 @@ achieves in each direction: ``python benchmarks/netns.py 10mbit 100mbit``.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import shutil
@@ -30,7 +32,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 PREFIX = "odist"
 """The first part of the namespaces' names (``odist-a-PID``)."""
@@ -164,6 +166,29 @@ def environment() -> dict[str, str]:
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
   return env
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+  """The hidden arguments a probe passes to each process of its pair (see :func:`probe_start`)."""
+  for name, kind in (("--worker", int), ("--coordinator", str), ("--device", str),
+                     ("--result", str)):
+    parser.add_argument(name, type=kind, help=argparse.SUPPRESS)
+
+
+def probe_start(args: argparse.Namespace,
+                worker: Callable[[argparse.Namespace], dict[str, Any]]) -> int | None:
+  """The start of a probe's ``main``: as process ``--worker`` of the pair, runs ``worker(args)``,
+  writes its result as JSON to ``--result`` and returns 0; where :func:`unavailable` gives a
+  reason, prints it and returns 0; otherwise returns None and the probe goes on."""
+  if args.worker is not None:
+    with open(args.result, "w") as f:
+      json.dump(worker(args), f)
+    return 0
+  reason = unavailable()
+  if reason is not None:
+    print(f"skipped: {reason}")
+    return 0
+  return None
 
 
 class Link:

@@ -322,22 +322,12 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--out", default=os.path.join(HERE, "probe_link_bytes.json"),
                       help="a JSON file for the results")
   parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
-  parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-  parser.add_argument("--coordinator", help=argparse.SUPPRESS)
-  parser.add_argument("--device", help=argparse.SUPPRESS)
-  parser.add_argument("--result", help=argparse.SUPPRESS)
+  netns.add_worker_arguments(parser)
   args = parser.parse_args(argv)
 
-  if args.worker is not None:
-    result = worker(args.worker, args.coordinator, args.device, args)
-    with open(args.result, "w") as f:
-      json.dump(result, f)
-    return 0
-
-  reason = netns.unavailable()
-  if reason is not None:
-    print(f"skipped: {reason}")
-    return 0
+  done = netns.probe_start(args, lambda a: worker(a.worker, a.coordinator, a.device, a))
+  if done is not None:
+    return done
   if subprocess.run(["which", "ss"], capture_output=True).returncode != 0:
     print("skipped: ss not found; install iproute2 (apt-get install -y iproute2)")
     return 0

@@ -272,21 +272,12 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--layers", type=int, default=8, help="matmuls per step")
   parser.add_argument("--rows", type=int, default=1024, help="rows of the batch per device")
   parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
-  parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-  parser.add_argument("--coordinator", help=argparse.SUPPRESS)
-  parser.add_argument("--result", help=argparse.SUPPRESS)
+  netns.add_worker_arguments(parser)
   args = parser.parse_args(argv)
 
-  if args.worker is not None:
-    result = worker(args.worker, args.coordinator, args)
-    with open(args.result, "w") as f:
-      json.dump(result, f)
-    return 0
-
-  reason = netns.unavailable()
-  if reason is not None:
-    print(f"skipped: {reason}")
-    return 0
+  done = netns.probe_start(args, lambda a: worker(a.worker, a.coordinator, a))
+  if done is not None:
+    return done
   out = {"config": {k: getattr(args, k) for k in ("size", "steps", "repeats", "width", "layers",
                                                   "rows")} | {"devices": DEVICES,
                                                               "training": TRAINING},
