@@ -454,7 +454,8 @@ def targets(result: dict[str, Any]) -> list[str]:
     bound = {"int8": 0.26, "e3m0": 0.135, "float4_e2m1fn": 0.135}.get(fmt)
     check(None if bound is None else wire <= bound,
           f"{method}: the veth payload at 10 Mbit/s is {wire:.3f}× float32 diloco's (the"
-          f" compiled exchanges' operands {operands:.3f}×; codes and scales: target ≤ {bound}×)")
+          f" compiled exchanges' operands {operands:.3f}×; codes and scales: target"
+          f" ≤ {bound}×)")
   ratios = [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]
   if ratios:
     worst = max(ratios, key=lambda x: abs(x - 1))

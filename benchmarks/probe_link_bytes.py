@@ -69,9 +69,9 @@ TIMEOUT = 600
 FRAME_OVERHEAD = 66
 """``bench_network.py``'s headers per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 IDLE_SECONDS = 1.0
-TRAINER_OPERANDS = (1536, 24, 24, 6144, 6144, 64, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24, 24, 24,
-                    24, 9216, 24, 9216, 96, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24, 24, 24, 24,
-                    9216, 24, 96, 9216)
+TRAINER_OPERANDS = (1536, 24, 24, 6144, 6144, 64, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24,
+                    24, 24, 24, 9216, 24, 9216, 96, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24,
+                    24, 24, 24, 9216, 24, 96, 9216)
 """float32 elements per device of the operands of the lm task's exchange (``bench_network.py``'s
 trainer, 2 replicas of 4 devices): one ``all-reduce`` of 38 operands over the replicas, 279424
 bytes per device (the compiled sync step's after-optimisation HLO)."""
@@ -299,13 +299,15 @@ def report(tcp: dict[str, Any], table: list[dict[str, Any]], load: list[float]) 
            f" per packet, {tcp['header_per_segment']:.1f} per segment",
            "", "per all-reduce and direction (idle: per measurement of "
            f"{IDLE_SECONDS:.0f} s):",
-           f"{'measurement':<15} {'ops':>3} {'S':>8} {'dir':<5} {'tx/S':>7} {'gloo/S':>7} {'pay66/S':>8}"
+           f"{'measurement':<15} {'ops':>3} {'S':>8} {'dir':<5} {'tx/S':>7} {'gloo/S':>7}"
+           f" {'pay66/S':>8}"
            f" {'paymeas/S':>9} {'packets':>8} {'B/pkt':>7} {'segs':>8} {'retr':>5}"
            f" {'coord B':>8} {'ok':>3}"]
   fmt = lambda v, w, p: f"{v:{w}.{p}f}" if v is not None else " " * (w - 1) + "-"  # noqa: E731
   for r in table:
     ok = {True: "yes", False: "NO", None: "-"}[r["correct"]]
-    lines.append(f"{r['name']:<15} {r['operands']:>3} {r['size']:>8} {r['direction']:<5} {fmt(r['tx_bytes/S'], 7, 4)}"
+    lines.append(f"{r['name']:<15} {r['operands']:>3} {r['size']:>8} {r['direction']:<5}"
+                 f" {fmt(r['tx_bytes/S'], 7, 4)}"
                  f" {fmt(r['gloo_bytes/S'], 7, 4)} {fmt(r['payload_66/S'], 8, 4)}"
                  f" {fmt(r['payload_measured/S'], 9, 4)} {r['tx_packets']:8.1f}"
                  f" {r['bytes_per_packet']:7.0f} {r['out_segs']:8.1f} {r['retrans']:5d}"

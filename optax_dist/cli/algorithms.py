@@ -24,11 +24,11 @@ do for it. The rest of the command reads the table and never tests an algorithm'
 With ``replicas`` R > 1 the workers form R replicas on a 2-D mesh (:data:`REPLICA`,
 :data:`DATA`): the inner optimizer is ``tower(inner, DATA)``, a synchronous reduction within each
 replica on every step, and the algorithm runs across the replicas (``axis_name=REPLICA``), each
-device of a replica exchanging only its 1/K slice of the params (``slice_axis=DATA``). The all-reducing algorithms (``sync``, ``moving_average``,
-``drop_stale_gradients``) reduce over every worker whatever R, hierarchically
-(``tower(..., hierarchical=True)``: reduce-scatter within each replica, the slices all-reduced
-across replicas, all-gather within), so a replica's devices send the gradients' bytes across
-once.
+device of a replica exchanging only its 1/K slice of the params (``slice_axis=DATA``). The
+all-reducing algorithms (``sync``, ``moving_average``, ``drop_stale_gradients``) reduce over
+every worker whatever R, hierarchically (``tower(..., hierarchical=True)``: reduce-scatter within
+each replica, the slices all-reduced across replicas, all-gather within), so a replica's devices
+send the gradients' bytes across once.
 
 With ``fsdp`` K (the global view, :class:`optax_dist.cli.trainer.GlobalRun`) the step is
 ``jax.vmap`` over the replicas and the compiler reduces the gradients within each replica (its
@@ -386,8 +386,8 @@ def flag(name: str) -> str:
 def check_exchange(settings: Settings) -> None:
   """Raises ``ValueError`` unless ``settings.algorithm`` takes the exchange of ``settings``.
 
-  The algorithm must take ``comm_dtype`` (:attr:`Algorithm.comm_dtypes`), and every one of :data:`EXCHANGE_OPTIONS` away from its default; the options must
-  fit together (:func:`_check_options`). The message is one line, ``argument --FLAG: ...``,
+  The algorithm must take ``comm_dtype`` (:attr:`Algorithm.comm_dtypes`), and every one of
+  :data:`EXCHANGE_OPTIONS` away from its default; the options must fit together (:func:`_check_options`). The message is one line, ``argument --FLAG: ...``,
   naming the value and the algorithm: the command reports it as is.
   """
   s, algorithm = settings, ALGORITHMS[settings.algorithm]

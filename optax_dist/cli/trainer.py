@@ -512,7 +512,6 @@ class ExchangeDeviceRun(Run):
     return self._land(state, lambda lands: True)
 
 
-
 def _bytes_per_device(tree: Any) -> int:
   """The bytes of one device's shards of ``tree``'s arrays (every shard of an array has one
   size: the params are split only on dimensions the devices divide)."""
