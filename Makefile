@@ -2,7 +2,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens bench-lm-exchanges dist clean
+.PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens bench-lm-exchanges \
+  bench-async-dylu dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +65,12 @@ bench-equal-tokens: $(VENV)/.bench
 # diloco and streaming_diloco; about 30 min); BENCH_LM_EXCHANGES_ARGS=--quick checks the program.
 bench-lm-exchanges: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_lm_exchanges.py $(BENCH_LM_EXCHANGES_ARGS)
+
+# Synchronous DiLoCo against asynchronous DiLoCo, delayed Nesterov and DyLU on four emulated
+# workers of speeds 1 : 1 : 0.5 : 0.25, at equal inner steps, on the lm task;
+# BENCH_ASYNC_DYLU_ARGS=--quick checks the program.
+bench-async-dylu: $(VENV)/.bench
+	$(BIN)/python benchmarks/bench_async_dylu.py $(BENCH_ASYNC_DYLU_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist

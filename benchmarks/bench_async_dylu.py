@@ -1,60 +1,95 @@
-"""Synchronous DiLoCo against asynchronous DiLoCo, delayed Nesterov and DyLU, on heterogeneous
-workers (Liu et al. 2024, Table 3's comparison), emulated on the digits task.
+"""Synchronous DiLoCo against asynchronous DiLoCo, delayed Nesterov and DyLU on heterogeneous
+workers (Liu et al. 2024, Table 3's comparison), emulated on the language model.
 
-Four workers of speeds 1 : 1 : 0.5 : 0.25 (steps per unit of simulated time), SGD inner steps
-(``--inner-lr``, minibatch 32), H local steps per round, outer learning rate 0.7 and momentum 0.9:
+Four workers of speeds 1 : 1 : 0.5 : 0.25 (a step of worker w takes 1 / v_w units of simulated
+time) train the ``lm`` task of ``optax-dist`` (the byte-level transformer on the Python standard
+library's sources), each on its own quarter of the training windows, with the command's recipe
+for the task as the inner optimizer (AdamW, warm-up then cosine decay keyed to the worker's own
+inner steps, sized to R × H, clipping; batch 8 per worker), sync period H, outer learning rate
+0.7 and momentum 0.9:
 
-* ``sync diloco``: :func:`optax_dist.diloco` under ``jax.vmap``; every round all workers take H
-  steps and wait for the slowest, so a round takes H / 0.25 time units; one Nesterov step on the
-  mean pseudo-gradient;
+* ``sync diloco``: :func:`optax_dist.diloco` under ``jax.vmap``, R rounds: every round all
+  workers take H steps and wait for the slowest, so a round takes H / 0.25 time units; one
+  Nesterov step on the mean pseudo-gradient;
 * ``async diloco``: the emulator's :func:`~optax_dist.async_emulator.diloco`, one Nesterov step
-  (``optax.sgd(0.7, 0.9, nesterov=True)``) per commit;
+  (``optax.sgd(0.7, 0.9, nesterov=True)``) per commit, nobody waiting;
 * ``async + delayed nesterov``: ``outer=optax_dist.delayed_nesterov(0.7, 0.9, buffer_size=4)``;
-* ``async + delayed nesterov + dylu``: the same with ``dylu=True`` (H_w = 16, 16, 8, 4 for H = 16).
+* ``async + delayed nesterov + dylu``: the same with ``dylu=True`` (H_w = ⌊v_w / max v · H⌋).
 
-Prints the test accuracy of the anchor at a few simulated times for each seed, and the machine's
-load average (the numbers are simulated time; the load only affects how long the script takes).
+Equal inner steps: every run takes 4 R H inner steps in all (the asynchronous schedules stop
+after that many steps, whoever took them), so the asynchronous runs end sooner in simulated time
+(the fast workers take more of the steps). The metric is the validation bits per byte of the
+anchor (the server's params), evaluated along the way. Targets (Liu et al.'s ordering): delayed
+Nesterov + DyLU ends within 1% of synchronous DiLoCo; plain asynchronous DiLoCo ends measurably
+worse (above synchronous DiLoCo on every seed).
 
-Usage::
-
-  python benchmarks/bench_async_dylu.py [--seeds 0 1 2] [--duration 320] [--sync-period 16]
+Usage: ``python benchmarks/bench_async_dylu.py [--seeds 0 1 2] [--rounds R] [--sync-period H]
+[--quick] [--out PREFIX] [--report]`` writes PREFIX.json, PREFIX.md and PREFIX.png (default
+``benchmarks/async_dylu``; with ``--quick``, a few short runs into a temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+import tempfile
 import time
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-import optax_dist
-from optax_dist import async_emulator as ae
-from optax_dist.cli import async_run
-from optax_dist.cli.tasks import TASKS
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _util  # noqa: E402
 
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
-OUTER_LR, OUTER_MOMENTUM, BATCH = 0.7, 0.9, 32
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+ROUNDS, PERIOD = 12, 30
+"""R synchronous rounds of H inner steps: 4 × 12 × 30 = 1,440 inner steps per run."""
+EVALS_PER_ROUND = 2
+"""Evaluations per R × H × 4 / R inner steps (twice a synchronous round's worth)."""
+TOLERANCE = 0.01
+QUICK = {"rounds": 2, "period": 6, "seeds": [0]}
+PROTOCOLS = ("async diloco", "async + delayed nesterov", "async + delayed nesterov + dylu")
 
 
-def sync_diloco(problem, *, h, rounds, inner_lr, seed):
-  """Test accuracy of the anchor after each round of synchronous DiLoCo (round 0 first)."""
+def recipe(steps: int, task: str) -> tuple[Any, int]:
+  """The inner optimizer of ``optax-dist train --task TASK --steps STEPS`` (the command's
+  recipe) and its batch size per worker."""
+  from optax_dist.cli.algorithms import inner_optimizer
+  from optax_dist.cli.arguments import build_parser
+  from optax_dist.cli.main import settings_of
+  from optax_dist.cli.tasks import TASKS
+
+  args = build_parser().parse_args(["train", "--task", task, "--steps", str(steps)])
+  settings = settings_of(args, TASKS[task])
+  return inner_optimizer(settings), settings.batch_size
+
+
+def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, batch: int,
+                seed: int) -> np.ndarray:
+  """The anchor's metric after each round of synchronous DiLoCo (round 0 first)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import optax_dist
+
   data, n = problem["data"], len(SPEEDS)
   m = jax.tree.leaves(data)[0].shape[1]
-  tx = optax_dist.diloco(optax.sgd(inner_lr), optax.sgd(OUTER_LR, OUTER_MOMENTUM, nesterov=True),
+  tx = optax_dist.diloco(inner, optax.sgd(OUTER_LR, OUTER_MOMENTUM, nesterov=True),
                          sync_period=h, axis_name="w")
   rng = np.random.default_rng((seed, 7))
-  index = jnp.asarray(rng.integers(0, m, size=(rounds, h, n, BATCH)))
+  index = jnp.asarray(rng.integers(0, m, size=(rounds, h, n, batch)))
   loss_fn = problem["loss_fn"]
 
   def worker(params, state, shard, idx):
     def step(carry, i):
       p, s = carry
-      batch = jax.tree.map(lambda d: d[i], shard)
-      g = jax.grad(loss_fn)(p, batch)
+      g = jax.grad(loss_fn)(p, jax.tree.map(lambda d: d[i], shard))
       u, s = tx.update(g, s, p)
       return (optax.apply_updates(p, u), s), None
 
@@ -62,73 +97,226 @@ def sync_diloco(problem, *, h, rounds, inner_lr, seed):
     return params, state
 
   one_round = jax.jit(jax.vmap(worker, axis_name="w", in_axes=(0, 0, 0, 1)))
-  params = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), problem["params"])
+  params = jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), problem["params"])
   state = jax.vmap(tx.init)(params)
   metric = jax.jit(problem["metric_fn"])
-  accuracy = [float(metric(problem["params"]))]
+  values = [float(metric(problem["params"]))]
   for r in range(rounds):
     params, state = one_round(params, state, data, index[r])
-    accuracy.append(float(metric(jax.tree.map(lambda a: a[0], state.anchor))))
-  return np.asarray(accuracy)
+    values.append(float(metric(jax.tree.map(lambda a: a[0], state.anchor))))
+  return np.asarray(values)
 
 
-def async_run_accuracy(problem, protocol, *, duration, seed, eval_every):
+def protocols(inner: Any, h: int) -> dict[str, Any]:
+  """The emulator's three asynchronous protocols of :data:`PROTOCOLS`."""
+  import optax
+
+  import optax_dist
+  from optax_dist import async_emulator as ae
+
+  nesterov = optax.sgd(OUTER_LR, OUTER_MOMENTUM, nesterov=True)
+  delayed = optax_dist.delayed_nesterov(OUTER_LR, OUTER_MOMENTUM, buffer_size=len(SPEEDS))
+  return dict(zip(PROTOCOLS, (ae.diloco(inner, nesterov, sync_period=h),
+                              ae.diloco(inner, delayed, sync_period=h),
+                              ae.diloco(inner, delayed, sync_period=h, dylu=True)), strict=True))
+
+
+def async_curve(problem: dict[str, Any], protocol: Any, *, steps: int, batch: int, seed: int,
+                eval_every: int) -> dict[str, Any]:
+  """One asynchronous run of ``steps`` inner steps: its metric against simulated time and
+  inner steps, and its commits and their staleness."""
+  from optax_dist import async_emulator as ae
+
   cluster = ae.Cluster(len(SPEEDS), speeds=SPEEDS, seed=seed)
-  schedule = cluster.schedule(duration=duration,
+  schedule = cluster.schedule(num_events=steps,
                               communication_period=protocol.sync_periods(cluster.worker_speeds))
   r = ae.emulate(protocol, problem["loss_fn"], problem["params"], problem["data"], schedule,
-                 batch_size=BATCH, seed=seed, eval_fn=problem["metric_fn"], eval_every=eval_every)
-  return r.eval_time, np.asarray(r.eval_metrics), int(r.committed.sum())
+                 batch_size=batch, seed=seed, eval_fn=problem["metric_fn"],
+                 eval_every=eval_every)
+  stale = r.staleness[r.committed]
+  # Every event is an inner step: the evaluations follow every eval_every-th and the last.
+  done = [0, *(min(k * eval_every, steps) for k in range(1, len(r.eval_time)))]
+  return {"time": r.eval_time.tolist(), "steps": done,
+          "metric": np.asarray(r.eval_metrics, np.float64).tolist(),
+          "commits": int(r.committed.sum()),
+          "mean_staleness": float(stale.mean()) if stale.size else 0.0}
 
 
-def at(times, values, t):
-  """The last value measured at or before ``t``."""
-  return values[np.searchsorted(times, t, side="right") - 1]
+def measure(seeds: list[int], rounds: int, h: int, task: str) -> dict[str, Any]:
+  """Every protocol and synchronous DiLoCo on each seed, at equal inner steps."""
+  import jax
+
+  from optax_dist import async_emulator as ae
+  from optax_dist.cli import async_run
+  from optax_dist.cli.tasks import TASKS
+
+  n, start, load_before = len(SPEEDS), time.perf_counter(), _util.load_average()
+  total = n * rounds * h
+  inner, batch = recipe(rounds * h, task)
+  runs = []
+  for seed in seeds:
+    problem = async_run.setup(TASKS[task], n, seed)
+    began = time.perf_counter()
+    values = sync_diloco(problem, inner, h=h, rounds=rounds, batch=batch, seed=seed)
+    runs.append({"name": "sync diloco", "seed": seed, "metric": values.tolist(),
+                 "time": [r * h / min(SPEEDS) for r in range(rounds + 1)],
+                 "steps": [r * n * h for r in range(rounds + 1)], "commits": rounds,
+                 "mean_staleness": 0.0, "wall_s": time.perf_counter() - began})
+    for name, protocol in protocols(inner, h).items():
+      began = time.perf_counter()
+      curve = async_curve(problem, protocol, steps=total, batch=batch, seed=seed,
+                          eval_every=total // (rounds * EVALS_PER_ROUND))
+      runs.append({"name": name, "seed": seed, **curve, "wall_s": time.perf_counter() - began})
+    for r in runs[-4:]:
+      print(f"[bench] seed {seed} {r['name']}: {r['metric'][-1]:.4f} at t = {r['time'][-1]:.0f},"
+            f" {r['commits']} commits, {r['wall_s']:.0f} s", flush=True)
+    jax.clear_caches()
+  return {"task": task, "speeds": SPEEDS, "rounds": rounds, "sync_period": h,
+          "dylu_periods": ae.dylu_sync_periods(SPEEDS, h), "inner_steps": total,
+          "batch_size": batch, "outer": [OUTER_LR, OUTER_MOMENTUM], "seeds": seeds,
+          "runs": runs, "machine": _util.machine(), "versions": _util.versions(),
+          "load_before": load_before, "load_after": _util.load_average(),
+          "wall_s": time.perf_counter() - start}
 
 
-def main() -> None:
+def finals(result: dict[str, Any]) -> dict[str, dict[int, float]]:
+  """Each run's final metric, by name and seed."""
+  out: dict[str, dict[int, float]] = {}
+  for r in result["runs"]:
+    out.setdefault(r["name"], {})[r["seed"]] = r["metric"][-1]
+  return out
+
+
+def summary(result: dict[str, Any]) -> str:
+  """The table of final metrics and their gaps to synchronous DiLoCo, with the targets."""
+  by_name, sync = finals(result), finals(result)["sync diloco"]
+  rows = []
+  for name, values in by_name.items():
+    seeds = sorted(values)
+    v = np.asarray([values[s] for s in seeds])
+    gaps = np.asarray([values[s] / sync[s] - 1 for s in seeds])
+    runs = [r for r in result["runs"] if r["name"] == name]
+    rows.append([name, f"{v.mean():.4f} ± {v.std():.4f}",
+                 "—" if name == "sync diloco" else f"{gaps.mean():+.2%} ± {gaps.std():.2%}",
+                 f"{np.mean([r['time'][-1] for r in runs]):.0f}",
+                 f"{np.mean([r['commits'] for r in runs]):.0f}",
+                 f"{np.mean([r['mean_staleness'] for r in runs]):.2f}"])
+  table = _util.table(["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over seeds)",
+                       "simulated time", "outer steps", "mean staleness"], rows, "lrrrrr")
+  return table + "\n\nTargets:\n\n" + "\n".join(targets(result))
+
+
+def targets(result: dict[str, Any]) -> list[str]:
+  by_name = finals(result)
+  sync, dylu, plain = (by_name.get(k, {}) for k in (
+    "sync diloco", "async + delayed nesterov + dylu", "async diloco"))
+  seeds = sorted(set(sync) & set(dylu) & set(plain))
+  if not seeds:
+    return ["- not measured"]
+  gap = float(np.mean([dylu[s] / sync[s] - 1 for s in seeds]))
+  worse = [plain[s] > sync[s] for s in seeds]
+  plain_gap = float(np.mean([plain[s] / sync[s] - 1 for s in seeds]))
+  return [
+    f"- delayed Nesterov + DyLU within {TOLERANCE:.0%} of synchronous DiLoCo at equal inner"
+    f" steps: {gap:+.2%}: **{'met' if gap <= TOLERANCE else 'missed'}**.",
+    f"- plain asynchronous DiLoCo measurably worse (above synchronous DiLoCo on every seed):"
+    f" {plain_gap:+.2%}, above on {sum(worse)} of {len(seeds)} seeds:"
+    f" **{'met' if all(worse) else 'missed'}**."]
+
+
+def markdown(result: dict[str, Any], plot_name: str) -> str:
+  m = result["machine"]
+  return "\n".join([
+    "# Asynchronous DiLoCo on heterogeneous workers: delayed Nesterov and DyLU",
+    "",
+    _util.doc_markdown(__doc__, 1, 4),
+    "",
+    (f"Task `{result['task']}`; speeds {' : '.join(f'{v:g}' for v in result['speeds'])};"
+     f" H = {result['sync_period']} (DyLU: H_w = {', '.join(map(str, result['dylu_periods']))});"
+     f" R = {result['rounds']} rounds: {result['inner_steps']:,} inner steps per run; batch"
+     f" {result['batch_size']} per worker; outer {result['outer'][0]:g}, momentum"
+     f" {result['outer'][1]:g}; seeds {', '.join(map(str, result['seeds']))}. Simulated time:"
+     f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
+     " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13."
+     f" Load average {result['load_before']} before, {result['load_after']} after"
+     f" ({m['cores']} CPUs, {m['cpu']}); {result['wall_s'] / 60:.1f} min."),
+    "",
+    summary(result),
+    "",
+    f"![validation bits per byte against simulated time and inner steps]({plot_name})",
+  ])
+
+
+COLORS = dict(zip(("sync diloco", *PROTOCOLS), ("C0", "C3", "C1", "C2"), strict=True))
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+  """The anchor's metric against simulated time and against inner steps, a line per run."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  for r in result["runs"]:
+    label = r["name"] if r["seed"] == result["seeds"][0] else None
+    for ax, x in zip(axes, ("time", "steps"), strict=True):
+      ax.plot(r[x], r["metric"], color=COLORS[r["name"]], alpha=0.8, label=label)
+  axes[0].set_xlabel("simulated time (a step of the fastest worker = 1)")
+  axes[1].set_xlabel("inner steps, all workers")
+  axes[0].set_ylabel("validation bits per byte (anchor)")
+  axes[0].legend(fontsize=8)
+  for ax in axes:
+    ax.grid(True, alpha=0.3)
+  fig.suptitle(f"{result['task']}, speeds {result['speeds']}, H = {result['sync_period']},"
+               f" seeds {result['seeds']}; load {result['load_before']} →"
+               f" {result['load_after']}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def report(result: dict[str, Any], out: str) -> int:
+  """Writes ``OUT.png`` and ``OUT.md`` of ``result`` and prints the Markdown."""
+  plot(result, f"{out}.png")
+  text = markdown(result, os.path.basename(f"{out}.png"))
+  with open(f"{out}.md", "w") as f:
+    f.write(text + "\n")
+  print(text)
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  parser.add_argument("--duration", type=float, default=320.0)
-  parser.add_argument("--sync-period", type=int, default=16)
-  parser.add_argument("--inner-lr", type=float, default=0.05)
-  args = parser.parse_args()
-  h, n = args.sync_period, len(SPEEDS)
-  round_time = h / min(SPEEDS)
-  rounds = int(args.duration // round_time)
-  checkpoints = [args.duration * f for f in (0.25, 0.5, 1.0)]
-  print(f"load average before: {os.getloadavg()}, cpus: {os.cpu_count()}")
-  print(f"speeds {SPEEDS}, H={h} (DyLU: {ae.dylu_sync_periods(SPEEDS, h)}), inner sgd"
-        f" {args.inner_lr}, outer {OUTER_LR}/{OUTER_MOMENTUM}, duration {args.duration:g}")
-  sgd = optax.sgd(args.inner_lr)
-  nesterov = optax.sgd(OUTER_LR, OUTER_MOMENTUM, nesterov=True)
-  dn = optax_dist.delayed_nesterov(OUTER_LR, OUTER_MOMENTUM, buffer_size=n)
-  protocols = {
-    "async diloco": ae.diloco(sgd, nesterov, sync_period=h),
-    "async + delayed nesterov": ae.diloco(sgd, dn, sync_period=h),
-    "async + delayed nesterov + dylu": ae.diloco(sgd, dn, sync_period=h, dylu=True),
-  }
-  table = {name: [] for name in ["sync diloco", *protocols]}
-  start = time.perf_counter()
-  for seed in args.seeds:
-    problem = async_run.setup(TASKS["digits"], n, seed)
-    acc = sync_diloco(problem, h=h, rounds=rounds, inner_lr=args.inner_lr, seed=seed)
-    times = np.arange(rounds + 1) * round_time
-    table["sync diloco"].append([at(times, acc, t) for t in checkpoints])
-    for name, protocol in protocols.items():
-      t, a, commits = async_run_accuracy(problem, protocol, duration=args.duration, seed=seed,
-                                         eval_every=50)
-      table[name].append([at(t, a, c) for c in checkpoints])
-      print(f"  seed {seed} {name}: {commits} commits")
-  header = " ".join(f"t={c:>5g}" for c in checkpoints)
-  print(f"\n{'test accuracy, mean (min-max) over seeds':<34} {header}")
-  for name, rows in table.items():
-    rows = np.asarray(rows)
-    cells = " ".join(f"{rows[:, j].mean():.3f} ({rows[:, j].min():.3f}-{rows[:, j].max():.3f})"
-                     for j in range(len(checkpoints)))
-    print(f"{name:<34} {cells}")
-  print(f"\nload average after: {os.getloadavg()}, {time.perf_counter() - start:.0f} s")
+  parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
+  parser.add_argument("--rounds", type=int, default=None, help=f"R (default {ROUNDS})")
+  parser.add_argument("--sync-period", type=int, default=None, help=f"H (default {PERIOD})")
+  parser.add_argument("--task", default="lm", help="an optax-dist task (default lm)")
+  parser.add_argument("--quick", action="store_true",
+                      help=f"{QUICK['rounds']} rounds of H = {QUICK['period']}, seed 0: checks"
+                      " the program only")
+  parser.add_argument("--out", default=None,
+                      help="PREFIX of PREFIX.json, PREFIX.md and PREFIX.png (default"
+                      " benchmarks/async_dylu; with --quick, a temporary directory)")
+  parser.add_argument("--report", action="store_true",
+                      help="rewrite PREFIX.md and PREFIX.png from PREFIX.json; runs nothing")
+  args = parser.parse_args(argv)
+  quick = QUICK if args.quick else {}
+  out = args.out or (os.path.join(tempfile.mkdtemp(), "async_dylu") if args.quick
+                     else os.path.join(HERE, "async_dylu"))
+  if args.report:
+    with open(f"{out}.json") as f:
+      return report(json.load(f), out)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  result = measure(args.seeds or quick.get("seeds", [0, 1, 2]),
+                   args.rounds or quick.get("rounds", ROUNDS),
+                   args.sync_period or quick.get("period", PERIOD), args.task)
+  with open(f"{out}.json", "w") as f:
+    json.dump(result, f, indent=1)
+  report(result, out)
+  print(f"[bench] wrote {out}.json, .md and .png in {result['wall_s'] / 60:.1f} min")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

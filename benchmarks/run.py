@@ -293,6 +293,8 @@ def _render(store: dict, out: str) -> None:
                "make bench-equal-tokens"),
     *_included("lm_exchanges.md", "Language model: quality against bytes, by exchange format",
                "make bench-lm-exchanges"),
+    *_included("async_dylu.md", "Asynchronous DiLoCo on heterogeneous workers: delayed Nesterov"
+               " and DyLU", "make bench-async-dylu"),
   ]
   for title, name, body in (
       ("Language model: quality against communication", "lm_quality", _lm_quality_md),
