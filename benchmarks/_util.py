@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import statistics
@@ -57,6 +58,11 @@ def load_average() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
   except OSError:
     return "unknown"
+
+
+def now() -> str:
+  """The UTC date and time to the minute, e.g. ``2026-11-25 08:52 UTC``."""
+  return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def median(xs: Sequence[float]) -> float:

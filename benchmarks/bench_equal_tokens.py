@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -213,12 +212,8 @@ def record(spec: Spec, result: dict[str, Any], load_before: str) -> dict[str, An
     "curve": {"step": history["step"], "bits_per_byte": history["test_bits_per_byte_eval_params"]},
     "wall_s": result["wall_time_s"], "train_s": sum(result["step_times"]),
     "step_s": statistics.median(result["step_times"]),
-    "load_before": load_before, "load_after": _util.load_average(), "date": _now(),
+    "load_before": load_before, "load_after": _util.load_average(), "date": _util.now(),
   }
-
-
-def _now() -> str:
-  return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
@@ -609,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.plan:
     return 0
   if not args.report:
-    start, load_start, date = time.perf_counter(), _util.load_average(), _now()
+    start, load_start, date = time.perf_counter(), _util.load_average(), _util.now()
     trained = train_all(grid, seeds, steps, runs_dir)
     meta["invocations"].append({"date": date, "load_start": load_start,
                                 "load_end": _util.load_average(), "runs_trained": trained,

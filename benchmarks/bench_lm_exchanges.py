@@ -27,7 +27,8 @@ left out) and the load average before and after.
 
 Usage: ``python benchmarks/bench_lm_exchanges.py [--steps N] [--quick] [--out PREFIX]`` writes
 PREFIX.json, PREFIX.md and PREFIX.png (default ``benchmarks/lm_exchanges``; with ``--quick``, a
-few short runs into a temporary directory, to check the program).
+few short runs into a temporary directory, to check the program); ``--add LABELS`` trains only
+those runs and puts them into PREFIX.json.
 """
 
 from __future__ import annotations
@@ -187,6 +188,23 @@ def measure(steps: int, period: int, labels: tuple[str, ...] | None = None) -> d
           "load_after": _util.load_average(), "wall_s": time.perf_counter() - start}
 
 
+def add(result: dict[str, Any], labels: tuple[str, ...]) -> dict[str, Any]:
+  """``result`` with the rows ``labels`` of :func:`grid` trained now, at its steps and H, in
+  place of its rows of the same labels (the others kept, in grid order); ``added`` records
+  when, the load and the wall time of each such addition."""
+  unknown = sorted(set(labels) - {r["label"] for r in grid()})
+  if unknown:
+    raise SystemExit(f"--add: no such run {', '.join(unknown)}; the runs are"
+                     f" {', '.join(r['label'] for r in grid())}")
+  new = measure(result["steps"], result["period"], labels)
+  runs = {r["label"]: r for r in result["runs"]} | {r["label"]: r for r in new["runs"]}
+  order = [r["label"] for r in grid()]
+  return {**result, "runs": sorted(runs.values(), key=lambda r: order.index(r["label"])),
+          "added": [*result.get("added", []), {
+            "labels": list(labels), "date": _util.now(), "load_before": new["load_before"],
+            "load_after": new["load_after"], "wall_s": new["wall_s"]}]}
+
+
 def expected_exchange(sizes: list[int], fmt: str) -> float:
   """The bytes of one ``diloco`` exchange of params of leaf sizes ``sizes`` in ``fmt``: codes and
   float32 scales (:func:`optax_dist._quantize.wire_bytes`), or the values' own bytes."""
@@ -306,7 +324,11 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" blocks of {result['block']}; {result['devices']} workers; one seed (0), so a"
      " difference of a few tenths of a percent is within the seed-to-seed spread. Load average"
      f" {result['load_before']} before, {result['load_after']} after ({m['cores']} CPUs,"
-     f" {m['cpu']}); {result['wall_s'] / 60:.1f} min."),
+     f" {m['cpu']}); {result['wall_s'] / 60:.1f} min."
+     + "".join(f" Added later ({a['date']}, `--add`), at the same settings:"
+               f" {', '.join(a['labels'])}; load average {a['load_before']} before,"
+               f" {a['load_after']} after; {a['wall_s'] / 60:.1f} min."
+               for a in result.get("added", []))),
     "",
     runs_table(result),
     "",
@@ -386,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                       " benchmarks/lm_exchanges; with --quick, a temporary directory)")
   parser.add_argument("--report", action="store_true",
                       help="rewrite PREFIX.md and PREFIX.png from PREFIX.json; trains nothing")
+  parser.add_argument("--add", default=None, metavar="LABELS",
+                      help="comma-separated runs of the grid to train now, at PREFIX.json's"
+                      " steps and H, in place of its runs of the same labels (the report says"
+                      " which were added, and when)")
   args = parser.parse_args(argv)
   if args.report:
     out = args.out or os.path.join(HERE, "lm_exchanges")
@@ -399,7 +425,11 @@ def main(argv: list[str] | None = None) -> int:
   steps = args.steps or quick.get("steps", STEPS)
   out = args.out or (os.path.join(tempfile.mkdtemp(), "lm_exchanges") if args.quick
                      else os.path.join(HERE, "lm_exchanges"))
-  result = measure(steps, quick.get("period", PERIOD), quick.get("labels"))
+  if args.add:
+    with open(f"{out}.json") as f:
+      result = add(json.load(f), tuple(args.add.split(",")))
+  else:
+    result = measure(steps, quick.get("period", PERIOD), quick.get("labels"))
   with open(f"{out}.json", "w") as f:
     json.dump(result, f, indent=1)
   report(result, out)

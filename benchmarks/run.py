@@ -97,7 +97,7 @@ def main() -> int:
     result = RUNNERS[name](args, out_dir)
     store["sections"][name] = {
       "result": result, "seconds": time.perf_counter() - t, "load_before": load_before,
-      "load_after": _util.load_average(), "command": command, "date": _now()}
+      "load_after": _util.load_average(), "command": command, "date": _util.now()}
     print(f"[bench] {name}: {store['sections'][name]['seconds']:.0f} s", file=sys.stderr,
           flush=True)
     store |= {"machine": _util.machine(), "versions": _util.versions()}
@@ -120,10 +120,6 @@ def _replot(store: dict, out_dir: str) -> None:
                             ("lm_multiprocess", bench_lm_multiprocess, "lm_multiprocess.png")):
     if name in store["sections"]:
       module.plot(store["sections"][name]["result"], os.path.join(out_dir, png))
-
-
-def _now() -> str:
-  return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def _load(path: str) -> dict:
