@@ -494,6 +494,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
       f"{m}: `--algorithm {a}{''.join(' ' + x for x in flags)}`"
       for m, (a, flags) in result["methods"].items()) + ".",
     "",
+    *[f"Note: {note}\n" for note in result.get("notes", [])],
     measurements_table(result),
     "",
     (f"Time to loss: the target is the highest final validation loss of the unshaped runs,"
@@ -533,8 +534,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     achieved = min(result["achieved_mbit"][rate].values())
     ax.set_title(f"{rate} (achieved {achieved:.0f} Mbit/s)", fontsize=9)
     ax.set_xlabel("training seconds (steps only)")
+    ax.axhline(target_loss(result), color="grey", lw=0.8, ls=":")
     ax.grid(True, alpha=0.3)
-  axes[0][0].set_ylabel("validation bits per byte")
+  # The first evaluation (step 0, about 9 bits per byte) is off the top: the end is what differs.
+  finals = [r["curve"]["bits_per_byte"][-1] for r in result["runs"]]
+  axes[0][0].set_ylim(min(finals) - 0.1, target_loss(result) + 1.0)
+  axes[0][0].set_ylabel("validation bits per byte (dotted: the target)")
   axes[0][-1].legend(fontsize=7)
   fig.suptitle(f"lm, {result['processes']} processes × {result['devices']} devices, veth pair"
                f" shaped with tbf\n{result['steps']} steps, H = {result['period']}; load"
@@ -569,10 +574,20 @@ def main(argv: list[str] | None = None) -> int:
                       help="keep each run's results and logs under DIR")
   parser.add_argument("--from-json", default=None, metavar="PATH",
                       help="rewrite the figure and the Markdown of PATH's results; runs nothing")
+  parser.add_argument("--note", default=None,
+                      help="with --from-json: add this note on the runs to PATH (shown above"
+                      " the measurements), e.g. what else ran on the machine during one of them")
   args = parser.parse_args(argv)
+  if args.note and not args.from_json:
+    parser.error("--note: needs --from-json PATH (the results the note is about)")
   if args.from_json:
     with open(args.from_json) as f:
-      return report(json.load(f), args.output or args.from_json.removesuffix("_results.json"))
+      result = json.load(f)
+    if args.note:
+      result["notes"] = [*result.get("notes", []), args.note]
+      with open(args.from_json, "w") as f:
+        json.dump(result, f, indent=1)
+    return report(result, args.output or args.from_json.removesuffix("_results.json"))
   reason = netns.unavailable()
   if reason is not None:
     print(f"[network] skipped: {reason}")
