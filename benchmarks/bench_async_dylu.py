@@ -187,8 +187,15 @@ def finals(result: dict[str, Any]) -> dict[str, dict[int, float]]:
   return out
 
 
+def sync_at(result: dict[str, Any], seed: int, t: float) -> float:
+  """Synchronous DiLoCo's metric of ``seed`` at simulated time ``t`` (its last round by then)."""
+  (run,) = [r for r in result["runs"] if r["name"] == "sync diloco" and r["seed"] == seed]
+  return run["metric"][int(np.searchsorted(run["time"], t, side="right")) - 1]
+
+
 def summary(result: dict[str, Any]) -> str:
-  """The table of final metrics and their gaps to synchronous DiLoCo, with the targets."""
+  """The table of final metrics and their gaps to synchronous DiLoCo (at equal inner steps and at
+  the run's end time), with the targets."""
   by_name, sync = finals(result), finals(result)["sync diloco"]
   rows = []
   for name, values in by_name.items():
@@ -196,13 +203,15 @@ def summary(result: dict[str, Any]) -> str:
     v = np.asarray([values[s] for s in seeds])
     gaps = np.asarray([values[s] / sync[s] - 1 for s in seeds])
     runs = [r for r in result["runs"] if r["name"] == name]
+    then = np.mean([sync_at(result, r["seed"], r["time"][-1]) for r in runs])
     rows.append([name, f"{v.mean():.4f} ± {v.std():.4f}",
                  "—" if name == "sync diloco" else f"{gaps.mean():+.2%} ± {gaps.std():.2%}",
-                 f"{np.mean([r['time'][-1] for r in runs]):.0f}",
+                 f"{np.mean([r['time'][-1] for r in runs]):.0f}", f"{then:.4f}",
                  f"{np.mean([r['commits'] for r in runs]):.0f}",
                  f"{np.mean([r['mean_staleness'] for r in runs]):.2f}"])
   table = _util.table(["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over seeds)",
-                       "simulated time", "outer steps", "mean staleness"], rows, "lrrrrr")
+                       "simulated time", "sync diloco at that time", "outer steps",
+                       "mean staleness"], rows, "lrrrrrr")
   return table + "\n\nTargets:\n\n" + "\n".join(targets(result))
 
 
@@ -262,9 +271,13 @@ def plot(result: dict[str, Any], path: str) -> None:
     label = r["name"] if r["seed"] == result["seeds"][0] else None
     for ax, x in zip(axes, ("time", "steps"), strict=True):
       ax.plot(r[x], r["metric"], color=COLORS[r["name"]], alpha=0.8, label=label)
+  # Runs that end above where they started (diverged) go off the top: the others are close.
+  kept = [r["metric"][-1] for r in result["runs"] if r["metric"][-1] < r["metric"][0]]
+  if kept:
+    axes[0].set_ylim(min(kept) - 0.2, max(kept) + 1.0)
   axes[0].set_xlabel("simulated time (a step of the fastest worker = 1)")
   axes[1].set_xlabel("inner steps, all workers")
-  axes[0].set_ylabel("validation bits per byte (anchor)")
+  axes[0].set_ylabel("validation bits per byte (anchor; diverged runs off the top)")
   axes[0].legend(fontsize=8)
   for ax in axes:
     ax.grid(True, alpha=0.3)
