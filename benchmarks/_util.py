@@ -100,6 +100,17 @@ def human_bytes(nbytes: float) -> str:
   return f"{nbytes:.0f} B"
 
 
+def write_report(result: Any, prefix: str, plot: Callable[[Any, str], None],
+                 markdown: Callable[[Any, str], str]) -> str:
+  """Draws ``plot(result, PREFIX.png)``, writes ``markdown(result, "PREFIX.png")`` (the figure
+  named relative to the Markdown) to ``PREFIX.md`` and returns that Markdown."""
+  plot(result, f"{prefix}.png")
+  text = markdown(result, os.path.basename(f"{prefix}.png"))
+  with open(f"{prefix}.md", "w") as f:
+    f.write(text + "\n")
+  return text
+
+
 def doc_markdown(doc: str, first: int, last: int | None = None) -> str:
   """Paragraphs ``first`` to ``last`` of a module docstring as Markdown (bullets kept)."""
   import re

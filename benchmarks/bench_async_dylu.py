@@ -291,11 +291,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def report(result: dict[str, Any], out: str) -> int:
   """Writes ``OUT.png`` and ``OUT.md`` of ``result`` and prints the Markdown."""
-  plot(result, f"{out}.png")
-  text = markdown(result, os.path.basename(f"{out}.png"))
-  with open(f"{out}.md", "w") as f:
-    f.write(text + "\n")
-  print(text)
+  print(_util.write_report(result, out, plot, markdown))
   return 0
 
 

@@ -442,9 +442,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(result: dict[str, Any], out: str) -> int:
   """Writes ``OUT.png`` and ``OUT.md`` of ``result``."""
-  plot(result, f"{out}.png")
-  with open(f"{out}.md", "w") as f:
-    f.write(markdown(result, os.path.basename(f"{out}.png")) + "\n")
+  _util.write_report(result, out, plot, markdown)
   print(f"[bench] wrote {out}.md and .png")
   return 0
 

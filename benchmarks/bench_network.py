@@ -615,11 +615,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(result: dict[str, Any], output: str) -> int:
   """Writes ``OUTPUT.png`` and ``OUTPUT.md`` of ``result`` and prints the Markdown."""
-  plot(result, f"{output}.png")
-  text = markdown(result, os.path.basename(f"{output}.png"))
-  with open(f"{output}.md", "w") as f:
-    f.write(text + "\n")
-  print(text)
+  import _util
+
+  print(_util.write_report(result, output, plot, markdown))
   print(f"[network] wrote {output}.png and {output}.md")
   return 0
 

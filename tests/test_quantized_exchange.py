@@ -208,6 +208,16 @@ def test_error_feedback_sent_plus_residual_is_the_pseudo_gradients(fmt):
   assert max(np.abs(g).max() for g in gap.values()) > 1e-3 * scale
 
 
+def _assert_resized_to_the_mean(tx, state, params, residual):
+  """``resize_state`` to 2 workers gives each the workers' mean residual."""
+  new_state, _ = optax_dist.resize_state(tx, state, params, 2)
+  for k, r in residual.items():
+    np.testing.assert_allclose(
+      np.asarray(new_state.error_feedback[k]), np.broadcast_to(r.mean(0), (2, *r.shape[1:])),
+      rtol=1e-6, atol=1e-9,
+    )
+
+
 def test_error_feedback_residual_is_mean_on_resize_and_eval_params_is_the_anchor():
   n = 4
   *_, (_, _, state, params) = _run_diloco("e3m0", n, True, syncs=2)
@@ -215,12 +225,7 @@ def test_error_feedback_residual_is_mean_on_resize_and_eval_params_is_the_anchor
   residual = {k: np.asarray(v) for k, v in state.error_feedback.items()}
   assert all(np.abs(r).max() > 0 for r in residual.values())
   assert not np.array_equal(residual["w"][0], residual["w"][1])  # each worker's own
-  new_state, _ = optax_dist.resize_state(tx, state, params, 2)
-  for k, r in residual.items():
-    np.testing.assert_allclose(
-      np.asarray(new_state.error_feedback[k]), np.broadcast_to(r.mean(0), (2, *r.shape[1:])),
-      rtol=1e-6, atol=1e-9,
-    )
+  _assert_resized_to_the_mean(tx, state, params, residual)
   # eval_params returns the anchor, the same as without error feedback.
   evaluated = optax_dist.eval_params(state, params)
   jax.tree.map(np.testing.assert_array_equal, evaluated, state.anchor)
@@ -475,12 +480,7 @@ def test_streaming_diloco_error_feedback_residual_is_mean_on_resize():
     _, state = jax.vmap(tx.update, axis_name=AXIS)(_gradients(rng, n), state, params)
   residual = {k: np.asarray(v) for k, v in state.error_feedback.items()}
   assert not np.array_equal(residual["w"][0], residual["w"][1])  # each worker's own
-  new_state, _ = optax_dist.resize_state(tx, state, params, 2)
-  for k, r in residual.items():
-    np.testing.assert_allclose(
-      np.asarray(new_state.error_feedback[k]), np.broadcast_to(r.mean(0), (2, *r.shape[1:])),
-      rtol=1e-6, atol=1e-9,
-    )
+  _assert_resized_to_the_mean(tx, state, params, residual)
 
 
 # ----------------------------------------------------------------------------------------------
