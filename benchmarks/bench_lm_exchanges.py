@@ -433,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
   with open(f"{out}.json", "w") as f:
     json.dump(result, f, indent=1)
   report(result, out)
-  print(f"[bench] wrote {out}.json in {result['wall_s'] / 60:.1f} min")
+  took = result["added"][-1]["wall_s"] if args.add else result["wall_s"]
+  print(f"[bench] wrote {out}.json in {took / 60:.1f} min")
   if args.quick:
     print(f"[bench] the full grid ({len(grid())} runs) at {STEPS} steps: about"
           f" {estimate(result, STEPS):.0f} min at this load")
