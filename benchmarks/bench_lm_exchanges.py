@@ -207,11 +207,12 @@ def add(result: dict[str, Any], labels: tuple[str, ...]) -> dict[str, Any]:
 
 def expected_exchange(sizes: list[int], fmt: str) -> float:
   """The bytes of one ``diloco`` exchange of params of leaf sizes ``sizes`` in ``fmt``: codes and
-  float32 scales (:func:`optax_dist._quantize.wire_bytes`), or the values' own bytes."""
+  float32 scales of all the leaves end to end (:func:`optax_dist._quantize.wire_bytes`), or the
+  values' own bytes."""
   from optax_dist._quantize import wire_bytes
 
   if fmt in QUANTIZED:
-    return float(sum(wire_bytes(n, fmt, BLOCK) for n in sizes))
+    return float(wire_bytes(sum(sizes), fmt, BLOCK))
   itemsize = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}[fmt]
   return float(itemsize * sum(sizes))
 

@@ -352,13 +352,42 @@ def _gathered_sum(packed: Packed, axis_name: Hashable | tuple, fmt: str, shape, 
   return total.reshape(-1)[: math.prod(shape)].reshape(shape).astype(dtype)
 
 
+def _packable(x: jax.Array) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating) and x.size > 0
+
+
+def _concatenated(leaves: list[jax.Array]) -> jax.Array:
+  """The floating, non-empty ``leaves``, each flattened and cast to float32, end to end."""
+  return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves if _packable(x)])
+
+
+def _split(
+  flat: jax.Array, leaves: list[jax.Array], others: list[Any], dtype: Any = None
+) -> list[Any]:
+  """Undoes :func:`_concatenated`: each floating, non-empty leaf's values of ``flat`` (float32,
+  ``[..., total]``; leading dims kept) in that leaf's shape and dtype (or ``dtype``);
+  ``others`` in the other leaves' places."""
+  out, offset = [], 0
+  for x, other in zip(leaves, others, strict=True):
+    if not _packable(x):
+      out.append(other)
+      continue
+    piece = flat[..., offset : offset + x.size]
+    out.append(piece.reshape(*flat.shape[:-1], *x.shape).astype(dtype or x.dtype))
+    offset += x.size
+  return out
+
+
 def quantized_sum(
   tree: Any, axis_name: Hashable | tuple, fmt: Any = "int8", block_size: int = 256
 ) -> Any:
   r"""The sum of ``tree`` over the workers of ``axis_name``, each worker sending block codes.
 
-  Each floating leaf :math:`x^{(w)}` of worker :math:`w` is :func:`encode`\ d, the codes and
-  scales of every worker are gathered (``jax.lax.all_gather``), and each worker computes
+  The floating leaves of worker :math:`w` are flattened and concatenated, in ``tree``'s leaf
+  order, into one float32 vector :math:`x^{(w)}` of :math:`n` values (the floating leaves'
+  total), which is :func:`encode`\ d once: a block may hold the end of one leaf and the start
+  of the next, and only the last block is padded. The codes and scales of every worker are
+  gathered (``jax.lax.all_gather``), and each worker computes
 
   .. math::
 
@@ -366,10 +395,10 @@ def quantized_sum(
       + \hat x^{(N-1)}
 
   in float32, adding the decoded workers one after another in axis order, so that the result
-  is bit-identical on every worker; it is then cast to the leaf's dtype. The quantization error
-  is each worker's own: about :math:`\sqrt N` (independent errors) to :math:`N` times one
-  worker's, see the module's docstring for one value's bound. Leaves that are not floating
-  point, and empty leaves, are summed with ``jax.lax.psum``.
+  is bit-identical on every worker; each leaf's part is then cast to that leaf's dtype. The
+  quantization error is each worker's own: about :math:`\sqrt N` (independent errors) to
+  :math:`N` times one worker's, see the module's docstring for one value's bound. Leaves that
+  are not floating point, and empty leaves, are summed with ``jax.lax.psum``.
 
   Args:
     tree: a pytree of arrays, the same structure and shapes on every worker.
@@ -382,14 +411,16 @@ def quantized_sum(
     ``tree``'s structure, shapes and dtypes: the sums.
 
   Collectives:
-    Two ``all_gather`` over ``axis_name`` per floating leaf (codes and scales; XLA may combine
-    them): each worker sends :func:`wire_bytes` ``(leaf.size, fmt, block_size)`` and receives
-    :math:`N` times that (its own included), so the bytes received grow linearly with the
-    workers while a ring ``psum`` stays near :math:`2\,n\,\text{itemsize}`. Per value and
-    worker, gathering :math:`N(c + 4/B)` bytes beats a float32 ring all-reduce (:math:`\approx 8`
-    bytes) up to :math:`N = 7` workers for ``int8`` and :math:`N = 15` for the 4-bit formats
-    (:math:`B = 256`), and a bfloat16 one (:math:`\approx 4`) up to 3 and 7. Memory: the
-    gathered codes, :math:`N` times one worker's, and one float32 copy of the leaf.
+    Two ``all_gather`` over ``axis_name`` for the whole tree (the codes and the scales): each
+    worker sends :func:`wire_bytes` ``(n, fmt, block_size)`` and receives :math:`N` times that
+    (its own included), so the bytes received grow linearly with the workers while a ring
+    ``psum`` stays near :math:`2\,n\,\text{itemsize}`. Per value and worker, gathering
+    :math:`N(c + 4/B)` bytes beats a float32 ring all-reduce (:math:`\approx 8` bytes) up to
+    :math:`N = 7` workers for ``int8`` and :math:`N = 15` for the 4-bit formats
+    (:math:`B = 256`), and a bfloat16 one (:math:`\approx 4`) up to 3 and 7. Two operands
+    however many leaves: a transport that frames each operand apart (gloo) adds its framing
+    twice per exchange. Memory: the gathered codes, :math:`N` times one worker's, and one
+    float32 copy of the floating leaves.
 
   Raises:
     ValueError: ``fmt`` not one of :data:`FORMATS`; ``block_size`` below 1, or odd for a
@@ -398,14 +429,14 @@ def quantized_sum(
   """
   fmt = _format("quantized_sum", fmt)
   block_size = _block_size("quantized_sum", block_size, fmt)
-
-  def leaf_sum(x):
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0:
-      return jax.lax.psum(x, axis_name)
-    return _gathered_sum(encode(x, fmt, block_size), axis_name, fmt, x.shape, x.dtype)
-
-  return jax.tree.map(leaf_sum, tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves = [jnp.asarray(x) for x in leaves]
+  others = [None if _packable(x) else jax.lax.psum(x, axis_name) for x in leaves]
+  if not any(map(_packable, leaves)):
+    return treedef.unflatten(others)
+  flat = _concatenated(leaves)
+  total = _gathered_sum(encode(flat, fmt, block_size), axis_name, fmt, flat.shape, flat.dtype)
+  return treedef.unflatten(_split(total, leaves, others))
 
 
 def quantized_sum_with_feedback(
@@ -414,10 +445,11 @@ def quantized_sum_with_feedback(
 ) -> tuple[Any, Any]:
   r""":func:`quantized_sum` of ``tree`` plus each worker's ``residual``; returns the new residual.
 
-  Each floating leaf :math:`x^{(w)}` is sent as :func:`quantize_with_feedback` ``(x, r)`` sends
-  it, :math:`t = x + r` encoded, and the sums are those of :func:`quantized_sum` of the
-  :math:`t`. Leaves that are not floating point, and empty leaves, are summed with
-  ``jax.lax.psum`` and keep their residual.
+  The floating leaves and their residuals are concatenated as in :func:`quantized_sum`, and the
+  vector is sent as :func:`quantize_with_feedback` ``(x, r)`` sends it, :math:`t = x + r`
+  encoded; the sums are those of :func:`quantized_sum` of the :math:`t`, and each leaf's new
+  residual is its part of :math:`r' = t - \hat t`. Leaves that are not floating point, and
+  empty leaves, are summed with ``jax.lax.psum`` and keep their residual.
 
   Args:
     tree: a pytree of arrays, the same structure and shapes on every worker.
@@ -433,21 +465,32 @@ def quantized_sum_with_feedback(
     Those of :func:`quantized_sum`.
 
   Raises:
-    As :func:`quantized_sum`.
+    As :func:`quantized_sum`; ValueError: a leaf of ``residual`` not of its leaf's shape.
   """
   fmt = _format("quantized_sum_with_feedback", fmt)
   block_size = _block_size("quantized_sum_with_feedback", block_size, fmt)
-
-  def leaf_sum(x, r):
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0:
-      return jax.lax.psum(x, axis_name), r
-    packed, new_r = quantize_with_feedback(x, r, fmt, block_size)
-    return _gathered_sum(packed, axis_name, fmt, x.shape, x.dtype), new_r
-
-  pairs = jax.tree.map(leaf_sum, tree, residual)
-  outer, inner = jax.tree.structure(tree), jax.tree.structure((0, 0))
-  return jax.tree.transpose(outer, inner, pairs)
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves = [jnp.asarray(x) for x in leaves]
+  residuals = treedef.flatten_up_to(residual)
+  for x, r in zip(leaves, residuals, strict=True):
+    if jnp.shape(r) != x.shape:
+      raise ValueError(
+        "`quantized_sum_with_feedback(residual=...)` must have the shapes of `tree`: a leaf of"
+        f" shape {x.shape} has a residual of shape {jnp.shape(r)}."
+      )
+  sums = [None if _packable(x) else jax.lax.psum(x, axis_name) for x in leaves]
+  if not any(map(_packable, leaves)):
+    return treedef.unflatten(sums), residual
+  flat = _concatenated(leaves)
+  flat_residual = jnp.concatenate(
+    [jnp.ravel(r).astype(jnp.float32) for x, r in zip(leaves, residuals) if _packable(x)]
+  )
+  packed, new_residual = quantize_with_feedback(flat, flat_residual, fmt, block_size)
+  total = _gathered_sum(packed, axis_name, fmt, flat.shape, flat.dtype)
+  return (
+    treedef.unflatten(_split(total, leaves, sums)),
+    treedef.unflatten(_split(new_residual, leaves, residuals, jnp.float32)),
+  )
 
 
 def quantized_all_gather(
@@ -456,23 +499,23 @@ def quantized_all_gather(
   r"""``jax.lax.all_gather`` of ``tree``'s leaves, each worker sending :func:`encode`\ d codes.
 
   Returns ``tree``'s structure with a new leading axis of the :math:`N` workers (axis order),
-  each worker's leaf decoded to its dtype. Leaves that are not floating point, and empty
-  leaves, are gathered as they are.
+  each worker's leaf decoded to its dtype. The floating leaves are concatenated and encoded
+  together as in :func:`quantized_sum`; leaves that are not floating point, and empty leaves,
+  are gathered as they are.
 
   Collectives:
-    Those of :func:`quantized_sum`: per floating leaf, each worker sends :func:`wire_bytes` and
-    receives :math:`N` times that.
+    Those of :func:`quantized_sum`: two ``all_gather`` for the floating leaves, each worker
+    sending :func:`wire_bytes` of their total and receiving :math:`N` times that.
   """
   fmt = _format("quantized_all_gather", fmt)
   block_size = _block_size("quantized_all_gather", block_size, fmt)
-
-  def leaf_gather(x):
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0:
-      return jax.lax.all_gather(x, axis_name)
-    gathered = jax.lax.all_gather(encode(x, fmt, block_size), axis_name)
-    values = jax.vmap(lambda c, s: _decode_blocks(Packed(c, s), fmt))(*gathered)
-    n = values.shape[0]
-    return values.reshape(n, -1)[:, : x.size].reshape((n, *x.shape)).astype(x.dtype)
-
-  return jax.tree.map(leaf_gather, tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves = [jnp.asarray(x) for x in leaves]
+  others = [None if _packable(x) else jax.lax.all_gather(x, axis_name) for x in leaves]
+  if not any(map(_packable, leaves)):
+    return treedef.unflatten(others)
+  flat = _concatenated(leaves)
+  gathered = jax.lax.all_gather(encode(flat, fmt, block_size), axis_name)
+  values = jax.vmap(lambda c, s: _decode_blocks(Packed(c, s), fmt))(*gathered)
+  values = values.reshape(values.shape[0], -1)[:, : flat.size]
+  return treedef.unflatten(_split(values, leaves, others))

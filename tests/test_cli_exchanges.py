@@ -144,7 +144,7 @@ def test_quantized_run_sends_codes_and_scales_and_records_the_options():
   steps = result["collective_bytes"]
   sync = (steps["communication_step"]["unconditional"][AXIS]
           - steps["non_communication_step"]["unconditional"][AXIS])  # less the loss' mean
-  assert sync == sum(wire_bytes(n, "int8", 32) for n in sizes)
+  assert sync == wire_bytes(sum(sizes), "int8", 32)  # every leaf end to end, one last block
   assert sum(4 * n for n in sizes) / sync > 3.5  # about 4x fewer than float32's
 
 
@@ -165,7 +165,7 @@ def test_quantized_exchange_across_replicas_over_a_float32_tower():
   k = WORKERS // 2  # devices per replica, each sending its 1/k slice across
   assert quantized["data"] == plain["data"]  # within a replica: float32 either way
   assert plain["replica"] == sum(4 * -(-n // k) for n in sizes)
-  assert quantized["replica"] == sum(wire_bytes(-(-n // k), "int8", 32) for n in sizes)
+  assert quantized["replica"] == wire_bytes(sum(-(-n // k) for n in sizes), "int8", 32)
 
 
 REFUSED = {

@@ -232,6 +232,11 @@ def test_errors():
     _quantize.decode(_quantize.encode(jnp.ones(4), "int8", 8), "int8", (9,))
   with pytest.raises(ValueError, match=r"residual=...\)` must have the shape of `x`"):
     _quantize.quantize_with_feedback(jnp.ones(4), jnp.zeros(3))
+  # The leaves are sent end to end: a residual of the right total size but another shape is
+  # still refused, naming both shapes.
+  with pytest.raises(ValueError, match=r"leaf of shape \(2, 3\) has a residual of shape \(6,\)"):
+    jax.vmap(lambda t, r: _quantize.quantized_sum_with_feedback(t, r, "w"), axis_name="w")(
+      {"a": jnp.ones((1, 2, 3))}, {"a": jnp.zeros((1, 6))})
   _quantize.encode(jnp.ones(7), "int8", 7)  # an odd block is fine for int8
   assert _quantize.wire_bytes(8, jnp.int8, 4) == 16  # dtypes name their formats
 
@@ -251,18 +256,20 @@ def worker_trees(seed=5):
 
 
 def ref_quantized_sum(trees, fmt, block_size):
-  """Each worker's decoded values, added in worker order in float32; ints summed."""
-  out = {}
-  for key, leaf in trees.items():
-    if not np.issubdtype(leaf.dtype, np.floating) and leaf.dtype != ml_dtypes.bfloat16:
-      out[key] = leaf.sum(axis=0, dtype=leaf.dtype)
-      continue
-    size = math.prod(leaf.shape[1:])
-    decoded = [ref_decode(*ref_encode(worker, fmt, block_size), size) for worker in leaf]
-    total = decoded[0]
-    for d in decoded[1:]:
-      total = total + d
-    out[key] = total.reshape(leaf.shape[1:]).astype(leaf.dtype)
+  """Each worker's floating leaves (sorted keys, as ``jax.tree.leaves``) end to end, encoded as
+  one vector; the decoded vectors added in worker order in float32; ints summed."""
+  floating = [k for k in sorted(trees) if trees[k].dtype != np.int32]
+  out = {k: leaf.sum(axis=0, dtype=leaf.dtype) for k, leaf in trees.items() if k not in floating}
+  sizes = [math.prod(trees[k].shape[1:]) for k in floating]
+  decoded = []
+  for worker in range(N):
+    flat = np.concatenate([trees[k][worker].astype(np.float32).ravel() for k in floating])
+    decoded.append(ref_decode(*ref_encode(flat, fmt, block_size), flat.size))
+  total = decoded[0]
+  for d in decoded[1:]:
+    total = total + d
+  for k, piece in zip(floating, np.split(total, np.cumsum(sizes)[:-1]), strict=True):
+    out[k] = piece.reshape(trees[k].shape[1:]).astype(trees[k].dtype)
   return out
 
 
@@ -303,8 +310,9 @@ def test_quantized_sum_shard_map_bytes_and_values(fmt):
   step = sharded_step(fmt, 64)
   report = optax_dist.communication_report(step, sharded)
   gathers = report.unconditional.of_kind("all-gather")
-  expected = _quantize.wire_bytes(300, fmt, 64) + _quantize.wire_bytes(7, fmt, 64)
+  expected = _quantize.wire_bytes(7 + 300, fmt, 64)  # "b" and "w" end to end: one last block
   assert gathers.bytes == expected
+  assert gathers.count == 2  # codes and scales, however many leaves
   assert gathers.result_bytes == N * expected
   code_dtype = "s8" if fmt == "int8" else "u8"
   assert {s.split("[")[0] for c in gathers for s in c.shapes} == {code_dtype, "f32"}
@@ -323,10 +331,12 @@ def test_quantized_sum_non_finite_block():
   out = jax.vmap(lambda t: _quantize.quantized_sum(t, "w", "e3m0", 64), axis_name="w")(
     jax.tree.map(jnp.asarray, trees)
   )
+  # "b" (7 values) then "w" end to end: w[j] is value 7 + j, in block (7 + j) // 64.
   w = np.asarray(out["w"][0]).ravel()
-  assert not np.isfinite(w[:64]).any()  # the block holding the NaN
-  assert not np.isfinite(w[256:300]).any()  # the (padded) block holding the inf
-  assert np.isfinite(w[64:256]).all()
+  assert not np.isfinite(np.asarray(out["b"][0], np.float32)).any()  # block 0: b and w[:57]
+  assert not np.isfinite(w[:57]).any()  # the block holding the NaN (w[5])
+  assert not np.isfinite(w[249:300]).any()  # the (padded) last block, holding the inf (w[299])
+  assert np.isfinite(w[57:249]).all()
 
 
 # ----------------------------------------------------------------------------------------------

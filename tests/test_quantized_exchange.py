@@ -84,6 +84,17 @@ def quantized(x: np.ndarray, fmt: str, block: int) -> np.ndarray:
   return decoded.ravel()[: flat.size].reshape(np.shape(x))
 
 
+def quantized_tree(tree: dict[str, np.ndarray], fmt: str, block: int) -> dict[str, np.ndarray]:
+  """What a worker sends for a dict of float32 leaves, decoded: the leaves, flattened in the
+  order of ``jax.tree.leaves`` (sorted keys), are quantized end to end as one vector, so a
+  block may span two leaves."""
+  keys = sorted(tree)
+  flat = quantized(np.concatenate([np.ravel(tree[k]) for k in keys]), fmt, block)
+  ends = np.cumsum([np.size(tree[k]) for k in keys])
+  return {k: piece.reshape(np.shape(tree[k]))
+          for k, piece in zip(keys, np.split(flat, ends[:-1]), strict=True)}
+
+
 def summed(values: list[np.ndarray]) -> np.ndarray:
   """The workers' values added one after another in worker order, in float32."""
   total = values[0]
@@ -160,21 +171,17 @@ def test_diloco_syncs_match_numpy_reference(fmt, error_feedback, n):
   """Each sync: anchor <- anchor - (1/N) sum_j Q(anchor - x'_j [+ r_j]), r_j <- the rest."""
   residual = {k: np.zeros((n, *s), np.float32) for k, s in SHAPES.items()}
   for anchor, x_new, state, params in _run_diloco(fmt, n, error_feedback):
+    targets = [{k: (anchor[k] - x_new[k][j] + residual[k][j]).astype(np.float32)
+                for k in SHAPES} for j in range(n)]  # residual: zeros without feedback
+    sent = [quantized_tree(target, fmt, BLOCK) for target in targets]
     for k in SHAPES:
-      sent, targets = [], []
-      for j in range(n):
-        target = (anchor[k] - x_new[k][j]).astype(np.float32)
-        if error_feedback:
-          target = (target + residual[k][j]).astype(np.float32)
-        targets.append(target)
-        sent.append(quantized(target, fmt, BLOCK))
-      delta = summed(sent) / np.float32(n)
+      delta = summed([q[k] for q in sent]) / np.float32(n)
       expected = (anchor[k] - delta).astype(np.float32)
       np.testing.assert_array_equal(np.asarray(state.anchor[k]), _stack({k: expected}, n)[k])
       # x_i <- theta, as x_i + (theta - x_i): to float32 rounding.
       np.testing.assert_allclose(params[k], _stack({k: expected}, n)[k], rtol=1e-6, atol=1e-7)
       if error_feedback:
-        residual[k] = np.stack([t - q for t, q in zip(targets, sent)]).astype(np.float32)
+        residual[k] = np.stack([t[k] - q[k] for t, q in zip(targets, sent)]).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(state.error_feedback[k]), residual[k])
     if not error_feedback:
       assert state.error_feedback is None
@@ -316,8 +323,9 @@ def test_shard_map_sync_gathers_packed_codes_and_scales(fmt):
   assert report.non_communication_step.bytes == 0
   sync = report.communication_step
   assert set(sync.by_kind()) == {"all-gather"}, sync
-  sent = sum(_packed_bytes(math.prod(s), fmt, BLOCK) for s in SHAPES.values())
-  assert sync.bytes == sent  # codes (1 or 1/2 byte per value, padded) + 4-byte scales
+  sent = _packed_bytes(sum(math.prod(s) for s in SHAPES.values()), fmt, BLOCK)
+  assert sync.bytes == sent  # codes (1 or 1/2 byte per value, the last block padded) + scales
+  assert sync.count == 2  # the codes and the scales of every leaf at once
   assert sync.result_bytes == n * sent
 
   # And the values: two syncs on 4 devices give the vmap reference's anchor.
@@ -327,9 +335,10 @@ def test_shard_map_sync_gathers_packed_codes_and_scales(fmt):
   for _ in range(H):
     params, state = step(params, state, put(grads))
     grads = jax.tree.map(np.zeros_like, grads)  # the second step leaves x' where it is
+  sent_values = [quantized_tree({k: anchor[k] - x_new[k][j] for k in SHAPES}, fmt, BLOCK)
+                 for j in range(n)]
   for k in SHAPES:
-    sent_values = [quantized(anchor[k] - x_new[k][j], fmt, BLOCK) for j in range(n)]
-    expected = anchor[k] - summed(sent_values) / np.float32(n)
+    expected = anchor[k] - summed([q[k] for q in sent_values]) / np.float32(n)
     np.testing.assert_array_equal(np.asarray(state.anchor[k]), _stack({k: expected}, n)[k])
 
 
@@ -353,11 +362,12 @@ def test_local_sgd_averages_quantized_params(fmt):
     before, x_new = params, {k: params[k] - grads[k] for k in params}
     updates, state = step(grads, state, params)
     params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
+    sent = [quantized_tree({k: x_new[k][j] for k in SHAPES}, fmt, BLOCK) for j in range(n)]
     for k in SHAPES:
       if s % H:
         np.testing.assert_array_equal(params[k], x_new[k])
         continue
-      mean = summed([quantized(x_new[k][j], fmt, BLOCK) for j in range(n)]) / np.float32(n)
+      mean = summed([q[k] for q in sent]) / np.float32(n)
       # x_i + (mean - x_i): the returned update, applied, lands on the mean to float rounding.
       expected = (before[k] + (mean - before[k])).astype(np.float32)
       np.testing.assert_array_equal(params[k], expected)
@@ -380,13 +390,15 @@ def test_elastic_average_center_receives_quantized_moves(fmt):
     x_new = {k: params[k] - grads[k] for k in params}
     updates, state = step(grads, state, params)
     params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
+    moves = [{k: (np.float32(alpha) * (x_new[k][j] - center[k])).astype(np.float32)
+              for k in SHAPES} for j in range(n)]
+    sent = [quantized_tree(move, fmt, BLOCK) for move in moves]
     for k in SHAPES:
-      moves = [(np.float32(alpha) * (x_new[k][j] - center[k])).astype(np.float32)
-               for j in range(n)]
-      expected = center[k] + summed([quantized(d, fmt, BLOCK) for d in moves])
+      expected = center[k] + summed([q[k] for q in sent])
       np.testing.assert_array_equal(np.asarray(state.center[k]), _stack({k: expected}, n)[k])
       # Each worker subtracts its own exact move.
-      np.testing.assert_allclose(params[k], x_new[k] - np.stack(moves), rtol=1e-6, atol=1e-7)
+      np.testing.assert_allclose(
+        params[k], x_new[k] - np.stack([m[k] for m in moves]), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("center_update", ["mean", "sequential"])
@@ -402,8 +414,9 @@ def test_agn_commits_quantized_gradients(center_update):
   grads = _gradients(rng, n)
   center = {k: np.asarray(v[0]) for k, v in state.center.items()}
   _, state = jax.jit(jax.vmap(tx.update, axis_name=AXIS))(grads, state, params)
+  commits = [quantized_tree({k: grads[k][j] for k in SHAPES}, fmt, BLOCK) for j in range(n)]
   for k in SHAPES:
-    sent = [quantized(grads[k][j], fmt, BLOCK) for j in range(n)]
+    sent = [q[k] for q in commits]
     if center_update == "mean":
       expected = center[k] - summed(sent) / np.float32(n)
     else:
