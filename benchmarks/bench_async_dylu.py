@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -56,15 +57,16 @@ QUICK = {"rounds": 2, "period": 6, "seeds": [0]}
 PROTOCOLS = ("async diloco", "async + delayed nesterov", "async + delayed nesterov + dylu")
 
 
-def recipe(steps: int, task: str) -> tuple[Any, int]:
-  """The inner optimizer of ``optax-dist train --task TASK --steps STEPS`` (the command's
-  recipe) and its batch size per worker."""
+def recipe(steps: int, task: str, flags: tuple[str, ...] = ()) -> tuple[Any, int]:
+  """The inner optimizer of ``optax-dist train --task TASK --steps STEPS FLAGS`` (the command's
+  recipe, changed by ``flags``, e.g. ``--lr-schedule constant``) and its batch size per
+  worker."""
   from optax_dist.cli.algorithms import inner_optimizer
   from optax_dist.cli.arguments import build_parser
   from optax_dist.cli.main import settings_of
   from optax_dist.cli.tasks import TASKS
 
-  args = build_parser().parse_args(["train", "--task", task, "--steps", str(steps)])
+  args = build_parser().parse_args(["train", "--task", task, "--steps", str(steps), *flags])
   settings = settings_of(args, TASKS[task])
   return inner_optimizer(settings), settings.batch_size
 
@@ -142,7 +144,8 @@ def async_curve(problem: dict[str, Any], protocol: Any, *, steps: int, batch: in
           "mean_staleness": float(stale.mean()) if stale.size else 0.0}
 
 
-def measure(seeds: list[int], rounds: int, h: int, task: str) -> dict[str, Any]:
+def measure(seeds: list[int], rounds: int, h: int, task: str,
+            flags: tuple[str, ...] = ()) -> dict[str, Any]:
   """Every protocol and synchronous DiLoCo on each seed, at equal inner steps."""
   import jax
 
@@ -152,7 +155,7 @@ def measure(seeds: list[int], rounds: int, h: int, task: str) -> dict[str, Any]:
 
   n, start, load_before = len(SPEEDS), time.perf_counter(), _util.load_average()
   total = n * rounds * h
-  inner, batch = recipe(rounds * h, task)
+  inner, batch = recipe(rounds * h, task, flags)
   runs = []
   for seed in seeds:
     problem = async_run.setup(TASKS[task], n, seed)
@@ -171,7 +174,7 @@ def measure(seeds: list[int], rounds: int, h: int, task: str) -> dict[str, Any]:
       print(f"[bench] seed {seed} {r['name']}: {r['metric'][-1]:.4f} at t = {r['time'][-1]:.0f},"
             f" {r['commits']} commits, {r['wall_s']:.0f} s", flush=True)
     jax.clear_caches()
-  return {"task": task, "speeds": SPEEDS, "rounds": rounds, "sync_period": h,
+  return {"task": task, "recipe_flags": list(flags), "speeds": SPEEDS, "rounds": rounds, "sync_period": h,
           "dylu_periods": ae.dylu_sync_periods(SPEEDS, h), "inner_steps": total,
           "batch_size": batch, "outer": [OUTER_LR, OUTER_MOMENTUM], "seeds": seeds,
           "runs": runs, "machine": _util.machine(), "versions": _util.versions(),
@@ -243,7 +246,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     (f"Task `{result['task']}`; speeds {' : '.join(f'{v:g}' for v in result['speeds'])};"
      f" H = {result['sync_period']} (DyLU: H_w = {', '.join(map(str, result['dylu_periods']))});"
      f" R = {result['rounds']} rounds: {result['inner_steps']:,} inner steps per run; batch"
-     f" {result['batch_size']} per worker; outer {result['outer'][0]:g}, momentum"
+     f" {result['batch_size']} per worker"
+     + (f" (recipe changed by `{' '.join(result['recipe_flags'])}`)"
+        if result.get("recipe_flags") else "")
+     + f"; outer {result['outer'][0]:g}, momentum"
      f" {result['outer'][1]:g}; seeds {', '.join(map(str, result['seeds']))}. Simulated time:"
      f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
      " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13."
@@ -301,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--rounds", type=int, default=None, help=f"R (default {ROUNDS})")
   parser.add_argument("--sync-period", type=int, default=None, help=f"H (default {PERIOD})")
   parser.add_argument("--task", default="lm", help="an optax-dist task (default lm)")
+  parser.add_argument("--recipe", default="",
+                      help="flags of `optax-dist train` changing the inner recipe, e.g."
+                      " '--lr-schedule constant' (default: none, the task's recipe)")
   parser.add_argument("--quick", action="store_true",
                       help=f"{QUICK['rounds']} rounds of H = {QUICK['period']}, seed 0: checks"
                       " the program only")
@@ -319,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   result = measure(args.seeds or quick.get("seeds", [0, 1, 2]),
                    args.rounds or quick.get("rounds", ROUNDS),
-                   args.sync_period or quick.get("period", PERIOD), args.task)
+                   args.sync_period or quick.get("period", PERIOD), args.task,
+                   tuple(shlex.split(args.recipe)))
   with open(f"{out}.json", "w") as f:
     json.dump(result, f, indent=1)
   report(result, out)

@@ -266,9 +266,10 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
 
 
 def measure(rates: list[str], methods: list[str], *, steps: int, period: int,
-            extra: list[str], repeats: int = 1, work: str | None = None) -> dict[str, Any]:
+            extra: list[str], repeats: int = 1, work: str | None = None,
+            sweep: bool = True) -> dict[str, Any]:
   """Every method of :data:`METHODS` at every rate over one :class:`netns.Link` (reshaped
-  between rates)."""
+  between rates), after :func:`outer_sweep` if ``sweep`` and the DiLoCo family is among them."""
   for rate in rates:
     netns.bits_per_second(rate)  # a bad rate fails before anything runs
   for method in methods:
@@ -280,7 +281,7 @@ def measure(rates: list[str], methods: list[str], *, steps: int, period: int,
             "param_bytes": param_bytes(), "load_before": [round(x, 2) for x in os.getloadavg()],
             "achieved_mbit": {}, "runs": []}
   start, port = time.perf_counter(), 12000
-  if "diloco" in methods or "streaming_diloco" in methods:
+  if sweep and ("diloco" in methods or "streaming_diloco" in methods):
     result["outer_sweep"] = outer_sweep(steps=steps, period=period, extra=extra)
   with tempfile.TemporaryDirectory() as tmp, netns.Link() as link:
     for repeat in range(repeats):
@@ -408,6 +409,31 @@ def summary_table(result: dict[str, Any]) -> str:
   return _util_table(header, rows, "llrrrr")
 
 
+def sensitivity_table(result: dict[str, Any], levels: int = 5) -> str:
+  """The speed-up over sync at the slowest rate for other target losses: ``levels`` of them
+  evenly spaced from :func:`target_loss` down to the lowest final loss of the unshaped runs
+  other than sync's (where the best of them ends, at its last evaluation)."""
+  import numpy as np
+
+  rate = result["rates"][-1]
+  unshaped = "unshaped" if "unshaped" in result["rates"] else result["rates"][0]
+  sync = _runs(result, rate, "sync")
+  lowest = min(r["bits_per_byte"] for r in result["runs"]
+               if r["rate"] == unshaped and r["method"] != "sync")
+  losses = np.linspace(target_loss(result), lowest, levels).tolist()
+  methods = [m for m in result["methods"] if m != "sync" and _runs(result, rate, m)]
+  rows = []
+  for loss in losses:
+    sync_time = _median_of(sync, lambda r: time_to(r, loss))
+    cells = []
+    for method in methods:
+      reach = _median_of(_runs(result, rate, method), lambda r: time_to(r, loss))
+      cells.append(_fmt(sync_time / reach if sync_time and reach else None, ".2f"))
+    rows.append([f"{loss:.3f}", _fmt(sync_time, ".1f"), *cells])
+  header = ["target bits/byte", f"sync's training s at {rate}", *methods]
+  return _util_table(header, rows, "r" * len(header))
+
+
 def _util_table(header: list[str], rows: list[list[str]], align: str) -> str:
   import _util
 
@@ -507,6 +533,9 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     "",
     summary_table(result),
     "",
+    *([(f"The speed-up over sync at {result['rates'][-1]} for other targets, from the one above"
+        " down to the lowest final loss of the other unshaped runs ('–': not reached):"), "",
+       sensitivity_table(result), ""] if _runs(result, result["rates"][-1], "sync") else []),
     "Targets:",
     "",
     *targets(result),
@@ -574,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--output", default=None,
                       help="PREFIX of PREFIX_results.json, PREFIX.png and PREFIX.md (default"
                            " benchmarks/network; with --quick, a temporary directory)")
+  parser.add_argument("--no-outer-sweep", action="store_true",
+                      help="skip the outer-optimizer sweep run before the DiLoCo family")
   parser.add_argument("--keep-logs", default=None, metavar="DIR",
                       help="keep each run's results and logs under DIR")
   parser.add_argument("--from-json", default=None, metavar="PATH",
@@ -608,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     result = measure(rates, methods, steps=steps, period=period,
                      extra=shlex.split(args.extra_args), repeats=args.repeats,
-                     work=args.keep_logs)
+                     work=args.keep_logs, sweep=not args.no_outer_sweep)
   except netns.Unavailable as e:
     print(f"[network] skipped: {e}")
     return 0

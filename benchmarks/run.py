@@ -285,6 +285,13 @@ def _render(store: dict, out: str) -> None:
      " time beside wall time. The validation losses do not depend on the load."),
     "",
     *_network_md(),
+    *_included("network_formats.md", "Quantized exchanges over the 10 Mbit/s link (H = 20)",
+               "python benchmarks/bench_network.py --rates 10mbit --methods"
+               " diloco,diloco_int8,diloco_e3m0_feedback --no-outer-sweep --output"
+               " benchmarks/network_formats", heading=True),
+    *_included("network_h10.md", "The slow link at H = 10, with overlap and exchange formats",
+               "python benchmarks/bench_network.py --period 10 --methods ... --output"
+               " benchmarks/network_h10", heading=True),
     *_included("equal_tokens.md", "DiLoCo against data parallel at equal tokens",
                "make bench-equal-tokens"),
     *_included("lm_exchanges.md", "Language model: quality against bytes, by exchange format",
@@ -324,14 +331,17 @@ def _network_md() -> list[str]:
   return [title, "", f"Measured by `make bench-network` ({when:%Y-%m-%d %H:%M} UTC).", body, ""]
 
 
-def _included(name: str, title: str, how: str) -> list[str]:
+def _included(name: str, title: str, how: str, heading: bool = False) -> list[str]:
   """The report ``name`` of a study run apart from this script (``how``), as a section (a
-  document's headings one level down), or a section ``title`` saying how to measure it."""
+  document's headings one level down; its first heading replaced by ``title`` if ``heading``),
+  or a section ``title`` saying how to measure it."""
   path = os.path.join(HERE, name)
   if not os.path.exists(path):
     return [f"## {title}", "", f"Not measured yet (`{how}`).", ""]
   with open(path) as f:
     text = f.read()
+  if heading:
+    text = f"## {title}\n" + text.split("\n", 1)[1]
   if not text.startswith("# "):  # already a section
     return text.splitlines() + [""]
   return [("#" + line if line.startswith("#") else line) for line in text.splitlines()] + [""]

@@ -147,8 +147,8 @@ def agn(
     (params bytes sent, N × params bytes received per worker) and applies the N commits in
     order with a ``lax.scan`` (the program's size does not grow with N); ``"mean"`` issues one
     ``pmean`` of a params-sized tree (the params' bytes). With ``comm_dtype``, bytes are element
-    counts times its itemsize. With a quantized format both are two ``all_gather`` per leaf
-    (codes and scales): each worker sends ``wire_bytes``, :math:`n (c + 4/B)` bytes for
+    counts times its itemsize. With a quantized format both are two ``all_gather`` (the codes
+    and scales of every leaf): each worker sends ``wire_bytes``, :math:`n (c + 4/B)` bytes for
     :math:`n` values (:math:`c = 1` for ``int8``, :math:`\frac12` for 4-bit), and receives N
     times that; for ``"mean"``, counting what arrives from the other workers,
     :math:`(N - 1)(c + 4/B)` against a float32 ring all-reduce's :math:`8 (N - 1)/N` per value,

@@ -166,15 +166,15 @@ def diloco(
     (``local_step % sync_period == 0``), inside a ``lax.cond``; none on other steps: per step
     on average :math:`1/H` of the params' bytes. With an 8-bit float ``comm_dtype`` the
     ``psum`` is an ``all_gather`` instead: each worker sends the params' element count in bytes
-    and receives N times that. With a quantized format it is two ``all_gather`` per leaf, codes
-    and scales: each worker sends ``wire_bytes``, :math:`n (c + 4/B)` bytes for :math:`n`
-    values (:math:`c = 1` for ``int8``, :math:`\frac12` for the 4-bit formats, 1.016 and 0.516
-    bytes per value at :math:`B = 256`), and receives N times that. The bytes received grow
-    with N where a float32 ring all-reduce receives about :math:`8 (N - 1)/N` per value:
-    counting what arrives from the other workers, :math:`(N - 1)(c + 4/B)` against
-    :math:`8 (N - 1)/N`, ``int8`` receives fewer up to N = 7 and the 4-bit formats up to N = 15
-    (against bfloat16's ring, :math:`4 (N - 1)/N`: up to 3 and 7). None when ``axis_name`` is
-    ``None``. :func:`communication_report` measures them.
+    and receives N times that. With a quantized format it is two ``all_gather`` for all the
+    leaves end to end, codes and scales: each worker sends ``wire_bytes``, :math:`n (c + 4/B)`
+    bytes for :math:`n` values (:math:`c = 1` for ``int8``, :math:`\frac12` for the 4-bit
+    formats, 1.016 and 0.516 bytes per value at :math:`B = 256`), and receives N times that.
+    The bytes received grow with N where a float32 ring all-reduce receives about
+    :math:`8 (N - 1)/N` per value: counting what arrives from the other workers,
+    :math:`(N - 1)(c + 4/B)` against :math:`8 (N - 1)/N`, ``int8`` receives fewer up to N = 7
+    and the 4-bit formats up to N = 15 (against bfloat16's ring, :math:`4 (N - 1)/N`: up to 3
+    and 7). None when ``axis_name`` is ``None``. :func:`communication_report` measures them.
 
     To accumulate gradients, put the accumulation inside: ``diloco(optax.MultiSteps(inner, k),
     sync_period=H * k)`` is the same algorithm as ``optax.MultiSteps(diloco(inner,

@@ -142,7 +142,7 @@ def elastic_average(
     One ``psum`` over ``axis_name`` of a params-sized tree (the params' bytes, or their element
     count times ``comm_dtype``'s itemsize), on communication steps only
     (``local_step % communication_period == 0``), inside a ``lax.cond``; none on other steps.
-    With a quantized format it is two ``all_gather`` per leaf (codes and scales): each worker
+    With a quantized format it is two ``all_gather`` (every leaf's codes, scales): each worker
     sends ``wire_bytes``, :math:`n (c + 4/B)` bytes for :math:`n` values (:math:`c = 1` for
     ``int8``, :math:`\frac12` for 4-bit), and receives N times that; counting what arrives
     from the other workers, :math:`(N - 1)(c + 4/B)` against a float32 ring all-reduce's

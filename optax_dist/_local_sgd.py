@@ -187,7 +187,7 @@ def local_sgd(
     On sync steps only (:math:`s > W`, :math:`(s - W) \bmod H = 0`), inside a ``lax.cond``:
     one ``psum`` over ``axis_name`` of a params-sized tree (the params' bytes, or their element
     count times ``comm_dtype``'s itemsize; an ``all_gather`` for 8-bit floats, receiving N
-    times that). With a quantized format, two ``all_gather`` per leaf (codes and scales): each
+    times that). With a quantized format, two ``all_gather`` (codes and scales of every leaf): each
     worker sends ``wire_bytes``, :math:`n (c + 4/B)` bytes for :math:`n` values (:math:`c = 1`
     for ``int8``, :math:`\frac12` for 4-bit), and receives N times that; counting what arrives
     from the other workers, :math:`(N - 1)(c + 4/B)` against a float32 ring all-reduce's
