@@ -356,9 +356,19 @@ def _packable(x: jax.Array) -> bool:
   return jnp.issubdtype(x.dtype, jnp.floating) and x.size > 0
 
 
-def _concatenated(leaves: list[jax.Array]) -> jax.Array:
-  """The floating, non-empty ``leaves``, each flattened and cast to float32, end to end."""
-  return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves if _packable(x)])
+def _apart(tree: Any, collective: Any) -> tuple[list[jax.Array], Any, list[Any]]:
+  """``tree``'s leaves as arrays, its treedef, and ``collective`` of each leaf that is not sent
+  in blocks (not floating, or empty; ``None`` in the places of the others)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves = [jnp.asarray(x) for x in leaves]
+  return leaves, treedef, [None if _packable(x) else collective(x) for x in leaves]
+
+
+def _concatenated(leaves: list[Any]) -> jax.Array | None:
+  """The floating, non-empty ``leaves``, each flattened and cast to float32, end to end
+  (``None`` if there are none)."""
+  parts = [jnp.ravel(x).astype(jnp.float32) for x in leaves if _packable(x)]
+  return jnp.concatenate(parts) if parts else None
 
 
 def _split(
@@ -429,12 +439,10 @@ def quantized_sum(
   """
   fmt = _format("quantized_sum", fmt)
   block_size = _block_size("quantized_sum", block_size, fmt)
-  leaves, treedef = jax.tree.flatten(tree)
-  leaves = [jnp.asarray(x) for x in leaves]
-  others = [None if _packable(x) else jax.lax.psum(x, axis_name) for x in leaves]
-  if not any(map(_packable, leaves)):
-    return treedef.unflatten(others)
+  leaves, treedef, others = _apart(tree, lambda x: jax.lax.psum(x, axis_name))
   flat = _concatenated(leaves)
+  if flat is None:
+    return treedef.unflatten(others)
   total = _gathered_sum(encode(flat, fmt, block_size), axis_name, fmt, flat.shape, flat.dtype)
   return treedef.unflatten(_split(total, leaves, others))
 
@@ -469,8 +477,7 @@ def quantized_sum_with_feedback(
   """
   fmt = _format("quantized_sum_with_feedback", fmt)
   block_size = _block_size("quantized_sum_with_feedback", block_size, fmt)
-  leaves, treedef = jax.tree.flatten(tree)
-  leaves = [jnp.asarray(x) for x in leaves]
+  leaves, treedef, sums = _apart(tree, lambda x: jax.lax.psum(x, axis_name))
   residuals = treedef.flatten_up_to(residual)
   for x, r in zip(leaves, residuals, strict=True):
     if jnp.shape(r) != x.shape:
@@ -478,10 +485,9 @@ def quantized_sum_with_feedback(
         "`quantized_sum_with_feedback(residual=...)` must have the shapes of `tree`: a leaf of"
         f" shape {x.shape} has a residual of shape {jnp.shape(r)}."
       )
-  sums = [None if _packable(x) else jax.lax.psum(x, axis_name) for x in leaves]
-  if not any(map(_packable, leaves)):
-    return treedef.unflatten(sums), residual
   flat = _concatenated(leaves)
+  if flat is None:
+    return treedef.unflatten(sums), residual
   flat_residual = jnp.concatenate(
     [jnp.ravel(r).astype(jnp.float32) for x, r in zip(leaves, residuals) if _packable(x)]
   )
@@ -509,12 +515,10 @@ def quantized_all_gather(
   """
   fmt = _format("quantized_all_gather", fmt)
   block_size = _block_size("quantized_all_gather", block_size, fmt)
-  leaves, treedef = jax.tree.flatten(tree)
-  leaves = [jnp.asarray(x) for x in leaves]
-  others = [None if _packable(x) else jax.lax.all_gather(x, axis_name) for x in leaves]
-  if not any(map(_packable, leaves)):
-    return treedef.unflatten(others)
+  leaves, treedef, others = _apart(tree, lambda x: jax.lax.all_gather(x, axis_name))
   flat = _concatenated(leaves)
+  if flat is None:
+    return treedef.unflatten(others)
   gathered = jax.lax.all_gather(encode(flat, fmt, block_size), axis_name)
   values = jax.vmap(lambda c, s: _decode_blocks(Packed(c, s), fmt))(*gathered)
   values = values.reshape(values.shape[0], -1)[:, : flat.size]

@@ -376,3 +376,21 @@ def test_error_feedback_bfloat16_input():
   assert residual.dtype == jnp.float32 and residual.shape == (32,)
   decoded = np.asarray(_quantize.decode(packed, "e3m0", (32,)))
   np.testing.assert_array_equal(decoded + np.asarray(residual), np.asarray(x, np.float32))
+
+
+def test_trees_without_floating_values_skip_the_gather():
+  """Integer and empty leaves are reduced as they are; with nothing to encode, no all_gather."""
+  tree = {"n": np.arange(N * 2, dtype=np.int32).reshape(N, 2), "e": np.zeros((N, 0), np.float32)}
+  sums = jax.vmap(lambda t: _quantize.quantized_sum(t, "w"), axis_name="w")(tree)
+  np.testing.assert_array_equal(sums["n"][0], tree["n"].sum(0))
+  assert sums["e"].shape == (N, 0)
+  gathered = jax.vmap(lambda t: _quantize.quantized_all_gather(t, "w"), axis_name="w")(tree)
+  np.testing.assert_array_equal(gathered["n"][1], tree["n"])
+  sums, residual = jax.vmap(
+    lambda t, r: _quantize.quantized_sum_with_feedback(t, r, "w"), axis_name="w")(
+      tree, {"n": np.zeros((N, 2), np.float32), "e": np.zeros((N, 0), np.float32)})
+  np.testing.assert_array_equal(sums["n"][0], tree["n"].sum(0))
+  np.testing.assert_array_equal(residual["n"], 0.0)
+  jaxpr = str(jax.make_jaxpr(jax.vmap(lambda t: _quantize.quantized_sum(t, "w"), axis_name="w"))(
+    tree))
+  assert "all_gather" not in jaxpr
