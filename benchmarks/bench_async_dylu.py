@@ -174,7 +174,8 @@ def measure(seeds: list[int], rounds: int, h: int, task: str,
       print(f"[bench] seed {seed} {r['name']}: {r['metric'][-1]:.4f} at t = {r['time'][-1]:.0f},"
             f" {r['commits']} commits, {r['wall_s']:.0f} s", flush=True)
     jax.clear_caches()
-  return {"task": task, "recipe_flags": list(flags), "speeds": SPEEDS, "rounds": rounds, "sync_period": h,
+  return {"task": task, "recipe_flags": list(flags), "speeds": SPEEDS, "rounds": rounds,
+          "sync_period": h,
           "dylu_periods": ae.dylu_sync_periods(SPEEDS, h), "inner_steps": total,
           "batch_size": batch, "outer": [OUTER_LR, OUTER_MOMENTUM], "seeds": seeds,
           "runs": runs, "machine": _util.machine(), "versions": _util.versions(),

@@ -290,7 +290,9 @@ def _render(store: dict, out: str) -> None:
                " diloco,diloco_int8,diloco_e3m0_feedback --no-outer-sweep --output"
                " benchmarks/network_formats", heading=True),
     *_included("network_h10.md", "The slow link at H = 10, with overlap and exchange formats",
-               "python benchmarks/bench_network.py --period 10 --methods ... --output"
+               "python benchmarks/bench_network.py --period 10 --methods sync,diloco,"
+               "streaming_diloco,local_sgd,elastic_average,diloco_int8,diloco_e3m0_feedback,"
+               "streaming_diloco_overlap,streaming_diloco_overlap_device --output"
                " benchmarks/network_h10", heading=True),
     *_included("equal_tokens.md", "DiLoCo against data parallel at equal tokens",
                "make bench-equal-tokens"),
@@ -298,6 +300,9 @@ def _render(store: dict, out: str) -> None:
                "make bench-lm-exchanges"),
     *_included("async_dylu.md", "Asynchronous DiLoCo on heterogeneous workers: delayed Nesterov"
                " and DyLU", "make bench-async-dylu"),
+    *_included("async_dylu_constant.md", "The same with a constant inner learning rate",
+               "python benchmarks/bench_async_dylu.py --recipe '--lr-schedule constant' --out"
+               " benchmarks/async_dylu_constant", heading=True),
   ]
   for title, name, body in (
       ("Language model: quality against communication", "lm_quality", _lm_quality_md),
