@@ -242,8 +242,8 @@ def bytes_targets(result: dict[str, Any]) -> list[str]:
     lines.append(
       f"- {fmt}: {r['exchange_bytes']:,.0f} B per exchange against float32's"
       f" {base['exchange_bytes']:,.0f} B, {ratio:.4f} of float32's bytes per value (codes"
-      f" {CODE_BYTES[fmt] / 4:g} + scales 1/{BLOCK} = {ideal:.4f}; the rest is each leaf's last"
-      f" block padded); the codes and scales exactly ({expected:,.0f} B):"
+      f" {CODE_BYTES[fmt] / 4:g} + scales 1/{BLOCK} = {ideal:.4f}; the rest is the padding of the"
+      f" last block); the codes and scales exactly ({expected:,.0f} B):"
       f" **{'met' if met else 'missed'}**.")
   return lines
 
