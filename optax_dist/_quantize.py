@@ -364,10 +364,11 @@ def _apart(tree: Any, collective: Any) -> tuple[list[jax.Array], Any, list[Any]]
   return leaves, treedef, [None if _packable(x) else collective(x) for x in leaves]
 
 
-def _concatenated(leaves: list[Any]) -> jax.Array | None:
-  """The floating, non-empty ``leaves``, each flattened and cast to float32, end to end
-  (``None`` if there are none)."""
-  parts = [jnp.ravel(x).astype(jnp.float32) for x in leaves if _packable(x)]
+def _concatenated(leaves: list[Any], values: list[Any] | None = None) -> jax.Array | None:
+  """The floating, non-empty ``leaves`` (or the ``values`` in their places, e.g. their
+  residuals), each flattened and cast to float32, end to end (``None`` if there are none)."""
+  values = leaves if values is None else values
+  parts = [jnp.ravel(v).astype(jnp.float32) for x, v in zip(leaves, values) if _packable(x)]
   return jnp.concatenate(parts) if parts else None
 
 
@@ -488,10 +489,8 @@ def quantized_sum_with_feedback(
   flat = _concatenated(leaves)
   if flat is None:
     return treedef.unflatten(sums), residual
-  flat_residual = jnp.concatenate(
-    [jnp.ravel(r).astype(jnp.float32) for x, r in zip(leaves, residuals) if _packable(x)]
-  )
-  packed, new_residual = quantize_with_feedback(flat, flat_residual, fmt, block_size)
+  packed, new_residual = quantize_with_feedback(
+    flat, _concatenated(leaves, residuals), fmt, block_size)
   total = _gathered_sum(packed, axis_name, fmt, flat.shape, flat.dtype)
   return (
     treedef.unflatten(_split(total, leaves, sums)),
