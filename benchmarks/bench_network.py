@@ -44,7 +44,7 @@ import netns  # noqa: E402
 RATES = ("unshaped", "1gbit", "100mbit", "10mbit")
 OUTER = ("--outer-learning-rate", "0.7", "--outer-momentum", "0.5")
 """The outer Nesterov SGD of the DiLoCo family here: :func:`outer_sweep`'s best with momentum
-with 20 outer steps (200 steps at H = 10), where the papers' momentum 0.9 ends far behind (see
+with 10 outer steps (200 steps at H = 20), where the papers' momentum 0.9 ends far behind (see
 its table)."""
 METHODS = {
   "sync": ("sync", ()),

@@ -110,3 +110,34 @@ def test_sync_over_replicas_sends_each_slice_across_once():
   assert "replica,data" not in step["unconditional"]  # the loss is averaged within replicas
   # One operand per param leaf across replicas (XLA may combine them into fewer collectives).
   assert step["operands"]["unconditional"]["replica"] == len(sizes)
+
+
+@pytest.mark.parametrize("algorithm,replicas", [
+  ("local_sgd", 2), ("diloco", 4), ("elastic_average", 2), ("moving_average", 4)])
+def test_evaluation_over_replicas_is_the_mean_over_every_worker(algorithm, replicas):
+  """With replicas, each device scores its worker on its slice of the test set (a replica's
+  workers hold the same params; digits' 450 test examples split over 2 devices, not over 4):
+  the recorded metrics equal the mean over all workers of each one's on the whole test set,
+  computed here. No exchange within the run's 4 steps, so the replicas' params differ."""
+  task = TASKS["digits"]
+  data = task.load(0)
+  settings = Settings(algorithm=algorithm, devices=WORKERS, replicas=replicas, steps=4,
+                      batch_size=BATCH, eval_every=4, learning_rate=0.05, sync_period=10,
+                      communication_period=10)
+  final = {}
+  result = trainer.train(task, data, settings, final_state=final)
+  metric = jax.jit(task.metric_fn(task.model()))
+
+  def each_worker(tree):
+    return np.array([metric(jax.tree.map(lambda x: x[i], tree), data.test)
+                     for i in range(WORKERS)])
+
+  workers = each_worker(final["params"])
+  evaluated = each_worker(optax_dist.eval_params(final["opt_state"], final["params"]))
+  by_replica = workers.reshape(replicas, -1)
+  np.testing.assert_array_equal(by_replica, by_replica[:, :1].repeat(WORKERS // replicas, 1))
+  if algorithm != "moving_average":  # one replica: every worker the same
+    assert len(set(by_replica[:, 0])) > 1, "the replicas' params should differ"
+  eval_key, workers_key = trainer.metric_keys(task)
+  np.testing.assert_allclose(result[workers_key], workers.mean(), rtol=1e-6)
+  np.testing.assert_allclose(result[eval_key], evaluated.mean(), rtol=1e-6)

@@ -82,7 +82,9 @@ class Task:
     return lambda params, batch: self.loss(self._apply(model, params, batch), batch)
 
   def metric_fn(self, model: Any) -> Callable[[Any, Batch], Any]:
-    """``metric_fn(params, batch) -> scalar`` of ``model`` (from :attr:`model`); jittable."""
+    """``metric_fn(params, batch) -> scalar`` of ``model`` (from :attr:`model`); jittable. A mean
+    over the batch's examples, each of the same weight: the trainer may score equal slices of the
+    test set apart and average them."""
     return lambda params, batch: self.metric(self._apply(model, params, batch), batch)
 
   def init_params(self, model: Any, key: Any, example: Batch) -> Any:

@@ -152,6 +152,22 @@ def evaluate_fn(metric_fn: Callable) -> Callable:
   return evaluate
 
 
+def replica_evaluate_fn(metric_fn: Callable) -> Callable:
+  """``evaluate(params, opt_state, test)`` of one device under ``jax.shard_map`` over
+  ``(REPLICA, DATA)``, for replicas whose devices hold the same params and state: the metric of
+  its worker's ``eval_params`` and params on its ``test`` examples (its 1/K of the test set, or
+  all of it), averaged over every device. ``metric_fn`` must be a mean over equally many values
+  per example, so that the mean over equal slices is the whole test set's."""
+
+  def evaluate(params, opt_state, test):
+    params, opt_state = _unstack(params), _unstack(opt_state)
+    averaged = optax_dist.eval_params(opt_state, params)
+    scores = jnp.stack([metric_fn(averaged, test), metric_fn(params, test)])
+    return tuple(jax.lax.pmean(scores, (REPLICA, DATA)))
+
+  return evaluate
+
+
 class Run:
   """One run's mesh, data on the devices and compiled functions (each compiled once): one
   ``jax.shard_map`` step, every worker (device) holding whole params."""
@@ -187,7 +203,7 @@ class Run:
     self.tx = make_optimizer(s, params)
     model = task.model()
     self._compile(self.place(params), task.loss_fn(model))
-    self._evaluate = jax.jit(evaluate_fn(task.metric_fn(model))).lower(
+    self._evaluate = self._evaluation(task.metric_fn(model), data.test).lower(
       self.initial.params, self.initial.opt_state, self.test).compile()
     self.bytes_per_device = {
       "params": _bytes_per_device(self.initial.params),
@@ -196,6 +212,22 @@ class Run:
     """What one device holds: its shards of the params and of the optimizer state, and the
     compiled step's arguments (those and the device's shard of the training set, its minibatch
     indices), in bytes."""
+
+  def _evaluation(self, metric_fn: Callable, test: Any) -> Callable:
+    """The jitted evaluation of ``metric_fn`` (:func:`evaluate_fn`). With replicas the devices of
+    a replica hold the same params and state (every algorithm has a ``tower`` within each
+    replica), so each device scores its own worker on its 1/K of the ``test`` set where the
+    examples divide evenly among the replica's K devices (:func:`replica_evaluate_fn`): the
+    test set goes through the model R times for each of the two metrics, not R * K, and only
+    the two means cross the replicas. On the global view the state is already one per
+    replica."""
+    s = self.settings
+    if s.replicas == 1 or not self.state_per_worker:
+      return jax.jit(evaluate_fn(metric_fn))
+    split = all(len(x) % (s.devices // s.replicas) == 0 for x in jax.tree.leaves(test))
+    return jax.jit(jax.shard_map(
+      replica_evaluate_fn(metric_fn), mesh=self.mesh,
+      in_specs=(self.split.spec, self.split.spec, P(DATA) if split else P()), out_specs=P()))
 
   def _layout(self) -> tuple[jax.sharding.Mesh, P]:
     """The mesh, and the spec of the workers' data (their shards of the training set, their
