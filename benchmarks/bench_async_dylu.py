@@ -6,7 +6,7 @@ time) train the ``lm`` task of ``optax-dist`` (the byte-level transformer on the
 library's sources), each on its own quarter of the training windows, with the command's recipe
 for the task as the inner optimizer (AdamW, warm-up then cosine decay keyed to the worker's own
 inner steps, sized to R × H, clipping; batch 8 per worker), sync period H, outer learning rate
-0.7 and momentum 0.9:
+0.7 and momentum 0.9 (``--outer`` sets both for every run):
 
 * ``sync diloco``: :func:`optax_dist.diloco` under ``jax.vmap``, R rounds: every round all
   workers take H steps and wait for the slowest, so a round takes H / 0.25 time units; one
@@ -24,8 +24,9 @@ Nesterov + DyLU ends within 1% of synchronous DiLoCo; plain asynchronous DiLoCo 
 worse (above synchronous DiLoCo on every seed).
 
 Usage: ``python benchmarks/bench_async_dylu.py [--seeds 0 1 2] [--rounds R] [--sync-period H]
-[--quick] [--out PREFIX] [--report]`` writes PREFIX.json, PREFIX.md and PREFIX.png (default
-``benchmarks/async_dylu``; with ``--quick``, a few short runs into a temporary directory).
+[--recipe FLAGS] [--outer LR MOMENTUM] [--quick] [--out PREFIX] [--report]`` writes PREFIX.json,
+PREFIX.md and PREFIX.png (default ``benchmarks/async_dylu``; with ``--quick``, a few short runs
+into a temporary directory).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def recipe(steps: int, task: str, flags: tuple[str, ...] = ()) -> tuple[Any, int
 
 
 def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, batch: int,
-                seed: int) -> np.ndarray:
+                seed: int, outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM),
+                ) -> np.ndarray:
   """The anchor's metric after each round of synchronous DiLoCo (round 0 first)."""
   import jax
   import jax.numpy as jnp
@@ -82,8 +84,8 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
 
   data, n = problem["data"], len(SPEEDS)
   m = jax.tree.leaves(data)[0].shape[1]
-  tx = optax_dist.diloco(inner, optax.sgd(OUTER_LR, OUTER_MOMENTUM, nesterov=True),
-                         sync_period=h, axis_name="w")
+  tx = optax_dist.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h,
+                         axis_name="w")
   rng = np.random.default_rng((seed, 7))
   index = jnp.asarray(rng.integers(0, m, size=(rounds, h, n, batch)))
   loss_fn = problem["loss_fn"]
@@ -109,15 +111,17 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
   return np.asarray(values)
 
 
-def protocols(inner: Any, h: int) -> dict[str, Any]:
-  """The emulator's three asynchronous protocols of :data:`PROTOCOLS`."""
+def protocols(inner: Any, h: int,
+              outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)) -> dict[str, Any]:
+  """The emulator's three asynchronous protocols of :data:`PROTOCOLS`, with the outer
+  ``(learning rate, momentum)``."""
   import optax
 
   import optax_dist
   from optax_dist import async_emulator as ae
 
-  nesterov = optax.sgd(OUTER_LR, OUTER_MOMENTUM, nesterov=True)
-  delayed = optax_dist.delayed_nesterov(OUTER_LR, OUTER_MOMENTUM, buffer_size=len(SPEEDS))
+  nesterov = optax.sgd(*outer, nesterov=True)
+  delayed = optax_dist.delayed_nesterov(*outer, buffer_size=len(SPEEDS))
   return dict(zip(PROTOCOLS, (ae.diloco(inner, nesterov, sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h, dylu=True)), strict=True))
@@ -144,9 +148,10 @@ def async_curve(problem: dict[str, Any], protocol: Any, *, steps: int, batch: in
           "mean_staleness": float(stale.mean()) if stale.size else 0.0}
 
 
-def measure(seeds: list[int], rounds: int, h: int, task: str,
-            flags: tuple[str, ...] = ()) -> dict[str, Any]:
-  """Every protocol and synchronous DiLoCo on each seed, at equal inner steps."""
+def measure(seeds: list[int], rounds: int, h: int, task: str, flags: tuple[str, ...] = (),
+            outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)) -> dict[str, Any]:
+  """Every protocol and synchronous DiLoCo on each seed, at equal inner steps, with the outer
+  ``(learning rate, momentum)``."""
   import jax
 
   from optax_dist import async_emulator as ae
@@ -160,12 +165,13 @@ def measure(seeds: list[int], rounds: int, h: int, task: str,
   for seed in seeds:
     problem = async_run.setup(TASKS[task], n, seed)
     began = time.perf_counter()
-    values = sync_diloco(problem, inner, h=h, rounds=rounds, batch=batch, seed=seed)
+    values = sync_diloco(problem, inner, h=h, rounds=rounds, batch=batch, seed=seed,
+                         outer=outer)
     runs.append({"name": "sync diloco", "seed": seed, "metric": values.tolist(),
                  "time": [r * h / min(SPEEDS) for r in range(rounds + 1)],
                  "steps": [r * n * h for r in range(rounds + 1)], "commits": rounds,
                  "mean_staleness": 0.0, "wall_s": time.perf_counter() - began})
-    for name, protocol in protocols(inner, h).items():
+    for name, protocol in protocols(inner, h, outer).items():
       began = time.perf_counter()
       curve = async_curve(problem, protocol, steps=total, batch=batch, seed=seed,
                           eval_every=total // (rounds * EVALS_PER_ROUND))
@@ -177,7 +183,7 @@ def measure(seeds: list[int], rounds: int, h: int, task: str,
   return {"task": task, "recipe_flags": list(flags), "speeds": SPEEDS, "rounds": rounds,
           "sync_period": h,
           "dylu_periods": ae.dylu_sync_periods(SPEEDS, h), "inner_steps": total,
-          "batch_size": batch, "outer": [OUTER_LR, OUTER_MOMENTUM], "seeds": seeds,
+          "batch_size": batch, "outer": list(outer), "seeds": seeds,
           "runs": runs, "machine": _util.machine(), "versions": _util.versions(),
           "load_before": load_before, "load_after": _util.load_average(),
           "wall_s": time.perf_counter() - start}
@@ -311,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--recipe", default="",
                       help="flags of `optax-dist train` changing the inner recipe, e.g."
                       " '--lr-schedule constant' (default: none, the task's recipe)")
+  parser.add_argument("--outer", type=float, nargs=2, default=(OUTER_LR, OUTER_MOMENTUM),
+                      metavar=("LR", "MOMENTUM"),
+                      help=f"the outer learning rate and momentum of every run (default"
+                      f" {OUTER_LR:g} {OUTER_MOMENTUM:g})")
   parser.add_argument("--quick", action="store_true",
                       help=f"{QUICK['rounds']} rounds of H = {QUICK['period']}, seed 0: checks"
                       " the program only")
@@ -330,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
   result = measure(args.seeds or quick.get("seeds", [0, 1, 2]),
                    args.rounds or quick.get("rounds", ROUNDS),
                    args.sync_period or quick.get("period", PERIOD), args.task,
-                   tuple(shlex.split(args.recipe)))
+                   tuple(shlex.split(args.recipe)), tuple(args.outer))
   with open(f"{out}.json", "w") as f:
     json.dump(result, f, indent=1)
   report(result, out)
