@@ -303,6 +303,9 @@ def _render(store: dict, out: str) -> None:
     *_included("async_dylu_constant.md", "The same with a constant inner learning rate",
                "python benchmarks/bench_async_dylu.py --recipe '--lr-schedule constant' --out"
                " benchmarks/async_dylu_constant", heading=True),
+    *_included("async_dylu_settings.md", "Asynchronous DiLoCo: the gap across settings",
+               "python benchmarks/bench_async_dylu.py --seeds 0 --outer LR MOMENTUM ...",
+               heading=True),
   ]
   for title, name, body in (
       ("Language model: quality against communication", "lm_quality", _lm_quality_md),
