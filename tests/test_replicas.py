@@ -136,7 +136,7 @@ def test_evaluation_over_replicas_is_the_mean_over_every_worker(algorithm, repli
   evaluated = each_worker(optax_dist.eval_params(final["opt_state"], final["params"]))
   by_replica = workers.reshape(replicas, -1)
   np.testing.assert_array_equal(by_replica, by_replica[:, :1].repeat(WORKERS // replicas, 1))
-  if algorithm != "moving_average":  # one replica: every worker the same
+  if algorithm != "moving_average":  # a tower over every worker: all hold the same params
     assert len(set(by_replica[:, 0])) > 1, "the replicas' params should differ"
   eval_key, workers_key = trainer.metric_keys(task)
   np.testing.assert_allclose(result[workers_key], workers.mean(), rtol=1e-6)
