@@ -2,8 +2,9 @@
 workers (Liu et al. 2024, Table 3's comparison), emulated on the language model.
 
 Four workers of speeds 1 : 1 : 0.5 : 0.25 (a step of worker w takes 1 / v_w units of simulated
-time) train the ``lm`` task of ``optax-dist`` (the byte-level transformer on the Python standard
-library's sources), each on its own quarter of the training windows, with the command's recipe
+time; ``--speeds`` sets others) train the ``lm`` task of ``optax-dist`` (the byte-level transformer on the Python standard
+library's sources), each on its own quarter of the training windows (whole files, in corpus
+order; ``--shards shuffled`` deals the windows at random instead), with the command's recipe
 for the task as the inner optimizer (AdamW, warm-up then cosine decay keyed to the worker's own
 inner steps, sized to R × H, clipping; batch 8 per worker), sync period H, outer learning rate
 0.7 and momentum 0.9 (``--outer`` sets both for every run):
@@ -13,7 +14,8 @@ inner steps, sized to R × H, clipping; batch 8 per worker), sync period H, oute
   Nesterov step on the mean pseudo-gradient;
 * ``async diloco``: the emulator's :func:`~optax_dist.async_emulator.diloco`, one Nesterov step
   (``optax.sgd(0.7, 0.9, nesterov=True)``) per commit, nobody waiting;
-* ``async + delayed nesterov``: ``outer=optax_dist.delayed_nesterov(0.7, 0.9, buffer_size=4)``;
+* ``async + delayed nesterov``: ``outer=optax_dist.delayed_nesterov(0.7, 0.9, buffer_size=4)``
+  (``--buffer-size`` and ``--activation`` set its N and c);
 * ``async + delayed nesterov + dylu``: the same with ``dylu=True`` (H_w = ⌊v_w / max v · H⌋).
 
 Equal inner steps: every run takes 4 R H inner steps in all (the asynchronous schedules stop
@@ -24,7 +26,8 @@ Nesterov + DyLU ends within 1% of synchronous DiLoCo; plain asynchronous DiLoCo 
 worse (above synchronous DiLoCo on every seed).
 
 Usage: ``python benchmarks/bench_async_dylu.py [--seeds 0 1 2] [--rounds R] [--sync-period H]
-[--recipe FLAGS] [--outer LR MOMENTUM] [--quick] [--out PREFIX] [--report]`` writes PREFIX.json,
+[--recipe FLAGS] [--outer LR MOMENTUM] [--speeds V ...] [--buffer-size N] [--activation C]
+[--shards files|shuffled] [--quick] [--out PREFIX] [--report]`` writes PREFIX.json,
 PREFIX.md and PREFIX.png (default ``benchmarks/async_dylu``; with ``--quick``, a few short runs
 into a temporary directory).
 """
@@ -32,6 +35,7 @@ into a temporary directory).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -55,6 +59,12 @@ EVALS_PER_ROUND = 2
 """Evaluations per R × H × 4 / R inner steps (twice a synchronous round's worth)."""
 TOLERANCE = 0.01
 QUICK = {"rounds": 2, "period": 6, "seeds": [0]}
+SHARDS = {
+  "files": "the command's shards: worker i holds the i-th quarter of the training windows, in"
+           " corpus order (whole files, so the shards differ in content)",
+  "shuffled": "the training windows dealt to the workers at random (each shard a uniform"
+              " sample, as Liu et al.'s workers each sample C4)",
+}
 PROTOCOLS = ("async diloco", "async + delayed nesterov", "async + delayed nesterov + dylu")
 
 
@@ -72,9 +82,28 @@ def recipe(steps: int, task: str, flags: tuple[str, ...] = ()) -> tuple[Any, int
   return inner_optimizer(settings), settings.batch_size
 
 
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """What a run of the bench varies (each field has its command-line flag)."""
+
+  seeds: tuple[int, ...] = (0, 1, 2)
+  rounds: int = ROUNDS
+  sync_period: int = PERIOD
+  task: str = "lm"
+  recipe_flags: tuple[str, ...] = ()
+  outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)
+  """The outer learning rate and momentum of every run."""
+  speeds: tuple[float, ...] = SPEEDS
+  shards: str = "files"
+  """One of :data:`SHARDS`."""
+  buffer_size: int | None = None
+  """Delayed Nesterov's N; ``None``: the number of workers (Liu et al.)."""
+  activation: float = 0.0
+  """Delayed Nesterov's momentum activation c."""
+
+
 def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, batch: int,
-                seed: int, outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM),
-                ) -> np.ndarray:
+                seed: int, outer: tuple[float, float]) -> np.ndarray:
   """The anchor's metric after each round of synchronous DiLoCo (round 0 first)."""
   import jax
   import jax.numpy as jnp
@@ -82,8 +111,8 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
 
   import optax_dist
 
-  data, n = problem["data"], len(SPEEDS)
-  m = jax.tree.leaves(data)[0].shape[1]
+  data = problem["data"]
+  n, m = jax.tree.leaves(data)[0].shape[:2]
   tx = optax_dist.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h,
                          axis_name="w")
   rng = np.random.default_rng((seed, 7))
@@ -111,29 +140,30 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
   return np.asarray(values)
 
 
-def protocols(inner: Any, h: int,
-              outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)) -> dict[str, Any]:
-  """The emulator's three asynchronous protocols of :data:`PROTOCOLS`, with the outer
-  ``(learning rate, momentum)``."""
+def protocols(inner: Any, setting: Setting) -> dict[str, Any]:
+  """The emulator's three asynchronous protocols of :data:`PROTOCOLS` in ``setting``."""
   import optax
 
   import optax_dist
   from optax_dist import async_emulator as ae
 
+  h, outer = setting.sync_period, setting.outer
   nesterov = optax.sgd(*outer, nesterov=True)
-  delayed = optax_dist.delayed_nesterov(*outer, buffer_size=len(SPEEDS))
+  delayed = optax_dist.delayed_nesterov(
+    *outer, buffer_size=setting.buffer_size or len(setting.speeds),
+    activation=setting.activation)
   return dict(zip(PROTOCOLS, (ae.diloco(inner, nesterov, sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h, dylu=True)), strict=True))
 
 
-def async_curve(problem: dict[str, Any], protocol: Any, *, steps: int, batch: int, seed: int,
-                eval_every: int) -> dict[str, Any]:
+def async_curve(problem: dict[str, Any], protocol: Any, *, speeds: tuple[float, ...],
+                steps: int, batch: int, seed: int, eval_every: int) -> dict[str, Any]:
   """One asynchronous run of ``steps`` inner steps: its metric against simulated time and
   inner steps, and its commits and their staleness."""
   from optax_dist import async_emulator as ae
 
-  cluster = ae.Cluster(len(SPEEDS), speeds=SPEEDS, seed=seed)
+  cluster = ae.Cluster(len(speeds), speeds=speeds, seed=seed)
   schedule = cluster.schedule(num_events=steps,
                               communication_period=protocol.sync_periods(cluster.worker_speeds))
   r = ae.emulate(protocol, problem["loss_fn"], problem["params"], problem["data"], schedule,
@@ -148,45 +178,55 @@ def async_curve(problem: dict[str, Any], protocol: Any, *, steps: int, batch: in
           "mean_staleness": float(stale.mean()) if stale.size else 0.0}
 
 
-def measure(seeds: list[int], rounds: int, h: int, task: str, flags: tuple[str, ...] = (),
-            outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)) -> dict[str, Any]:
-  """Every protocol and synchronous DiLoCo on each seed, at equal inner steps, with the outer
-  ``(learning rate, momentum)``."""
+def shuffled(data: Any, seed: int) -> Any:
+  """``data`` (every leaf ``[N, M, ...]``, worker ``i``'s shard at ``i``) with its examples
+  dealt again at random: every shard a uniform sample of the whole training set."""
+  import jax
+  import jax.numpy as jnp
+
+  n, m = jax.tree.leaves(data)[0].shape[:2]
+  order = jnp.asarray(np.random.default_rng((seed, 11)).permutation(n * m))
+  return jax.tree.map(lambda a: a.reshape((n * m, *a.shape[2:]))[order].reshape(a.shape), data)
+
+
+def measure(setting: Setting) -> dict[str, Any]:
+  """Every protocol and synchronous DiLoCo on each seed of ``setting``, at equal inner steps."""
   import jax
 
   from optax_dist import async_emulator as ae
   from optax_dist.cli import async_run
   from optax_dist.cli.tasks import TASKS
 
-  n, start, load_before = len(SPEEDS), time.perf_counter(), _util.load_average()
+  st, start, load_before = setting, time.perf_counter(), _util.load_average()
+  n, h, rounds = len(st.speeds), st.sync_period, st.rounds
   total = n * rounds * h
-  inner, batch = recipe(rounds * h, task, flags)
+  inner, batch = recipe(rounds * h, st.task, st.recipe_flags)
   runs = []
-  for seed in seeds:
-    problem = async_run.setup(TASKS[task], n, seed)
+  for seed in st.seeds:
+    problem = async_run.setup(TASKS[st.task], n, seed)
+    if st.shards == "shuffled":
+      problem["data"] = shuffled(problem["data"], seed)
     began = time.perf_counter()
     values = sync_diloco(problem, inner, h=h, rounds=rounds, batch=batch, seed=seed,
-                         outer=outer)
+                         outer=st.outer)
     runs.append({"name": "sync diloco", "seed": seed, "metric": values.tolist(),
-                 "time": [r * h / min(SPEEDS) for r in range(rounds + 1)],
+                 "time": [r * h / min(st.speeds) for r in range(rounds + 1)],
                  "steps": [r * n * h for r in range(rounds + 1)], "commits": rounds,
                  "mean_staleness": 0.0, "wall_s": time.perf_counter() - began})
-    for name, protocol in protocols(inner, h, outer).items():
+    for name, protocol in protocols(inner, st).items():
       began = time.perf_counter()
-      curve = async_curve(problem, protocol, steps=total, batch=batch, seed=seed,
-                          eval_every=total // (rounds * EVALS_PER_ROUND))
+      curve = async_curve(problem, protocol, speeds=st.speeds, steps=total, batch=batch,
+                          seed=seed, eval_every=total // (rounds * EVALS_PER_ROUND))
       runs.append({"name": name, "seed": seed, **curve, "wall_s": time.perf_counter() - began})
     for r in runs[-4:]:
       print(f"[bench] seed {seed} {r['name']}: {r['metric'][-1]:.4f} at t = {r['time'][-1]:.0f},"
             f" {r['commits']} commits, {r['wall_s']:.0f} s", flush=True)
     jax.clear_caches()
-  return {"task": task, "recipe_flags": list(flags), "speeds": SPEEDS, "rounds": rounds,
-          "sync_period": h,
-          "dylu_periods": ae.dylu_sync_periods(SPEEDS, h), "inner_steps": total,
-          "batch_size": batch, "outer": list(outer), "seeds": seeds,
-          "runs": runs, "machine": _util.machine(), "versions": _util.versions(),
-          "load_before": load_before, "load_after": _util.load_average(),
-          "wall_s": time.perf_counter() - start}
+  return {**dataclasses.asdict(st), "buffer_size": st.buffer_size or n,
+          "dylu_periods": ae.dylu_sync_periods(st.speeds, h), "inner_steps": total,
+          "batch_size": batch, "runs": runs, "machine": _util.machine(),
+          "versions": _util.versions(), "load_before": load_before,
+          "load_after": _util.load_average(), "wall_s": time.perf_counter() - start}
 
 
 def finals(result: dict[str, Any]) -> dict[str, dict[int, float]]:
@@ -256,8 +296,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" {result['batch_size']} per worker"
      + (f" (recipe changed by `{' '.join(result['recipe_flags'])}`)"
         if result.get("recipe_flags") else "")
-     + f"; outer {result['outer'][0]:g}, momentum"
-     f" {result['outer'][1]:g}; seeds {', '.join(map(str, result['seeds']))}. Simulated time:"
+     + f"; outer {result['outer'][0]:g}, momentum {result['outer'][1]:g}; delayed Nesterov"
+     f" N = {result.get('buffer_size', len(result['speeds']))}, c ="
+     f" {result.get('activation', 0.0):g}; shards: {SHARDS[result.get('shards', 'files')]};"
+     f" seeds {', '.join(map(str, result['seeds']))}. Simulated time:"
      f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
      " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13."
      f" Load average {result['load_before']} before, {result['load_after']} after"
@@ -321,6 +363,16 @@ def main(argv: list[str] | None = None) -> int:
                       metavar=("LR", "MOMENTUM"),
                       help=f"the outer learning rate and momentum of every run (default"
                       f" {OUTER_LR:g} {OUTER_MOMENTUM:g})")
+  parser.add_argument("--speeds", type=float, nargs="+", default=None,
+                      help="one relative speed per worker (default"
+                      f" {' '.join(f'{v:g}' for v in SPEEDS)})")
+  parser.add_argument("--buffer-size", type=int, default=None,
+                      help="delayed Nesterov's N (default: the number of workers)")
+  parser.add_argument("--activation", type=float, default=0.0,
+                      help="delayed Nesterov's momentum activation c (default 0)")
+  parser.add_argument("--shards", choices=tuple(SHARDS), default="files",
+                      help="; ".join(f"{k}: {v}" for k, v in SHARDS.items())
+                      + " (default files)")
   parser.add_argument("--quick", action="store_true",
                       help=f"{QUICK['rounds']} rounds of H = {QUICK['period']}, seed 0: checks"
                       " the program only")
@@ -337,10 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(f"{out}.json") as f:
       return report(json.load(f), out)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  result = measure(args.seeds or quick.get("seeds", [0, 1, 2]),
-                   args.rounds or quick.get("rounds", ROUNDS),
-                   args.sync_period or quick.get("period", PERIOD), args.task,
-                   tuple(shlex.split(args.recipe)), tuple(args.outer))
+  result = measure(Setting(
+    seeds=tuple(args.seeds or quick.get("seeds", (0, 1, 2))),
+    rounds=args.rounds or quick.get("rounds", ROUNDS),
+    sync_period=args.sync_period or quick.get("period", PERIOD), task=args.task,
+    recipe_flags=tuple(shlex.split(args.recipe)), outer=tuple(args.outer),
+    speeds=tuple(args.speeds or SPEEDS), shards=args.shards, buffer_size=args.buffer_size,
+    activation=args.activation))
   with open(f"{out}.json", "w") as f:
     json.dump(result, f, indent=1)
   report(result, out)
