@@ -27,7 +27,7 @@ worse (above synchronous DiLoCo on every seed).
 
 Usage: ``python benchmarks/bench_async_dylu.py [--seeds 0 1 2] [--rounds R] [--sync-period H]
 [--recipe FLAGS] [--outer LR MOMENTUM] [--speeds V ...] [--buffer-size N] [--activation C]
-[--shards files|shuffled] [--quick] [--out PREFIX] [--report]`` writes PREFIX.json,
+[--shards files|shuffled] [--model WIDTH DEPTH] [--quick] [--out PREFIX] [--report]`` writes PREFIX.json,
 PREFIX.md and PREFIX.png (default ``benchmarks/async_dylu``; with ``--quick``, a few short runs
 into a temporary directory).
 """
@@ -100,6 +100,23 @@ class Setting:
   """Delayed Nesterov's N; ``None``: the number of workers (Liu et al.)."""
   activation: float = 0.0
   """Delayed Nesterov's momentum activation c."""
+  model: tuple[int, int] | None = None
+  """``lm`` only: the transformer's width and depth; ``None``: the task's (96 and 2)."""
+
+
+def task_of(setting: Setting) -> Any:
+  """The ``optax-dist`` task of ``setting``, with its transformer's width and depth."""
+  from optax_dist.cli import tasks
+  from optax_dist.cli.models import Transformer
+
+  task = tasks.TASKS[setting.task]
+  if setting.model is None:
+    return task
+  if setting.task != "lm":
+    raise ValueError(f"--model WIDTH DEPTH is for the lm task, not {setting.task!r}.")
+  width, depth = setting.model
+  return dataclasses.replace(task, model=lambda: Transformer(
+    context=tasks.LM_CONTEXT, width=width, depth=depth))
 
 
 def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, batch: int,
@@ -195,7 +212,6 @@ def measure(setting: Setting) -> dict[str, Any]:
 
   from optax_dist import async_emulator as ae
   from optax_dist.cli import async_run
-  from optax_dist.cli.tasks import TASKS
 
   st, start, load_before = setting, time.perf_counter(), _util.load_average()
   n, h, rounds = len(st.speeds), st.sync_period, st.rounds
@@ -203,7 +219,7 @@ def measure(setting: Setting) -> dict[str, Any]:
   inner, batch = recipe(rounds * h, st.task, st.recipe_flags)
   runs = []
   for seed in st.seeds:
-    problem = async_run.setup(TASKS[st.task], n, seed)
+    problem = async_run.setup(task_of(st), n, seed)
     if st.shards == "shuffled":
       problem["data"] = shuffled(problem["data"], seed)
     began = time.perf_counter()
@@ -296,6 +312,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" {result['batch_size']} per worker"
      + (f" (recipe changed by `{' '.join(result['recipe_flags'])}`)"
         if result.get("recipe_flags") else "")
+     + (f"; transformer width {result['model'][0]}, depth {result['model'][1]}"
+        if result.get("model") else "")
      + f"; outer {result['outer'][0]:g}, momentum {result['outer'][1]:g}; delayed Nesterov"
      f" N = {result.get('buffer_size', len(result['speeds']))}, c ="
      f" {result.get('activation', 0.0):g}; shards: {SHARDS[result.get('shards', 'files')]};"
@@ -370,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="delayed Nesterov's N (default: the number of workers)")
   parser.add_argument("--activation", type=float, default=0.0,
                       help="delayed Nesterov's momentum activation c (default 0)")
+  parser.add_argument("--model", type=int, nargs=2, default=None, metavar=("WIDTH", "DEPTH"),
+                      help="lm only: the transformer's width and depth (default the task's, 96"
+                      " and 2: 0.28M params)")
   parser.add_argument("--shards", choices=tuple(SHARDS), default="files",
                       help="; ".join(f"{k}: {v}" for k, v in SHARDS.items())
                       + " (default files)")
@@ -395,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     sync_period=args.sync_period or quick.get("period", PERIOD), task=args.task,
     recipe_flags=tuple(shlex.split(args.recipe)), outer=tuple(args.outer),
     speeds=tuple(args.speeds or SPEEDS), shards=args.shards, buffer_size=args.buffer_size,
-    activation=args.activation))
+    activation=args.activation, model=tuple(args.model) if args.model else None))
   with open(f"{out}.json", "w") as f:
     json.dump(result, f, indent=1)
   report(result, out)
