@@ -40,7 +40,7 @@ class DelayedNesterovState(NamedTuple):
 
 
 def delayed_nesterov(
-  learning_rate: float = 0.7,
+  learning_rate: optax.ScalarOrSchedule = 0.7,
   momentum: float = 0.9,
   *,
   buffer_size: int,
@@ -49,34 +49,38 @@ def delayed_nesterov(
   r"""Delayed Nesterov: the outer momentum moves once every N updates, plain steps in between.
 
   With :math:`g_t` the pseudo-gradient of the :math:`t`-th ``update`` call
-  (:math:`t = 0, 1, \dots`), :math:`\varepsilon` the learning rate, :math:`\beta` the momentum,
-  :math:`N` the buffer size and :math:`c` the momentum activation, each ``update`` returns
-  :math:`u_t` (the caller then sets :math:`\theta \leftarrow \theta + u_t`):
+  (:math:`t = 0, 1, \dots`), :math:`\varepsilon_t` the learning rate at that call,
+  :math:`\beta` the momentum, :math:`N` the buffer size and :math:`c` the momentum activation,
+  each ``update`` returns :math:`u_t` (the caller then sets
+  :math:`\theta \leftarrow \theta + u_t`):
 
   .. math::
 
     \Delta &\leftarrow \Delta + g_t \\
     \text{if } (t + 1) \bmod N = 0:\quad
       m &\leftarrow \beta m + \Delta / N, \qquad
-      u_t = -\varepsilon \big((1 - cN + c)\,\beta m + g_t / N\big), \qquad
+      u_t = -\varepsilon_t \big((1 - cN + c)\,\beta m + g_t / N\big), \qquad
       \Delta \leftarrow 0 \\
-    \text{otherwise:}\quad u_t &= -\varepsilon \big(c \beta m + g_t / N\big)
+    \text{otherwise:}\quad u_t &= -\varepsilon_t \big(c \beta m + g_t / N\big)
 
   with :math:`m = \Delta = 0` at the start. The buffer :math:`\Delta` collects :math:`N`
   pseudo-gradients; the momentum moves only on every :math:`N`-th, with their mean; in between
   each update is a plain step of :math:`g_t / N` plus the activation term :math:`c \beta m`, a
-  fraction of the current momentum. With :math:`c = 0` the :math:`N` updates of a window move
-  the params by :math:`-\varepsilon (\bar g + \beta m)`, :math:`\bar g` their mean and :math:`m`
-  updated once with it: one Nesterov step on the mean pseudo-gradient, spread over the window,
-  so a single stale pseudo-gradient never drives the momentum alone.
+  fraction of the current momentum. With :math:`c = 0` (and a constant :math:`\varepsilon`) the
+  :math:`N` updates of a window move the params by :math:`-\varepsilon (\bar g + \beta m)`,
+  :math:`\bar g` their mean and :math:`m` updated once with it: one Nesterov step on the mean
+  pseudo-gradient, spread over the window, so a single stale pseudo-gradient never drives the
+  momentum alone.
 
   .. note::
     With :math:`N = 1` (and so :math:`c = 0`) it is ``optax.sgd(ε, momentum=β, nesterov=True)``,
     the default outer optimizer of :func:`diloco`.
 
   Args:
-    learning_rate: :math:`\varepsilon`, the outer learning rate (a multiplier of the
-      pseudo-gradient, dimensionless), > 0.
+    learning_rate: :math:`\varepsilon_t`, the outer learning rate (a multiplier of the
+      pseudo-gradient, dimensionless), > 0; or an optax schedule, a callable of the count
+      evaluated at :math:`t`, the outer steps taken (``update`` calls made) before this one, as
+      ``optax.sgd`` evaluates its schedule (a float is :math:`\varepsilon_t = \varepsilon`).
     momentum: :math:`\beta`, the momentum decay per momentum update, in [0, 1).
     buffer_size: :math:`N`, in ``update`` calls (pseudo-gradients) per momentum update, a
       positive int. Liu et al. use the number of workers: in the asynchronous emulator each
@@ -99,7 +103,8 @@ def delayed_nesterov(
     worker.
 
   Raises:
-    TypeError, ValueError: ``learning_rate`` not > 0; ``momentum`` not in [0, 1);
+    TypeError, ValueError: ``learning_rate`` neither > 0 nor a callable (a schedule's values
+      are not checked); ``momentum`` not in [0, 1);
       ``buffer_size`` not a positive int; ``activation`` not in :math:`[0, 1/N]`.
 
   Examples:
@@ -126,8 +131,9 @@ def delayed_nesterov(
     <https://arxiv.org/abs/2401.09135>`_, 2024 (Algorithm 3, the Delayed Nesterov update).
   """
   fn = "delayed_nesterov"
-  _checks.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
-                       constraint="> 0")
+  if not callable(learning_rate):
+    _checks.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
+                         constraint="> 0 (or an optax schedule)")
   _checks.check_number(fn, "momentum", momentum, lower=0.0, constraint="in [0, 1)")
   if (_checks.concrete(momentum) or 0.0) >= 1.0:
     raise ValueError(f"`{fn}(momentum=...)` must be in [0, 1), got {momentum}.")
@@ -144,6 +150,7 @@ def delayed_nesterov(
 
   def update_fn(updates, state, params=None):
     del params
+    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate  # ε_t
     count = optax.safe_increment(state.count)  # t + 1
     moves = count % buffer_size == 0  # (t + 1) mod N = 0: the momentum moves
     buffer = jax.tree.map(lambda d, g: d + g, state.buffer, updates)  # Δ + g_t
@@ -151,8 +158,8 @@ def delayed_nesterov(
       lambda m, d: jnp.where(moves, momentum * m + d / buffer_size, m), state.momentum, buffer)
     share = jnp.where(moves, (1.0 - activation * buffer_size + activation) * momentum,
                       activation * momentum)  # (1 - cN + c) β, or c β
-    steps = jax.tree.map(  # u_t = -ε (share · m + g_t / N)
-      lambda m, g: (-learning_rate * (share * m + g / buffer_size)).astype(g.dtype), mom, updates)
+    steps = jax.tree.map(  # u_t = -ε_t (share · m + g_t / N)
+      lambda m, g: (-lr * (share * m + g / buffer_size)).astype(g.dtype), mom, updates)
     buffer = jax.tree.map(lambda d: jnp.where(moves, jnp.zeros_like(d), d), buffer)  # Δ <- 0
     new_state = DelayedNesterovState(count=count, momentum=mom, buffer=buffer)
     return steps, _axis.keep_dtypes(new_state, state)

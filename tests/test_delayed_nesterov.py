@@ -213,3 +213,47 @@ def test_inject_hyperparams_gives_the_same_updates():
     (u1, s1), (u2, s2) = update(jnp.asarray(g), s1), plain.update(jnp.asarray(g), s2)
     np.testing.assert_allclose(u1, u2, rtol=1e-6, atol=1e-7)
   assert update._cache_size() == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# A learning-rate schedule, evaluated at the number of update calls before this one.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_constant_schedule_gives_the_float_updates_bitwise(dtype):
+  grads = np.random.default_rng(4).normal(size=(7, 3)).astype(np.float32)
+  plain = optax_dist.delayed_nesterov(0.4, momentum=0.8, buffer_size=3, activation=0.2)
+  scheduled = optax_dist.delayed_nesterov(
+    optax.constant_schedule(0.4), momentum=0.8, buffer_size=3, activation=0.2)
+  s1, s2 = plain.init(jnp.zeros(3, dtype)), scheduled.init(jnp.zeros(3, dtype))
+  for g in grads:
+    g = jnp.asarray(g, dtype)
+    (u1, s1), (u2, s2) = jax.jit(plain.update)(g, s1), jax.jit(scheduled.update)(g, s2)
+    assert u2.dtype == u1.dtype == dtype
+    np.testing.assert_array_equal(u2, u1)
+  for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+    np.testing.assert_array_equal(b, a)
+
+
+def test_a_decaying_schedule_matches_the_numpy_reference():
+  # In Algorithm 3 the learning rate multiplies the step only (m and Δ do not depend on it), so
+  # the t-th update under a schedule is ε_t times the reference's update at ε = 1.
+  grads = np.random.default_rng(5).normal(size=(10, 2, 3)).astype(np.float32)
+  schedule = optax.exponential_decay(0.6, transition_steps=1, decay_rate=0.8)
+  tx = optax_dist.delayed_nesterov(schedule, momentum=0.8, buffer_size=3, activation=0.2)
+  update = jax.jit(tx.update)
+  state = tx.init(jnp.zeros((2, 3)))
+  unit, m, buffer = np_delayed_nesterov_updates(grads, lr=1.0, beta=0.8, n=3, c=0.2)
+  eps = 0.6 * 0.8 ** np.arange(len(grads), dtype=np.float64)  # ε_t, t = update calls before
+  for t, g in enumerate(grads):
+    u, state = update(jnp.asarray(g), state)
+    np.testing.assert_allclose(u, eps[t] * unit[t], rtol=RTOL, atol=ATOL, err_msg=f"update {t}")
+  np.testing.assert_allclose(state.momentum, m, rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(state.buffer, buffer, rtol=RTOL, atol=ATOL)
+  assert update._cache_size() == 1
+
+
+def test_a_learning_rate_neither_number_nor_callable_is_a_type_error():
+  expected = r"learning_rate=...\)` must be a real number > 0 \(or an optax schedule\), got '0.7'"
+  with pytest.raises(TypeError, match=expected):
+    optax_dist.delayed_nesterov("0.7", buffer_size=2)
