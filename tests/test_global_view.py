@@ -460,3 +460,30 @@ def test_multisteps_inside_diloco_exchanges_once_per_sync_with_the_results_of_ou
   assert results["outside exchanges"] == k * syncs
   assert results["inside exchanges"] == syncs
   chex.assert_trees_all_close(results["inside"], results["outside"], rtol=RTOL, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------------------------
+# state_shardings on state paths that end in no param's path: matched by shape alone.
+
+
+def param_buffers():
+  """A transformation whose state is a list of param-shaped buffers: its paths (``[0]``,
+  ``[1]``, ...) end in no param's path, so state_shardings can match them by shape only."""
+  return optax.GradientTransformation(
+    lambda params: [jnp.zeros_like(p) for p in jax.tree.leaves(params)],
+    lambda updates, state, params=None: (updates, state))
+
+
+def test_state_shardings_gives_a_buffer_the_one_spec_of_the_params_of_its_shape():
+  specs = optax_dist.state_shardings(param_buffers(), one_replica(), SPECS)
+  assert specs == [P(R, *SPECS["b"]), P(R, *SPECS["w"])]  # the leaves' order: b, w
+
+
+def test_state_shardings_replicates_a_buffer_whose_shape_has_params_of_several_specs():
+  params = {"u": jnp.zeros((8, 4)), "v": jnp.zeros((8, 4))}
+  one_spec = optax_dist.state_shardings(
+    param_buffers(), params, {"u": P("inner", None), "v": P("inner", None)})
+  assert one_spec == [P(R, "inner", None)] * 2
+  two_specs = optax_dist.state_shardings(
+    param_buffers(), params, {"u": P("inner", None), "v": P(None, "inner")})
+  assert two_specs == [P(R)] * 2
