@@ -55,9 +55,11 @@ def state_shardings(
   the outer optimizer's momentum, EASGD's center) gets that param's spec with ``replica_axis``
   prepended, :math:`P(\\mathrm{replica}, *\\mathrm{spec})`; every other leaf (step counters,
   scalars) gets :math:`P(\\mathrm{replica})`. A state leaf is matched to the param whose key path
-  ends its own path (``.inner_state[0].mu['w']`` to ``['w']``) and whose shape it has, else to
-  the params of its shape if they all share one spec. ``optax.MaskedNode`` entries
-  (``streaming_diloco``'s per-fragment outer states) hold no array and stay as they are.
+  ends its own path (``.inner_state[0].mu['w']`` to ``['w']``; the longest such path when
+  several do) and whose shape it has, else to the params of its shape if they all share one
+  spec (a leaf whose shape params of several specs have gets :math:`P(\\mathrm{replica})`).
+  ``optax.MaskedNode`` entries (``streaming_diloco``'s per-fragment outer states) hold no array
+  and stay as they are.
 
   Pass the result as ``out_shardings`` of the jitted ``jax.vmap(tx.init)`` to build a state in
   place, or as the shardings of ``jax.eval_shape``'s abstract state to restore a checkpoint onto
@@ -145,9 +147,9 @@ def state_shardings(
 
   def spec_for(path: tuple, shape: tuple) -> PartitionSpec:
     same_shape = [(p, s) for p, sh, s in by_path if sh == shape[1:]]
-    for p, s in same_shape:
-      if _is_suffix(p, path):
-        return PartitionSpec(replica_axis, *s)
+    ends = [(len(p), s) for p, s in same_shape if _is_suffix(p, path)]
+    if ends:  # the longest: .mu['z']['a'] is params['z']['a']'s moment, not params['a']'s
+      return PartitionSpec(replica_axis, *max(ends, key=lambda e: e[0])[1])
     if len(shape) > 1 and same_shape and all(s == same_shape[0][1] for _, s in same_shape):
       return PartitionSpec(replica_axis, *same_shape[0][1])
     return PartitionSpec(replica_axis)

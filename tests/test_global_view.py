@@ -487,3 +487,11 @@ def test_state_shardings_replicates_a_buffer_whose_shape_has_params_of_several_s
   two_specs = optax_dist.state_shardings(
     param_buffers(), params, {"u": P("inner", None), "v": P(None, "inner")})
   assert two_specs == [P(R)] * 2
+
+
+def test_state_shardings_matches_a_moment_to_the_param_of_its_longest_path():
+  # Adam's mu['z']['a'] ends in both params['a'] and params['z']['a'].
+  params = {"a": jnp.zeros((8, 4)), "z": {"a": jnp.zeros((8, 4))}}
+  specs = optax_dist.state_shardings(
+    optax.adam(1e-3), params, {"a": P("inner", None), "z": {"a": P(None, "inner")}})
+  assert specs[0].mu == {"a": P(R, "inner", None), "z": {"a": P(R, None, "inner")}}
