@@ -1,10 +1,12 @@
 """Compute utilization and wall-clock per step of each method over a given link, before renting it.
 
-An analytic model, pure Python: no JAX, nothing measured. For a model of ``num_params`` values
-whose training step computes for ``step_time`` seconds on each of ``num_replicas`` replicas joined
-by a link of ``bandwidth`` bit/s, :func:`plan` gives per method the bytes each replica sends, the
-time of one exchange, the wall-clock per step and the compute utilization;
-:func:`required_bandwidth` solves for the bandwidth that reaches a target utilization.
+An analytic model, pure Python arithmetic: nothing measured, nothing run on a device (the
+settings are checked by building ``optax_dist.streaming_diloco`` with them). For a model of
+``num_params`` values whose training step computes for ``step_time`` seconds on each of
+``num_replicas`` replicas joined by a link of ``bandwidth`` bit/s, :func:`plan` gives per method
+the bytes each replica sends, the time of one exchange, the wall-clock per step and the compute
+utilization; :func:`required_bandwidth` solves for the bandwidth that reaches a target
+utilization.
 
 The model (units: bytes, seconds, bit/s). Write N for ``num_params``, b for ``bits``, M for
 ``num_replicas``, T for ``step_time``, W for ``bandwidth``, λ for ``latency``, H for
@@ -61,7 +63,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from collections.abc import Sequence
+
+import optax
+
+import optax_dist
 
 __all__ = ["METHODS", "MethodPlan", "plan", "required_bandwidth"]
 
@@ -127,7 +134,21 @@ def _check(where: str, *, num_params, step_time, latency, sync_period, num_fragm
   unknown = [m for m in methods if m not in METHODS]
   if not methods or unknown or len(set(methods)) < len(methods):
     raise _fail(where, "methods", f"distinct names among {', '.join(METHODS)}", methods)
+  _check_with_library(where, sync_period, num_fragments, overlap)
   return methods
+
+
+_ARGUMENT = re.compile(r"^`\w+\((\w+)=")  # `fn(name=...)`, how the library's errors begin
+
+
+def _check_with_library(where: str, sync_period: int, num_fragments: int, overlap: int) -> None:
+  """Builds ``streaming_diloco`` with H, F and τ, so that its rules (``overlap < sync_period``)
+  hold here; its ``ValueError`` is raised again under ``where`` and the argument it names."""
+  try:
+    optax_dist.streaming_diloco(optax.identity(), optax.identity(), sync_period=sync_period,
+                                num_fragments=num_fragments, overlap=overlap)
+  except ValueError as e:
+    raise ValueError(f"`{where}({_ARGUMENT.match(str(e))[1]}=...)`: {e}") from None
 
 
 def _schedule(method: str, num_params: float, sync_period: int, num_fragments: int,
@@ -182,7 +203,8 @@ def plan(*, num_params: float, step_time: float, bandwidth: float, latency: floa
   Raises:
     ValueError: naming the argument, the constraint and the value, for a non-positive count,
       time, bandwidth or ``bits``, a negative latency or overlap, a ``backward_overlap`` outside
-      [0, 1], or an unknown method.
+      [0, 1], or an unknown method; for settings ``optax_dist.streaming_diloco`` refuses
+      (``overlap >= sync_period``), its own message after ``plan``'s argument.
 
   Examples:
     >>> from optax_dist.planner import plan

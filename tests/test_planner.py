@@ -297,3 +297,37 @@ def test_parser_refuses_bad_values(argv, message, capsys):
     _parser().parse_args(base + argv)
   assert info.value.code == 2
   assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# The library's own rules: the settings streaming_diloco refuses are refused here too.
+
+
+def _library_error(**kwargs) -> str:
+  import optax
+
+  import optax_dist
+
+  with pytest.raises(ValueError) as info:
+    optax_dist.streaming_diloco(optax.sgd(0.1), **kwargs)
+  return str(info.value)
+
+
+@pytest.mark.parametrize("overlap", [100, 200])
+def test_plan_refuses_an_overlap_the_library_refuses(overlap):
+  library = _library_error(sync_period=100, num_fragments=4, overlap=overlap)
+  for fn in (plan, required_bandwidth):
+    extra = dict(bandwidth=1e9) if fn is plan else {}
+    with pytest.raises(ValueError) as info:
+      fn(**(BASE | dict(overlap=overlap) | extra))
+    assert str(info.value) == f"`{fn.__name__}(overlap=...)`: {library}"
+  assert plan(bandwidth=1e9, **(BASE | dict(overlap=99)))  # the largest overlap below H
+
+
+def test_run_refuses_an_overlap_the_library_refuses_naming_the_flag(capsys):
+  args = _parser().parse_args(["plan", "--params", "1B", "--step-time", "0.1", "--bandwidth",
+                               "1Gbit", "--sync-period", "100", "--overlap", "200"])
+  assert plan_cli.run(args) == 2
+  out, err = capsys.readouterr()
+  library = _library_error(sync_period=100, num_fragments=1, overlap=200)
+  assert out == "" and err == f"optax-dist: error: argument --overlap: {library}\n"

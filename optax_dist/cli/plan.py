@@ -3,7 +3,9 @@
 Prints one row per method of :mod:`optax_dist.planner`: the bytes each replica sends per step, the
 seconds of one exchange, the wall-clock seconds per step, the compute utilization at
 ``--bandwidth`` and the bandwidth that reaches ``--target-utilization``. Pure arithmetic: imports
-neither JAX's backends nor the ``examples`` extra, and runs in well under a second.
+neither JAX's backends nor the ``examples`` extra, and runs in a few seconds. Settings the library
+refuses (``streaming_diloco``'s ``overlap < sync_period``) are refused with its own message, after
+the flag.
 
 ``add_parser(subparsers)`` adds the subcommand to an ``argparse`` parser; ``run(args)`` runs it.
 """
@@ -27,6 +29,13 @@ _PARAMS = re.compile(r"^\s*(?P<number>[0-9.]+(?:[eE][+-]?[0-9]+)?)\s*(?P<suffix>
 _PARAMS_SUFFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 _TIME = re.compile(r"^\s*(?P<number>[0-9.]+(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>s|ms|us|µs)?\s*$")
 _SECONDS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
+_FLAGS = {"num_params": "--params", "step_time": "--step-time", "bandwidth": "--bandwidth",
+          "latency": "--latency", "sync_period": "--sync-period",
+          "num_fragments": "--num-fragments", "overlap": "--overlap", "bits": "--bits",
+          "num_replicas": "--replicas", "backward_overlap": "--backward-overlap",
+          "target_utilization": "--target-utilization"}
+"""The flag of each argument of :func:`optax_dist.planner.plan` and ``required_bandwidth``."""
+_PLANNER_ARGUMENT = re.compile(r"^`\w+\((?P<name>\w+)=\.\.\.\)`:? ")
 
 
 def _parsed(pattern: re.Pattern, text: str, what: str) -> tuple[float, re.Match]:
@@ -164,6 +173,15 @@ def _rate(bits_per_second: float) -> str:
   return f"{bits_per_second:.4g} bit/s"
 
 
+def _flag_error(message: str) -> str:
+  """The planner's error with its call site (`` `plan(overlap=...)` ``) as the flag's
+  (``argument --overlap:``), as argparse says it; other messages unchanged."""
+  match = _PLANNER_ARGUMENT.match(message)
+  if match is None or match["name"] not in _FLAGS:
+    return message
+  return f"argument {_FLAGS[match['name']]}: {message[match.end():]}"
+
+
 def run(args: argparse.Namespace) -> int:
   """Prints the table of ``optax-dist plan``; returns the exit status (2 for a bad combination)."""
   shared = dict(num_params=args.params, step_time=args.step_time, latency=args.latency,
@@ -174,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     plans = planner.plan(bandwidth=args.bandwidth, **shared)
     needed = planner.required_bandwidth(target_utilization=args.target_utilization, **shared)
   except ValueError as e:
-    sys.stderr.write(f"{PROG}: error: {e}\n")
+    sys.stderr.write(f"{PROG}: error: {_flag_error(str(e))}\n")
     return 2
   target = f"{100 * args.target_utilization:g}%"
   columns = (
