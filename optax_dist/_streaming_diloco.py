@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import _axis, _checks, _outer, _state
+from optax_dist import _axis, _checks, _exchange, _outer, _state
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -331,7 +331,7 @@ def streaming_diloco(
     num_workers: number of workers :math:`N`; defaults to the size of ``axis_name`` (1 when it
       is ``None``). If given, it must equal that size.
     comm_dtype: the floating dtype in which :math:`\theta^f - x'^f_i` is all-reduced (e.g.
-      ``jnp.bfloat16``); ``None`` (default) communicates in the anchor's dtypes. 8-bit floats
+      ``jnp.bfloat16``); ``None`` (default) sends in the anchor's dtypes. 8-bit floats
       are quantized, all-gathered and summed in float32. The block-quantized formats of
       :func:`diloco` (``jnp.int8``, ``jnp.float4_e2m1fn``, ``"e3m0"``) are sent as codes with
       one float32 scale per ``comm_block_size`` values, gathered and summed in float32.
@@ -444,10 +444,10 @@ def streaming_diloco(
   elif fragments is not None:
     _checks.check_choice(fn, "fragments", fragments, ("balanced",))
   _checks.check_number(fn, "mixing", mixing, lower=0.0, upper=1.0, constraint="in [0, 1]")
-  _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
-  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
-  error_feedback = _checks.check_error_feedback(fn, error_feedback, comm_dtype)
+  exchange = _exchange.Exchange(
+    axis_name, num_workers, comm_dtype, comm_block_size, slice_axis, call=fn
+  )
+  error_feedback = _checks.check_error_feedback(fn, error_feedback, exchange.comm_dtype)
   anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
   _checks.check_int(fn, "overlap", overlap)
   if overlap < 0 or overlap >= sync_period:
@@ -467,7 +467,7 @@ def streaming_diloco(
 
   def init_fn(params):
     _checks.check_floating(fn, params)
-    _axis.resolve_num_workers(fn, num_workers, axis_name)
+    exchange.size()
     anchor = _axis.copy(params, anchor_dtype)
     if not jax.tree.leaves(params):  # optax.tree.map_params' placeholder: params-shaped states
       outer_state = tuple(outer.init(anchor) for _ in range(num_fragments))
@@ -495,20 +495,13 @@ def streaming_diloco(
         error_feedback=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params))
     return state
 
-  def mean_pseudo_gradient(anchor_f, x_f, residual_f, n):
-    """Fragment f's workers' mean pseudo-gradient (the psum) and this worker's new residual."""
-    return _outer.pseudo_gradient(
-      anchor_f, x_f, axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
-      comm_block_size=comm_block_size, residual=residual_f, slice_axis=slice_axis,
-    )
-
   def sync_fragment(f, sync, anchor, outer_state_f, residual, p_leaves, u_leaves, ids, treedef,
                     n):
     """Fragment f's DiLoCo sync in its own conditional, carrying only its leaves and state."""
 
     def synchronize(anchor_f, outer_state_f, residual_f, u_f):
       x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-      delta_f, residual_f = mean_pseudo_gradient(anchor_f, x_f, residual_f, n)
+      delta_f, residual_f = _outer.pseudo_gradient(exchange, anchor_f, x_f, residual_f)
       return (*_outer.outer_step(outer, anchor_f, outer_state_f, delta_f), residual_f)
 
     def keep(anchor_f, outer_state_f, residual_f, u_f):
@@ -530,7 +523,7 @@ def streaming_diloco(
 
     def communicate(anchor_f, u_f, in_flight_f, own_f, residual_f):
       x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-      mean_f, residual_f = mean_pseudo_gradient(anchor_f, x_f, residual_f, n)
+      mean_f, residual_f = _outer.pseudo_gradient(exchange, anchor_f, x_f, residual_f)
       own_f = _outer.local_pseudo_gradient(anchor_f, x_f) if eager else None  # Delta_i
       return mean_f, own_f, residual_f
 
@@ -590,8 +583,7 @@ def streaming_diloco(
     _checks.require_params(fn, params)
     _checks.check_tree_matches(fn, updates, state.anchor, "params")
     hint = _axis.communication_hint(fn, extra_args)
-    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    _axis.check_slice_axis(fn, slice_axis, axis_name)
+    n = exchange.bind()
     ids = assign_fragments(fn, state.anchor, num_fragments, fragments)
 
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
@@ -605,7 +597,7 @@ def streaming_diloco(
         local_step, sync_period=sync_period, num_fragments=num_fragments, fragment=f
       )
       # False: no fragment syncs; True leaves the choice of fragment to the rule.
-      sends.append(False if hint is False else _axis.agree(rule, axis_name))
+      sends.append(False if hint is False else exchange.agree(rule))
 
     residual = jax.tree.leaves(state.error_feedback) if error_feedback else None
     if not overlap:  # each fragment's exchange lands on its send step
