@@ -24,7 +24,8 @@
 * Each periodic transformation's schedule, the rule its ``update`` applies to its step counter:
   :func:`elastic_average_communicates`, :func:`agn_communicates`, :func:`diloco_syncs`,
   :func:`streaming_diloco_syncs`, :func:`local_sgd_syncs` (and :func:`local_sgd_warming_up`);
-  :func:`hinted_step` compiles a step with and without the exchange and calls each by it.
+  :func:`hinted_step` compiles a step with and without the exchange and calls each by it;
+  :func:`streaming_diloco_fragments` gives the fragment of each param leaf.
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.vmap(..., axis_name=...)``, ``jax.jit`` of
@@ -50,6 +51,7 @@ from optax_dist._elastic_average import (
 )
 from optax_dist._eval_params import eval_params
 from optax_dist._exchange import Exchange
+from optax_dist._fragments import streaming_diloco_fragments
 from optax_dist._hinted_step import hinted_step
 from optax_dist._local_sgd import LocalSGDState, local_sgd, local_sgd_syncs, local_sgd_warming_up
 from optax_dist._moving_average import MovingAverageState, moving_average
@@ -101,6 +103,7 @@ __all__ = (
   "split_batch",
   "state_shardings",
   "streaming_diloco",
+  "streaming_diloco_fragments",
   "streaming_diloco_syncs",
   "tower",
 )
