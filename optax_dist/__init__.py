@@ -10,6 +10,8 @@
 * :func:`eval_params`: the averaged params to evaluate and to save (``swapping_saver``).
 * :func:`accumulate_then_reduce`: gradient accumulation with one all-reduce per accumulated step.
 * :func:`communication_report`: the collectives a compiled step issues, and their bytes.
+* :class:`Exchange`: the workers' axis, wire format and slices of an exchange, checked once, with
+  its collectives (sum, mean, mean with error feedback, gather).
 * :func:`apply_if_finite`: ``optax.apply_if_finite`` with the skip agreed across the workers.
 * :func:`diloco`, :func:`streaming_diloco` and :func:`local_sgd`: local steps with periodic
   outer steps or model averages (DiLoCo, Streaming DiLoCo, local / post-local SGD).
@@ -22,7 +24,8 @@
 * Each periodic transformation's schedule, the rule its ``update`` applies to its step counter:
   :func:`elastic_average_communicates`, :func:`agn_communicates`, :func:`diloco_syncs`,
   :func:`streaming_diloco_syncs`, :func:`local_sgd_syncs` (and :func:`local_sgd_warming_up`);
-  :func:`hinted_step` compiles a step with and without the exchange and calls each by it.
+  :func:`hinted_step` compiles a step with and without the exchange and calls each by it;
+  :func:`streaming_diloco_fragments` gives the fragment of each param leaf.
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.vmap(..., axis_name=...)``, ``jax.jit`` of
@@ -47,6 +50,8 @@ from optax_dist._elastic_average import (
   elastic_average_communicates,
 )
 from optax_dist._eval_params import eval_params
+from optax_dist._exchange import Exchange
+from optax_dist._fragments import streaming_diloco_fragments
 from optax_dist._hinted_step import hinted_step
 from optax_dist._local_sgd import LocalSGDState, local_sgd, local_sgd_syncs, local_sgd_warming_up
 from optax_dist._moving_average import MovingAverageState, moving_average
@@ -72,6 +77,7 @@ __all__ = (
   "DiLoCoState",
   "DropStaleGradientsState",
   "ElasticAverageState",
+  "Exchange",
   "LocalSGDState",
   "MovingAverageState",
   "StreamingDiLoCoState",
@@ -97,6 +103,7 @@ __all__ = (
   "split_batch",
   "state_shardings",
   "streaming_diloco",
+  "streaming_diloco_fragments",
   "streaming_diloco_syncs",
   "tower",
 )

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _axis, _checks, _state
+from optax_dist import _axis, _checks, _exchange, _state
 
 
 class AccumulateThenReduceState(NamedTuple):
@@ -133,7 +133,7 @@ def accumulate_then_reduce(
   inner = _axis.wrap_inner(inner)
   _checks.check_positive_int(fn, "every_k", every_k)
   _checks.check_choice(fn, "reduction", reduction, ("mean", "sum"))
-  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  exchange = _exchange.gradient_exchange(fn, axis_name, comm_dtype)
   accumulator_dtype = _checks.check_floating_dtype(fn, "accumulator_dtype", accumulator_dtype)
 
   def accumulator(p):
@@ -159,7 +159,7 @@ def accumulate_then_reduce(
     # A_i <- A_i + g_{i,m}
     acc_grads = jax.tree.map(lambda a, g: (a + g).astype(a.dtype), state.acc_grads, updates)
     mini_step = optax.safe_increment(state.mini_step)
-    emit = _axis.agree(mini_step % every_k == 0, axis_name)
+    emit = exchange.agree(mini_step % every_k == 0)
 
     def local_grads(acc_grads):  # A_i / k, in the gradients' dtypes
       if use_grad_mean:
@@ -167,7 +167,7 @@ def accumulate_then_reduce(
       return optax.tree.cast_like(acc_grads, updates)
 
     def reduce_and_step(acc_grads, inner_state):
-      grads = _axis.reduce_gradients(fn, local_grads(acc_grads), axis_name, reduction, comm_dtype)
+      grads = exchange.reduce(local_grads(acc_grads), reduction)
       u, new_state = inner.update(grads, inner_state, params, **extra_args)  # u = inner(G)
       return u, new_state, optax.tree.zeros_like(acc_grads)
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _axis, _checks, _state
+from optax_dist import _axis, _checks, _exchange, _state
 
 
 class AGNState(NamedTuple):
@@ -114,7 +114,7 @@ def agn(
     comm_dtype: the floating dtype in which the workers' mean gradients :math:`a_i / \tau` are
       exchanged (e.g. ``jnp.bfloat16``: half the bytes of ``float32``): cast to it before the
       ``all_gather`` or ``pmean`` and back to the params' dtypes after, so the center's ``inner``
-      steps run in the params' dtypes. ``None`` (default) communicates in the params' dtypes.
+      steps run in the params' dtypes. ``None`` (default) sends in the params' dtypes.
       ``jnp.int8`` (or ``"int8"``), ``jnp.float4_e2m1fn`` (or ``"float4_e2m1fn"``) and
       ``"e3m0"`` send block-quantized codes with one float32 scale per ``comm_block_size``
       values (``optax_dist._quantize``): ``"mean"`` sums the decoded commits in float32 in
@@ -208,13 +208,13 @@ def agn(
   inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   _checks.check_positive_int(fn, "communication_period", communication_period)
   _checks.check_choice(fn, "center_update", center_update, ("sequential", "mean"))
-  _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
-  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
+  exchange = _exchange.Exchange(
+    axis_name, num_workers, comm_dtype, comm_block_size, slice_axis, call=fn
+  )
 
   def init_fn(params):
     _checks.check_floating(fn, params)
-    _axis.resolve_num_workers(fn, num_workers, axis_name)
+    exchange.size()
     return AGNState(
       local_step=jnp.zeros([], jnp.int32),
       center=_axis.copy(params),
@@ -228,8 +228,7 @@ def agn(
     _checks.check_floating(fn, params)
     _checks.check_tree_matches(fn, updates, state.center, "params")
     hint = _axis.communication_hint(fn, extra_args)
-    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    _axis.check_slice_axis(fn, slice_axis, axis_name)
+    n = exchange.bind()
 
     # x_i <- x_i + inner(g_i); a_i <- a_i + g_i.
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
@@ -247,31 +246,21 @@ def agn(
     def commit(center, grad_accum, center_inner_state):
       mean_grad = jax.tree.map(lambda a: (a / communication_period).astype(a.dtype), grad_accum)
       carry = (center, center_inner_state)
-      if axis_name is None:
-        carry, _ = center_step(carry, mean_grad)
-      elif center_update == "mean":
-        # Summed, then divided in the params' dtypes.
-        total = _axis.sliced(
-          lambda t: _axis.psum(t, axis_name, comm_dtype, comm_block_size), mean_grad, slice_axis,
-          mean=True,
-        )
-        carry, _ = center_step(carry, jax.tree.map(lambda t: (t / n).astype(t.dtype), total))
+      if axis_name is None or center_update == "mean":
+        # Summed, then divided in the params' dtypes (one worker: its own).
+        carry, _ = center_step(carry, exchange.mean(mean_grad, slice_mean=True))
       else:
         # The N commits in axis order, one scan step each: the program size does not grow
         # with N. The gathered tree holds N x params elements on every worker.
-        gathered = _axis.sliced(
-          lambda t: _axis.all_gather(t, axis_name, comm_dtype, comm_block_size), mean_grad,
-          slice_axis, mean=True,
-        )
+        gathered = exchange.gather(mean_grad, slice_mean=True)
         carry, _ = jax.lax.scan(center_step, carry, gathered, length=n)
       return carry
 
     def keep(center, grad_accum, center_inner_state):
       return center, center_inner_state
 
-    communicate = _axis.communicates(
-      agn_communicates(local_step, communication_period=communication_period), hint,
-      axis_name,
+    communicate = exchange.due(
+      agn_communicates(local_step, communication_period=communication_period), hint
     )
     center, center_inner_state = _axis.communicate_if(
       communicate, commit, keep, state.center, grad_accum, state.center_inner_state,

@@ -13,7 +13,8 @@ axis names), so one code path runs under ``jax.shard_map`` (full or partial-manu
   (the all-reduce core of ``tower``, ``all_reduce``, ``accumulate_then_reduce`` and local SGD's
   warm-up);
 * the communication step: :func:`communication_hint` (the static ``communicate`` extra argument),
-  :func:`communicates`, :func:`agree`, :func:`communicate_if` and :func:`select`;
+  :func:`agree`, :func:`communicate_if` and :func:`select` (the schedule and the hint together:
+  :meth:`optax_dist.Exchange.due`);
 * state: :func:`copy`, :func:`wrap_inner`, :func:`keep_dtypes`.
 """
 
@@ -385,15 +386,6 @@ def agree(pred: jax.Array | bool, axis_name: Hashable | tuple | None) -> jax.Arr
   if not unchecked:
     return pred
   return jax.lax.pmax(jnp.asarray(pred, jnp.int32), unchecked) > 0
-
-
-def communicates(
-  rule: jax.Array | bool, hint: bool | None, axis_name: Hashable | tuple | None
-) -> jax.Array | bool:
-  """Whether this ``update`` makes its exchange: the static ``hint`` if given (a Python bool,
-  :func:`communication_hint`), else the transformation's schedule ``rule`` evaluated at its
-  step counter, made one value for all the workers of ``axis_name`` (:func:`agree`)."""
-  return hint if hint is not None else agree(rule, axis_name)
 
 
 def communicate_if(

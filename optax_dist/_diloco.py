@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _axis, _checks, _outer, _state
+from optax_dist import _axis, _checks, _exchange, _outer, _state
 
 
 class DiLoCoState(NamedTuple):
@@ -127,7 +127,7 @@ def diloco(
     num_workers: number of workers :math:`N`; defaults to the size of ``axis_name`` (1 when it
       is ``None``). If given, it must equal that size.
     comm_dtype: the floating dtype in which :math:`\theta - x'_i` is all-reduced (e.g.
-      ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) communicates in the
+      ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) sends in the
       anchor's dtypes. 8-bit floats (``jnp.float8_e4m3fn``, ...) are quantized, all-gathered
       and summed in float32 (see Collectives). ``jnp.int8`` (or ``"int8"``),
       ``jnp.float4_e2m1fn`` (or ``"float4_e2m1fn"``) and ``"e3m0"`` send block-quantized codes
@@ -231,15 +231,15 @@ def diloco(
   outer = _outer.default_outer() if outer is None else outer
   _checks.check_transformation(fn, outer, "outer")
   _checks.check_positive_int(fn, "sync_period", sync_period)
-  _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
-  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
-  error_feedback = _checks.check_error_feedback(fn, error_feedback, comm_dtype)
+  exchange = _exchange.Exchange(
+    axis_name, num_workers, comm_dtype, comm_block_size, slice_axis, call=fn
+  )
+  error_feedback = _checks.check_error_feedback(fn, error_feedback, exchange.comm_dtype)
   anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
 
   def init_fn(params):
     _checks.check_floating(fn, params)
-    _axis.resolve_num_workers(fn, num_workers, axis_name)
+    exchange.size()
     anchor = _axis.copy(params, anchor_dtype)
     return DiLoCoState(
       local_step=jnp.zeros([], jnp.int32),
@@ -256,22 +256,19 @@ def diloco(
     _checks.require_params(fn, params)
     _checks.check_tree_matches(fn, updates, state.anchor, "params")
     hint = _axis.communication_hint(fn, extra_args)
-    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    _axis.check_slice_axis(fn, slice_axis, axis_name)
+    exchange.bind()
 
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
-    sync = _axis.communicates(diloco_syncs(local_step, sync_period=sync_period), hint, axis_name)
+    sync = exchange.due(diloco_syncs(local_step, sync_period=sync_period), hint)
 
     # The conditional carries only what a sync changes: the anchor and the outer state. On
     # other steps it hands them back unchanged (XLA then writes no copy of them).
     # With error feedback it also carries this worker's residual r_i.
     def synchronize(anchor, outer_state, residual, u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      delta, residual = _outer.pseudo_gradient(  # mean_j Q(theta - x'_j + r_j); r_i updated
-        anchor, new_params, axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
-        comm_block_size=comm_block_size, residual=residual, slice_axis=slice_axis,
-      )
+      # mean_j Q(theta - x'_j + r_j); r_i updated
+      delta, residual = _outer.pseudo_gradient(exchange, anchor, new_params, residual)
       return (*_outer.outer_step(outer, anchor, outer_state, delta), residual)
 
     def keep(anchor, outer_state, residual, u):

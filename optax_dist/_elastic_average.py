@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _axis, _checks, _state
+from optax_dist import _axis, _checks, _exchange, _state
 
 BETA = 0.9
 """TF's default for ``moving_rate * communication_period * num_workers`` (as in the paper)."""
@@ -114,7 +114,7 @@ def elastic_average(
       positions are the workers; ``None`` for one worker.
     comm_dtype: the floating dtype in which the :math:`d_j` are summed over the axis (e.g.
       ``jnp.bfloat16``: half the bytes of ``float32``): each :math:`d_i` is cast to it before the
-      ``psum`` and the sum back to the center's dtype after. ``None`` (default) communicates in
+      ``psum`` and the sum back to the center's dtype after. ``None`` (default) sends in
       the params' dtypes. ``jnp.int8`` (or ``"int8"``), ``jnp.float4_e2m1fn`` (or
       ``"float4_e2m1fn"``) and ``"e3m0"`` send block-quantized codes of the :math:`d_j` with
       one float32 scale per ``comm_block_size`` values (``optax_dist._quantize``), gathered and
@@ -197,7 +197,9 @@ def elastic_average(
   _checks.check_transformation(fn, inner)
   inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   _checks.check_positive_int(fn, "communication_period", communication_period)
-  _checks.check_num_workers(fn, num_workers, axis_name)
+  exchange = _exchange.Exchange(
+    axis_name, num_workers, comm_dtype, comm_block_size, slice_axis, call=fn
+  )
   if moving_rate is not None:
     _checks.check_number(fn, "moving_rate", moving_rate, lower=0.0, lower_open=True,
                          constraint="> 0")
@@ -206,12 +208,10 @@ def elastic_average(
   if learning_rate is not None:
     _checks.check_number(fn, "learning_rate", learning_rate, lower=0.0, lower_open=True,
                          constraint="> 0")
-  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
-  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
 
   def init_fn(params):
     _checks.check_floating(fn, params)
-    _axis.resolve_num_workers(fn, num_workers, axis_name)
+    exchange.size()
     return ElasticAverageState(
       local_step=jnp.zeros([], jnp.int32),
       center=_axis.copy(params),
@@ -223,8 +223,7 @@ def elastic_average(
     _checks.check_floating(fn, params)
     _checks.check_tree_matches(fn, updates, state.center, "params")
     hint = _axis.communication_hint(fn, extra_args)
-    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    _axis.check_slice_axis(fn, slice_axis, axis_name)
+    n = exchange.bind()
     alpha = BETA / communication_period / n if moving_rate is None else moving_rate
     _warn_if_unstable(alpha, n)
     if rho is not None:
@@ -246,30 +245,23 @@ def elastic_average(
     local_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     local_step = optax.safe_increment(state.local_step)
 
-    communicate = _axis.communicates(
-      elastic_average_communicates(local_step, communication_period=communication_period), hint,
-      axis_name,
+    communicate = exchange.due(
+      elastic_average_communicates(local_step, communication_period=communication_period), hint
     )
 
     # The conditional carries only what a communication step changes: the center, and d_i for
     # the returned updates. On other steps it hands the center and u_i back unchanged (XLA then
     # writes no copy of them) and the updates are u_i.
-    def exchange(u, center):
+    def pull(u, center):
       new_params = optax.apply_updates(params, u)  # x'_i
       d = jax.tree.map(lambda x, c: (alpha * (x - c)).astype(c.dtype), new_params, center)
-      if axis_name is None:
-        total = d
-      else:
-        total = _axis.sliced(
-          lambda t: _axis.psum(t, axis_name, comm_dtype, comm_block_size), d, slice_axis
-        )
-      return optax.tree.add(center, total), d  # center <- center + sum_j d_j
+      return optax.tree.add(center, exchange.sum(d)), d  # center <- center + sum_j d_j
 
     def keep(u, center):
       # The second result is unused on these steps; u_i has d_i's shapes (dtypes cast).
       return center, jax.tree.map(lambda x, c: x.astype(c.dtype), u, center)
 
-    center, d = _axis.communicate_if(communicate, exchange, keep, local_updates, center)
+    center, d = _axis.communicate_if(communicate, pull, keep, local_updates, center)
     # x_i <- x'_i - d_i on a communication step.
     local_updates = jax.tree.map(
       lambda x, d, p, u: _axis.select(communicate, ((x - d) - p).astype(u.dtype), u),

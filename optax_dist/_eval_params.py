@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import optax
 
 from optax_dist import _state
-
-
-def _find_average(node: Any) -> Any:
-  """The averaged params of the first averaging state in a depth-first walk, or ``None``."""
-  if _state.is_library_state(node) and node.AVERAGE is not None:
-    return getattr(node, node.AVERAGE)
-  if isinstance(node, dict):
-    children = node.values()
-  elif isinstance(node, (tuple, list)):
-    children = node
-  else:
-    return None
-  for child in children:
-    found = _find_average(child)
-    if found is not None:
-      return found
-  return None
 
 
 def eval_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params:
@@ -69,7 +50,7 @@ def eval_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params
     TensorFlow 1.x, ``MovingAverageOptimizer.swapping_saver`` and
     ``ElasticAverageOptimizer.swapping_saver``.
   """
-  average = _find_average(opt_state)
+  average = _state.declared(opt_state, "AVERAGE")
   if average is None:
     return params
   got, want = jax.tree.structure(average), jax.tree.structure(params)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _axis, _checks, _state
+from optax_dist import _axis, _checks, _exchange, _state
 
 
 class LocalSGDState(NamedTuple):
@@ -159,7 +159,7 @@ def local_sgd(
       the model average the error of a value is up to half a grid step of its block's largest
       param (:math:`\max|x| / 254` for ``int8``), whatever the change since the last average,
       so a change over H steps below that can be rounded away on every average. ``None``
-      (default) communicates in the params' dtypes.
+      (default) sends in the params' dtypes.
     comm_block_size: B, the values per float32 scale of a quantized ``comm_dtype`` (``None``,
       the default, is 256; even for the 4-bit formats); ignored otherwise.
     slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose devices hold
@@ -241,10 +241,10 @@ def local_sgd(
   inner = _axis.wrap_inner(inner)  # unknown extra args dropped, state dtypes kept
   _checks.check_positive_int(fn, "sync_period", sync_period)
   check_warmup_steps(fn, warmup_steps)
-  _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
-  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
-  if _checks.check_error_feedback(fn, error_feedback, comm_dtype):
+  exchange = _exchange.Exchange(
+    axis_name, num_workers, comm_dtype, comm_block_size, slice_axis, call=fn
+  )
+  if _checks.check_error_feedback(fn, error_feedback, exchange.comm_dtype):
     raise ValueError(
       "`local_sgd(error_feedback=True)` is not supported: local SGD exchanges the params"
       " themselves, so a fed-back residual would cost a params-sized float32 copy per worker"
@@ -256,24 +256,21 @@ def local_sgd(
 
   def init_fn(params):
     _checks.check_floating(fn, params)
-    _axis.resolve_num_workers(fn, num_workers, axis_name)
+    exchange.size()
     return LocalSGDState(local_step=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
     _checks.require_params(fn, params)
     _checks.check_tree_matches(fn, updates, params, "params")
     hint = _axis.communication_hint(fn, extra_args)
-    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    _axis.check_slice_axis(fn, slice_axis, axis_name)
+    exchange.bind()
     local_step = optax.safe_increment(state.local_step)
 
     # Warm-up: synchronous data parallelism while local_step <= W, one all-reduce per step.
     if axis_name is not None and _checks.concrete(warmup_steps) != 0:
-      warm = _axis.agree(local_sgd_warming_up(local_step, warmup_steps=warmup_steps), axis_name)
+      warm = exchange.agree(local_sgd_warming_up(local_step, warmup_steps=warmup_steps))
       updates = _axis.communicate_if(
-        warm,
-        lambda g: _axis.reduce_gradients(fn, g, axis_name, "mean", comm_dtype, comm_block_size),
-        lambda g: g, updates,
+        warm, lambda g: exchange.reduce(g, "mean"), lambda g: g, updates
       )
     local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     if axis_name is None:  # one worker: its own mean
@@ -281,14 +278,11 @@ def local_sgd(
 
     # Model average on steps W + H, W + 2H, ...: x_i <- mean_j x'_j.
     rule = local_sgd_syncs(local_step, sync_period=sync_period, warmup_steps=warmup_steps)
-    sync = _axis.communicates(rule, hint, axis_name)
+    sync = exchange.due(rule, hint)
 
     def average(u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      mean = _axis.sliced(
-        lambda x: _axis.worker_mean(x, axis_name, n, comm_dtype, comm_block_size), new_params,
-        slice_axis,
-      )
+      mean = exchange.mean(new_params)
       return jax.tree.map(lambda m, p, u: (m - p).astype(u.dtype), mean, params, u)
 
     local_updates = _axis.communicate_if(sync, average, lambda u: u, local_updates)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 import jax
 import optax
 
-from optax_dist import _axis
+from optax_dist import _axis, _exchange
 
 
 def default_outer() -> optax.GradientTransformation:
@@ -22,45 +21,25 @@ def local_pseudo_gradient(anchor: Any, new_params: Any) -> Any:
 
 
 def pseudo_gradient(
-  anchor: Any,
-  new_params: Any,
-  *,
-  axis_name: Hashable | None,
-  num_workers: int,
-  comm_dtype: Any = None,
-  comm_block_size: int = 256,
-  residual: Any = None,
-  slice_axis: Hashable | None = None,
+  exchange: _exchange.Exchange, anchor: Any, new_params: Any, residual: Any = None
 ) -> tuple[Any, Any]:
   r"""The workers' mean pseudo-gradient :math:`\Delta = \frac{1}{N}\sum_j (\theta - x'_j)`.
 
-  Each :math:`\theta - x'_j` is computed in the anchor's dtype and all-reduced in
-  ``comm_dtype`` (a floating dtype, or a quantized format's name sent in blocks of
-  ``comm_block_size`` values: :func:`optax_dist._axis.psum`). With error feedback
-  (``residual``, float32, the anchor's tree and shapes; a quantized ``comm_dtype``) each worker
+  Each :math:`\theta - x'_j` is computed in the anchor's dtype and averaged by ``exchange``
+  (:meth:`~optax_dist.Exchange.mean`, in its wire format and slices). With error feedback
+  (``residual``, float32, the anchor's tree and shapes; a quantized wire format) each worker
   sends :math:`\theta - x'_j + r_j` quantized and keeps what quantization dropped,
   :math:`r_j' = \theta - x'_j + r_j - Q(\theta - x'_j + r_j)`, for the next sync.
-  ``axis_name=None`` means one worker: :math:`\Delta = \theta - x'`, nothing quantized.
-  ``slice_axis``: each device of that axis exchanges only its slice (:func:`_axis.sliced`).
+  One worker (``axis_name=None``): :math:`\Delta = \theta - x'`, nothing quantized.
 
   Returns:
     ``(delta, new_residual)``: :math:`\Delta` in the anchor's dtypes, and :math:`r'`
     (``residual`` itself when it is ``None`` or nothing is exchanged).
   """
   delta = local_pseudo_gradient(anchor, new_params)
-  if axis_name is None:
-    return delta, residual
   if residual is None:
-    mean = _axis.sliced(
-      lambda d: _axis.worker_mean(d, axis_name, num_workers, comm_dtype, comm_block_size),
-      delta, slice_axis,
-    )
-    return mean, None
-  return _axis.sliced(
-    lambda pair: _axis.worker_mean_with_feedback(
-      *pair, axis_name, num_workers, comm_dtype, comm_block_size),
-    (delta, residual), slice_axis,
-  )
+    return exchange.mean(delta), None
+  return exchange.mean_with_feedback(delta, residual)
 
 
 def outer_step(

@@ -20,20 +20,11 @@ _MODES = ("mean", "reset", "copy")
 # Walking a state tree one level at a time.
 
 
-def _children(node: Any) -> tuple[list, Any]:
-  """``node``'s direct children and the treedef that rebuilds it from them."""
-  return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
-
-
-def _is_leaf(node: Any) -> bool:
-  return jax.tree_util.all_leaves([node])
-
-
 def _holds(node: Any, predicate: Any) -> bool:
   """Whether ``node`` or a node below it satisfies ``predicate``."""
   if predicate(node):
     return True
-  return not _is_leaf(node) and any(_holds(c, predicate) for c in _children(node)[0])
+  return not _state.is_leaf(node) and any(_holds(c, predicate) for c in _state.children(node)[0])
 
 
 def _is_state(node: Any) -> bool:
@@ -50,7 +41,7 @@ def _is_record(node: Any) -> bool:
   with no other state inside, reset or kept as a whole (adam's count with its moments)."""
   if not _is_leafy_record(node) or _is_state(node):
     return False
-  return not any(_holds(c, _is_leafy_record) for c in _children(node)[0])
+  return not any(_holds(c, _is_leafy_record) for c in _state.children(node)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,13 +84,13 @@ def _inner(old: Any, template: Any, m: int, mode: str) -> Any:
     return jax.tree.map(lambda x: _broadcast(_agreed_mean(x), m), old)
   if mode == "copy":
     return jax.tree.map(lambda x: _broadcast(x[0], m), old)
-  if _is_record(old) or _is_leaf(old):  # "reset", unless identical on every worker (global)
+  if _is_record(old) or _state.is_leaf(old):  # "reset", unless identical on every worker (global)
     same = _same_on_every_worker(old)
     return jax.tree.map(
       lambda x, t: jnp.where(same, _broadcast(x[0], m), t.astype(x.dtype)), old, template
     )
-  children, treedef = _children(old)
-  new = [_inner(c, t, m, mode) for c, t in zip(children, _children(template)[0], strict=True)]
+  children, treedef = _state.children(old)
+  new = [_inner(c, t, m, mode) for c, t in zip(children, _state.children(template)[0], strict=True)]
   return treedef.unflatten(new)
 
 
@@ -119,26 +110,13 @@ def _walk(old: Any, template: Any, m: int, mode: str) -> Any:
     return type(old)(**fields)
   if not _holds(old, _is_state):
     return _inner(old, template, m, mode)
-  children, treedef = _children(old)
-  new = [_walk(c, t, m, mode) for c, t in zip(children, _children(template)[0], strict=True)]
+  children, treedef = _state.children(old)
+  new = [_walk(c, t, m, mode) for c, t in zip(children, _state.children(template)[0], strict=True)]
   return treedef.unflatten(new)
 
 
-def _restart_point(node: Any) -> Any:
-  """The center or anchor of the first such state in a depth-first walk, or ``None``."""
-  if _state.is_library_state(node) and node.RESTART is not None:
-    return getattr(node, node.RESTART)
-  if _is_leaf(node):
-    return None
-  for child in _children(node)[0]:
-    found = _restart_point(child)
-    if found is not None:
-      return found
-  return None
-
-
 def _resize(tx: Any, m: int, mode: str, opt_state: Any, params: Any) -> tuple[Any, Any]:
-  restart = _restart_point(opt_state)
+  restart = _state.declared(opt_state, "RESTART")
   if restart is None:  # local SGD, tower, no distributed wrapper: the workers' mean
     one = jax.tree.map(_agreed_mean, params)
   else:  # the center or anchor, identical on every worker, in the params' dtypes
@@ -191,7 +169,7 @@ def _check_from_tx(tx: Any, opt_state: Any, params: Any) -> None:
 def _first_difference(got: Any, want: Any, path: tuple = ()) -> str:
   """Where the trees ``got`` (``opt_state``) and ``want`` (``vmap(tx.init)``'s) first differ."""
   where = "opt_state" + jax.tree_util.keystr(path)
-  got_leaf, want_leaf = _is_leaf(got), _is_leaf(want)
+  got_leaf, want_leaf = _state.is_leaf(got), _state.is_leaf(want)
   if got_leaf or want_leaf:
     if got_leaf and want_leaf:
       return f"the trees differ at {where}."

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 KEEP = "keep"
 """Global state, identical on every worker: worker 0's value, exactly, on every new worker."""
 
@@ -29,3 +31,29 @@ INNER = "inner"
 def is_library_state(node: Any) -> bool:
   """Whether ``node`` is a state of an optax_dist transformation (it declares ``RESIZE``)."""
   return isinstance(node, tuple) and isinstance(getattr(type(node), "RESIZE", None), dict)
+
+
+def children(node: Any) -> tuple[list, Any]:
+  """``node``'s direct pytree children and the treedef that rebuilds it from them."""
+  return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+
+
+def is_leaf(node: Any) -> bool:
+  """Whether ``node`` is a pytree leaf (an array, a scalar; ``None`` is a node with none)."""
+  return jax.tree_util.all_leaves([node])
+
+
+def declared(node: Any, attribute: str) -> Any:
+  """The field that the first library state in a depth-first walk of ``node`` names by its
+  ``attribute`` (``"AVERAGE"`` or ``"RESTART"``), skipping states that declare ``None``; or
+  ``None`` if no state declares one. The outermost wrapper comes first, then an
+  ``optax.chain``'s members in order."""
+  if is_library_state(node) and getattr(node, attribute) is not None:
+    return getattr(node, getattr(node, attribute))
+  if is_leaf(node):
+    return None
+  for child in children(node)[0]:
+    found = declared(child, attribute)
+    if found is not None:
+      return found
+  return None

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import _axis, _checks, _outer, _state
+from optax_dist import _axis, _checks, _exchange, _fragments, _outer, _state
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -66,86 +66,9 @@ class StreamingDiLoCoState(NamedTuple):
   }
 
 
-# ----------------------------------------------------------------------------------------------
-# Fragments.
-
-
-def _size(leaf: Any) -> int:
-  return int(np.prod(leaf.shape if hasattr(leaf, "shape") else np.shape(leaf), dtype=np.int64))
-
-
-def check_fragment_ids(fn: str, fragments: Any, num_fragments: int) -> None:
-  """Raise unless every leaf of ``fragments`` is an int in ``[0, num_fragments)``."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(fragments):
-    value = _checks.concrete(leaf)
-    where = jax.tree_util.keystr(path) or "<root>"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-      raise TypeError(
-        f"`{fn}(fragments=...)` must hold an int fragment id per param leaf, got {leaf!r} at"
-        f" {where}."
-      )
-    if not 0 <= value < num_fragments:
-      raise ValueError(
-        f"`{fn}(fragments=...)` ids must be in [0, num_fragments) = [0, {num_fragments}),"
-        f" got {value} at {where}."
-      )
-
-
-def assign_fragments(
-  fn: str, params: Any, num_fragments: int, fragments: Any = None
-) -> tuple[int, ...]:
-  """The fragment of each leaf of ``params``, in ``jax.tree.leaves`` order.
-
-  ``fragments=None``: contiguous runs by element count, leaf j in fragment
-  :math:`\\lfloor F c_j / C \\rfloor` (:math:`c_j` the elements before leaf j, C the total).
-  Otherwise the ids of ``fragments``, a tree with the params' structure.
-
-  Raises:
-    ValueError: ``fragments`` has another tree structure than ``params``; a fragment gets no
-      leaf (F exceeds the number of leaves, or the leaves' sizes leave a run empty).
-  """
-  leaves = jax.tree.leaves(params)
-  if isinstance(fragments, str):  # "balanced"
-    ids = _balanced(leaves, num_fragments)
-  elif fragments is not None:
-    got, want = jax.tree.structure(fragments), jax.tree.structure(params)
-    if got != want:
-      raise ValueError(
-        f"`{fn}(fragments=...)` must have the params' tree structure, got {got}, expected"
-        f" {want}."
-      )
-    ids = tuple(int(_checks.concrete(f)) for f in jax.tree.leaves(fragments))
-  else:
-    sizes = [_size(leaf) for leaf in leaves]
-    total, before, ids = sum(sizes), 0, []
-    for size in sizes:
-      ids.append(num_fragments * before // total if total else 0)
-      before += size
-    ids = tuple(ids)
-  empty = sorted(set(range(num_fragments)) - set(ids))
-  if empty:
-    if fragments is not None and not isinstance(fragments, str):
-      raise ValueError(
-        f"`{fn}(fragments=...)` assigns no leaf to fragment {empty[0]} of"
-        f" num_fragments={num_fragments}; use every id in [0, {num_fragments}) or pass a"
-        " smaller num_fragments."
-      )
-    sizes = [_size(leaf) for leaf in leaves]
-    raise ValueError(
-      f"`{fn}(num_fragments=...)` must leave no fragment empty, got {num_fragments}"
-      f" fragments for {len(leaves)} param leaves of sizes {sizes} (fragment {empty[0]} gets"
-      " no leaf). Pass fewer fragments, or an explicit `fragments=` tree of ids."
-    )
-  return ids
-
-
-def _balanced(leaves: list, num_fragments: int) -> tuple[int, ...]:
-  """``fragments="balanced"``: the largest leaf first to the fragment with the fewest elements."""
-  sizes, ids = np.zeros(num_fragments, np.int64), [0] * len(leaves)
-  for j in sorted(range(len(leaves)), key=lambda j: -_size(leaves[j])):
-    ids[j] = int(np.argmin(sizes))
-    sizes[ids[j]] += _size(leaves[j])
-  return tuple(ids)
+# The command (optax_dist/cli/trainer.py) still imports this name: remove it once the command
+# calls optax_dist.streaming_diloco_fragments(params, num_fragments, "balanced").
+assign_fragments = _fragments.assign
 
 
 def sync_offset(fragment: int, sync_period: Any, num_fragments: int) -> Any:
@@ -200,18 +123,6 @@ def streaming_diloco_syncs(
   fragments = range(num_fragments) if fragment is None else (fragment,)
   due = [step % sync_period == sync_offset(f, sync_period, num_fragments) for f in fragments]
   return functools.reduce(operator.or_, due)
-
-
-def _select(leaves: list, ids: tuple[int, ...], fragment: int, treedef: Any) -> Any:
-  """The tree of ``leaves`` with the leaves of other fragments replaced by ``MaskedNode``."""
-  return treedef.unflatten(
-    [x if f == fragment else optax.MaskedNode() for x, f in zip(leaves, ids, strict=True)]
-  )
-
-
-def _leaves(masked: Any) -> list:
-  """The leaves of a masked tree, ``MaskedNode`` included, in the full tree's leaf order."""
-  return jax.tree.leaves(masked, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,7 +230,7 @@ def streaming_diloco(
       to the fragment with the fewest elements so far, so that the syncs' bytes are as equal as
       the leaves allow (the contiguous runs can leave a fragment empty on a small MLP); or a tree
       with the params' structure holding each leaf's fragment id, an int in ``[0, F)``; every id
-      must be used.
+      must be used. :func:`streaming_diloco_fragments` returns the assignment.
     mixing: :math:`\alpha` in [0, 1], dimensionless: the weight of the worker's own params
       when a fragment lands (0, the default: replaced by the new anchor, as :func:`diloco`).
     overlap: :math:`\tau`, an int in ``[0, sync_period)``, a count of ``update`` calls between a
@@ -331,7 +242,7 @@ def streaming_diloco(
     num_workers: number of workers :math:`N`; defaults to the size of ``axis_name`` (1 when it
       is ``None``). If given, it must equal that size.
     comm_dtype: the floating dtype in which :math:`\theta^f - x'^f_i` is all-reduced (e.g.
-      ``jnp.bfloat16``); ``None`` (default) communicates in the anchor's dtypes. 8-bit floats
+      ``jnp.bfloat16``); ``None`` (default) sends in the anchor's dtypes. 8-bit floats
       are quantized, all-gathered and summed in float32. The block-quantized formats of
       :func:`diloco` (``jnp.int8``, ``jnp.float4_e2m1fn``, ``"e3m0"``) are sent as codes with
       one float32 scale per ``comm_block_size`` values, gathered and summed in float32.
@@ -439,16 +350,88 @@ def streaming_diloco(
   _checks.check_transformation(fn, outer, "outer")
   _checks.check_positive_int(fn, "sync_period", sync_period)
   _checks.check_positive_int(fn, "num_fragments", num_fragments)
-  if fragments is not None and not isinstance(fragments, str):
-    check_fragment_ids(fn, fragments, num_fragments)
-  elif fragments is not None:
-    _checks.check_choice(fn, "fragments", fragments, ("balanced",))
+  _fragments.check_strategy(fn, fragments, num_fragments)
   _checks.check_number(fn, "mixing", mixing, lower=0.0, upper=1.0, constraint="in [0, 1]")
-  _checks.check_num_workers(fn, num_workers, axis_name)
-  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype)
-  comm_block_size = _checks.check_comm_block_size(fn, comm_block_size, comm_dtype)
-  error_feedback = _checks.check_error_feedback(fn, error_feedback, comm_dtype)
+  exchange = _exchange.Exchange(
+    axis_name, num_workers, comm_dtype, comm_block_size, slice_axis, call=fn
+  )
+  error_feedback = _checks.check_error_feedback(fn, error_feedback, exchange.comm_dtype)
   anchor_dtype = _checks.check_floating_dtype(fn, "anchor_dtype", anchor_dtype)
+  eager = _check_overlap(fn, overlap, eager, sync_period)
+
+  def init_fn(params):
+    _checks.check_floating(fn, params)
+    exchange.size()
+    anchor = _axis.copy(params, anchor_dtype)
+    if not jax.tree.leaves(params):  # optax.tree.map_params' placeholder: params-shaped states
+      outer_state = tuple(outer.init(anchor) for _ in range(num_fragments))
+    else:
+      leaves, treedef = jax.tree.flatten(anchor)
+      parts = _fragments.Fragments(
+        _fragments.assign(fn, params, num_fragments, fragments), treedef)
+      outer_state = tuple(outer.init(parts.part(leaves, f)) for f in range(num_fragments))
+    zeros = functools.partial(jax.tree.map, jnp.zeros_like)
+    return StreamingDiLoCoState(
+      local_step=jnp.zeros([], jnp.int32),
+      anchor=anchor,
+      inner_state=inner.init(params),
+      outer_state=outer_state,
+      in_flight=zeros(anchor) if overlap else None,
+      in_flight_step=jnp.zeros([num_fragments], jnp.int32) if overlap else None,
+      own_in_flight=zeros(anchor) if eager else None,
+      error_feedback=(
+        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        if error_feedback else None
+      ),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    _checks.require_params(fn, params)
+    _checks.check_tree_matches(fn, updates, state.anchor, "params")
+    hint = _axis.communication_hint(fn, extra_args)
+    n = exchange.bind()
+    ids = _fragments.assign(fn, state.anchor, num_fragments, fragments)
+
+    local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    local_step = optax.safe_increment(state.local_step)
+    anchor, treedef = jax.tree.flatten(state.anchor)
+    r = _Round(exchange, outer, _fragments.Fragments(ids, treedef), jax.tree.leaves(params),
+               jax.tree.leaves(local_updates), n, eager)
+    # False: no fragment sends; True leaves the choice of fragment to the rule.
+    sends = [
+      False if hint is False else exchange.agree(streaming_diloco_syncs(
+        local_step, sync_period=sync_period, num_fragments=num_fragments, fragment=f))
+      for f in range(num_fragments)
+    ]
+    carry = _Carry(anchor, state.outer_state, _leaves(state.in_flight), state.in_flight_step,
+                   _leaves(state.own_in_flight), _leaves(state.error_feedback))
+    if overlap:
+      carry, landings, targets = _overlapped(r, carry, sends, local_step, overlap)
+    else:  # each fragment's exchange lands on its send step
+      carry = _synced(r, carry, sends)
+      landings, targets = sends, carry.anchor
+    local_updates = treedef.unflatten([
+      _landed(landings[f], t, p, u, mixing)
+      for t, p, u, f in zip(targets, r.params, r.updates, ids, strict=True)
+    ])
+    tree = lambda leaves: None if leaves is None else treedef.unflatten(leaves)  # noqa: E731
+    return local_updates, StreamingDiLoCoState(
+      local_step=local_step,
+      anchor=tree(carry.anchor),
+      inner_state=inner_state,
+      outer_state=tuple(carry.outer_state),
+      in_flight=tree(carry.in_flight),
+      in_flight_step=carry.in_flight_step,
+      own_in_flight=tree(carry.own),
+      error_feedback=tree(carry.residual),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_overlap(fn: str, overlap: Any, eager: Any, sync_period: int) -> bool:
+  """Raise unless ``overlap`` is an int in ``[0, sync_period)`` and ``eager`` a bool, ``True``
+  only with ``overlap >= 1``; returns ``eager`` as a bool."""
   _checks.check_int(fn, "overlap", overlap)
   if overlap < 0 or overlap >= sync_period:
     raise ValueError(
@@ -462,215 +445,153 @@ def streaming_diloco(
       f"`{fn}(eager=True)` needs overlap >= 1 (with overlap=0 every exchange lands on its send"
       " step and there is no stale share to replace), got overlap=0."
     )
-  eager = bool(eager)
-  no_mixing = isinstance(mixing, numbers.Real) and mixing == 0
+  return bool(eager)
 
-  def init_fn(params):
-    _checks.check_floating(fn, params)
-    _axis.resolve_num_workers(fn, num_workers, axis_name)
-    anchor = _axis.copy(params, anchor_dtype)
-    if not jax.tree.leaves(params):  # optax.tree.map_params' placeholder: params-shaped states
-      outer_state = tuple(outer.init(anchor) for _ in range(num_fragments))
-    else:
-      ids = assign_fragments(fn, params, num_fragments, fragments)
-      leaves, treedef = jax.tree.flatten(anchor)
-      outer_state = tuple(
-        outer.init(_select(leaves, ids, f, treedef)) for f in range(num_fragments)
+
+def _leaves(tree: Any) -> list | None:
+  return None if tree is None else jax.tree.leaves(tree)
+
+
+# ----------------------------------------------------------------------------------------------
+# One update's steps, fragment by fragment.
+
+
+class _Round(NamedTuple):
+  """What each fragment's step of one ``update`` reads (the leaves in ``jax.tree.leaves``
+  order): the exchange, ``outer``, the fragments, this worker's params :math:`x_i` and inner
+  updates :math:`u_i`, N, and whether the landing is eager."""
+
+  exchange: _exchange.Exchange
+  outer: optax.GradientTransformation
+  fragments: _fragments.Fragments
+  params: list
+  updates: list
+  num_workers: int
+  eager: bool
+
+  def new_params(self, fragment: int, updates_f: Any) -> Any:
+    """:math:`x'_i = x_i + u_i` on fragment ``fragment``'s part."""
+    return optax.apply_updates(self.fragments.part(self.params, fragment), updates_f)
+
+
+class _Carry(NamedTuple):
+  """The state's fields as leaves, carried through the fragments' steps (``None``: absent)."""
+
+  anchor: list
+  outer_state: Any
+  in_flight: list | None
+  in_flight_step: jax.Array | None
+  own: list | None
+  residual: list | None
+
+
+def _synced(r: _Round, c: _Carry, sends: list) -> _Carry:
+  """``overlap=0``: each fragment due syncs (:func:`_sync`) and lands on the same step."""
+  anchor, residual, outer_states = c.anchor, c.residual, []
+  for f, due in enumerate(sends):
+    anchor, outer_state_f, residual = _sync(r, f, due, anchor, c.outer_state[f], residual)
+    outer_states.append(outer_state_f)
+  return c._replace(anchor=anchor, outer_state=outer_states, residual=residual)
+
+
+def _overlapped(r: _Round, c: _Carry, sends: list, local_step: jax.Array, overlap: int):
+  """``overlap >= 1``: each fragment first lands what it sent ``overlap`` steps ago
+  (:func:`_land`), then sends if due (:func:`_send`). A fragment sent at step s lands at
+  s + overlap < s + H, its next send, so it never sends and lands on one step and has at most
+  one exchange in flight. Returns the carry, each fragment's landing predicate, and the leaves
+  the workers land on."""
+  anchor, in_flight, own, residual = c.anchor, c.in_flight, c.own, c.residual
+  targets, outer_states, landings, in_flight_step = list(anchor), [], [], []
+  for f, due in enumerate(sends):
+    sent = c.in_flight_step[f]
+    landing = (sent > 0) & (local_step == sent + overlap)  # local: no collective, no agree
+    anchor, outer_state_f, target_f = _land(r, f, landing, anchor, c.outer_state[f], in_flight,
+                                            own)
+    targets = r.fragments.put(targets, target_f, f)
+    in_flight, own, residual = _send(r, f, due, anchor, in_flight, own, residual)
+    outer_states.append(outer_state_f)
+    landings.append(landing)
+    in_flight_step.append(
+      _axis.select(due, local_step, jnp.where(landing, 0, sent).astype(jnp.int32)))
+  in_flight_step = jnp.stack(in_flight_step).astype(jnp.int32)
+  return _Carry(anchor, outer_states, in_flight, in_flight_step, own, residual), landings, targets
+
+
+def _sync(r: _Round, f: int, due: Any, anchor: list, outer_state_f: Any, residual: list | None):
+  r"""Fragment f's DiLoCo sync in its own conditional, carrying only its leaves and state: the
+  workers' mean pseudo-gradient :math:`\Delta^f` and the outer step. Returns the anchor's and
+  residual's leaves and the fragment's outer state."""
+  part = functools.partial(r.fragments.part, fragment=f)
+
+  def synchronize(anchor_f, outer_state_f, residual_f, u_f):
+    x_f = r.new_params(f, u_f)
+    delta_f, residual_f = _outer.pseudo_gradient(r.exchange, anchor_f, x_f, residual_f)
+    return (*_outer.outer_step(r.outer, anchor_f, outer_state_f, delta_f), residual_f)
+
+  def keep(anchor_f, outer_state_f, residual_f, u_f):
+    return anchor_f, outer_state_f, residual_f
+
+  anchor_f, outer_state_f, residual_f = _axis.communicate_if(
+    due, synchronize, keep, part(anchor), outer_state_f, part(residual), part(r.updates))
+  put = r.fragments.put
+  return put(anchor, anchor_f, f), outer_state_f, put(residual, residual_f, f)
+
+
+def _send(r: _Round, f: int, due: Any, anchor: list, in_flight: list, own: list | None,
+          residual: list | None):
+  r"""Fragment f's send (``overlap >= 1``) in its own conditional: :math:`\Delta^f` averaged
+  over the workers into ``in_flight``, and with ``eager`` this worker's own
+  :math:`\Delta^f_i` into ``own``."""
+  part = functools.partial(r.fragments.part, fragment=f)
+
+  def send(anchor_f, u_f, in_flight_f, own_f, residual_f):
+    x_f = r.new_params(f, u_f)
+    mean_f, residual_f = _outer.pseudo_gradient(r.exchange, anchor_f, x_f, residual_f)
+    own_f = _outer.local_pseudo_gradient(anchor_f, x_f) if r.eager else None  # Delta_i
+    return mean_f, own_f, residual_f
+
+  def keep(anchor_f, u_f, in_flight_f, own_f, residual_f):
+    return in_flight_f, own_f, residual_f
+
+  in_flight_f, own_f, residual_f = _axis.communicate_if(
+    due, send, keep, part(anchor), part(r.updates), part(in_flight), part(own), part(residual))
+  put = r.fragments.put
+  return put(in_flight, in_flight_f, f), put(own, own_f, f), put(residual, residual_f, f)
+
+
+def _land(r: _Round, f: int, landing: Any, anchor: list, outer_state_f: Any, in_flight: list,
+          own: list | None):
+  r"""Fragment f's landing (``overlap >= 1``): the outer step on the stale mean, no collective.
+
+  Returns the anchor's leaves, the fragment's outer state and the part the worker lands on
+  (the new anchor, or with ``eager`` the outer step on :math:`\tilde\Delta^f_i`)."""
+  part = functools.partial(r.fragments.part, fragment=f)
+
+  def apply(anchor_f, outer_state_f, delta_f, own_f, u_f):
+    new_anchor_f, new_outer_state_f = _outer.outer_step(r.outer, anchor_f, outer_state_f, delta_f)
+    target_f = new_anchor_f
+    if r.eager:  # Delta~_i = Delta + (Delta_i(now) - Delta_i(sent)) / N, from the same state
+      fresh_f = _outer.local_pseudo_gradient(anchor_f, r.new_params(f, u_f))
+      eager_f = jax.tree.map(
+        lambda d, now, sent: (d + (now - sent) / r.num_workers).astype(d.dtype), delta_f,
+        fresh_f, own_f,
       )
-    state = StreamingDiLoCoState(
-      local_step=jnp.zeros([], jnp.int32),
-      anchor=anchor,
-      inner_state=inner.init(params),
-      outer_state=outer_state,
-    )
-    if overlap:
-      state = state._replace(
-        in_flight=jax.tree.map(jnp.zeros_like, anchor),
-        in_flight_step=jnp.zeros([num_fragments], jnp.int32),
-      )
-    if eager:
-      state = state._replace(own_in_flight=jax.tree.map(jnp.zeros_like, anchor))
-    if error_feedback:
-      state = state._replace(
-        error_feedback=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params))
-    return state
+      target_f, _ = _outer.outer_step(r.outer, anchor_f, outer_state_f, eager_f)
+    return new_anchor_f, new_outer_state_f, target_f
 
-  def mean_pseudo_gradient(anchor_f, x_f, residual_f, n):
-    """Fragment f's workers' mean pseudo-gradient (the psum) and this worker's new residual."""
-    return _outer.pseudo_gradient(
-      anchor_f, x_f, axis_name=axis_name, num_workers=n, comm_dtype=comm_dtype,
-      comm_block_size=comm_block_size, residual=residual_f, slice_axis=slice_axis,
-    )
+  def stay(anchor_f, outer_state_f, delta_f, own_f, u_f):
+    return anchor_f, outer_state_f, anchor_f
 
-  def sync_fragment(f, sync, anchor, outer_state_f, residual, p_leaves, u_leaves, ids, treedef,
-                    n):
-    """Fragment f's DiLoCo sync in its own conditional, carrying only its leaves and state."""
-
-    def synchronize(anchor_f, outer_state_f, residual_f, u_f):
-      x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-      delta_f, residual_f = mean_pseudo_gradient(anchor_f, x_f, residual_f, n)
-      return (*_outer.outer_step(outer, anchor_f, outer_state_f, delta_f), residual_f)
-
-    def keep(anchor_f, outer_state_f, residual_f, u_f):
-      return anchor_f, outer_state_f, residual_f
-
-    sel = functools.partial(_select, ids=ids, fragment=f, treedef=treedef)
-    anchor_f, outer_state_f, residual_f = _axis.communicate_if(
-      sync, synchronize, keep, sel(anchor), outer_state_f,
-      sel(residual) if error_feedback else None, sel(u_leaves),
-    )
-    anchor = _merge(anchor, anchor_f, ids, f)
-    if error_feedback:
-      residual = _merge(residual, residual_f, ids, f)
-    return anchor, outer_state_f, residual
-
-  def send_fragment(f, send, anchor, in_flight, own, residual, p_leaves, u_leaves, ids, treedef,
-                    n):
-    """Fragment f's send (overlap >= 1): its pseudo-gradient, all-reduced in a conditional."""
-
-    def communicate(anchor_f, u_f, in_flight_f, own_f, residual_f):
-      x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)  # x'_i, fragment f
-      mean_f, residual_f = mean_pseudo_gradient(anchor_f, x_f, residual_f, n)
-      own_f = _outer.local_pseudo_gradient(anchor_f, x_f) if eager else None  # Delta_i
-      return mean_f, own_f, residual_f
-
-    def keep(anchor_f, u_f, in_flight_f, own_f, residual_f):
-      return in_flight_f, own_f, residual_f
-
-    sel = functools.partial(_select, ids=ids, fragment=f, treedef=treedef)
-    in_flight_f, own_f, residual_f = _axis.communicate_if(
-      send, communicate, keep, sel(anchor), sel(u_leaves), sel(in_flight),
-      sel(own) if eager else None, sel(residual) if error_feedback else None,
-    )
-    in_flight = _merge(in_flight, in_flight_f, ids, f)
-    if eager:
-      own = _merge(own, own_f, ids, f)
-    if error_feedback:
-      residual = _merge(residual, residual_f, ids, f)
-    return in_flight, own, residual
-
-  def land_fragment(f, landing, anchor, outer_state_f, in_flight, own, p_leaves, u_leaves, ids,
-                    treedef, n):
-    """Fragment f's landing (overlap >= 1): the outer step on the stale mean, no collective.
-
-    Returns the new anchor leaves, the outer state and the leaves the worker lands on (the new
-    anchor, or with ``eager`` the outer step on its own eager pseudo-gradient)."""
-
-    def apply(anchor_f, outer_state_f, delta_f, own_f, u_f):
-      new_anchor_f, new_outer_state_f = _outer.outer_step(outer, anchor_f, outer_state_f, delta_f)
-      target_f = new_anchor_f
-      if eager:  # Delta~_i = Delta + (Delta_i(now) - Delta_i(sent)) / N, from the same state
-        x_f = optax.apply_updates(_select(p_leaves, ids, f, treedef), u_f)
-        fresh_f = _outer.local_pseudo_gradient(anchor_f, x_f)
-        eager_f = jax.tree.map(
-          lambda d, now, sent: (d + (now - sent) / n).astype(d.dtype), delta_f, fresh_f, own_f
-        )
-        target_f, _ = _outer.outer_step(outer, anchor_f, outer_state_f, eager_f)
-      return new_anchor_f, new_outer_state_f, target_f
-
-    def stay(anchor_f, outer_state_f, delta_f, own_f, u_f):
-      return anchor_f, outer_state_f, anchor_f
-
-    sel = functools.partial(_select, ids=ids, fragment=f, treedef=treedef)
-    anchor_f, outer_state_f, target_f = _axis.communicate_if(
-      landing, apply, stay, sel(anchor), outer_state_f, sel(in_flight),
-      sel(own) if eager else None, sel(u_leaves),
-    )
-    return _merge(anchor, anchor_f, ids, f), outer_state_f, _leaves(target_f)
-
-  def land(sync, a, p, u):
-    """On a landing of its fragment, a leaf becomes mixing x' + (1 - mixing) a (a: the target)."""
-    target = a
-    if not no_mixing:
-      x = optax.apply_updates(p, u)
-      target = mixing * x.astype(a.dtype) + (1 - mixing) * a
-    return _axis.select(sync, (target - p).astype(u.dtype), u)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    _checks.require_params(fn, params)
-    _checks.check_tree_matches(fn, updates, state.anchor, "params")
-    hint = _axis.communication_hint(fn, extra_args)
-    n = _axis.resolve_num_workers(fn, num_workers, axis_name, in_update=True)
-    _axis.check_slice_axis(fn, slice_axis, axis_name)
-    ids = assign_fragments(fn, state.anchor, num_fragments, fragments)
-
-    local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    local_step = optax.safe_increment(state.local_step)
-
-    anchor, treedef = jax.tree.flatten(state.anchor)
-    u_leaves, p_leaves = jax.tree.leaves(local_updates), jax.tree.leaves(params)
-    sends = []
-    for f in range(num_fragments):
-      rule = streaming_diloco_syncs(
-        local_step, sync_period=sync_period, num_fragments=num_fragments, fragment=f
-      )
-      # False: no fragment syncs; True leaves the choice of fragment to the rule.
-      sends.append(False if hint is False else _axis.agree(rule, axis_name))
-
-    residual = jax.tree.leaves(state.error_feedback) if error_feedback else None
-    if not overlap:  # each fragment's exchange lands on its send step
-      outer_states = []
-      for f in range(num_fragments):
-        anchor, outer_state_f, residual = sync_fragment(
-          f, sends[f], anchor, state.outer_state[f], residual, p_leaves, u_leaves, ids, treedef,
-          n,
-        )
-        outer_states.append(outer_state_f)
-      local_updates = treedef.unflatten([
-        land(sends[f], a, p, u)
-        for a, p, u, f in zip(anchor, p_leaves, u_leaves, ids, strict=True)
-      ])
-      return local_updates, StreamingDiLoCoState(
-        local_step=local_step,
-        anchor=treedef.unflatten(anchor),
-        inner_state=inner_state,
-        outer_state=tuple(outer_states),
-        error_feedback=treedef.unflatten(residual) if error_feedback else None,
-      )
-
-    # overlap >= 1: a fragment sent at step s lands at s + overlap < s + H, its next send, so a
-    # fragment never sends and lands on one step and has at most one exchange in flight.
-    in_flight = jax.tree.leaves(state.in_flight)
-    own = jax.tree.leaves(state.own_in_flight) if eager else None
-    targets = list(anchor)
-    outer_states, landings, in_flight_step = [], [], []
-    for f in range(num_fragments):
-      sent = state.in_flight_step[f]
-      landing = (sent > 0) & (local_step == sent + overlap)  # local: no collective, no agree
-      anchor, outer_state_f, target_f = land_fragment(
-        f, landing, anchor, state.outer_state[f], in_flight, own, p_leaves, u_leaves, ids,
-        treedef, n,
-      )
-      targets = [t if i != f else g for t, g, i in zip(targets, target_f, ids, strict=True)]
-      in_flight, own, residual = send_fragment(
-        f, sends[f], anchor, in_flight, own, residual, p_leaves, u_leaves, ids, treedef, n
-      )
-      outer_states.append(outer_state_f)
-      landings.append(landing)
-      in_flight_step.append(
-        _axis.select(sends[f], local_step, jnp.where(landing, 0, sent).astype(jnp.int32))
-      )
-
-    local_updates = treedef.unflatten([
-      land(landings[f], t, p, u)
-      for t, p, u, f in zip(targets, p_leaves, u_leaves, ids, strict=True)
-    ])
-    return local_updates, StreamingDiLoCoState(
-      local_step=local_step,
-      anchor=treedef.unflatten(anchor),
-      inner_state=inner_state,
-      outer_state=tuple(outer_states),
-      in_flight=treedef.unflatten(in_flight),
-      in_flight_step=jnp.stack(in_flight_step).astype(jnp.int32),
-      own_in_flight=treedef.unflatten(own) if eager else None,
-      error_feedback=treedef.unflatten(residual) if error_feedback else None,
-    )
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  anchor_f, outer_state_f, target_f = _axis.communicate_if(
+    landing, apply, stay, part(anchor), outer_state_f, part(in_flight), part(own),
+    part(r.updates))
+  return r.fragments.put(anchor, anchor_f, f), outer_state_f, target_f
 
 
-def _merge(leaves: list, masked: Any, ids: tuple[int, ...], fragment: int) -> list:
-  """``leaves`` with fragment ``fragment``'s replaced by those of the masked tree ``masked``."""
-  return [
-    a if i != fragment else b for a, b, i in zip(leaves, _leaves(masked), ids, strict=True)
-  ]
+def _landed(due: Any, target: jax.Array, p: jax.Array, u: jax.Array, mixing: Any) -> jax.Array:
+  """A leaf's update: on a landing of its fragment, to mixing x' + (1 - mixing) target
+  (:math:`x' = p + u`), else ``u``."""
+  if not (isinstance(mixing, numbers.Real) and mixing == 0):
+    x = optax.apply_updates(p, u)
+    target = mixing * x.astype(target.dtype) + (1 - mixing) * target
+  return _axis.select(due, (target - p).astype(u.dtype), u)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 
-from optax_dist import _axis, _checks
+from optax_dist import _axis, _checks, _exchange
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -62,7 +62,7 @@ def all_reduce(
       for one worker.
     reduction: ``"mean"`` or ``"sum"``.
     comm_dtype: the floating dtype in which the gradients are communicated (e.g.
-      ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) communicates each leaf
+      ``jnp.bfloat16``: half the bytes of ``float32``); ``None`` (default) sends each leaf
       in its own dtype. Non-floating leaves are always communicated in their own dtype.
     hierarchical: reduce over a tuple ``axis_name`` inner axis first, as above (default
       ``False``: one ``psum`` over all the axes).
@@ -99,25 +99,14 @@ def all_reduce(
     TensorFlow 1.x, ``tf.contrib.estimator.TowerOptimizer`` with ``replicate_model_fn``.
   """
   _checks.check_choice("all_reduce", "reduction", reduction, _REDUCTIONS)
-  comm_dtype = _checks.check_floating_dtype("all_reduce", "comm_dtype", comm_dtype)
-  _check_hierarchical("all_reduce", hierarchical, axis_name)
-  return _all_reduce("all_reduce", axis_name, reduction, comm_dtype, hierarchical)
-
-
-def _check_hierarchical(fn: str, hierarchical: Any, axis_name: Hashable) -> None:
-  if not isinstance(hierarchical, (bool, np.bool_)):
-    raise TypeError(f"`{fn}(hierarchical=...)` must be a bool, got {hierarchical!r}.")
-  if hierarchical and len(_axis.axis_names(axis_name)) < 2:
-    raise ValueError(
-      f"`{fn}(hierarchical=True)` needs a tuple `axis_name` of two or more mesh axes (the last"
-      f" one inside each host), got axis_name={axis_name!r}."
-    )
+  exchange = _exchange.gradient_exchange("all_reduce", axis_name, comm_dtype, hierarchical)
+  return _all_reduce(exchange, reduction)
 
 
 def _all_reduce(
-  fn: str, axis_name: Hashable, reduction: str, comm_dtype: Any, hierarchical: bool = False
+  exchange: _exchange.Exchange, reduction: str
 ) -> optax.GradientTransformationExtraArgs:
-  """:func:`all_reduce`, whose errors name ``fn`` (the public function the user called)."""
+  """:func:`all_reduce` over ``exchange``, whose errors name the public function called."""
 
   def init_fn(params):
     del params
@@ -125,9 +114,7 @@ def _all_reduce(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    return _axis.reduce_gradients(
-      fn, updates, axis_name, reduction, comm_dtype, hierarchical=bool(hierarchical)
-    ), state
+    return exchange.reduce(updates, reduction), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -202,11 +189,8 @@ def tower(
   """
   _checks.check_transformation("tower", inner)
   _checks.check_choice("tower", "reduction", reduction, _REDUCTIONS)
-  comm_dtype = _checks.check_floating_dtype("tower", "comm_dtype", comm_dtype)
-  _check_hierarchical("tower", hierarchical, axis_name)
-  return optax.chain(
-    _all_reduce("tower", axis_name, reduction, comm_dtype, hierarchical), _axis.wrap_inner(inner)
-  )
+  exchange = _exchange.gradient_exchange("tower", axis_name, comm_dtype, hierarchical)
+  return optax.chain(_all_reduce(exchange, reduction), _axis.wrap_inner(inner))
 
 
 def split_batch(

@@ -203,7 +203,7 @@ def test_default_fragment_assignment(sizes, num_fragments, expected):
     with pytest.raises(ValueError, match=pattern):
       tx.init(params)
     return
-  assert optax_dist._streaming_diloco.assign_fragments("t", params, num_fragments) == expected
+  assert optax_dist.streaming_diloco_fragments(params, num_fragments) == expected
   state = tx.init(params)
   for f, outer_state in enumerate(state.outer_state):  # masked like optax.masked
     trace = outer_state[0].trace

@@ -1,0 +1,207 @@
+"""The exchange between the workers, named once: who (the axis), how (the wire format, the
+block size, the slices) and the collectives that move a tree between them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+from optax_dist import _axis, _checks
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+  r"""How the workers of one transformation exchange a tree: checked once, when it is built.
+
+  The workers are the positions along the mapped axis ``axis_name`` (a name, or a tuple of mesh
+  axes whose product is the workers). A transformation builds one ``Exchange`` from its own
+  arguments and calls its collectives in ``update``. For a tree :math:`t_i` on worker
+  :math:`i` of :math:`N`:
+
+  .. math::
+
+    \mathrm{sum}(t)_i = \textstyle\sum_{j=1}^N Q(t_j), \qquad
+    \mathrm{mean}(t)_i = \tfrac{1}{N} \textstyle\sum_{j=1}^N Q(t_j), \qquad
+    \mathrm{gather}(t)_i = [Q(t_1), \dots, Q(t_N)]
+
+  with :math:`Q` the wire format ``comm_dtype``: the identity for ``None``, a cast for a
+  floating dtype (the sum is then rounded to it), block quantization for ``"int8"``,
+  ``"float4_e2m1fn"`` and ``"e3m0"`` (``optax_dist._quantize``: one float32 scale per
+  ``comm_block_size`` values, summed in float32 in worker order). The mean is divided in each
+  leaf's own dtype. :meth:`mean_with_feedback` adds each worker's residual before quantizing and
+  returns what quantization dropped. With ``axis_name=None`` (one worker) every collective
+  returns its input (``gather`` is not defined then).
+
+  Attributes:
+    axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers; ``None``
+      for one worker.
+    num_workers: :math:`N`; defaults to the size of ``axis_name`` (1 when it is ``None``). If
+      given, it must equal that size.
+    comm_dtype: the wire format: ``None`` (each leaf's own dtype), a floating dtype (e.g.
+      ``jnp.bfloat16``; 8-bit floats are all-gathered and summed in float32), or a quantized
+      format: ``jnp.int8`` (or ``"int8"``), ``jnp.float4_e2m1fn`` (or ``"float4_e2m1fn"``),
+      ``"e3m0"``. Stored resolved: ``None``, a NumPy dtype or the format's name.
+    comm_block_size: B, values per float32 scale of a quantized format; ``None`` is 256 (even
+      for the 4-bit formats). Stored as an int.
+    slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose K devices
+      hold identical copies of the tree: each sends only its 1/K slice across the workers and
+      the slices are all-gathered back over ``slice_axis``. ``None``: each device sends all.
+    hierarchical: with a tuple ``axis_name`` ``(*outer, inner)``, :meth:`reduce` reduce-scatters
+      over ``inner``, all-reduces the slices over ``outer`` and all-gathers over ``inner``.
+    call: the public function the exchange belongs to; every error message names it.
+
+  Shapes:
+    A collective takes a tree of one worker's leaves and returns the same tree, shapes and
+    dtypes (``gather``: each leaf with a leading axis of N).
+
+  Collectives:
+    Over ``axis_name``, per call of a method: ``sum``, ``mean`` and ``reduce`` issue one
+    ``psum`` of the tree (the tree's element count times the itemsize of ``comm_dtype`` or of
+    each leaf) or, for 8-bit floats, one ``all_gather`` (each worker receives N times what it
+    sends); a quantized format issues two ``all_gather`` (codes and scales of every leaf): each
+    worker sends :math:`n (c + 4/B)` bytes for :math:`n` values (:math:`c = 1` for ``int8``,
+    :math:`\frac12` for the 4-bit formats) and receives N times that. ``gather`` is one
+    ``all_gather``. With ``slice_axis`` of size K each device sends :math:`1/K` of these bytes
+    and one ``all_gather`` over ``slice_axis`` (inside the worker) rebuilds the tree.
+
+  Raises:
+    TypeError: ``num_workers`` or ``comm_block_size`` not an int; ``comm_dtype`` none of the
+      choices; ``hierarchical`` not a bool.
+    ValueError: ``num_workers`` or ``comm_block_size`` below 1; ``num_workers > 1`` with
+      ``axis_name=None``; ``comm_block_size`` odd with a 4-bit format; ``hierarchical=True``
+      with fewer than two axes. In ``update`` (:meth:`bind`): ``axis_name`` or ``slice_axis``
+      not bound where it runs (a misspelled name, or ``update`` outside the mapped function),
+      ``slice_axis`` one of the workers' axes, ``num_workers`` different from the axis size.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax_dist
+    >>> exchange = optax_dist.Exchange("w", comm_dtype=jnp.bfloat16, call="mine")
+    >>> exchange.comm_dtype, exchange.comm_block_size
+    (dtype(bfloat16), 256)
+    >>> jax.vmap(exchange.mean, axis_name="w")(jnp.array([1.0, 2.0, 6.0]))
+    Array([3., 3., 3.], dtype=float32)
+
+  References:
+    TensorFlow 1.x ``tf.distribute`` cross-device ops (``all_reduce``); Douillard et al.,
+    `Streaming DiLoCo with overlapping communication <https://arxiv.org/abs/2501.18512>`_, 2025
+    (low-precision outer gradients).
+  """
+
+  axis_name: Hashable | tuple | None = None
+  num_workers: int | None = None
+  comm_dtype: Any = None
+  comm_block_size: int | None = None
+  slice_axis: Hashable | None = None
+  hierarchical: bool = False
+  call: str = "Exchange"
+
+  def __post_init__(self):
+    fn = self.call
+    _checks.check_num_workers(fn, self.num_workers, self.axis_name)
+    comm_dtype = _checks.check_comm_dtype(fn, self.comm_dtype)
+    object.__setattr__(self, "comm_dtype", comm_dtype)
+    block_size = _checks.check_comm_block_size(fn, self.comm_block_size, comm_dtype)
+    object.__setattr__(self, "comm_block_size", block_size)
+    if not isinstance(self.hierarchical, (bool, np.bool_)):
+      raise TypeError(f"`{fn}(hierarchical=...)` must be a bool, got {self.hierarchical!r}.")
+    if self.hierarchical and len(_axis.axis_names(self.axis_name)) < 2:
+      raise ValueError(
+        f"`{fn}(hierarchical=True)` needs a tuple `axis_name` of two or more mesh axes (the last"
+        f" one inside each host), got axis_name={self.axis_name!r}."
+      )
+    object.__setattr__(self, "hierarchical", bool(self.hierarchical))
+
+  # --------------------------------------------------------------------------------------------
+  # The workers.
+
+  def size(self) -> int:
+    """N where ``init`` runs: the axis size if bound, else ``num_workers`` or 1."""
+    return _axis.resolve_num_workers(self.call, self.num_workers, self.axis_name)
+
+  def bind(self) -> int:
+    """N where ``update`` runs, checking that ``axis_name`` and ``slice_axis`` are bound there."""
+    n = _axis.resolve_num_workers(self.call, self.num_workers, self.axis_name, in_update=True)
+    _axis.check_slice_axis(self.call, self.slice_axis, self.axis_name)
+    return n
+
+  def agree(self, pred: jax.Array | bool) -> jax.Array | bool:
+    """``pred``, equal on every worker, made one value for all of them (:func:`_axis.agree`)."""
+    return _axis.agree(pred, self.axis_name)
+
+  def due(self, rule: jax.Array | bool, hint: bool | None) -> jax.Array | bool:
+    """Whether this ``update`` exchanges: the static ``hint`` if given, else the schedule's
+    ``rule`` at the step counter, agreed by the workers."""
+    return hint if hint is not None else self.agree(rule)
+
+  # --------------------------------------------------------------------------------------------
+  # The collectives.
+
+  def sum(self, tree: Any, *, slice_mean: bool = False) -> Any:
+    """:math:`\\sum_j Q(t_j)` in each leaf's dtype. ``slice_mean``: the devices of
+    ``slice_axis`` hold different values, and the worker's term is their mean."""
+    if self.axis_name is None:
+      return tree
+    return self._sliced(
+      lambda t: _axis.psum(t, self.axis_name, self.comm_dtype, self.comm_block_size), tree,
+      slice_mean,
+    )
+
+  def mean(self, tree: Any, *, slice_mean: bool = False) -> Any:
+    """:math:`\\frac1N \\sum_j Q(t_j)`, divided in each leaf's dtype."""
+    if self.axis_name is None:
+      return tree
+    return self._sliced(
+      lambda t: _axis.worker_mean(
+        t, self.axis_name, jax.lax.axis_size(self.axis_name), self.comm_dtype,
+        self.comm_block_size),
+      tree, slice_mean,
+    )
+
+  def mean_with_feedback(self, tree: Any, residual: Any) -> tuple[Any, Any]:
+    """:meth:`mean` of :math:`t_j + r_j` in a quantized format, and this worker's new residual
+    :math:`r_i' = t_i + r_i - Q(t_i + r_i)` (float32, ``tree``'s shapes)."""
+    if self.axis_name is None:
+      return tree, residual
+    return self._sliced(
+      lambda pair: _axis.worker_mean_with_feedback(
+        *pair, self.axis_name, jax.lax.axis_size(self.axis_name), self.comm_dtype,
+        self.comm_block_size),
+      (tree, residual), False,
+    )
+
+  def gather(self, tree: Any, *, slice_mean: bool = False) -> Any:
+    """:math:`[Q(t_1), \\dots, Q(t_N)]`: each leaf with a leading axis of the N workers."""
+    return self._sliced(
+      lambda t: _axis.all_gather(t, self.axis_name, self.comm_dtype, self.comm_block_size), tree,
+      slice_mean,
+    )
+
+  def reduce(self, updates: Any, reduction: str) -> Any:
+    """Gradients summed (``"sum"``) or averaged (``"mean"``) over the workers, leaves already
+    summed by autodiff left alone, ``hierarchical`` if set (:func:`_axis.reduce_gradients`)."""
+    return _axis.reduce_gradients(
+      self.call, updates, self.axis_name, reduction, self.comm_dtype, self.comm_block_size,
+      self.hierarchical,
+    )
+
+  def _sliced(self, collective, tree, slice_mean):
+    return _axis.sliced(collective, tree, self.slice_axis, mean=slice_mean)
+
+
+def gradient_exchange(
+  fn: str, axis_name: Hashable | tuple | None, comm_dtype: Any, hierarchical: Any = False
+) -> Exchange:
+  """The :class:`Exchange` of ``tower``, ``all_reduce`` and ``accumulate_then_reduce``: every
+  step's gradients, in their own dtypes or a floating ``comm_dtype`` (a quantized format is
+  refused: each step's gradients would be rounded, with no feedback of the error).
+
+  Raises:
+    TypeError: ``comm_dtype`` not ``None`` or a floating dtype; ``hierarchical`` not a bool.
+    ValueError: ``hierarchical=True`` with fewer than two axes.
+  """
+  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  return Exchange(axis_name, comm_dtype=comm_dtype, hierarchical=hierarchical, call=fn)

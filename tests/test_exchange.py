@@ -1,0 +1,139 @@
+"""``optax_dist.Exchange``: checked once when built, its collectives against NumPy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_dist
+
+N = 4
+
+
+def _values(seed=0, shape=(N, 6)):
+  return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def test_resolves_the_wire_format_and_block_size_once():
+  assert optax_dist.Exchange("w").comm_block_size == 256
+  assert optax_dist.Exchange("w", comm_dtype=jnp.int8).comm_dtype == "int8"
+  assert optax_dist.Exchange("w", comm_dtype=jnp.float4_e2m1fn).comm_dtype == "float4_e2m1fn"
+  assert optax_dist.Exchange("w", comm_dtype="bfloat16").comm_dtype == np.dtype(jnp.bfloat16)
+  assert optax_dist.Exchange("w", comm_dtype="e3m0", comm_block_size=8).comm_block_size == 8
+  # Built again from its own fields (dataclasses.replace), it is the same value.
+  exchange = optax_dist.Exchange(("a", "b"), 4, jnp.int8, 16, "c", call="mine")
+  assert dataclasses.replace(exchange) == exchange
+  assert hash(dataclasses.replace(exchange)) == hash(exchange)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    exchange.comm_dtype = None
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+  ({"comm_dtype": jnp.int32}, TypeError, r"`mine\(comm_dtype=...\)` must be None, a floating"),
+  ({"comm_dtype": "e3m0", "comm_block_size": 7}, ValueError,
+   r"`mine\(comm_block_size=...\)` must be even with comm_dtype='e3m0'"),
+  ({"comm_block_size": 0}, ValueError, r"`mine\(comm_block_size=...\)` must be a positive int"),
+  ({"axis_name": None, "num_workers": 2}, ValueError,
+   r"`mine\(num_workers=2\)` needs `axis_name`"),
+  ({"hierarchical": True}, ValueError, r"`mine\(hierarchical=True\)` needs a tuple `axis_name`"),
+  ({"hierarchical": 1}, TypeError, r"`mine\(hierarchical=...\)` must be a bool, got 1"),
+])
+def test_bad_arguments_name_the_call_site(kwargs, error, message):
+  kwargs = {"axis_name": "w", **kwargs}
+  with pytest.raises(error, match=message):
+    optax_dist.Exchange(**kwargs, call="mine")
+
+
+@pytest.mark.parametrize("build", [
+  lambda: optax_dist.diloco(optax.sgd(1.0), sync_period=2, axis_name="wokers"),
+  lambda: optax_dist.streaming_diloco(optax.sgd(1.0), sync_period=2, num_fragments=1,
+                                      axis_name="wokers"),
+  lambda: optax_dist.local_sgd(optax.sgd(1.0), sync_period=2, axis_name="wokers"),
+  lambda: optax_dist.elastic_average(optax.sgd(1.0), axis_name="wokers"),
+  lambda: optax_dist.agn(optax.sgd(1.0), axis_name="wokers"),
+])
+def test_a_misspelled_axis_is_named_in_update(build):
+  tx = build()
+  name = tx.update.__qualname__.split(".")[0]
+  params = jnp.ones((N, 3))
+  state = jax.vmap(tx.init)(params)
+  with pytest.raises(ValueError, match=rf"`{name}\(axis_name='wokers'\)`: `update` was called"
+                                       r" where axis 'wokers' is not bound"):
+    jax.vmap(tx.update, axis_name="workers")(params, state, params)
+
+
+def test_bind_checks_the_axes_where_update_runs():
+  assert jax.vmap(lambda x: x * optax_dist.Exchange("w").bind(), axis_name="w")(
+    jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]
+  with pytest.raises(ValueError, match=r"`mine\(slice_axis='s'\)`: `update` was called where"):
+    jax.vmap(lambda x: optax_dist.Exchange("w", slice_axis="s", call="mine").bind(),
+             axis_name="w")(jnp.ones(3))
+  with pytest.raises(ValueError, match=r"`mine\(num_workers=...\)` must equal the size of axis"):
+    jax.vmap(lambda x: optax_dist.Exchange("w", 2, call="mine").bind(), axis_name="w")(
+      jnp.ones(3))
+
+
+def test_one_worker_returns_its_own_tree():
+  exchange = optax_dist.Exchange(None, comm_dtype=jnp.int8)
+  tree = {"a": jnp.arange(3.0)}
+  assert exchange.sum(tree) is tree and exchange.mean(tree) is tree
+  assert exchange.mean_with_feedback(tree, None) == (tree, None)
+  assert exchange.size() == 1
+
+
+def test_sum_mean_and_gather_match_numpy():
+  x = _values()
+  exchange = optax_dist.Exchange("w")
+  run = lambda f: np.asarray(jax.vmap(f, axis_name="w")(x))  # noqa: E731
+  np.testing.assert_array_equal(run(exchange.gather), np.broadcast_to(x, (N, *x.shape)))
+  np.testing.assert_allclose(run(exchange.sum), np.broadcast_to(x.sum(0), x.shape), rtol=1e-6)
+  np.testing.assert_allclose(run(exchange.mean), np.broadcast_to(x.mean(0), x.shape), rtol=1e-6)
+
+
+def test_bfloat16_mean_rounds_each_term_and_the_sum():
+  x = np.array([[1.0 + 2**-9], [1.0], [1.0], [1.0]], np.float32)  # 1 + 2^-9 is not a bfloat16
+  mean = jax.vmap(optax_dist.Exchange("w", comm_dtype=jnp.bfloat16).mean, axis_name="w")(x)
+  bf16 = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+  assert bf16[0, 0] == 1.0
+  np.testing.assert_array_equal(np.asarray(mean), np.broadcast_to(bf16.sum(0) / N, x.shape))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float4_e2m1fn", "e3m0"])
+def test_mean_with_feedback_sends_what_it_does_not_keep(fmt):
+  x, r = _values(1), 0.01 * _values(2)
+  exchange = optax_dist.Exchange("w", comm_dtype=fmt, comm_block_size=2)
+  mean, kept = jax.vmap(exchange.mean_with_feedback, axis_name="w")(x, r)
+  sent = x + r - np.asarray(kept)  # Q(t_i + r_i), per worker
+  np.testing.assert_allclose(np.asarray(mean), np.broadcast_to(sent.sum(0) / N, x.shape),
+                             rtol=1e-6, atol=1e-7)
+  plain = jax.vmap(exchange.mean, axis_name="w")(x + r)  # the same codes without the feedback
+  np.testing.assert_array_equal(np.asarray(mean), np.asarray(plain))
+  assert np.abs(np.asarray(kept)).max() > 0  # something was dropped, and kept
+
+
+def test_sliced_mean_is_the_unsliced_mean_bit_for_bit():
+  mesh = jax.make_mesh((2, 4), ("hosts", "gpus"))
+  x = np.repeat(_values(3, (2, 1, 10)), 4, axis=1).reshape(8, 10)  # a copy per device of a host
+  spec = P(("hosts", "gpus"))
+
+  def run(exchange):
+    f = jax.shard_map(lambda v: exchange.mean(v[0])[None], mesh=mesh, in_specs=spec,
+                      out_specs=spec)
+    return np.asarray(jax.jit(f)(jax.device_put(x, NamedSharding(mesh, spec))))
+
+  sliced = run(optax_dist.Exchange("hosts", comm_dtype=jnp.bfloat16, slice_axis="gpus"))
+  whole = run(optax_dist.Exchange("hosts", comm_dtype=jnp.bfloat16))
+  np.testing.assert_array_equal(sliced, whole)
+  hosts = x.reshape(2, 4, 10)[:, 0].astype(ml_dtypes.bfloat16)
+  rounded = (hosts[0] + hosts[1]).astype(np.float32) / 2  # each term and the sum in bfloat16
+  np.testing.assert_array_equal(whole, np.broadcast_to(rounded, (8, 10)))
+  assert not np.array_equal(whole, np.broadcast_to(x.reshape(2, 4, 10).mean(0), (2, 4, 10))
+                            .reshape(8, 10))  # bfloat16 did round
