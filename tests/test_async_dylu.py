@@ -185,15 +185,15 @@ def test_errors():
 
 def test_the_async_command_runs_diloco_with_dylu():
   from optax_dist.cli import async_run
-  from optax_dist.cli.arguments import build_parser
+  from optax_dist.cli.main import build_parser
   from optax_dist.cli.tasks import TASKS
 
   assert build_parser().parse_args(["async", "--dylu"]).dylu is True
   assert build_parser().parse_args(["async"]).dylu is False
   kwargs = {"protocols": ("diloco+delayed_nesterov",), "duration": 40.0, "eval_every": 40,
             "communication_period": 8, "stragglers": 0, "speeds": SPEEDS, "jitter": 0.0}
-  (off,) = async_run.run(TASKS["digits"], **kwargs)
-  (on,) = async_run.run(TASKS["digits"], dylu=True, **kwargs)
+  (off,) = async_run.run_protocols(TASKS["digits"], **kwargs)
+  (on,) = async_run.run_protocols(TASKS["digits"], dylu=True, **kwargs)
   # By time 40 without DyLU: workers 0-1 commit 5 times each, worker 2 twice, worker 3 once;
   # with it (H_w = 8, 8, 4, 2) every worker commits every 8 time units: 5 times each.
   assert off["commits"] == 5 + 5 + 2 + 1

@@ -364,7 +364,7 @@ def test_run_async_digits_small(tmp_path):
   from optax_dist.cli.tasks import TASKS
 
   out = tmp_path / "async.png"
-  rows = async_run.run(
+  rows = async_run.run_protocols(
     TASKS["digits"], protocols=("downpour+drop_stale",), duration=30.0, max_staleness=0,
     eval_every=20)
   reports.plot_async(rows, str(out))

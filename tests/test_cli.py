@@ -495,9 +495,8 @@ def test_weight_decay_is_adamws(optimizer):
 
 def test_b2_and_the_defaults():
   """digits keeps Adam at a constant rate; lm gets the literature's recipe; --b2 reaches Adam."""
-  from optax_dist.cli.arguments import build_parser
-  from optax_dist.cli.config import Settings
-  from optax_dist.cli.main import settings_of
+  from optax_dist.cli.config import Settings, settings_of
+  from optax_dist.cli.main import build_parser
   from optax_dist.cli.tasks import TASKS
 
   digits = settings_of(build_parser().parse_args(["train"]), TASKS["digits"])

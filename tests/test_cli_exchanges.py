@@ -24,9 +24,10 @@ pytest.importorskip("sklearn")
 
 from optax_dist.cli import trainer  # noqa: E402
 from optax_dist.cli.algorithms import AXIS, inner_optimizer, make_optimizer  # noqa: E402
-from optax_dist.cli.arguments import build_parser  # noqa: E402
-from optax_dist.cli.config import DEFAULTS, Settings  # noqa: E402
-from optax_dist.cli.main import main, settings_of  # noqa: E402
+from optax_dist.cli.checks import check_settings  # noqa: E402
+from optax_dist.cli.config import DEFAULTS, Settings, settings_of  # noqa: E402
+from optax_dist.cli.main import build_parser, main  # noqa: E402
+from optax_dist.cli.runs import initial_params  # noqa: E402
 from optax_dist.cli.tasks import TASKS  # noqa: E402
 
 WORKERS = 4
@@ -118,7 +119,7 @@ def test_make_optimizer_builds_the_library_s_transformation(case):
   # Magnitudes over four decades within each leaf: the block size changes the rounding.
   grads = {k: (rng.normal(size=(WORKERS, *v)) * np.logspace(-3, 1, np.prod(v)).reshape(v))
            .astype(np.float32) for k, v in shapes.items()}
-  got = _trajectory(make_optimizer(s, one), params, grads, 6)
+  got = _trajectory(make_optimizer(s), params, grads, 6)
   want = _trajectory(_hand_built(s, one), params, grads, 6)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   jax.tree.map(np.testing.assert_array_equal, got, want)
@@ -135,8 +136,8 @@ def test_quantized_run_sends_codes_and_scales_and_records_the_options():
   task = TASKS["digits"]
   s = Settings(algorithm="diloco", devices=WORKERS, steps=2, sync_period=2, eval_every=2,
                batch_size=8, comm_dtype="int8", comm_block_size=32, error_feedback=True)
-  final = {}
-  result = trainer.train(task, task.load(0), s, final_state=final)
+  result = trainer.train(task, task.load(0), s, keep_state=True)
+  final = result["final_state"]
   assert {k: result[k] for k in ("comm_dtype", "comm_block_size", "error_feedback")} == {
     "comm_dtype": "int8", "comm_block_size": 32, "error_feedback": True}
   assert final["opt_state"].error_feedback is not None
@@ -159,7 +160,7 @@ def test_quantized_exchange_across_replicas_over_a_float32_tower():
                                                         comm_block_size=32 if c else 256))
           for c in (None, "int8")}
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in task.load(0).train.items())
-  sizes = [np.size(p) for p in jax.tree.leaves(trainer.initial_params(task, 0, example))]
+  sizes = [np.size(p) for p in jax.tree.leaves(initial_params(task, 0, example))]
   plain, quantized = (runs[c]["collective_bytes"]["communication_step"]["unconditional"]
                       for c in (None, "int8"))
   k = WORKERS // 2  # devices per replica, each sending its 1/k slice across
@@ -178,7 +179,8 @@ REFUSED = {
     "argument --error-feedback: elastic_average does not take it (only diloco,"
     " streaming_diloco), got --error-feedback"),
   "error feedback in float32": (["--algorithm", "diloco", "--error-feedback"],
-                                "argument --error-feedback: needs a block-quantized --comm-dtype"),
+                                "argument --error-feedback: `diloco(error_feedback=True)` needs a"
+                                " quantized comm_dtype"),
   "overlap on diloco": (["--algorithm", "diloco", "--overlap", "1"],
                         "argument --overlap: diloco does not take it (only streaming_diloco),"
                         " got --overlap 1"),
@@ -187,10 +189,11 @@ REFUSED = {
   "eager on diloco": (["--algorithm", "diloco", "--eager"],
                       "argument --eager: diloco does not take it"),
   "eager without overlap": (["--algorithm", "streaming_diloco", "--eager"],
-                            "argument --eager: needs --overlap >= 1"),
+                            "argument --eager: `streaming_diloco(eager=True)` needs overlap >= 1"),
   "overlap as long as the period": (
     ["--algorithm", "streaming_diloco", "--sync-period", "5", "--overlap", "5"],
-    "argument --overlap: must be less than --sync-period (5)"),
+    "argument --overlap: `streaming_diloco(overlap=...)` must be an int in [0, sync_period) ="
+    " [0, 5)"),
   "block size on a float exchange": (["--algorithm", "diloco", "--comm-block-size", "64"],
                                      "argument --comm-block-size: sets the blocks of a"
                                      " block-quantized --comm-dtype"),
@@ -198,7 +201,8 @@ REFUSED = {
                          "argument --comm-block-size: sync does not take it"),
   "odd blocks of 4-bit codes": (
     ["--algorithm", "agn", "--comm-dtype", "e3m0", "--comm-block-size", "7"],
-    "argument --comm-block-size: must be even with --comm-dtype e3m0"),
+    "argument --comm-block-size: `agn(comm_block_size=...)` must be even with"
+    " comm_dtype='e3m0'"),
 }
 
 
@@ -211,6 +215,6 @@ def test_bad_combinations_are_one_line_errors(case, tmp_path, capsys):
   assert captured.out == ""
   assert captured.err.startswith(f"optax-dist: error: {message}"), captured.err
   assert len(captured.err.strip().splitlines()) == 1
-  with pytest.raises(ValueError, match="argument --"):  # the library API refuses them too
-    make_optimizer(settings_of(build_parser().parse_args([command, *flags]), TASKS["digits"]),
-                   {"w": np.zeros(3, np.float32)})
+  with pytest.raises(ValueError, match="argument --"):  # train() refuses them too
+    settings = settings_of(build_parser().parse_args([command, *flags]), TASKS["digits"])
+    check_settings(settings, (settings.algorithm,), processes=1, train_examples=lambda: 1000)

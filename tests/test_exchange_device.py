@@ -25,9 +25,9 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 pytest.importorskip("orbax.checkpoint")
 
-from optax_dist.cli.algorithms import make_optimizer  # noqa: E402
-from optax_dist.cli.arguments import build_parser  # noqa: E402
-from optax_dist.cli.main import main, settings_of  # noqa: E402
+from optax_dist.cli.checks import check_settings  # noqa: E402
+from optax_dist.cli.config import settings_of  # noqa: E402
+from optax_dist.cli.main import build_parser, main  # noqa: E402
 from optax_dist.cli.tasks import TASKS  # noqa: E402
 
 ARGS = ["train", "--task", "lm", "--algorithm", "streaming_diloco", "--steps", "12",
@@ -122,7 +122,7 @@ REFUSED = {
                           "--comm-dtype", "int8"],
                          "argument --comm-dtype: --exchange-device sends each fragment as one"
                          " float buffer"),
-  # Checked by the command, which knows the processes (make_optimizer does not).
+  # Checked with the processes: the command's, or train()'s jax.process_count().
   "replicas other than processes": (
     ["--processes", "2", "--devices", "4", "--replicas", "4", "--overlap", "1"],
     "argument --exchange-device: needs one replica per process and more than one process"
@@ -146,6 +146,6 @@ def test_refused_combinations_are_one_line_errors(case, tmp_path, capsys):
   assert len(captured.err.strip().splitlines()) == 1
   if "--processes" in message:
     return
-  with pytest.raises(ValueError, match="argument --"):  # the library API refuses them too
-    make_optimizer(settings_of(build_parser().parse_args(argv), TASKS["digits"]),
-                   {"w": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)})
+  with pytest.raises(ValueError, match="argument --"):  # train() refuses them too
+    settings = settings_of(build_parser().parse_args(argv), TASKS["digits"])
+    check_settings(settings, (settings.algorithm,), processes=2, train_examples=lambda: 1000)

@@ -153,8 +153,8 @@ def test_lm_resume_after_a_crash_ends_with_the_uninterrupted_params(tmp_path):
 @pytest.mark.parametrize("steps,periods", [(300, (10, 50)), (5, (5, 5))])
 def test_lm_default_periods_adapt_to_short_runs(steps, periods):
   """The task's own periods (10, and 50 for DiLoCo) are capped at --steps, as the defaults are."""
-  from optax_dist.cli.arguments import build_parser
-  from optax_dist.cli.main import settings_of
+  from optax_dist.cli.config import settings_of
+  from optax_dist.cli.main import build_parser
 
   args = build_parser().parse_args(["compare", "--task", "lm", "--steps", str(steps)])
   settings = settings_of(args, tasks.TASKS["lm"])

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import optax_dist
-from optax_dist.cli import pipeline, trainer
+from optax_dist.cli import pipeline, runs, trainer
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import TASKS
 
@@ -47,7 +47,7 @@ def by_hand(task, data, replicas):
     init = jax.vmap(jax.vmap(tx.init))
   step = jax.jit(step)
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-  params = trainer.initial_params(task, 0, example)
+  params = runs.initial_params(task, 0, example)
   grid = (replicas, size) if replicas > 1 else (WORKERS,)
   params = jax.tree.map(lambda p: np.broadcast_to(p, grid + p.shape), params)
   state = init(params)
@@ -67,8 +67,8 @@ def test_diloco_over_replicas_is_the_library_composed_by_hand(replicas):
   data = task.load(0)
   settings = Settings(algorithm="diloco", devices=WORKERS, replicas=replicas, steps=STEPS,
                       batch_size=BATCH, sync_period=PERIOD, eval_every=STEPS, learning_rate=LR)
-  final = {}
-  result = trainer.train(task, data, settings, final_state=final)
+  result = trainer.train(task, data, settings, keep_state=True)
+  final = result["final_state"]
   assert result["replicas"] == replicas
   chex.assert_trees_all_close(final["params"], by_hand(task, data, replicas), rtol=1e-5,
                               atol=1e-6)
@@ -80,17 +80,16 @@ def test_sync_is_one_reduction_whatever_the_replicas():
   data = task.load(0)
   finals = []
   for replicas in (1, 2):
-    final = {}
     settings = Settings(devices=WORKERS, replicas=replicas, steps=4, batch_size=BATCH,
                         eval_every=4)
-    trainer.train(task, data, settings, final_state=final)
-    finals.append(final["params"])
+    finals.append(trainer.train(task, data, settings, keep_state=True)["final_state"]["params"])
   chex.assert_trees_all_close(*finals, rtol=1e-5, atol=1e-6)
 
 
 def test_replicas_must_divide_the_workers():
   task = TASKS["digits"]
-  with pytest.raises(ValueError, match=r"replicas=3\) must divide settings.devices=8"):
+  with pytest.raises(ValueError, match=r"argument --replicas: must divide the number of workers"
+                     r" \(--processes x --devices = 8\) into replicas of equal size, got 3"):
     trainer.train(task, task.load(0), Settings(devices=WORKERS, replicas=3, steps=2))
 
 
@@ -103,7 +102,7 @@ def test_sync_over_replicas_sends_each_slice_across_once():
   settings = Settings(devices=WORKERS, replicas=2, steps=1, batch_size=BATCH, eval_every=1)
   result = trainer.train(task, data, settings)
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-  sizes = [np.size(p) for p in jax.tree.leaves(trainer.initial_params(task, 0, example))]
+  sizes = [np.size(p) for p in jax.tree.leaves(runs.initial_params(task, 0, example))]
   step = result["collective_bytes"]["every_step"]
   assert step["conditional"] == []
   assert step["unconditional"]["replica"] == sum(4 * -(-n // 4) for n in sizes)
@@ -124,8 +123,8 @@ def test_evaluation_over_replicas_is_the_mean_over_every_worker(algorithm, repli
   settings = Settings(algorithm=algorithm, devices=WORKERS, replicas=replicas, steps=4,
                       batch_size=BATCH, eval_every=4, learning_rate=0.05, sync_period=10,
                       communication_period=10)
-  final = {}
-  result = trainer.train(task, data, settings, final_state=final)
+  result = trainer.train(task, data, settings, keep_state=True)
+  final = result["final_state"]
   metric = jax.jit(task.metric_fn(task.model()))
 
   def each_worker(tree):

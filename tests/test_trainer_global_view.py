@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from optax_dist.cli import main, trainer
+from optax_dist.cli import main, runs, trainer
 from optax_dist.cli.config import Settings
 from optax_dist.cli.tasks import TASKS
 
@@ -46,9 +46,8 @@ def digits():
 
 
 def trained(digits, algorithm: str, fsdp: int | None) -> tuple[dict, dict]:
-  final = {}
-  result = trainer.train(*digits, settings(algorithm, fsdp), final_state=final)
-  return result, final
+  result = trainer.train(*digits, settings(algorithm, fsdp), keep_state=True)
+  return result, result.pop("final_state")
 
 
 @pytest.fixture(scope="module", params=["sync", "diloco", "moving_average"])
@@ -76,7 +75,7 @@ def test_a_device_holds_a_kth_of_the_params(pair, digits):
   (per_device, _), (global_view, _) = pair
   task, data = digits
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-  params = jax.tree.leaves(trainer.initial_params(task, 0, example))
+  params = jax.tree.leaves(runs.initial_params(task, 0, example))
   whole = sum(p.nbytes for p in params)
   # The (10,) bias of the last layer is not divisible by 4: whole on every device.
   sharded = sum(p.nbytes // (K if any(n % K == 0 for n in p.shape) else 1) for p in params)
@@ -114,8 +113,7 @@ def test_the_step_keeps_the_shardings(digits):
 
 def test_resume_restores_onto_the_mesh(digits, tmp_path):
   task, data = digits
-  uninterrupted = {}
-  trainer.train(task, data, settings("diloco", K), final_state=uninterrupted)
+  uninterrupted = trainer.train(task, data, settings("diloco", K), keep_state=True)["final_state"]
 
   class Stopped(Exception):
     pass
@@ -127,17 +125,16 @@ def test_resume_restores_onto_the_mesh(digits, tmp_path):
   with pytest.raises(Stopped):
     trainer.train(task, data, settings("diloco", K), on_step=stop, checkpoint_dir=str(tmp_path),
                   checkpoint_every=3)
-  final = {}
   result = trainer.train(task, data, settings("diloco", K), checkpoint_dir=str(tmp_path),
-                         checkpoint_every=3, resume=True, final_state=final)
+                         checkpoint_every=3, resume=True, keep_state=True)
   assert result["resumed_from_step"] == 3
-  chex.assert_trees_all_close(final, uninterrupted, rtol=1e-6, atol=0)
+  chex.assert_trees_all_close(result["final_state"], uninterrupted, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("fsdp, match", [
-  (3, r"settings.fsdp=3\) must be a positive divisor of the devices of a replica.* = 4"),
-  (8, r"settings.fsdp=8\) must be a positive divisor of the devices of a replica.* = 4"),
-  (0, r"settings.fsdp=0\) must be a positive divisor"),
+  (3, r"argument --fsdp: must divide the devices of a replica \(.* = 4\), got 3"),
+  (8, r"argument --fsdp: must divide the devices of a replica \(.* = 4\), got 8"),
+  (0, r"argument --fsdp: must divide the devices of a replica \(.* = 4\), got 0"),
 ])
 def test_a_bad_fsdp_raises(digits, fsdp, match):
   with pytest.raises(ValueError, match=match):
@@ -145,8 +142,8 @@ def test_a_bad_fsdp_raises(digits, fsdp, match):
 
 
 def test_stale_gradients_are_refused_on_the_global_view(digits):
-  with pytest.raises(ValueError, match=r"fsdp=4\)`: drop_stale_gradients does not run on the"
-                     r" global view"):
+  with pytest.raises(ValueError, match=r"argument --fsdp: drop_stale_gradients does not run on"
+                     r" the global view"):
     trainer.train(*digits, settings("drop_stale_gradients", K))
 
 

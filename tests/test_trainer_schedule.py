@@ -45,9 +45,7 @@ def trained(name, **kwargs):
   task = TASKS["digits"]
   settings = Settings(algorithm=name, steps=12, eval_every=12, batch_size=8, **CASES[name],
                       **kwargs)
-  final = {}
-  trainer.train(task, task.load(0), settings, final_state=final)
-  return final
+  return trainer.train(task, task.load(0), settings, keep_state=True)["final_state"]
 
 
 def test_the_table_schedules_are_the_library_schedules():

@@ -2,21 +2,29 @@
 
 One concern per module:
 
-* :mod:`~optax_dist.cli.main`: the entry point; runs the subcommands ``train``, ``compare`` and
-  ``async``;
-* :mod:`~optax_dist.cli.arguments`: the command line (flags, their checks, the help);
-* :mod:`~optax_dist.cli.config`: the settings of a training run and their defaults;
+* :mod:`~optax_dist.cli.main`: the entry point; parses the command line and runs a subcommand;
+* the subcommands, each a module with ``add_parser(subparsers)`` and ``run(args)``:
+  :mod:`~optax_dist.cli.train` (``train``), :mod:`~optax_dist.cli.compare` (``compare``),
+  :mod:`~optax_dist.cli.async_run` (``async``: the emulated asynchronous protocols) and
+  :mod:`~optax_dist.cli.plan` (``plan``: each method's utilization over a link);
+* :mod:`~optax_dist.cli.arguments`: the flags' types and the flags of ``train`` and ``compare``;
+* :mod:`~optax_dist.cli.config`: the settings of a training run, their defaults, and the settings
+  a command line asks for;
+* :mod:`~optax_dist.cli.checks`: every rule the settings obey, checked before anything loads;
 * :mod:`~optax_dist.cli.tasks`: the problems to train on (data, model, loss, metric);
 * :mod:`~optax_dist.cli.text`: the ``lm`` task's corpus (the standard library's sources);
 * :mod:`~optax_dist.cli.models`: the Flax models of the tasks;
 * :mod:`~optax_dist.cli.algorithms`: the table of algorithms (``ALGORITHMS``, one record each:
   how to build it, its schedule, its settings) and the inner optimizer;
 * :mod:`~optax_dist.cli.pipeline`: the workers' shards of the data and the minibatch order;
-* :mod:`~optax_dist.cli.trainer`: the task-agnostic training loop over a mesh of workers;
+* :mod:`~optax_dist.cli.trainer`: the task-agnostic training loop, checkpoints and resuming;
+* :mod:`~optax_dist.cli.runs`: a run's mesh, data, initial state and compiled functions;
+* :mod:`~optax_dist.cli.steps`: the step and evaluation functions a run compiles;
+* :mod:`~optax_dist.cli.meshes`: the devices, the meshes and the global view's param shardings;
+* :mod:`~optax_dist.cli.exchange_device`: ``streaming_diloco``'s exchanges on an extra device;
+* :mod:`~optax_dist.cli.library_private`: the command's only uses of private library modules;
 * :mod:`~optax_dist.cli.checkpoints`: Orbax checkpoints and exact resuming;
 * :mod:`~optax_dist.cli.launcher`: several ``jax.distributed`` processes and their watchdog;
-* :mod:`~optax_dist.cli.async_run`: the ``async`` subcommand's emulated protocols;
-* :mod:`~optax_dist.cli.plan`: the ``plan`` subcommand: each method's utilization over a link;
 * :mod:`~optax_dist.cli.reports`: the tables, the JSON files and the plots;
 * :mod:`~optax_dist.cli.errors`: one-line errors and the check of the ``examples`` extra.
 

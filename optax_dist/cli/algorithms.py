@@ -12,7 +12,7 @@ do for it. The rest of the command reads the table and never tests an algorithm'
   evaluated on the EMA;
 * ``drop_stale_gradients``: ``drop_stale_gradients(tower(inner, workers), max_staleness)``, fed
   gradients computed at the params of a random number of steps ago (see
-  :mod:`optax_dist.cli.trainer`);
+  :mod:`optax_dist.cli.runs`);
 * ``local_sgd``: ``local_sgd(inner, sync_period=H, warmup_steps=W)``, model averaging every H
   steps;
 * ``diloco``: ``diloco(inner, outer, sync_period=H, error_feedback=...)`` with the outer Nesterov
@@ -30,7 +30,7 @@ every worker whatever R, hierarchically (``tower(..., hierarchical=True)``: redu
 each replica, the slices all-reduced across replicas, all-gather within), so a replica's devices
 send the gradients' bytes across once.
 
-With ``fsdp`` K (the global view, :class:`optax_dist.cli.trainer.GlobalRun`) the step is
+With ``fsdp`` K (the global view, :class:`optax_dist.cli.runs.GlobalRun`) the step is
 ``jax.vmap`` over the replicas and the compiler reduces the gradients within each replica (its
 loss is the mean over its devices' minibatches): every algorithm is built around the bare inner
 optimizer over :data:`REPLICA` alone, without ``tower`` inside or ``slice_axis``; ``sync`` is
@@ -44,7 +44,8 @@ The exchange: every algorithm sends in ``comm_dtype``, a float dtype of
 :data:`FLOAT_COMM_DTYPES` or, for those whose :attr:`Algorithm.comm_dtypes` say so, a
 block-quantized format of :data:`QUANTIZED_COMM_DTYPES` (codes with one float32 scale per
 ``comm_block_size`` values). The options of :data:`EXCHANGE_OPTIONS` reach the algorithms that
-list them in :attr:`Algorithm.settings`; :func:`check_exchange` refuses the others.
+list them in :attr:`Algorithm.settings`; :func:`optax_dist.cli.checks.check_settings` refuses
+the others.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from typing import Any
 import optax
 
 import optax_dist
-from optax_dist.cli.config import DEFAULTS, Settings
+from optax_dist.cli.config import Settings
 
 AXIS = "workers"
 """The mesh axis of the workers with one replica (``replicas=1``)."""
@@ -94,9 +95,8 @@ class Algorithm:
   Attributes:
     name: the name on the command line (``--algorithm``) and in the results.
     summary: the transformation, in words (for the help).
-    build: ``build(settings, inner, axis, params) -> tx``: the per-worker transformation around
-      ``inner`` over the mesh axis (or axes) ``axis``; ``params`` (one worker's, arrays or
-      shapes) is read by ``streaming_diloco`` only.
+    build: ``build(settings, inner, axis) -> tx``: the per-worker transformation around
+      ``inner`` over the mesh axis (or axes) ``axis``.
     schedule: ``schedule(settings) -> Schedule``: the library's schedule of the periodic
       exchange, which the trainer passes to ``update`` as the static ``communicate`` hint;
       ``None`` for the algorithms that communicate on every step.
@@ -117,7 +117,7 @@ class Algorithm:
 
   name: str
   summary: str
-  build: Callable[[Settings, Any, Any, Any], Any]
+  build: Callable[[Settings, Any, Any], Any]
   schedule: Callable[[Settings], Schedule] | None = None
   warmup: Callable[[Settings], Schedule] | None = None
   period_name: str | None = None
@@ -231,10 +231,7 @@ def _exchange(s: Settings) -> dict[str, Any]:
   return {"comm_dtype": s.comm_dtype, "comm_block_size": s.comm_block_size}
 
 
-def _streaming_diloco(s: Settings, inner: Any, axis: Any, params: Any, slice_axis=None) -> Any:
-  if params is None:
-    raise ValueError("`make_optimizer(settings, params)`: streaming_diloco needs the params, to"
-                     " assign their leaves to fragments.")
+def _streaming_diloco(s: Settings, inner: Any, axis: Any, slice_axis=None) -> Any:
   return optax_dist.streaming_diloco(
     inner, _outer(s), sync_period=s.sync_period, num_fragments=s.num_fragments,
     fragments="balanced", mixing=s.mixing, overlap=s.overlap, eager=s.eager, axis_name=axis,
@@ -248,11 +245,11 @@ _QUANTIZED = ("comm_dtype", "comm_block_size")
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
   Algorithm(
     "sync", "tower: the gradients all-reduced every step",
-    build=lambda s, inner, axis, params: _tower(s, inner, axis), settings=("comm_dtype",),
+    build=lambda s, inner, axis: _tower(s, inner, axis), settings=("comm_dtype",),
     compared=True),
   Algorithm(
     "elastic_average", "EASGD: each worker pulled to a center every communication period",
-    build=lambda s, inner, axis, params, slice_axis=None: optax_dist.elastic_average(
+    build=lambda s, inner, axis, slice_axis=None: optax_dist.elastic_average(
       inner, communication_period=s.communication_period, moving_rate=s.moving_rate,
       axis_name=axis, slice_axis=slice_axis, **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.elastic_average_communicates(
@@ -262,7 +259,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     compared=True, across_replicas=True, evaluated="the center"),
   Algorithm(
     "agn", "AGN: the workers' accumulated updates averaged every communication period",
-    build=lambda s, inner, axis, params, slice_axis=None: optax_dist.agn(
+    build=lambda s, inner, axis, slice_axis=None: optax_dist.agn(
       inner, communication_period=s.communication_period, axis_name=axis, slice_axis=slice_axis,
       **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.agn_communicates(
@@ -271,18 +268,18 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True),
   Algorithm(
     "moving_average", "tower, evaluated on an exponential moving average of the params",
-    build=lambda s, inner, axis, params: optax_dist.moving_average(
+    build=lambda s, inner, axis: optax_dist.moving_average(
       _tower(s, inner, axis), s.decay, use_num_updates=True,
       ema_dtype=_global_dtype(s)),
     settings=("decay", "comm_dtype"), compared=True, evaluated="the EMA"),
   Algorithm(
     "drop_stale_gradients", "tower fed stale gradients, those staler than max staleness dropped",
-    build=lambda s, inner, axis, params: optax_dist.drop_stale_gradients(
+    build=lambda s, inner, axis: optax_dist.drop_stale_gradients(
       _tower(s, inner, axis), s.max_staleness),
     settings=("max_staleness", "comm_dtype"), stale_gradients=True),
   Algorithm(
     "local_sgd", "local SGD: the workers' params averaged every sync period",
-    build=lambda s, inner, axis, params, slice_axis=None: optax_dist.local_sgd(
+    build=lambda s, inner, axis, slice_axis=None: optax_dist.local_sgd(
       inner, sync_period=s.sync_period, axis_name=axis, warmup_steps=s.warmup_steps,
       slice_axis=slice_axis, **_exchange(s)),
     schedule=lambda s: lambda step: optax_dist.local_sgd_syncs(
@@ -293,7 +290,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True),
   Algorithm(
     "diloco", "DiLoCo: an outer Nesterov step on the workers' mean change every sync period",
-    build=lambda s, inner, axis, params, slice_axis=None: optax_dist.diloco(
+    build=lambda s, inner, axis, slice_axis=None: optax_dist.diloco(
       inner, _outer(s), sync_period=s.sync_period, axis_name=axis,
       error_feedback=s.error_feedback, anchor_dtype=_global_dtype(s), slice_axis=slice_axis,
       **_exchange(s)),
@@ -324,47 +321,40 @@ def axes(settings: Settings) -> tuple[str, ...]:
   return (AXIS,) if settings.replicas == 1 else (REPLICA, DATA)
 
 
-def make_optimizer(settings: Settings, params: Any = None) -> Any:
+def make_optimizer(settings: Settings) -> Any:
   """The per-worker optax transformation of ``settings.algorithm`` (run under ``shard_map``
   over the mesh axes :func:`axes`), or with ``settings.fsdp``, one replica's (run under
   ``jax.vmap`` over :data:`REPLICA`).
 
-  ``settings`` must be resolved (:meth:`Settings.resolved`); ``params`` (one worker's or
-  replica's, arrays or shapes) is needed by ``streaming_diloco`` only. With
-  ``settings.exchange_device``, ``streaming_diloco`` is built with no axis across the replicas
-  (``axis_name=None``, the ``tower`` within each replica kept): its send step puts the replica's
-  own pseudo-gradient in flight and the trainer exchanges it
-  (:class:`optax_dist.cli.trainer.ExchangeDeviceRun`).
+  ``settings`` must be resolved (:meth:`Settings.resolved`) and pass
+  :func:`optax_dist.cli.checks.check_settings`, which calls this function to have the library
+  check its arguments. With ``settings.exchange_device``, ``streaming_diloco`` is built with no
+  axis across the replicas (``axis_name=None``, the ``tower`` within each replica kept): its
+  send step puts the replica's own pseudo-gradient in flight and the trainer exchanges it
+  (:class:`optax_dist.cli.exchange_device.ExchangeDeviceRun`).
 
   Raises:
-    ValueError: an unknown algorithm; with ``fsdp``, one fed stale gradients; an exchange of
-      ``settings`` the algorithm does not take (:func:`check_exchange`).
+    ValueError: an unknown algorithm; the library's refusals of the settings.
   """
   algorithm = ALGORITHMS.get(settings.algorithm)
   if algorithm is None:
     raise ValueError(
       f"`make_optimizer(settings.algorithm=...)` must be one of {', '.join(ALGORITHMS)}, got"
       f" {settings.algorithm!r}.")
-  check_exchange(settings)
   inner = inner_optimizer(settings)
   if settings.fsdp is not None:
-    if algorithm.stale_gradients:
-      raise ValueError(
-        f"`make_optimizer(settings.fsdp={settings.fsdp})`: {algorithm.name} does not run on the"
-        " global view, which keeps no params history to compute stale gradients at; train it"
-        " without fsdp.")
-    return algorithm.build(settings, inner, REPLICA, params)
+    return algorithm.build(settings, inner, REPLICA)
   if settings.replicas == 1:
-    return algorithm.build(settings, inner, AXIS, params)
+    return algorithm.build(settings, inner, AXIS)
   if settings.exchange_device:
     # Each replica's own pseudo-gradient goes in flight: the trainer exchanges it across the
     # replicas on its exchange device and puts the mean back before the landing step.
-    return algorithm.build(settings, _tower(settings, inner, DATA), None, params)
+    return algorithm.build(settings, _tower(settings, inner, DATA), None)
   if not algorithm.across_replicas:
-    return algorithm.build(settings, inner, (REPLICA, DATA), params)
+    return algorithm.build(settings, inner, (REPLICA, DATA))
   tower = _tower(settings, inner, DATA)
   # A replica's devices hold identical params after the tower: each exchanges its 1/K slice.
-  return algorithm.build(settings, tower, REPLICA, params, slice_axis=DATA)
+  return algorithm.build(settings, tower, REPLICA, slice_axis=DATA)
 
 
 def takers(name: str) -> tuple[str, ...]:
@@ -381,79 +371,3 @@ def quantizing() -> tuple[str, ...]:
 def flag(name: str) -> str:
   """The command-line flag of the setting ``name``, e.g. ``--comm-block-size``."""
   return "--" + name.replace("_", "-")
-
-
-def check_exchange(settings: Settings) -> None:
-  """Raises ``ValueError`` unless ``settings.algorithm`` takes the exchange of ``settings``.
-
-  The algorithm must take ``comm_dtype`` (:attr:`Algorithm.comm_dtypes`), and every one of
-  :data:`EXCHANGE_OPTIONS` away from its default; the options must fit together (:func:`_check_options`). The message is one line, ``argument --FLAG: ...``,
-  naming the value and the algorithm: the command reports it as is.
-  """
-  s, algorithm = settings, ALGORITHMS[settings.algorithm]
-  comm = s.comm_dtype or "float32"
-  if comm not in algorithm.comm_dtypes:
-    raise ValueError(
-      f"argument --comm-dtype: {algorithm.name} takes {', '.join(algorithm.comm_dtypes)} only,"
-      f" got {comm}; the block-quantized formats ({', '.join(QUANTIZED_COMM_DTYPES)}) need"
-      f" {', '.join(quantizing())}")
-  for name in EXCHANGE_OPTIONS:
-    value = getattr(s, name)
-    if value != DEFAULTS[name] and name not in algorithm.settings:
-      given = flag(name) if isinstance(value, bool) else f"{flag(name)} {value:g}"
-      raise ValueError(
-        f"argument {flag(name)}: {algorithm.name} does not take it (only"
-        f" {', '.join(takers(name))}), got {given}")
-  _check_options(s, comm)
-
-
-def _check_options(s: Settings, comm: str) -> None:
-  """Raises ``ValueError`` unless the exchange options of ``s`` fit ``comm`` and each other."""
-  if s.error_feedback and comm not in QUANTIZED_COMM_DTYPES:
-    raise ValueError(
-      "argument --error-feedback: needs a block-quantized --comm-dtype"
-      f" ({', '.join(QUANTIZED_COMM_DTYPES)}), got --comm-dtype {comm}")
-  if s.comm_block_size != DEFAULTS["comm_block_size"] and comm not in QUANTIZED_COMM_DTYPES:
-    raise ValueError(
-      f"argument --comm-block-size: sets the blocks of a block-quantized --comm-dtype"
-      f" ({', '.join(QUANTIZED_COMM_DTYPES)}), got --comm-dtype {comm}")
-  if comm in ("float4_e2m1fn", "e3m0") and s.comm_block_size % 2:
-    raise ValueError(
-      f"argument --comm-block-size: must be even with --comm-dtype {comm}, which packs two 4-bit"
-      f" codes per byte, got {s.comm_block_size}")
-  if s.eager and not s.overlap:
-    raise ValueError("argument --eager: needs --overlap >= 1 (with --overlap 0 each exchange"
-                     " lands on its send step: there is no stale share to replace)")
-  if s.overlap and s.overlap >= s.sync_period:
-    raise ValueError(
-      f"argument --overlap: must be less than --sync-period ({s.sync_period}): a fragment's"
-      f" exchange lands before its next send, got {s.overlap}")
-  if s.exchange_device:
-    _check_exchange_device(s, comm)
-
-
-def _check_exchange_device(s: Settings, comm: str) -> None:
-  """Raises ``ValueError`` unless ``--exchange-device`` fits the other settings (that
-  ``--replicas`` equals ``--processes`` is checked by the command, which knows the processes)."""
-  if not s.overlap:
-    raise ValueError(
-      "argument --exchange-device: needs --overlap >= 1 (the exchange runs beside the steps"
-      " between its send and its landing; with --overlap 0 it lands on its send step), got"
-      " --overlap 0")
-  if s.replicas < 2:
-    raise ValueError(
-      "argument --exchange-device: needs --replicas equal to --processes > 1 (one replica per"
-      f" process, the exchange across them), got --replicas {s.replicas}")
-  if s.fsdp is not None:
-    raise ValueError(
-      "argument --exchange-device: does not run on the global view, whose step exchanges inside"
-      f" its one program; run without --fsdp, got --fsdp {s.fsdp}")
-  if s.eager:
-    raise ValueError(
-      "argument --exchange-device: does not take --eager (the eager update needs the mean and"
-      " the number of workers inside the landing step, which exchanges nothing here), got"
-      " --exchange-device --eager")
-  if comm in QUANTIZED_COMM_DTYPES:
-    raise ValueError(
-      f"argument --comm-dtype: --exchange-device sends each fragment as one float buffer:"
-      f" {', '.join(FLOAT_COMM_DTYPES)} only, got {comm}")

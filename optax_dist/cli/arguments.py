@@ -1,18 +1,18 @@
-"""The command line of ``optax-dist``: its subcommands, flags, their types and the help.
+"""The command line of ``optax-dist``: the flags' types, the flags of ``train`` and ``compare``
+(:func:`training_parser`) and the help's notes.
 
-Parsing imports nothing of the ``examples`` extra; a bad value is one line, ``optax-dist: error:
-...``, with exit status 2.
+Each subcommand's module adds its parser (``add_parser(subparsers)``); the parser is
+:class:`Parser`. Parsing imports nothing of the ``examples`` extra; a bad value is one line,
+``optax-dist: error: ...``, with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
 
-from optax_dist import __version__
-from optax_dist.cli import algorithms, async_run, config, plan
-from optax_dist.cli.algorithms import ALGORITHMS, COMPARED
+from optax_dist.cli import algorithms, config
+from optax_dist.cli.algorithms import ALGORITHMS
 from optax_dist.cli.errors import PROG
 from optax_dist.cli.launcher import parse_address
 from optax_dist.cli.tasks import TASKS
@@ -103,7 +103,7 @@ class Formatter(argparse.HelpFormatter):
     return super()._fill_text(text, width, indent)
 
 
-def _task_argument(parser: argparse.ArgumentParser) -> None:
+def task_argument(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--task", choices=tuple(TASKS), default="digits",
                       help="what to train on: " + "; ".join(
                         f"{t.name}: {t.dataset}, {t.model_name}" for t in TASKS.values())
@@ -113,7 +113,7 @@ def _task_argument(parser: argparse.ArgumentParser) -> None:
 def _training_arguments(common: argparse.ArgumentParser) -> None:
   """The flags of ``train`` and ``compare`` that set :class:`optax_dist.cli.config.Settings`."""
   d, lm = config.DEFAULTS, TASKS["lm"].defaults
-  _task_argument(common)
+  task_argument(common)
   common.add_argument("--devices", type=positive_int, default=d["devices"],
                       help="number of emulated CPU devices per process, one worker each"
                       f" (default: {d['devices']})")
@@ -249,7 +249,7 @@ def _exchange_arguments(common: argparse.ArgumentParser) -> None:
     f" lands, the new anchor's being 1 - ALPHA (default: {d['mixing']:g}: the anchor)")
 
 
-def _output_arguments(parser: argparse.ArgumentParser) -> None:
+def output_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", default="runs",
                       help="directory for the JSON results and the PNG plot (default: runs)")
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -278,85 +278,10 @@ def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:
   common.add_argument("--fail-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """The argument parser of ``optax-dist``."""
+def training_parser() -> argparse.ArgumentParser:
+  """The parent parser of ``train`` and ``compare``: the settings, the output, the processes."""
   common = Parser(add_help=False)
   _training_arguments(common)
-  _output_arguments(common)
+  output_arguments(common)
   _multiprocess_arguments(common)
-  parser = Parser(
-    prog=PROG,
-    description="Data-parallel training with the optax_dist transformations (an MLP on"
-    " scikit-learn's digits by default), over emulated CPU devices of one or more JAX processes.",
-    epilog=EPILOG, formatter_class=Formatter,
-  )
-  parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-  commands = parser.add_subparsers(dest="command", required=True,
-                                   metavar="{train,compare,async,plan}")
-  train = commands.add_parser(
-    "train", parents=[common], help="train with one algorithm",
-    description="Train with one algorithm; writes results_<algorithm>.json and"
-    " accuracy_<algorithm>.png under --out.",
-    epilog=EPILOG, formatter_class=Formatter,
-  )
-  train.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="sync",
-                     help="the algorithm: " + "; ".join(
-                       f"{a.name}: {a.summary}" for a in ALGORITHMS.values())
-                     + " (default: sync)")
-  commands.add_parser(
-    "compare", parents=[common], help=f"compare {', '.join(COMPARED)}",
-    description=f"Train with {', '.join(COMPARED)} and compare them; writes results.json and"
-    " accuracy.png under --out.",
-    epilog=EPILOG, formatter_class=Formatter,
-  )
-  _add_async_parser(commands)
-  return parser
-
-
-def _add_async_parser(commands: Any) -> None:
-  """``optax-dist async``: the emulated asynchronous protocols (:mod:`.async_run`)."""
-  d = async_run.DEFAULTS
-  run = commands.add_parser(
-    "async", help="compare asynchronous protocols, emulated",
-    description=f"Emulate asynchronous parameter-server training with"
-    f" {', '.join(async_run.PROTOCOLS)} on one simulated cluster (per-worker compute times,"
-    " stragglers, restarts, workers leaving and joining) and compare them at the same simulated"
-    " time; writes results_async.json and async.png under --out.",
-  )
-  _task_argument(run)
-  run.add_argument("--workers", type=positive_int, default=d["workers"],
-                   help=f"number of asynchronous workers (default: {d['workers']})")
-  run.add_argument("--max-staleness", type=integer, default=d["max_staleness"],
-                   help="drop_stale_gradients' largest accepted staleness, in server steps"
-                   f" (default: {d['max_staleness']})")
-  run.add_argument("--stragglers", type=integer, default=d["stragglers"],
-                   help=f"number of slow workers (default: {d['stragglers']})")
-  run.add_argument("--slowdown", type=positive_float, default=d["slowdown"],
-                   help=f"how many times slower a straggler is (default: {d['slowdown']:g})")
-  run.add_argument("--restarts", type=worker_times, default=d["restarts"],
-                   metavar="W@T[,W@T...]",
-                   help="restart worker W at simulated time T (default: none)")
-  run.add_argument("--leaves", type=worker_times, default=d["leaves"], metavar="W@T[,W@T...]",
-                   help="worker W leaves for good at simulated time T, losing its work since"
-                   " its last exchange (default: none)")
-  run.add_argument("--joins", type=worker_times, default=d["joins"], metavar="W@T[,W@T...]",
-                   help="worker W (one of --workers) is absent until simulated time T, then"
-                   " starts from the server, center or anchor (default: none)")
-  run.add_argument("--duration", type=positive_float, default=d["duration"],
-                   help="simulated time per protocol; one step takes about 1"
-                   f" (default: {d['duration']:g})")
-  run.add_argument("--batch-size", type=positive_int, default=d["batch_size"],
-                   help=f"minibatch size per worker (default: {d['batch_size']})")
-  run.add_argument("--learning-rate", type=positive_float, default=d["learning_rate"],
-                   help=f"SGD learning rate (default: {d['learning_rate']:g})")
-  run.add_argument("--communication-period", type=positive_int,
-                   default=d["communication_period"],
-                   help="local steps between exchanges of elastic_average and agn"
-                   f" (default: {d['communication_period']})")
-  run.add_argument("--seed", type=integer, default=d["seed"],
-                   help="seed of the data split, init, compute times and minibatches (default: 0)")
-  run.add_argument("--dylu", action="store_true",
-                   help="DiLoCo with dynamic local updates: each worker's local steps per commit"
-                   " proportional to its speed (default: off)")
-  _output_arguments(run)
-  plan.add_parser(commands)
+  return common

@@ -23,11 +23,15 @@ straggler's is ``1 / slowdown``), so the slow workers' rounds take about as long
 ones'.
 
 The data, model, loss and metric are a task's (:mod:`optax_dist.cli.tasks`), as in ``optax-dist
-train``.
+train``. :func:`run_protocols` runs the protocols; ``add_parser(subparsers)`` adds the subcommand to
+an ``argparse`` parser and ``run(args)`` runs it: prints the table and writes
+``results_async.json`` and ``async.png`` under ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -40,8 +44,9 @@ import optax
 
 import optax_dist
 from optax_dist import async_emulator as ae
-from optax_dist.cli import pipeline
-from optax_dist.cli.tasks import Task
+from optax_dist.cli import arguments, checks, errors, pipeline, reports
+from optax_dist.cli.errors import CommandError
+from optax_dist.cli.tasks import TASKS, Task
 
 _PROTOCOLS = {  # name: protocol(sgd, period, moving_rate, max_staleness, workers, dylu)
   "downpour": lambda sgd, tau, alpha, staleness, workers, dylu: ae.downpour(sgd),
@@ -57,7 +62,7 @@ _PROTOCOLS = {  # name: protocol(sgd, period, moving_rate, max_staleness, worker
 }
 
 PROTOCOLS = tuple(_PROTOCOLS)
-"""Every protocol :func:`run` runs, in this order."""
+"""Every protocol :func:`run_protocols` runs, in this order."""
 
 DEFAULTS = {
   "workers": 4,
@@ -78,7 +83,7 @@ DEFAULTS = {
   "seed": 0,
   "dylu": False,
 }
-"""The defaults of :func:`run` (and of ``optax-dist async``)."""
+"""The defaults of :func:`run_protocols` (and of ``optax-dist async``)."""
 
 
 def make_protocol(
@@ -89,7 +94,8 @@ def make_protocol(
   ``dylu``: the DiLoCo protocols with dynamic local updates."""
   if name not in _PROTOCOLS:
     raise ValueError(
-      f"`run(protocols=...)`: unknown protocol {name!r}; choose from {', '.join(PROTOCOLS)}.")
+      f"`run_protocols(protocols=...)`: unknown protocol {name!r}; choose from"
+      f" {', '.join(PROTOCOLS)}.")
   return _PROTOCOLS[name](optax.sgd(learning_rate), communication_period, moving_rate,
                           max_staleness, workers, dylu)
 
@@ -113,7 +119,7 @@ def setup(task: Task, workers: int, seed: int) -> dict[str, Any]:
 
 
 def _row(name: str, result: Any, schedule: Any, wall_time: float) -> dict[str, Any]:
-  """The results of one protocol (see :func:`run`)."""
+  """The results of one protocol (see :func:`run_protocols`)."""
   staleness = result.commit_staleness
   return {
     "protocol": name,
@@ -134,7 +140,7 @@ def _row(name: str, result: Any, schedule: Any, wall_time: float) -> dict[str, A
   }
 
 
-def run(
+def run_protocols(
   task: Task,
   *,
   workers: int = DEFAULTS["workers"],
@@ -227,7 +233,7 @@ def describe(task: Task, *, workers: int, stragglers: int, slowdown: float, late
              restarts: Sequence[Any], max_staleness: int, communication_period: int,
              leaves: Sequence[Any] = (), joins: Sequence[Any] = (),
              dylu: bool = DEFAULTS["dylu"]) -> str:
-  """One line saying what :func:`run` emulated (the plot's title)."""
+  """One line saying what :func:`run_protocols` emulated (the plot's title)."""
   extra = "".join(
     [f", latency {latency:g}" if latency else "",
      ", DiLoCo with DyLU" if dylu else "",
@@ -241,3 +247,103 @@ def describe(task: Task, *, workers: int, stragglers: int, slowdown: float, late
 def _at(pairs: Sequence[Any]) -> str:
   """``((W, T), ...)`` as ``"W@T, W@T"``."""
   return ", ".join(f"{w}@{time:g}" for w, time in pairs)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+  """Adds ``async`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``); returns it."""
+  d = DEFAULTS
+  parser = subparsers.add_parser(
+    "async", help="compare asynchronous protocols, emulated",
+    description=f"Emulate asynchronous parameter-server training with"
+    f" {', '.join(PROTOCOLS)} on one simulated cluster (per-worker compute times,"
+    " stragglers, restarts, workers leaving and joining) and compare them at the same simulated"
+    " time; writes results_async.json and async.png under --out.",
+  )
+  arguments.task_argument(parser)
+  parser.add_argument("--workers", type=arguments.positive_int, default=d["workers"],
+                      help=f"number of asynchronous workers (default: {d['workers']})")
+  parser.add_argument("--max-staleness", type=arguments.integer, default=d["max_staleness"],
+                      help="drop_stale_gradients' largest accepted staleness, in server steps"
+                      f" (default: {d['max_staleness']})")
+  parser.add_argument("--stragglers", type=arguments.integer, default=d["stragglers"],
+                      help=f"number of slow workers (default: {d['stragglers']})")
+  parser.add_argument("--slowdown", type=arguments.positive_float, default=d["slowdown"],
+                      help=f"how many times slower a straggler is (default: {d['slowdown']:g})")
+  parser.add_argument("--restarts", type=arguments.worker_times, default=d["restarts"],
+                      metavar="W@T[,W@T...]",
+                      help="restart worker W at simulated time T (default: none)")
+  parser.add_argument("--leaves", type=arguments.worker_times, default=d["leaves"],
+                      metavar="W@T[,W@T...]",
+                      help="worker W leaves for good at simulated time T, losing its work since"
+                      " its last exchange (default: none)")
+  parser.add_argument("--joins", type=arguments.worker_times, default=d["joins"],
+                      metavar="W@T[,W@T...]",
+                      help="worker W (one of --workers) is absent until simulated time T, then"
+                      " starts from the server, center or anchor (default: none)")
+  parser.add_argument("--duration", type=arguments.positive_float, default=d["duration"],
+                      help="simulated time per protocol; one step takes about 1"
+                      f" (default: {d['duration']:g})")
+  parser.add_argument("--batch-size", type=arguments.positive_int, default=d["batch_size"],
+                      help=f"minibatch size per worker (default: {d['batch_size']})")
+  parser.add_argument("--learning-rate", type=arguments.positive_float,
+                      default=d["learning_rate"],
+                      help=f"SGD learning rate (default: {d['learning_rate']:g})")
+  parser.add_argument("--communication-period", type=arguments.positive_int,
+                      default=d["communication_period"],
+                      help="local steps between exchanges of elastic_average and agn"
+                      f" (default: {d['communication_period']})")
+  parser.add_argument("--seed", type=arguments.integer, default=d["seed"],
+                      help="seed of the data split, init, compute times and minibatches"
+                      " (default: 0)")
+  parser.add_argument("--dylu", action="store_true",
+                      help="DiLoCo with dynamic local updates: each worker's local steps per"
+                      " commit proportional to its speed (default: off)")
+  arguments.output_arguments(parser)
+  return parser
+
+
+def _check_worker_times(args: argparse.Namespace) -> None:
+  """Raises :class:`CommandError` for a ``--restarts``, ``--leaves`` or ``--joins`` worker that
+  does not exist, or a combination the emulator refuses (a join after the leave, a restart of an
+  absent worker)."""
+  for flag in ("restarts", "leaves", "joins"):
+    bad = [w for w, _ in getattr(args, flag) if w >= args.workers]
+    if bad:
+      raise CommandError(
+        f"argument --{flag}: worker {bad[0]} does not exist (--workers {args.workers})")
+  try:
+    ae.Cluster(args.workers).schedule(
+      duration=args.duration, restarts=args.restarts, leaves=args.leaves, joins=args.joins)
+  except ValueError as e:
+    raise CommandError(f"arguments --restarts, --leaves, --joins: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+  """Runs ``optax-dist async``: prints the table, writes ``results_async.json``/``async.png``."""
+  task = TASKS[args.task]
+  if task.metric_key != "accuracy":
+    raise CommandError(f"argument --task: async emulates the classification tasks"
+                       f" ({', '.join(t for t in TASKS if TASKS[t].metric_key == 'accuracy')}),"
+                       f" not {task.name}; train {task.name} with train or compare")
+  errors.require_task(task)
+  if not 0 <= args.stragglers <= args.workers:
+    raise CommandError(f"argument --stragglers: must be in 0..{args.workers} (--workers), got"
+                       f" {args.stragglers}")
+  _check_worker_times(args)
+  checks.check_out(args.out)
+  cluster = {key: getattr(args, key) for key in ("workers", "stragglers", "slowdown", "restarts",
+                                                 "leaves", "joins", "max_staleness",
+                                                 "communication_period", "dylu")}
+  rows = run_protocols(task, **cluster, duration=args.duration, batch_size=args.batch_size,
+                       learning_rate=args.learning_rate, seed=args.seed,
+                       progress=not args.no_progress)
+  png_path = os.path.join(args.out, "async.png")
+  reports.plot_async(rows, png_path, describe(task, latency=DEFAULTS["latency"], **cluster))
+  json_path = os.path.join(args.out, "results_async.json")
+  reports.write_json(json_path, {
+    "command": "async",
+    "config": {k: v for k, v in vars(args).items() if k not in ("command", "argv")},
+    "protocols": {r["protocol"]: r for r in rows}})
+  print(reports.table(reports.ASYNC_COLUMNS, rows))
+  print(f"wrote {json_path} and {png_path}")
+  return 0

@@ -1,9 +1,18 @@
-"""The settings of one training run of ``optax-dist train``/``compare``, and their defaults."""
+"""The settings of one training run of ``optax-dist train``/``compare``, and their defaults.
+
+A setting is a field of :class:`Settings` and the flag of the same name
+(:mod:`optax_dist.cli.arguments`): :func:`settings_of` reads every field from the command line,
+the results record them all, and :func:`optax_dist.cli.checks.check_settings` checks them.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from optax_dist.cli.tasks import Task
 
 COMMUNICATION_PERIOD = 10
 """The default communication period, in steps, of runs of at least that many steps."""
@@ -26,7 +35,7 @@ class Settings:
     fsdp: K, train on the global view (one ``jax.jit`` of ``jax.vmap`` over the replicas) with
       each replica's params and optimizer state sharded over K of its devices (FSDP), its
       minibatch over all of them; K must divide ``devices / replicas``. ``None``: one
-      ``jax.shard_map`` step, every worker holding whole params (:mod:`optax_dist.cli.trainer`).
+      ``jax.shard_map`` step, every worker holding whole params (:mod:`optax_dist.cli.runs`).
     steps: training steps per worker.
     batch_size: minibatch size per worker, in examples.
     learning_rate: the inner optimizer's (peak) learning rate.
@@ -69,7 +78,7 @@ class Settings:
     exchange_device: ``streaming_diloco`` with ``overlap`` ≥ 1 and one replica per process: the
       exchanges across replicas run as their own computation on one extra emulated CPU device
       per process, beside the next steps, instead of inside the send step
-      (:class:`optax_dist.cli.trainer.ExchangeDeviceRun`).
+      (:class:`optax_dist.cli.exchange_device.ExchangeDeviceRun`).
   """
 
   task: str = "digits"
@@ -148,3 +157,28 @@ def default_moving_rate(devices: int) -> float:
   own 1/8 of a small training set, drift apart and the center stays near 0.92 test accuracy.
   """
   return 0.9 / devices
+
+
+PERIODS = ("communication_period", "sync_period")
+"""The settings whose task default adapts to ``--steps`` (:func:`settings_of`)."""
+
+
+def settings_of(args: argparse.Namespace, task: Task) -> Settings:
+  """The resolved settings of the run ``args`` asks for (``compare``'s: ``algorithm`` "sync").
+
+  Each field of :class:`Settings` comes from the flag of the same name when given (not
+  ``None``), else from ``task.defaults``, else from :data:`DEFAULTS`; a task's default period
+  longer than ``steps`` becomes ``steps``. ``devices`` counts the workers of every process
+  (``--processes`` x ``--devices``) and ``--comm-dtype float32`` is ``comm_dtype=None``, the
+  params' own dtype.
+  """
+  given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)
+           if getattr(args, f.name, None) is not None}
+  given |= {"task": task.name, "devices": args.processes * args.devices,
+            "comm_dtype": None if args.comm_dtype == "float32" else args.comm_dtype}
+  values = DEFAULTS | dict(task.defaults) | given
+  for key in PERIODS:
+    if key not in given and values[key] is not None:
+      values[key] = min(values[key], values["steps"])
+  return Settings(**values).resolved()
+

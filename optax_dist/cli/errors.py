@@ -5,11 +5,16 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 PROG = "optax-dist"
 
 EXAMPLES_MODULES = ("flax", "sklearn", "matplotlib", "tqdm", "orbax.checkpoint")
 """The modules of the ``examples`` extra, which every subcommand needs."""
+
+TRAINING_MODULES = ("flax", "sklearn", "matplotlib", "tqdm")
+"""The modules of the ``examples`` extra every subcommand that trains needs (Orbax: only for
+checkpoints)."""
 
 EXAMPLES_HINT = 'optax-dist needs the "examples" extra: pip install "optax-dist[examples]"'
 
@@ -39,6 +44,13 @@ def require(modules: Iterable[str], hint: str = EXAMPLES_HINT) -> None:
   for module in modules:
     if not _installed(module):
       raise CommandError(f"no module named {module!r}; {hint}")
+
+
+def require_task(task: Any, *, checkpoints: bool = False) -> None:
+  """Raises :class:`CommandError` unless the modules a run of ``task`` (a
+  :class:`optax_dist.cli.tasks.Task`) needs are installed, Orbax too with ``checkpoints``."""
+  require(TRAINING_MODULES + (("orbax.checkpoint",) if checkpoints else ()))
+  require(task.requires, task.install or EXAMPLES_HINT)
 
 
 def missing_extra(error: ModuleNotFoundError) -> str | None:

@@ -5,7 +5,7 @@
 --coordinator 127.0.0.1:PORT`` (a free port), and watches them. Each copy calls
 :func:`init_jax`, which connects it to the others with ``jax.distributed.initialize`` (process 0
 runs the coordinator) and CPU collectives over gloo; the devices of all processes then form one
-global mesh (see :mod:`optax_dist.cli.trainer`).
+global mesh (see :mod:`optax_dist.cli.meshes`).
 
 Faults. If a process exits with a non-zero code (or is killed), :func:`launch` kills the others at
 once (``SIGKILL``: JAX catches ``SIGTERM`` for its preemption handling, and a process waiting in a

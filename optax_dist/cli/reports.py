@@ -1,17 +1,25 @@
 """What ``optax-dist`` shows and writes: the tables, the JSON files and the PNG plots.
 
 Every table has the same style (:func:`table`): a header of words, a rule of dashes, the first
-column left-aligned and the numbers right-aligned.
+column left-aligned and the numbers right-aligned. :func:`report_training` prints and writes the
+results of ``train`` and ``compare``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
+
+from optax_dist.cli.algorithms import ALGORITHMS
+from optax_dist.cli.config import DEFAULTS, Settings
+from optax_dist.cli.tasks import Data, Task
 
 
 def train_columns(label: str = "test acc", metric: str = "accuracy") -> tuple:
@@ -178,3 +186,100 @@ def plot_async(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> No
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def training_config(args: argparse.Namespace, task: Task, data: Data,
+                    settings: Settings) -> dict[str, Any]:
+  """The ``config`` of the results' JSON: every setting but ``algorithm`` (the results hold one
+  entry per algorithm), ``devices`` per process and ``workers`` in all, the ``--comm-dtype`` as
+  given, the data set and the model."""
+  return {
+    **{key: value for key, value in settings.as_dict().items() if key != "algorithm"},
+    "devices": args.devices, "processes": args.processes, "workers": settings.devices,
+    "comm_dtype": args.comm_dtype, "checkpoint_every": args.checkpoint_every,
+    "dataset": {"name": task.dataset, "train": len(next(iter(data.train.values()))),
+                "test": len(next(iter(data.test.values()))),
+                "provenance": task.provenance() if task.provenance else None},
+    "model": task.model_name,
+  }
+
+
+def training_summary(args: argparse.Namespace, task: Task, settings: Settings,
+                     algorithms: list[str]) -> str:
+  """The line above the table: what was trained, on how many workers, with which optimizer."""
+  period = ""
+  for name, words in (("communication_period", "communication period"),
+                      ("sync_period", "sync period")):
+    users = [a for a in algorithms if ALGORITHMS[a].period_name == name]
+    if users:
+      period += f", {words} {getattr(settings, name)} ({', '.join(users)}"
+      if any("outer_learning_rate" in ALGORITHMS[a].settings for a in users):
+        period += (f"; outer Nesterov lr {settings.outer_learning_rate:g}, momentum"
+                   f" {settings.outer_momentum:g}")
+      period += ")"
+  layout = f" ({args.processes} processes x {args.devices} devices)" if args.processes > 1 else ""
+  workers = settings.devices
+  if settings.replicas > 1:
+    layout += f" in {settings.replicas} replicas of {workers // settings.replicas}"
+  if settings.fsdp is not None:
+    layout += f", params sharded over {settings.fsdp} (global view)"
+  return (f"{task.name}, {task.model_name}, {workers} worker{'s' if workers > 1 else ''}{layout}"
+          f" x batch {settings.batch_size}, {recipe(settings)}{period},"
+          f" seed {settings.seed}")
+
+
+def recipe(settings: Settings) -> str:
+  """The inner optimizer in words, e.g. ``adamw lr 0.003 (warmup_cosine, 15 warm-up steps),
+  b2 0.99, weight decay 0.1, clip 1``."""
+  s = settings
+  text = f"{s.optimizer} lr {s.learning_rate:g}"
+  if s.lr_schedule != "constant":
+    text += (f" ({s.lr_schedule}, {s.lr_warmup_steps} warm-up"
+             f" step{'' if s.lr_warmup_steps == 1 else 's'})")
+  if s.optimizer != "sgd" and s.b2 != DEFAULTS["b2"]:
+    text += f", b2 {s.b2:g}"
+  if s.weight_decay:
+    text += f", weight decay {s.weight_decay:g}"
+  if s.clip_norm is not None:
+    text += f", clip {s.clip_norm:g}"
+  return text
+
+
+def report_training(args: argparse.Namespace, task: Task, data: Data, settings: Settings,
+                    results: list[dict], states: dict[str, dict]) -> None:
+  """Writes the JSON, the plot and (``--save-params``) the ``states``; prints the table."""
+  suffix = "" if args.command == "compare" else f"_{args.algorithm}"
+  json_path = os.path.join(args.out, f"results{suffix}.json")
+  png_path = os.path.join(args.out, f"accuracy{suffix}.png")
+  write_json(json_path, {"command": args.command,
+                         "config": training_config(args, task, data, settings),
+                         "algorithms": {r["algorithm"]: r for r in results}})
+  plot_accuracy(results, png_path,
+                f"{task.name}, {task.model_name}, {settings.devices} data-parallel workers",
+                label=task.metric_label)
+  if args.save_params:
+    save_params(args.save_params, states)
+  print(training_summary(args, task, settings, [r["algorithm"] for r in results]))
+  print(table(train_columns(task.metric_label, task.metric_key), results))
+  for r in results:
+    if "num_dropped" in r:
+      print(f"{r['algorithm']}: {r['num_dropped']} of {r['steps']} steps dropped"
+            f" (max staleness {r['max_staleness']})")
+    if r.get("resumed_from_step"):
+      print(f"{r['algorithm']}: resumed from the checkpoint of step {r['resumed_from_step']}")
+    if r.get("resized"):
+      z = r["resized"]
+      print(f"{r['algorithm']}: resized from {z['from_workers']} to {z['to_workers']} workers at"
+            f" step {z['step']} (optax_dist.resize_state: global state kept, workers rebuilt)")
+  print(f"wrote {json_path} and {png_path}")
+
+
+def save_params(path: str, states: dict[str, dict[str, Any]]) -> None:
+  """Writes each algorithm's final params and optimizer state to ``path`` (npz)."""
+  arrays = {}
+  for algorithm, state in states.items():
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      arrays[f"{algorithm}{jax.tree_util.keystr(key_path)}"] = np.asarray(leaf)
+  with open(path, "wb") as f:
+    np.savez(f, **arrays)
+
