@@ -22,7 +22,6 @@ One concern per module:
 * :mod:`~optax_dist.cli.steps`: the step and evaluation functions a run compiles;
 * :mod:`~optax_dist.cli.meshes`: the devices, the meshes and the global view's param shardings;
 * :mod:`~optax_dist.cli.exchange_device`: ``streaming_diloco``'s exchanges on an extra device;
-* :mod:`~optax_dist.cli.library_private`: the command's only uses of private library modules;
 * :mod:`~optax_dist.cli.checkpoints`: Orbax checkpoints and exact resuming;
 * :mod:`~optax_dist.cli.launcher`: several ``jax.distributed`` processes and their watchdog;
 * :mod:`~optax_dist.cli.reports`: the tables, the JSON files and the plots;

@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 import optax_dist
 from optax_dist.cli.algorithms import REPLICA
-from optax_dist.cli.library_private import fragment_ids, replica_mean, resolve_comm_dtype
 from optax_dist.cli.meshes import exchange_mesh
 from optax_dist.cli.runs import Run, collective_bytes
 from optax_dist.cli.steps import State
@@ -75,7 +74,7 @@ class ExchangeDeviceRun(Run):
                                if d.process_index == jax.process_index()]
     self.exchange_sharding = NamedSharding(self.exchange_mesh, P(REPLICA))
     one = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in jax.tree.leaves(params)]
-    ids = fragment_ids(one, s.num_fragments)
+    ids = optax_dist.streaming_diloco_fragments(one, s.num_fragments, "balanced")
     self.fragment_leaves = [[j for j, i in enumerate(ids) if i == f]
                             for f in range(s.num_fragments)]
     in_flight = jax.tree.leaves(self.initial.opt_state.in_flight)
@@ -97,11 +96,11 @@ class ExchangeDeviceRun(Run):
     if len(dtypes) != 1:
       raise ValueError(f"train(settings.exchange_device=True) packs a fragment's leaves into one"
                        f" buffer and needs one dtype, got {sorted(map(str, dtypes))}.")
-    comm = resolve_comm_dtype(s.comm_dtype)
+    exchange = optax_dist.Exchange(REPLICA, comm_dtype=s.comm_dtype, call="train")
 
     def mean(*parts):
       flat = jnp.concatenate([x.reshape(-1) for x in parts])
-      total = replica_mean(flat, REPLICA, r, comm)
+      total = exchange.mean(flat)
       out, start = [], 0
       for x in parts:
         out.append(total[start:start + x.size].reshape(x.shape))
