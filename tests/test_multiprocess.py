@@ -1,6 +1,7 @@
 """``optax-dist`` over several ``jax.distributed`` processes: same params, faults, exact resume.
 
-Every command runs in subprocesses as a user would run it. The independent runs start together
+Every run is a command in subprocesses, as a user would run it; the arguments refused before any
+process starts are checked in process. The independent runs start together
 (module fixture) so that they overlap on a multi-core machine.
 """
 
@@ -22,6 +23,8 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 pytest.importorskip("orbax.checkpoint")
+
+from optax_dist.cli.main import main  # noqa: E402
 
 STEPS, PERIOD, FAIL_AT, CHECKPOINT_EVERY = 20, 5, 10, 4
 ARGS = ["--steps", str(STEPS), "--communication-period", str(PERIOD), "--seed", "1",
@@ -209,7 +212,9 @@ def test_processes_started_one_by_one_abort_after_the_heartbeat_timeout(runs):
   assert elapsed < CLUSTER_FAULT_BOUND_S
 
 
-def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path):
+def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path, capsys):
+  """Checked before any process starts: in process."""
+
   cases = {
     "process id without coordinator": ["train", "--processes", "2", "--process-id", "0"],
     "process id out of range": ["train", "--processes", "2", "--process-id", "2",
@@ -219,15 +224,13 @@ def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path):
     "batch larger than a shard": ["compare", "--processes", "4", "--devices", "8",
                                   "--batch-size", "64"],
   }
-  procs = {
-    name: subprocess.Popen(
-      [sys.executable, "-m", "optax_dist.cli", *args, "--out", str(tmp_path / "runs")],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for name, args in cases.items()
-  }
-  for name, proc in procs.items():
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 2, (name, stderr)
+  for name, args in cases.items():
+    try:
+      status = main([*args, "--out", str(tmp_path / "runs")])
+    except SystemExit as e:  # argparse's own errors
+      status = e.code
+    stdout, stderr = capsys.readouterr()
+    assert status == 2, (name, stderr)
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("optax-dist: error: argument --"), (name, stderr)
     assert stdout == "", name
