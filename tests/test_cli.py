@@ -144,6 +144,7 @@ def check_table(stdout, first_column, rows):
   return header, body
 
 
+@pytest.mark.slow
 def test_compare_prints_table_and_writes_results(compared):
   stdout, out = compared
   lines = stdout.splitlines()
@@ -175,6 +176,7 @@ def test_compare_prints_table_and_writes_results(compared):
   check_png(out / "accuracy.png")
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers(compared, runs):
   _, out = compared
   returncode, _, stderr = runs["elastic_average"].result()
@@ -187,6 +189,7 @@ def test_same_seed_same_numbers(compared, runs):
     assert first[key] == second[key]
 
 
+@pytest.mark.slow
 def test_train_drop_stale_gradients(runs):
   returncode, stdout, stderr = runs["drop_stale_gradients"].result()
   assert returncode == 0, stderr
@@ -204,6 +207,7 @@ def test_train_drop_stale_gradients(runs):
   check_png(out / "accuracy_drop_stale_gradients.png")
 
 
+@pytest.mark.slow
 def test_async_compares_the_protocols(runs):
   returncode, stdout, stderr = runs["async"].result()
   assert returncode == 0, stderr
@@ -294,6 +298,7 @@ def test_bad_arguments_give_one_line_errors(tmp_path, capsys):
   assert not any(p.suffix in (".json", ".png") for p in tmp_path.rglob("*"))
 
 
+@pytest.mark.slow
 def test_default_communication_period_adapts_to_short_runs(runs):
   returncode, stdout, stderr = runs["short"].result()
   assert returncode == 0, stderr
@@ -392,6 +397,7 @@ def _spread(results):
   return spread
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["short run", "rounds 50x apart"])
 def test_rounds_panel_is_readable(compared, case):
   """accuracy.png's right panel: every point inside, plain-number ticks across the data."""
@@ -417,6 +423,7 @@ def test_rounds_panel_is_readable(compared, case):
   assert min(labels) <= min(shown) * 2 + 1 and max(labels) >= max(shown) / 2, (labels, shown)
 
 
+@pytest.mark.slow
 def test_async_leaves_and_joins(tmp_path, capsys):
   """``--leaves`` and ``--joins``: recorded in the config, shown in the title, one-line errors."""
   from optax_dist.cli import async_run

@@ -1,7 +1,8 @@
 """The ``lm`` task: its corpus and fixed split, its model, and ``optax-dist`` on it end to end.
 
 The data tests read the running interpreter's standard library, the corpus itself; the end-to-end
-tests train a few steps in a subprocess, as a user would, and resume an interrupted run.
+tests train a few steps with the command, in process, and resume a run interrupted in a
+subprocess.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 pytest.importorskip("flax")
 
 from optax_dist.cli import tasks, text
+from optax_dist.cli.main import main
 
 # ----------------------------------------------------------------------------------------------
 # The corpus and its split.
@@ -122,10 +124,10 @@ def optax_dist_command(*args, check=True):
 
 @pytest.mark.parametrize("algorithm,param_dtype", [("diloco", "bfloat16"),
                                                    ("elastic_average", "float32")])
-def test_train_lm_reports_bits_per_byte(tmp_path, algorithm, param_dtype):
-  proc = optax_dist_command("train", "--algorithm", algorithm, *TINY, "--param-dtype",
-                            param_dtype, "--out", tmp_path)
-  assert "val bits/byte (eval_params)" in proc.stdout
+def test_train_lm_reports_bits_per_byte(tmp_path, capsys, algorithm, param_dtype):
+  assert main(["train", "--algorithm", algorithm, *TINY, "--param-dtype", param_dtype,
+               "--out", str(tmp_path)]) == 0
+  assert "val bits/byte (eval_params)" in capsys.readouterr().out
   result = json.loads((tmp_path / f"results_{algorithm}.json").read_text())
   run = result["algorithms"][algorithm]
   assert run["metric"] == "bits_per_byte" and run["param_dtype"] == param_dtype
@@ -135,6 +137,7 @@ def test_train_lm_reports_bits_per_byte(tmp_path, algorithm, param_dtype):
   assert f"Python {sys.version.split()[0]}" in result["config"]["dataset"]["provenance"]
 
 
+@pytest.mark.slow
 def test_lm_resume_after_a_crash_ends_with_the_uninterrupted_params(tmp_path):
   args = ["train", "--algorithm", "diloco", *TINY, "--checkpoint-every", "2"]
   optax_dist_command(*args, "--out", tmp_path / "whole", "--save-params", tmp_path / "whole.npz")

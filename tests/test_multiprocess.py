@@ -139,6 +139,7 @@ def workers_params(arrays, algorithm):
   return {key: value for key, value in arrays.items() if key.startswith(prefix)}
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_params_of_one(single, multi, root):
   assert set(single) == set(multi)
   for algorithm in COMPARED:
@@ -162,6 +163,7 @@ def test_two_processes_give_the_params_of_one(single, multi, root):
   assert (config["processes"], config["devices"], config["workers"]) == (2, 2, 4)
 
 
+@pytest.mark.slow
 def test_killed_process_stops_the_run_and_resume_is_exact(runs, multi, root):
   fault = runs["fault"]
   returncode, stdout, stderr = fault.result()
@@ -198,6 +200,7 @@ def test_killed_process_stops_the_run_and_resume_is_exact(runs, multi, root):
                              expected["test_accuracy_eval_params"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_processes_started_one_by_one_abort_after_the_heartbeat_timeout(runs):
   returncode1, _, stderr1 = runs["cluster1"].result()
   assert returncode1 == 1, stderr1
@@ -236,6 +239,7 @@ def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path, capsys):
     assert stdout == "", name
 
 
+@pytest.mark.slow
 def test_resume_on_another_number_of_processes_resizes(root):
   """A 2-process run (4 workers) resumes on 1 process (2 workers), and a 1-process run on 2."""
   layouts = {"shrink": (MULTI, ["--devices", "2"]), "grow": (["--devices", "2"], MULTI)}
@@ -260,6 +264,7 @@ def test_resume_on_another_number_of_processes_resizes(root):
     assert result["test_accuracy_eval_params"] > 0.8  # trains on after the resize
 
 
+@pytest.mark.slow
 def test_the_global_view_over_two_processes_gives_the_params_of_one(root):
   """``--fsdp 2 --replicas 2`` over 2 processes of 2 devices (a replica each, its params sharded
   over its 2 devices) trains as one process of 4 devices."""
