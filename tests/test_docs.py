@@ -119,6 +119,7 @@ def test_every_page_is_collected():
       assert python_blocks(page), f"{page} has no runnable ```python block"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.relative_to(DOCS).as_posix()
 )
@@ -179,6 +180,7 @@ def _missing_build_deps() -> list[str]:
   return [m for m in ("sphinx", "myst_parser", "furo") if importlib.util.find_spec(m) is None]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(_missing_build_deps()), reason="install the `docs` extra to build the site")
 def test_sphinx_build_succeeds_with_warnings_as_errors(tmp_path):
   out = tmp_path / "html"

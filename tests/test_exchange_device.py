@@ -82,6 +82,7 @@ def _load(out: str) -> tuple[dict[str, np.ndarray], dict]:
     return arrays, json.load(f)["algorithms"]["streaming_diloco"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["exchange", "resumed"])
 def test_exchange_device_gives_the_in_step_route_s_params(runs, route):
   (exchanged, result), (in_step, reference) = _load(runs[route]), _load(runs["in_step"])

@@ -1,6 +1,7 @@
 """``optax-dist`` over several ``jax.distributed`` processes: same params, faults, exact resume.
 
-Every command runs in subprocesses as a user would run it. The independent runs start together
+Every run is a command in subprocesses, as a user would run it; the arguments refused before any
+process starts are checked in process. The independent runs start together
 (module fixture) so that they overlap on a multi-core machine.
 """
 
@@ -22,6 +23,8 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 pytest.importorskip("orbax.checkpoint")
+
+from optax_dist.cli.main import main  # noqa: E402
 
 STEPS, PERIOD, FAIL_AT, CHECKPOINT_EVERY = 20, 5, 10, 4
 ARGS = ["--steps", str(STEPS), "--communication-period", str(PERIOD), "--seed", "1",
@@ -136,6 +139,7 @@ def workers_params(arrays, algorithm):
   return {key: value for key, value in arrays.items() if key.startswith(prefix)}
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_params_of_one(single, multi, root):
   assert set(single) == set(multi)
   for algorithm in COMPARED:
@@ -159,6 +163,7 @@ def test_two_processes_give_the_params_of_one(single, multi, root):
   assert (config["processes"], config["devices"], config["workers"]) == (2, 2, 4)
 
 
+@pytest.mark.slow
 def test_killed_process_stops_the_run_and_resume_is_exact(runs, multi, root):
   fault = runs["fault"]
   returncode, stdout, stderr = fault.result()
@@ -195,6 +200,7 @@ def test_killed_process_stops_the_run_and_resume_is_exact(runs, multi, root):
                              expected["test_accuracy_eval_params"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_processes_started_one_by_one_abort_after_the_heartbeat_timeout(runs):
   returncode1, _, stderr1 = runs["cluster1"].result()
   assert returncode1 == 1, stderr1
@@ -209,7 +215,9 @@ def test_processes_started_one_by_one_abort_after_the_heartbeat_timeout(runs):
   assert elapsed < CLUSTER_FAULT_BOUND_S
 
 
-def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path):
+def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path, capsys):
+  """Checked before any process starts: in process."""
+
   cases = {
     "process id without coordinator": ["train", "--processes", "2", "--process-id", "0"],
     "process id out of range": ["train", "--processes", "2", "--process-id", "2",
@@ -219,20 +227,19 @@ def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path):
     "batch larger than a shard": ["compare", "--processes", "4", "--devices", "8",
                                   "--batch-size", "64"],
   }
-  procs = {
-    name: subprocess.Popen(
-      [sys.executable, "-m", "optax_dist.cli", *args, "--out", str(tmp_path / "runs")],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for name, args in cases.items()
-  }
-  for name, proc in procs.items():
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 2, (name, stderr)
+  for name, args in cases.items():
+    try:
+      status = main([*args, "--out", str(tmp_path / "runs")])
+    except SystemExit as e:  # argparse's own errors
+      status = e.code
+    stdout, stderr = capsys.readouterr()
+    assert status == 2, (name, stderr)
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("optax-dist: error: argument --"), (name, stderr)
     assert stdout == "", name
 
 
+@pytest.mark.slow
 def test_resume_on_another_number_of_processes_resizes(root):
   """A 2-process run (4 workers) resumes on 1 process (2 workers), and a 1-process run on 2."""
   layouts = {"shrink": (MULTI, ["--devices", "2"]), "grow": (["--devices", "2"], MULTI)}
@@ -257,6 +264,7 @@ def test_resume_on_another_number_of_processes_resizes(root):
     assert result["test_accuracy_eval_params"] > 0.8  # trains on after the resize
 
 
+@pytest.mark.slow
 def test_the_global_view_over_two_processes_gives_the_params_of_one(root):
   """``--fsdp 2 --replicas 2`` over 2 processes of 2 devices (a replica each, its params sharded
   over its 2 devices) trains as one process of 4 devices."""

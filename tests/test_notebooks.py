@@ -112,6 +112,7 @@ def kernel_spec_manager(tmp_path_factory):
   return manager
 
 
+@pytest.mark.slow
 @params
 def test_runs_top_to_bottom(path, kernel_spec_manager, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)

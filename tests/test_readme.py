@@ -93,6 +93,7 @@ def test_runner_fails_on_a_name_the_block_does_not_define(tmp_path):
   assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_readme_blocks_run_as_written(tmp_path):
   blocks = python_blocks(README.read_text())
   assert len(blocks) >= 9, f"expected the README's examples, found {len(blocks)} blocks"

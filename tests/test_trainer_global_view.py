@@ -17,6 +17,8 @@ replica's params and optimizer state sharded over K devices) trains the model of
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import numpy as np
@@ -50,10 +52,16 @@ def trained(digits, algorithm: str, fsdp: int | None) -> tuple[dict, dict]:
   return result, result.pop("final_state")
 
 
+@pytest.fixture(scope="module")
+def runs(digits):
+  """``runs(algorithm, fsdp)``: ``trained(digits, algorithm, fsdp)``, trained once per module."""
+  return functools.cache(lambda algorithm, fsdp: trained(digits, algorithm, fsdp))
+
+
 @pytest.fixture(scope="module", params=["sync", "diloco", "moving_average"])
-def pair(request, digits):
+def pair(request, runs):
   """``(per-device, global view)``: the result and final state of each."""
-  return trained(digits, request.param, None), trained(digits, request.param, K)
+  return runs(request.param, None), runs(request.param, K)
 
 
 def test_fsdp_trains_the_model_of_the_per_device_step(pair, digits):
@@ -111,9 +119,9 @@ def test_the_step_keeps_the_shardings(digits):
   assert after == before
 
 
-def test_resume_restores_onto_the_mesh(digits, tmp_path):
+def test_resume_restores_onto_the_mesh(digits, runs, tmp_path):
   task, data = digits
-  uninterrupted = trainer.train(task, data, settings("diloco", K), keep_state=True)["final_state"]
+  _, uninterrupted = runs("diloco", K)  # the uninterrupted run of test_fsdp_trains_...[diloco]
 
   class Stopped(Exception):
     pass
