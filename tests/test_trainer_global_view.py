@@ -53,15 +53,15 @@ def trained(digits, algorithm: str, fsdp: int | None) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(digits):
-  """``runs(algorithm, fsdp)``: ``trained(digits, algorithm, fsdp)``, trained once per module."""
+def trainings(digits):
+  """``trainings(algorithm, fsdp)``: ``trained(digits, algorithm, fsdp)``, trained once per module."""
   return functools.cache(lambda algorithm, fsdp: trained(digits, algorithm, fsdp))
 
 
 @pytest.fixture(scope="module", params=["sync", "diloco", "moving_average"])
-def pair(request, runs):
+def pair(request, trainings):
   """``(per-device, global view)``: the result and final state of each."""
-  return runs(request.param, None), runs(request.param, K)
+  return trainings(request.param, None), trainings(request.param, K)
 
 
 def test_fsdp_trains_the_model_of_the_per_device_step(pair, digits):
@@ -119,9 +119,9 @@ def test_the_step_keeps_the_shardings(digits):
   assert after == before
 
 
-def test_resume_restores_onto_the_mesh(digits, runs, tmp_path):
+def test_resume_restores_onto_the_mesh(digits, trainings, tmp_path):
   task, data = digits
-  _, uninterrupted = runs("diloco", K)  # the uninterrupted run of test_fsdp_trains_...[diloco]
+  _, uninterrupted = trainings("diloco", K)  # the uninterrupted run of test_fsdp_trains_...[diloco]
 
   class Stopped(Exception):
     pass
