@@ -124,6 +124,15 @@ def diloco_payload(
     ValueError: a ``residual`` without a quantized ``comm_dtype``, or not of the anchor's
       shapes.
 
+  Examples:
+    A bfloat16 wire: the pseudo-gradient as the ``psum`` adds it.
+
+    >>> import jax.numpy as jnp, optax_dist
+    >>> exchange = optax_dist.Exchange("w", comm_dtype=jnp.bfloat16, call="diloco")
+    >>> payload, _ = optax_dist.diloco_payload(exchange, jnp.ones(2), jnp.array([0.5, -0.1]))
+    >>> payload
+    Array([0.5, 1.10156], dtype=bfloat16)
+
   References:
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the
     outer gradient of each worker).
@@ -162,6 +171,16 @@ def diloco_outer_step(
 
   Raises:
     ValueError: ``merged`` not of the anchor's tree (raised by ``jax.tree.map``).
+
+  Examples:
+    Two workers' payloads, outer SGD of learning rate 1:
+
+    >>> import jax.numpy as jnp, optax, optax_dist
+    >>> outer, anchor = optax.sgd(1.0), jnp.ones(2)
+    >>> merged = optax_dist.merge_payloads([jnp.array([1.0, 2.0]), jnp.array([3.0, 0.0])])
+    >>> new_anchor, _ = optax_dist.diloco_outer_step(outer, anchor, outer.init(anchor), merged)
+    >>> new_anchor
+    Array([-1.,  0.], dtype=float32)
 
   References:
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the

@@ -36,8 +36,10 @@ class Exchange:
   ``"float4_e2m1fn"`` and ``"e3m0"`` (``optax_dist._quantize``: one float32 scale per
   ``comm_block_size`` values, summed in float32 in worker order). The mean is divided in each
   leaf's own dtype. :meth:`mean_with_feedback` adds each worker's residual before quantizing and
-  returns what quantization dropped. With ``axis_name=None`` (one worker) every collective
-  returns its input (``gather`` is not defined then).
+  returns what quantization dropped. :meth:`payload` is one worker's term :math:`Q(t_i)` of
+  these sums, computed where it is (no collective), for an exchange outside the program
+  (:func:`merge_payloads`). With ``axis_name=None`` (one worker) every collective returns its
+  input (``gather`` is not defined then).
 
   Attributes:
     axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers; ``None``
@@ -200,8 +202,9 @@ class Exchange:
     """
     if residual is not None and not isinstance(self.comm_dtype, str):
       raise ValueError(
-        f"`{self.call}` payload: a residual (error feedback) needs a quantized comm_dtype"
-        f" ('int8', 'float4_e2m1fn', 'e3m0'), got comm_dtype={self.comm_dtype!r}."
+        f"`Exchange.payload(residual=...)` (of `{self.call}`): a residual (error feedback)"
+        " needs a quantized comm_dtype ('int8', 'float4_e2m1fn', 'e3m0'), got"
+        f" comm_dtype={self.comm_dtype!r}."
       )
     if self.axis_name is None:
       return tree, residual
@@ -269,7 +272,9 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
   :meth:`Exchange.mean`'s arithmetic: cast to the leaves' dtypes (as ``diloco_outer_step``
   does), it is bit for bit the in-program mean for the gathered formats (8-bit floats and the
   quantized ones, summed in float32 in worker order) and for two workers; with more workers a
-  ``psum`` may add in another order, within one unit in the last place of the sum. With
+  ``psum`` may add in another order, within one unit in the last place of the sum. (With
+  leaves narrower than float32, e.g. a bfloat16 anchor and a gathered format, the in-program
+  mean rounds the sum to them before dividing: the same bits when N is a power of 2.) With
   ``weights`` (e.g. each worker's tokens) the weighted sum is computed in float32 (or wider)
   in rank order; no in-program exchange weighs workers.
 
@@ -287,6 +292,13 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
   Raises:
     ValueError: ``payloads`` empty; ``weights`` not of ``len(payloads)``, negative or summing
       to zero; the payloads' structures differ (raised by ``jax.tree.map``).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_dist
+    >>> optax_dist.merge_payloads([jnp.array([1.0]), jnp.array([4.0])])
+    Array([2.5], dtype=float32)
+    >>> optax_dist.merge_payloads([jnp.array([1.0]), jnp.array([4.0])], weights=[3, 1])
+    Array([1.75], dtype=float32)
 
   References:
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the

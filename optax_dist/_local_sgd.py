@@ -127,6 +127,14 @@ def local_sgd_payload(exchange: _exchange.Exchange, new_params: Any) -> Any:
   Raises:
     TypeError: ``exchange`` not an :class:`~optax_dist.Exchange`.
 
+  Examples:
+    An ``int8`` wire with blocks of 2: the values the other workers decode.
+
+    >>> import jax.numpy as jnp, optax_dist
+    >>> exchange = optax_dist.Exchange("w", comm_dtype="int8", comm_block_size=2)
+    >>> optax_dist.local_sgd_payload(exchange, jnp.array([1.0, 0.3]))
+    Array([1.0000147, 0.299217 ], dtype=float32)
+
   References:
     Lin, Stich, Patel & Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
     <https://arxiv.org/abs/1808.07217>`_, ICLR 2020 (the model average).
@@ -154,6 +162,16 @@ def local_sgd_outer_step(merged: Any, params: Any) -> Any:
 
   Raises:
     ValueError: ``merged`` not of the params' tree (raised by ``jax.tree.map``).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_dist
+    >>> merged = optax_dist.merge_payloads([jnp.array([1.0, 0.3]), jnp.array([3.0, 0.7])])
+    >>> optax_dist.local_sgd_outer_step(merged, jnp.zeros(2, jnp.bfloat16))
+    Array([2, 0.5], dtype=bfloat16)
+
+  References:
+    Lin, Stich, Patel & Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
+    <https://arxiv.org/abs/1808.07217>`_, ICLR 2020 (the model average).
   """
   return jax.tree.map(lambda m, p: jnp.asarray(m).astype(jnp.result_type(p)), merged, params)
 

@@ -170,6 +170,17 @@ def streaming_diloco_payload(
     ValueError: ``fragments`` not one id per leaf; ``fragment`` not one of them; a
       ``residual`` without a quantized ``comm_dtype`` or not of the anchor's shapes.
 
+  Examples:
+    >>> import jax.numpy as jnp, optax_dist
+    >>> anchor = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    >>> fragments = optax_dist.streaming_diloco_fragments(anchor, 2)
+    >>> exchange = optax_dist.Exchange("w", call="streaming_diloco")
+    >>> new_params = {"a": jnp.zeros(2), "b": jnp.full(2, 0.5)}
+    >>> payload, _ = optax_dist.streaming_diloco_payload(
+    ...     exchange, anchor, new_params, fragments=fragments, fragment=1)
+    >>> payload
+    {'a': MaskedNode(), 'b': Array([0.5, 0.5], dtype=float32)}
+
   References:
     Douillard et al., `Streaming DiLoCo with overlapping communication
     <https://arxiv.org/abs/2501.18512>`_, 2025 (each fragment's outer gradient).
@@ -207,7 +218,8 @@ def streaming_diloco_outer_step(
     anchor: :math:`\theta`, ``StreamingDiLoCoState.anchor`` (the whole tree).
     outer_state: fragment f's outer state, ``StreamingDiLoCoState.outer_state[f]``.
     merged: :math:`\bar p^f`, the payload's tree (``MaskedNode`` outside fragment f).
-    fragments, fragment: as :func:`streaming_diloco_payload`.
+    fragments: each leaf's fragment, as :func:`streaming_diloco_fragments` returns them.
+    fragment: f, an int in ``[0, F)``.
 
   Returns:
     ``(new_anchor, new_outer_state)``: the whole anchor with fragment f's leaves stepped, and
@@ -220,6 +232,15 @@ def streaming_diloco_outer_step(
     TypeError: ``fragment`` not an int.
     ValueError: ``fragments`` not one id per leaf; ``fragment`` not one of them; ``merged``
       not of fragment f's part of the anchor (raised by ``jax.tree.map``).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_dist
+    >>> outer, anchor = optax.sgd(1.0), {"a": jnp.ones(2), "b": jnp.ones(2)}
+    >>> merged = {"a": optax.MaskedNode(), "b": jnp.full(2, 0.5)}
+    >>> new_anchor, _ = optax_dist.streaming_diloco_outer_step(
+    ...     outer, anchor, outer.init(merged), merged, fragments=(0, 1), fragment=1)
+    >>> new_anchor
+    {'a': Array([1., 1.], dtype=float32), 'b': Array([0.5, 0.5], dtype=float32)}
 
   References:
     Douillard et al., `Streaming DiLoCo with overlapping communication
