@@ -26,6 +26,11 @@
   :func:`streaming_diloco_syncs`, :func:`local_sgd_syncs` (and :func:`local_sgd_warming_up`);
   :func:`hinted_step` compiles a step with and without the exchange and calls each by it;
   :func:`streaming_diloco_fragments` gives the fragment of each param leaf.
+* The two halves of a DiLoCo-family round, for an exchange outside the jitted step:
+  :func:`diloco_payload`, :func:`streaming_diloco_payload` and :func:`local_sgd_payload` (each
+  worker's term of the mean), :func:`merge_payloads` (the mean, in rank order) and
+  :func:`diloco_outer_step`, :func:`streaming_diloco_outer_step` and
+  :func:`local_sgd_outer_step` (the step on the merged mean).
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.vmap(..., axis_name=...)``, ``jax.jit`` of
@@ -42,7 +47,13 @@ from optax_dist._accumulation import AccumulateThenReduceState, accumulate_then_
 from optax_dist._agn import AGNState, agn, agn_communicates
 from optax_dist._apply_if_finite import ApplyIfFiniteState, apply_if_finite
 from optax_dist._delayed_nesterov import DelayedNesterovState, delayed_nesterov
-from optax_dist._diloco import DiLoCoState, diloco, diloco_syncs
+from optax_dist._diloco import (
+  DiLoCoState,
+  diloco,
+  diloco_outer_step,
+  diloco_payload,
+  diloco_syncs,
+)
 from optax_dist._drop_stale_gradients import DropStaleGradientsState, drop_stale_gradients
 from optax_dist._elastic_average import (
   ElasticAverageState,
@@ -50,16 +61,25 @@ from optax_dist._elastic_average import (
   elastic_average_communicates,
 )
 from optax_dist._eval_params import eval_params
-from optax_dist._exchange import Exchange
+from optax_dist._exchange import Exchange, merge_payloads
 from optax_dist._fragments import streaming_diloco_fragments
 from optax_dist._hinted_step import hinted_step
-from optax_dist._local_sgd import LocalSGDState, local_sgd, local_sgd_syncs, local_sgd_warming_up
+from optax_dist._local_sgd import (
+  LocalSGDState,
+  local_sgd,
+  local_sgd_outer_step,
+  local_sgd_payload,
+  local_sgd_syncs,
+  local_sgd_warming_up,
+)
 from optax_dist._moving_average import MovingAverageState, moving_average
 from optax_dist._resize import resize_state
 from optax_dist._sharding import state_shardings
 from optax_dist._streaming_diloco import (
   StreamingDiLoCoState,
   streaming_diloco,
+  streaming_diloco_outer_step,
+  streaming_diloco_payload,
   streaming_diloco_syncs,
 )
 from optax_dist._tower import all_reduce, split_batch, tower
@@ -89,6 +109,8 @@ __all__ = (
   "communication_report",
   "delayed_nesterov",
   "diloco",
+  "diloco_outer_step",
+  "diloco_payload",
   "diloco_syncs",
   "drop_stale_gradients",
   "elastic_average",
@@ -96,14 +118,19 @@ __all__ = (
   "eval_params",
   "hinted_step",
   "local_sgd",
+  "local_sgd_outer_step",
+  "local_sgd_payload",
   "local_sgd_syncs",
   "local_sgd_warming_up",
+  "merge_payloads",
   "moving_average",
   "resize_state",
   "split_batch",
   "state_shardings",
   "streaming_diloco",
   "streaming_diloco_fragments",
+  "streaming_diloco_outer_step",
+  "streaming_diloco_payload",
   "streaming_diloco_syncs",
   "tower",
 )

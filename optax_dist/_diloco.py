@@ -77,6 +77,124 @@ def diloco_syncs(step: Any, *, sync_period: int) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
+# The halves of a sync.
+
+
+def diloco_payload(
+  exchange: _exchange.Exchange, anchor: Any, new_params: Any, residual: Any = None
+) -> tuple[Any, Any]:
+  r"""The local half of :func:`diloco`'s sync: what this worker adds to the workers' mean.
+
+  .. math::
+
+    p_i = Q(\theta - x'_i + r_i), \qquad r'_i = \theta - x'_i + r_i - Q(\theta - x'_i + r_i)
+
+  with :math:`\theta - x'_i` in the anchor's dtypes and :math:`Q` ``exchange``'s wire format
+  (:meth:`Exchange.payload <optax_dist.Exchange.payload>`: the identity for ``comm_dtype=None``,
+  a cast to a floating ``comm_dtype``, the float32 decoded block codes of a quantized one);
+  :math:`r_i` only with error feedback. :func:`merge_payloads` of the N workers' payloads in
+  rank order then :func:`diloco_outer_step` give what :func:`diloco`'s ``update`` computes on a
+  sync step around its in-program mean (bit for bit for the gathered and quantized formats and
+  for two workers, else within one unit in the last place of the sum: see
+  :func:`merge_payloads`). The payload is arrays: it can leave the jitted step, to be merged
+  by an exchange outside it (e.g. over torchft).
+
+  Args:
+    exchange: the :class:`~optax_dist.Exchange` of the :func:`diloco` it stands in for (its
+      ``comm_dtype``, ``comm_block_size``, ``slice_axis``).
+    anchor: :math:`\theta`, ``DiLoCoState.anchor``.
+    new_params: :math:`x'_i`, this worker's params after its inner step (the anchor's tree and
+      shapes).
+    residual: ``DiLoCoState.error_feedback`` (float32, the anchor's shapes) with error feedback,
+      else ``None``.
+
+  Returns:
+    ``(payload, new_residual)``: the anchor's tree and shapes, in the wire format's dtype
+    (float32 for the 8-bit floats and the quantized formats); the residual for the next sync
+    (``None`` without error feedback).
+
+  Shapes:
+    One worker's trees in, one worker's out; nothing has a workers' axis.
+
+  Collectives:
+    None across the workers (with ``slice_axis``, one ``all_gather`` inside the worker).
+
+  Raises:
+    TypeError: ``exchange`` not an :class:`~optax_dist.Exchange`.
+    ValueError: a ``residual`` without a quantized ``comm_dtype``, or not of the anchor's
+      shapes.
+
+  Examples:
+    A bfloat16 wire: the pseudo-gradient as the ``psum`` adds it.
+
+    >>> import jax.numpy as jnp, optax_dist
+    >>> exchange = optax_dist.Exchange("w", comm_dtype=jnp.bfloat16, call="diloco")
+    >>> payload, _ = optax_dist.diloco_payload(exchange, jnp.ones(2), jnp.array([0.5, -0.1]))
+    >>> payload
+    Array([0.5, 1.10156], dtype=bfloat16)
+
+  References:
+    Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the
+    outer gradient of each worker).
+  """
+  check_exchange("diloco_payload", exchange)
+  return _outer.payload(exchange, anchor, new_params, residual)
+
+
+def diloco_outer_step(
+  outer: optax.GradientTransformation, anchor: Any, outer_state: optax.OptState, merged: Any
+) -> tuple[Any, optax.OptState]:
+  r"""The outer half of :func:`diloco`'s sync: one ``outer`` step on the merged pseudo-gradient.
+
+  .. math::
+
+    \Delta = \bar p \text{ cast to the anchor's dtypes}, \qquad
+    \theta \leftarrow \theta + \mathrm{outer}(\Delta)
+
+  with :math:`\bar p` the workers' mean of their :func:`diloco_payload`\ s
+  (:func:`merge_payloads`). Every worker then restarts from the new :math:`\theta`: its
+  update is :math:`\theta - x_i`. It is the step :func:`diloco`'s ``update`` takes after its
+  in-program mean.
+
+  Args:
+    outer: :func:`diloco`'s ``outer`` (the default is
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
+    anchor: :math:`\theta`, ``DiLoCoState.anchor``.
+    outer_state: ``DiLoCoState.outer_state``.
+    merged: :math:`\bar p`, the anchor's tree and shapes, any floating dtypes.
+
+  Returns:
+    ``(new_anchor, new_outer_state)``, with the dtypes of the old ones.
+
+  Collectives:
+    None.
+
+  Raises:
+    ValueError: ``merged`` not of the anchor's tree (raised by ``jax.tree.map``).
+
+  Examples:
+    Two workers' payloads, outer SGD of learning rate 1:
+
+    >>> import jax.numpy as jnp, optax, optax_dist
+    >>> outer, anchor = optax.sgd(1.0), jnp.ones(2)
+    >>> merged = optax_dist.merge_payloads([jnp.array([1.0, 2.0]), jnp.array([3.0, 0.0])])
+    >>> new_anchor, _ = optax_dist.diloco_outer_step(outer, anchor, outer.init(anchor), merged)
+    >>> new_anchor
+    Array([-1.,  0.], dtype=float32)
+
+  References:
+    Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the
+    outer optimizer step).
+  """
+  return _outer.outer_step(outer, anchor, outer_state, merged)
+
+
+def check_exchange(fn: str, exchange: Any) -> None:
+  if not isinstance(exchange, _exchange.Exchange):
+    raise TypeError(f"`{fn}(exchange=...)` must be an optax_dist.Exchange, got {exchange!r}.")
+
+
+# ----------------------------------------------------------------------------------------------
 # diloco.
 
 
@@ -269,7 +387,7 @@ def diloco(
       new_params = optax.apply_updates(params, u)  # x'_i
       # mean_j Q(theta - x'_j + r_j); r_i updated
       delta, residual = _outer.pseudo_gradient(exchange, anchor, new_params, residual)
-      return (*_outer.outer_step(outer, anchor, outer_state, delta), residual)
+      return (*diloco_outer_step(outer, anchor, outer_state, delta), residual)
 
     def keep(anchor, outer_state, residual, u):
       return anchor, outer_state, residual

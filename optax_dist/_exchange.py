@@ -4,13 +4,16 @@ block size, the slices) and the collectives that move a tree between them."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+import functools
+import operator
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from optax_dist import _axis, _checks
+from optax_dist import _axis, _checks, _quantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +36,10 @@ class Exchange:
   ``"float4_e2m1fn"`` and ``"e3m0"`` (``optax_dist._quantize``: one float32 scale per
   ``comm_block_size`` values, summed in float32 in worker order). The mean is divided in each
   leaf's own dtype. :meth:`mean_with_feedback` adds each worker's residual before quantizing and
-  returns what quantization dropped. With ``axis_name=None`` (one worker) every collective
-  returns its input (``gather`` is not defined then).
+  returns what quantization dropped. :meth:`payload` is one worker's term :math:`Q(t_i)` of
+  these sums, computed where it is (no collective), for an exchange outside the program
+  (:func:`merge_payloads`). With ``axis_name=None`` (one worker) every collective returns its
+  input (``gather`` is not defined then).
 
   Attributes:
     axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers; ``None``
@@ -173,6 +178,50 @@ class Exchange:
       (tree, residual), False,
     )
 
+  def payload(self, tree: Any, residual: Any = None) -> tuple[Any, Any]:
+    r"""This worker's term of :meth:`mean` (or :meth:`mean_with_feedback`), where it is: what
+    the workers' sum adds, no collective. :func:`merge_payloads` of the N workers' payloads,
+    cast to the leaves' dtypes, is :meth:`mean`'s result (see there for the order).
+
+    The term :math:`Q(t_i)` of a floating leaf: the leaf itself (``comm_dtype=None``); cast to
+    ``comm_dtype`` for a floating dtype of more than 8 bits (the ``psum`` adds in it); cast to
+    an 8-bit float and back to float32; for a quantized format the decoded values of the
+    block codes this worker sends, in float32 (with ``residual``: of :math:`t_i + r_i`, and
+    :math:`r_i' = t_i + r_i - Q(t_i + r_i)` is returned). With ``slice_axis`` the blocks are
+    cut from this device's slice, as :meth:`mean` cuts them, and the slices gathered back (one
+    ``all_gather`` over ``slice_axis``, inside the worker). With ``axis_name=None`` the tree
+    itself (nothing is quantized, as :meth:`mean`).
+
+    Returns:
+      ``(payload, new_residual)``: ``tree``'s structure and shapes; ``new_residual`` is
+      ``residual`` when it is ``None`` or ``axis_name`` is ``None``.
+
+    Raises:
+      ValueError: a ``residual`` without a quantized ``comm_dtype``; a leaf of ``residual`` not
+        of its leaf's shape.
+    """
+    if residual is not None and not isinstance(self.comm_dtype, str):
+      raise ValueError(
+        f"`Exchange.payload(residual=...)` (of `{self.call}`): a residual (error feedback)"
+        " needs a quantized comm_dtype ('int8', 'float4_e2m1fn', 'e3m0'), got"
+        f" comm_dtype={self.comm_dtype!r}."
+      )
+    if self.axis_name is None:
+      return tree, residual
+    if isinstance(self.comm_dtype, str):
+      return self._sliced(
+        lambda pair: _quantize.quantized_terms(*pair, self.comm_dtype, self.comm_block_size),
+        (tree, residual), False,
+      )
+    return jax.tree.map(self._term, tree), None
+
+  def _term(self, x: jax.Array) -> jax.Array:
+    """A leaf's term of the ``psum`` (or of the 8-bit floats' gathered float32 sum)."""
+    if self.comm_dtype is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      return x
+    cast = jnp.asarray(x).astype(self.comm_dtype)
+    return cast.astype(jnp.float32) if jnp.finfo(self.comm_dtype).bits <= 8 else cast
+
   def gather(self, tree: Any, *, slice_mean: bool = False) -> Any:
     """:math:`[Q(t_1), \\dots, Q(t_N)]`: each leaf with a leading axis of the N workers."""
     return self._sliced(
@@ -205,3 +254,81 @@ def gradient_exchange(
   """
   comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
   return Exchange(axis_name, comm_dtype=comm_dtype, hierarchical=hierarchical, call=fn)
+
+
+def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None) -> Any:
+  r"""The workers' mean of their :meth:`Exchange.payload`\ s, merged where they arrive.
+
+  With :math:`N` payloads :math:`p_0, \dots, p_{N-1}` in the workers' (rank) order:
+
+  .. math::
+
+    \bar p = \frac{1}{N}\Big(\big((p_0 + p_1) + p_2\big) + \dots + p_{N-1}\Big),
+    \qquad \text{or} \qquad
+    \bar p = \frac{\sum_i w_i\, p_i}{\sum_i w_i}
+
+  per leaf. Equal weights (``weights=None``): the sum in the payloads' dtype, term after term
+  in rank order, then divided by N in float32 (or the payload's dtype if wider). This is
+  :meth:`Exchange.mean`'s arithmetic: cast to the leaves' dtypes (as ``diloco_outer_step``
+  does), it is bit for bit the in-program mean for the gathered formats (8-bit floats and the
+  quantized ones, summed in float32 in worker order) and for two workers; with more workers a
+  ``psum`` may add in another order, within one unit in the last place of the sum. (With
+  leaves narrower than float32, e.g. a bfloat16 anchor and a gathered format, the in-program
+  mean rounds the sum to them before dividing: the same bits when N is a power of 2.) With
+  ``weights`` (e.g. each worker's tokens) the weighted sum is computed in float32 (or wider)
+  in rank order; no in-program exchange weighs workers.
+
+  Args:
+    payloads: a non-empty sequence of trees of one structure and shapes, one per worker in
+      rank order (e.g. ``diloco_payload``'s payloads, as arrays that left the jitted step).
+    weights: ``None`` or one non-negative number per payload, not all zero.
+
+  Returns:
+    The payloads' tree and shapes, each leaf in float32 (or its dtype if wider).
+
+  Collectives:
+    None.
+
+  Raises:
+    ValueError: ``payloads`` empty; ``weights`` not of ``len(payloads)``, negative or summing
+      to zero; the payloads' structures differ (raised by ``jax.tree.map``).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_dist
+    >>> optax_dist.merge_payloads([jnp.array([1.0]), jnp.array([4.0])])
+    Array([2.5], dtype=float32)
+    >>> optax_dist.merge_payloads([jnp.array([1.0]), jnp.array([4.0])], weights=[3, 1])
+    Array([1.75], dtype=float32)
+
+  References:
+    Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the
+    outer gradient averaged over the workers).
+  """
+  payloads = list(payloads)
+  if not payloads:
+    raise ValueError("`merge_payloads(payloads=...)` must hold one payload per worker, got none.")
+  if weights is None:
+    return jax.tree.map(lambda *xs: _mean(xs), *payloads)
+  weights = np.asarray(weights, np.float64)
+  if weights.shape != (len(payloads),) or np.any(weights < 0) or not weights.sum() > 0:
+    raise ValueError(
+      f"`merge_payloads(weights=...)` must be {len(payloads)} non-negative numbers (one per"
+      f" payload) with a positive sum, got {weights.tolist()!r}."
+    )
+  return jax.tree.map(lambda *xs: _weighted_mean(xs, weights), *payloads)
+
+
+def _wide(x: jax.Array) -> Any:
+  """float32, or ``x``'s dtype if wider: where :func:`merge_payloads` divides."""
+  return jnp.promote_types(jnp.result_type(x), jnp.float32)
+
+
+def _mean(xs: tuple) -> jax.Array:
+  total = functools.reduce(operator.add, (jnp.asarray(x) for x in xs))  # rank order
+  return total.astype(_wide(total)) / len(xs)
+
+
+def _weighted_mean(xs: tuple, weights: np.ndarray) -> jax.Array:
+  dtype = _wide(jnp.asarray(xs[0]))
+  terms = (jnp.asarray(x).astype(dtype) * dtype.type(w) for x, w in zip(xs, weights, strict=True))
+  return functools.reduce(operator.add, terms) / dtype.type(weights.sum())

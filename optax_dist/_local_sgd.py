@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _axis, _checks, _exchange, _state
+from optax_dist import _axis, _checks, _diloco, _exchange, _state
 
 
 class LocalSGDState(NamedTuple):
@@ -102,6 +102,78 @@ def local_sgd_syncs(step: Any, *, sync_period: int, warmup_steps: int = 0) -> An
   check_warmup_steps("local_sgd_syncs", warmup_steps)
   since_warmup = step - warmup_steps
   return (since_warmup > 0) & (since_warmup % sync_period == 0)
+
+
+def local_sgd_payload(exchange: _exchange.Exchange, new_params: Any) -> Any:
+  r"""The local half of :func:`local_sgd`'s model average: this worker's term of the mean.
+
+  :math:`p_i = Q(x'_i)`, with :math:`x'_i` this worker's params after its inner step and
+  :math:`Q` ``exchange``'s wire format (:meth:`Exchange.payload
+  <optax_dist.Exchange.payload>`). :func:`merge_payloads` of the N workers' payloads in rank
+  order, then :func:`local_sgd_outer_step`, give the params every worker lands on (bit for bit
+  as :func:`diloco_payload` describes).
+
+  Args:
+    exchange: the :class:`~optax_dist.Exchange` of the :func:`local_sgd` it stands in for.
+    new_params: :math:`x'_i`.
+
+  Returns:
+    The params' tree and shapes, in the wire format's dtype (float32 for the 8-bit floats and
+    the quantized formats).
+
+  Collectives:
+    None across the workers (with ``slice_axis``, one ``all_gather`` inside the worker).
+
+  Raises:
+    TypeError: ``exchange`` not an :class:`~optax_dist.Exchange`.
+
+  Examples:
+    An ``int8`` wire with blocks of 2: the values the other workers decode.
+
+    >>> import jax.numpy as jnp, optax_dist
+    >>> exchange = optax_dist.Exchange("w", comm_dtype="int8", comm_block_size=2)
+    >>> optax_dist.local_sgd_payload(exchange, jnp.array([1.0, 0.3]))
+    Array([1.0000147, 0.299217 ], dtype=float32)
+
+  References:
+    Lin, Stich, Patel & Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
+    <https://arxiv.org/abs/1808.07217>`_, ICLR 2020 (the model average).
+  """
+  _diloco.check_exchange("local_sgd_payload", exchange)
+  return exchange.payload(new_params)[0]
+
+
+def local_sgd_outer_step(merged: Any, params: Any) -> Any:
+  r"""The outer half of :func:`local_sgd`'s model average: the average itself.
+
+  :math:`x_i \leftarrow \bar p` cast to the params' dtypes, with :math:`\bar p` the
+  workers' mean of their :func:`local_sgd_payload`\ s (:func:`merge_payloads`); the worker's
+  update is then :math:`\bar p - x_i`, in its inner updates' dtypes.
+
+  Args:
+    merged: :math:`\bar p`, the params' tree and shapes.
+    params: the params (only their dtypes are read).
+
+  Returns:
+    The new params, ``params``' tree, shapes and dtypes.
+
+  Collectives:
+    None.
+
+  Raises:
+    ValueError: ``merged`` not of the params' tree (raised by ``jax.tree.map``).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_dist
+    >>> merged = optax_dist.merge_payloads([jnp.array([1.0, 0.3]), jnp.array([3.0, 0.7])])
+    >>> optax_dist.local_sgd_outer_step(merged, jnp.zeros(2, jnp.bfloat16))
+    Array([2, 0.5], dtype=bfloat16)
+
+  References:
+    Lin, Stich, Patel & Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
+    <https://arxiv.org/abs/1808.07217>`_, ICLR 2020 (the model average).
+  """
+  return jax.tree.map(lambda m, p: jnp.asarray(m).astype(jnp.result_type(p)), merged, params)
 
 
 def local_sgd(
@@ -282,7 +354,7 @@ def local_sgd(
 
     def average(u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      mean = exchange.mean(new_params)
+      mean = local_sgd_outer_step(exchange.mean(new_params), params)
       return jax.tree.map(lambda m, p, u: (m - p).astype(u.dtype), mean, params, u)
 
     local_updates = _axis.communicate_if(sync, average, lambda u: u, local_updates)

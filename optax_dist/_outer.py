@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optax_dist import _axis, _exchange
@@ -18,6 +19,14 @@ def default_outer() -> optax.GradientTransformation:
 def local_pseudo_gradient(anchor: Any, new_params: Any) -> Any:
   """This worker's pseudo-gradient :math:`\\theta - x'`, in the anchor's dtypes."""
   return jax.tree.map(lambda a, x: a - x.astype(a.dtype), anchor, new_params)
+
+
+def payload(
+  exchange: _exchange.Exchange, anchor: Any, new_params: Any, residual: Any = None
+) -> tuple[Any, Any]:
+  """This worker's term of :func:`pseudo_gradient`'s mean, :math:`Q(\\theta - x'_i + r_i)`, and
+  its new residual (:meth:`~optax_dist.Exchange.payload`): no collective across the workers."""
+  return exchange.payload(local_pseudo_gradient(anchor, new_params), residual)
 
 
 def pseudo_gradient(
@@ -45,11 +54,13 @@ def pseudo_gradient(
 def outer_step(
   outer: optax.GradientTransformation, anchor: Any, outer_state: optax.OptState, delta: Any
 ) -> tuple[Any, optax.OptState]:
-  """One step of ``outer`` on the pseudo-gradient ``delta`` from ``anchor``.
+  """One step of ``outer`` on the pseudo-gradient ``delta`` (cast to the anchor's dtypes) from
+  ``anchor``.
 
   Returns:
     The new anchor and outer state, with the dtypes of the old ones.
   """
+  delta = jax.tree.map(lambda a, d: jnp.asarray(d).astype(a.dtype), anchor, delta)
   steps, new_outer_state = outer.update(delta, outer_state, anchor)
   new_anchor = _axis.keep_dtypes(optax.apply_updates(anchor, steps), anchor)
   return new_anchor, _axis.keep_dtypes(new_outer_state, outer_state)

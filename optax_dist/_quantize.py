@@ -479,23 +479,83 @@ def quantized_sum_with_feedback(
   fmt = _format("quantized_sum_with_feedback", fmt)
   block_size = _block_size("quantized_sum_with_feedback", block_size, fmt)
   leaves, treedef, sums = _apart(tree, lambda x: jax.lax.psum(x, axis_name))
-  residuals = treedef.flatten_up_to(residual)
-  for x, r in zip(leaves, residuals, strict=True):
-    if jnp.shape(r) != x.shape:
-      raise ValueError(
-        "`quantized_sum_with_feedback(residual=...)` must have the shapes of `tree`: a leaf of"
-        f" shape {x.shape} has a residual of shape {jnp.shape(r)}."
-      )
-  flat = _concatenated(leaves)
-  if flat is None:
+  sent = _sent_with_feedback("quantized_sum_with_feedback", leaves, treedef, residual, fmt,
+                             block_size)
+  if sent is None:
     return treedef.unflatten(sums), residual
-  packed, new_residual = quantize_with_feedback(
-    flat, _concatenated(leaves, residuals), fmt, block_size)
+  flat, packed, residuals, new_residual = sent
   total = _gathered_sum(packed, axis_name, fmt, flat.shape, flat.dtype)
   return (
     treedef.unflatten(_split(total, leaves, sums)),
     treedef.unflatten(_split(new_residual, leaves, residuals, jnp.float32)),
   )
+
+
+def _sent_with_feedback(fn: str, leaves: list, treedef: Any, residual: Any, fmt: str,
+                        block_size: int):
+  """What one worker sends of ``leaves`` plus their ``residual`` (checked against the leaves'
+  shapes): the concatenated float32 values, their :class:`Packed` codes, the residual's leaves
+  and the new residual (flat, float32); ``None`` when no leaf is sent in blocks."""
+  residuals = treedef.flatten_up_to(residual)
+  for x, r in zip(leaves, residuals, strict=True):
+    if jnp.shape(r) != x.shape:
+      raise ValueError(
+        f"`{fn}(residual=...)` must have the shapes of `tree`: a leaf of shape {x.shape} has a"
+        f" residual of shape {jnp.shape(r)}."
+      )
+  flat = _concatenated(leaves)
+  if flat is None:
+    return None
+  packed, new_residual = quantize_with_feedback(
+    flat, _concatenated(leaves, residuals), fmt, block_size)
+  return flat, packed, residuals, new_residual
+
+
+def quantized_terms(
+  tree: Any, residual: Any = None, fmt: Any = "int8", block_size: int = 256
+) -> tuple[Any, Any]:
+  r"""This worker's term of :func:`quantized_sum` (or of :func:`quantized_sum_with_feedback`):
+  the values the other workers decode from what it sends, computed where it is, no collective.
+
+  The floating, non-empty leaves are concatenated and encoded as :func:`quantized_sum` does
+  (plus ``residual`` as :func:`quantized_sum_with_feedback` does) and decoded here, in float32:
+  :math:`\hat x^{(w)}`. The workers' terms added in float32 in axis order,
+  :math:`((\hat x^{(0)} + \hat x^{(1)}) + \dots) + \hat x^{(N-1)}`, are bit for bit the
+  sums those functions compute before casting to the leaves' dtypes. The other leaves are
+  returned as they are (those functions ``psum`` them).
+
+  Args:
+    tree: a pytree of arrays.
+    residual: ``None``, or ``tree``'s structure and shapes, ``float32``: this worker's error left
+      over from the previous exchange.
+    fmt, block_size: as :func:`quantized_sum`.
+
+  Returns:
+    ``(terms, new_residual)``: ``tree``'s structure and shapes, the sent leaves in ``float32``;
+    and :math:`r' = t - \hat t` (``float32``; ``None`` when ``residual`` is ``None``).
+
+  Collectives:
+    None.
+
+  Raises:
+    As :func:`quantized_sum_with_feedback`.
+  """
+  fmt = _format("quantized_terms", fmt)
+  block_size = _block_size("quantized_terms", block_size, fmt)
+  leaves, treedef, others = _apart(tree, lambda x: x)
+  if residual is None:
+    flat, new_residual = _concatenated(leaves), None
+    if flat is None:
+      return treedef.unflatten(others), None
+    packed = encode(flat, fmt, block_size)
+  else:
+    sent = _sent_with_feedback("quantized_terms", leaves, treedef, residual, fmt, block_size)
+    if sent is None:
+      return treedef.unflatten(others), residual
+    flat, packed, residuals, new = sent
+    new_residual = treedef.unflatten(_split(new, leaves, residuals, jnp.float32))
+  terms = decode(packed, fmt, flat.shape, jnp.float32)
+  return treedef.unflatten(_split(terms, leaves, others, jnp.float32)), new_residual
 
 
 def quantized_all_gather(

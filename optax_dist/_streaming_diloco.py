@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import _axis, _checks, _exchange, _fragments, _outer, _state
+from optax_dist import _axis, _checks, _diloco, _exchange, _fragments, _outer, _state
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -123,6 +123,153 @@ def streaming_diloco_syncs(
   fragments = range(num_fragments) if fragment is None else (fragment,)
   due = [step % sync_period == sync_offset(f, sync_period, num_fragments) for f in fragments]
   return functools.reduce(operator.or_, due)
+
+
+# ----------------------------------------------------------------------------------------------
+# The halves of a fragment's sync.
+
+
+def streaming_diloco_payload(
+  exchange: _exchange.Exchange, anchor: Any, new_params: Any, residual: Any = None, *,
+  fragments: Any, fragment: int,
+) -> tuple[Any, Any]:
+  r"""The local half of fragment f's sync in :func:`streaming_diloco`: this worker's term.
+
+  :func:`diloco_payload` on fragment f's leaves only (their blocks cut from those leaves end
+  to end, as the fragment's exchange cuts them):
+
+  .. math::
+
+    p^f_i = Q(\theta^f - x'^f_i + r^f_i), \qquad
+    r'^f_i = \theta^f - x'^f_i + r^f_i - p^f_i
+
+  :func:`merge_payloads` of the N workers' :math:`p^f_i` in rank order, then
+  :func:`streaming_diloco_outer_step`, give the fragment's sync (with ``overlap``: the mean
+  sent, ``in_flight``, and its landing).
+
+  Args:
+    exchange: the :class:`~optax_dist.Exchange` of the :func:`streaming_diloco` it stands in for.
+    anchor: :math:`\theta`, ``StreamingDiLoCoState.anchor`` (the whole tree).
+    new_params: :math:`x'_i`, this worker's params after its inner step (the anchor's tree).
+    residual: ``StreamingDiLoCoState.error_feedback`` with error feedback, else ``None``.
+    fragments: each leaf's fragment, in ``jax.tree.leaves`` order, as
+      :func:`streaming_diloco_fragments` returns them.
+    fragment: f, an int in ``[0, F)``.
+
+  Returns:
+    ``(payload, new_residual)``: the payload has the anchor's tree with the other fragments'
+    leaves replaced by ``optax.MaskedNode()`` (the wire format's dtype, float32 for the 8-bit
+    floats and the quantized formats); ``new_residual`` the whole residual with fragment f's
+    leaves updated (``None`` without error feedback).
+
+  Collectives:
+    None across the workers (with ``slice_axis``, one ``all_gather`` inside the worker).
+
+  Raises:
+    TypeError: ``exchange`` not an :class:`~optax_dist.Exchange`; ``fragment`` not an int.
+    ValueError: ``fragments`` not one id per leaf; ``fragment`` not one of them; a
+      ``residual`` without a quantized ``comm_dtype`` or not of the anchor's shapes.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_dist
+    >>> anchor = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    >>> fragments = optax_dist.streaming_diloco_fragments(anchor, 2)
+    >>> exchange = optax_dist.Exchange("w", call="streaming_diloco")
+    >>> new_params = {"a": jnp.zeros(2), "b": jnp.full(2, 0.5)}
+    >>> payload, _ = optax_dist.streaming_diloco_payload(
+    ...     exchange, anchor, new_params, fragments=fragments, fragment=1)
+    >>> payload
+    {'a': MaskedNode(), 'b': Array([0.5, 0.5], dtype=float32)}
+
+  References:
+    Douillard et al., `Streaming DiLoCo with overlapping communication
+    <https://arxiv.org/abs/2501.18512>`_, 2025 (each fragment's outer gradient).
+  """
+  fn = "streaming_diloco_payload"
+  _diloco.check_exchange(fn, exchange)
+  parts, treedef = _split_fragments(fn, anchor, fragments, fragment)
+  leaves = jax.tree.leaves
+  payload_f, residual_f = _outer.payload(
+    exchange, parts.part(leaves(anchor), fragment), parts.part(leaves(new_params), fragment),
+    None if residual is None else parts.part(leaves(residual), fragment))
+  if residual is None:
+    return payload_f, None
+  return payload_f, treedef.unflatten(parts.put(leaves(residual), residual_f, fragment))
+
+
+def streaming_diloco_outer_step(
+  outer: optax.GradientTransformation, anchor: Any, outer_state: optax.OptState, merged: Any, *,
+  fragments: Any, fragment: int,
+) -> tuple[Any, optax.OptState]:
+  r"""The outer half of fragment f's sync in :func:`streaming_diloco`: its ``outer`` step.
+
+  .. math::
+
+    \Delta^f = \bar p^f \text{ cast to the anchor's dtypes}, \qquad
+    \theta^f \leftarrow \theta^f + \mathrm{outer}_f(\Delta^f)
+
+  with :math:`\bar p^f` the workers' mean of their :func:`streaming_diloco_payload`\ s of
+  fragment f (:func:`merge_payloads`). The worker's leaves of f then land on
+  :math:`\alpha\, x'^f_i + (1 - \alpha)\, \theta^f` (``mixing`` :math:`\alpha`). The
+  other fragments' leaves are returned unchanged.
+
+  Args:
+    outer: :func:`streaming_diloco`'s ``outer``.
+    anchor: :math:`\theta`, ``StreamingDiLoCoState.anchor`` (the whole tree).
+    outer_state: fragment f's outer state, ``StreamingDiLoCoState.outer_state[f]``.
+    merged: :math:`\bar p^f`, the payload's tree (``MaskedNode`` outside fragment f).
+    fragments: each leaf's fragment, as :func:`streaming_diloco_fragments` returns them.
+    fragment: f, an int in ``[0, F)``.
+
+  Returns:
+    ``(new_anchor, new_outer_state)``: the whole anchor with fragment f's leaves stepped, and
+    fragment f's outer state, with the dtypes of the old ones.
+
+  Collectives:
+    None.
+
+  Raises:
+    TypeError: ``fragment`` not an int.
+    ValueError: ``fragments`` not one id per leaf; ``fragment`` not one of them; ``merged``
+      not of fragment f's part of the anchor (raised by ``jax.tree.map``).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_dist
+    >>> outer, anchor = optax.sgd(1.0), {"a": jnp.ones(2), "b": jnp.ones(2)}
+    >>> merged = {"a": optax.MaskedNode(), "b": jnp.full(2, 0.5)}
+    >>> new_anchor, _ = optax_dist.streaming_diloco_outer_step(
+    ...     outer, anchor, outer.init(merged), merged, fragments=(0, 1), fragment=1)
+    >>> new_anchor
+    {'a': Array([1., 1.], dtype=float32), 'b': Array([0.5, 0.5], dtype=float32)}
+
+  References:
+    Douillard et al., `Streaming DiLoCo with overlapping communication
+    <https://arxiv.org/abs/2501.18512>`_, 2025 (the outer step of each fragment).
+  """
+  parts, treedef = _split_fragments("streaming_diloco_outer_step", anchor, fragments, fragment)
+  leaves = jax.tree.leaves(anchor)
+  anchor_f, outer_state = _outer.outer_step(
+    outer, parts.part(leaves, fragment), outer_state, merged)
+  return treedef.unflatten(parts.put(leaves, anchor_f, fragment)), outer_state
+
+
+def _split_fragments(fn: str, anchor: Any, fragments: Any, fragment: Any):
+  """The :class:`_fragments.Fragments` of ``anchor`` and its treedef, checking that
+  ``fragments`` holds one id per leaf and ``fragment`` is one of them."""
+  leaves, treedef = jax.tree.flatten(anchor)
+  ids = tuple(int(_checks.concrete(f)) for f in fragments)
+  if len(ids) != len(leaves):
+    raise ValueError(
+      f"`{fn}(fragments=...)` must hold one fragment id per leaf of the anchor ({len(leaves)}),"
+      f" got {len(ids)}: pass streaming_diloco_fragments(params, num_fragments, strategy)."
+    )
+  _checks.check_int(fn, "fragment", fragment)
+  if fragment not in ids:
+    raise ValueError(
+      f"`{fn}(fragment=...)` must be one of the fragments' ids {sorted(set(ids))}, got"
+      f" {fragment}."
+    )
+  return _fragments.Fragments(ids, treedef), treedef
 
 
 # ----------------------------------------------------------------------------------------------

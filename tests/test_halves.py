@@ -1,0 +1,274 @@
+"""The public halves of a DiLoCo-family round, merged outside the transformation.
+
+Each test runs the transformation's ``update`` for several workers under
+``jax.vmap(axis_name=...)`` and, in the same program, each worker's local half
+(``*_payload``) from the same state; the payloads leave the program, are merged in rank order by
+``merge_payloads`` and fed to the outer half (``*_outer_step``), whose results must be the
+transformation's own: bit for bit for 2 workers and for the gathered and quantized formats
+(summed in float32 in worker order), within one unit in the last place otherwise (the order of
+a ``psum``'s additions).
+
+The optimizers' products are exact (see ``_inner``), so the comparisons of the states are bit
+for bit too: XLA fuses the outer step differently in different programs, and with inexact
+products (``optax.sgd(0.7, momentum=0.9, nesterov=True)``) an FMA there moves the new anchor by
+an ulp or so whatever the halves do.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dist
+
+AXIS = "w"
+SHAPES = {"a": (4, 3), "b": (5,), "c": (2,)}  # b: 5 values, not a multiple of the blocks
+BLOCK = 4
+FORMATS = {
+  "none": None, "bfloat16": jnp.bfloat16, "float8": jnp.float8_e4m3fn, "int8": "int8",
+  "float4": "float4_e2m1fn",
+}
+QUANTIZED = ("int8", "float4")
+ROUNDS = 3  # the residual of error feedback is non-zero from the second round on
+
+
+# Every product of these optimizers is exact (by powers of 2), so their results do not depend
+# on how XLA fuses them (an FMA or a multiply then an add round alike) and the program that runs
+# the transformation and the one that runs a half can be compared bit for bit.
+
+
+def _inner():
+  return optax.sgd(0.5, momentum=0.5)
+
+
+def _outer():
+  return optax.sgd(1.0, momentum=0.5, nesterov=True)
+
+
+def _params(n: int) -> dict:
+  keys = jax.random.split(jax.random.key(0), len(SHAPES))
+  one = {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items(), strict=True)}
+  return jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), one)
+
+
+def _grads(n: int, step: int) -> dict:
+  keys = jax.random.split(jax.random.key(100 + step), len(SHAPES))
+  return {k: jax.random.normal(key, (n, *s)) for key, (k, s) in zip(keys, SHAPES.items())}
+
+
+def _exact(fmt: str, n: int) -> bool:
+  """Whether the in-program mean adds in the merge's order (the rule of merge_payloads)."""
+  return n == 2 or fmt in QUANTIZED or fmt == "float8"
+
+
+def _assert_close(got, want, exact: bool) -> None:
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    if exact:
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    else:
+      np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=1)
+
+
+def _worker(tree, i: int):
+  return jax.tree.map(lambda x: x[i], tree)
+
+
+def _rank_ordered(payloads, n: int) -> list:
+  return [_worker(payloads, i) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(
+  "fmt, feedback", [(f, False) for f in FORMATS] + [(f, True) for f in QUANTIZED])
+def test_diloco_halves_equal_update(n, fmt, feedback):
+  kw = dict(axis_name=AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+  tx = optax_dist.diloco(_inner(), _outer(), sync_period=1, error_feedback=feedback, **kw)
+  exchange = optax_dist.Exchange(**kw, call="diloco")
+  inner = _inner()
+
+  @jax.jit
+  @functools.partial(jax.vmap, axis_name=AXIS)
+  def step(grads, state, params):
+    updates, new_state = tx.update(grads, state, params)
+    inner_updates, _ = inner.update(grads, state.inner_state, params)
+    new_params = optax.apply_updates(params, inner_updates)
+    payload, residual = optax_dist.diloco_payload(
+      exchange, state.anchor, new_params, state.error_feedback)
+    return updates, new_state, payload, residual
+
+  outer_half = jax.jit(lambda *a: optax_dist.diloco_outer_step(_outer(), *a))
+  params = _params(n)
+  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
+  for t in range(ROUNDS):
+    updates, new_state, payloads, residual = step(_grads(n, t), state, params)
+    merged = optax_dist.merge_payloads(_rank_ordered(payloads, n))
+    anchor, outer_state = outer_half(_worker(state.anchor, 0), _worker(state.outer_state, 0),
+                                     merged)
+    exact = _exact(fmt, n)
+    _assert_close(anchor, _worker(new_state.anchor, 0), exact)
+    _assert_close(outer_state, _worker(new_state.outer_state, 0), exact)
+    for i in range(n):  # every worker restarts from the new anchor
+      moved = jax.tree.map(jnp.subtract, anchor, _worker(params, i))
+      _assert_close(_worker(updates, i), moved, exact)
+      if feedback:  # the candidate residual is the state's, bit for bit
+        _assert_close(_worker(residual, i), _worker(new_state.error_feedback, i), True)
+    params, state = optax.apply_updates(params, updates), new_state
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_merged_payloads_equal_in_program_mean(n, fmt):
+  """With the paper's outer optimizer out of the way: merge_payloads of the payloads is
+  Exchange.mean of the pseudo-gradients (with feedback: mean_with_feedback), cast alike."""
+  exchange = optax_dist.Exchange(AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+  anchor, new_params = _params(n), jax.tree.map(jnp.add, _params(n), _grads(n, 0))
+  residual = jax.tree.map(lambda g: 0.01 * g, _grads(n, 1)) if fmt in QUANTIZED else None
+
+  @functools.partial(jax.vmap, axis_name=AXIS)
+  def both(anchor, new_params, residual):
+    delta = jax.tree.map(jnp.subtract, anchor, new_params)
+    mean = (exchange.mean(delta) if residual is None
+            else exchange.mean_with_feedback(delta, residual)[0])
+    return mean, optax_dist.diloco_payload(exchange, anchor, new_params, residual)[0]
+
+  mean, payloads = jax.jit(both)(anchor, new_params, residual)
+  merged = optax_dist.merge_payloads(_rank_ordered(payloads, n))
+  merged = jax.tree.map(lambda m, a: m.astype(a.dtype), merged, _worker(anchor, 0))
+  _assert_close(merged, _worker(mean, 0), _exact(fmt, n))
+
+
+@pytest.mark.parametrize("fmt", ["none", "int8"])
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_streaming_diloco_halves_per_fragment(fmt, overlap):
+  n, num_fragments, sync_period = 2, 2, 2
+  feedback = fmt in QUANTIZED
+  kw = dict(axis_name=AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+  tx = optax_dist.streaming_diloco(
+    _inner(), _outer(), sync_period=sync_period, num_fragments=num_fragments, overlap=overlap,
+    error_feedback=feedback, **kw)
+  exchange = optax_dist.Exchange(**kw, call="streaming_diloco")
+  inner = _inner()
+  params = _params(n)
+  fragments = optax_dist.streaming_diloco_fragments(_worker(params, 0), num_fragments)
+
+  @jax.jit
+  @functools.partial(jax.vmap, axis_name=AXIS)
+  def step(grads, state, params):
+    updates, new_state = tx.update(grads, state, params)
+    inner_updates, _ = inner.update(grads, state.inner_state, params)
+    new_params = optax.apply_updates(params, inner_updates)
+    return updates, new_state, [
+      optax_dist.streaming_diloco_payload(
+        exchange, state.anchor, new_params, state.error_feedback, fragments=fragments,
+        fragment=f)
+      for f in range(num_fragments)
+    ]
+
+  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
+  in_flight = {}  # fragment -> (the step it lands on, the merged payloads)
+  last = 2 * sync_period + overlap  # the sends of the last `overlap` steps land after it
+  for t in range(1, last + 1):
+    updates, new_state, sent = step(_grads(n, t), state, params)
+    anchor = _worker(state.anchor, 0)
+    for f in range(num_fragments):
+      if f in in_flight and in_flight[f][0] == t:  # the landing: the outer half
+        _, merged = in_flight.pop(f)
+        anchor, outer_state = optax_dist.streaming_diloco_outer_step(
+          _outer(), anchor, _worker(state.outer_state[f], 0), merged, fragments=fragments,
+          fragment=f)
+        _assert_close(outer_state, _worker(new_state.outer_state[f], 0), True)
+      if t + overlap <= last and optax_dist.streaming_diloco_syncs(
+          t, sync_period=sync_period, num_fragments=num_fragments, fragment=f):
+        payloads, residual = sent[f]
+        in_flight[f] = (t + overlap, optax_dist.merge_payloads(_rank_ordered(payloads, n)))
+        if feedback:
+          _assert_close(residual, new_state.error_feedback, True)
+        if overlap == 0:  # lands now
+          _, merged = in_flight.pop(f)
+          anchor, outer_state = optax_dist.streaming_diloco_outer_step(
+            _outer(), anchor, _worker(state.outer_state[f], 0), merged, fragments=fragments,
+            fragment=f)
+          _assert_close(outer_state, _worker(new_state.outer_state[f], 0), True)
+    _assert_close(anchor, _worker(new_state.anchor, 0), True)
+    params, state = optax.apply_updates(params, updates), new_state
+  assert not in_flight
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_local_sgd_halves_equal_update(n, fmt):
+  kw = dict(axis_name=AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+  tx = optax_dist.local_sgd(_inner(), sync_period=1, **kw)
+  exchange = optax_dist.Exchange(**kw, call="local_sgd")
+  inner = _inner()
+
+  @jax.jit
+  @functools.partial(jax.vmap, axis_name=AXIS)
+  def step(grads, state, params):
+    updates, new_state = tx.update(grads, state, params)
+    inner_updates, _ = inner.update(grads, state.inner_state, params)
+    new_params = optax.apply_updates(params, inner_updates)
+    return updates, new_state, optax_dist.local_sgd_payload(exchange, new_params)
+
+  params = _params(n)
+  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
+  for t in range(2):
+    updates, state, payloads = step(_grads(n, t), state, params)
+    merged = optax_dist.merge_payloads(_rank_ordered(payloads, n))
+    for i in range(n):  # every worker lands on the average
+      average = optax_dist.local_sgd_outer_step(merged, _worker(params, i))
+      moved = jax.tree.map(jnp.subtract, average, _worker(params, i))
+      _assert_close(_worker(updates, i), moved, _exact(fmt, n))
+    params = optax.apply_updates(params, updates)
+
+
+def test_payload_dtypes_are_the_wire_formats():
+  tree = {"x": jnp.linspace(-1.0, 1.0, 6)}
+  for fmt, dtype in [("none", jnp.float32), ("bfloat16", jnp.bfloat16),
+                     ("float8", jnp.float32), ("int8", jnp.float32)]:
+    exchange = optax_dist.Exchange(AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+    payload = jax.vmap(lambda t: exchange.payload(t)[0], axis_name=AXIS)(
+      jax.tree.map(lambda x: jnp.stack([x, x]), tree))
+    assert payload["x"].dtype == dtype, fmt
+
+
+def test_merge_payloads_weighted_and_rank_order():
+  a, b, c = (jnp.array([v], jnp.float32) for v in (1.0, 2.0, 6.0))
+  np.testing.assert_array_equal(optax_dist.merge_payloads([a, b, c]), [3.0])
+  np.testing.assert_array_equal(optax_dist.merge_payloads([a, b, c], [1, 1, 2]), [3.75])
+  big, small = jnp.array([2.0**24], jnp.float32), jnp.array([1.0], jnp.float32)
+  # rank order: (2**24 + 1) + 1 rounds twice to 2**24, 1 + 1 + 2**24 is exact
+  np.testing.assert_array_equal(optax_dist.merge_payloads([big, small, small]) * 3, [2.0**24])
+  np.testing.assert_array_equal(
+    optax_dist.merge_payloads([small, small, big]) * 3, [2.0**24 + 2])
+
+
+@pytest.mark.parametrize("payloads, weights, match", [
+  ([], None, "got none"),
+  ([jnp.ones(1)] * 2, [1.0], "2 non-negative"),
+  ([jnp.ones(1)] * 2, [1.0, -1.0], "2 non-negative"),
+  ([jnp.ones(1)] * 2, [0.0, 0.0], "positive sum"),
+])
+def test_merge_payloads_errors(payloads, weights, match):
+  with pytest.raises(ValueError, match=match):
+    optax_dist.merge_payloads(payloads, weights)
+
+
+def test_halves_errors():
+  exchange = optax_dist.Exchange(AXIS, comm_dtype=jnp.bfloat16)
+  tree = {"x": jnp.ones(3)}
+  with pytest.raises(TypeError, match=r"diloco_payload\(exchange=...\)"):
+    optax_dist.diloco_payload("w", tree, tree)
+  with pytest.raises(ValueError, match="needs a quantized comm_dtype"):
+    jax.vmap(lambda t: exchange.payload(t, t), axis_name=AXIS)(jnp.ones((2, 3)))
+  with pytest.raises(ValueError, match="one fragment id per leaf"):
+    optax_dist.streaming_diloco_payload(exchange, tree, tree, fragments=(0, 1), fragment=0)
+  with pytest.raises(ValueError, match=r"streaming_diloco_outer_step\(fragment=...\)"):
+    optax_dist.streaming_diloco_outer_step(
+      _outer(), tree, None, tree, fragments=(0,), fragment=1)
