@@ -66,11 +66,6 @@ class StreamingDiLoCoState(NamedTuple):
   }
 
 
-# The command (optax_dist/cli/trainer.py) still imports this name: remove it once the command
-# calls optax_dist.streaming_diloco_fragments(params, num_fragments, "balanced").
-assign_fragments = _fragments.assign
-
-
 def sync_offset(fragment: int, sync_period: Any, num_fragments: int) -> Any:
   """:math:`s_f \\bmod H` with :math:`s_f = \\lfloor (f + 1) H / F \\rfloor`."""
   return ((fragment + 1) * sync_period // num_fragments) % sync_period
@@ -447,16 +442,21 @@ def streaming_diloco(
   Raises:
     TypeError: ``inner`` or ``outer`` is not a transformation; ``sync_period``,
       ``num_fragments``, ``num_workers`` or a ``fragments`` id not an int; ``mixing`` not a real
-      number; ``overlap`` not an int; ``eager`` or ``error_feedback`` not a bool; ``comm_dtype`` or
-      ``anchor_dtype`` not ``None`` or a floating dtype; a non-
-      floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None`` or a bool.
-    ValueError: ``sync_period``, ``num_fragments`` or ``num_workers`` not positive;
-      ``mixing`` outside [0, 1]; ``overlap`` outside ``[0, sync_period)`` (:math:`\tau < H`);
-      ``eager=True`` with ``overlap=0``; ``error_feedback=True`` without a quantized
-      ``comm_dtype``; a ``fragments`` id outside ``[0, F)``; (in ``init``)
-      ``fragments`` without the params' structure, or a fragment left empty; ``num_workers >
-      1`` with ``axis_name=None``; ``num_workers`` different from the axis size; ``update``
-      without ``params``, or where a named ``axis_name`` is not bound.
+      number; ``overlap`` not an int; ``eager`` or ``error_feedback`` not a bool; ``comm_dtype``
+      not ``None``, a floating dtype or a quantized format (``jnp.int8``, ``jnp.float4_e2m1fn``,
+      ``"e3m0"``); ``anchor_dtype`` not ``None`` or a floating dtype; ``comm_block_size`` not an
+      int, or traced (with ``optax.inject_hyperparams``, name it in ``static_args``); a
+      non-floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None`` or a bool.
+    ValueError: ``sync_period``, ``num_fragments``, ``num_workers`` or ``comm_block_size`` not
+      positive; ``comm_block_size`` odd with a 4-bit ``comm_dtype`` (``jnp.float4_e2m1fn``,
+      ``"e3m0"``); ``mixing`` outside [0, 1]; ``overlap`` outside ``[0, sync_period)``
+      (:math:`\tau < H`); ``eager=True`` with ``overlap=0``; ``error_feedback=True`` without a
+      quantized ``comm_dtype``; ``fragments`` a string other than ``"contiguous"`` or
+      ``"balanced"``; a ``fragments`` id outside ``[0, F)``; (in ``init``) ``fragments`` without
+      the params' structure, or a fragment left empty; ``num_workers > 1`` with
+      ``axis_name=None``; ``num_workers`` different from the axis size; (in ``update``) no
+      ``params``, a named ``axis_name`` not bound, or ``slice_axis`` one of the workers' axes or
+      not bound.
 
   Examples:
     One worker, two leaves in two fragments, H = 2: fragment 0 syncs on odd steps, fragment 1
