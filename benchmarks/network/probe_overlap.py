@@ -53,7 +53,15 @@ import threading
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.multihost_utils import sync_global_devices
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from benchmarks.network import netns
+from optax_dist.cli.launcher import init_jax
 
 RESULTS = os.path.join(netns.ROOT, "benchmarks", "results")
 
@@ -81,17 +89,7 @@ OVERLAPPED = VARIANTS[3:]
 
 def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[str, Any]:
   """Process ``process_id``'s measurements (it joins the other at ``coordinator``)."""
-  import jax
-
-  from optax_dist.cli.launcher import init_jax
-
   init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
-
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.experimental.multihost_utils import sync_global_devices
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   def of(process):
     return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)

@@ -10,9 +10,10 @@ none of these knobs, so these studies compile their step here instead.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +26,40 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import kit
 
 AXIS = "w"
+
+
+@dataclasses.dataclass
+class Variant:
+  """One transformation around adam, and its steps to time.
+
+  ``make(adam, axis_name)`` builds it; ``phases``: ``(name, value of ``counter`` before the call
+  or None, communicates, passes)``, ``passes`` the params-sized reads and writes the optimizer
+  step must make (``None``: no bound given); ``grad_step``: ``update`` takes the state's
+  ``global_step``; ``why``: why its step costs more than adam's; ``hinted_why``: the same for the
+  step compiled with the static ``communicate`` hint (``None``: not timed with the hint);
+  ``needed``: the state bytes the algorithm needs, in params' bytes (``need_note`` says which).
+  """
+
+  name: str
+  label: str
+  make: Callable[[Any, str | None], Any]
+  phases: tuple[tuple[str, int | None, bool, int | None], ...] = (
+    ("every step", None, False, None),)
+  counter: str = "local_step"
+  grad_step: bool = False
+  why: str = ""
+  hinted_why: str | None = None
+  needed: float = 0.0
+  need_note: str = ""
+
+  def timed(self) -> Iterator[tuple[str, int | None, bool, int | None, bool | None]]:
+    """``(phase, value, communicates, passes, hint)``: each phase with the counter rule, and
+    (with ``hinted_why``) each again with the static hint."""
+    for phase, value, communicates, passes in self.phases:
+      yield phase, value, communicates, passes, None
+    if self.hinted_why is not None:
+      for phase, value, communicates, passes in self.phases:
+        yield f"{phase}, hint", value, communicates, passes, communicates
 
 
 class Problem:
@@ -175,3 +210,53 @@ def memory(compiled: Any) -> dict[str, int]:
   """XLA's temp bytes of ``compiled`` and the bytes its ``copy`` instructions write."""
   return {"temp": int(compiled.memory_analysis().temp_size_in_bytes),
           "copies": copy_bytes(compiled)}
+
+
+def time_variants(problem: Problem, adam: Any, variants: Sequence[Variant], rounds: int,
+                  seed: Any, *, bound: bool = True, donate: bool = True) -> dict[str, Any]:
+  """Compiles adam's step and each variant's (once per hint), times each phase against adam's
+  (:func:`interleaved`); adam's times and memory, and a row per phase (``name``, ``label``,
+  ``phase``, ``hint``, ``communicates``, ``sync_phase``, ``passes``, :func:`memory`, the
+  timing)."""
+  with kit.Timed() as compiling:
+    base_step = problem.compiled(adam, donate=donate, bound=bound)
+    baseline = Runner(problem, base_step, problem.init(adam))
+    runners, meta = [], []
+    for v in variants:
+      tx = v.make(adam, AXIS if bound else None)
+      steps = {}  # one compiled step per value of the hint
+      for phase, value, communicates, passes, hint in v.timed():
+        if hint not in steps:
+          steps[hint] = problem.compiled(tx, donate=donate, bound=bound, grad_step=v.grad_step,
+                                         communicate=hint)
+        runners.append(Runner(problem, steps[hint], problem.init(tx),
+                              None if value is None else v.counter, value))
+        meta.append({"name": v.name, "label": v.label, "phase": phase, "hint": hint,
+                     "communicates": communicates, "sync_phase": communicates and value is not None,
+                     "passes": passes, **memory(steps[hint])})
+  with kit.Timed() as timing:
+    t = interleaved(baseline, runners, rounds, seed)
+  return {"adam_ms": t["base_ms"], "adam_cpu_ms": t["base_cpu_ms"],
+          "adam_memory": memory(base_step), "rows": [m | r for m, r in zip(meta, t["rows"])],
+          "compile_s": compiling.seconds, "timing_s": timing.seconds,
+          "load_before": compiling.load_before, "load_after": timing.load_after}
+
+
+def ratio_plot(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]], target: float,
+               xlabel: str, title: str, path: str) -> None:
+  """Each row's median ratio over adam's with its interquartile range, a bar per group."""
+  labels = [f"{r['label']}\n{r['phase']}" for r in groups[0][1]]
+  y, height = np.arange(len(labels)), 0.8 / len(groups)
+  fig, ax = kit.plt.subplots(figsize=(10, 0.45 * len(labels) + 1.5))
+  for k, (name, rows) in enumerate(groups):
+    err = [[r["ratio"] - r["q1"] for r in rows], [r["q3"] - r["ratio"] for r in rows]]
+    ax.barh(y + k * height, [r["ratio"] for r in rows], height, xerr=err, label=name, alpha=0.8)
+  ax.axvline(1.0, color="black", lw=0.8)
+  ax.axvline(target, color="grey", lw=0.8, ls="--")
+  ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=7)
+  ax.invert_yaxis()
+  ax.set_xlim(left=0.8)
+  ax.set_xlabel(xlabel)
+  ax.legend(fontsize=7)
+  ax.set_title(title, fontsize=9)
+  kit.save_figure(fig, path)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,7 +44,7 @@ import optax
 
 import optax_dist
 from benchmarks import kit
-from benchmarks.studies._steps import AXIS, Problem, Runner, interleaved, memory
+from benchmarks.studies._steps import Problem, Variant, ratio_plot, time_variants
 from optax_dist.cli import trainer
 from optax_dist.cli.tasks import TASKS
 
@@ -81,24 +80,6 @@ class Config:
 QUICK = {"rounds_bound": 2, "rounds_unbound": 3, "rounds_optimizer": 3}
 
 
-@dataclasses.dataclass
-class Variant:
-  """One transformation, its phases, and its params-sized passes over memory per phase.
-
-  ``phases``: ``(name, local_step before the call or None, communicates, passes)``; ``passes``:
-  the params-sized reads and writes the optimizer step must make (``None``: no bound given).
-  """
-
-  name: str
-  label: str
-  make: Callable[[Any, Any, Any], Any]  # (adam, axis_name, params) -> transformation
-  phases: tuple[tuple[str, int | None, bool, int | None], ...]
-  why: str = ""
-  grad_step: bool = False
-  hinted_why: str | None = None
-  """Why a step compiled with the hint still costs more than adam (``None``: no hint)."""
-
-
 def variants() -> list[Variant]:
   offset = SYNC_PERIOD // FRAGMENTS  # fragment 0 syncs where (local_step + 1) % H == H // F
 
@@ -107,21 +88,21 @@ def variants() -> list[Variant]:
             ("communication step", period - 1, True, comm_passes))
 
   return [
-    Variant("tower", "tower(adam)", lambda adam, axis, p: optax_dist.tower(adam, axis),
+    Variant("tower", "tower(adam)", lambda adam, axis: optax_dist.tower(adam, axis),
             (("every step (all-reduce when bound)", None, True, 7),)),
     Variant("moving_average", "moving_average(adam, 0.999)",
-            lambda adam, axis, p: optax_dist.moving_average(adam, 0.999),
+            lambda adam, axis: optax_dist.moving_average(adam, 0.999),
             (("every step", None, False, 9),),
             why="reads and writes the EMA on every step: 2 passes more than adam's 7 (inherent"
                 " to an EMA)"),
     Variant("drop_stale_gradients", "drop_stale_gradients(adam, 2)",
-            lambda adam, axis, p: optax_dist.drop_stale_gradients(adam, 2),
+            lambda adam, axis: optax_dist.drop_stale_gradients(adam, 2),
             (("every step (accepted)", None, False, 7),), grad_step=True,
             why="adam's update and state are computed and then selected with `tree.where`"
                 " against the old state: the old moments are read again (no extra temp or"
                 " copies)"),
     Variant("elastic_average", f"elastic_average(adam, τ={PERIOD})",
-            lambda adam, axis, p: optax_dist.elastic_average(
+            lambda adam, axis: optax_dist.elastic_average(
               adam, communication_period=PERIOD, axis_name=axis), periodic(PERIOD, 9),
             why="adam's updates are an operand of the `lax.cond`, so they are written to"
                 " memory instead of fused into `apply_updates`; the branch that skips hands the"
@@ -129,7 +110,7 @@ def variants() -> list[Variant]:
                 " after it reads the new params, d and the updates on every step",
             hinted_why=HINTED_WHY.format(what="", n="one")),
     Variant("agn", f"agn(adam, τ={PERIOD})",
-            lambda adam, axis, p: optax_dist.agn(adam, communication_period=PERIOD,
+            lambda adam, axis: optax_dist.agn(adam, communication_period=PERIOD,
                                                  axis_name=axis), periodic(PERIOD, None, 9),
             why="the gradient accumulator a += g is a read-modify-write of a params-sized"
                 " buffer on every step (9 passes instead of 7: inherent to AGN), and the"
@@ -139,11 +120,11 @@ def variants() -> list[Variant]:
                        " donated, the unchanged center and its inner state are also copied to"
                        " new output buffers"),
     Variant("local_sgd", f"local_sgd(adam, H={PERIOD})",
-            lambda adam, axis, p: optax_dist.local_sgd(adam, sync_period=PERIOD, axis_name=axis),
+            lambda adam, axis: optax_dist.local_sgd(adam, sync_period=PERIOD, axis_name=axis),
             periodic(PERIOD, 7),
             why="the new params pass through the `lax.cond` (averaged on a sync)", hinted_why=""),
     Variant("diloco", f"diloco(adam, H={SYNC_PERIOD})",
-            lambda adam, axis, p: optax_dist.diloco(adam, sync_period=SYNC_PERIOD,
+            lambda adam, axis: optax_dist.diloco(adam, sync_period=SYNC_PERIOD,
                                                     axis_name=axis), periodic(SYNC_PERIOD, 11),
             why="adam's updates are an operand of the `lax.cond` (written to memory instead"
                 " of fused into `apply_updates`), the conditional returns the anchor and the"
@@ -151,7 +132,7 @@ def variants() -> list[Variant]:
                 " updates)` after it reads the anchor on every step",
             hinted_why=HINTED_WHY.format(what=" (the anchor and the outer momentum)", n="two")),
     Variant("streaming_diloco", f"streaming_diloco(adam, H={SYNC_PERIOD}, F={FRAGMENTS})",
-            lambda adam, axis, p: optax_dist.streaming_diloco(
+            lambda adam, axis: optax_dist.streaming_diloco(
               adam, sync_period=SYNC_PERIOD, num_fragments=FRAGMENTS, axis_name=axis,
               fragments="balanced"),
             (("non-communication step", 0, False, 7),
@@ -174,44 +155,15 @@ def lm_problem(bound: bool, seed: int = 0) -> Problem:
   return Problem(params, task.loss_fn(task.model()), ({k: v[rows] for k, v in data.items()},), n)
 
 
-def phases(v: Variant):
-  """``(phase, local_step, communicates, passes, hint)`` of ``v``: each phase with the counter
-  rule, and (for the transformations that take one) each again with the static hint."""
-  for phase, value, communicates, passes in v.phases:
-    yield phase, value, communicates, passes, None
-  if v.hinted_why is not None:
-    for phase, value, communicates, passes in v.phases:
-      yield f"{phase}, hint", value, communicates, passes, communicates
-
-
 def measure_config(bound: bool, donated: bool, rounds: int, seed: int = 0) -> dict[str, Any]:
   """Times every variant's phases on the LM step in one configuration."""
   p = lm_problem(bound, seed)
-  adam = optax.adam(LEARNING_RATE)
-  with kit.Timed() as compiling:
-    base_step = p.compiled(adam, donate=donated, bound=bound)
-    baseline = Runner(p, base_step, p.init(adam))
-    runners, meta = [], []
-    for v in variants():
-      tx = v.make(adam, AXIS if bound else None, p.params)
-      steps = {}  # one compiled step per value of the hint
-      for phase, value, communicates, _, hint in phases(v):
-        if hint not in steps:
-          steps[hint] = p.compiled(tx, donate=donated, bound=bound, grad_step=v.grad_step,
-                                   communicate=hint)
-        runners.append(Runner(p, steps[hint], p.init(tx), None if value is None else "local_step",
-                              value))
-        meta.append({"name": v.name, "label": v.label, "phase": phase, "hint": hint,
-                     "communicates": communicates and bound,
-                     "sync_phase": communicates and value is not None, **memory(steps[hint])})
-  with kit.Timed() as timing:
-    t = interleaved(baseline, runners, rounds, seed)
+  timed = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, seed, bound=bound,
+                        donate=donated)
+  for row in timed["rows"]:
+    row["communicates"] = row["communicates"] and bound
   return {"axis": "bound" if bound else "unbound", "donated": donated, "rounds": rounds,
-          "devices": p.n, "num_params": p.num_params, "adam_ms": t["base_ms"],
-          "adam_cpu_ms": t["base_cpu_ms"], "adam_memory": memory(base_step),
-          "rows": [m | r for m, r in zip(meta, t["rows"])], "compile_s": compiling.seconds,
-          "timing_s": timing.seconds, "load_before": compiling.load_before,
-          "load_after": timing.load_after}
+          "devices": p.n, "num_params": p.num_params, **timed}
 
 
 def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
@@ -219,43 +171,25 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
   step of a problem whose batch is the gradients."""
   rng = np.random.default_rng(seed)
   host = {k: rng.normal(size=s).astype(np.float32) for k, s in OPTIMIZER_SHAPES.items()}
-  grads = jax.tree.map(lambda x: 1e-3 * x, host)
-  p = Problem(host, None, (grads,), 1)
-  adam = optax.adam(LEARNING_RATE)
+  p = Problem(host, None, (jax.tree.map(lambda x: 1e-3 * x, host),), 1)
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
+  stream_in = [p.put(host)]
+
+  def stream():  # 3 params-sized passes: read a, read b, write a
+    stream_in[0] = add(stream_in[0], p.batch[0])
+    return stream_in[0]
+
   with kit.Timed() as timed:
-    base_step = p.compiled(adam, bound=False)
-    baseline = Runner(p, base_step, p.init(adam))
-    runners, meta = [], []
-    for v in variants():
-      tx = v.make(adam, None, host)
-      steps = {}  # one compiled step per value of the hint
-      for phase, value, _, passes, hint in phases(v):
-        step = steps[hint] = steps.get(hint) or p.compiled(tx, bound=False,
-                                                           grad_step=v.grad_step,
-                                                           communicate=hint)
-        runners.append(Runner(p, step, p.init(tx), None if value is None else "local_step",
-                              value))
-        meta.append({"name": v.name, "label": v.label, "phase": phase, "passes": passes,
-                     "hint": hint, **memory(step)})
-    add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
-    stream_in = [p.put(host)]
-
-    def stream():  # 3 params-sized passes: read a, read b, write a
-      stream_in[0] = add(stream_in[0], p.batch[0])
-      return stream_in[0]
-
     jax.block_until_ready(stream())
-    stream_s = kit.median([kit.time_call(stream) for _ in range(max(rounds, 20))])
-    bandwidth = 3 * p.params_bytes / stream_s
-    t = interleaved(baseline, runners, rounds, seed)
-  rows = []
-  for m, r in zip(meta, t["rows"]):
-    bound_ms = None if m["passes"] is None else 1e3 * m["passes"] * p.params_bytes / bandwidth
-    rows.append(m | r | {"bound_ms": bound_ms, "bound_ratio": None if m["passes"] is None
-                         else m["passes"] / 7})
+    bandwidth = 3 * p.params_bytes / kit.median([kit.time_call(stream)
+                                                 for _ in range(max(rounds, 20))])
+    t = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, seed, bound=False)
+  for r in t["rows"]:
+    r["bound_ms"] = None if r["passes"] is None else 1e3 * r["passes"] * p.params_bytes / bandwidth
+    r["bound_ratio"] = None if r["passes"] is None else r["passes"] / 7
   return {"num_params": p.num_params, "params_bytes": p.params_bytes, "bandwidth": bandwidth,
-          "adam_ms": t["base_ms"], "adam_bound_ms": 1e3 * 7 * p.params_bytes / bandwidth,
-          "rows": rows, "rounds": rounds, "adam_memory": memory(base_step), **timed.record()}
+          "adam_ms": t["adam_ms"], "adam_bound_ms": 1e3 * 7 * p.params_bytes / bandwidth,
+          "rows": t["rows"], "rounds": rounds, "adam_memory": t["adam_memory"], **timed.record()}
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
@@ -429,23 +363,8 @@ def _slow_list(rows: list[dict[str, Any]]) -> str:
 
 def plot(result: dict[str, Any], path: str) -> None:
   configs = result["configs"]
-  labels = [f"{r['label']}\n{r['phase']}" for r in configs[0]["rows"]]
-  y = np.arange(len(labels))
-  fig, ax = kit.plt.subplots(figsize=(10, 0.45 * len(labels) + 1.5))
-  height = 0.8 / len(configs)
-  for k, c in enumerate(configs):
-    ratios = [r["ratio"] for r in c["rows"]]
-    err = [[r["ratio"] - r["q1"] for r in c["rows"]], [r["q3"] - r["ratio"] for r in c["rows"]]]
-    ax.barh(y + k * height, ratios, height, xerr=err, label=_config_name(c), alpha=0.8)
-  ax.axvline(1.0, color="black", lw=0.8)
-  ax.axvline(TARGET, color="grey", lw=0.8, ls="--")
-  ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=7)
-  ax.invert_yaxis()
-  ax.set_xlim(left=0.8)
-  ax.set_xlabel("LM step time / bare adam's (median, IQR)")
-  ax.legend(fontsize=7)
-  first, last = configs[0], configs[-1]
-  ax.set_title(f"Overhead on the LM step (dashed: {TARGET}×). {kit.machine()['cores']} CPUs;"
-               f" load average {first['load_before']} before, {last['load_after']} after",
-               fontsize=9)
-  kit.save_figure(fig, path)
+  ratio_plot([(_config_name(c), c["rows"]) for c in configs], TARGET,
+             "LM step time / bare adam's (median, IQR)",
+             f"Overhead on the LM step (dashed: {TARGET}×). {kit.machine()['cores']} CPUs; load"
+             f" average {configs[0]['load_before']} before, {configs[-1]['load_after']} after",
+             path)

@@ -31,7 +31,7 @@ import optax
 
 import optax_dist
 from benchmarks import kit
-from benchmarks.studies._steps import AXIS, Problem, Runner, interleaved, memory
+from benchmarks.studies._steps import AXIS, Problem, Variant, ratio_plot, time_variants
 from optax_dist.cli.models import MLP
 
 FEATURES = 784
@@ -45,30 +45,6 @@ SIZES = (("≈1M", (1024, 256)), ("≈10M", (2048, 2048, 2048)))
 
 TARGET = 1.05
 
-WHY = {
-  "moving_average": (
-    "every step also reads the new params and the EMA and writes the EMA: three more"
-    " params-sized passes over memory on top of adam's seven (read g, m, v, p; write m, v, p),"
-    " inherent to keeping an EMA (TF's `MovingAverageOptimizer` does the same work)"),
-  "elastic_average": (
-    "the conditional hands the center back in place (no copies), but it takes adam's updates"
-    " as an operand, so XLA materialises them instead of fusing them into `apply_updates`, and"
-    " the returned updates are selected with a `where` on every step: params-sized passes over"
-    " memory that bare adam does not make (temp memory in the next section)"),
-  "agn": (
-    "the gradient accumulator a += g is one more read-modify-write of a params-sized buffer on"
-    " every step (inherent to AGN), and the returned updates and the accumulator's reset are"
-    " selected with a `where` on every step; the conditional itself copies nothing"),
-  "drop_stale_gradients": (
-    "the inner update is always computed and then selected with `optax.tree.where` on the"
-    " updates and on adam's state (so that collectives inside run on every worker): one more"
-    " pass reading the old and the new moments"),
-  "accumulate_then_reduce": (
-    "the accumulator a += g is one more read-modify-write of a params-sized buffer, and the"
-    " `lax.cond` passes the accumulator and adam's state through"),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
   rounds_1m: int = kit.option(60, "timing rounds of the ≈1M MLP")
@@ -78,46 +54,54 @@ class Config:
 QUICK = {"rounds_1m": 3, "rounds_10m": 2}
 
 
-@dataclasses.dataclass
-class Variant:
-  """One wrapper and the steps of it to time."""
-
-  name: str
-  label: str
-  make: Any  # adam -> transformation
-  needed: float  # state bytes the algorithm needs, in params' bytes (adam: 2)
-  need_note: str
-  counter: str | None = None  # the state field that selects the kind of step
-  phases: tuple[tuple[str, int | None, bool], ...] = (("every step", None, False),)
-  grad_step: bool = False
-
-
 def variants() -> list[Variant]:
-  comm = (("non-communication step", 0, False), ("communication step", PERIOD - 1, True))
+  comm = (("non-communication step", 0, False, None), ("communication step", PERIOD - 1, True,
+                                                      None))
   return [
     Variant("moving_average", "moving_average(adam, 0.999)",
-            lambda adam: optax_dist.moving_average(adam, 0.999), 3, "adam 2× + EMA 1×"),
+            lambda adam, axis: optax_dist.moving_average(adam, 0.999), needed=3,
+            need_note="adam 2× + EMA 1×", why=(
+              "every step also reads the new params and the EMA and writes the EMA: three more"
+              " params-sized passes over memory on top of adam's seven (read g, m, v, p; write"
+              " m, v, p), inherent to keeping an EMA (TF's `MovingAverageOptimizer` does the"
+              " same work)")),
     Variant("elastic_average", f"elastic_average(adam, τ={PERIOD})",
-            lambda adam: optax_dist.elastic_average(
-              adam, communication_period=PERIOD, axis_name=AXIS),
-            3, "adam 2× + center 1×", counter="local_step", phases=comm),
+            lambda adam, axis: optax_dist.elastic_average(
+              adam, communication_period=PERIOD, axis_name=axis), comm, needed=3,
+            need_note="adam 2× + center 1×", why=(
+              "the conditional hands the center back in place (no copies), but it takes adam's"
+              " updates as an operand, so XLA materialises them instead of fusing them into"
+              " `apply_updates`, and the returned updates are selected with a `where` on every"
+              " step: params-sized passes over memory that bare adam does not make (temp memory"
+              " in the next section)")),
     Variant("agn", f"agn(adam, τ={PERIOD})",
-            lambda adam: optax_dist.agn(adam, communication_period=PERIOD, axis_name=AXIS),
-            6, "adam 2× + center 1× + accumulator 1× + center's adam 2×",
-            counter="local_step", phases=comm),
+            lambda adam, axis: optax_dist.agn(adam, communication_period=PERIOD,
+                                              axis_name=axis), comm, needed=6,
+            need_note="adam 2× + center 1× + accumulator 1× + center's adam 2×", why=(
+              "the gradient accumulator a += g is one more read-modify-write of a params-sized"
+              " buffer on every step (inherent to AGN), and the returned updates and the"
+              " accumulator's reset are selected with a `where` on every step; the conditional"
+              " itself copies nothing")),
     Variant("drop_stale_gradients", "drop_stale_gradients(adam, 2)",
-            lambda adam: optax_dist.drop_stale_gradients(adam, 2), 2, "adam 2×",
-            phases=(("every step (accepted)", None, False),), grad_step=True),
-    Variant("tower", "tower(adam)", lambda adam: optax_dist.tower(adam, AXIS), 2, "adam 2×",
-            phases=(("every step (all-reduce)", None, True),)),
+            lambda adam, axis: optax_dist.drop_stale_gradients(adam, 2),
+            (("every step (accepted)", None, False, None),), grad_step=True, needed=2,
+            need_note="adam 2×", why=(
+              "the inner update is always computed and then selected with `optax.tree.where` on"
+              " the updates and on adam's state (so that collectives inside run on every"
+              " worker): one more pass reading the old and the new moments")),
+    Variant("tower", "tower(adam)", lambda adam, axis: optax_dist.tower(adam, axis),
+            (("every step (all-reduce)", None, True, None),), needed=2, need_note="adam 2×"),
     Variant("apply_if_finite", "apply_if_finite(adam, 3)",
-            lambda adam: optax_dist.apply_if_finite(adam, 3, axis_name=AXIS), 2, "adam 2×",
-            phases=(("every step (pmax of a flag)", None, True),)),
+            lambda adam, axis: optax_dist.apply_if_finite(adam, 3, axis_name=axis),
+            (("every step (pmax of a flag)", None, True, None),), needed=2,
+            need_note="adam 2×"),
     Variant("accumulate_then_reduce", f"accumulate_then_reduce(adam, k={EVERY_K})",
-            lambda adam: optax_dist.accumulate_then_reduce(adam, EVERY_K, AXIS), 3,
-            "adam 2× + accumulator 1×", counter="mini_step",
-            phases=(("accumulating micro-step", 0, False),
-                    ("reducing micro-step", EVERY_K - 1, True))),
+            lambda adam, axis: optax_dist.accumulate_then_reduce(adam, EVERY_K, axis),
+            (("accumulating micro-step", 0, False, None),
+             ("reducing micro-step", EVERY_K - 1, True, None)), counter="mini_step", needed=3,
+            need_note="adam 2× + accumulator 1×", why=(
+              "the accumulator a += g is one more read-modify-write of a params-sized buffer,"
+              " and the `lax.cond` passes the accumulator and adam's state through")),
   ]
 
 
@@ -146,48 +130,24 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
   out = {"sizes": [], "memory": {}, "rounds": rounds}
   for size_name, hidden in SIZES:
     p = problem(hidden)
-    with_memory = size_name == SIZES[-1][0]
-    with kit.Timed() as compiling:
-      base_step = p.compiled(adam)
-      baseline = Runner(p, base_step, p.init(adam))
-      runners, meta, memory_rows = [], [], []
-      if with_memory:
-        memory_rows.append(_memory_row("adam (bare)", 2, "adam 2×", p, adam, False, base_step))
-      for v in variants():
-        tx = v.make(adam)
-        step = p.compiled(tx, grad_step=v.grad_step)
-        for phase, value, communicates in v.phases:
-          runners.append(Runner(p, step, p.init(tx), v.counter, value))
-          meta.append({"copy_bytes": memory(step)["copies"], "wrapper": v.name, "label": v.label,
-                       "phase": phase, "communicates": communicates})
-        if with_memory:
-          memory_rows.append(_memory_row(v.label, v.needed, v.need_note, p, tx, v.grad_step,
-                                         step))
-    with kit.Timed() as timing:
-      t = interleaved(baseline, runners, rounds[size_name], [0, len(hidden)])
-    rows = [m | {"wrapper_ms": r["ms"], "wrapper_cpu_ms": r["cpu_ms"], "ratio": r["ratio"],
-                 "ratio_q1": r["q1"], "ratio_q3": r["q3"], "cpu_ratio": r["cpu_ratio"]}
-            for m, r in zip(meta, t["rows"])]
-    out["sizes"].append({
-      "size": size_name, "hidden": hidden, "num_params": p.num_params,
-      "params_bytes": p.params_bytes, "adam_ms": t["base_ms"], "adam_cpu_ms": t["base_cpu_ms"],
-      "adam_copy_bytes": memory(base_step)["copies"], "rows": rows,
-      "compile_s": compiling.seconds, "timing_s": timing.seconds,
-      "load_before": timing.load_before, "load_after": timing.load_after})
-    if with_memory:
-      out["memory"] = {"size": size_name, "num_params": p.num_params,
-                       "params_bytes": p.params_bytes, "rows": memory_rows}
+    timed = time_variants(p, adam, variants(), rounds[size_name], [0, len(hidden)])
+    out["sizes"].append({"size": size_name, "hidden": hidden, "num_params": p.num_params,
+                         "params_bytes": p.params_bytes, **timed})
+  out["memory"] = {"size": size_name, "num_params": p.num_params, "params_bytes": p.params_bytes,
+                   "rows": [_memory_row(v, p, adam) for v in [
+                     Variant("adam", "adam (bare)", lambda adam, axis: adam, needed=2,
+                             need_note="adam 2×"), *variants()]]}
   return out
 
 
-def _memory_row(label, needed, need_note, p, tx, grad_step, donated_step):
+def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
   """State bytes and the compiled step's memory analysis, with and without donation."""
+  tx = v.make(adam, AXIS)
   state_bytes = kit.tree_bytes(jax.eval_shape(tx.init, p.params))
-  row = {"label": label, "state_bytes": state_bytes, "needed": needed, "need_note": need_note,
-         "excess_bytes": state_bytes - needed * p.params_bytes}
-  undonated_step = p.compiled(tx, grad_step=grad_step, donate=False)
-  for key, compiled in (("donated", donated_step), ("not_donated", undonated_step)):
-    m = compiled.memory_analysis()
+  row = {"label": v.label, "state_bytes": state_bytes, "needed": v.needed,
+         "need_note": v.need_note, "excess_bytes": state_bytes - v.needed * p.params_bytes}
+  for key, donate in (("donated", True), ("not_donated", False)):
+    m = p.compiled(tx, grad_step=v.grad_step, donate=donate).memory_analysis()
     row[key] = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
                 "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
                 "peak": m.argument_size_in_bytes + m.output_size_in_bytes
@@ -205,21 +165,9 @@ def markdown(result: dict[str, Any], figure: str) -> str:
 
 def plot(result: dict[str, Any], path: str) -> None:
   """The wall ratio of each wrapper's step over bare adam's, a bar per size."""
-  labels = [f"{r['label']}\n{r['phase']}" for r in result["sizes"][0]["rows"]]
-  fig, ax = kit.plt.subplots(figsize=(9, 0.45 * len(labels) + 1.5))
-  y, height = np.arange(len(labels)), 0.8 / len(result["sizes"])
-  for k, s in enumerate(result["sizes"]):
-    ratios = [r["ratio"] for r in s["rows"]]
-    err = [[r["ratio"] - r["ratio_q1"] for r in s["rows"]],
-           [r["ratio_q3"] - r["ratio"] for r in s["rows"]]]
-    ax.barh(y + k * height, ratios, height, xerr=err, label=s["size"], alpha=0.8)
-  ax.axvline(1.0, color="black", lw=0.8)
-  ax.axvline(TARGET, color="grey", lw=0.8, ls="--")
-  ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=7)
-  ax.invert_yaxis()
-  ax.set_xlabel("MLP step time / bare adam's (median, IQR)")
-  ax.legend(fontsize=7)
-  kit.save_figure(fig, path)
+  ratio_plot([(s["size"], s["rows"]) for s in result["sizes"]], TARGET,
+             "MLP step time / bare adam's (median, IQR)",
+             f"Overhead on the MLP step (dashed: {TARGET}×)", path)
 
 
 def _overhead_intro() -> str:
@@ -249,13 +197,14 @@ def _overhead_verdicts(result, target) -> str:
       if r["communicates"]:
         continue
       if r["ratio"] > target or r["cpu_ratio"] > target:
-        missed.setdefault((r["wrapper"], r["label"], r["phase"]), []).append(
+        missed.setdefault((r["name"], r["label"], r["phase"]), []).append(
           f"{s['size']} {r['ratio']:.2f}× wall / {r['cpu_ratio']:.2f}× CPU")
   if not missed:
     return f"Every non-communication step is within {target}× of bare adam, wall and CPU."
   lines = [f"Targets missed (> {target}× on a non-communication step, wall or CPU), and why:", ""]
-  for (wrapper, label, phase), where in missed.items():
-    lines.append(f"- `{label}`, {phase} ({'; '.join(where)}): {WHY.get(wrapper, 'noise?')}.")
+  why = {v.name: v.why for v in variants()}
+  for (name, label, phase), where in missed.items():
+    lines.append(f"- `{label}`, {phase} ({'; '.join(where)}): {why.get(name) or 'noise?'}.")
   lines.append("")
   lines.append(
     "A row missed on wall time only, with its CPU ratio within the target and an interquartile"
@@ -308,16 +257,15 @@ def overhead_markdown(result: dict[str, Any]) -> str:
   base = ["bare adam", "every step"]
   for s in sizes:
     base += [f"{s['adam_ms']:.1f}", "1", "1"]
-  base += [kit.mib(last["adam_copy_bytes"]), ""]
+  base += [kit.mib(last["adam_memory"]["copies"]), ""]
   rows = [base]
   for j, row in enumerate(sizes[0]["rows"]):
     cells = [f"`{row['label']}`", row["phase"]]
     for s in sizes:
       r = s["rows"][j]
-      cells += [f"{r['wrapper_ms']:.1f}",
-                f"**{r['ratio']:.3f}** ({r['ratio_q1']:.2f}–{r['ratio_q3']:.2f})",
+      cells += [f"{r['ms']:.1f}", f"**{r['ratio']:.3f}** ({r['q1']:.2f}–{r['q3']:.2f})",
                 f"{r['cpu_ratio']:.3f}"]
-    cells.append(kit.mib(last["rows"][j]["copy_bytes"]))
+    cells.append(kit.mib(last["rows"][j]["copies"]))
     if row["communicates"]:
       cells.append("n/a: communication step")
     else:
