@@ -41,22 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv[:1] == ["bench"]:
     return max(main([name, *argv[1:]]) for name in BENCH)
-  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split(
-    "\n\n")[0])
-  parser.add_argument("study", choices=STUDIES + ("bench",))
-  parser.add_argument("--quick", action="store_true",
-                      help="a short run that checks the program, not a measurement")
-  parser.add_argument("--out", default=None, metavar="PREFIX",
-                      help="writes PREFIX.json, PREFIX.md and PREFIX.png (default"
-                           " benchmarks/results/STUDY; with --quick, a temporary directory)")
-  parser.add_argument("--report", action="store_true",
-                      help="render PREFIX.md and PREFIX.png again from the saved result;"
-                           " measures nothing")
-  args, rest = parser.parse_known_args(argv)
-  study = importlib.import_module(f"benchmarks.studies.{args.study}")
-  config = config_of(study, rest, args.quick)
-  prefix = args.out or os.path.join(tempfile.mkdtemp() if args.quick else kit.RESULTS,
-                                    args.study)
+  if not argv or argv[0] not in STUDIES:
+    print(f"{__doc__}\nSTUDY: one of {', '.join(STUDIES + ('bench',))}; python -m benchmarks"
+          " STUDY --help lists its flags.")
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+  study = importlib.import_module(f"benchmarks.studies.{argv[0]}")
+  config, args = parse(study, argv[1:])
+  prefix = args.out or os.path.join(tempfile.mkdtemp() if args.quick else kit.RESULTS, argv[0])
   if args.report:
     result = getattr(study, "load", _load)(prefix, config)
   else:
@@ -80,13 +71,24 @@ def _load(prefix: str, config: object) -> dict:
   return kit.read_json(f"{prefix}.json")
 
 
-def config_of(study: types.ModuleType, argv: Sequence[str], quick: bool) -> object:
-  """The study's ``Config``: its defaults, then ``QUICK``'s with ``quick``, then the flags
-  ``argv`` gives (one ``--field-name`` per field; a tuple takes several values, text ones also
-  comma-separated; a bool is a switch)."""
-  parser = argparse.ArgumentParser(prog=f"python -m benchmarks {study.__name__.split('.')[-1]}")
+def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argparse.Namespace]:
+  """The study's ``Config`` (its defaults, then ``QUICK``'s with ``--quick``, then the flags
+  ``argv`` gives: one ``--field-name`` per field, a tuple taking several values, text ones also
+  comma-separated, a bool a switch) and the driver's own flags."""
+  name = study.__name__.split(".")[-1]
+  parser = argparse.ArgumentParser(prog=f"python -m benchmarks {name}",
+                                   description=study.__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="a short run that checks the program, not a measurement")
+  parser.add_argument("--out", default=None, metavar="PREFIX",
+                      help=f"writes PREFIX.json, PREFIX.md and PREFIX.png (default"
+                           f" benchmarks/results/{name}; with --quick, a temporary directory)")
+  parser.add_argument("--report", action="store_true",
+                      help="render PREFIX.md and PREFIX.png again from the saved result;"
+                           " measures nothing")
   hints = typing.get_type_hints(study.Config)
-  for field in dataclasses.fields(study.Config):
+  fields = dataclasses.fields(study.Config)
+  for field in fields:
     kind, kwargs = _unwrap(hints[field.name]), dict(field.metadata)
     if kind is bool:
       kwargs["action"] = "store_true"
@@ -97,11 +99,13 @@ def config_of(study: types.ModuleType, argv: Sequence[str], quick: bool) -> obje
       kwargs["type"] = kind
     parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
                         default=argparse.SUPPRESS, **kwargs)
-  given = vars(parser.parse_args(argv))
+  args = parser.parse_args(argv)
+  given = {f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
   for key, value in given.items():
     if isinstance(value, list):
       given[key] = tuple(x for v in value for x in (v.split(",") if isinstance(v, str) else [v]))
-  return dataclasses.replace(study.Config(), **(study.QUICK if quick else {}), **given)
+  config = dataclasses.replace(study.Config(), **(study.QUICK if args.quick else {}) | given)
+  return config, args
 
 
 def _unwrap(kind: object) -> object:

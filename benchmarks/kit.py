@@ -59,10 +59,15 @@ def settings(flags: Sequence[str] = (), **overrides: Any) -> Settings:
   """The trainer's settings of an ``lm`` run: the task's recipe (its defaults but ``steps``), then
   ``flags`` (``optax-dist train`` flags, e.g. ``("--lr-schedule", "constant", "--eager")``:
   ``--name VALUE`` sets ``name``, a flag without a value sets it to ``True``), then
-  ``overrides``."""
+  ``overrides``. As on the command line, a period the task sets and these do not is at most
+  ``steps``."""
   task = TASKS[overrides.get("task", "lm")]
-  recipe = {k: v for k, v in task.defaults.items() if k != "steps"}
-  return Settings(**{"task": task.name, **recipe, **flag_values(flags), **overrides})
+  given = flag_values(flags) | overrides
+  values = {"task": task.name, **{k: v for k, v in task.defaults.items() if k != "steps"}, **given}
+  for key in ("communication_period", "sync_period"):
+    if key not in given and values.get(key) is not None and "steps" in values:
+      values[key] = min(values[key], values["steps"])
+  return Settings(**values)
 
 
 def flag_values(flags: Sequence[str]) -> dict[str, Any]:

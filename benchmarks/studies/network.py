@@ -32,7 +32,6 @@ import dataclasses
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import numpy as np
 
 from benchmarks import kit
 from benchmarks.network import netns
-from optax_dist.cli import tasks
+from optax_dist.cli import tasks, trainer
 from optax_dist.cli.config import Settings
 
 RATES = ("unshaped", "1gbit", "100mbit", "10mbit")
@@ -214,24 +213,17 @@ def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
 
 def outer_sweep(*, steps: int, period: int, extra: list[str]) -> list[dict[str, Any]]:
   """DiLoCo's final validation bits per byte for each outer (learning rate, momentum) of
-  :data:`SWEEP`, in one process of ``PROCESSES * DEVICES`` devices (the losses do not depend on
-  the link or on how the devices split into processes)."""
-  runs = []
-  with tempfile.TemporaryDirectory() as tmp:
-    for lr, momentum in SWEEP:
-      cmd = [sys.executable, "-m", "optax_dist.cli", "train", "--task", "lm", "--algorithm",
-             "diloco", "--devices", str(PROCESSES * DEVICES), "--steps", str(steps),
-             "--batch-size", str(BATCH), "--sync-period", str(period), "--eval-every",
-             str(min(EVAL_EVERY, steps)), "--outer-learning-rate", str(lr), "--outer-momentum",
-             str(momentum), "--out", tmp, "--no-progress", *extra]
-      subprocess.run(cmd, env=netns.environment(), cwd=netns.ROOT, check=True,
-                     capture_output=True)
-      with open(os.path.join(tmp, "results_diloco.json")) as f:
-        result = json.load(f)["algorithms"]["diloco"]
-      runs.append({"outer_learning_rate": lr, "outer_momentum": momentum,
-                   "bits_per_byte": result["test_bits_per_byte_eval_params"]})
-      print(f"[network] outer sweep lr {lr} momentum {momentum}:"
-            f" {runs[-1]['bits_per_byte']:.4f} bits/byte", flush=True)
+  :data:`SWEEP`, trained in this process over ``PROCESSES * DEVICES`` devices (the losses do not
+  depend on the link or on how the devices split into processes)."""
+  runs, task = [], tasks.TASKS["lm"]
+  data = task.load(0)
+  for lr, momentum in SWEEP:
+    s = kit.settings(extra, algorithm="diloco", devices=PROCESSES * DEVICES, steps=steps,
+                     batch_size=BATCH, sync_period=period, eval_every=min(EVAL_EVERY, steps),
+                     outer_learning_rate=lr, outer_momentum=momentum)
+    bits = trainer.train(task, data, s)["test_bits_per_byte_eval_params"]
+    runs.append({"outer_learning_rate": lr, "outer_momentum": momentum, "bits_per_byte": bits})
+    print(f"[network] outer sweep lr {lr} momentum {momentum}: {bits:.4f} bits/byte", flush=True)
   return runs
 
 
