@@ -50,13 +50,12 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
 
 
 def row(name: str, result: dict, load: str) -> dict:
-  times = np.array(result["step_times"][1:]) * 1e3
-  q1, median, q3 = np.percentile(times, [25, 50, 75])
+  quartiles = np.percentile(np.array(result["step_times"][1:]) * 1e3, [25, 50, 75]).tolist()
   held = result["bytes_per_device"]
   return {"run": name, "final train loss": repr(result["final_train_loss"]),
           "val bits/byte": repr(result["test_bits_per_byte_eval_params"]),
           "params B/device": held["params"], "opt state B/device": held["opt_state"],
-          "step args B/device": held["step_arguments"], "step ms": [q1, median, q3],
+          "step args B/device": held["step_arguments"], "step ms": quartiles,
           "load before": load}
 
 
