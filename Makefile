@@ -47,7 +47,7 @@ docs: $(VENV)/.docs
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 bench: $(VENV)/.bench
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python -m benchmarks bench $(BENCH_ARGS)
 
 # Training over a veth pair between two network namespaces, shaped with tc's tbf: needs root
 # (installs iproute2 if ip or tc is missing); says why and does nothing otherwise.
@@ -56,25 +56,25 @@ bench-network: $(VENV)/.bench
 	if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then \
 	  apt-get install -y iproute2 || { apt-get update && apt-get install -y iproute2; }; \
 	fi; \
-	$(BIN)/python benchmarks/bench_network.py $(BENCH_NETWORK_ARGS)
+	$(BIN)/python -m benchmarks network $(BENCH_NETWORK_ARGS)
 
 # DiLoCo with M = 1, 2, 4, 8 replicas against data parallel at equal tokens (Scaling Laws for
 # DiLoCo, Table 4): 25 runs, about 90 minutes on 2 idle cores; each run is cached under
-# benchmarks/equal_tokens_runs/, so a stopped study resumes. E.g.
+# benchmarks/results/equal_tokens_runs/, so a stopped study resumes. E.g.
 # BENCH_EQUAL_TOKENS_ARGS=--plan prints the runs and the estimated time, --quick checks the program.
 bench-equal-tokens: $(VENV)/.bench
-	$(BIN)/python benchmarks/bench_equal_tokens.py $(BENCH_EQUAL_TOKENS_ARGS)
+	$(BIN)/python -m benchmarks equal_tokens $(BENCH_EQUAL_TOKENS_ARGS)
 
 # Validation bits per byte against the bytes sent, by exchange format, on the lm task (8 workers,
 # diloco and streaming_diloco; about 30 min); BENCH_LM_EXCHANGES_ARGS=--quick checks the program.
 bench-lm-exchanges: $(VENV)/.bench
-	$(BIN)/python benchmarks/bench_lm_exchanges.py $(BENCH_LM_EXCHANGES_ARGS)
+	$(BIN)/python -m benchmarks lm_exchanges $(BENCH_LM_EXCHANGES_ARGS)
 
 # Synchronous DiLoCo against asynchronous DiLoCo, delayed Nesterov and DyLU on four emulated
 # workers of speeds 1 : 1 : 0.5 : 0.25, at equal inner steps, on the lm task;
 # BENCH_ASYNC_DYLU_ARGS=--quick checks the program.
 bench-async-dylu: $(VENV)/.bench
-	$(BIN)/python benchmarks/bench_async_dylu.py $(BENCH_ASYNC_DYLU_ARGS)
+	$(BIN)/python -m benchmarks async_dylu $(BENCH_ASYNC_DYLU_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist

@@ -1,17 +1,12 @@
-"""The report of ``benchmarks/bench_equal_tokens.py`` on synthetic cached runs: the best outer
+"""The report of ``benchmarks/studies/equal_tokens.py`` on synthetic cached runs: the best outer
 learning rates, the gaps to data parallel and each target met or missed, against numbers
 computed by hand. Trains nothing."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-
-import bench_equal_tokens as b  # noqa: E402
+from benchmarks.studies import equal_tokens as b
 
 DP = {0: 2.0, 1: 2.1, 2: 2.2}
 """Data parallel's final validation loss by seed."""
@@ -22,7 +17,7 @@ META = {"num_params": 279_424, "train_tokens": 4_218_880, "context": 64, "steps"
 
 
 def run(replicas, seed, final, sync_period=30, outer_lr=None, outer_momentum=0.9):
-  """A cached record as :func:`bench_equal_tokens.record` writes it (the fields read)."""
+  """A cached record as :func:`benchmarks.studies.equal_tokens.record` writes it (the fields read)."""
   spec = b.Spec(replicas, seed, None if replicas is None else sync_period, outer_lr,
                 outer_momentum)
   return {"label": spec.label, "replicas": replicas, "seed": seed, "sync_period": spec.sync_period,
@@ -81,7 +76,7 @@ def test_gaps_and_targets():
   assert momenta[0]["run"]["gap"] == pytest.approx(-0.02)
   assert momenta[0]["default"]["gap"] == pytest.approx(0.01)  # seed 0 at 0.8, momentum 0.9
   assert momenta[1]["run"] is None and momenta[1]["default_lr"] == 1.0
-  assert "| M = 2 | 0.8, 0.5 | 1.9600 (-2.0%) | 0.8, 0.9 | 2.0200 (+1.0%) |" in b.markdown(
+  assert "| M = 2 | 0.8, 0.5 | 1.9600 (-2.0%) | 0.8, 0.9 | 2.0200 (+1.0%) |" in b.document(
     grid, records(), META, "p.png")
 
 
@@ -91,15 +86,15 @@ def test_targets_missed_and_not_measured(tmp_path):
   assert above["M = 1 at or below data parallel"] is False
   partial = [r for r in records() if r["replicas"] != 8]
   assert verdicts(b.summary(b.FULL, partial))["M = 8 within 5% of data parallel"] is None
-  text = b.markdown(b.FULL, partial, META, "p.png")
+  text = b.document(b.FULL, partial, META, "p.png")
   assert "| DiLoCo M = 8 | — (swept) | — | not run |" in text
   pytest.importorskip("matplotlib")
-  b.plot(b.FULL, partial, META, str(tmp_path / "p.png"))
+  b.figure(b.FULL, partial, META, str(tmp_path / "p.png"))
   assert (tmp_path / "p.png").stat().st_size > 0
 
 
 def test_markdown():
-  text = b.markdown(b.FULL, records(), META, "equal_tokens.png")
+  text = b.document(b.FULL, records(), META, "equal_tokens.png")
   assert "| DiLoCo M = 8 | 1 (swept) | 0, 1, 2 |" in text
   assert "- MISSED: M = 8 within 5% of data parallel (M = 8: +6.0%)." in text
   assert "- met: M = 1 at or below data parallel (M = 1: -0.3%)." in text

@@ -1,14 +1,13 @@
 """Two ``optax-dist train`` processes in two network namespaces, over a veth pair shaped by tbf.
 
-Runs as root with iproute2 (``benchmarks/netns.py``); skipped with the reason otherwise. Each run
-is the command as ``make bench-network`` starts it: process 0 and the coordinator in one
+Runs as root with iproute2 (``benchmarks/network/netns.py``); skipped with the reason otherwise.
+Each run is the command as ``make bench-network`` starts it: process 0 and the coordinator in one
 namespace, process 1 in the other, so every byte the processes exchange crosses the veth pair.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -16,10 +15,8 @@ pytest.importorskip("flax")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-
-import bench_network  # noqa: E402
-import netns  # noqa: E402
+from benchmarks.network import netns  # noqa: E402
+from benchmarks.studies import network as bench_network  # noqa: E402
 
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

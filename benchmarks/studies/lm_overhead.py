@@ -34,17 +34,21 @@ make a known number of params-sized passes over memory (adam: read g, p, μ, ν,
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
-import _util
-import bench_overhead
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
-AXIS = "w"
-DEVICES = 8
+import optax_dist
+from benchmarks import kit
+from benchmarks.studies._steps import Problem, Variant, ratio_plot, time_variants
+from optax_dist.cli import trainer
+from optax_dist.cli.tasks import TASKS
+
+BATCH = 8
 BATCH = 8
 LEARNING_RATE = 3e-3
 PERIOD = 10
@@ -65,27 +69,18 @@ HINTED_WHY = (
 
 
 
-@dataclasses.dataclass
-class Variant:
-  """One transformation, its phases, and its params-sized passes over memory per phase.
 
-  ``phases``: ``(name, local_step before the call or None, communicates, passes)``; ``passes``:
-  the params-sized reads and writes the optimizer step must make (``None``: no bound given).
-  """
+@dataclasses.dataclass(frozen=True)
+class Config:
+  rounds_bound: int = kit.option(20, "timing rounds of the LM step over 8 devices")
+  rounds_unbound: int = kit.option(60, "timing rounds of the LM step on one device")
+  rounds_optimizer: int = kit.option(40, "timing rounds of the optimizer alone")
 
-  name: str
-  label: str
-  make: Callable[[Any, Any, Any], Any]  # (adam, axis_name, params) -> transformation
-  phases: tuple[tuple[str, int | None, bool, int | None], ...]
-  why: str = ""
-  grad_step: bool = False
-  hinted_why: str | None = None
-  """Why a step compiled with the hint still costs more than adam (``None``: no hint)."""
+
+QUICK = {"rounds_bound": 2, "rounds_unbound": 3, "rounds_optimizer": 3}
 
 
 def variants() -> list[Variant]:
-  import optax_dist
-
   offset = SYNC_PERIOD // FRAGMENTS  # fragment 0 syncs where (local_step + 1) % H == H // F
 
   def periodic(period, comm_passes, passes=7):
@@ -93,21 +88,21 @@ def variants() -> list[Variant]:
             ("communication step", period - 1, True, comm_passes))
 
   return [
-    Variant("tower", "tower(adam)", lambda adam, axis, p: optax_dist.tower(adam, axis),
+    Variant("tower", "tower(adam)", lambda adam, axis: optax_dist.tower(adam, axis),
             (("every step (all-reduce when bound)", None, True, 7),)),
     Variant("moving_average", "moving_average(adam, 0.999)",
-            lambda adam, axis, p: optax_dist.moving_average(adam, 0.999),
+            lambda adam, axis: optax_dist.moving_average(adam, 0.999),
             (("every step", None, False, 9),),
             why="reads and writes the EMA on every step: 2 passes more than adam's 7 (inherent"
                 " to an EMA)"),
     Variant("drop_stale_gradients", "drop_stale_gradients(adam, 2)",
-            lambda adam, axis, p: optax_dist.drop_stale_gradients(adam, 2),
+            lambda adam, axis: optax_dist.drop_stale_gradients(adam, 2),
             (("every step (accepted)", None, False, 7),), grad_step=True,
             why="adam's update and state are computed and then selected with `tree.where`"
                 " against the old state: the old moments are read again (no extra temp or"
                 " copies)"),
     Variant("elastic_average", f"elastic_average(adam, τ={PERIOD})",
-            lambda adam, axis, p: optax_dist.elastic_average(
+            lambda adam, axis: optax_dist.elastic_average(
               adam, communication_period=PERIOD, axis_name=axis), periodic(PERIOD, 9),
             why="adam's updates are an operand of the `lax.cond`, so they are written to"
                 " memory instead of fused into `apply_updates`; the branch that skips hands the"
@@ -115,7 +110,7 @@ def variants() -> list[Variant]:
                 " after it reads the new params, d and the updates on every step",
             hinted_why=HINTED_WHY.format(what="", n="one")),
     Variant("agn", f"agn(adam, τ={PERIOD})",
-            lambda adam, axis, p: optax_dist.agn(adam, communication_period=PERIOD,
+            lambda adam, axis: optax_dist.agn(adam, communication_period=PERIOD,
                                                  axis_name=axis), periodic(PERIOD, None, 9),
             why="the gradient accumulator a += g is a read-modify-write of a params-sized"
                 " buffer on every step (9 passes instead of 7: inherent to AGN), and the"
@@ -125,11 +120,11 @@ def variants() -> list[Variant]:
                        " donated, the unchanged center and its inner state are also copied to"
                        " new output buffers"),
     Variant("local_sgd", f"local_sgd(adam, H={PERIOD})",
-            lambda adam, axis, p: optax_dist.local_sgd(adam, sync_period=PERIOD, axis_name=axis),
+            lambda adam, axis: optax_dist.local_sgd(adam, sync_period=PERIOD, axis_name=axis),
             periodic(PERIOD, 7),
             why="the new params pass through the `lax.cond` (averaged on a sync)", hinted_why=""),
     Variant("diloco", f"diloco(adam, H={SYNC_PERIOD})",
-            lambda adam, axis, p: optax_dist.diloco(adam, sync_period=SYNC_PERIOD,
+            lambda adam, axis: optax_dist.diloco(adam, sync_period=SYNC_PERIOD,
                                                     axis_name=axis), periodic(SYNC_PERIOD, 11),
             why="adam's updates are an operand of the `lax.cond` (written to memory instead"
                 " of fused into `apply_updates`), the conditional returns the anchor and the"
@@ -137,7 +132,7 @@ def variants() -> list[Variant]:
                 " updates)` after it reads the anchor on every step",
             hinted_why=HINTED_WHY.format(what=" (the anchor and the outer momentum)", n="two")),
     Variant("streaming_diloco", f"streaming_diloco(adam, H={SYNC_PERIOD}, F={FRAGMENTS})",
-            lambda adam, axis, p: optax_dist.streaming_diloco(
+            lambda adam, axis: optax_dist.streaming_diloco(
               adam, sync_period=SYNC_PERIOD, num_fragments=FRAGMENTS, axis_name=axis,
               fragments="balanced"),
             (("non-communication step", 0, False, 7),
@@ -148,278 +143,77 @@ def variants() -> list[Variant]:
   ]
 
 
-class LMProblem:
-  """The LM's params, minibatch and step builders, bound over 8 devices or on one device."""
-
-  def __init__(self, bound: bool, seed: int = 0):
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh
-
-    from optax_dist.cli import tasks
-
-    self.bound = bound
-    self.axis = AXIS if bound else None
-    self.n = DEVICES if bound else 1
-    self.task = tasks.TASKS["lm"]
-    model = self.task.model()
-    self.loss_fn = self.task.loss_fn(model)
-    init = jax.jit(lambda key: model.init(key, jnp.zeros((1, tasks.LM_CONTEXT), jnp.uint8)))
-    self.params = jax.device_get(init(jax.random.key(seed))["params"])  # one worker's
-    self.num_params = sum(x.size for x in jax.tree.leaves(self.params))
-    self.mesh = Mesh(np.array(jax.devices()[:self.n]), (AXIS,))
-    data = self.task.load(seed).train
-    rng = np.random.default_rng(seed)
-    rows = rng.choice(len(data["x"]), self.n * BATCH, replace=False)
-    self.batch = self.put({k: v[rows] for k, v in data.items()}, tile=False)
-
-  def spec(self, tree):
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    return jax.tree.map(lambda x: P(AXIS) if np.ndim(x) else P(), tree)
-
-  def put(self, tree, tile: bool = True):
-    """``tree`` on the devices; ``tile``: one worker's values repeated for every worker."""
-    import jax
-    from jax.sharding import NamedSharding
-
-    def one(x, s):
-      x = np.asarray(x)
-      if tile and x.ndim:
-        x = np.concatenate([x] * self.n)
-      return jax.device_put(x, NamedSharding(self.mesh, s))
-
-    return jax.tree.map(one, tree, self.spec(tree))
-
-  def abstract(self, tree):
-    import jax
-    from jax.sharding import NamedSharding
-
-    return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(
-        ((self.n * x.shape[0],) + x.shape[1:]) if x.ndim else (), x.dtype,
-        sharding=NamedSharding(self.mesh, s)), tree, self.spec(tree))
-
-  def init(self, tx):
-    import jax
-
-    return self.put(jax.device_get(jax.jit(tx.init)(self.params)))
-
-  def compiled(self, tx, *, donate: bool, grad_step: bool = False,
-               communicate: bool | None = None):
-    """The step of ``tx``, compiled for this configuration (``communicate``: the hint)."""
-    import jax
-    import optax
-
-    loss_fn = self.loss_fn
-
-    def step(params, opt_state, batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      kwargs = _extra_args(opt_state, grad_step, communicate)
-      updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
-      return optax.apply_updates(params, updates), opt_state, loss
-
-    state_shape = jax.eval_shape(tx.init, self.params)
-    if self.bound:
-      from jax.sharding import PartitionSpec as P
-
-      step = jax.shard_map(
-        _with_loss_axis(step), mesh=self.mesh,
-        in_specs=(self.spec(self.params), self.spec(state_shape), P(AXIS)),
-        out_specs=(self.spec(self.params), self.spec(state_shape), P(AXIS)))
-    jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
-    return jitted.lower(self.abstract(self.params), self.abstract(state_shape),
-                        self.batch).compile()
-
-
-def _extra_args(opt_state, grad_step: bool, communicate: bool | None) -> dict[str, Any]:
-  kwargs = {"grad_step": opt_state.global_step} if grad_step else {}
-  return kwargs if communicate is None else kwargs | {"communicate": communicate}
-
-
-def phases(v: Variant):
-  """``(phase, local_step, communicates, passes, hint)`` of ``v``: each phase with the counter
-  rule, and (for the transformations that take one) each again with the static hint."""
-  for phase, value, communicates, passes in v.phases:
-    yield phase, value, communicates, passes, None
-  if v.hinted_why is not None:
-    for phase, value, communicates, passes in v.phases:
-      yield f"{phase}, hint", value, communicates, passes, communicates
-
-
-def _with_loss_axis(step):
-  def mapped(params, opt_state, batch):
-    params, opt_state, loss = step(params, opt_state, batch)
-    return params, opt_state, loss[None]
-
-  return mapped
-
-
-class Runner:
-  """Calls one compiled step on its own params and state, as a training loop would."""
-
-  def __init__(self, put, step, params, state, counter=None, value=None, batch=None):
-    self.put, self.step, self.params, self.state = put, step, params, state
-    self.counter, self.value, self.batch = counter, value, batch
-
-  def __call__(self) -> tuple[float, float]:
-    """Runs one step; returns its wall-clock and process CPU seconds."""
-    import jax
-
-    state = self.state
-    if self.counter is not None:
-      state = state._replace(**{self.counter: jax.block_until_ready(self.put(np.int32(
-        self.value)))})
-    start, cpu = time.perf_counter(), time.process_time()
-    out = self.step(self.params, state, *self.batch)
-    jax.block_until_ready(out)
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    self.params, self.state = out[0], out[1]
-    return elapsed, cpu
-
-
-def interleaved(baseline: Runner, runners: list[Runner], rounds: int, seed: int) -> dict:
-  """Times ``runners`` against ``baseline`` in interleaved rounds (see the module docstring)."""
-  baseline()
-  for r in runners:
-    r()
-  rng = np.random.default_rng(seed)
-  base, times = [], [[] for _ in runners]
-  ratios = [[] for _ in runners]
-  for _ in range(rounds):
-    previous = baseline()
-    base.append(previous)
-    for i in rng.permutation(len(runners)):
-      t = runners[i]()
-      after = baseline()
-      base.append(after)
-      times[i].append(t)
-      ratios[i].append(tuple(t[j] / (0.5 * (previous[j] + after[j])) for j in (0, 1)))
-      previous = after
-  return {
-    "base_ms": 1e3 * _util.median([t[0] for t in base]),
-    "base_cpu_ms": 1e3 * _util.median([t[1] for t in base]),
-    "rows": [{
-      "ms": 1e3 * _util.median([t[0] for t in ts]),
-      "ratio": _util.median([r[0] for r in rs]),
-      "q1": float(np.percentile([r[0] for r in rs], 25)),
-      "q3": float(np.percentile([r[0] for r in rs], 75)),
-      "cpu_ratio": _util.median([r[1] for r in rs]),
-    } for ts, rs in zip(times, ratios)],
-  }
-
-
-def _memory(compiled) -> dict[str, int]:
-  m = compiled.memory_analysis()
-  return {"temp": int(m.temp_size_in_bytes), "copies": bench_overhead.copy_bytes(compiled)}
+def lm_problem(bound: bool, seed: int = 0) -> Problem:
+  """The LM's params (one worker's) and a minibatch of :data:`BATCH` windows per worker, over
+  :data:`kit.DEVICES` workers if ``bound``, else one."""
+  n = kit.DEVICES if bound else 1
+  task = TASKS["lm"]
+  data = task.load(seed).train
+  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.items())
+  params = trainer.initial_params(task, seed, example)
+  rows = np.random.default_rng(seed).choice(len(data["x"]), n * BATCH, replace=False)
+  return Problem(params, task.loss_fn(task.model()), ({k: v[rows] for k, v in data.items()},), n)
 
 
 def measure_config(bound: bool, donated: bool, rounds: int, seed: int = 0) -> dict[str, Any]:
   """Times every variant's phases on the LM step in one configuration."""
-  import optax
-
-  problem = LMProblem(bound, seed)
-  adam = optax.adam(LEARNING_RATE)
-  start, load_before = time.perf_counter(), _util.load_average()
-  base_step = problem.compiled(adam, donate=donated)
-  params = problem.put(problem.params)
-  baseline = Runner(problem.put, base_step, params, problem.init(adam), batch=(problem.batch,))
-  runners, meta = [], []
-  for v in variants():
-    tx = v.make(adam, problem.axis, problem.params)
-    steps = {}  # one compiled step per value of the hint
-    for phase, value, communicates, _, hint in phases(v):
-      if hint not in steps:
-        steps[hint] = problem.compiled(tx, donate=donated, grad_step=v.grad_step,
-                                       communicate=hint)
-      step = steps[hint]
-      counter = None if value is None else "local_step"
-      runners.append(Runner(problem.put, step, problem.put(problem.params), problem.init(tx),
-                            counter, value, batch=(problem.batch,)))
-      meta.append({"name": v.name, "label": v.label, "phase": phase, "hint": hint,
-                   "communicates": communicates and bound,
-                   "sync_phase": communicates and value is not None, **_memory(step)})
-  compile_s = time.perf_counter() - start
-  timing = interleaved(baseline, runners, rounds, seed)
-  rows = [m | r for m, r in zip(meta, timing["rows"])]
+  p = lm_problem(bound, seed)
+  timed = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, seed, bound=bound,
+                        donate=donated)
+  for row in timed["rows"]:
+    row["communicates"] = row["communicates"] and bound
   return {"axis": "bound" if bound else "unbound", "donated": donated, "rounds": rounds,
-          "devices": problem.n, "num_params": problem.num_params,
-          "adam_ms": timing["base_ms"], "adam_cpu_ms": timing["base_cpu_ms"],
-          "adam_memory": _memory(base_step), "rows": rows, "compile_s": compile_s,
-          "timing_s": time.perf_counter() - start - compile_s, "load_before": load_before,
-          "load_after": _util.load_average()}
+          "devices": p.n, "num_params": p.num_params, **timed}
 
 
 def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
-  """``update`` + ``apply_updates`` on the 4M-param tree against its bytes-per-pass bound."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-
+  """``update`` + ``apply_updates`` on the 4M-param tree against its bytes-per-pass bound: the
+  step of a problem whose batch is the gradients."""
   rng = np.random.default_rng(seed)
   host = {k: rng.normal(size=s).astype(np.float32) for k, s in OPTIMIZER_SHAPES.items()}
-  params_bytes = sum(x.nbytes for x in host.values())
-  grads = jax.device_put(jax.tree.map(lambda x: 1e-3 * x, host))
-  adam = optax.adam(LEARNING_RATE)
-  put = jax.device_put
-
-  def compiled(tx, grad_step=False, communicate=None):
-    def step(params, state, g):
-      kwargs = _extra_args(state, grad_step, communicate)
-      updates, state = tx.update(g, state, params, **kwargs)
-      return optax.apply_updates(params, updates), state
-
-    return jax.jit(step, donate_argnums=(0, 1)).lower(host, jax.eval_shape(tx.init, host),
-                                                      grads).compile()
-
-  def runner(tx, step, counter=None, value=None):
-    return Runner(lambda x: put(x), step, put(host), jax.jit(tx.init)(host), counter, value,
-                  batch=(grads,))
-
-  start, load_before = time.perf_counter(), _util.load_average()
-  baseline = runner(adam, compiled(adam))
-  runners, meta = [], []
-  for v in variants():
-    tx = v.make(adam, None, host)
-    steps = {}  # one compiled step per value of the hint
-    for phase, value, _, passes, hint in phases(v):
-      step = steps[hint] = steps.get(hint) or compiled(tx, v.grad_step, hint)
-      runners.append(runner(tx, step, None if value is None else "local_step", value))
-      meta.append({"name": v.name, "label": v.label, "phase": phase, "passes": passes,
-                   "hint": hint, **_memory(step)})
+  p = Problem(host, None, (jax.tree.map(lambda x: 1e-3 * x, host),), 1)
   add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
-  copy_in = [put(host)]
+  stream_in = [p.put(host)]
 
   def stream():  # 3 params-sized passes: read a, read b, write a
-    copy_in[0] = add(copy_in[0], grads)
-    return copy_in[0]
+    stream_in[0] = add(stream_in[0], p.batch[0])
+    return stream_in[0]
 
-  jax.block_until_ready(stream())
-  stream_s = _util.median([_util.time_call(stream) for _ in range(max(rounds, 20))])
-  bandwidth = 3 * params_bytes / stream_s
-  timing = interleaved(baseline, runners, rounds, seed)
-  rows = []
-  for m, r in zip(meta, timing["rows"]):
-    bound_ms = None if m["passes"] is None else 1e3 * m["passes"] * params_bytes / bandwidth
-    rows.append(m | r | {"bound_ms": bound_ms, "bound_ratio": None if m["passes"] is None
-                         else m["passes"] / 7})
-  return {"num_params": sum(x.size for x in host.values()), "params_bytes": params_bytes,
-          "bandwidth": bandwidth, "adam_ms": timing["base_ms"],
-          "adam_bound_ms": 1e3 * 7 * params_bytes / bandwidth, "rows": rows, "rounds": rounds,
-          "adam_memory": _memory(baseline.step), "wall_s": time.perf_counter() - start,
-          "load_before": load_before, "load_after": _util.load_average()}
+  with kit.Timed() as timed:
+    jax.block_until_ready(stream())
+    bandwidth = 3 * p.params_bytes / kit.median([kit.time_call(stream)
+                                                 for _ in range(max(rounds, 20))])
+    t = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, seed, bound=False)
+  for r in t["rows"]:
+    r["bound_ms"] = None if r["passes"] is None else 1e3 * r["passes"] * p.params_bytes / bandwidth
+    r["bound_ratio"] = None if r["passes"] is None else r["passes"] / 7
+  return {"num_params": p.num_params, "params_bytes": p.params_bytes, "bandwidth": bandwidth,
+          "adam_ms": t["adam_ms"], "adam_bound_ms": 1e3 * 7 * p.params_bytes / bandwidth,
+          "rows": t["rows"], "rounds": rounds, "adam_memory": t["adam_memory"], **timed.record()}
 
 
-def measure(rounds_bound: int, rounds_unbound: int, rounds_optimizer: int) -> dict[str, Any]:
+def measure(config: Config, prefix: str) -> dict[str, Any]:
   warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   configs = []
   for axis, donated in CONFIGS:
     bound = axis == "bound"
-    print(f"[bench]   LM step, {axis}, donated={donated}", flush=True)
-    configs.append(measure_config(bound, donated, rounds_bound if bound else rounds_unbound))
-  print("[bench]   optimizer alone", flush=True)
-  return {"configs": configs, "optimizer": measure_optimizer(rounds_optimizer)}
+    print(f"[lm_overhead] LM step, {axis}, donated={donated}", flush=True)
+    configs.append(measure_config(bound, donated,
+                                  config.rounds_bound if bound else config.rounds_unbound))
+  print("[lm_overhead] optimizer alone", flush=True)
+  return {"configs": configs, "optimizer": measure_optimizer(config.rounds_optimizer)}
+
+
+def markdown(result: dict[str, Any], figure: str) -> str:
+  return "\n".join([
+    "## Language model: overhead on the step", "",
+    kit.doc_markdown(__doc__, 1, 4), "",
+    matrix_markdown(result), "", missed_markdown(result), "",
+    ("Temp bytes (`compile().memory_analysis()`) and bytes written by `copy` instructions in"
+     " each compiled LM step:"), "", memory_markdown(result), "",
+    f"![LM step time over bare adam's]({figure})", "",
+    "### The optimizer alone", "", kit.doc_markdown(__doc__, 5, 5), "",
+    optimizer_markdown(result)])
 
 
 def _config_name(c: dict[str, Any]) -> str:
@@ -451,7 +245,7 @@ def matrix_markdown(result: dict[str, Any]) -> str:
       cells += [f"**{r['ratio']:.3f}** ({r['q1']:.2f}–{r['q3']:.2f})", f"{r['cpu_ratio']:.3f}"]
       verdict.append(("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a")
     rows.append(cells + [", ".join(verdict)])
-  lines = [_util.table(header, rows, "ll" + "rr" * len(configs) + "l"), ""]
+  lines = [kit.table(header, rows, "ll" + "rr" * len(configs) + "l"), ""]
   for c in configs:
     lines.append(
       f"- {_config_name(c)}: bare adam {c['adam_ms']:.1f} ms wall, {c['adam_cpu_ms']:.1f} ms"
@@ -476,7 +270,7 @@ def memory_markdown(result: dict[str, Any]) -> str:
     rows.append([f"`{row['label']}`{hint}"] + [
       f"{c['rows'][j]['temp'] / 1024:.0f} / {c['rows'][j]['copies'] / 1024:.0f}"
       for c in configs])
-  return _util.table(header, rows, "l" + "r" * len(configs))
+  return kit.table(header, rows, "l" + "r" * len(configs))
 
 
 def missed_markdown(result: dict[str, Any]) -> str:
@@ -514,7 +308,7 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
   base = o["adam_memory"]
   rows = [["bare adam", "every step", f"{o['adam_ms']:.2f}", "1", "1", "7",
            f"{o['adam_bound_ms']:.2f}", "1", f"{o['adam_ms'] / o['adam_bound_ms']:.2f}",
-           f"{_util.mib(base['temp'])} / {_util.mib(base['copies'])}"]]
+           f"{kit.mib(base['temp'])} / {kit.mib(base['copies'])}"]]
   for r in o["rows"]:
     bound = r["bound_ms"]
     rows.append([f"`{r['label']}`", r["phase"], f"{r['ms']:.2f}",
@@ -523,7 +317,7 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
                  "—" if bound is None else f"{bound:.2f}",
                  "—" if bound is None else f"{r['bound_ratio']:.3f}",
                  "—" if bound is None else f"{r['ms'] / bound:.2f}",
-                 f"{_util.mib(r['temp'])} / {_util.mib(r['copies'])}"])
+                 f"{kit.mib(r['temp'])} / {kit.mib(r['copies'])}"])
   slow = [r for r in o["rows"] if r["bound_ms"] is not None
           and r["ratio"] > 1.25 * r["bound_ratio"]]
   ruled = [r for r in slow if r.get("hint") is None]
@@ -547,7 +341,7 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
       " temp and copy bytes); it runs once per period.")
   note = "\n\n".join(notes)
   return "\n".join([
-    (f"{o['num_params']:,} params ({_util.human_bytes(o['params_bytes'])}), one device,"
+    (f"{o['num_params']:,} params ({kit.human_bytes(o['params_bytes'])}), one device,"
     f" `axis_name=None`, donated; measured bandwidth {o['bandwidth'] / 1e9:.1f} GB/s (a fused"
     f" `a + b` over the tree, 3 passes); {o['rounds']} rounds; load average {o['load_before']}"
     f" before, {o['load_after']} after. *passes*: the params-sized reads and writes the step"
@@ -555,7 +349,7 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
     " DiLoCo sync +4: read anchor and outer momentum, write both; —: not counted); *bound*:"
     " passes × params bytes / bandwidth."),
     "",
-    _util.table(header, rows, "llrrrrrrrr"),
+    kit.table(header, rows, "llrrrrrrrr"),
     "",
     note,
   ])
@@ -563,36 +357,14 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
 
 def _slow_list(rows: list[dict[str, Any]]) -> str:
   return "; ".join(f"`{r['label']}` {r['phase']} {r['ratio']:.1f}× adam (bound"
-                   f" {r['bound_ratio']:.2f}×; temp {_util.mib(r['temp'])} MiB, copies"
-                   f" {_util.mib(r['copies'])} MiB)" for r in rows)
+                   f" {r['bound_ratio']:.2f}×; temp {kit.mib(r['temp'])} MiB, copies"
+                   f" {kit.mib(r['copies'])} MiB)" for r in rows)
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   configs = result["configs"]
-  labels = [f"{r['label']}\n{r['phase']}" for r in configs[0]["rows"]]
-  y = np.arange(len(labels))
-  fig, ax = plt.subplots(figsize=(10, 0.45 * len(labels) + 1.5))
-  height = 0.8 / len(configs)
-  for k, c in enumerate(configs):
-    ratios = [r["ratio"] for r in c["rows"]]
-    err = [[r["ratio"] - r["q1"] for r in c["rows"]], [r["q3"] - r["ratio"] for r in c["rows"]]]
-    ax.barh(y + k * height, ratios, height, xerr=err, label=_config_name(c), alpha=0.8)
-  ax.axvline(1.0, color="black", lw=0.8)
-  ax.axvline(TARGET, color="grey", lw=0.8, ls="--")
-  ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=7)
-  ax.invert_yaxis()
-  ax.set_xlim(left=0.8)
-  ax.set_xlabel("LM step time / bare adam's (median, IQR)")
-  ax.legend(fontsize=7)
-  first, last = configs[0], configs[-1]
-  ax.set_title(f"Overhead on the LM step (dashed: {TARGET}×). {_util.machine()['cores']} CPUs;"
-               f" load average {first['load_before']} before, {last['load_after']} after",
-               fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  ratio_plot([(_config_name(c), c["rows"]) for c in configs], TARGET,
+             "LM step time / bare adam's (median, IQR)",
+             f"Overhead on the LM step (dashed: {TARGET}×). {kit.machine()['cores']} CPUs; load"
+             f" average {configs[0]['load_before']} before, {configs[-1]['load_after']} after",
+             path)

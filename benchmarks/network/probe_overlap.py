@@ -36,8 +36,9 @@ dispatch is asynchronous) and until the steps were done (about ``compute`` when 
 the exchange, ``exchange + compute`` when behind it); whether the exchanges' results equal the
 sum of both processes' inputs; and the load average before and after each rate.
 
-Needs root and iproute2; says why and exits with 0 otherwise. ``python benchmarks/probe_overlap.py
-[--rates 10mbit unshaped] [--out benchmarks/probe_overlap.json]``.
+Needs root and iproute2; says why and exits with 0 otherwise. ``python -m
+benchmarks.network.probe_overlap [--rates 10mbit unshaped] [--out
+benchmarks/results/probe_overlap.json]``.
 """
 
 from __future__ import annotations
@@ -52,10 +53,17 @@ import threading
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.multihost_utils import sync_global_devices
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import netns  # noqa: E402
+from benchmarks.network import netns
+from optax_dist.cli.launcher import init_jax
+
+RESULTS = os.path.join(netns.ROOT, "benchmarks", "results")
 
 DEVICES = 5
 """Emulated CPU devices per process: the training devices and one for the exchange."""
@@ -81,17 +89,7 @@ OVERLAPPED = VARIANTS[3:]
 
 def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[str, Any]:
   """Process ``process_id``'s measurements (it joins the other at ``coordinator``)."""
-  import jax
-
-  from optax_dist.cli.launcher import init_jax
-
   init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
-
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.experimental.multihost_utils import sync_global_devices
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   def of(process):
     return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
@@ -219,7 +217,8 @@ def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[s
   coordinator = f"{link.addresses['a']}:{args.port}"
   options = [f"--{k}={getattr(args, k)}" for k in ("size", "steps", "repeats", "width", "layers",
                                                    "rows")]
-  link.run_pair([[sys.executable, os.path.abspath(__file__), "--worker", str(i), "--coordinator",
+  module = "benchmarks.network.probe_overlap"
+  link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
                   coordinator, "--result", os.path.join(tmp, f"process{i}.json"), *options]
                  for i in range(2)], tmp, TIMEOUT, what="the probe")
   results = []
@@ -264,7 +263,7 @@ def report(rate: str, summaries: list[dict[str, Any]], load: list[float]) -> str
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rates", nargs="+", default=["10mbit", "unshaped"])
-  parser.add_argument("--out", default=os.path.join(HERE, "probe_overlap.json"))
+  parser.add_argument("--out", default=os.path.join(RESULTS, "probe_overlap.json"))
   parser.add_argument("--size", type=int, default=SIZE, help="bytes each process exchanges")
   parser.add_argument("--steps", type=int, default=STEPS, help="local steps per measurement")
   parser.add_argument("--repeats", type=int, default=REPEATS)

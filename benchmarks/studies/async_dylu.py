@@ -26,31 +26,36 @@ anchor (the server's params), evaluated along the way. Targets (Liu et al.'s ord
 Nesterov + DyLU ends within 1% of synchronous DiLoCo; plain asynchronous DiLoCo ends measurably
 worse (above synchronous DiLoCo on every seed).
 
-Usage: ``python benchmarks/bench_async_dylu.py [--seeds 0 1 2] [--rounds R] [--sync-period H]
+Usage: ``python -m benchmarks async_dylu [--seeds 0 1 2] [--rounds R] [--sync-period H]
 [--recipe FLAGS] [--outer LR MOMENTUM] [--speeds V ...] [--buffer-size N] [--activation C]
 [--shards files|shuffled] [--model WIDTH DEPTH] [--quick] [--out PREFIX] [--report]`` writes
-PREFIX.json, PREFIX.md and PREFIX.png (default ``benchmarks/async_dylu``; with ``--quick``, a
-few short runs into a temporary directory).
+PREFIX.json, PREFIX.md and PREFIX.png (default ``benchmarks/results/async_dylu``; with
+``--quick``, a few short runs into a temporary directory).
+
+Synchronous DiLoCo is this module's own loop (:func:`sync_diloco`), not the trainer's: it draws
+its minibatches from the emulator's shards (:func:`optax_dist.cli.async_run.setup`, shuffled or
+not, with ``--model``'s transformer) and counts simulated time as the emulator does, so that the
+four runs differ in the protocol alone.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 import shlex
-import sys
-import tempfile
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import _util  # noqa: E402
+import optax_dist
+from benchmarks import kit
+from optax_dist import async_emulator as ae
+from optax_dist.cli import async_run, tasks
+from optax_dist.cli.algorithms import inner_optimizer
+from optax_dist.cli.models import Transformer
 
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -59,7 +64,6 @@ ROUNDS, PERIOD = 12, 30
 EVALS_PER_ROUND = 2
 """Evaluations per R × H × 4 / R inner steps (twice a synchronous round's worth)."""
 TOLERANCE = 0.01
-QUICK = {"rounds": 2, "period": 6, "seeds": [0]}
 SHARDS = {
   "files": "the command's shards: worker i holds the i-th quarter of the training windows, in"
            " corpus order (whole files, so the shards differ in content)",
@@ -69,47 +73,41 @@ SHARDS = {
 PROTOCOLS = ("async diloco", "async + delayed nesterov", "async + delayed nesterov + dylu")
 
 
-def recipe(steps: int, task: str, flags: tuple[str, ...] = ()) -> tuple[Any, int]:
-  """The inner optimizer of ``optax-dist train --task TASK --steps STEPS FLAGS`` (the command's
-  recipe, changed by ``flags``, e.g. ``--lr-schedule constant``) and its batch size per
-  worker."""
-  from optax_dist.cli.algorithms import inner_optimizer
-  from optax_dist.cli.arguments import build_parser
-  from optax_dist.cli.main import settings_of
-  from optax_dist.cli.tasks import TASKS
-
-  args = build_parser().parse_args(["train", "--task", task, "--steps", str(steps), *flags])
-  settings = settings_of(args, TASKS[task])
-  return inner_optimizer(settings), settings.batch_size
-
-
 @dataclasses.dataclass(frozen=True)
-class Setting:
-  """What a run of the bench varies (each field has its command-line flag)."""
+class Config:
+  """What a run of the study varies (each field has its command-line flag)."""
 
-  seeds: tuple[int, ...] = (0, 1, 2)
-  rounds: int = ROUNDS
-  sync_period: int = PERIOD
-  task: str = "lm"
-  recipe_flags: tuple[str, ...] = ()
-  outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)
-  """The outer learning rate and momentum of every run."""
-  speeds: tuple[float, ...] = SPEEDS
-  shards: str = "files"
-  """One of :data:`SHARDS`."""
-  buffer_size: int | None = None
-  """Delayed Nesterov's N; ``None``: the number of workers (Liu et al.)."""
-  activation: float = 0.0
-  """Delayed Nesterov's momentum activation c."""
-  model: tuple[int, int] | None = None
-  """``lm`` only: the transformer's width and depth; ``None``: the task's (96 and 2)."""
+  seeds: tuple[int, ...] = kit.option((0, 1, 2), "the seeds")
+  rounds: int = kit.option(ROUNDS, "R, synchronous rounds")
+  sync_period: int = kit.option(PERIOD, "H")
+  task: str = kit.option("lm", "an optax-dist task")
+  recipe: str = kit.option("", "flags of `optax-dist train` changing the inner recipe, e.g."
+                           " '--lr-schedule constant' (default: none, the task's recipe)")
+  outer: tuple[float, float] = kit.option((OUTER_LR, OUTER_MOMENTUM),
+                                          "the outer learning rate and momentum of every run",
+                                          metavar=("LR", "MOMENTUM"))
+  speeds: tuple[float, ...] = kit.option(SPEEDS, "one relative speed per worker")
+  shards: str = kit.option("files", "; ".join(f"{k}: {v}" for k, v in SHARDS.items()),
+                           choices=tuple(SHARDS))
+  buffer_size: int | None = kit.option(None, "delayed Nesterov's N (default: the workers)")
+  activation: float = kit.option(0.0, "delayed Nesterov's momentum activation c")
+  model: tuple[int, int] | None = kit.option(None, "lm only: the transformer's width and depth"
+                                             " (default the task's, 96 and 2: 0.28M params)",
+                                             metavar=("WIDTH", "DEPTH"))
 
 
-def task_of(setting: Setting) -> Any:
+QUICK = {"rounds": 2, "sync_period": 6, "seeds": (0,)}
+
+
+def recipe(steps: int, setting: Config) -> tuple[Any, int]:
+  """The inner optimizer of ``optax-dist train --task TASK --steps STEPS RECIPE`` and its batch
+  size per worker."""
+  s = kit.settings(shlex.split(setting.recipe), task=setting.task, steps=steps).resolved()
+  return inner_optimizer(s), s.batch_size
+
+
+def task_of(setting: Config) -> Any:
   """The ``optax-dist`` task of ``setting``, with its transformer's width and depth."""
-  from optax_dist.cli import tasks
-  from optax_dist.cli.models import Transformer
-
   task = tasks.TASKS[setting.task]
   if setting.model is None:
     return task
@@ -123,12 +121,6 @@ def task_of(setting: Setting) -> Any:
 def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, batch: int,
                 seed: int, outer: tuple[float, float]) -> np.ndarray:
   """The anchor's metric after each round of synchronous DiLoCo (round 0 first)."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  import optax_dist
-
   data = problem["data"]
   n, m = jax.tree.leaves(data)[0].shape[:2]
   tx = optax_dist.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h,
@@ -158,13 +150,8 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
   return np.asarray(values)
 
 
-def protocols(inner: Any, setting: Setting) -> dict[str, Any]:
+def protocols(inner: Any, setting: Config) -> dict[str, Any]:
   """The emulator's three asynchronous protocols of :data:`PROTOCOLS` in ``setting``."""
-  import optax
-
-  import optax_dist
-  from optax_dist import async_emulator as ae
-
   h, outer = setting.sync_period, setting.outer
   nesterov = optax.sgd(*outer, nesterov=True)
   delayed = optax_dist.delayed_nesterov(
@@ -179,8 +166,6 @@ def async_curve(problem: dict[str, Any], protocol: Any, *, speeds: tuple[float, 
                 steps: int, batch: int, seed: int, eval_every: int) -> dict[str, Any]:
   """One asynchronous run of ``steps`` inner steps: its metric against simulated time and
   inner steps, and its commits and their staleness."""
-  from optax_dist import async_emulator as ae
-
   cluster = ae.Cluster(len(speeds), speeds=speeds, seed=seed)
   schedule = cluster.schedule(num_events=steps,
                               communication_period=protocol.sync_periods(cluster.worker_speeds))
@@ -199,25 +184,17 @@ def async_curve(problem: dict[str, Any], protocol: Any, *, speeds: tuple[float, 
 def shuffled(data: Any, seed: int) -> Any:
   """``data`` (every leaf ``[N, M, ...]``, worker ``i``'s shard at ``i``) with its examples
   dealt again at random: every shard a uniform sample of the whole training set."""
-  import jax
-  import jax.numpy as jnp
-
   n, m = jax.tree.leaves(data)[0].shape[:2]
   order = jnp.asarray(np.random.default_rng((seed, 11)).permutation(n * m))
   return jax.tree.map(lambda a: a.reshape((n * m, *a.shape[2:]))[order].reshape(a.shape), data)
 
 
-def measure(setting: Setting) -> dict[str, Any]:
+def measure(setting: Config, prefix: str) -> dict[str, Any]:
   """Every protocol and synchronous DiLoCo on each seed of ``setting``, at equal inner steps."""
-  import jax
-
-  from optax_dist import async_emulator as ae
-  from optax_dist.cli import async_run
-
-  st, start, load_before = setting, time.perf_counter(), _util.load_average()
+  st, start, load_before = setting, time.perf_counter(), kit.load_average()
   n, h, rounds = len(st.speeds), st.sync_period, st.rounds
   total = n * rounds * h
-  inner, batch = recipe(rounds * h, st.task, st.recipe_flags)
+  inner, batch = recipe(rounds * h, st)
   runs = []
   for seed in st.seeds:
     problem = async_run.setup(task_of(st), n, seed)
@@ -239,11 +216,12 @@ def measure(setting: Setting) -> dict[str, Any]:
       print(f"[bench] seed {seed} {r['name']}: {r['metric'][-1]:.4f} at t = {r['time'][-1]:.0f},"
             f" {r['commits']} commits, {r['wall_s']:.0f} s", flush=True)
     jax.clear_caches()
-  return {**dataclasses.asdict(st), "buffer_size": st.buffer_size or n,
+  return {**dataclasses.asdict(st), "recipe_flags": shlex.split(st.recipe),
+          "buffer_size": st.buffer_size or n,
           "dylu_periods": ae.dylu_sync_periods(st.speeds, h), "inner_steps": total,
-          "batch_size": batch, "runs": runs, "machine": _util.machine(),
-          "versions": _util.versions(), "load_before": load_before,
-          "load_after": _util.load_average(), "wall_s": time.perf_counter() - start}
+          "batch_size": batch, "runs": runs, "machine": kit.machine(),
+          "load_before": load_before,
+          "load_after": kit.load_average(), "wall_s": time.perf_counter() - start}
 
 
 def finals(result: dict[str, Any]) -> dict[str, dict[int, float]]:
@@ -276,7 +254,7 @@ def summary(result: dict[str, Any]) -> str:
                  f"{np.mean([r['time'][-1] for r in runs]):.0f}", f"{then:.4f}",
                  f"{np.mean([r['commits'] for r in runs]):.0f}",
                  f"{np.mean([r['mean_staleness'] for r in runs]):.2f}"])
-  table = _util.table(["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over seeds)",
+  table = kit.table(["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over seeds)",
                        "simulated time", "sync diloco at that time", "outer steps",
                        "mean staleness"], rows, "lrrrrrr")
   return table + "\n\nTargets:\n\n" + "\n".join(targets(result))
@@ -305,7 +283,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
   return "\n".join([
     "# Asynchronous DiLoCo on heterogeneous workers: delayed Nesterov and DyLU",
     "",
-    _util.doc_markdown(__doc__, 1, 4),
+    kit.doc_markdown(__doc__, 1, 4),
     "",
     (f"Task `{result['task']}`; speeds {' : '.join(f'{v:g}' for v in result['speeds'])};"
      f" H = {result['sync_period']} (DyLU: H_w = {', '.join(map(str, result['dylu_periods']))});"
@@ -335,12 +313,7 @@ COLORS = dict(zip(("sync diloco", *PROTOCOLS), ("C0", "C3", "C1", "C2"), strict=
 
 def plot(result: dict[str, Any], path: str) -> None:
   """The anchor's metric against simulated time and against inner steps, a line per run."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  fig, axes = kit.plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
   for r in result["runs"]:
     label = r["name"] if r["seed"] == result["seeds"][0] else None
     for ax, x in zip(axes, ("time", "steps"), strict=True):
@@ -358,72 +331,4 @@ def plot(result: dict[str, Any], path: str) -> None:
   fig.suptitle(f"{result['task']}, speeds {result['speeds']}, H = {result['sync_period']},"
                f" seeds {result['seeds']}; load {result['load_before']} →"
                f" {result['load_after']}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-
-
-def report(result: dict[str, Any], out: str) -> int:
-  """Writes ``OUT.png`` and ``OUT.md`` of ``result`` and prints the Markdown."""
-  print(_util.write_report(result, out, plot, markdown))
-  return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2")
-  parser.add_argument("--rounds", type=int, default=None, help=f"R (default {ROUNDS})")
-  parser.add_argument("--sync-period", type=int, default=None, help=f"H (default {PERIOD})")
-  parser.add_argument("--task", default="lm", help="an optax-dist task (default lm)")
-  parser.add_argument("--recipe", default="",
-                      help="flags of `optax-dist train` changing the inner recipe, e.g."
-                      " '--lr-schedule constant' (default: none, the task's recipe)")
-  parser.add_argument("--outer", type=float, nargs=2, default=(OUTER_LR, OUTER_MOMENTUM),
-                      metavar=("LR", "MOMENTUM"),
-                      help=f"the outer learning rate and momentum of every run (default"
-                      f" {OUTER_LR:g} {OUTER_MOMENTUM:g})")
-  parser.add_argument("--speeds", type=float, nargs="+", default=None,
-                      help="one relative speed per worker (default"
-                      f" {' '.join(f'{v:g}' for v in SPEEDS)})")
-  parser.add_argument("--buffer-size", type=int, default=None,
-                      help="delayed Nesterov's N (default: the number of workers)")
-  parser.add_argument("--activation", type=float, default=0.0,
-                      help="delayed Nesterov's momentum activation c (default 0)")
-  parser.add_argument("--model", type=int, nargs=2, default=None, metavar=("WIDTH", "DEPTH"),
-                      help="lm only: the transformer's width and depth (default the task's, 96"
-                      " and 2: 0.28M params)")
-  parser.add_argument("--shards", choices=tuple(SHARDS), default="files",
-                      help="; ".join(f"{k}: {v}" for k, v in SHARDS.items())
-                      + " (default files)")
-  parser.add_argument("--quick", action="store_true",
-                      help=f"{QUICK['rounds']} rounds of H = {QUICK['period']}, seed 0: checks"
-                      " the program only")
-  parser.add_argument("--out", default=None,
-                      help="PREFIX of PREFIX.json, PREFIX.md and PREFIX.png (default"
-                      " benchmarks/async_dylu; with --quick, a temporary directory)")
-  parser.add_argument("--report", action="store_true",
-                      help="rewrite PREFIX.md and PREFIX.png from PREFIX.json; runs nothing")
-  args = parser.parse_args(argv)
-  quick = QUICK if args.quick else {}
-  out = args.out or (os.path.join(tempfile.mkdtemp(), "async_dylu") if args.quick
-                     else os.path.join(HERE, "async_dylu"))
-  if args.report:
-    with open(f"{out}.json") as f:
-      return report(json.load(f), out)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  result = measure(Setting(
-    seeds=tuple(args.seeds or quick.get("seeds", (0, 1, 2))),
-    rounds=args.rounds or quick.get("rounds", ROUNDS),
-    sync_period=args.sync_period or quick.get("period", PERIOD), task=args.task,
-    recipe_flags=tuple(shlex.split(args.recipe)), outer=tuple(args.outer),
-    speeds=tuple(args.speeds or SPEEDS), shards=args.shards, buffer_size=args.buffer_size,
-    activation=args.activation, model=tuple(args.model) if args.model else None))
-  with open(f"{out}.json", "w") as f:
-    json.dump(result, f, indent=1)
-  report(result, out)
-  print(f"[bench] wrote {out}.json, .md and .png in {result['wall_s'] / 60:.1f} min")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+  kit.save_figure(fig, path)

@@ -36,30 +36,30 @@ bits as in nats. The gap of M is the mean over seeds of its final loss over data
 the same seed, less 1. Targets: M = 1 at or below data parallel; the gap grows with M; M = 2
 within 2% and M = 8 within 5% of data parallel.
 
-Each run's result is kept in ``OUT/equal_tokens_runs/KEY.json``: a stopped study resumes where it
-stopped, and ``--report`` rewrites ``OUT/equal_tokens.md`` and ``OUT/equal_tokens.png`` from
-them. ``make bench-equal-tokens`` runs it (not part of ``make bench``).
+Each run's result is kept in ``equal_tokens_runs/KEY.json`` beside the report: a stopped study
+resumes where it stopped, and ``--report`` rewrites ``equal_tokens.md`` and ``equal_tokens.png``
+from them; ``--plan`` prints the runs and the estimated time and trains nothing. ``make
+bench-equal-tokens`` runs it (not part of ``make bench``).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import statistics
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import jax
+from tqdm.auto import tqdm
 
-import _util  # noqa: E402
+from benchmarks import kit
+from optax_dist.cli import trainer
+from optax_dist.cli.tasks import LM_CONTEXT, TASKS
 
-DEVICES = 8
-"""Data parallel's workers (and the emulated devices)."""
+DEVICES = kit.DEVICES
+"""Data parallel's workers."""
 GLOBAL_BATCH = 64
 """Windows per step, of every run: 8 workers × the ``lm`` task's batch of 8 (4,096 tokens)."""
 EVAL_EVERY = 100
@@ -106,10 +106,10 @@ class Grid:
 FULL = Grid(replicas=(1, 2, 4, 8), swept=(2, 8), outer_lrs=(0.4, 0.6, 0.8, 1.0),
             fixed_lr={1: 0.6, 4: 0.8}, period=30, periods=(1, 5, 10, 30, 100),
             momentum_runs=((1, 0.7, 0.5), (2, 0.7, 0.5), (8, 0.7, 0.5)))
-"""The study; its momentum runs take the slow-link study's outer optimizer (``bench_network``'s
+"""The study; its momentum runs take the slow-link study's outer optimizer (the network study's
 ``OUTER``), the best with momentum there at 20 outer steps."""
-QUICK = Grid(replicas=(1, 2), swept=(2,), outer_lrs=(0.6, 1.0), fixed_lr={1: 0.6}, period=10,
-             periods=(5, 10))
+QUICK_GRID = Grid(replicas=(1, 2), swept=(2,), outer_lrs=(0.6, 1.0), fixed_lr={1: 0.6},
+                  period=10, periods=(5, 10))
 """``--quick``: 5 runs of :data:`QUICK_STEPS` steps on one seed, to check the program only."""
 
 
@@ -143,16 +143,11 @@ class Spec:
 
   def settings(self, steps: int) -> Any:
     """The trainer's :class:`~optax_dist.cli.config.Settings` of this run."""
-    from optax_dist.cli.config import Settings
-    from optax_dist.cli.tasks import TASKS
-
-    fields = {k: v for k, v in TASKS["lm"].defaults.items() if k != "steps"}
-    fields |= {"task": "lm", "steps": steps, "eval_every": min(EVAL_EVERY, steps),
-               "seed": self.seed}
+    fields = {"steps": steps, "eval_every": min(EVAL_EVERY, steps), "seed": self.seed}
     if self.replicas is None:
-      return Settings(**fields | {"algorithm": "sync", "devices": DEVICES,
-                                  "batch_size": GLOBAL_BATCH // DEVICES})
-    return Settings(**fields | {
+      return kit.settings(**fields | {"algorithm": "sync", "devices": DEVICES,
+                                      "batch_size": GLOBAL_BATCH // DEVICES})
+    return kit.settings(**fields | {
       "algorithm": "diloco", "devices": self.replicas, "batch_size": GLOBAL_BATCH // self.replicas,
       "sync_period": self.sync_period, "outer_learning_rate": self.outer_lr,
       "outer_momentum": self.outer_momentum})
@@ -212,7 +207,7 @@ def record(spec: Spec, result: dict[str, Any], load_before: str) -> dict[str, An
     "curve": {"step": history["step"], "bits_per_byte": history["test_bits_per_byte_eval_params"]},
     "wall_s": result["wall_time_s"], "train_s": sum(result["step_times"]),
     "step_s": statistics.median(result["step_times"]),
-    "load_before": load_before, "load_after": _util.load_average(), "date": _util.now(),
+    "load_before": load_before, "load_after": kit.load_average(), "date": kit.now(),
   }
 
 
@@ -227,13 +222,6 @@ def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
     except (OSError, ValueError):
       continue
   return out
-
-
-def save_json(path: str, value: Any) -> None:
-  """Writes ``value`` to ``path`` whole or not at all (a stopped study leaves no half file)."""
-  with open(path + ".tmp", "w") as f:
-    json.dump(value, f, indent=1)
-  os.replace(path + ".tmp", path)
 
 
 def estimate_seconds(runs: int, steps: int, records: Sequence[dict[str, Any]]) -> float:
@@ -366,7 +354,7 @@ def comparison_table(s: dict[str, Any]) -> str:
                   _lr(r["outer_lr"]) + (" (swept)" if r["swept"] else ""),
                   ", ".join(map(str, r["seeds"])) or "—", _mean_sd(r["loss"]),
                   _mean_sd(r["gap"], pct=True), paper])
-  return _util.table(["", "outer lr", "seeds", "val bits/byte (mean ± sd)",
+  return kit.table(["", "outer lr", "seeds", "val bits/byte (mean ± sd)",
                       "vs data parallel (mean ± sd over seeds)", "paper, Table 4 (35M)"],
                      table, "llrrrr")
 
@@ -389,7 +377,7 @@ def sweep_table(s: dict[str, Any]) -> str:
     rows.append([f"{lr:g}"] + [
       "not run" if sweep[m][lr] is None else
       f"{sweep[m][lr]['loss']:.4f} ({_pct(sweep[m][lr]['gap'])})" for m in sweep])
-  return _util.table(["outer lr"] + [f"M = {m}" for m in sweep], rows)
+  return kit.table(["outer lr"] + [f"M = {m}" for m in sweep], rows)
 
 
 def momentum_table(s: dict[str, Any]) -> str:
@@ -400,7 +388,7 @@ def momentum_table(s: dict[str, Any]) -> str:
   rows = [[f"M = {r['replicas']}", f"{r['outer_lr']:g}, {r['outer_momentum']:g}", cell(r["run"]),
            f"{_lr(r['default_lr'])}, {OUTER_MOMENTUM:g}", cell(r["default"])]
           for r in s["momenta"]]
-  return _util.table(["", "outer lr, momentum", "val bits/byte (vs data parallel)",
+  return kit.table(["", "outer lr, momentum", "val bits/byte (vs data parallel)",
                       "best lr, momentum", "val bits/byte (vs data parallel)"], rows, "llrlr")
 
 
@@ -409,18 +397,18 @@ def periods_table(s: dict[str, Any]) -> str:
   rows = [[str(h), "not run", "", "", ""] if p is None else
           [str(h), str(p["rounds"]), f"{p['loss']:.4f}", _pct(p["gap"]), f"{p['workers']:.4f}"]
           for h, p in s["periods"].items()]
-  return _util.table(["H", "outer steps", "val bits/byte (anchor)", "vs data parallel",
+  return kit.table(["H", "outer steps", "val bits/byte (anchor)", "vs data parallel",
                       "workers' params"], rows)
 
 
-def markdown(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
+def document(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
              plot_name: str) -> str:
   """The report: the setup, the comparison beside Table 4, the targets, the sweeps, the runs."""
   s = summary(grid, records)
   m, best = grid.period_replicas, best_lrs(grid, records)
   return "\n".join([
     "# DiLoCo against data parallel at equal tokens", "",
-    _util.doc_markdown(__doc__, 1, 4), "",
+    kit.doc_markdown(__doc__, 1, 4), "",
     setup_text(grid, meta), "",
     f"## Final validation loss, H = {grid.period}", "",
     comparison_table(s), "",
@@ -453,8 +441,8 @@ def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
     f" {tokens / 1e6:.2f}M tokens, {tokens / meta['num_params']:.1f} per parameter,"
     f" {tokens / meta['train_tokens']:.2f} epochs of the {meta['train_tokens'] / 1e6:.2f}M"
     f" training tokens. Seeds {', '.join(map(str, meta['seeds']))}."
-    f" {_util.machine()['cores']} CPUs ({_util.machine()['cpu']}). {loads}."
-    + (quick if grid is QUICK else ""))
+    f" {kit.machine()['cores']} CPUs ({kit.machine()['cpu']}). {loads}."
+    + (quick if grid is QUICK_GRID else ""))
 
 
 def _loads(meta: dict[str, Any]) -> str:
@@ -469,7 +457,7 @@ def runs_table(records: Sequence[dict[str, Any]]) -> str:
            f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}",
            f"{r['load_before'].split(',')[0]} → {r['load_after'].split(',')[0]}"]
           for r in sorted(records, key=_order)]
-  return _util.table(["run", "seed", "devices × batch", "val bits/byte", "wall s",
+  return kit.table(["run", "seed", "devices × batch", "val bits/byte", "wall s",
                       "s / step (median)", "load (1 min)"], rows, "lrrrrrr")
 
 
@@ -478,17 +466,12 @@ def _order(r: dict[str, Any]) -> tuple:
           r["seed"])
 
 
-def plot(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
-         path: str) -> None:
+def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
+           path: str) -> None:
   """Final validation loss against M (beside Table 4's gaps applied to data parallel's loss) and
   against H at M = ``grid.period_replicas``."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   s = summary(grid, records)
-  fig, (by_m, by_h) = plt.subplots(1, 2, figsize=(11, 4.2))
+  fig, (by_m, by_h) = kit.plt.subplots(1, 2, figsize=(11, 4.2))
   for ax in (by_m, by_h):
     if s["dp"]["loss"] is not None:
       mean, sd = s["dp"]["loss"]
@@ -517,17 +500,11 @@ def plot(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
     ax.legend(fontsize=8)
   fig.suptitle(f"lm task at equal tokens ({meta['steps']} steps of {GLOBAL_BATCH} windows):"
                f" DiLoCo against data parallel; load average {_loads(meta)}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  kit.save_figure(fig, path)
 
 
 def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> int:
   """Trains every planned run not yet cached under ``runs_dir``; the number trained."""
-  from tqdm.auto import tqdm
-
-  from optax_dist.cli.tasks import TASKS
-
   os.makedirs(runs_dir, exist_ok=True)
   task = TASKS["lm"]
   data = task.load(0)
@@ -545,8 +522,6 @@ def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> in
 def _train_once(task: Any, data: Any, spec: Spec, steps: int, runs_dir: str,
                 records: dict[str, dict[str, Any]], bar: Any) -> bool:
   """Trains ``spec`` unless ``records`` has it, caching its record; whether it trained."""
-  from optax_dist.cli import trainer
-
   key = spec.key(steps)
   trains = key not in records
   if trains:
@@ -556,10 +531,10 @@ def _train_once(task: Any, data: Any, spec: Spec, steps: int, runs_dir: str,
       if step % 100 == 0:
         bar.set_postfix_str(f"step {step}/{steps}")
 
-    load = _util.load_average()
+    load = kit.load_average()
     result = trainer.train(task, data, spec.settings(steps), on_step=on_step)
     records[key] = record(spec, result, load)
-    save_json(os.path.join(runs_dir, key + ".json"), records[key])
+    kit.write_json(os.path.join(runs_dir, key + ".json"), records[key])
   bar.update(1)
   return trains
 
@@ -573,11 +548,6 @@ def default_steps(num_params: int, context: int, period: int) -> int:
 
 def meta_of(seeds: Sequence[int]) -> dict[str, Any]:
   """The model's params count and the training tokens (from the task), and the seeds."""
-  import jax
-
-  from optax_dist.cli import trainer
-  from optax_dist.cli.tasks import LM_CONTEXT, TASKS
-
   task = TASKS["lm"]
   data = task.load(0)
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
@@ -586,90 +556,72 @@ def meta_of(seeds: Sequence[int]) -> dict[str, Any]:
           "train_tokens": int(data.train["y"].size), "context": LM_CONTEXT, "seeds": list(seeds)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
-  grid = QUICK if args.quick else FULL
-  seeds = list(range(args.seeds or (1 if args.quick else 3)))
-  runs_dir = os.path.join(args.out, "equal_tokens_runs")
-  _init_jax()
-  meta = _load_meta(os.path.join(args.out, "equal_tokens.json")) | meta_of(seeds)
-  steps = args.steps or (QUICK_STEPS if args.quick else
-                         default_steps(meta["num_params"], meta["context"], grid.period))
-  meta["steps"] = steps
+@dataclasses.dataclass(frozen=True)
+class Config:
+  grid: str = kit.option("full", "the runs: full, or quick (5 runs: checks the program only)",
+                         choices=("full", "quick"))
+  steps: int | None = kit.option(None, "steps of every run (default: the fewest multiple of H"
+                                 f" with {TOKENS_PER_PARAM} tokens per parameter)")
+  seeds: int = kit.option(3, "seeds 0..N-1 of data parallel and of each M's best")
+  plan: bool = kit.option(False, "print the planned runs and the estimated time; train nothing")
+
+
+QUICK = {"grid": "quick", "steps": QUICK_STEPS, "seeds": 1}
+
+
+def measure(config: Config, prefix: str) -> dict[str, Any] | None:
+  """Trains every planned run not cached beside ``prefix`` (``equal_tokens_runs/``)."""
+  grid, seeds = (FULL if config.grid == "full" else QUICK_GRID), list(range(config.seeds))
+  runs_dir = os.path.join(os.path.dirname(prefix), "equal_tokens_runs")
+  meta = _invocations(f"{prefix}.json") | meta_of(seeds)
+  meta["steps"] = steps = config.steps or default_steps(meta["num_params"], meta["context"],
+                                                        grid.period)
   per_step = GLOBAL_BATCH * meta["context"]
   print(f"[equal-tokens] {meta['num_params']:,} params, {per_step:,} tokens per step: {steps}"
         f" steps are {steps * per_step / meta['num_params']:.1f} tokens per parameter"
         f" (target ≥ {TOKENS_PER_PARAM})", flush=True)
   print(plan_text(grid, seeds, steps, load_records(runs_dir)), flush=True)
-  if args.plan:
-    return 0
-  if not args.report:
-    start, load_start, date = time.perf_counter(), _util.load_average(), _util.now()
+  if config.plan:
+    return None
+  with kit.Timed() as timed:
     trained = train_all(grid, seeds, steps, runs_dir)
-    meta["invocations"].append({"date": date, "load_start": load_start,
-                                "load_end": _util.load_average(), "runs_trained": trained,
-                                "wall_s": time.perf_counter() - start})
-  return report(grid, meta, runs_dir, args.out)
+  meta["invocations"].append({"date": kit.now(), "load_start": timed.load_before,
+                              "load_end": timed.load_after, "runs_trained": trained,
+                              "wall_s": timed.seconds})
+  return result_of(grid, meta, runs_dir)
 
 
-def report(grid: Grid, meta: dict[str, Any], runs_dir: str, out: str) -> int:
-  """Writes ``equal_tokens.{json,md,png}`` under ``out`` from the cached runs of ``meta``'s
-  steps and seeds."""
+def load(prefix: str, config: Config) -> dict[str, Any]:
+  """The saved result of ``prefix``, with the cached runs of its steps and seeds again."""
+  saved = kit.read_json(f"{prefix}.json")
+  runs_dir = os.path.join(os.path.dirname(prefix), "equal_tokens_runs")
+  return result_of(_grid(saved), saved["meta"], runs_dir) | {
+    k: saved[k] for k in ("run",) if k in saved}
+
+
+def result_of(grid: Grid, meta: dict[str, Any], runs_dir: str) -> dict[str, Any]:
   records = [r for r in load_records(runs_dir).values()
              if r["steps"] == meta["steps"] and r["seed"] in meta["seeds"]]
-  save_json(os.path.join(out, "equal_tokens.json"),
-            {"meta": meta, "grid": dataclasses.asdict(grid), "versions": _util.versions(),
-             "summary": summary(grid, records)})
-  plot(grid, records, meta, os.path.join(out, "equal_tokens.png"))
-  text = markdown(grid, records, meta, "equal_tokens.png")
-  with open(os.path.join(out, "equal_tokens.md"), "w") as f:
-    f.write(text)
   print("\n".join(target_lines(summary(grid, records))))
-  print(f"[equal-tokens] wrote {os.path.join(out, 'equal_tokens.md')} and equal_tokens.png")
-  return 0
+  return {"meta": meta, "grid": dataclasses.asdict(grid), "versions": kit.versions(),
+          "summary": summary(grid, records), "records": records}
 
 
-def _load_meta(path: str) -> dict[str, Any]:
+def _grid(result: dict[str, Any]) -> Grid:
+  return FULL if result["grid"]["period"] == FULL.period else QUICK_GRID
+
+
+def markdown(result: dict[str, Any], figure_name: str) -> str:
+  return document(_grid(result), result["records"], result["meta"], figure_name)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+  figure(_grid(result), result["records"], result["meta"], path)
+
+
+def _invocations(path: str) -> dict[str, Any]:
   """The earlier invocations recorded in ``path`` (none if there is no such file)."""
   try:
-    with open(path) as f:
-      return {"invocations": json.load(f)["meta"]["invocations"]}
+    return {"invocations": kit.read_json(path)["meta"]["invocations"]}
   except (OSError, ValueError, KeyError):
     return {"invocations": []}
-
-
-def _init_jax() -> None:
-  """CPU with :data:`DEVICES` emulated devices; collectives wait up to 10 minutes for slow
-  threads (on a loaded 2-core machine a step can take longer than XLA's default 40 s)."""
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  os.environ["XLA_FLAGS"] = " ".join([
-    os.environ.get("XLA_FLAGS", ""), "--xla_cpu_collective_call_terminate_timeout_seconds=600",
-    "--xla_cpu_collective_timeout_seconds=600"]).strip()
-  import jax
-
-  jax.config.update("jax_num_cpu_devices", DEVICES)
-
-
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=None,
-                      help=f"steps of every run (default: the fewest multiple of H with"
-                           f" {TOKENS_PER_PARAM} tokens per parameter; --quick: {QUICK_STEPS})")
-  parser.add_argument("--seeds", type=int, default=None,
-                      help="seeds 0..N-1 of data parallel and of each M's best (default 3;"
-                           " --quick: 1)")
-  parser.add_argument("--quick", action="store_true",
-                      help=f"a tiny grid ({run_count(QUICK, [0])} runs of {QUICK_STEPS} steps"
-                           " by default): checks the program only")
-  parser.add_argument("--out", default=HERE,
-                      help="directory of equal_tokens.{md,png,json} and of the cached runs,"
-                           " equal_tokens_runs/ (default: benchmarks/)")
-  parser.add_argument("--plan", action="store_true",
-                      help="print the planned runs and the estimated time; train nothing")
-  parser.add_argument("--report", action="store_true",
-                      help="rewrite the report from the cached runs; train nothing")
-  return parser
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -21,25 +21,30 @@ achieves in each direction. The runs alternate algorithms within each rate; the 
 is recorded before and after each run.
 
 Needs root and iproute2 (``make bench-network``); says why and exits with 0 otherwise.
-``--extra-args`` is appended to every run's command line (e.g. ``--extra-args='--replicas 2'``).
+``--extra-args`` is appended to every run's command line (e.g. ``--extra-args='--replicas 2'``);
+``--report --note TEXT`` adds a note on the runs to the saved result (shown above the
+measurements), e.g. what else ran on the machine during one of them.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import netns  # noqa: E402
+from benchmarks import kit
+from benchmarks.network import netns
+from optax_dist.cli import tasks, trainer
+from optax_dist.cli.config import Settings
 
 RATES = ("unshaped", "1gbit", "100mbit", "10mbit")
 OUTER = ("--outer-learning-rate", "0.7", "--outer-momentum", "0.5")
@@ -77,7 +82,6 @@ BATCH = 8
 EVAL_EVERY = 20
 TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
-QUICK = {"rates": ("100mbit",), "methods": ("sync", "diloco"), "steps": 6, "period": 3}
 FRAME_OVERHEAD = 66
 """Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 GLOO_OPERAND_BYTES = 576
@@ -100,11 +104,6 @@ def command(algorithm: str, process_id: int, coordinator: str, out: str, *, step
 
 def param_bytes(task_name: str = "lm") -> int:
   """The bytes of ``task_name``'s params (float32), from their shapes."""
-  import jax
-  import jax.numpy as jnp
-
-  from optax_dist.cli import tasks
-
   task = tasks.TASKS[task_name]
   data = task.load(0)
   example = {k: jnp.zeros((1,) + v.shape[1:], v.dtype) for k, v in data.train.items()}
@@ -113,16 +112,10 @@ def param_bytes(task_name: str = "lm") -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-def exchanges(result: dict[str, Any]) -> list[bool]:
-  """For each step of ``result`` (a trainer's results), whether it exchanges across workers."""
-  from optax_dist.cli.algorithms import ALGORITHMS
-  from optax_dist.cli.config import Settings
-
-  algorithm = ALGORITHMS[result["algorithm"]]
-  fields = {k: result[k] for k in ("algorithm", "steps", *algorithm.settings) if k in result}
-  settings = Settings(**fields)
-  flags = [algorithm.communicates(settings, s) for s in range(1, result["steps"] + 1)]
-  return [True if f is None else f for f in flags]
+def settings_of(result: dict[str, Any]) -> Settings:
+  """The settings of a run of the command, from its results."""
+  return kit.settings(**{f.name: result[f.name] for f in dataclasses.fields(Settings)
+                         if f.name in result})
 
 
 def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
@@ -151,35 +144,18 @@ def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
   return total
 
 
-def predicted_bytes(result: dict[str, Any], flags: list[bool],
-                    framing: int = GLOO_OPERAND_BYTES) -> float:
+def predicted_bytes(result: dict[str, Any], framing: int = GLOO_OPERAND_BYTES) -> float:
   """Bytes one process sends the other over the run's steps, from the compiled steps'
-  collectives (:func:`cross_bytes` with ``framing``): each step's unconditional ones plus, where
-  the step has conditional exchanges, one of them (their mean: ``streaming_diloco`` syncs one
-  fragment per sync step)."""
-  steps = result["collective_bytes"]
-  total = 0.0
-  if "exchange" in steps:  # --exchange-device: a program apart per fragment, one device pair
-    exchange = steps["exchange"]
-    each = [cross_bytes(b, n, framing, pairs=1) for b, n in
-            zip(exchange["conditional"], exchange["operands"]["conditional"], strict=True)]
-    total += sum(flags) * sum(each) / len(each)
-  for flag in flags:
-    kind = "every_step" if "every_step" in steps else (
-      "communication_step" if flag else "non_communication_step")
-    step, operands = steps[kind], steps[kind]["operands"]
-    total += cross_bytes(step["unconditional"], operands["unconditional"], framing)
-    if step["conditional"]:
-      exchanges = [cross_bytes(b, n, framing)
-                   for b, n in zip(step["conditional"], operands["conditional"], strict=True)]
-      total += sum(exchanges) / len(exchanges)
-  return total
+  collectives (:func:`cross_bytes` with ``framing``, summed by :func:`benchmarks.kit.run_bytes`:
+  one exchange program per exchanging step of ``--exchange-device`` between one device pair)."""
+  def cost(by_axes, operands, exchange):
+    return cross_bytes(by_axes, operands, framing, pairs=1 if exchange else DEVICES)
+
+  return kit.run_bytes(result, settings_of(result), cost)[-1]
 
 
 def _median(xs: list[float]) -> float | None:
-  import statistics
-
-  return statistics.median(xs) if xs else None
+  return kit.median(xs) if xs else None
 
 
 def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: int, period: int,
@@ -202,7 +178,7 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
 def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
               load_before: tuple, load_after: tuple) -> dict[str, Any]:
   """The numbers of one run kept in ``network_results.json``."""
-  times, flags = result["step_times"], exchanges(result)
+  times, flags = result["step_times"], kit.exchanges(settings_of(result))
   history = result["history"]
   elapsed = [sum(times[:s]) for s in history["step"]]
   # Step 1 is left out of the medians: its first calls set up the collectives.
@@ -224,8 +200,8 @@ def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
     "bytes_b_to_a": after["b"]["tx_bytes"] - before["b"]["tx_bytes"],
     "packets_a_to_b": after["a"]["tx_packets"] - before["a"]["tx_packets"],
     "packets_b_to_a": after["b"]["tx_packets"] - before["b"]["tx_packets"],
-    "predicted_bytes": predicted_bytes(result, flags),
-    "operand_bytes": predicted_bytes(result, flags, framing=0),
+    "predicted_bytes": predicted_bytes(result),
+    "operand_bytes": predicted_bytes(result, framing=0),
     "collective_bytes": result["collective_bytes"],
     "curve": {"step": history["step"], "train_s": elapsed,
               "bits_per_byte": history["test_bits_per_byte_eval_params"]},
@@ -237,24 +213,17 @@ def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
 
 def outer_sweep(*, steps: int, period: int, extra: list[str]) -> list[dict[str, Any]]:
   """DiLoCo's final validation bits per byte for each outer (learning rate, momentum) of
-  :data:`SWEEP`, in one process of ``PROCESSES * DEVICES`` devices (the losses do not depend on
-  the link or on how the devices split into processes)."""
-  runs = []
-  with tempfile.TemporaryDirectory() as tmp:
-    for lr, momentum in SWEEP:
-      cmd = [sys.executable, "-m", "optax_dist.cli", "train", "--task", "lm", "--algorithm",
-             "diloco", "--devices", str(PROCESSES * DEVICES), "--steps", str(steps),
-             "--batch-size", str(BATCH), "--sync-period", str(period), "--eval-every",
-             str(min(EVAL_EVERY, steps)), "--outer-learning-rate", str(lr), "--outer-momentum",
-             str(momentum), "--out", tmp, "--no-progress", *extra]
-      subprocess.run(cmd, env=netns.environment(), cwd=netns.ROOT, check=True,
-                     capture_output=True)
-      with open(os.path.join(tmp, "results_diloco.json")) as f:
-        result = json.load(f)["algorithms"]["diloco"]
-      runs.append({"outer_learning_rate": lr, "outer_momentum": momentum,
-                   "bits_per_byte": result["test_bits_per_byte_eval_params"]})
-      print(f"[network] outer sweep lr {lr} momentum {momentum}:"
-            f" {runs[-1]['bits_per_byte']:.4f} bits/byte", flush=True)
+  :data:`SWEEP`, trained in this process over ``PROCESSES * DEVICES`` devices (the losses do not
+  depend on the link or on how the devices split into processes)."""
+  runs, task = [], tasks.TASKS["lm"]
+  data = task.load(0)
+  for lr, momentum in SWEEP:
+    s = kit.settings(extra, algorithm="diloco", devices=PROCESSES * DEVICES, steps=steps,
+                     batch_size=BATCH, sync_period=period, eval_every=min(EVAL_EVERY, steps),
+                     outer_learning_rate=lr, outer_momentum=momentum)
+    bits = trainer.train(task, data, s)["test_bits_per_byte_eval_params"]
+    runs.append({"outer_learning_rate": lr, "outer_momentum": momentum, "bits_per_byte": bits})
+    print(f"[network] outer sweep lr {lr} momentum {momentum}: {bits:.4f} bits/byte", flush=True)
   return runs
 
 
@@ -262,10 +231,10 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
   header = ["outer learning rate", "outer momentum", "final val bits/byte"]
   rows = [[f"{r['outer_learning_rate']:g}", f"{r['outer_momentum']:g}",
            f"{r['bits_per_byte']:.4f}"] for r in runs]
-  return _util_table(header, rows, "rrr")
+  return kit.table(header, rows, "rrr")
 
 
-def measure(rates: list[str], methods: list[str], *, steps: int, period: int,
+def study(rates: list[str], methods: list[str], *, steps: int, period: int,
             extra: list[str], repeats: int = 1, work: str | None = None,
             sweep: bool = True) -> dict[str, Any]:
   """Every method of :data:`METHODS` at every rate over one :class:`netns.Link` (reshaped
@@ -381,7 +350,7 @@ def measurements_table(result: dict[str, Any]) -> str:
             "exchange step s", "local step s", "exchanges", "predicted MB a→b",
             "payload MB a→b", "payload / predicted", "operands per exchange / params",
             "val bits/byte", "load (1 min)"]
-  return _util_table(header, rows, "lrlrrrrrrrrrrr")
+  return kit.table(header, rows, "lrlrrrrrrrrrrr")
 
 
 def summary_table(result: dict[str, Any]) -> str:
@@ -406,15 +375,13 @@ def summary_table(result: dict[str, Any]) -> str:
         _fmt(train / unshaped if unshaped else None, ".2f")])
   header = ["rate", "method", f"training s to {target:.3f} bits/byte", "speed-up over sync",
             "bits/byte at sync's training s", "training s / own unshaped"]
-  return _util_table(header, rows, "llrrrr")
+  return kit.table(header, rows, "llrrrr")
 
 
 def sensitivity_table(result: dict[str, Any], levels: int = 5) -> str:
   """The speed-up over sync at the slowest rate for other target losses: ``levels`` of them
   evenly spaced from :func:`target_loss` down to the lowest final loss of the unshaped runs
   other than sync's (where the best of them ends, at its last evaluation)."""
-  import numpy as np
-
   rate = result["rates"][-1]
   unshaped = "unshaped" if "unshaped" in result["rates"] else result["rates"][0]
   sync = _runs(result, rate, "sync")
@@ -431,13 +398,7 @@ def sensitivity_table(result: dict[str, Any], levels: int = 5) -> str:
       cells.append(_fmt(sync_time / reach if sync_time and reach else None, ".2f"))
     rows.append([f"{loss:.3f}", _fmt(sync_time, ".1f"), *cells])
   header = ["target bits/byte", f"sync's training s at {rate}", *methods]
-  return _util_table(header, rows, "r" * len(header))
-
-
-def _util_table(header: list[str], rows: list[list[str]], align: str) -> str:
-  import _util
-
-  return _util.table(header, rows, align=align)
+  return kit.table(header, rows, "r" * len(header))
 
 
 def targets(result: dict[str, Any]) -> list[str]:
@@ -497,15 +458,13 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
   """The results as a Markdown section: the method, the tables, the targets, the figure."""
-  import _util
-
   p = result["param_bytes"]
-  machine = _util.machine()
+  machine = kit.machine()
   extra = f" Arguments: `{' '.join(result['extra_args'])}`." if result["extra_args"] else ""
   return "\n".join([
     "## Training over a bandwidth-limited link (two network namespaces)",
     "",
-    _util.doc_markdown(__doc__, 1, 2),
+    kit.doc_markdown(__doc__, 1, 2),
     "",
     (f"{result['processes']} processes × {result['devices']} devices, lm task, batch"
      f" {result['batch_size']} per worker, {result['steps']} steps, H = {result['period']};"
@@ -551,13 +510,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
 
 def plot(result: dict[str, Any], path: str) -> None:
   """Validation bits per byte against training seconds, one panel per rate."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   rates = result["rates"]
-  fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.5), squeeze=False,
+  fig, axes = kit.plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.5), squeeze=False,
                            sharey=True)
   for ax, rate in zip(axes[0], rates):
     for k, method in enumerate(result["methods"]):
@@ -578,84 +532,47 @@ def plot(result: dict[str, Any], path: str) -> None:
                f" shaped with tbf\n{result['steps']} steps, H = {result['period']}; load"
                f" {result['load_before'][0]:.1f} before, {result['load_after'][0]:.1f} after",
                fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  kit.save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help=f"{', '.join(QUICK['methods'])} at {QUICK['rates'][0]},"
-                           f" {QUICK['steps']} steps: checks the program only")
-  parser.add_argument("--rates", default=None,
-                      help=f"comma-separated tc rates or 'unshaped' (default {','.join(RATES)})")
-  parser.add_argument("--methods", default=None,
-                      help=f"comma-separated, of {', '.join(METHODS)} (default"
-                           f" {','.join(DEFAULT_METHODS)})")
-  parser.add_argument("--steps", type=int, default=None, help=f"default {STEPS}")
-  parser.add_argument("--period", type=int, default=None,
-                      help=f"H, steps between the periodic exchanges (default {PERIOD})")
-  parser.add_argument("--repeats", type=int, default=1, help="runs of each method at each rate")
-  parser.add_argument("--extra-args", default=f"--replicas {REPLICAS}",
-                      help="appended to every run's command line (default"
-                           f" '--replicas {REPLICAS}'; '' for one worker per device)")
-  parser.add_argument("--output", default=None,
-                      help="PREFIX of PREFIX_results.json, PREFIX.png and PREFIX.md (default"
-                           " benchmarks/network; with --quick, a temporary directory)")
-  parser.add_argument("--no-outer-sweep", action="store_true",
-                      help="skip the outer-optimizer sweep run before the DiLoCo family")
-  parser.add_argument("--keep-logs", default=None, metavar="DIR",
-                      help="keep each run's results and logs under DIR")
-  parser.add_argument("--from-json", default=None, metavar="PATH",
-                      help="rewrite the figure and the Markdown of PATH's results; runs nothing")
-  parser.add_argument("--note", default=None,
-                      help="with --from-json: add this note on the runs to PATH (shown above"
-                      " the measurements), e.g. what else ran on the machine during one of them")
-  args = parser.parse_args(argv)
-  if args.note and not args.from_json:
-    parser.error("--note: needs --from-json PATH (the results the note is about)")
-  if args.from_json:
-    with open(args.from_json) as f:
-      result = json.load(f)
-    if args.note:
-      result["notes"] = [*result.get("notes", []), args.note]
-      with open(args.from_json, "w") as f:
-        json.dump(result, f, indent=1)
-    return report(result, args.output or args.from_json.removesuffix("_results.json"))
+@dataclasses.dataclass(frozen=True)
+class Config:
+  rates: tuple[str, ...] = kit.option(RATES, "tc rates or 'unshaped'")
+  methods: tuple[str, ...] = kit.option(DEFAULT_METHODS, f"of {', '.join(METHODS)}")
+  steps: int = kit.option(STEPS, "training steps of every run")
+  period: int = kit.option(PERIOD, "H, steps between the periodic exchanges")
+  repeats: int = kit.option(1, "runs of each method at each rate")
+  extra_args: str = kit.option(f"--replicas {REPLICAS}", "appended to every run's command line"
+                               " ('' for one worker per device)")
+  no_outer_sweep: bool = kit.option(False, "skip the outer-optimizer sweep before the DiLoCo"
+                                    " family")
+  keep_logs: str | None = kit.option(None, "keep each run's results and logs under DIR",
+                                     metavar="DIR")
+  note: str | None = kit.option(None, "with --report: add this note on the runs to the result")
+
+
+QUICK = {"rates": ("100mbit",), "methods": ("sync", "diloco"), "steps": 6, "period": 3}
+
+
+def measure(config: Config, prefix: str) -> dict[str, Any] | None:
+  """The study over a fresh :class:`netns.Link`, or ``None`` (having said why) without one."""
   reason = netns.unavailable()
   if reason is not None:
     print(f"[network] skipped: {reason}")
-    return 0
-  quick = QUICK if args.quick else {}
-  rates = args.rates.split(",") if args.rates else list(quick.get("rates", RATES))
-  methods = (args.methods.split(",") if args.methods
-             else list(quick.get("methods", DEFAULT_METHODS)))
-  steps = args.steps or quick.get("steps", STEPS)
-  period = args.period or quick.get("period", PERIOD)
-  output = args.output or (os.path.join(tempfile.mkdtemp(), "network") if args.quick
-                           else os.path.join(HERE, "network"))
+    return None
   netns.remove_stale()
   try:
-    result = measure(rates, methods, steps=steps, period=period,
-                     extra=shlex.split(args.extra_args), repeats=args.repeats,
-                     work=args.keep_logs, sweep=not args.no_outer_sweep)
+    return study(list(config.rates), list(config.methods), steps=config.steps,
+                 period=config.period, extra=shlex.split(config.extra_args),
+                 repeats=config.repeats, work=config.keep_logs, sweep=not config.no_outer_sweep)
   except netns.Unavailable as e:
     print(f"[network] skipped: {e}")
-    return 0
-  with open(f"{output}_results.json", "w") as f:
-    json.dump(result, f, indent=1)
-  return report(result, output)
+    return None
 
 
-def report(result: dict[str, Any], output: str) -> int:
-  """Writes ``OUTPUT.png`` and ``OUTPUT.md`` of ``result`` and prints the Markdown."""
-  import _util
-
-  print(_util.write_report(result, output, plot, markdown))
-  print(f"[network] wrote {output}.png and {output}.md")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+def load(prefix: str, config: Config) -> dict[str, Any]:
+  """The saved result, with ``config.note`` added to its notes."""
+  result = kit.read_json(f"{prefix}.json")
+  if config.note:
+    result["notes"] = [*result.get("notes", []), config.note]
+  return result

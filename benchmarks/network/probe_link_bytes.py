@@ -1,6 +1,6 @@
 """What a cross-process all-reduce over gloo puts on the veth, byte for byte.
 
-``bench_network.py`` compares the bytes each veth sent, less :data:`FRAME_OVERHEAD` bytes of
+The network study compares the bytes each veth sent, less :data:`FRAME_OVERHEAD` bytes of
 headers per transmitted packet, with the bytes its model of the compiled collectives predicts (a
 two-rank all-reduce sends its operand's bytes once each way). This probe measures, in isolation,
 what that comparison rests on, with two ``jax.distributed`` processes (gloo CPU collectives,
@@ -29,18 +29,18 @@ reads, in its own namespace: its veth's ``tx_bytes``, ``tx_packets``, ``rx_bytes
 per-connection ``bytes_sent`` and ``data_segs_out``, split into the connections to the
 coordination service (:data:`PORT`) and the others (gloo's). Reported per all-reduce and direction:
 the veth's bytes over ``S``, the veth's bytes less :data:`FRAME_OVERHEAD` per packet over ``S``
-(``bench_network.py``'s payload), gloo's TCP bytes over ``S``, packets, mean bytes per packet and
+(the network study's payload), gloo's TCP bytes over ``S``, packets, mean bytes per packet and
 retransmitted segments; and ``payload_per_S - 1`` explained by the headers
 (``packets * header`` against the measured header size).
 
-Measured (unshaped, ``benchmarks/probe_link_bytes.json``): the headers are 66.0 bytes per counted
-packet (the counted packets are GSO super-packets of up to 64 KB, each with one set of headers);
-gloo sends an operand's bytes plus about 576 bytes per operand, device pair and direction (12
-TCP data segments per operand), whatever the operand's size; so one large operand costs 1.0006 S
+Measured (unshaped, ``benchmarks/results/probe_link_bytes.json``): the headers are 66.0 bytes per
+counted packet (the counted packets are GSO super-packets of up to 64 KB, each with one set of
+headers); gloo sends an operand's bytes plus about 576 bytes per operand, device pair and direction
+(12 TCP data segments per operand), whatever the operand's size; so one large operand costs 1.0006 S
 and the trainer's 38-operand exchange 1.078 S.
 
-Needs root and iproute2; says why and exits with 0 otherwise. ``python
-benchmarks/probe_link_bytes.py [--sizes 1000000 4000000] [--repeats 20] [--rate unshaped]``.
+Needs root and iproute2; says why and exits with 0 otherwise. ``python -m
+benchmarks.network.probe_link_bytes [--sizes 1000000 4000000] [--repeats 20] [--rate unshaped]``.
 """
 
 from __future__ import annotations
@@ -54,10 +54,16 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import jax
+import numpy as np
+from jax.experimental.multihost_utils import sync_global_devices
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import netns  # noqa: E402
+from benchmarks.network import netns
+from optax_dist.cli.launcher import init_jax
+
+RESULTS = os.path.join(netns.ROOT, "benchmarks", "results")
 
 DEVICES = 4
 """Emulated CPU devices per process (the ``wide`` mesh's second axis)."""
@@ -67,12 +73,12 @@ PORT = 7714
 """The coordination service's port."""
 TIMEOUT = 600
 FRAME_OVERHEAD = 66
-"""``bench_network.py``'s headers per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
+"""The network study's headers per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 IDLE_SECONDS = 1.0
 TRAINER_OPERANDS = (1536, 24, 24, 6144, 6144, 64, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24,
                     24, 24, 24, 9216, 24, 9216, 96, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24,
                     24, 24, 24, 9216, 24, 96, 9216)
-"""float32 elements per device of the operands of the lm task's exchange (``bench_network.py``'s
+"""float32 elements per device of the operands of the lm task's exchange (the network study's
 trainer, 2 replicas of 4 devices): one ``all-reduce`` of 38 operands over the replicas, 279424
 bytes per device (the compiled sync step's after-optimisation HLO)."""
 SMALL_OPERANDS = (24,) * 38
@@ -144,16 +150,7 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 def worker(process_id: int, coordinator: str, device: str, args: argparse.Namespace
            ) -> dict[str, Any]:
   """Process ``process_id``'s counter differences per measurement."""
-  import jax
-
-  from optax_dist.cli.launcher import init_jax
-
   init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
-
-  import numpy as np
-  from jax.experimental.multihost_utils import sync_global_devices
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   def of(process):
     return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
@@ -231,7 +228,8 @@ def worker(process_id: int, coordinator: str, device: str, args: argparse.Namesp
 def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
   """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
   coordinator = f"{link.addresses['a']}:{args.port}"
-  link.run_pair([[sys.executable, os.path.abspath(__file__), "--worker", str(i), "--coordinator",
+  module = "benchmarks.network.probe_link_bytes"
+  link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
                   coordinator, "--device", link.devices[side], "--result",
                   os.path.join(tmp, f"process{i}.json"), "--repeats", str(args.repeats),
                   "--sizes", *map(str, args.sizes)]
@@ -321,7 +319,7 @@ def main(argv: list[str]) -> int:
                       help="bytes each process all-reduces")
   parser.add_argument("--repeats", type=int, default=REPEATS)
   parser.add_argument("--rate", default="unshaped", help="the link's rate, e.g. 100mbit")
-  parser.add_argument("--out", default=os.path.join(HERE, "probe_link_bytes.json"),
+  parser.add_argument("--out", default=os.path.join(RESULTS, "probe_link_bytes.json"),
                       help="a JSON file for the results")
   parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
   netns.add_worker_arguments(parser)

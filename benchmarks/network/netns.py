@@ -17,7 +17,7 @@ Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable` says why not, befo
     print(link.counters(), link.measure_rate())
 
 Run as a script, it creates a link at each rate given and prints the rate a timed TCP transfer
-achieves in each direction: ``python benchmarks/netns.py 10mbit 100mbit``.
+achieves in each direction: ``python -m benchmarks.network.netns 10mbit 100mbit``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ MIN_BURST = 32 * 1024
 PORT = 5201
 """The TCP port of :meth:`Link.measure_rate`'s receiver."""
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The checkout, first on the ``PYTHONPATH`` of :meth:`Link.run_pair`'s processes."""
 
 _RECEIVER = """

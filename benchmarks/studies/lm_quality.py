@@ -14,24 +14,24 @@ The metric is the validation loss in bits per byte of :func:`optax_dist.eval_par
 center, the anchor, or the params), and of the workers' own params, every ``EVAL_EVERY`` steps,
 averaged over the seeds (each seed: init and minibatch order; the split is fixed by file).
 
-Bytes: each algorithm's step (gradient, ``tx.update``, ``apply_updates``, without the trainer's
-loss logging) is compiled for the 8-device mesh and read by
-:func:`optax_dist.communication_report`: the bytes each worker sends on every step
-(``unconditional``) and in each periodic exchange (``per_conditional``; one per fragment for
-``streaming_diloco``). The bytes after ``t`` steps are the former × ``t`` plus the mean exchange's
-bytes × the communication rounds so far.
+Bytes: the trainer's ``collective_bytes`` of each algorithm's compiled steps (the bytes each
+worker sends on every step, ``unconditional``, and in each periodic exchange, ``conditional``;
+one per fragment for ``streaming_diloco``), summed over the run's steps by the algorithm's
+schedule (:func:`benchmarks.kit.run_bytes`).
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from typing import Any
 
-import _util
 import numpy as np
 
-DEVICES = 8
-STEPS = 600
+from benchmarks import kit
+from benchmarks.kit import plt
+from optax_dist.cli import trainer
+from optax_dist.cli.tasks import TASKS
+
 EVAL_EVERY = 50
 TOLERANCE = 0.02
 """The targets: within 2% of ``sync``'s final validation bits per byte."""
@@ -52,115 +52,73 @@ EXTRA_OUTER = {"outer_learning_rate": 1.0, "outer_momentum": 0.0}
 """The extra row's outer optimizer: plain SGD at 1.0, i.e. the workers' params averaged."""
 
 
-def settings(overrides: dict[str, Any], steps: int, seed: int) -> Any:
-  from optax_dist.cli.config import Settings
-  from optax_dist.cli.tasks import TASKS
-
-  task_defaults = {k: v for k, v in TASKS["lm"].defaults.items() if k != "steps"}
-  return Settings(**{"task": "lm", "devices": DEVICES, "steps": steps, "eval_every": EVAL_EVERY,
-                     "seed": seed, **task_defaults, **overrides})
+@dataclasses.dataclass(frozen=True)
+class Config:
+  seeds: int = kit.option(3, "seeds 0..N-1 of every run")
+  steps: int = kit.option(600, "training steps of every run")
 
 
-def step_bytes(overrides: dict[str, Any]) -> dict[str, Any]:
-  """Bytes each worker sends per step and per exchange, read from the compiled step."""
-  import jax
-  import optax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import optax_dist
-  from optax_dist.cli import trainer
-  from optax_dist.cli.algorithms import AXIS, make_optimizer
-  from optax_dist.cli.tasks import TASKS
-
-  task = TASKS["lm"]
-  s = settings(overrides, STEPS, 0).resolved()
-  data = task.load(0)
-  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-  params = trainer.initial_params(task, 0, example)
-  tx = make_optimizer(s, params)
-  loss_fn = task.loss_fn(task.model())
-  mesh = jax.make_mesh((DEVICES,), (AXIS,), devices=jax.devices()[:DEVICES])
-  split = NamedSharding(mesh, P(AXIS))
-
-  def step(params, opt_state, batch):
-    params, opt_state, batch = jax.tree.map(lambda x: x[0], (params, opt_state, batch))
-    grads = jax.grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return jax.tree.map(lambda x: x[None], (params, opt_state))
-
-  def stacked(tree):
-    return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((DEVICES, *np.shape(x)), x.dtype, sharding=split), tree)
-
-  batch = {k: jax.ShapeDtypeStruct((DEVICES, s.batch_size, *v.shape[1:]), v.dtype,
-                                   sharding=split) for k, v in data.train.items()}
-  mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-  report = optax_dist.communication_report(
-    mapped, stacked(params), stacked(jax.eval_shape(tx.init, params)), batch)
-  exchanges = [c.bytes for c in report.per_conditional.values()]
-  return {
-    "params_bytes": sum(int(x.nbytes) for x in jax.tree.leaves(params)),
-    "num_params": sum(int(x.size) for x in jax.tree.leaves(params)),
-    "every_step": report.unconditional.bytes,
-    "every_step_text": str(report.unconditional),
-    "exchanges": exchanges,
-    "per_round": float(np.mean(exchanges)) if exchanges else 0.0,
-    "exchange_text": "; ".join(str(c) for c in report.per_conditional.values()),
-  }
+QUICK = {"seeds": 1, "steps": 60}
 
 
-def measure(seeds: tuple[int, ...], steps: int = STEPS) -> dict[str, Any]:
+def measure(config: Config, prefix: str) -> dict[str, Any]:
   """Trains every row of :data:`RUNS` for every seed (and the extra rows where needed)."""
-  from optax_dist.cli import trainer
-  from optax_dist.cli.tasks import TASKS
-
-  task = TASKS["lm"]
-  load_before, start = _util.load_average(), time.perf_counter()
+  task, seeds = TASKS["lm"], range(config.seeds)
   data = {seed: task.load(seed) for seed in seeds}
-  bytes_of = {}
-  rows = []
+  bytes_of, rows = {}, []
 
-  def run(label: str, overrides: dict[str, Any], extra: bool = False) -> dict[str, Any]:
-    family = overrides["algorithm"]
-    if family not in bytes_of:
-      bytes_of[family] = step_bytes(overrides)
+  def run(label: str, overrides: dict[str, Any], extra: bool = False) -> None:
     results = []
     for seed in seeds:
-      results.append(trainer.train(task, data[seed], settings(overrides, steps, seed)))
-      print(f"[bench]   {label} seed {seed}: {results[-1]['test_bits_per_byte_eval_params']:.4f}"
-            f" bits/byte, {results[-1]['wall_time_s']:.0f} s", flush=True)
-    row = _summarise(label, overrides, results, bytes_of[family])
-    row["extra"] = extra
-    rows.append(row)
-    return row
+      s = kit.settings(devices=kit.DEVICES, steps=config.steps, eval_every=EVAL_EVERY, seed=seed,
+                       **overrides).resolved()
+      results.append(trainer.train(task, data[seed], s))
+      print(f"[lm_quality] {label} seed {seed}:"
+            f" {results[-1]['test_bits_per_byte_eval_params']:.4f} bits/byte,"
+            f" {results[-1]['wall_time_s']:.0f} s", flush=True)
+    bytes_of.setdefault(overrides["algorithm"], exchange_bytes(results[0]))
+    rows.append(_summarise(label, overrides, results, kit.run_bytes(results[0], s)) | {
+      "extra": extra})
 
-  for label, overrides in RUNS:
-    run(label, overrides)
-  sync_final = rows[0]["final"]
-  for label, overrides in RUNS:  # the outer optimizer of the paper missed: model averaging too
-    row = next(r for r in rows if r["label"] == label)
-    if (overrides["algorithm"] == "diloco" and overrides["sync_period"] >= 50
-        and row["final"] > sync_final * (1 + TOLERANCE)):
-      run(f"{label}, outer SGD 1.0, momentum 0 (extra)", {**overrides, **EXTRA_OUTER},
-          extra=True)
+  with kit.Timed() as timed:
+    for label, overrides in RUNS:
+      run(label, overrides)
+    sync_final = rows[0]["final"]
+    for label, overrides in RUNS:  # the paper's outer optimizer missed: model averaging too
+      row = next(r for r in rows if r["label"] == label)
+      if (overrides["algorithm"] == "diloco" and overrides["sync_period"] >= 50
+          and row["final"] > sync_final * (1 + TOLERANCE)):
+        run(f"{label}, outer SGD 1.0, momentum 0 (extra)", {**overrides, **EXTRA_OUTER},
+            extra=True)
   _thresholds(rows)
-  return {"seeds": list(seeds), "steps": steps, "eval_every": EVAL_EVERY, "rows": rows,
+  return {"seeds": list(seeds), "steps": config.steps, "eval_every": EVAL_EVERY, "rows": rows,
           "bytes": bytes_of, "dataset": task.dataset, "model": task.model_name,
-          "defaults": dict(task.defaults), "load_before": load_before,
-          "load_after": _util.load_average(), "wall_s": time.perf_counter() - start}
+          "defaults": dict(task.defaults), **timed.record()}
+
+
+def exchange_bytes(result: dict[str, Any]) -> dict[str, Any]:
+  """The bytes each worker sends on every step and in each exchange, from the trainer's
+  ``collective_bytes``."""
+  steps = result["collective_bytes"]
+  quiet = steps.get("every_step") or steps["non_communication_step"]
+  loud = steps.get("every_step") or steps["communication_step"]
+  exchanges = [sum(c.values()) for c in loud["conditional"]]
+  params_bytes = result["bytes_per_device"]["params"]
+  return {"params_bytes": params_bytes, "num_params": params_bytes // 4,
+          "every_step": sum(quiet["unconditional"].values()),
+          "every_step_text": ", ".join(f"{k}: {v:,} B" for k, v in quiet["unconditional"].items()),
+          "exchanges": exchanges, "per_round": float(np.mean(exchanges)) if exchanges else 0.0}
 
 
 def _summarise(label: str, overrides: dict[str, Any], results: list[dict[str, Any]],
-               comm: dict[str, Any]) -> dict[str, Any]:
+               cumulative: list[float]) -> dict[str, Any]:
   """Seed-averaged curves and finals of one row, with its bytes after every evaluated step."""
   h = results[0]["history"]
   curves = np.array([r["history"]["test_bits_per_byte_eval_params"] for r in results])
   workers = np.array([r["history"]["test_bits_per_byte_workers"] for r in results])
   steps = np.array(h["step"])
   rounds = np.array(h["communication_rounds"])
-  sent = comm["every_step"] * steps + comm["per_round"] * rounds
+  sent = np.array([0.0 if t == 0 else cumulative[t - 1] for t in steps])
   finals = curves[:, -1].tolist()
   return {
     "label": label, "settings": overrides, "step": steps.tolist(), "rounds": rounds.tolist(),
@@ -223,19 +181,19 @@ def headline_table(result: dict[str, Any]) -> str:
     table.append([
       f"{r['label']}", f"{r['final']:.4f} ± {r['final_sd']:.4f}",
       f"{100 * (r['final'] / sync['final'] - 1):+.1f}%", f"{r['final_workers']:.4f}",
-      str(r["communication_rounds"]), _util.human_bytes(r["total_bytes"]),
+      str(r["communication_rounds"]), kit.human_bytes(r["total_bytes"]),
       f"{r['total_bytes'] / sync['total_bytes']:.3f}",
       "not reached" if r["to_target_step"] is None else str(r["to_target_step"]),
-      "—" if r["to_target_bytes"] is None else _util.human_bytes(r["to_target_bytes"]),
+      "—" if r["to_target_bytes"] is None else kit.human_bytes(r["to_target_bytes"]),
       "—" if match is None else f"{match[0]:.0f}",
       "—" if match is None or r is sync else f"{match[1] / r['total_bytes']:.1f}×",
       f"{r['wall_s']:.0f}",
     ])
-  return _util.table(header, table)
+  return kit.table(header, table)
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
-  b = result["bytes"]
+  b, d = result["bytes"], result["defaults"]
   comm_rows = [[family, f"{c['every_step']:,}", c["every_step_text"],
                 ", ".join(f"{x:,}" for x in c["exchanges"]) or "—",
                 f"{c['per_round'] / c['params_bytes']:.3f}"] for family, c in b.items()]
@@ -255,9 +213,22 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     "No extra row: the paper's outer optimizer (Nesterov 0.7, momentum 0.9) met the target at"
     " every H ≥ 50, so model averaging (outer SGD 1.0, no momentum) was not run.")
   return "\n".join([
+    "## Language model: quality against communication",
+    "",
+    (f"`optax_dist.cli.trainer.train` on the `lm` task ({result['model']}; {result['dataset']})"
+     f" over {kit.DEVICES} workers, one emulated CPU device each, each with its own"
+     f" 1/{kit.DEVICES} of the training windows, minibatch {d['batch_size']} windows of 64 bytes"
+     f" per worker, adam {d['learning_rate']:g}; `elastic_average` moving rate 0.9/8, `diloco`"
+     " and `streaming_diloco` with the paper's outer Nesterov SGD (0.7, momentum 0.9), the"
+     " streaming fragments balanced by size. Validation bits per byte of"
+     " `optax_dist.eval_params` (center, anchor or params) and of the workers' own params"
+     " (their mean); *sent per worker*: bytes each worker sends in the run, from the compiled"
+     " step (table below); *steps to sync + 2%*: the first evaluated step where the seed-mean"
+     " curve is within 2% of sync's final loss."),
+    "",
     (f"{result['steps']} steps per run, evaluated every {result['eval_every']} steps; mean over"
     f" seeds {', '.join(map(str, result['seeds']))}. Load average {result['load_before']}"
-    f" before, {result['load_after']} after ({_util.machine()['cores']} CPUs);"
+    f" before, {result['load_after']} after ({kit.machine()['cores']} CPUs);"
     f" {result['wall_s'] / 60:.1f} min."),
     "",
     headline_table(result),
@@ -273,7 +244,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      " collectives outside any conditional, *per exchange* those of each conditional's"
      " communicating branch (per fragment for streaming_diloco), in params' bytes:"),
     "",
-    _util.table(["algorithm", "every step B", "every step", "per exchange B",
+    kit.table(["algorithm", "every step B", "every step", "per exchange B",
                  "exchange / params"], comm_rows, "lrlrr"),
     "",
     f"![validation bits per byte against steps and bytes sent]({plot_name})",
@@ -297,11 +268,12 @@ def _why(result: dict[str, Any]) -> list[str]:
                       f" {rows[b]['final']:.3f} averaging" for a, b in pairs if b in rows)
   text = (
     "Why the targets are missed at this scale: with equal steps, each sync step averages the"
-    f" gradients of {DEVICES} workers (an effective minibatch {DEVICES}× larger), while each"
-    " local step of the others uses one worker's minibatch; after"
+    f" gradients of {kit.DEVICES} workers (an effective minibatch {kit.DEVICES}× larger), while"
+    " each local step of the others uses one worker's minibatch; after"
     f" {result['steps']} steps the model is still improving (sync's loss fell {drop:.2f} bits"
     " per byte over its last 100 steps), and in this early phase the larger batch is,"
-    " apparently, worth more than what periodic averaging recovers. Every other algorithm ends where sync was at step"
+    " apparently, worth more than what periodic averaging recovers. Every other algorithm ends"
+    " where sync was at step"
     f" {min(steps):.0f}–{max(steps):.0f}, after sending {min(ratios):.0f}–{max(ratios):.0f}×"
     " fewer bytes than sync needed to get there (the last two columns).")
   if compare:
@@ -315,11 +287,6 @@ def _why(result: dict[str, Any]) -> list[str]:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   rows = result["rows"]
   fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5))
   threshold = rows[0]["final"] * (1 + TOLERANCE)
@@ -341,9 +308,7 @@ def plot(result: dict[str, Any], path: str) -> None:
   by_bytes.set_xscale("log")
   by_step.legend(fontsize=7, loc="upper right")
   fig.suptitle(
-    f"LM, {DEVICES} workers, mean ± sd over seeds {', '.join(map(str, result['seeds']))}"
-    f" (dotted: sync's final + 2%). {_util.machine()['cores']} CPUs; load average"
+    f"LM, {kit.DEVICES} workers, mean ± sd over seeds {', '.join(map(str, result['seeds']))}"
+    f" (dotted: sync's final + 2%). {kit.machine()['cores']} CPUs; load average"
     f" {result['load_before']} before, {result['load_after']} after", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  kit.save_figure(fig, path)

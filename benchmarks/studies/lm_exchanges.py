@@ -25,29 +25,24 @@ values to bfloat16), so on this machine the bfloat16 rows send float32's bytes; 
 send bfloat16 (half). Each run records its wall time, the median of its step times (the first
 left out) and the load average before and after.
 
-Usage: ``python benchmarks/bench_lm_exchanges.py [--steps N] [--quick] [--out PREFIX]`` writes
-PREFIX.json, PREFIX.md and PREFIX.png (default ``benchmarks/lm_exchanges``; with ``--quick``, a
-few short runs into a temporary directory, to check the program); ``--add LABELS`` trains only
-those runs and puts them into PREFIX.json.
+Usage: ``python -m benchmarks lm_exchanges [--steps N] [--quick] [--out PREFIX]`` writes
+PREFIX.json, PREFIX.md and PREFIX.png (default ``benchmarks/results/lm_exchanges``; with
+``--quick``, a few short runs into a temporary directory, to check the program); ``--runs
+LABEL ... --add`` trains only those runs and puts them into PREFIX.json.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import sys
-import tempfile
-import time
+import dataclasses
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import jax
 
-import _util  # noqa: E402
+from benchmarks import kit
+from optax_dist._quantize import wire_bytes
+from optax_dist.cli import trainer
+from optax_dist.cli.tasks import TASKS
 
-DEVICES = 8
 STEPS = 450
 """15 syncs at H = 30: the whole grid in about 30 minutes on 2 busy cores (see the report)."""
 PERIOD = 30
@@ -60,11 +55,6 @@ QUANTIZED = ("int8", "float4_e2m1fn", "e3m0")
 CODE_BYTES = {"int8": 1.0, "float4_e2m1fn": 0.5, "e3m0": 0.5}
 """Bytes per value of each block-quantized format's codes (the scales come on top)."""
 OVERLAPS = (1, 5)
-QUICK = {"steps": 36, "period": 12,
-         "labels": ("diloco float32", "diloco int8", "diloco float4_e2m1fn",
-                    "diloco float4_e2m1fn + EF", "streaming float32", "streaming e3m0 + EF",
-                    "streaming τ=1", "streaming τ=1 eager")}
-"""``--quick``: these runs, of a few dozen steps (the labels of :func:`grid`)."""
 EF_TOLERANCE, OVERLAP_TOLERANCE = 0.01, 0.005
 """The targets: 4-bit with error feedback within 1% of float32 DiLoCo's final loss; overlap
 τ = 1 within 0.5% of τ = 0."""
@@ -102,50 +92,32 @@ def grid() -> list[dict[str, Any]]:
   return rows
 
 
-def settings(flags: list[str], steps: int, period: int) -> Any:
-  """The settings ``optax-dist train --task lm FLAGS`` trains with, over :data:`DEVICES`."""
-  from optax_dist.cli.arguments import build_parser
-  from optax_dist.cli.main import settings_of
-  from optax_dist.cli.tasks import TASKS
+@dataclasses.dataclass(frozen=True)
+class Config:
+  steps: int = kit.option(STEPS, "training steps of every run")
+  period: int = kit.option(PERIOD, "H, the steps between two syncs")
+  runs: tuple[str, ...] = kit.option((), "the runs of the grid to train (default: all)",
+                                     metavar="LABEL")
+  add: bool = kit.option(False, "train --runs at PREFIX.json's steps and H and put them into it,"
+                         " in place of its runs of the same labels (the report says which were"
+                         " added, and when)")
 
-  args = build_parser().parse_args([
-    "train", "--task", "lm", "--devices", str(DEVICES), "--steps", str(steps), "--sync-period",
-    str(period), "--seed", "0", *flags])
-  return settings_of(args, TASKS["lm"])
 
-
-def sent_bytes(result: dict[str, Any], s: Any) -> tuple[list[float], float]:
-  """The bytes a worker has sent after each step of the run, and those of one exchange (the
-  exchanging step's less the other's; for ``streaming_diloco``, one fragment's)."""
-  from optax_dist.cli.algorithms import ALGORITHMS
-
-  steps, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
-
-  def total(by_axes: dict[str, int]) -> int:
-    return sum(by_axes.values())
-
-  def of(kind: str) -> float:
-    step = steps[kind]
-    exchanges = [total(c) for c in step["conditional"]]
-    return total(step["unconditional"]) + (statistics.mean(exchanges) if exchanges else 0.0)
-
-  quiet, loud = of("non_communication_step"), of("communication_step")
-  sent, cumulative = 0.0, []
-  for t in range(1, s.steps + 1):
-    sent += loud if algorithm.communicates(s, t) else quiet
-    cumulative.append(sent)
-  return cumulative, loud - quiet
+QUICK = {"steps": 36, "period": 12, "runs": (
+  "diloco float32", "diloco int8", "diloco float4_e2m1fn", "diloco float4_e2m1fn + EF",
+  "streaming float32", "streaming e3m0 + EF", "streaming τ=1", "streaming τ=1 eager")}
+"""``--quick``: these runs, of a few dozen steps (the labels of :func:`grid`)."""
 
 
 def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, Any]:
   """Trains one row; its final loss, curve, bytes, times and load."""
-  from optax_dist.cli import trainer
-  from optax_dist.cli.tasks import TASKS
-
-  s = settings(row["flags"], steps, period)
-  load_before = _util.load_average()
-  result = trainer.train(TASKS["lm"], data, s)
-  cumulative, exchange = sent_bytes(result, s)
+  s = kit.settings(row["flags"], devices=kit.DEVICES, steps=steps, sync_period=period,
+                   seed=0).resolved()
+  with kit.Timed() as timed:
+    result = trainer.train(TASKS["lm"], data, s)
+  cumulative = kit.run_bytes(result, s)
+  exchange = (kit.step_bytes(result["collective_bytes"], "communication_step")
+              - kit.step_bytes(result["collective_bytes"], "non_communication_step"))
   history = result["history"]
   out = {
     **row, "steps": s.steps, "sync_period": s.sync_period,
@@ -154,63 +126,46 @@ def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, An
               "bytes": [0.0 if t == 0 else cumulative[t - 1] for t in history["step"]]},
     "communication_rounds": result["communication_rounds"], "total_bytes": cumulative[-1],
     "exchange_bytes": exchange, "collective_bytes": result["collective_bytes"],
-    "wall_s": result["wall_time_s"], "median_step_s": _util.median(result["step_times"][1:]),
-    "load_before": load_before, "load_after": _util.load_average(),
+    "wall_s": result["wall_time_s"], "median_step_s": kit.median(result["step_times"][1:]),
+    "load_before": timed.load_before, "load_after": timed.load_after,
   }
-  print(f"[bench] {row['label']}: {out['final']:.4f} bits/byte,"
-        f" {_util.human_bytes(out['total_bytes'])} sent, {out['wall_s']:.0f} s", flush=True)
+  print(f"[lm_exchanges] {row['label']}: {out['final']:.4f} bits/byte,"
+        f" {kit.human_bytes(out['total_bytes'])} sent, {out['wall_s']:.0f} s", flush=True)
   return out
 
 
-def leaf_sizes(data: Any) -> list[int]:
-  """The element count of each leaf of the ``lm`` model's params."""
-  import jax
-
-  from optax_dist.cli import trainer
-  from optax_dist.cli.tasks import TASKS
-
-  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-  return [int(x.size) for x in jax.tree.leaves(trainer.initial_params(TASKS["lm"], 0, example))]
-
-
-def measure(steps: int, period: int, labels: tuple[str, ...] | None = None) -> dict[str, Any]:
-  """Trains every row of :func:`grid` (or those of ``labels``), in order."""
-  from optax_dist.cli.tasks import TASKS
-
-  start, load_before = time.perf_counter(), _util.load_average()
-  data = TASKS["lm"].load(0)
-  rows = [r for r in grid() if labels is None or r["label"] in labels]
-  runs = [run(r, data, steps, period) for r in rows]
-  return {"steps": steps, "period": period, "fragments": FRAGMENTS, "block": BLOCK,
-          "devices": DEVICES, "runs": runs, "leaf_sizes": leaf_sizes(data),
-          "defaults": dict(TASKS["lm"].defaults), "machine": _util.machine(),
-          "versions": _util.versions(), "load_before": load_before,
-          "load_after": _util.load_average(), "wall_s": time.perf_counter() - start}
-
-
-def add(result: dict[str, Any], labels: tuple[str, ...]) -> dict[str, Any]:
-  """``result`` with the rows ``labels`` of :func:`grid` trained now, at its steps and H, in
-  place of its rows of the same labels (the others kept, in grid order); ``added`` records
-  when, the load and the wall time of each such addition."""
-  unknown = sorted(set(labels) - {r["label"] for r in grid()})
+def measure(config: Config, prefix: str) -> dict[str, Any]:
+  """Trains every row of :func:`grid` (or those of ``config.runs``), in order; with
+  ``config.add``, into ``PREFIX.json``'s result."""
+  unknown = sorted(set(config.runs) - {r["label"] for r in grid()})
   if unknown:
-    raise SystemExit(f"--add: no such run {', '.join(unknown)}; the runs are"
+    raise ValueError(f"--runs: no such run {', '.join(unknown)}; the runs are"
                      f" {', '.join(r['label'] for r in grid())}")
-  new = measure(result["steps"], result["period"], labels)
-  runs = {r["label"]: r for r in result["runs"]} | {r["label"]: r for r in new["runs"]}
+  if config.add:
+    result = kit.read_json(f"{prefix}.json")
+    config = dataclasses.replace(config, steps=result["steps"], period=result["period"])
+  data = TASKS["lm"].load(0)
+  with kit.Timed() as timed:
+    runs = [run(r, data, config.steps, config.period) for r in grid()
+            if not config.runs or r["label"] in config.runs]
+  if not config.add:
+    example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
+    sizes = [int(x.size) for x in jax.tree.leaves(trainer.initial_params(TASKS["lm"], 0,
+                                                                         example))]
+    return {"steps": config.steps, "period": config.period, "fragments": FRAGMENTS,
+            "block": BLOCK, "devices": kit.DEVICES, "runs": runs, "leaf_sizes": sizes,
+            "defaults": dict(TASKS["lm"].defaults), "machine": kit.machine(), **timed.record()}
+  by_label = {r["label"]: r for r in result["runs"]} | {r["label"]: r for r in runs}
   order = [r["label"] for r in grid()]
-  return {**result, "runs": sorted(runs.values(), key=lambda r: order.index(r["label"])),
+  return {**result, "runs": sorted(by_label.values(), key=lambda r: order.index(r["label"])),
           "added": [*result.get("added", []), {
-            "labels": list(labels), "date": _util.now(), "load_before": new["load_before"],
-            "load_after": new["load_after"], "wall_s": new["wall_s"]}]}
+            "labels": list(config.runs), "date": kit.now(), **timed.record()}]}
 
 
 def expected_exchange(sizes: list[int], fmt: str) -> float:
   """The bytes of one ``diloco`` exchange of params of leaf sizes ``sizes`` in ``fmt``: codes and
   float32 scales of all the leaves end to end (:func:`optax_dist._quantize.wire_bytes`), or the
   values' own bytes."""
-  from optax_dist._quantize import wire_bytes
-
   if fmt in QUANTIZED:
     return float(wire_bytes(sum(sizes), fmt, BLOCK))
   itemsize = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}[fmt]
@@ -307,11 +262,11 @@ def runs_table(result: dict[str, Any]) -> str:
            str(r["overlap"]) if r["family"].startswith("streaming") else "—",
            "yes" if r["eager"] else "", f"{r['final']:.4f}",
            "—" if base is None else f"{_gap(r, base):+.2%}", str(r["communication_rounds"]),
-           f"{r['exchange_bytes']:,.0f}", _util.human_bytes(r["total_bytes"]),
+           f"{r['exchange_bytes']:,.0f}", kit.human_bytes(r["total_bytes"]),
            f"{r['median_step_s']:.3f}", f"{r['wall_s']:.0f}",
            f"{r['load_before'].split(',')[0]} → {r['load_after'].split(',')[0]}"]
           for r in result["runs"]]
-  return _util.table(header, rows, "lllrlrrrrrrrl")
+  return kit.table(header, rows, "lllrlrrrrrrrl")
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
@@ -319,7 +274,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
   return "\n".join([
     "## Exchange formats on the language model: quality against bytes",
     "",
-    _util.doc_markdown(__doc__, 1, 3),
+    kit.doc_markdown(__doc__, 1, 3),
     "",
     (f"{result['steps']} steps per run, H = {result['period']}, F = {result['fragments']},"
      f" blocks of {result['block']}; {result['devices']} workers; one seed (0), so a"
@@ -351,12 +306,7 @@ COLORS = {"diloco": "C0", "diloco + error feedback": "C1", "streaming_diloco": "
 def plot(result: dict[str, Any], path: str) -> None:
   """Final bits per byte against MB sent per worker, a marker per format, a colour per family;
   and the overlap runs' curves against steps."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (by_bytes, by_step) = plt.subplots(1, 2, figsize=(13, 5))
+  fig, (by_bytes, by_step) = kit.plt.subplots(1, 2, figsize=(13, 5))
   for r in result["runs"]:
     by_bytes.plot(r["total_bytes"] / 1e6, r["final"], MARKERS[r["format"]],
                   color=COLORS[r["family"]], markersize=8, alpha=0.85)
@@ -382,72 +332,4 @@ def plot(result: dict[str, Any], path: str) -> None:
   fig.suptitle(f"lm, {result['devices']} workers, {result['steps']} steps, H = {result['period']},"
                f" seed 0; load average {result['load_before']} before, {result['load_after']}"
                " after", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-
-
-def estimate(result: dict[str, Any], steps: int) -> float:
-  """Minutes the full grid would take at ``steps`` steps, from ``result``'s runs: each run's
-  time outside its steps (compilation, evaluations) plus ``steps`` median steps."""
-  runs = result["runs"]
-  overhead = statistics.median(r["wall_s"] - r["median_step_s"] * r["steps"] for r in runs)
-  step = statistics.median(r["median_step_s"] for r in runs)
-  return len(grid()) * (overhead + steps * step) / 60
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=None,
-                      help=f"training steps per run (default {STEPS}; {QUICK['steps']} with"
-                      " --quick)")
-  parser.add_argument("--quick", action="store_true",
-                      help=f"{len(QUICK['labels'])} runs of {QUICK['steps']} steps at"
-                      f" H = {QUICK['period']}: checks the program only")
-  parser.add_argument("--out", default=None,
-                      help="PREFIX of PREFIX.json, PREFIX.md and PREFIX.png (default"
-                      " benchmarks/lm_exchanges; with --quick, a temporary directory)")
-  parser.add_argument("--report", action="store_true",
-                      help="rewrite PREFIX.md and PREFIX.png from PREFIX.json; trains nothing")
-  parser.add_argument("--add", default=None, metavar="LABELS",
-                      help="comma-separated runs of the grid to train now, at PREFIX.json's"
-                      " steps and H, in place of its runs of the same labels (the report says"
-                      " which were added, and when)")
-  args = parser.parse_args(argv)
-  if args.report:
-    out = args.out or os.path.join(HERE, "lm_exchanges")
-    with open(f"{out}.json") as f:
-      return report(json.load(f), out)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  import jax
-
-  jax.config.update("jax_num_cpu_devices", DEVICES)
-  quick = QUICK if args.quick else {}
-  steps = args.steps or quick.get("steps", STEPS)
-  out = args.out or (os.path.join(tempfile.mkdtemp(), "lm_exchanges") if args.quick
-                     else os.path.join(HERE, "lm_exchanges"))
-  if args.add:
-    with open(f"{out}.json") as f:
-      result = add(json.load(f), tuple(args.add.split(",")))
-  else:
-    result = measure(steps, quick.get("period", PERIOD), quick.get("labels"))
-  with open(f"{out}.json", "w") as f:
-    json.dump(result, f, indent=1)
-  report(result, out)
-  took = result["added"][-1]["wall_s"] if args.add else result["wall_s"]
-  print(f"[bench] wrote {out}.json in {took / 60:.1f} min")
-  if args.quick:
-    print(f"[bench] the full grid ({len(grid())} runs) at {STEPS} steps: about"
-          f" {estimate(result, STEPS):.0f} min at this load")
-  return 0
-
-
-def report(result: dict[str, Any], out: str) -> int:
-  """Writes ``OUT.png`` and ``OUT.md`` of ``result``."""
-  _util.write_report(result, out, plot, markdown)
-  print(f"[bench] wrote {out}.md and .png")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+  kit.save_figure(fig, path)

@@ -1,0 +1,291 @@
+"""What every study shares: JAX set up once, the run's record, timing, bytes, tables, reports.
+
+Importing this module configures JAX before anything else imports it: CPU only, with
+:data:`DEVICES` emulated devices, and collectives that wait up to 10 minutes for a descheduled
+thread (on a loaded 2-core machine one step can take longer than XLA's default 40 s). The
+driver (``python -m benchmarks``) imports it first, so every study imports JAX at its top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = " ".join([
+  os.environ.get("XLA_FLAGS", ""), "--xla_cpu_collective_call_terminate_timeout_seconds=600",
+  "--xla_cpu_collective_timeout_seconds=600"]).strip()
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from optax_dist.cli.algorithms import ALGORITHMS  # noqa: E402
+from optax_dist.cli.config import Settings  # noqa: E402
+from optax_dist.cli.tasks import TASKS  # noqa: E402
+
+DEVICES = 8
+"""Emulated CPU devices of every study."""
+
+try:
+  jax.config.update("jax_num_cpu_devices", DEVICES)
+except RuntimeError:  # JAX already initialised (e.g. by a test session's own configuration)
+  pass
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(ROOT, "results")
+"""Where the reports, their figures and their JSON go by default."""
+
+
+# --- The run's settings -------------------------------------------------------------------------
+
+
+def settings(flags: Sequence[str] = (), **overrides: Any) -> Settings:
+  """The trainer's settings of an ``lm`` run: the task's recipe (its defaults but ``steps``), then
+  ``flags`` (``optax-dist train`` flags, e.g. ``("--lr-schedule", "constant", "--eager")``:
+  ``--name VALUE`` sets ``name``, a flag without a value sets it to ``True``), then
+  ``overrides``. As on the command line, a period the task sets and these do not is at most
+  ``steps``."""
+  task = TASKS[overrides.get("task", "lm")]
+  given = flag_values(flags) | overrides
+  values = {"task": task.name, **{k: v for k, v in task.defaults.items() if k != "steps"}, **given}
+  for key in ("communication_period", "sync_period"):
+    if key not in given and values.get(key) is not None and "steps" in values:
+      values[key] = min(values[key], values["steps"])
+  return Settings(**values)
+
+
+def flag_values(flags: Sequence[str]) -> dict[str, Any]:
+  """``{"lr_schedule": "constant", "eager": True}`` of ``["--lr-schedule", "constant",
+  "--eager"]``; a value is read as JSON (numbers), else kept as text. Raises ``ValueError`` for a
+  name that is no field of :class:`Settings`."""
+  names = {f.name for f in dataclasses.fields(Settings)}
+  out, key = {}, None
+  for flag in flags:
+    if flag.startswith("--"):
+      key = flag[2:].replace("-", "_")
+      if key not in names:
+        raise ValueError(f"settings(flags=...): {flag} is not a setting of the trainer; the"
+                         f" settings are {', '.join(sorted(names))}")
+      out[key] = True
+    elif key is not None:
+      try:
+        out[key] = json.loads(flag)
+      except ValueError:
+        out[key] = flag
+  return out
+
+
+# --- Bytes over a run ---------------------------------------------------------------------------
+
+
+def total(by_axes: Mapping[str, float], operands: Mapping[str, int], exchange: bool) -> float:
+  """The bytes a device sends into collectives of one execution: all of them, whatever axes."""
+  return float(sum(by_axes.values()))
+
+
+def step_bytes(steps: Mapping[str, Any], kind: str, cost: Callable = total) -> float:
+  """``cost`` of one execution of the compiled step ``kind`` of a trainer's ``collective_bytes``
+  (``every_step``, ``communication_step`` or ``non_communication_step``): its unconditional
+  collectives plus the mean of its conditional exchanges (``streaming_diloco`` runs one fragment's
+  per sync step)."""
+  step = steps[kind]
+  exchanges = [cost(b, n, False) for b, n in zip(step["conditional"],
+                                                 step["operands"]["conditional"], strict=True)]
+  return (cost(step["unconditional"], step["operands"]["unconditional"], False)
+          + (statistics.mean(exchanges) if exchanges else 0.0))
+
+
+def run_bytes(result: Mapping[str, Any], s: Settings, cost: Callable = total) -> list[float]:
+  """The bytes sent after each step of a trainer's run (``result``, with settings ``s``):
+  :func:`step_bytes` of the step the algorithm's schedule runs at each step; with
+  ``--exchange-device``, each exchanging step also runs one exchange program (their mean).
+
+  ``cost(by_axes, operands, exchange)`` gives the bytes of one execution from the collectives'
+  bytes and operand counts by mesh axes (``exchange``: an exchange program's); default
+  :func:`total`."""
+  steps, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
+  program = 0.0
+  if "exchange" in steps:
+    each = [cost(b, n, True) for b, n in zip(steps["exchange"]["conditional"],
+                                             steps["exchange"]["operands"]["conditional"],
+                                             strict=True)]
+    program = statistics.mean(each)
+  sent, cumulative = 0.0, []
+  for t in range(1, s.steps + 1):
+    flag = algorithm.communicates(s, t)
+    if "every_step" in steps:
+      sent += step_bytes(steps, "every_step", cost)
+    else:
+      sent += step_bytes(steps, "communication_step" if flag else "non_communication_step", cost)
+    sent += program if flag else 0.0
+    cumulative.append(sent)
+  return cumulative
+
+
+def exchanges(s: Settings) -> list[bool]:
+  """For each step of a run with settings ``s``, whether it exchanges across workers."""
+  algorithm = ALGORITHMS[s.algorithm]
+  return [algorithm.communicates(s, t) in (None, True) for t in range(1, s.steps + 1)]
+
+
+def num_params(params: Any) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def tree_bytes(tree: Any) -> int:
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+# --- The machine, the load, timing --------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+  """The CPU model (``/proc/cpuinfo``), the core count and the memory (``/proc/meminfo``)."""
+  info = {"cpu": platform.processor() or platform.machine(), "memory": "unknown"}
+  for path, key, read in (
+      ("/proc/cpuinfo", "model name", lambda v: v.strip()),
+      ("/proc/meminfo", "MemTotal", lambda v: f"{int(v.split()[0]) / 2**20:.1f} GiB")):
+    try:
+      with open(path) as f:
+        line = next((x for x in f if x.startswith(key)), None)
+    except OSError:
+      continue
+    if line is not None:
+      info["cpu" if key == "model name" else "memory"] = read(line.split(":", 1)[1])
+  return {"cpu": info["cpu"], "cores": str(os.cpu_count()), "memory": info["memory"]}
+
+
+def versions() -> dict[str, str]:
+  """The versions of Python and of the libraries the measurements depend on."""
+  return {"python": platform.python_version(), "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__, "optax": optax.__version__, "flax": flax.__version__,
+          "numpy": np.__version__}
+
+
+def load_average() -> str:
+  """The 1-, 5- and 15-minute load averages, as ``uptime`` prints them."""
+  try:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+  except OSError:
+    return "unknown"
+
+
+def now() -> str:
+  """The UTC date and time to the minute, e.g. ``2026-11-25 08:52 UTC``."""
+  return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def median(xs: Sequence[float]) -> float:
+  return statistics.median(xs)
+
+
+def time_call(fn: Callable[[], Any]) -> float:
+  """Seconds of one call of ``fn``, waiting for its results to be ready."""
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
+
+
+class Timed:
+  """The wall-clock seconds and the load average around a ``with`` block (``record()``)."""
+
+  def __enter__(self) -> Timed:
+    self.start, self.load_before = time.perf_counter(), load_average()
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.seconds, self.load_after = time.perf_counter() - self.start, load_average()
+
+  def record(self) -> dict[str, Any]:
+    return {"load_before": self.load_before, "load_after": self.load_after,
+            "wall_s": self.seconds}
+
+
+def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+  """A field of a study's ``Config``: its default, and the help (and ``argparse`` keywords, e.g.
+  ``metavar``) of the flag ``--NAME`` the driver makes of it."""
+  return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+# --- Tables and reports -------------------------------------------------------------------------
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+  """A Markdown table; ``align`` is one character per column, ``l`` or ``r`` (default: ``l`` then
+  ``r``)."""
+  align = align or "l" + "r" * (len(header) - 1)
+  rule = ["---:" if a == "r" else "---" for a in align]
+  lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def mib(nbytes: float) -> str:
+  return f"{nbytes / 2**20:.1f}"
+
+
+def human_bytes(nbytes: float) -> str:
+  """``nbytes`` in B, KiB, MiB or GiB, one decimal."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(nbytes) >= scale:
+      return f"{nbytes / scale:,.1f} {unit}"
+  return f"{nbytes:.0f} B"
+
+
+def doc_markdown(doc: str, first: int, last: int | None = None) -> str:
+  """Paragraphs ``first`` to ``last`` of a module docstring as Markdown (bullets kept)."""
+  paragraphs = doc.strip().split("\n\n")[first:None if last is None else last + 1]
+  out = []
+  for p in paragraphs:
+    bulleted = p.lstrip().startswith("* ")
+    items = re.split(r"\n\s*\* ", "\n" + p.strip()) if bulleted else [p]
+    items = [" ".join(i.split()) for i in items if i.strip()]
+    out.append("\n".join(f"- {i}" for i in items) if len(items) > 1 or bulleted else items[0])
+  text = "\n\n".join(out).replace("``", "`")
+  return re.sub(r":(?:func|class|mod|data|meth):`~?([^`]+)`", r"`\1`", text)
+
+
+def read_json(path: str) -> Any:
+  with open(path) as f:
+    return json.load(f)
+
+
+def write_json(path: str, value: Any) -> None:
+  """Writes ``value`` to ``path`` whole or not at all (a stopped study leaves no half file)."""
+  with open(path + ".tmp", "w") as f:
+    json.dump(value, f, indent=1, default=str)
+  os.replace(path + ".tmp", path)
+
+
+def write_report(result: Any, prefix: str, plot: Callable[[Any, str], None] | None,
+                 markdown: Callable[[Any, str], str]) -> str:
+  """Draws ``plot(result, PREFIX.png)`` (if ``plot``), writes ``markdown(result, "PREFIX.png")``
+  (the figure named relative to the Markdown) to ``PREFIX.md`` and returns that Markdown."""
+  if plot is not None:
+    plot(result, f"{prefix}.png")
+  text = markdown(result, os.path.basename(f"{prefix}.png"))
+  with open(f"{prefix}.md", "w") as f:
+    f.write(text.rstrip("\n") + "\n")
+  return text
+
+
+def save_figure(fig: Any, path: str) -> None:
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

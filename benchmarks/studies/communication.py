@@ -1,0 +1,154 @@
+"""Bytes communicated per step by each algorithm, from :func:`optax_dist.communication_report`.
+
+The training step of the ≈1M-parameter MLP of the overhead benchmark (784-1024-256-10, adam),
+``jax.shard_map``'ed over 8 emulated CPU devices with axis ``"w"``, each worker with its own
+params, optimizer state and minibatch. Only compiled (and lowered), never run: the arguments are
+``jax.ShapeDtypeStruct`` with their shardings.
+
+Per device and per execution: ``bytes`` is what each device contributes to a collective (its
+operands), ``received`` what each device gets back (for an ``all_gather`` over 8 devices, 8× the
+operands). The per-1,000-step totals count the communication steps of 1,000 steps (every step for
+``tower``, every 10th for ``elastic_average`` and ``agn``, every 4th micro-step for
+``accumulate_then_reduce``) at the communication-step bytes and the others at the
+non-communication-step bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+import optax_dist
+from benchmarks import kit
+from benchmarks.studies import mlp_overhead
+from benchmarks.studies._steps import AXIS
+
+BATCH = 32
+PERIOD = 10
+EVERY_K = 4
+STEPS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  seed: int = kit.option(0, "the params' seed (the shapes alone matter)")
+
+
+QUICK = {}
+
+
+def configs() -> list[tuple[str, str, int, Any]]:
+  """(algorithm, comm dtype, steps per communication, adam -> transformation)."""
+  rows = []
+  for dtype_name, dtype in (("float32", None), ("bfloat16", jnp.bfloat16)):
+    rows += [
+      ("tower", dtype_name, 1,
+       lambda adam, d=dtype: optax_dist.tower(adam, AXIS, comm_dtype=d)),
+      (f"elastic_average τ={PERIOD}", dtype_name, PERIOD,
+       lambda adam, d=dtype: optax_dist.elastic_average(
+         adam, communication_period=PERIOD, axis_name=AXIS, comm_dtype=d)),
+      (f"agn τ={PERIOD} sequential", dtype_name, PERIOD,
+       lambda adam, d=dtype: optax_dist.agn(
+         adam, communication_period=PERIOD, axis_name=AXIS, comm_dtype=d)),
+      (f"agn τ={PERIOD} mean", dtype_name, PERIOD,
+       lambda adam, d=dtype: optax_dist.agn(
+         adam, communication_period=PERIOD, center_update="mean", axis_name=AXIS,
+         comm_dtype=d)),
+      (f"accumulate_then_reduce k={EVERY_K}", dtype_name, EVERY_K,
+       lambda adam, d=dtype: optax_dist.accumulate_then_reduce(adam, EVERY_K, AXIS,
+                                                               comm_dtype=d)),
+    ]
+  order = [r[0] for r in rows[:5]]
+  return sorted(rows, key=lambda r: (order.index(r[0]), r[1] != "float32"))
+
+
+def measure(config: Config, prefix: str) -> dict[str, Any]:
+  hidden = mlp_overhead.SIZES[0][1]
+  problem = mlp_overhead.problem(hidden, config.seed, kit.DEVICES, BATCH)
+  adam = optax.adam(mlp_overhead.LEARNING_RATE)
+  rows = []
+  for algorithm, dtype_name, every, make in configs():
+    tx = make(adam)
+    step, args = problem.jitted(tx), problem.arguments(tx)
+    compiled = optax_dist.communication_report(step, *args)
+    lowered = optax_dist.communication_report(step, *args, stage="lowered")
+    comm = compiled.communication_step
+    rounds = STEPS // every
+
+    def per_steps(report, rounds=rounds):
+      c, q = report.communication_step.bytes, report.non_communication_step.bytes
+      return rounds * c + (STEPS - rounds) * q
+
+    rows.append({
+      "algorithm": algorithm, "comm_dtype": dtype_name, "every": every, "comm_step": str(comm),
+      "comm_bytes": comm.bytes, "comm_received": comm.result_bytes,
+      "quiet_bytes": compiled.non_communication_step.bytes,
+      "quiet_count": compiled.non_communication_step.count,
+      "lowered_comm_bytes": lowered.communication_step.bytes,
+      "lowered_comm_step": str(lowered.communication_step), "rounds": rounds,
+      "bytes_per_1000": per_steps(compiled), "lowered_bytes_per_1000": per_steps(lowered)})
+  return {"num_params": problem.num_params, "params_bytes": problem.params_bytes, "rows": rows,
+          "hidden": hidden}
+
+
+def markdown(result: dict[str, Any], figure: str) -> str:
+  return "\n".join(["## MLP: communication", "", _communication_intro(result), "",
+                    table(result), "", f"![bytes sent per {STEPS} steps]({figure})"])
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+  """Bytes sent per 1,000 steps by each algorithm, compiled and lowered, log scale."""
+  rows = result["rows"]
+  fig, ax = kit.plt.subplots(figsize=(9, 4))
+  x = range(len(rows))
+  ax.bar([i - 0.2 for i in x], [r["bytes_per_1000"] / 2**20 for r in rows], 0.4, label="compiled")
+  ax.bar([i + 0.2 for i in x], [r["lowered_bytes_per_1000"] / 2**20 for r in rows], 0.4,
+         label="lowered")
+  ax.set_xticks(list(x), [f"{r['algorithm']}\n{r['comm_dtype']}" for r in rows], fontsize=6,
+                rotation=90)
+  ax.set_yscale("log")
+  ax.set_ylabel(f"MiB sent per device per {STEPS} steps")
+  ax.legend(fontsize=8)
+  kit.save_figure(fig, path)
+
+
+def _communication_intro(result) -> str:
+  return (
+    f"The training step of the ≈1M MLP ({result['num_params']:,} params,"
+    f" {result['params_bytes']:,} B in float32, hidden"
+    f" {'-'.join(map(str, result['hidden']))}) under `jax.shard_map` over {kit.DEVICES} emulated"
+    f" CPU devices, compiled (not run) from `jax.ShapeDtypeStruct`s, and read by"
+    f" `optax_dist.communication_report`. Bytes are per device and per execution: *sent* is"
+    f" what a device contributes (a collective's operands), *received* its result (an"
+    f" `all_gather` over {kit.DEVICES} devices returns {kit.DEVICES}× what each sends: AGN's"
+    f" sequential center update gathers every worker's accumulated gradient). Per {STEPS}"
+    f" steps: communication steps at the communication-step bytes, the others at the"
+    f" non-communication-step bytes (none for every algorithm here). **bfloat16 on CPU**:"
+    f" XLA's CPU compiler widens bfloat16 collectives to float32 after rounding the values to"
+    f" bfloat16, so the compiled stage reports float32 bytes for the `comm_dtype=bfloat16`"
+    f" rows; the *lowered* columns (`stage=\"lowered\"`, the program as JAX emits it, one"
+    f" collective per leaf) show the halved bytes that GPU and TPU backends send."
+  )
+
+
+def table(result: dict[str, Any]) -> str:
+  rows = result["rows"]
+  reference = next(r for r in rows if r["algorithm"] == "tower" and r["comm_dtype"] == "float32")
+  header = ["algorithm", "comm dtype", "communication step (compiled)", "sent B",
+            "received B", "non-comm. step B", f"rounds / {STEPS}", f"sent / {STEPS} steps",
+            "vs tower f32", "lowered: sent B", f"lowered: sent / {STEPS} steps",
+            "lowered: vs tower f32"]
+  table_rows = []
+  for r in rows:
+    table_rows.append([
+      r["algorithm"], r["comm_dtype"], r["comm_step"], f"{r['comm_bytes']:,}",
+      f"{r['comm_received']:,}", f"{r['quiet_bytes']:,}", str(r["rounds"]),
+      kit.human_bytes(r["bytes_per_1000"]),
+      f"{r['bytes_per_1000'] / reference['bytes_per_1000']:.3f}",
+      f"{r['lowered_comm_bytes']:,}", kit.human_bytes(r["lowered_bytes_per_1000"]),
+      f"{r['lowered_bytes_per_1000'] / reference['lowered_bytes_per_1000']:.3f}",
+    ])
+  return kit.table(header, table_rows, "lllrrrrrrrrr")
