@@ -238,7 +238,7 @@ def diloco(
       paper's outer Nesterov momentum, tuned for hundreds of outer steps. With only tens of
       syncs a lower momentum can end far ahead: on ``optax-dist train --task lm`` with 10 syncs
       (200 steps, H = 20, 2 replicas) momentum 0.9 ended at 3.354 validation bits per byte,
-      0.5 at 3.150 (``benchmarks/network.md``).
+      0.5 at 3.150 (``benchmarks/results/network.md``).
     sync_period: H, a count of ``update`` calls; the first sync is on the H-th call.
     axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers;
       ``None`` for one worker.

@@ -55,7 +55,7 @@ import jax
 from tqdm.auto import tqdm
 
 from benchmarks import kit
-from optax_dist.cli import trainer
+from optax_dist.cli import runs, trainer
 from optax_dist.cli.tasks import LM_CONTEXT, TASKS
 
 DEVICES = kit.DEVICES
@@ -551,7 +551,7 @@ def meta_of(seeds: Sequence[int]) -> dict[str, Any]:
   task = TASKS["lm"]
   data = task.load(0)
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-  params = trainer.initial_params(task, 0, example)
+  params = runs.initial_params(task, 0, example)
   return {"num_params": sum(int(x.size) for x in jax.tree.leaves(params)),
           "train_tokens": int(data.train["y"].size), "context": LM_CONTEXT, "seeds": list(seeds)}
 

@@ -40,7 +40,7 @@ import jax
 
 from benchmarks import kit
 from optax_dist._quantize import wire_bytes
-from optax_dist.cli import trainer
+from optax_dist.cli import runs, trainer
 from optax_dist.cli.tasks import TASKS
 
 STEPS = 450
@@ -150,7 +150,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
             if not config.runs or r["label"] in config.runs]
   if not config.add:
     example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-    sizes = [int(x.size) for x in jax.tree.leaves(trainer.initial_params(TASKS["lm"], 0,
+    sizes = [int(x.size) for x in jax.tree.leaves(runs.initial_params(TASKS["lm"], 0,
                                                                          example))]
     return {"steps": config.steps, "period": config.period, "fragments": FRAGMENTS,
             "block": BLOCK, "devices": kit.DEVICES, "runs": runs, "leaf_sizes": sizes,

@@ -45,7 +45,7 @@ import optax
 import optax_dist
 from benchmarks import kit
 from benchmarks.studies._steps import Problem, Variant, ratio_plot, time_variants
-from optax_dist.cli import trainer
+from optax_dist.cli import runs, trainer
 from optax_dist.cli.tasks import TASKS
 
 BATCH = 8
@@ -150,7 +150,7 @@ def lm_problem(bound: bool, seed: int = 0) -> Problem:
   task = TASKS["lm"]
   data = task.load(seed).train
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.items())
-  params = trainer.initial_params(task, seed, example)
+  params = runs.initial_params(task, seed, example)
   rows = np.random.default_rng(seed).choice(len(data["x"]), n * BATCH, replace=False)
   return Problem(params, task.loss_fn(task.model()), ({k: v[rows] for k, v in data.items()},), n)
 
