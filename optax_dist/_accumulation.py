@@ -107,7 +107,9 @@ def accumulate_then_reduce(
 
   Raises:
     TypeError: ``inner`` is not a transformation; ``every_k`` not an int;
-      ``accumulator_dtype`` or ``comm_dtype`` not ``None`` or a floating dtype.
+      ``accumulator_dtype`` or ``comm_dtype`` not ``None`` or a floating dtype; ``comm_dtype``
+      without a sign or a zero, or block-quantized (``jnp.float4_e2m1fn`` included: refused
+      naming the transformations that take it).
     ValueError: ``every_k`` < 1; ``reduction`` not ``"mean"`` or ``"sum"``; in ``update``,
       a named ``axis_name`` that is not bound where it runs, or updates whose shapes differ
       from the params'.

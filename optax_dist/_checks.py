@@ -101,21 +101,13 @@ QUANTIZED_FORMATS = _quantize.FORMATS
 """The block-quantized exchange formats a ``comm_dtype`` may name."""
 
 
-def check_comm_dtype(fn: str, comm_dtype: Any, name: str = "comm_dtype") -> np.dtype | str | None:
-  """``comm_dtype`` resolved: ``None``, a floating NumPy dtype, or a quantized format's name.
+BLOCK_FORMAT_TAKERS = "diloco, streaming_diloco, local_sgd, elastic_average and agn"
+"""The transformations that take a block-quantized ``comm_dtype`` (their exchange is periodic,
+with error feedback available); ``tower``, ``all_reduce`` and ``accumulate_then_reduce`` do not."""
 
-  ``jnp.int8`` and ``jnp.float4_e2m1fn`` (or their names) and ``"e3m0"`` name the block-quantized
-  formats of ``optax_dist._quantize``: they resolve to the format's name, which
-  :func:`optax_dist._axis.psum` sends to ``quantized_sum``. Other floating dtypes resolve to
-  themselves (a cast before the collective). An array stands for its dtype:
-  ``optax.inject_hyperparams`` calls a callable hyperparameter such as ``jnp.int8`` and passes the
-  result.
 
-  Raises:
-    TypeError: ``comm_dtype`` is none of these, naming the choices.
-  """
-  if comm_dtype is None:
-    return None
+def _resolved_comm_dtype(comm_dtype: Any) -> np.dtype | str | None:
+  """A quantized format's name, a NumPy dtype, or ``None`` if ``comm_dtype`` names no dtype."""
   if isinstance(comm_dtype, str) and comm_dtype in QUANTIZED_FORMATS:
     return comm_dtype
   if isinstance(comm_dtype, (jax.Array, np.ndarray)):
@@ -123,16 +115,61 @@ def check_comm_dtype(fn: str, comm_dtype: Any, name: str = "comm_dtype") -> np.d
   try:
     resolved = jnp.dtype(comm_dtype)
   except (TypeError, ValueError):
-    resolved = None
-  if resolved is not None and resolved.name in QUANTIZED_FORMATS:
-    return resolved.name
-  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    return None
+  return resolved.name if resolved.name in QUANTIZED_FORMATS else resolved
+
+
+def check_comm_dtype(
+  fn: str, comm_dtype: Any, name: str = "comm_dtype", *, block_formats: bool = True
+) -> np.dtype | str | None:
+  """``comm_dtype`` resolved: ``None``, a floating NumPy dtype, or a quantized format's name.
+
+  ``jnp.int8`` and ``jnp.float4_e2m1fn`` (or their names) and ``"e3m0"`` name the block-quantized
+  formats of ``optax_dist._quantize``: they resolve to the format's name, which
+  :func:`optax_dist._axis.psum` sends to ``quantized_sum`` (with ``block_formats=False``, for the
+  exchanges of every step's gradients, they are refused). Other floating dtypes resolve to
+  themselves (a cast before the collective); they must represent -1 and 0 (a sign and a zero:
+  the values exchanged are differences of either sign), which e.g. ``jnp.float8_e8m0fnu`` cannot.
+  An array stands for its dtype: ``optax.inject_hyperparams`` calls a callable hyperparameter
+  such as ``jnp.int8`` and passes the result.
+
+  Raises:
+    TypeError: ``comm_dtype`` is none of these, naming the choices; a block-quantized format
+      with ``block_formats=False``, naming the transformations that take it; a floating dtype
+      without a sign or without a zero.
+  """
+  if comm_dtype is None:
+    return None
+  resolved = _resolved_comm_dtype(comm_dtype)
+  if isinstance(resolved, str) and not block_formats:
     raise TypeError(
-      f"`{fn}({name}=...)` must be None, a floating dtype such as jnp.bfloat16, or a quantized"
-      " format: jnp.int8 (or \"int8\"), jnp.float4_e2m1fn (or \"float4_e2m1fn\") or \"e3m0\";"
-      f" got {comm_dtype!r}."
+      f"`{fn}({name}=...)` must be None or a floating dtype such as jnp.bfloat16, got"
+      f" {resolved!r}: a block-quantized format (jnp.int8, jnp.float4_e2m1fn or \"e3m0\") would"
+      " round every step's gradients with no feedback of the error; it is taken by"
+      f" {BLOCK_FORMAT_TAKERS} only."
     )
+  if isinstance(resolved, str):
+    return resolved
+  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+    choices = (
+      "None, a floating dtype such as jnp.bfloat16, or a quantized format: jnp.int8 (or"
+      " \"int8\"), jnp.float4_e2m1fn (or \"float4_e2m1fn\") or \"e3m0\";"
+      if block_formats else "None or a floating dtype such as jnp.bfloat16,"
+    )
+    raise TypeError(f"`{fn}({name}=...)` must be {choices} got {comm_dtype!r}.")
+  _check_signed_with_zero(fn, name, resolved)
   return resolved
+
+
+def _check_signed_with_zero(fn: str, name: str, dtype: np.dtype) -> None:
+  """Raise unless the floating ``dtype`` represents negative values and zero."""
+  lacks = [what for what, ok in (("sign", float(jnp.finfo(dtype).min) < 0),
+                                 ("zero", float(np.zeros((), dtype)) == 0)) if not ok]
+  if lacks:
+    raise TypeError(
+      f"`{fn}({name}=...)` must be a format with a sign and a zero (the values exchanged are"
+      f" differences of either sign), got {dtype.name}, which has no {' and no '.join(lacks)}."
+    )
 
 
 def check_comm_block_size(fn: str, block_size: Any, comm_dtype: Any) -> int:

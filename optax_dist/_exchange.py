@@ -31,27 +31,31 @@ class Exchange:
     \mathrm{mean}(t)_i = \tfrac{1}{N} \textstyle\sum_{j=1}^N Q(t_j), \qquad
     \mathrm{gather}(t)_i = [Q(t_1), \dots, Q(t_N)]
 
-  with :math:`Q` the wire format ``comm_dtype``: the identity for ``None``, a cast for a
-  floating dtype (the sum is then rounded to it), block quantization for ``"int8"``,
-  ``"float4_e2m1fn"`` and ``"e3m0"`` (``optax_dist._quantize``: one float32 scale per
-  ``comm_block_size`` values, summed in float32 in worker order). The mean is divided in each
-  leaf's own dtype. :meth:`mean_with_feedback` adds each worker's residual before quantizing and
-  returns what quantization dropped. :meth:`payload` is one worker's term :math:`Q(t_i)` of
-  these sums, computed where it is (no collective), for an exchange outside the program
-  (:func:`merge_payloads`). With ``axis_name=None`` (one worker) every collective returns its
-  input (``gather`` is not defined then).
+  with :math:`Q` the wire format ``comm_dtype``, one meaning wherever it is accepted: the
+  identity for ``None``, a cast for a floating dtype (the sum is then rounded to it), block
+  quantization for ``"int8"``, ``"float4_e2m1fn"`` and ``"e3m0"`` (``optax_dist._quantize``: one
+  float32 scale per ``comm_block_size`` values, summed in float32 in worker order; never a raw
+  cast to ``jnp.float4_e2m1fn``, which would send values below 0.25 as zeros). The mean is
+  divided in each leaf's own dtype. :meth:`mean_with_feedback` adds each worker's residual before
+  quantizing and returns what quantization dropped. :meth:`payload` is one worker's term
+  :math:`Q(t_i)` of these sums, computed where it is (no collective), for an exchange outside the
+  program (:func:`merge_payloads`). With ``axis_name=None`` (one worker) every collective returns
+  its input (``gather`` is not defined then).
 
   Attributes:
     axis_name: the mapped axis (or tuple of mesh axes) whose positions are the workers; ``None``
       for one worker.
     num_workers: :math:`N`; defaults to the size of ``axis_name`` (1 when it is ``None``). If
       given, it must equal that size.
-    comm_dtype: the wire format: ``None`` (each leaf's own dtype), a floating dtype (e.g.
-      ``jnp.bfloat16``; 8-bit floats are all-gathered and summed in float32), or a quantized
+    comm_dtype: the wire format: ``None`` (each leaf's own dtype), a floating dtype with a sign
+      and a zero (e.g. ``jnp.bfloat16``; 8-bit floats are all-gathered and summed in float32;
+      ``jnp.float8_e8m0fnu`` and other unsigned formats are refused), or a block-quantized
       format: ``jnp.int8`` (or ``"int8"``), ``jnp.float4_e2m1fn`` (or ``"float4_e2m1fn"``),
       ``"e3m0"``. Stored resolved: ``None``, a NumPy dtype or the format's name.
-    comm_block_size: B, values per float32 scale of a quantized format; ``None`` is 256 (even
-      for the 4-bit formats). Stored as an int.
+      (``gradient_exchange``, for ``tower``, ``all_reduce`` and ``accumulate_then_reduce``,
+      refuses the block-quantized formats.)
+    comm_block_size: B, values per float32 scale of a block-quantized format; ``None`` is 256
+      (even for the 4-bit formats). Stored as an int.
     slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose K devices
       hold identical copies of the tree: each sends only its 1/K slice across the workers and
       the slices are all-gathered back over ``slice_axis``. ``None``: each device sends all.
@@ -75,7 +79,8 @@ class Exchange:
 
   Raises:
     TypeError: ``num_workers`` or ``comm_block_size`` not an int; ``comm_dtype`` none of the
-      choices; ``hierarchical`` not a bool.
+      choices, or a floating dtype without a sign or a zero (``jnp.float8_e8m0fnu``);
+      ``hierarchical`` not a bool.
     ValueError: ``num_workers`` or ``comm_block_size`` below 1; ``num_workers > 1`` with
       ``axis_name=None``; ``comm_block_size`` odd with a 4-bit format; ``hierarchical=True``
       with fewer than two axes. In ``update`` (:meth:`bind`): ``axis_name`` or ``slice_axis``
@@ -245,14 +250,17 @@ def gradient_exchange(
   fn: str, axis_name: Hashable | tuple | None, comm_dtype: Any, hierarchical: Any = False
 ) -> Exchange:
   """The :class:`Exchange` of ``tower``, ``all_reduce`` and ``accumulate_then_reduce``: every
-  step's gradients, in their own dtypes or a floating ``comm_dtype`` (a quantized format is
-  refused: each step's gradients would be rounded, with no feedback of the error).
+  step's gradients, in their own dtypes or a floating ``comm_dtype`` (a block-quantized format,
+  ``jnp.float4_e2m1fn`` included, is refused: each step's gradients would be rounded, with no
+  feedback of the error).
 
   Raises:
-    TypeError: ``comm_dtype`` not ``None`` or a floating dtype; ``hierarchical`` not a bool.
+    TypeError: ``comm_dtype`` not ``None`` or a floating dtype with a sign and a zero (a
+      block-quantized format: naming the transformations that take it); ``hierarchical`` not a
+      bool.
     ValueError: ``hierarchical=True`` with fewer than two axes.
   """
-  comm_dtype = _checks.check_floating_dtype(fn, "comm_dtype", comm_dtype)
+  comm_dtype = _checks.check_comm_dtype(fn, comm_dtype, block_formats=False)
   return Exchange(axis_name, comm_dtype=comm_dtype, hierarchical=hierarchical, call=fn)
 
 

@@ -82,7 +82,9 @@ def all_reduce(
     ``psum`` of 1/K of the leaf over ``outer``. :func:`communication_report` measures them.
 
   Raises:
-    TypeError: ``comm_dtype`` not ``None`` or a floating dtype; ``hierarchical`` not a bool.
+    TypeError: ``comm_dtype`` not ``None`` or a floating dtype with a sign and a zero (a
+      block-quantized format, ``jnp.float4_e2m1fn`` included, is refused naming the
+      transformations that take it); ``hierarchical`` not a bool.
     ValueError: ``hierarchical=True`` with an ``axis_name`` of fewer than two axes;
       ``reduction`` not ``"mean"`` or ``"sum"``; in ``update``, a named
       ``axis_name`` that is not bound where it runs (a misspelled name, or ``update`` outside
@@ -165,7 +167,8 @@ def tower(
 
   Raises:
     TypeError: ``inner`` is not a transformation; ``comm_dtype`` not ``None`` or a floating
-      dtype; ``hierarchical`` not a bool.
+      dtype with a sign and a zero (a block-quantized format, ``jnp.float4_e2m1fn`` included, is
+      refused naming the transformations that take it); ``hierarchical`` not a bool.
     ValueError: ``reduction`` not ``"mean"`` or ``"sum"``; ``hierarchical=True`` with fewer
       than two axes; in ``update``, a named
       ``axis_name`` that is not bound where it runs.

@@ -137,3 +137,91 @@ def test_sliced_mean_is_the_unsliced_mean_bit_for_bit():
   np.testing.assert_array_equal(whole, np.broadcast_to(rounded, (8, 10)))
   assert not np.array_equal(whole, np.broadcast_to(x.reshape(2, 4, 10).mean(0), (2, 4, 10))
                             .reshape(8, 10))  # bfloat16 did round
+
+
+# One meaning per wire format: the block formats are block-scaled wherever they are taken and
+# refused, by name, where every step's gradients are exchanged.
+
+GRADIENT_EXCHANGES = {
+  "tower": lambda **kw: optax_dist.tower(optax.sgd(1.0), "w", **kw),
+  "all_reduce": lambda **kw: optax_dist.all_reduce("w", **kw),
+  "accumulate_then_reduce": lambda **kw: optax_dist.accumulate_then_reduce(
+    optax.sgd(1.0), 2, "w", **kw),
+}
+PERIODIC_EXCHANGES = {
+  "diloco": lambda **kw: optax_dist.diloco(optax.sgd(1.0), axis_name="w", **kw),
+  "streaming_diloco": lambda **kw: optax_dist.streaming_diloco(
+    optax.sgd(1.0), num_fragments=1, axis_name="w", **kw),
+  "local_sgd": lambda **kw: optax_dist.local_sgd(optax.sgd(1.0), sync_period=2, axis_name="w",
+                                                **kw),
+  "elastic_average": lambda **kw: optax_dist.elastic_average(optax.sgd(1.0), axis_name="w", **kw),
+  "agn": lambda **kw: optax_dist.agn(optax.sgd(1.0), axis_name="w", **kw),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(GRADIENT_EXCHANGES))
+@pytest.mark.parametrize("fmt", [jnp.float4_e2m1fn, "float4_e2m1fn", jnp.int8, "e3m0"])
+def test_gradient_exchanges_refuse_the_block_formats_naming_who_takes_them(fn, fmt):
+  name = jnp.dtype(fmt).name if fmt != "e3m0" else fmt
+  message = (rf"`{fn}\(comm_dtype=...\)` must be None or a floating dtype such as jnp.bfloat16,"
+             rf" got '{name}': a block-quantized format .* is taken by diloco, streaming_diloco,"
+             r" local_sgd, elastic_average and agn only\.")
+  with pytest.raises(TypeError, match=message):
+    GRADIENT_EXCHANGES[fn](comm_dtype=fmt)
+
+
+def test_float4_is_block_scaled_where_it_is_taken():
+  """Gradients of size 0.05 are below float4_e2m1fn's smallest step (0.5) and a raw cast sends
+  zeros; every transformation that takes the format scales each block first."""
+  g = 0.05 * np.random.default_rng(4).normal(size=(N, 64)).astype(np.float32)
+  assert not np.any(g.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))  # a raw cast: zeros
+  mean = jax.vmap(optax_dist.Exchange("w", comm_dtype=jnp.float4_e2m1fn).mean, axis_name="w")(g)
+  np.testing.assert_allclose(np.asarray(mean)[0], g.mean(0), atol=0.25 * np.abs(g).max())
+  tx = optax_dist.diloco(optax.sgd(1.0), optax.sgd(1.0), sync_period=1, axis_name="w",
+                         comm_dtype=jnp.float4_e2m1fn)
+  params = jnp.zeros((N, 64))
+  updates, _ = jax.vmap(tx.update, axis_name="w")(g, jax.vmap(tx.init)(params), params)
+  np.testing.assert_array_equal(np.asarray(updates), np.broadcast_to(-np.asarray(mean), g.shape))
+
+
+@pytest.mark.parametrize("build", [
+  *GRADIENT_EXCHANGES.values(),
+  *PERIODIC_EXCHANGES.values(),
+  lambda **kw: optax_dist.Exchange("w", call="mine", **kw),
+])
+def test_formats_without_a_sign_or_a_zero_are_refused_everywhere(build):
+  with pytest.raises(TypeError, match=r"\(comm_dtype=...\)` must be a format with a sign and a"
+                                      r" zero .*, got float8_e8m0fnu, which has no sign and no"
+                                      r" zero\."):
+    build(comm_dtype=jnp.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("name", [n for n in dir(ml_dtypes) if n.startswith("float")
+                                  and isinstance(getattr(ml_dtypes, n), type)])
+def test_every_accepted_float_format_carries_minus_one_and_zero(name):
+  dtype = np.dtype(getattr(ml_dtypes, name))
+  exact = np.array_equal(np.array([-1.0, 0.0]).astype(dtype).astype(np.float32), [-1.0, 0.0])
+  try:
+    optax_dist.Exchange("w", comm_dtype=dtype)
+  except TypeError:
+    assert not exact
+  else:
+    assert exact
+
+
+def test_diloco_with_float8_e8m0fnu_would_send_nan():
+  """Why the unsigned format is refused: its cast of [1, -1, .5, 0] is [1, nan, .5, nan]."""
+  cast = np.array([1.0, -1.0, 0.5, 0.0]).astype(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+  assert np.isnan(cast[[1, 3]]).all()
+  with pytest.raises(TypeError, match="float8_e8m0fnu"):
+    PERIODIC_EXCHANGES["diloco"](comm_dtype=jnp.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("comm", [None, "bfloat16", "float8_e4m3fn", "int8"])
+def test_the_command_passes_the_block_size_only_with_a_block_format(comm):
+  from optax_dist.cli import algorithms
+  from optax_dist.cli.config import Settings
+
+  s = Settings(algorithm="diloco", comm_dtype=comm, sync_period=2)
+  tx = algorithms.ALGORITHMS["diloco"].build(s, optax.sgd(0.1), "w")
+  assert callable(tx.update)

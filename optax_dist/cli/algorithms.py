@@ -227,8 +227,10 @@ def _tower(s: Settings, inner: Any, axis: Any) -> Any:
 
 
 def _exchange(s: Settings) -> dict[str, Any]:
-  """The library's arguments of an exchange that may be block-quantized."""
-  return {"comm_dtype": s.comm_dtype, "comm_block_size": s.comm_block_size}
+  """The library's arguments of an exchange that may be block-quantized (``comm_block_size``
+  only with a block-quantized ``comm_dtype``: the library refuses it with the others)."""
+  block = s.comm_dtype in QUANTIZED_COMM_DTYPES
+  return {"comm_dtype": s.comm_dtype, "comm_block_size": s.comm_block_size if block else None}
 
 
 def _streaming_diloco(s: Settings, inner: Any, axis: Any, slice_axis=None) -> Any:
