@@ -53,7 +53,8 @@ def test_flags_reach_the_settings_with_the_library_s_defaults():
 def _hand_built(s: Settings, params) -> optax.GradientTransformation:
   """The library's transformation of ``s``, built by hand from its documented arguments."""
   inner, outer = inner_optimizer(s), optax.sgd(0.7, momentum=0.9, nesterov=True)
-  comm = {"comm_dtype": s.comm_dtype, "comm_block_size": s.comm_block_size}
+  block = s.comm_block_size if s.comm_dtype in ("int8", "float4_e2m1fn", "e3m0") else None
+  comm = {"comm_dtype": s.comm_dtype, "comm_block_size": block}
   if s.algorithm == "diloco":
     return optax_dist.diloco(inner, outer, sync_period=s.sync_period, axis_name=AXIS,
                              error_feedback=s.error_feedback, **comm)
