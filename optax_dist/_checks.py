@@ -172,9 +172,10 @@ def _check_signed_with_zero(fn: str, name: str, dtype: np.dtype) -> None:
     )
 
 
-def check_comm_block_size(fn: str, block_size: Any, comm_dtype: Any) -> int:
-  """``comm_block_size`` as an int (``None``: 256): positive, and even for a 4-bit
-  ``comm_dtype`` (resolved by :func:`check_comm_dtype`), whose codes are packed two per byte.
+def check_comm_block_size(fn: str, block_size: Any, comm_dtype: Any) -> int | None:
+  """``comm_block_size`` for ``comm_dtype`` (resolved by :func:`check_comm_dtype`): ``None``
+  unless the format is block-quantized; for a block-quantized one, an int (``None``: 256),
+  positive, and even for a 4-bit format, whose codes are packed two per byte.
 
   The default is ``None`` rather than 256 so that ``optax.inject_hyperparams``, which turns every
   int argument into an array, leaves it alone: the block size fixes the shapes of the codes and
@@ -183,8 +184,17 @@ def check_comm_block_size(fn: str, block_size: Any, comm_dtype: Any) -> int:
   Raises:
     TypeError: not an int, or traced (with ``optax.inject_hyperparams``: pass
       ``static_args=("comm_block_size",)``).
-    ValueError: below 1, or odd with ``comm_dtype`` ``"float4_e2m1fn"`` or ``"e3m0"``.
+    ValueError: given (not ``None``) with a ``comm_dtype`` that is not block-quantized; below 1,
+      or odd with ``comm_dtype`` ``"float4_e2m1fn"`` or ``"e3m0"``.
   """
+  if not isinstance(comm_dtype, str):
+    if block_size is not None:
+      raise ValueError(
+        f"`{fn}(comm_block_size=...)` sets the blocks of a block-quantized comm_dtype (jnp.int8,"
+        f" jnp.float4_e2m1fn or \"e3m0\") and must be None with comm_dtype={comm_dtype!r}, got"
+        f" {block_size!r}."
+      )
+    return None
   if block_size is None:
     return 256
   if isinstance(block_size, jax.core.Tracer):

@@ -320,7 +320,9 @@ def diloco(
       ``error_feedback`` not a bool; a non-floating param leaf (in ``init``); ``update``'s
       ``communicate`` not ``None`` or a bool.
     ValueError: ``sync_period``, ``num_workers`` or ``comm_block_size`` not positive;
-      ``comm_block_size`` odd with a 4-bit ``comm_dtype``; ``error_feedback=True`` without a
+      ``comm_block_size``
+      given with a ``comm_dtype`` that is not block-quantized, or odd
+      with a 4-bit one; ``error_feedback=True`` without a
       quantized ``comm_dtype``; ``num_workers > 1`` with
       ``axis_name=None``; ``num_workers`` different from the axis size; ``update`` without
       ``params``, or where a named ``axis_name`` is not bound.

@@ -165,7 +165,9 @@ def elastic_average(
       floating point (the message names its path); ``update``'s ``communicate`` not ``None`` or
       a bool.
     ValueError: ``communication_period``, ``num_workers`` or ``comm_block_size`` not a positive
-      int; ``comm_block_size`` odd with a 4-bit ``comm_dtype``; ``moving_rate``
+      int; ``comm_block_size``
+      given with a ``comm_dtype`` that is not block-quantized, or odd
+      with a 4-bit one; ``moving_rate``
       ≤ 0; ``rho`` < 0; ``learning_rate`` ≤ 0; ``num_workers > 1`` with ``axis_name=None``;
       ``num_workers`` different from the axis size; ``update`` without ``params``, where a
       named ``axis_name`` is not bound, or with updates whose shapes differ from the params'.

@@ -55,7 +55,8 @@ class Exchange:
       (``gradient_exchange``, for ``tower``, ``all_reduce`` and ``accumulate_then_reduce``,
       refuses the block-quantized formats.)
     comm_block_size: B, values per float32 scale of a block-quantized format; ``None`` is 256
-      (even for the 4-bit formats). Stored as an int.
+      (even for the 4-bit formats), stored as an int. With any other format it must be
+      ``None`` (and is stored as ``None``).
     slice_axis: a mapped axis inside each worker (not part of ``axis_name``) whose K devices
       hold identical copies of the tree: each sends only its 1/K slice across the workers and
       the slices are all-gathered back over ``slice_axis``. ``None``: each device sends all.
@@ -82,7 +83,8 @@ class Exchange:
       choices, or a floating dtype without a sign or a zero (``jnp.float8_e8m0fnu``);
       ``hierarchical`` not a bool.
     ValueError: ``num_workers`` or ``comm_block_size`` below 1; ``num_workers > 1`` with
-      ``axis_name=None``; ``comm_block_size`` odd with a 4-bit format; ``hierarchical=True``
+      ``axis_name=None``; ``comm_block_size`` given (not ``None``) with a format that is not
+      block-quantized; ``comm_block_size`` odd with a 4-bit format; ``hierarchical=True``
       with fewer than two axes. In ``update`` (:meth:`bind`): ``axis_name`` or ``slice_axis``
       not bound where it runs (a misspelled name, or ``update`` outside the mapped function),
       ``slice_axis`` one of the workers' axes, ``num_workers`` different from the axis size.
@@ -91,7 +93,7 @@ class Exchange:
     >>> import jax, jax.numpy as jnp, optax_dist
     >>> exchange = optax_dist.Exchange("w", comm_dtype=jnp.bfloat16, call="mine")
     >>> exchange.comm_dtype, exchange.comm_block_size
-    (dtype(bfloat16), 256)
+    (dtype(bfloat16), None)
     >>> jax.vmap(exchange.mean, axis_name="w")(jnp.array([1.0, 2.0, 6.0]))
     Array([3., 3., 3.], dtype=float32)
 

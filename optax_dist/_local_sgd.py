@@ -283,7 +283,9 @@ def local_sgd(
       format; ``comm_block_size`` not an int; ``error_feedback`` not a bool; ``update``'s
       ``communicate`` not ``None`` or a bool.
     ValueError: ``sync_period``, ``num_workers`` or ``comm_block_size`` not positive;
-      ``comm_block_size`` odd with a 4-bit ``comm_dtype``; ``error_feedback=True``;
+      ``comm_block_size``
+      given with a ``comm_dtype`` that is not block-quantized, or odd
+      with a 4-bit one; ``error_feedback=True``;
       ``warmup_steps`` < 0;
       ``num_workers > 1`` with ``axis_name=None``; ``num_workers`` different from the axis
       size; ``update`` without ``params``, or where a named ``axis_name`` is not bound.

@@ -448,7 +448,9 @@ def streaming_diloco(
       int, or traced (with ``optax.inject_hyperparams``, name it in ``static_args``); a
       non-floating param leaf (in ``init``); ``update``'s ``communicate`` not ``None`` or a bool.
     ValueError: ``sync_period``, ``num_fragments``, ``num_workers`` or ``comm_block_size`` not
-      positive; ``comm_block_size`` odd with a 4-bit ``comm_dtype`` (``jnp.float4_e2m1fn``,
+      positive; ``comm_block_size``
+      given with a ``comm_dtype`` that is not block-quantized, or odd
+      with a 4-bit one (``jnp.float4_e2m1fn``,
       ``"e3m0"``); ``mixing`` outside [0, 1]; ``overlap`` outside ``[0, sync_period)``
       (:math:`\tau < H`); ``eager=True`` with ``overlap=0``; ``error_feedback=True`` without a
       quantized ``comm_dtype``; ``fragments`` a string other than ``"contiguous"`` or

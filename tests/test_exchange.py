@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ def _values(seed=0, shape=(N, 6)):
 
 
 def test_resolves_the_wire_format_and_block_size_once():
-  assert optax_dist.Exchange("w").comm_block_size == 256
+  assert optax_dist.Exchange("w").comm_block_size is None  # not block-quantized: no blocks
+  assert optax_dist.Exchange("w", comm_dtype=jnp.int8).comm_block_size == 256
   assert optax_dist.Exchange("w", comm_dtype=jnp.int8).comm_dtype == "int8"
   assert optax_dist.Exchange("w", comm_dtype=jnp.float4_e2m1fn).comm_dtype == "float4_e2m1fn"
   assert optax_dist.Exchange("w", comm_dtype="bfloat16").comm_dtype == np.dtype(jnp.bfloat16)
@@ -40,7 +42,8 @@ def test_resolves_the_wire_format_and_block_size_once():
   ({"comm_dtype": jnp.int32}, TypeError, r"`mine\(comm_dtype=...\)` must be None, a floating"),
   ({"comm_dtype": "e3m0", "comm_block_size": 7}, ValueError,
    r"`mine\(comm_block_size=...\)` must be even with comm_dtype='e3m0'"),
-  ({"comm_block_size": 0}, ValueError, r"`mine\(comm_block_size=...\)` must be a positive int"),
+  ({"comm_dtype": "int8", "comm_block_size": 0}, ValueError,
+   r"`mine\(comm_block_size=...\)` must be a positive int"),
   ({"axis_name": None, "num_workers": 2}, ValueError,
    r"`mine\(num_workers=2\)` needs `axis_name`"),
   ({"hierarchical": True}, ValueError, r"`mine\(hierarchical=True\)` needs a tuple `axis_name`"),
@@ -215,6 +218,28 @@ def test_diloco_with_float8_e8m0fnu_would_send_nan():
   assert np.isnan(cast[[1, 3]]).all()
   with pytest.raises(TypeError, match="float8_e8m0fnu"):
     PERIODIC_EXCHANGES["diloco"](comm_dtype=jnp.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("fn", sorted(PERIODIC_EXCHANGES))
+@pytest.mark.parametrize("fmt", [None, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_a_block_size_without_a_block_format_is_refused(fn, fmt):
+  message = (rf"`{fn}\(comm_block_size=...\)` sets the blocks of a block-quantized comm_dtype"
+             rf" .* and must be None with comm_dtype={re.escape(repr(_resolved(fmt)))}, got 64\.")
+  with pytest.raises(ValueError, match=message):
+    PERIODIC_EXCHANGES[fn](comm_dtype=fmt, comm_block_size=64)
+
+
+def _resolved(fmt):
+  return None if fmt is None else np.dtype(fmt)
+
+
+def test_the_block_size_is_none_unless_the_format_is_block_quantized():
+  assert optax_dist.Exchange("w", comm_dtype=jnp.bfloat16).comm_block_size is None
+  assert optax_dist.Exchange("w", comm_dtype=jnp.int8).comm_block_size == 256
+  exchange = optax_dist.Exchange("w", comm_dtype=jnp.bfloat16)
+  assert dataclasses.replace(exchange, axis_name="v").comm_dtype == np.dtype(jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"`mine\(comm_block_size=...\)` sets the blocks"):
+    optax_dist.Exchange("w", comm_block_size=256, call="mine")
 
 
 @pytest.mark.parametrize("comm", [None, "bfloat16", "float8_e4m3fn", "int8"])
