@@ -48,6 +48,8 @@ PORT = 5201
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The checkout, first on the ``PYTHONPATH`` of :meth:`Link.run_pair`'s processes."""
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+"""Where the probes write their JSON by default."""
 
 _RECEIVER = """
 import socket, sys, time
@@ -189,6 +191,31 @@ def probe_start(args: argparse.Namespace,
     print(f"skipped: {reason}")
     return 0
   return None
+
+
+def run_probe(link: Link, module: str, port: int, options: list[str], logs: str,
+              timeout: float) -> list[dict[str, Any]]:
+  """Runs the probe ``python -m module`` as process 0 in namespace a and process 1 in b (each with
+  ``--worker``, ``--coordinator`` at a's ``port``, its ``--device`` and ``--result``, then
+  ``options``); both processes' results (raises ``RuntimeError`` if one fails)."""
+  paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
+  link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
+                  f"{link.addresses['a']}:{port}", "--device", link.devices[side], "--result",
+                  path, *options] for i, (side, path) in enumerate(zip("ab", paths))],
+                logs, timeout, what="the probe")
+  results = []
+  for path in paths:
+    with open(path) as f:
+      results.append(json.load(f))
+  return results
+
+
+def process_devices() -> list[list[Any]]:
+  """In a probe's process: each of the two processes' JAX devices, by id."""
+  import jax  # the probes' processes set JAX up first (optax_dist.cli.launcher.init_jax)
+
+  return [sorted((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
+          for i in range(2)]
 
 
 class Link:

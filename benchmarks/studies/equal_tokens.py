@@ -51,11 +51,10 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 from tqdm.auto import tqdm
 
 from benchmarks import kit
-from optax_dist.cli import runs, trainer
+from optax_dist.cli import trainer
 from optax_dist.cli.tasks import LM_CONTEXT, TASKS
 
 DEVICES = kit.DEVICES
@@ -550,9 +549,7 @@ def meta_of(seeds: Sequence[int]) -> dict[str, Any]:
   """The model's params count and the training tokens (from the task), and the seeds."""
   task = TASKS["lm"]
   data = task.load(0)
-  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-  params = runs.initial_params(task, 0, example)
-  return {"num_params": sum(int(x.size) for x in jax.tree.leaves(params)),
+  return {"num_params": kit.num_params(kit.initial_params(task, data.train)),
           "train_tokens": int(data.train["y"].size), "context": LM_CONTEXT, "seeds": list(seeds)}
 
 

@@ -1,21 +1,7 @@
 """Step-time overhead and memory of each wrapper against the bare inner optimizer (adam).
 
-One worker: every step is ``jax.shard_map``'ed over a one-device mesh with axis ``"w"``, so each
-wrapper runs its own code path with the axis bound (its collectives over one device, its
-``lax.cond`` a real conditional, not the ``select`` ``vmap`` would turn it into). A step is the
-whole training step of a Flax MLP (forward, backward, optimizer update, ``apply_updates``), jitted
-with the params and the optimizer state donated. The communicating wrappers are measured on their
-communication and non-communication steps separately: before every call, the step counter is set
-so that the call is the one wanted.
-
-Timing: every round runs the bare-adam step, then one wrapper's step, then adam again, and so on
-through every wrapper (in a random order each round, seeded), so that each wrapper call sits
-between two adam calls; its ratio for the round is its time over the mean of those two. The
-ratio reported is the median over the rounds; the times are medians too.
-
-Memory: the optimizer state's bytes (the sum of its leaves' ``nbytes``) against the params'
-bytes and against what the algorithm needs, and XLA's compiled memory analysis of the step, with
-and without donation.
+The report's own paragraphs (:func:`_overhead_intro`, :func:`_memory_intro`) describe the step,
+its timing (:mod:`benchmarks.studies._steps`) and the memory analysis.
 """
 
 from __future__ import annotations

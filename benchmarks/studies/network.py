@@ -37,8 +37,6 @@ import tempfile
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kit
@@ -105,11 +103,7 @@ def command(algorithm: str, process_id: int, coordinator: str, out: str, *, step
 def param_bytes(task_name: str = "lm") -> int:
   """The bytes of ``task_name``'s params (float32), from their shapes."""
   task = tasks.TASKS[task_name]
-  data = task.load(0)
-  example = {k: jnp.zeros((1,) + v.shape[1:], v.dtype) for k, v in data.train.items()}
-  model = task.model()
-  shapes = jax.eval_shape(lambda key: task.init_params(model, key, example), jax.random.key(0))
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+  return kit.tree_bytes(kit.initial_params(task, task.load(0).train))
 
 
 def settings_of(result: dict[str, Any]) -> Settings:
