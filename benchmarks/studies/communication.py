@@ -133,14 +133,11 @@ def table(result: dict[str, Any]) -> str:
             "received B", "non-comm. step B", f"rounds / {STEPS}", f"sent / {STEPS} steps",
             "vs tower f32", "lowered: sent B", f"lowered: sent / {STEPS} steps",
             "lowered: vs tower f32"]
-  table_rows = []
-  for r in rows:
-    table_rows.append([
-      r["algorithm"], r["comm_dtype"], r["comm_step"], f"{r['comm_bytes']:,}",
-      f"{r['comm_received']:,}", f"{r['quiet_bytes']:,}", str(r["rounds"]),
-      kit.human_bytes(r["bytes_per_1000"]),
-      f"{r['bytes_per_1000'] / reference['bytes_per_1000']:.3f}",
-      f"{r['lowered_comm_bytes']:,}", kit.human_bytes(r["lowered_bytes_per_1000"]),
-      f"{r['lowered_bytes_per_1000'] / reference['lowered_bytes_per_1000']:.3f}",
-    ])
-  return kit.table(header, table_rows, "lllrrrrrrrrr")
+  return kit.table(header, [[
+    r["algorithm"], r["comm_dtype"], r["comm_step"], f"{r['comm_bytes']:,}",
+    f"{r['comm_received']:,}", f"{r['quiet_bytes']:,}", str(r["rounds"]),
+    kit.human_bytes(r["bytes_per_1000"]),
+    f"{r['bytes_per_1000'] / reference['bytes_per_1000']:.3f}",
+    f"{r['lowered_comm_bytes']:,}", kit.human_bytes(r["lowered_bytes_per_1000"]),
+    f"{r['lowered_bytes_per_1000'] / reference['lowered_bytes_per_1000']:.3f}"] for r in rows],
+    "lllrrrrrrrrr")

@@ -44,8 +44,8 @@ bench-equal-tokens`` runs it (not part of ``make bench``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -215,11 +215,8 @@ def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
   out = {}
   names = sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []
   for name in (n for n in names if n.endswith(".json")):
-    try:
-      with open(os.path.join(runs_dir, name)) as f:
-        out[name.removesuffix(".json")] = json.load(f)
-    except (OSError, ValueError):
-      continue
+    with contextlib.suppress(OSError, ValueError):
+      out[name.removesuffix(".json")] = kit.read_json(os.path.join(runs_dir, name))
   return out
 
 
@@ -618,7 +615,6 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def _invocations(path: str) -> dict[str, Any]:
   """The earlier invocations recorded in ``path`` (none if there is no such file)."""
-  try:
+  with contextlib.suppress(OSError, ValueError, KeyError):
     return {"invocations": kit.read_json(path)["meta"]["invocations"]}
-  except (OSError, ValueError, KeyError):
-    return {"invocations": []}
+  return {"invocations": []}

@@ -144,7 +144,7 @@ def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
 def markdown(result: dict[str, Any], figure: str) -> str:
   return "\n".join([
     "## MLP: overhead and memory", "", _overhead_intro(), "", overhead_markdown(result), "",
-    _overhead_verdicts(result, TARGET), "", "### Memory", "", _memory_intro(result), "",
+    _overhead_verdicts(result), "", "### Memory", "", _memory_intro(result), "",
     memory_markdown(result), "", _memory_notes(result), "",
     f"![MLP step time over bare adam's]({figure})"])
 
@@ -176,13 +176,11 @@ def _overhead_intro() -> str:
   )
 
 
-def _overhead_verdicts(result, target) -> str:
+def _overhead_verdicts(result, target=TARGET) -> str:
   missed = {}
   for s in result["sizes"]:
     for r in s["rows"]:
-      if r["communicates"]:
-        continue
-      if r["ratio"] > target or r["cpu_ratio"] > target:
+      if not r["communicates"] and (r["ratio"] > target or r["cpu_ratio"] > target):
         missed.setdefault((r["name"], r["label"], r["phase"]), []).append(
           f"{s['size']} {r['ratio']:.2f}× wall / {r['cpu_ratio']:.2f}× CPU")
   if not missed:
@@ -222,10 +220,9 @@ def _memory_intro(result) -> str:
 def _memory_notes(result) -> str:
   rows = {r["label"].split("(")[0]: r for r in result["memory"]["rows"]}
   base = rows["adam "]["donated"]["peak"]
-  lines = ["Peak over bare adam's, donated: " + ", ".join(
+  return "Peak over bare adam's, donated: " + ", ".join(
     f"`{label.strip()}` {r['donated']['peak'] / base:.2f}×" for label, r in rows.items()
-    if label != "adam ") + "."]
-  return "\n".join(lines)
+    if label != "adam ") + "."
 
 
 def _verdict(ratios: list[float]) -> str:
