@@ -95,6 +95,14 @@ def unavailable() -> str | None:
   return None
 
 
+def skipped(who: str = "") -> bool:
+  """Whether :func:`unavailable` gives a reason, having printed it (``WHO skipped: REASON``)."""
+  reason = unavailable()
+  if reason is not None:
+    print(f"{who}skipped: {reason}")
+  return reason is not None
+
+
 def bits_per_second(rate: str | None) -> float | None:
   """``"10mbit"`` → 1e7; ``None`` or ``"unshaped"`` → ``None`` (units: kbit, mbit, gbit)."""
   if rate is None or rate == "unshaped":
@@ -186,11 +194,7 @@ def probe_start(args: argparse.Namespace,
     with open(args.result, "w") as f:
       json.dump(worker(args), f)
     return 0
-  reason = unavailable()
-  if reason is not None:
-    print(f"skipped: {reason}")
-    return 0
-  return None
+  return 0 if skipped() else None
 
 
 def run_probe(link: Link, module: str, port: int, options: list[str], logs: str,
@@ -402,9 +406,7 @@ class Link:
 
 
 def main(argv: list[str]) -> int:
-  reason = unavailable()
-  if reason is not None:
-    print(f"skipped: {reason}")
+  if skipped():
     return 0
   with Link() as link:
     for rate in argv or ["unshaped"]:

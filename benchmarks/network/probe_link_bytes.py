@@ -33,11 +33,8 @@ the veth's bytes over ``S``, the veth's bytes less :data:`FRAME_OVERHEAD` per pa
 retransmitted segments; and ``payload_per_S - 1`` explained by the headers
 (``packets * header`` against the measured header size).
 
-Measured (unshaped, ``benchmarks/results/probe_link_bytes.json``): the headers are 66.0 bytes per
-counted packet (the counted packets are GSO super-packets of up to 64 KB, each with one set of
-headers); gloo sends an operand's bytes plus about 576 bytes per operand, device pair and direction
-(12 TCP data segments per operand), whatever the operand's size; so one large operand costs 1.0006 S
-and the trainer's 38-operand exchange 1.078 S.
+Measured (unshaped, ``benchmarks/results/probe_link_bytes.json``): 66.0 bytes of headers per
+counted (GSO) packet, and gloo's :data:`benchmarks.studies.network.GLOO_OPERAND_BYTES` per operand.
 
 Needs root and iproute2; says why and exits with 0 otherwise. ``python -m
 benchmarks.network.probe_link_bytes [--sizes 1000000 4000000] [--repeats 20] [--rate unshaped]``.

@@ -550,9 +550,7 @@ QUICK = {"rates": ("100mbit",), "methods": ("sync", "diloco"), "steps": 6, "peri
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   """The study over a fresh :class:`netns.Link`, or ``None`` (having said why) without one."""
-  reason = netns.unavailable()
-  if reason is not None:
-    print(f"[network] skipped: {reason}")
+  if netns.skipped("[network] "):
     return None
   netns.remove_stale()
   try:
