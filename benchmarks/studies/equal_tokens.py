@@ -254,11 +254,8 @@ def gaps(records: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> lis
 
 
 def _stats(xs: Sequence[float]) -> tuple[float, float] | None:
-  """Mean and standard deviation of ``xs`` (``None`` if empty)."""
-  if not xs:
-    return None
-  mean = sum(xs) / len(xs)
-  return mean, (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5
+  """Mean and (population) standard deviation of ``xs`` (``None`` if empty)."""
+  return (statistics.fmean(xs), statistics.pstdev(xs)) if xs else None
 
 
 def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
