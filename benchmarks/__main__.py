@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   config, args = parse(study, argv[1:])
   prefix = args.out or os.path.join(tempfile.mkdtemp() if args.quick else kit.RESULTS, argv[0])
   if args.report:
-    result = getattr(study, "load", _load)(prefix, config)
+    result = getattr(study, "load", lambda p, _: kit.read_json(f"{p}.json"))(prefix, config)
   else:
     with kit.Timed() as timed:
       result = study.measure(config, prefix)
@@ -65,10 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   if os.path.dirname(os.path.abspath(prefix)) == kit.RESULTS:
     results_md.write(os.path.join(kit.ROOT, "RESULTS.md"))
   return 0
-
-
-def _load(prefix: str, config: object) -> dict:
-  return kit.read_json(f"{prefix}.json")
 
 
 def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argparse.Namespace]:

@@ -35,6 +35,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from optax_dist.cli import runs  # noqa: E402
 from optax_dist.cli.algorithms import ALGORITHMS  # noqa: E402
 from optax_dist.cli.config import Settings  # noqa: E402
 from optax_dist.cli.tasks import TASKS  # noqa: E402
@@ -144,6 +145,12 @@ def exchanges(s: Settings) -> list[bool]:
   return [algorithm.communicates(s, t) in (None, True) for t in range(1, s.steps + 1)]
 
 
+def initial_params(task: Any, train: Mapping[str, Any], seed: int = 0) -> Any:
+  """``task``'s initial params (one worker's, NumPy) for its training arrays ``train``."""
+  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in train.items())
+  return runs.initial_params(task, seed, example)
+
+
 def num_params(params: Any) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
@@ -184,6 +191,15 @@ def load_average() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
   except OSError:
     return "unknown"
+
+
+def load_text(result: Mapping[str, Any], cpu: bool = True) -> str:
+  """``Load average B before, A after (N CPUs, MODEL); M min.`` of a result's ``load_before``,
+  ``load_after``, ``wall_s`` and ``machine`` (default: this one; ``cpu``: the model named)."""
+  m = result.get("machine") or machine()
+  cpus = f"{m['cores']} CPUs" + (f", {m['cpu']}" if cpu else "")
+  return (f"Load average {result['load_before']} before, {result['load_after']} after ({cpus});"
+          f" {result['wall_s'] / 60:.1f} min.")
 
 
 def now() -> str:

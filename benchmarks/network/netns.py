@@ -48,6 +48,8 @@ PORT = 5201
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The checkout, first on the ``PYTHONPATH`` of :meth:`Link.run_pair`'s processes."""
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+"""Where the probes write their JSON by default."""
 
 _RECEIVER = """
 import socket, sys, time
@@ -91,6 +93,14 @@ def unavailable() -> str | None:
   if missing:
     return f"{' and '.join(missing)} not found; install iproute2 (apt-get install -y iproute2)"
   return None
+
+
+def skipped(who: str = "") -> bool:
+  """Whether :func:`unavailable` gives a reason, having printed it (``WHO skipped: REASON``)."""
+  reason = unavailable()
+  if reason is not None:
+    print(f"{who}skipped: {reason}")
+  return reason is not None
 
 
 def bits_per_second(rate: str | None) -> float | None:
@@ -184,11 +194,32 @@ def probe_start(args: argparse.Namespace,
     with open(args.result, "w") as f:
       json.dump(worker(args), f)
     return 0
-  reason = unavailable()
-  if reason is not None:
-    print(f"skipped: {reason}")
-    return 0
-  return None
+  return 0 if skipped() else None
+
+
+def run_probe(link: Link, module: str, port: int, options: list[str], logs: str,
+              timeout: float) -> list[dict[str, Any]]:
+  """Runs the probe ``python -m module`` as process 0 in namespace a and process 1 in b (each with
+  ``--worker``, ``--coordinator`` at a's ``port``, its ``--device`` and ``--result``, then
+  ``options``); both processes' results (raises ``RuntimeError`` if one fails)."""
+  paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
+  link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
+                  f"{link.addresses['a']}:{port}", "--device", link.devices[side], "--result",
+                  path, *options] for i, (side, path) in enumerate(zip("ab", paths))],
+                logs, timeout, what="the probe")
+  results = []
+  for path in paths:
+    with open(path) as f:
+      results.append(json.load(f))
+  return results
+
+
+def process_devices() -> list[list[Any]]:
+  """In a probe's process: each of the two processes' JAX devices, by id."""
+  import jax  # the probes' processes set JAX up first (optax_dist.cli.launcher.init_jax)
+
+  return [sorted((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
+          for i in range(2)]
 
 
 class Link:
@@ -375,9 +406,7 @@ class Link:
 
 
 def main(argv: list[str]) -> int:
-  reason = unavailable()
-  if reason is not None:
-    print(f"skipped: {reason}")
+  if skipped():
     return 0
   with Link() as link:
     for rate in argv or ["unshaped"]:

@@ -33,11 +33,8 @@ the veth's bytes over ``S``, the veth's bytes less :data:`FRAME_OVERHEAD` per pa
 retransmitted segments; and ``payload_per_S - 1`` explained by the headers
 (``packets * header`` against the measured header size).
 
-Measured (unshaped, ``benchmarks/results/probe_link_bytes.json``): the headers are 66.0 bytes per
-counted packet (the counted packets are GSO super-packets of up to 64 KB, each with one set of
-headers); gloo sends an operand's bytes plus about 576 bytes per operand, device pair and direction
-(12 TCP data segments per operand), whatever the operand's size; so one large operand costs 1.0006 S
-and the trainer's 38-operand exchange 1.078 S.
+Measured (unshaped, ``benchmarks/results/probe_link_bytes.json``): 66.0 bytes of headers per
+counted (GSO) packet, and gloo's :data:`benchmarks.studies.network.GLOO_OPERAND_BYTES` per operand.
 
 Needs root and iproute2; says why and exits with 0 otherwise. ``python -m
 benchmarks.network.probe_link_bytes [--sizes 1000000 4000000] [--repeats 20] [--rate unshaped]``.
@@ -62,8 +59,6 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.network import netns
 from optax_dist.cli.launcher import init_jax
-
-RESULTS = os.path.join(netns.ROOT, "benchmarks", "results")
 
 DEVICES = 4
 """Emulated CPU devices per process (the ``wide`` mesh's second axis)."""
@@ -151,11 +146,8 @@ def worker(process_id: int, coordinator: str, device: str, args: argparse.Namesp
            ) -> dict[str, Any]:
   """Process ``process_id``'s counter differences per measurement."""
   init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
-
-  def of(process):
-    return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
-
-  local, both = of(process_id), [of(0), of(1)]
+  both = netns.process_devices()
+  local = both[process_id]
   meshes = {"pair": Mesh(np.array([devs[0] for devs in both]), ("replica",)),
             "wide": Mesh(np.array(both), ("replica", "data"))}
   specs = {"pair": P("replica"), "wide": P("replica", "data")}
@@ -227,18 +219,9 @@ def worker(process_id: int, coordinator: str, device: str, args: argparse.Namesp
 
 def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
   """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
-  coordinator = f"{link.addresses['a']}:{args.port}"
-  module = "benchmarks.network.probe_link_bytes"
-  link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
-                  coordinator, "--device", link.devices[side], "--result",
-                  os.path.join(tmp, f"process{i}.json"), "--repeats", str(args.repeats),
-                  "--sizes", *map(str, args.sizes)]
-                 for i, side in enumerate("ab")], tmp, TIMEOUT, what="the probe")
-  results = []
-  for i in range(2):
-    with open(os.path.join(tmp, f"process{i}.json")) as f:
-      results.append(json.load(f))
-  return results
+  return netns.run_probe(link, "benchmarks.network.probe_link_bytes", args.port,
+                         ["--repeats", str(args.repeats), "--sizes", *map(str, args.sizes)], tmp,
+                         TIMEOUT)
 
 
 def snmp(link: netns.Link, side: str) -> dict[str, int]:
@@ -319,7 +302,7 @@ def main(argv: list[str]) -> int:
                       help="bytes each process all-reduces")
   parser.add_argument("--repeats", type=int, default=REPEATS)
   parser.add_argument("--rate", default="unshaped", help="the link's rate, e.g. 100mbit")
-  parser.add_argument("--out", default=os.path.join(RESULTS, "probe_link_bytes.json"),
+  parser.add_argument("--out", default=os.path.join(netns.RESULTS, "probe_link_bytes.json"),
                       help="a JSON file for the results")
   parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
   netns.add_worker_arguments(parser)

@@ -63,8 +63,6 @@ from jax.sharding import PartitionSpec as P
 from benchmarks.network import netns
 from optax_dist.cli.launcher import init_jax
 
-RESULTS = os.path.join(netns.ROOT, "benchmarks", "results")
-
 DEVICES = 5
 """Emulated CPU devices per process: the training devices and one for the exchange."""
 TRAINING = 4
@@ -90,11 +88,8 @@ OVERLAPPED = VARIANTS[3:]
 def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[str, Any]:
   """Process ``process_id``'s measurements (it joins the other at ``coordinator``)."""
   init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
-
-  def of(process):
-    return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
-
-  local, both = of(process_id), [of(0), of(1)]
+  both = netns.process_devices()
+  local = both[process_id]
   train_mesh = Mesh(np.array(local[:TRAINING]), ("data",))
   wide_mesh = Mesh(np.array([devs[:TRAINING] for devs in both]), ("replica", "data"))
   own_mesh = Mesh(np.array([devs[TRAINING] for devs in both]), ("replica",))
@@ -214,18 +209,10 @@ def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[
 
 def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
   """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
-  coordinator = f"{link.addresses['a']}:{args.port}"
   options = [f"--{k}={getattr(args, k)}" for k in ("size", "steps", "repeats", "width", "layers",
                                                    "rows")]
-  module = "benchmarks.network.probe_overlap"
-  link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
-                  coordinator, "--result", os.path.join(tmp, f"process{i}.json"), *options]
-                 for i in range(2)], tmp, TIMEOUT, what="the probe")
-  results = []
-  for i in range(2):
-    with open(os.path.join(tmp, f"process{i}.json")) as f:
-      results.append(json.load(f))
-  return results
+  return netns.run_probe(link, "benchmarks.network.probe_overlap", args.port, options, tmp,
+                         TIMEOUT)
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -263,7 +250,7 @@ def report(rate: str, summaries: list[dict[str, Any]], load: list[float]) -> str
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rates", nargs="+", default=["10mbit", "unshaped"])
-  parser.add_argument("--out", default=os.path.join(RESULTS, "probe_overlap.json"))
+  parser.add_argument("--out", default=os.path.join(netns.RESULTS, "probe_overlap.json"))
   parser.add_argument("--size", type=int, default=SIZE, help="bytes each process exchanges")
   parser.add_argument("--steps", type=int, default=STEPS, help="local steps per measurement")
   parser.add_argument("--repeats", type=int, default=REPEATS)

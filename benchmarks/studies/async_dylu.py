@@ -279,7 +279,6 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
-  m = result["machine"]
   return "\n".join([
     "# Asynchronous DiLoCo on heterogeneous workers: delayed Nesterov and DyLU",
     "",
@@ -298,9 +297,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" {result.get('activation', 0.0):g}; shards: {SHARDS[result.get('shards', 'files')]};"
      f" seeds {', '.join(map(str, result['seeds']))}. Simulated time:"
      f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
-     " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13."
-     f" Load average {result['load_before']} before, {result['load_after']} after"
-     f" ({m['cores']} CPUs, {m['cpu']}); {result['wall_s'] / 60:.1f} min."),
+     " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13. "
+     + kit.load_text(result)),
     "",
     summary(result),
     "",

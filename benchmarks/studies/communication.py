@@ -1,16 +1,8 @@
 """Bytes communicated per step by each algorithm, from :func:`optax_dist.communication_report`.
 
-The training step of the ≈1M-parameter MLP of the overhead benchmark (784-1024-256-10, adam),
-``jax.shard_map``'ed over 8 emulated CPU devices with axis ``"w"``, each worker with its own
-params, optimizer state and minibatch. Only compiled (and lowered), never run: the arguments are
-``jax.ShapeDtypeStruct`` with their shardings.
-
-Per device and per execution: ``bytes`` is what each device contributes to a collective (its
-operands), ``received`` what each device gets back (for an ``all_gather`` over 8 devices, 8× the
-operands). The per-1,000-step totals count the communication steps of 1,000 steps (every step for
-``tower``, every 10th for ``elastic_average`` and ``agn``, every 4th micro-step for
-``accumulate_then_reduce``) at the communication-step bytes and the others at the
-non-communication-step bytes.
+The ≈1M MLP's step of ``mlp_overhead`` over 8 emulated devices, compiled (and lowered) from
+``jax.ShapeDtypeStruct``s, never run; the report's first paragraph (:func:`_communication_intro`)
+says what is counted.
 """
 
 from __future__ import annotations
@@ -141,14 +133,11 @@ def table(result: dict[str, Any]) -> str:
             "received B", "non-comm. step B", f"rounds / {STEPS}", f"sent / {STEPS} steps",
             "vs tower f32", "lowered: sent B", f"lowered: sent / {STEPS} steps",
             "lowered: vs tower f32"]
-  table_rows = []
-  for r in rows:
-    table_rows.append([
-      r["algorithm"], r["comm_dtype"], r["comm_step"], f"{r['comm_bytes']:,}",
-      f"{r['comm_received']:,}", f"{r['quiet_bytes']:,}", str(r["rounds"]),
-      kit.human_bytes(r["bytes_per_1000"]),
-      f"{r['bytes_per_1000'] / reference['bytes_per_1000']:.3f}",
-      f"{r['lowered_comm_bytes']:,}", kit.human_bytes(r["lowered_bytes_per_1000"]),
-      f"{r['lowered_bytes_per_1000'] / reference['lowered_bytes_per_1000']:.3f}",
-    ])
-  return kit.table(header, table_rows, "lllrrrrrrrrr")
+  return kit.table(header, [[
+    r["algorithm"], r["comm_dtype"], r["comm_step"], f"{r['comm_bytes']:,}",
+    f"{r['comm_received']:,}", f"{r['quiet_bytes']:,}", str(r["rounds"]),
+    kit.human_bytes(r["bytes_per_1000"]),
+    f"{r['bytes_per_1000'] / reference['bytes_per_1000']:.3f}",
+    f"{r['lowered_comm_bytes']:,}", kit.human_bytes(r["lowered_bytes_per_1000"]),
+    f"{r['lowered_bytes_per_1000'] / reference['lowered_bytes_per_1000']:.3f}"] for r in rows],
+    "lllrrrrrrrrr")

@@ -44,18 +44,17 @@ bench-equal-tokens`` runs it (not part of ``make bench``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 from tqdm.auto import tqdm
 
 from benchmarks import kit
-from optax_dist.cli import runs, trainer
+from optax_dist.cli import trainer
 from optax_dist.cli.tasks import LM_CONTEXT, TASKS
 
 DEVICES = kit.DEVICES
@@ -216,11 +215,8 @@ def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
   out = {}
   names = sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []
   for name in (n for n in names if n.endswith(".json")):
-    try:
-      with open(os.path.join(runs_dir, name)) as f:
-        out[name.removesuffix(".json")] = json.load(f)
-    except (OSError, ValueError):
-      continue
+    with contextlib.suppress(OSError, ValueError):
+      out[name.removesuffix(".json")] = kit.read_json(os.path.join(runs_dir, name))
   return out
 
 
@@ -258,11 +254,8 @@ def gaps(records: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> lis
 
 
 def _stats(xs: Sequence[float]) -> tuple[float, float] | None:
-  """Mean and standard deviation of ``xs`` (``None`` if empty)."""
-  if not xs:
-    return None
-  mean = sum(xs) / len(xs)
-  return mean, (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5
+  """Mean and (population) standard deviation of ``xs`` (``None`` if empty)."""
+  return (statistics.fmean(xs), statistics.pstdev(xs)) if xs else None
 
 
 def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -550,9 +543,7 @@ def meta_of(seeds: Sequence[int]) -> dict[str, Any]:
   """The model's params count and the training tokens (from the task), and the seeds."""
   task = TASKS["lm"]
   data = task.load(0)
-  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-  params = runs.initial_params(task, 0, example)
-  return {"num_params": sum(int(x.size) for x in jax.tree.leaves(params)),
+  return {"num_params": kit.num_params(kit.initial_params(task, data.train)),
           "train_tokens": int(data.train["y"].size), "context": LM_CONTEXT, "seeds": list(seeds)}
 
 
@@ -621,7 +612,6 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def _invocations(path: str) -> dict[str, Any]:
   """The earlier invocations recorded in ``path`` (none if there is no such file)."""
-  try:
+  with contextlib.suppress(OSError, ValueError, KeyError):
     return {"invocations": kit.read_json(path)["meta"]["invocations"]}
-  except (OSError, ValueError, KeyError):
-    return {"invocations": []}
+  return {"invocations": []}

@@ -24,11 +24,6 @@ conditionals. XLA's CPU compiler widens bfloat16 collectives to float32 (after r
 values to bfloat16), so on this machine the bfloat16 rows send float32's bytes; GPUs and TPUs
 send bfloat16 (half). Each run records its wall time, the median of its step times (the first
 left out) and the load average before and after.
-
-Usage: ``python -m benchmarks lm_exchanges [--steps N] [--quick] [--out PREFIX]`` writes
-PREFIX.json, PREFIX.md and PREFIX.png (default ``benchmarks/results/lm_exchanges``; with
-``--quick``, a few short runs into a temporary directory, to check the program); ``--runs
-LABEL ... --add`` trains only those runs and puts them into PREFIX.json.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ import jax
 
 from benchmarks import kit
 from optax_dist._quantize import wire_bytes
-from optax_dist.cli import runs, trainer
+from optax_dist.cli import trainer
 from optax_dist.cli.tasks import TASKS
 
 STEPS = 450
@@ -146,16 +141,14 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     config = dataclasses.replace(config, steps=result["steps"], period=result["period"])
   data = TASKS["lm"].load(0)
   with kit.Timed() as timed:
-    runs = [run(r, data, config.steps, config.period) for r in grid()
-            if not config.runs or r["label"] in config.runs]
+    trained = [run(r, data, config.steps, config.period) for r in grid()
+               if not config.runs or r["label"] in config.runs]
   if not config.add:
-    example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-    sizes = [int(x.size) for x in jax.tree.leaves(runs.initial_params(TASKS["lm"], 0,
-                                                                         example))]
+    sizes = [int(x.size) for x in jax.tree.leaves(kit.initial_params(TASKS["lm"], data.train))]
     return {"steps": config.steps, "period": config.period, "fragments": FRAGMENTS,
-            "block": BLOCK, "devices": kit.DEVICES, "runs": runs, "leaf_sizes": sizes,
+            "block": BLOCK, "devices": kit.DEVICES, "runs": trained, "leaf_sizes": sizes,
             "defaults": dict(TASKS["lm"].defaults), "machine": kit.machine(), **timed.record()}
-  by_label = {r["label"]: r for r in result["runs"]} | {r["label"]: r for r in runs}
+  by_label = {r["label"]: r for r in result["runs"]} | {r["label"]: r for r in trained}
   order = [r["label"] for r in grid()]
   return {**result, "runs": sorted(by_label.values(), key=lambda r: order.index(r["label"])),
           "added": [*result.get("added", []), {
@@ -270,7 +263,6 @@ def runs_table(result: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
-  m = result["machine"]
   return "\n".join([
     "## Exchange formats on the language model: quality against bytes",
     "",
@@ -278,9 +270,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     "",
     (f"{result['steps']} steps per run, H = {result['period']}, F = {result['fragments']},"
      f" blocks of {result['block']}; {result['devices']} workers; one seed (0), so a"
-     " difference of a few tenths of a percent is within the seed-to-seed spread. Load average"
-     f" {result['load_before']} before, {result['load_after']} after ({m['cores']} CPUs,"
-     f" {m['cpu']}); {result['wall_s'] / 60:.1f} min."
+     " difference of a few tenths of a percent is within the seed-to-seed spread. "
+     + kit.load_text(result)
      + "".join(f" Added later ({a['date']}, `--add`), at the same settings:"
                f" {', '.join(a['labels'])}; load average {a['load_before']} before,"
                f" {a['load_after']} after; {a['wall_s'] / 60:.1f} min."

@@ -45,10 +45,8 @@ import optax
 import optax_dist
 from benchmarks import kit
 from benchmarks.studies._steps import Problem, Variant, ratio_plot, time_variants
-from optax_dist.cli import runs, trainer
 from optax_dist.cli.tasks import TASKS
 
-BATCH = 8
 BATCH = 8
 LEARNING_RATE = 3e-3
 PERIOD = 10
@@ -66,8 +64,6 @@ HINTED_WHY = (
   " output buffers: {n} params-sized `copy` (the copies column; bare adam writes new moments"
   " anyway). Donated, the compiled step has bare adam's temp and copy bytes and the rest is"
   " noise")
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +145,7 @@ def lm_problem(bound: bool, seed: int = 0) -> Problem:
   n = kit.DEVICES if bound else 1
   task = TASKS["lm"]
   data = task.load(seed).train
-  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.items())
-  params = runs.initial_params(task, seed, example)
+  params = kit.initial_params(task, data, seed)
   rows = np.random.default_rng(seed).choice(len(data["x"]), n * BATCH, replace=False)
   return Problem(params, task.loss_fn(task.model()), ({k: v[rows] for k, v in data.items()},), n)
 

@@ -1,23 +1,9 @@
 """Validation bits per byte against steps and against bytes communicated, 8 workers, the LM.
 
-Every algorithm trains the ``lm`` task of ``optax-dist`` (:func:`optax_dist.cli.tasks.load_lm`:
-the byte-level transformer, 2 layers, width 96, context 64, on the Python standard library's
-sources) with :func:`optax_dist.cli.trainer.train` over 8 emulated CPU devices, one worker each
-with its own 1/8 of the training windows, minibatch 8 per worker, adam 3e-3, for the same number
-of steps: ``sync`` (``tower``), ``elastic_average`` and ``agn`` at τ = 10, ``local_sgd`` at
-H = 10, ``diloco`` at H = 10, 50, 100 (outer Nesterov SGD 0.7, momentum 0.9), and
-``streaming_diloco`` at H = 50 with F = 4 fragments. Where ``diloco`` at H ≥ 50 misses the
-target with the paper's outer optimizer, the same H is run again with outer SGD 1.0 without
-momentum (model averaging), as a labelled extra row.
-
-The metric is the validation loss in bits per byte of :func:`optax_dist.eval_params` (the
-center, the anchor, or the params), and of the workers' own params, every ``EVAL_EVERY`` steps,
-averaged over the seeds (each seed: init and minibatch order; the split is fixed by file).
-
-Bytes: the trainer's ``collective_bytes`` of each algorithm's compiled steps (the bytes each
-worker sends on every step, ``unconditional``, and in each periodic exchange, ``conditional``;
-one per fragment for ``streaming_diloco``), summed over the run's steps by the algorithm's
-schedule (:func:`benchmarks.kit.run_bytes`).
+Every row of :data:`RUNS` trains the ``lm`` task with :func:`optax_dist.cli.trainer.train` over 8
+emulated CPU devices for the same steps and seeds; ``diloco`` at H ≥ 50 is run again with model
+averaging (:data:`EXTRA_OUTER`) where it misses the target. The bytes are the trainer's
+``collective_bytes`` summed by :func:`benchmarks.kit.run_bytes`; the report says the rest.
 """
 
 from __future__ import annotations
@@ -227,9 +213,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      " curve is within 2% of sync's final loss."),
     "",
     (f"{result['steps']} steps per run, evaluated every {result['eval_every']} steps; mean over"
-    f" seeds {', '.join(map(str, result['seeds']))}. Load average {result['load_before']}"
-    f" before, {result['load_after']} after ({kit.machine()['cores']} CPUs);"
-    f" {result['wall_s'] / 60:.1f} min."),
+    f" seeds {', '.join(map(str, result['seeds']))}. " + kit.load_text(result, cpu=False)),
     "",
     headline_table(result),
     "",

@@ -37,8 +37,6 @@ import tempfile
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kit
@@ -105,11 +103,7 @@ def command(algorithm: str, process_id: int, coordinator: str, out: str, *, step
 def param_bytes(task_name: str = "lm") -> int:
   """The bytes of ``task_name``'s params (float32), from their shapes."""
   task = tasks.TASKS[task_name]
-  data = task.load(0)
-  example = {k: jnp.zeros((1,) + v.shape[1:], v.dtype) for k, v in data.train.items()}
-  model = task.model()
-  shapes = jax.eval_shape(lambda key: task.init_params(model, key, example), jax.random.key(0))
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+  return kit.tree_bytes(kit.initial_params(task, task.load(0).train))
 
 
 def settings_of(result: dict[str, Any]) -> Settings:
@@ -154,10 +148,6 @@ def predicted_bytes(result: dict[str, Any], framing: int = GLOO_OPERAND_BYTES) -
   return kit.run_bytes(result, settings_of(result), cost)[-1]
 
 
-def _median(xs: list[float]) -> float | None:
-  return kit.median(xs) if xs else None
-
-
 def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: int, period: int,
              extra: list[str], timeout: float = TIMEOUT) -> dict[str, Any]:
   """One run over ``link``; its wall-clock, bytes, step times and curve (raises RuntimeError)."""
@@ -194,8 +184,8 @@ def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
     "trainer_wall_s": result["wall_time_s"],
     "train_s": sum(times),
     "step_times": times,
-    "exchange_step_s": _median(exchange),
-    "local_step_s": _median(local),
+    "exchange_step_s": _median_of(exchange),
+    "local_step_s": _median_of(local),
     "bytes_a_to_b": after["a"]["tx_bytes"] - before["a"]["tx_bytes"],
     "bytes_b_to_a": after["b"]["tx_bytes"] - before["b"]["tx_bytes"],
     "packets_a_to_b": after["a"]["tx_packets"] - before["a"]["tx_packets"],
@@ -311,9 +301,10 @@ def _runs(result: dict[str, Any], rate: str, method: str) -> list[dict]:
   return [r for r in result["runs"] if r["rate"] == rate and r["method"] == method]
 
 
-def _median_of(runs: list[dict], fn: Any) -> float | None:
+def _median_of(runs: list, fn: Any = lambda x: x) -> float | None:
+  """The median of ``fn`` over ``runs``, ``None`` values left out (``None`` if none is left)."""
   values = [v for v in map(fn, runs) if v is not None]
-  return _median(values)
+  return kit.median(values) if values else None
 
 
 def target_loss(result: dict[str, Any]) -> float:
@@ -452,7 +443,7 @@ def targets(result: dict[str, Any]) -> list[str]:
     worst = max(ratios, key=lambda x: abs(x - 1))
     check(abs(worst - 1) <= 0.05,
           f"veth payload a→b within {abs(worst - 1):.1%} of the prediction in the worst run"
-          f" (median {_median(ratios):.3f}×; target within 5%)")
+          f" (median {_median_of(ratios):.3f}×; target within 5%)")
   return lines
 
 
@@ -556,9 +547,7 @@ QUICK = {"rates": ("100mbit",), "methods": ("sync", "diloco"), "steps": 6, "peri
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   """The study over a fresh :class:`netns.Link`, or ``None`` (having said why) without one."""
-  reason = netns.unavailable()
-  if reason is not None:
-    print(f"[network] skipped: {reason}")
+  if netns.skipped("[network] "):
     return None
   netns.remove_stale()
   try:
