@@ -4,7 +4,8 @@ A checkpoint holds the training state (``{"params", "opt_state", "history"}``, g
 arrays: each process writes and reads its own shards; on several hosts the directory must be on a
 shared file system) and, as JSON, the step, the run's settings, the record of the metric so far
 and the wall time so far. The step is the position in the minibatches and the delays (see
-:mod:`optax_dist.cli.pipeline`), so nothing else is needed to continue exactly.
+:mod:`optax_dist.cli.pipeline`), so nothing else is needed to continue exactly. A resume skips a
+damaged checkpoint for the intact one before it (:meth:`Checkpoints.restore`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def saved_steps(directory: str) -> list[int]:
   """The steps of the complete checkpoints under ``directory`` (none if it does not exist).
 
   Reads the directory names only (Orbax names a complete checkpoint by its step; a save in
-  progress has another name), so it needs neither Orbax nor JAX.
+  progress has another name, and so has a damaged checkpoint set aside, ``N.damaged``), so it
+  needs neither Orbax nor JAX.
   """
   if not os.path.isdir(directory):
     return []
