@@ -5,12 +5,16 @@ training k steps, saving with Orbax, restoring in a fresh process into an abstra
 dtypes and shardings only) and training S - k more, for one worker and for eight workers under
 ``jax.shard_map``. k falls in the middle of a communication period. This file is also the script
 that the fresh process runs (``python test_checkpoint.py resume CKPT_DIR OUT_DIR``).
+
+A damaged checkpoint of the training command: ``--resume`` goes back to the intact one before it
+and ends as an uninterrupted run; with none intact, the command says so in one line.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import shutil
 import subprocess
 import sys
 
@@ -452,6 +456,93 @@ def test_save_eval_params_saves_one_workers_center_of_a_stacked_state(tmp_path):
   restored = restore_params(tmp_path / "c", {"w": jnp.zeros(3), "b": jnp.zeros(())})
   for key in ("w", "b"):
     assert bitwise_equal(restored[key], center[key][3]) and bitwise_equal(saved[key], center[key][3])
+
+
+# A damaged checkpoint of the training command: ``--resume`` goes back to the intact one before it.
+
+DAMAGE_STEPS, DAMAGE_EVERY = 6, 2  # checkpoints of steps 4 and 6 are kept
+
+
+def _damage_settings():
+  from optax_dist.cli.config import Settings
+
+  return Settings(algorithm="diloco", devices=2, steps=DAMAGE_STEPS, batch_size=16,
+                  sync_period=2, eval_every=3)
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+  """``(task, data, checkpoints, final state)`` of an uninterrupted run saving every 2 steps."""
+  from optax_dist.cli import trainer
+  from optax_dist.cli.tasks import TASKS
+
+  task = TASKS["digits"]
+  data = task.load(0)
+  directory = tmp_path_factory.mktemp("digits") / "checkpoints"
+  result = trainer.train(task, data, _damage_settings(), checkpoint_dir=str(directory),
+                         checkpoint_every=DAMAGE_EVERY, keep_state=True)
+  return task, data, directory, result["final_state"]
+
+
+def _garble(step_dir):
+  """Writes bytes that are not JSON over the file Orbax reads first: the ``meta`` item's."""
+  (step_dir / "meta" / "metadata").write_bytes(b"\xff\xfe\x00 not json")
+
+
+def _empty(step_dir):
+  for entry in step_dir.iterdir():
+    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+
+@pytest.mark.parametrize("damage, reason", [
+  (_garble, "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff"),
+  (_empty, "FileNotFoundError: File {directory}/6/meta/metadata not found."),
+], ids=["corrupted", "emptied"])
+def test_resume_goes_back_past_a_damaged_checkpoint(digits_run, tmp_path, capsys, damage, reason):
+  from optax_dist.cli import trainer
+  from optax_dist.cli.checkpoints import saved_steps
+
+  task, data, checkpoints, uninterrupted = digits_run
+  directory = tmp_path / "checkpoints"
+  shutil.copytree(checkpoints, directory)
+  damage(directory / "6")
+  capsys.readouterr()
+  result = trainer.train(task, data, _damage_settings(), checkpoint_dir=str(directory),
+                         checkpoint_every=DAMAGE_EVERY, resume=True, keep_state=True)
+  notice = capsys.readouterr().err.strip().splitlines()
+  reason = reason.format(directory=directory)
+  assert len(notice) == 1, notice
+  assert notice[0].startswith(f"optax-dist: the checkpoint of step 6 is damaged ({reason}")
+  assert notice[0].endswith(f"; renamed it {directory / '6.damaged'} and resuming from step 4")
+  assert result["resumed_from_step"] == 4
+  assert (directory / "6.damaged").is_dir()
+  assert saved_steps(str(directory)) == [4, 6]  # step 6 saved again by the resumed run
+  resumed, expected = flat(result["final_state"]), flat(uninterrupted)
+  assert resumed.keys() == expected.keys()
+  assert all(bitwise_equal(resumed[k], expected[k]) for k in expected)
+
+
+def test_resume_with_every_checkpoint_damaged_is_one_line(digits_run, tmp_path, capsys):
+  from optax_dist.cli.main import main
+
+  out = tmp_path / "out"
+  directory = out / "checkpoints" / "diloco"
+  shutil.copytree(digits_run[2], directory)
+  _garble(directory / "6")
+  _empty(directory / "4")
+  capsys.readouterr()
+  status = main(["train", "--algorithm", "diloco", "--devices", "2", "--steps", "6",
+                 "--sync-period", "2", "--checkpoint-every", "2", "--no-progress", "--resume",
+                 "--out", str(out)])
+  stdout, stderr = capsys.readouterr()
+  assert status == 2 and stdout == "", stdout
+  assert "Traceback" not in stderr
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1, stderr
+  assert lines[0].startswith("optax-dist: error: argument --resume: no intact checkpoint")
+  assert f"{directory / '6'} is damaged (UnicodeDecodeError: " in lines[0]
+  assert f"{directory / '4'} is damaged (FileNotFoundError: " in lines[0]
+  assert sorted(os.listdir(directory)) == ["4", "6"]  # nothing renamed
 
 
 if __name__ == "__main__":

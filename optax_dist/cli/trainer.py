@@ -115,6 +115,9 @@ def train(
       one-line messages name the command's flags); too few devices, or with ``exchange_device``
       a process without exactly one device beyond its training devices.
     CheckpointMismatchError: ``resume`` from a checkpoint written with other settings.
+    DamagedCheckpointError: ``resume`` with every checkpoint damaged, or the arrays of the
+      newest intact one unreadable (a damaged newer one is set aside: see
+      :meth:`Checkpoints.restore`).
   """
   start = time.perf_counter()
   settings = settings.resolved()
@@ -191,7 +194,7 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
 
 
 def _restore(run: Run, checkpoints: Any, state: State, record: dict[str, list]) -> tuple:
-  """``(state, record, earlier wall time, step, resize)`` of the latest checkpoint (step 0 if
+  """``(state, record, earlier wall time, step, resize)`` of the newest intact checkpoint (step 0 if
   none); ``resize`` is ``None``, or ``{"step", "from_workers", "to_workers"}`` when the checkpoint
   had another number of workers and the state was moved to this run's with
   :func:`optax_dist.resize_state`. On the global view (:class:`GlobalRun`) the state is per
