@@ -34,6 +34,11 @@ FORMATS = {
   "float4": "float4_e2m1fn",
 }
 QUANTIZED = ("int8", "float4")
+
+
+def _wire(fmt: str) -> dict:
+  """The exchange arguments of ``fmt``: a block size only with a block-quantized format."""
+  return {"comm_dtype": FORMATS[fmt], "comm_block_size": BLOCK if fmt in QUANTIZED else None}
 ROUNDS = 3  # the residual of error feedback is non-zero from the second round on
 
 
@@ -87,7 +92,7 @@ def _rank_ordered(payloads, n: int) -> list:
 @pytest.mark.parametrize(
   "fmt, feedback", [(f, False) for f in FORMATS] + [(f, True) for f in QUANTIZED])
 def test_diloco_halves_equal_update(n, fmt, feedback):
-  kw = dict(axis_name=AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+  kw = dict(axis_name=AXIS, **_wire(fmt))
   tx = optax_dist.diloco(_inner(), _outer(), sync_period=1, error_feedback=feedback, **kw)
   exchange = optax_dist.Exchange(**kw, call="diloco")
   inner = _inner()
@@ -126,7 +131,7 @@ def test_diloco_halves_equal_update(n, fmt, feedback):
 def test_merged_payloads_equal_in_program_mean(n, fmt):
   """With the paper's outer optimizer out of the way: merge_payloads of the payloads is
   Exchange.mean of the pseudo-gradients (with feedback: mean_with_feedback), cast alike."""
-  exchange = optax_dist.Exchange(AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+  exchange = optax_dist.Exchange(AXIS, **_wire(fmt))
   anchor, new_params = _params(n), jax.tree.map(jnp.add, _params(n), _grads(n, 0))
   residual = jax.tree.map(lambda g: 0.01 * g, _grads(n, 1)) if fmt in QUANTIZED else None
 
@@ -148,7 +153,7 @@ def test_merged_payloads_equal_in_program_mean(n, fmt):
 def test_streaming_diloco_halves_per_fragment(fmt, overlap):
   n, num_fragments, sync_period = 2, 2, 2
   feedback = fmt in QUANTIZED
-  kw = dict(axis_name=AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+  kw = dict(axis_name=AXIS, **_wire(fmt))
   tx = optax_dist.streaming_diloco(
     _inner(), _outer(), sync_period=sync_period, num_fragments=num_fragments, overlap=overlap,
     error_feedback=feedback, **kw)
@@ -203,7 +208,7 @@ def test_streaming_diloco_halves_per_fragment(fmt, overlap):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_local_sgd_halves_equal_update(n, fmt):
-  kw = dict(axis_name=AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+  kw = dict(axis_name=AXIS, **_wire(fmt))
   tx = optax_dist.local_sgd(_inner(), sync_period=1, **kw)
   exchange = optax_dist.Exchange(**kw, call="local_sgd")
   inner = _inner()
@@ -232,7 +237,7 @@ def test_payload_dtypes_are_the_wire_formats():
   tree = {"x": jnp.linspace(-1.0, 1.0, 6)}
   for fmt, dtype in [("none", jnp.float32), ("bfloat16", jnp.bfloat16),
                      ("float8", jnp.float32), ("int8", jnp.float32)]:
-    exchange = optax_dist.Exchange(AXIS, comm_dtype=FORMATS[fmt], comm_block_size=BLOCK)
+    exchange = optax_dist.Exchange(AXIS, **_wire(fmt))
     payload = jax.vmap(lambda t: exchange.payload(t)[0], axis_name=AXIS)(
       jax.tree.map(lambda x: jnp.stack([x, x]), tree))
     assert payload["x"].dtype == dtype, fmt
