@@ -51,6 +51,12 @@ def _inner():
   return optax.sgd(0.5, momentum=0.5)
 
 
+def _inner_params(grads, state, params):
+  """This worker's params after the inner step the transformation takes from ``state``."""
+  inner_updates, _ = _inner().update(grads, state.inner_state, params)
+  return optax.apply_updates(params, inner_updates)
+
+
 def _outer():
   return optax.sgd(1.0, momentum=0.5, nesterov=True)
 
@@ -95,14 +101,12 @@ def test_diloco_halves_equal_update(n, fmt, feedback):
   kw = dict(axis_name=AXIS, **_wire(fmt))
   tx = optax_dist.diloco(_inner(), _outer(), sync_period=1, error_feedback=feedback, **kw)
   exchange = optax_dist.Exchange(**kw, call="diloco")
-  inner = _inner()
 
   @jax.jit
   @functools.partial(jax.vmap, axis_name=AXIS)
   def step(grads, state, params):
     updates, new_state = tx.update(grads, state, params)
-    inner_updates, _ = inner.update(grads, state.inner_state, params)
-    new_params = optax.apply_updates(params, inner_updates)
+    new_params = _inner_params(grads, state, params)
     payload, residual = optax_dist.diloco_payload(
       exchange, state.anchor, new_params, state.error_feedback)
     return updates, new_state, payload, residual
@@ -158,7 +162,6 @@ def test_streaming_diloco_halves_per_fragment(fmt, overlap):
     _inner(), _outer(), sync_period=sync_period, num_fragments=num_fragments, overlap=overlap,
     error_feedback=feedback, **kw)
   exchange = optax_dist.Exchange(**kw, call="streaming_diloco")
-  inner = _inner()
   params = _params(n)
   fragments = optax_dist.streaming_diloco_fragments(_worker(params, 0), num_fragments)
 
@@ -166,8 +169,7 @@ def test_streaming_diloco_halves_per_fragment(fmt, overlap):
   @functools.partial(jax.vmap, axis_name=AXIS)
   def step(grads, state, params):
     updates, new_state = tx.update(grads, state, params)
-    inner_updates, _ = inner.update(grads, state.inner_state, params)
-    new_params = optax.apply_updates(params, inner_updates)
+    new_params = _inner_params(grads, state, params)
     return updates, new_state, [
       optax_dist.streaming_diloco_payload(
         exchange, state.anchor, new_params, state.error_feedback, fragments=fragments,
@@ -211,14 +213,12 @@ def test_local_sgd_halves_equal_update(n, fmt):
   kw = dict(axis_name=AXIS, **_wire(fmt))
   tx = optax_dist.local_sgd(_inner(), sync_period=1, **kw)
   exchange = optax_dist.Exchange(**kw, call="local_sgd")
-  inner = _inner()
 
   @jax.jit
   @functools.partial(jax.vmap, axis_name=AXIS)
   def step(grads, state, params):
     updates, new_state = tx.update(grads, state, params)
-    inner_updates, _ = inner.update(grads, state.inner_state, params)
-    new_params = optax.apply_updates(params, inner_updates)
+    new_params = _inner_params(grads, state, params)
     return updates, new_state, optax_dist.local_sgd_payload(exchange, new_params)
 
   params = _params(n)
