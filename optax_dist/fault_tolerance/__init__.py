@@ -1,0 +1,75 @@
+r"""Training through failures: DiLoCo-family rounds with the exchange outside the program.
+
+A fault-tolerant run is R replicas, each its own JAX program, that meet once per round (every
+H inner steps) to merge their payloads. Each round has a quorum, a vote and then a commit on
+every member or an abort on every member; a replica that is behind heals from a live one. The
+subpackage's modules:
+
+* :mod:`~optax_dist.fault_tolerance.protocol`: the round rules of one replica
+  (:class:`RoundProtocol`: the jitted inner step, local half and outer half, the merge, the
+  vote, commit and abort), the state split (:class:`ReplicaState`, :class:`GlobalState`,
+  :func:`global_state`, :func:`local_state`) and :func:`state_hash`;
+* :mod:`~optax_dist.fault_tolerance.heal`: the heal payload (:func:`encode_heal`,
+  :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle;
+* :mod:`~optax_dist.fault_tolerance.engine`: :class:`InProcessEngine`, R replicas in one
+  process with a scripted :class:`Fault` schedule, its :class:`RoundLog` lines, and
+  :func:`replay` of a log.
+
+Import the names from ``optax_dist.fault_tolerance``. ``streaming_diloco`` is not supported yet,
+nor is an engine over a network.
+
+Example: three DiLoCo replicas, replica 2 dies in round 1 and rejoins in round 2, healing from
+replica 0.
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from optax_dist import fault_tolerance as ft
+  >>> proto = ft.RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(1.0), sync_period=2)
+  >>> def batch_fn(seed, slot, step):
+  ...   return jax.random.normal(jax.random.key(seed * 1000 + slot * 100 + step), (3,))
+  >>> engine = ft.InProcessEngine(
+  ...     proto, jnp.zeros(3), lambda p, b: p - b, batch_fn, num_replicas=3,
+  ...     faults=[ft.Fault(1, 2, "die_inner"), ft.Fault(2, 2, "join")])
+  >>> log = engine.run(3)
+  >>> [(line.round, line.replica, line.committed, line.healed) for line in log if line.replica == 2]
+  [(0, 2, True, False), (2, 2, True, True)]
+  >>> len({line.state_hash for line in log if line.round == 2})
+  1
+"""
+
+from optax_dist.fault_tolerance.engine import (
+  KINDS,
+  Fault,
+  InProcessEngine,
+  RoundLog,
+  RoundPlan,
+  replay,
+)
+from optax_dist.fault_tolerance.heal import MAGIC, decode_heal, encode_heal
+from optax_dist.fault_tolerance.protocol import (
+  SUPPORTED,
+  GlobalState,
+  ReplicaState,
+  RoundProtocol,
+  global_state,
+  local_state,
+  state_hash,
+)
+
+__all__ = (
+  "KINDS",
+  "MAGIC",
+  "SUPPORTED",
+  "Fault",
+  "GlobalState",
+  "InProcessEngine",
+  "ReplicaState",
+  "RoundLog",
+  "RoundPlan",
+  "RoundProtocol",
+  "decode_heal",
+  "encode_heal",
+  "global_state",
+  "local_state",
+  "replay",
+  "state_hash",
+)
