@@ -139,14 +139,15 @@ class InProcessEngine:
     batch_fn: ``(seed, slot, step) -> batch``, a stateless function of its ints.
     num_replicas: R, a positive int.
     seed: the data seed.
-    tokens_per_step: the tokens of one batch (a round's weight is H times this).
+    tokens_per_step: the tokens of one batch, a positive int, or one per replica (slots of
+      unequal batches: the merge is then token-weighted); a round's weight is H times it.
     min_replicas: the smallest quorum that commits; default :math:`\lfloor R/2 \rfloor + 1`.
     faults: a sequence of :class:`Fault`.
 
   Raises:
     TypeError: ``protocol`` not a :class:`RoundProtocol`; a fault not a :class:`Fault`.
-    ValueError: ``num_replicas``, ``tokens_per_step`` or ``min_replicas`` not a positive int,
-      or ``min_replicas > num_replicas``; a fault's replica >= R. In :meth:`run`: a join of a
+    ValueError: ``num_replicas``, ``tokens_per_step`` (each) or ``min_replicas`` not a positive
+      int, or ``min_replicas > num_replicas``; ``tokens_per_step`` not of R ints; a fault's replica >= R. In :meth:`run`: a join of a
       live replica.
 
   References:
@@ -157,14 +158,21 @@ class InProcessEngine:
 
   def __init__(
     self, protocol_: protocol.RoundProtocol, params: Any, grad_fn: Callable, batch_fn: Callable,
-    *, num_replicas: int, seed: int = 0, tokens_per_step: int = 1,
+    *, num_replicas: int, seed: int = 0, tokens_per_step: int | Sequence[int] = 1,
     min_replicas: int | None = None, faults: Sequence[Fault] = (),
   ):
     fn = "InProcessEngine"
     if not isinstance(protocol_, protocol.RoundProtocol):
       raise TypeError(f"`{fn}(protocol=...)` must be a RoundProtocol, got {protocol_!r}.")
     _checks.check_positive_int(fn, "num_replicas", num_replicas)
-    _checks.check_positive_int(fn, "tokens_per_step", tokens_per_step)
+    per_slot = (list(tokens_per_step) if isinstance(tokens_per_step, (list, tuple))
+                else [tokens_per_step] * num_replicas)
+    if len(per_slot) != num_replicas:
+      raise ValueError(
+        f"`{fn}(tokens_per_step=...)` must be an int or {num_replicas} ints (one per replica),"
+        f" got {tokens_per_step!r}.")
+    for tokens in per_slot:
+      _checks.check_positive_int(fn, "tokens_per_step", tokens)
     min_replicas = num_replicas // 2 + 1 if min_replicas is None else min_replicas
     _checks.check_positive_int(fn, "min_replicas", min_replicas)
     if min_replicas > num_replicas:
@@ -181,7 +189,7 @@ class InProcessEngine:
     self.protocol, self.params0, self.seed = protocol_, params, seed
     self.grad_fn, self.batch_fn = jax.jit(grad_fn), batch_fn
     self.num_replicas, self.min_replicas = num_replicas, min_replicas
-    self.tokens = protocol_.sync_period * tokens_per_step
+    self.tokens = [protocol_.sync_period * t for t in per_slot]  # a round's tokens, per slot
     self.faults = tuple(faults)
     self.replicas: dict[int, protocol.ReplicaState | None] = {
       i: protocol_.init(params) for i in range(num_replicas)}
@@ -233,7 +241,7 @@ class InProcessEngine:
     healed = self._heal(plan, members, stragglers)
     if tuple(members) != self._last_members:
       self.quorum_id, self._last_members = self.quorum_id + 1, tuple(members)
-    weights = {i: self.tokens if i in sent and i not in healed else 0 for i in members}
+    weights = {i: self.tokens[i] if i in sent and i not in healed else 0 for i in members}
     merged = self._vote(plan, members, sent, weights)
     for i in members:
       if i in plan.lost:
@@ -245,7 +253,7 @@ class InProcessEngine:
     for i in stragglers:
       self.replicas[i] = self.protocol.abort(self.replicas[i])
     lines = [self._line(plan.round, i, tuple(members), merged is not None and i in members,
-                        weights.get(i, 0), i in healed, self.tokens if i in sent else 0)
+                        weights.get(i, 0), i in healed, self.tokens[i] if i in sent else 0)
              for i in sorted(set(members) - set(plan.lost) | set(stragglers))]
     self.log.extend(lines)
     self.rounds_run = plan.round + 1

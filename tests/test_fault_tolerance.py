@@ -1,0 +1,402 @@
+"""Fault-tolerant rounds in the in-process engine: the invariants, bit for bit, under scripted
+faults (torchft's ``local_sgd_integ_test.py`` way: faults injected in one process, the global
+state compared after every round).
+
+The optimizers' products are exact (by powers of 2), as in ``test_halves``: the engine's halves
+run in other programs than the in-program transformation, and XLA's fusion (an FMA) of an
+inexact product there would move an anchor by an ulp whatever the protocol does.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dist
+from optax_dist import fault_tolerance as ft
+
+AXIS = "w"
+SHAPES = {"a": (4, 3), "b": (5,)}  # b: 5 values, not a multiple of the blocks
+H = 2
+BLOCK = 4
+FORMATS = {
+  "none": {}, "bfloat16": {"comm_dtype": jnp.bfloat16},
+  "int8": {"comm_dtype": "int8", "comm_block_size": BLOCK},
+  "int8_feedback": {"comm_dtype": "int8", "comm_block_size": BLOCK, "error_feedback": True},
+  "float4": {"comm_dtype": "float4_e2m1fn", "comm_block_size": BLOCK},
+}
+
+
+def _inner():
+  return optax.sgd(0.5, momentum=0.5)
+
+
+def _outer():
+  return optax.sgd(1.0, momentum=0.5, nesterov=True)
+
+
+def _params():
+  keys = jax.random.split(jax.random.key(0), len(SHAPES))
+  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items(), strict=True)}
+
+
+@jax.jit
+def _batch(seed, slot, step):
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), slot), step)
+  keys = jax.random.split(key, len(SHAPES))
+  return {k: jax.random.normal(kk, s) for kk, (k, s) in zip(keys, SHAPES.items(), strict=True)}
+
+
+def _grad(params, batch):  # the gradient of 0.5 |params - batch|^2
+  return jax.tree.map(jnp.subtract, params, batch)
+
+
+@functools.cache
+def _protocol(algorithm: str, fmt: str) -> ft.RoundProtocol:
+  """One protocol per case, shared by the tests: its halves compile once."""
+  outer = _outer() if algorithm == "diloco" else None
+  return ft.RoundProtocol(algorithm, _inner(), outer, sync_period=H, **FORMATS[fmt])
+
+
+def _engine(algorithm="diloco", fmt="none", **kw):
+  return ft.InProcessEngine(_protocol(algorithm, fmt), _params(), _grad, _batch, **kw)
+
+
+def _assert_trees_equal(got, want) -> None:
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def _assert_equal_global_state(engine, members) -> None:
+  """E1: every member holds the same global state, leaf for leaf and by hash."""
+  states = [ft.global_state(engine.replicas[i]) for i in members]
+  for state in states[1:]:
+    _assert_trees_equal(state, states[0])
+  assert len({ft.state_hash(s) for s in states}) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# E4: without a fault the engine is the in-program transformation.
+
+
+def _in_program(algorithm, fmt, n, rounds):
+  """The transformation under vmap(axis_name): each worker's (params, state) after each round."""
+  kw = dict(axis_name=AXIS, sync_period=H, **FORMATS[fmt])
+  tx = (optax_dist.diloco(_inner(), _outer(), **kw) if algorithm == "diloco"
+        else optax_dist.local_sgd(_inner(), **kw))
+
+  @jax.jit
+  @functools.partial(jax.vmap, axis_name=AXIS)
+  def step(params, state, batch):
+    updates, state = tx.update(_grad(params, batch), state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), _params())
+  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  after = []
+  for t in range(rounds * H):
+    # the engine's batches: the same program computes them
+    batches = [_batch(0, i, t) for i in range(n)]
+    params, state = step(params, state, jax.tree.map(lambda *b: jnp.stack(b), *batches))
+    if (t + 1) % H == 0:
+      after.append([jax.tree.map(lambda x: x[i], (params, state)) for i in range(n)])
+  return after
+
+
+@pytest.mark.parametrize("algorithm, fmt, n, exact", [
+  ("diloco", "none", 2, True), ("diloco", "bfloat16", 2, True), ("diloco", "float4", 2, True),
+  ("diloco", "int8_feedback", 3, True), ("diloco", "none", 3, False),
+  ("local_sgd", "none", 2, True), ("local_sgd", "int8", 3, True),
+])
+def test_no_fault_equals_in_program(algorithm, fmt, n, exact):
+  """Bitwise for 2 replicas and the gathered formats (summed in float32 in rank order); with 3
+  replicas in the params' own dtype a psum may add in another order: the first round within
+  one ulp (later rounds start from params an ulp apart)."""
+  rounds = 3 if exact else 1
+  want = _in_program(algorithm, fmt, n, rounds)
+  engine = _engine(algorithm, fmt, num_replicas=n)
+  for r in range(rounds):
+    assert all(line.committed for line in engine.run(1))
+    for i in range(n):
+      got = engine.replicas[i]
+      for g, w in zip(jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves(want[r][i]),
+                      strict=True):
+        if exact:
+          np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        else:
+          np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# E1, E2, E3 under a schedule of every fault.
+
+SCHEDULE = [
+  ft.Fault(0, 3, "die_inner"),  # dies before its first exchange ...
+  ft.Fault(1, 3, "join"),  # ... and joins from step 0: heals from replica 0
+  ft.Fault(2, 1, "die_exchange"),  # the round aborts on every member
+  ft.Fault(3, 1, "join"), ft.Fault(3, 0, "die_heal"),  # the donor dies: 1 heals from 2
+  ft.Fault(4, 0, "join"), ft.Fault(4, 2, "straggle"),  # 0 heals; 2 is left out, reverts
+  ft.Fault(5, 3, "nonfinite"),  # 2 heals (behind); 3 votes no: abort
+]
+# round -> (members, committed, healed)
+EXPECTED = {
+  0: ((0, 1, 2), True, ()), 1: ((0, 1, 2, 3), True, (3,)), 2: ((0, 1, 2, 3), False, ()),
+  3: ((1, 2, 3), True, (1,)), 4: ((0, 1, 3), True, (0,)), 5: ((0, 1, 2, 3), False, (2,)),
+  6: ((0, 1, 2, 3), True, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def faulty_run():
+  calls = []
+
+  def batch_fn(seed, slot, step):
+    calls.append((slot, step))
+    return _batch(seed, slot, step)
+
+  engine = ft.InProcessEngine(
+    _protocol("diloco", "int8_feedback"), _params(), _grad, batch_fn, num_replicas=4,
+    faults=SCHEDULE)
+  per_round = []
+  for _ in EXPECTED:
+    lines = engine.run(1)
+    per_round.append(lines)
+    members = next(line.members for line in lines if line.members)
+    _assert_equal_global_state(engine, [i for i in members if engine.replicas[i] is not None])
+  return engine, per_round, calls
+
+
+def test_faults_do_what_the_schedule_says(faulty_run):
+  _, per_round, _ = faulty_run
+  for r, lines in enumerate(per_round):
+    members, committed, healed = EXPECTED[r]
+    in_quorum = [line for line in lines if line.members]
+    assert in_quorum[0].members == members, r
+    assert {line.committed for line in in_quorum} == {committed}, r
+    assert tuple(line.replica for line in lines if line.healed) == healed, r
+    for line in lines:  # healed and joined replicas weigh nothing
+      assert line.weight == (0 if line.healed or not line.members else line.tokens), (r, line)
+  straggler = [line for line in per_round[4] if line.replica == 2]
+  assert straggler[0].members == () and not straggler[0].committed
+  assert [line.quorum_id for line in (lines[0] for lines in per_round)] == [1, 2, 2, 3, 4, 5, 5]
+
+
+def test_committed_members_hold_one_global_state(faulty_run):
+  """E1 (checked leaf by leaf after each round in the fixture) and by the log's hashes."""
+  _, per_round, _ = faulty_run
+  for lines in per_round:
+    assert len({line.state_hash for line in lines if line.members}) == 1
+  assert len({line.state_hash for line in per_round[-1]}) == 1  # all four agree at the end
+
+
+def test_healed_joiner_equals_its_donor(faulty_run):
+  """E2: bit for bit, right after each heal."""
+  engine, _, _ = faulty_run
+  assert [(r, j, d) for r, j, d, _, _ in engine.heals] == [
+    (1, 3, 0), (3, 1, 2), (4, 0, 1), (5, 2, 0)]
+  for _, _, _, joiner, donor in engine.heals:
+    _assert_trees_equal(joiner, donor)
+
+
+def test_run_with_faults_equals_replay_of_its_log(faulty_run):
+  """E3: a fresh engine driven by the log alone gives the same lines, hashes included."""
+  engine, _, _ = faulty_run
+  fresh = ft.InProcessEngine(
+    _protocol("diloco", "int8_feedback"), _params(), _grad, _batch, num_replicas=4)
+  assert ft.replay(fresh, engine.log) == engine.log
+
+
+def test_data_position_is_the_local_step(faulty_run):
+  """Each slot's batches are (slot, local_step): a joiner continues its slot's stream from the
+  step it healed to; the steps of a round a replica died in (after running) are lost."""
+  _, _, calls = faulty_run
+  want = {
+    0: [*range(0, 8), *range(10, 14)],  # ran rounds 0-3 (died donating), healed to step 10
+    1: [*range(0, 6), *range(8, 14)],  # died in round 2's exchange, healed to step 8
+    2: list(range(14)),  # every round (straggled in round 4, healed in round 5)
+    3: list(range(4, 14)),  # dead in round 0, joined in round 1, healed to step 4
+  }
+  assert {slot: [t for s, t in calls if s == slot] for slot in range(4)} == want
+
+
+# ------------------------------------------------------------------------------------------------
+# Abort, weights, quorum.
+
+
+def test_abort_keeps_the_global_state_and_returns_to_the_anchor():
+  faulty = _engine(fmt="int8_feedback", num_replicas=2, faults=[ft.Fault(1, 1, "nonfinite")])
+  clean = _engine(fmt="int8_feedback", num_replicas=2)
+  faulty.run(1), clean.run(1)
+  before = [faulty.replicas[i] for i in range(2)]
+  assert not any(line.committed for line in faulty.run(1))
+  assert all(line.committed for line in clean.run(1))
+  for i in range(2):
+    got, old = faulty.replicas[i], before[i]
+    for field in ("anchor", "outer_state", "error_feedback"):
+      _assert_trees_equal(getattr(got.opt_state, field), getattr(old.opt_state, field))
+    _assert_trees_equal(got.params, old.opt_state.anchor)
+    assert int(got.opt_state.local_step) == 2 * H and int(got.rounds) == 1
+    # the inner state is kept: the one of the same inner steps in a committed round
+    _assert_trees_equal(got.opt_state.inner_state, clean.replicas[i].opt_state.inner_state)
+
+
+def test_healed_replica_weighs_nothing():
+  """Replica 2 misses round 0 and heals in round 1: the global state is that of two replicas."""
+  three = _engine(num_replicas=3, faults=[ft.Fault(0, 2, "die_inner"), ft.Fault(1, 2, "join")])
+  two = _engine(num_replicas=2, min_replicas=2)
+  lines = three.run(2)
+  two.run(2)
+  assert [(line.round, line.replica, line.weight) for line in lines] == [
+    (0, 0, H), (0, 1, H), (1, 0, H), (1, 1, H), (1, 2, 0)]
+  assert {line.state_hash for line in lines[2:]} == {
+    ft.state_hash(ft.global_state(two.replicas[0]))}
+
+
+def test_unequal_tokens_give_the_token_weighted_merge():
+  p = _protocol("local_sgd", "none")
+  engine = ft.InProcessEngine(p, _params(), _grad, _batch, num_replicas=2, tokens_per_step=[1, 3])
+  assert [line.weight for line in engine.run(1)] == [H, 3 * H]
+  sent = []
+  for slot in range(2):  # each replica's round, outside the engine
+    state = p.init(_params())
+    params, opt_state = p.inner_step(state.params, state.opt_state, _grad(state.params, _batch(
+      0, slot, 0)))
+    sent.append(p.local_half(params, opt_state, _grad(params, _batch(0, slot, 1)))[2])
+  weighted = optax_dist.merge_payloads(sent, [H, 3 * H])
+  _assert_trees_equal(engine.replicas[0].average, weighted)
+  assert not np.array_equal(weighted["a"], optax_dist.merge_payloads(sent)["a"])
+
+
+def test_no_quorum_no_commit():
+  """All but one die: min_replicas = 2 of 3 is not met and the lone replica aborts."""
+  engine = _engine(num_replicas=3, faults=[ft.Fault(1, 1, "die_inner"),
+                                           ft.Fault(1, 2, "die_inner")])
+  engine.run(1)
+  anchor = engine.replicas[0].opt_state.anchor
+  (line,) = engine.run(1)
+  assert (line.replica, line.members, line.committed) == (0, (0,), False)
+  assert int(engine.replicas[0].rounds) == 1
+  _assert_trees_equal(engine.replicas[0].opt_state.anchor, anchor)
+  _assert_trees_equal(engine.replicas[0].params, anchor)
+
+
+# ------------------------------------------------------------------------------------------------
+# The state split and the heal payload.
+
+
+def test_local_state_rebuilds_a_joiner():
+  p = _protocol("diloco", "int8_feedback")
+  engine = _engine(fmt="int8_feedback", num_replicas=2)
+  engine.run(2)
+  donor = engine.replicas[0]
+  joiner = ft.local_state(p, ft.global_state(donor), _params())
+  _assert_trees_equal(ft.global_state(joiner), ft.global_state(donor))
+  _assert_trees_equal(joiner.params, donor.opt_state.anchor)
+  _assert_trees_equal(joiner.opt_state.inner_state, p.tx.init(_params()).inner_state)
+  _assert_trees_equal(joiner.opt_state.error_feedback,
+                      jax.tree.map(jnp.zeros_like, donor.opt_state.error_feedback))
+  assert ft.global_state(donor).opt_state.inner_state is None  # local: never sent
+
+
+def test_state_hash_sees_every_bit_dtype_shape_and_structure():
+  tree = {"x": jnp.arange(4.0), "n": jnp.int32(3)}
+  h = ft.state_hash(tree)
+  assert h == ft.state_hash({"x": jnp.arange(4.0), "n": jnp.int32(3)})
+  flipped = np.asarray(tree["x"]).copy()
+  flipped.view(np.uint32)[2] ^= 1
+  for other in ({"x": jnp.asarray(flipped), "n": jnp.int32(3)},
+                {"x": jnp.arange(4.0, dtype=jnp.bfloat16), "n": jnp.int32(3)},
+                {"x": jnp.arange(4.0).reshape(2, 2), "n": jnp.int32(3)},
+                {"y": jnp.arange(4.0), "n": jnp.int32(3)}):
+    assert ft.state_hash(other) != h
+
+
+@pytest.fixture(scope="module")
+def healed_state():
+  engine = _engine(fmt="int8_feedback", num_replicas=2)
+  engine.run(1)
+  return ft.global_state(engine.replicas[0])
+
+
+def test_heal_payload_round_trips(healed_state):
+  blob = ft.encode_heal(healed_state)
+  assert isinstance(blob, bytes) and blob.startswith(ft.MAGIC)
+  _assert_trees_equal(ft.decode_heal(blob, healed_state, replica="1"), healed_state)
+
+
+def test_heal_payload_of_the_wrong_shape_names_replica_and_leaf(healed_state):
+  wider = ft.global_state(
+    _protocol("diloco", "int8_feedback").init(
+      {"a": jnp.zeros((4, 3)), "b": jnp.zeros(6)}))
+  with pytest.raises(ValueError, match=r"replica '7': leaf \.opt_state\.anchor\['b'\] is"):
+    ft.decode_heal(ft.encode_heal(healed_state), wider, replica="7")
+  as_bf16 = jax.tree.map(
+    lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, healed_state)
+  with pytest.raises(ValueError, match=r"replica '7': leaf \.opt_state\.anchor\['a'\]"):
+    ft.decode_heal(ft.encode_heal(healed_state), as_bf16, replica="7")
+
+
+def test_heal_payload_corrupted_or_truncated_is_refused(healed_state):
+  blob = bytearray(ft.encode_heal(healed_state))
+  blob[-1] ^= 1
+  with pytest.raises(ValueError, match="replica '2'.*hash"):
+    ft.decode_heal(bytes(blob), healed_state, replica="2")
+  with pytest.raises(ValueError, match="replica '2' holds .* bytes of data"):
+    ft.decode_heal(bytes(blob[:-4]), healed_state, replica="2")
+  with pytest.raises(TypeError, match="replica '2' must be bytes"):
+    ft.decode_heal(healed_state, healed_state, replica="2")
+
+
+RAN = []
+
+
+def _record(what):
+  RAN.append(what)
+  return what
+
+
+class _Payload:
+  def __reduce__(self):
+    return _record, ("unpickled",)
+
+
+def test_pickle_payload_is_refused_and_runs_nothing(healed_state):
+  blob = pickle.dumps(_Payload())
+  pickle.loads(blob)  # the payload is live: unpickling it runs code
+  assert RAN == ["unpickled"]
+  RAN.clear()
+  with pytest.raises(ValueError, match="replica '3' does not start with"):
+    ft.decode_heal(blob, healed_state, replica="3")
+  header = ft.MAGIC + len(blob).to_bytes(8, "big") + blob  # a pickle where the manifest goes
+  with pytest.raises(ValueError, match="replica '3': the manifest is not JSON"):
+    ft.decode_heal(header, healed_state, replica="3")
+  assert RAN == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_input():
+  with pytest.raises(ValueError, match=r"RoundProtocol\(algorithm=...\).*'streaming_diloco'"):
+    ft.RoundProtocol("streaming_diloco", _inner())
+  with pytest.raises(ValueError, match=r"RoundProtocol\(outer=...\)"):
+    ft.RoundProtocol("local_sgd", _inner(), _outer(), sync_period=2)
+  with pytest.raises(ValueError, match=r"Fault\(kind=...\)"):
+    ft.Fault(0, 0, "explode")
+  with pytest.raises(ValueError, match=r"Fault\(round=...\)` must be an int >= 0, got -1"):
+    ft.Fault(-1, 0, "join")
+  with pytest.raises(ValueError, match=r"InProcessEngine\(min_replicas=...\)` must be at most num_replicas=2"):
+    _engine(num_replicas=2, min_replicas=3)
+  with pytest.raises(ValueError, match="names replica 2, but there are 2"):
+    _engine(num_replicas=2, faults=[ft.Fault(0, 2, "join")])
+  with pytest.raises(ValueError, match="replica 1 is alive"):
+    _engine(num_replicas=2, faults=[ft.Fault(0, 1, "join")]).run(1)
