@@ -313,8 +313,9 @@ def test_state_hash_sees_every_bit_dtype_shape_and_structure():
   flipped = np.asarray(tree["x"]).copy()
   flipped.view(np.uint32)[2] ^= 1
   for other in ({"x": jnp.asarray(flipped), "n": jnp.int32(3)},
-                {"x": jnp.arange(4.0, dtype=jnp.bfloat16), "n": jnp.int32(3)},
-                {"x": jnp.arange(4.0).reshape(2, 2), "n": jnp.int32(3)},
+                {"x": jnp.asarray(np.arange(4.0, dtype=np.float32).view(np.int32)),
+                 "n": jnp.int32(3)},  # the same bytes, another dtype
+                {"x": jnp.arange(4.0).reshape(2, 2), "n": jnp.int32(3)},  # another shape
                 {"y": jnp.arange(4.0), "n": jnp.int32(3)}):
     assert ft.state_hash(other) != h
 
@@ -394,7 +395,7 @@ def test_bad_input():
     ft.Fault(0, 0, "explode")
   with pytest.raises(ValueError, match=r"Fault\(round=...\)` must be an int >= 0, got -1"):
     ft.Fault(-1, 0, "join")
-  with pytest.raises(ValueError, match=r"InProcessEngine\(min_replicas=...\)` must be at most num_replicas=2"):
+  with pytest.raises(ValueError, match=r"Engine\(min_replicas=...\)` must be at most num_rep"):
     _engine(num_replicas=2, min_replicas=3)
   with pytest.raises(ValueError, match="names replica 2, but there are 2"):
     _engine(num_replicas=2, faults=[ft.Fault(0, 2, "join")])
