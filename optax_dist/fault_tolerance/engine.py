@@ -18,7 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from optax_dist import _checks
-from optax_dist.fault_tolerance import heal, protocol
+from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance.protocol import (
+  ReplicaState,
+  RoundProtocol,
+  global_state,
+  local_state,
+  state_hash,
+)
 
 KINDS = ("die_inner", "die_exchange", "join", "straggle", "die_heal", "nonfinite")
 
@@ -147,8 +154,8 @@ class InProcessEngine:
   Raises:
     TypeError: ``protocol`` not a :class:`RoundProtocol`; a fault not a :class:`Fault`.
     ValueError: ``num_replicas``, ``tokens_per_step`` (each) or ``min_replicas`` not a positive
-      int, or ``min_replicas > num_replicas``; ``tokens_per_step`` not of R ints; a fault's replica >= R. In :meth:`run`: a join of a
-      live replica.
+      int, or ``min_replicas > num_replicas``; ``tokens_per_step`` not of R ints; a fault's
+      replica >= R. In :meth:`run`: a join of a live replica.
 
   References:
     torchft (``Lighthouse`` quorums, ``Manager.should_commit``, healing from a live peer;
@@ -157,13 +164,13 @@ class InProcessEngine:
   """
 
   def __init__(
-    self, protocol_: protocol.RoundProtocol, params: Any, grad_fn: Callable, batch_fn: Callable,
+    self, protocol: RoundProtocol, params: Any, grad_fn: Callable, batch_fn: Callable,
     *, num_replicas: int, seed: int = 0, tokens_per_step: int | Sequence[int] = 1,
     min_replicas: int | None = None, faults: Sequence[Fault] = (),
   ):
     fn = "InProcessEngine"
-    if not isinstance(protocol_, protocol.RoundProtocol):
-      raise TypeError(f"`{fn}(protocol=...)` must be a RoundProtocol, got {protocol_!r}.")
+    if not isinstance(protocol, RoundProtocol):
+      raise TypeError(f"`{fn}(protocol=...)` must be a RoundProtocol, got {protocol!r}.")
     _checks.check_positive_int(fn, "num_replicas", num_replicas)
     per_slot = (list(tokens_per_step) if isinstance(tokens_per_step, (list, tuple))
                 else [tokens_per_step] * num_replicas)
@@ -186,13 +193,13 @@ class InProcessEngine:
         raise ValueError(
           f"`{fn}(faults=...)`: {fault!r} names replica {fault.replica}, but there are"
           f" {num_replicas} (ids 0 to {num_replicas - 1}).")
-    self.protocol, self.params0, self.seed = protocol_, params, seed
+    self.protocol, self.params0, self.seed = protocol, params, seed
     self.grad_fn, self.batch_fn = jax.jit(grad_fn), batch_fn
     self.num_replicas, self.min_replicas = num_replicas, min_replicas
-    self.tokens = [protocol_.sync_period * t for t in per_slot]  # a round's tokens, per slot
+    self.tokens = [protocol.sync_period * t for t in per_slot]  # a round's tokens, per slot
     self.faults = tuple(faults)
-    self.replicas: dict[int, protocol.ReplicaState | None] = {
-      i: protocol_.init(params) for i in range(num_replicas)}
+    self.replicas: dict[int, ReplicaState | None] = {
+      i: protocol.init(params) for i in range(num_replicas)}
     self.log: list[RoundLog] = []
     self.heals: list[tuple] = []  # (round, joiner, donor, joiner's global, donor's global)
     self.quorum_id, self._last_members, self.rounds_run = 0, None, 0
@@ -304,12 +311,12 @@ class InProcessEngine:
     return healed
 
   def _heal_from(self, r: int, joiner: int, donor: int) -> None:
-    donor_global = protocol.global_state(self.replicas[donor])
-    expected = protocol.global_state(self.replicas[joiner])
+    donor_global = global_state(self.replicas[donor])
+    expected = global_state(self.replicas[joiner])
     received = heal.decode_heal(heal.encode_heal(donor_global), expected, replica=str(donor))
-    self.replicas[joiner] = protocol.local_state(self.protocol, received, self.params0)
+    self.replicas[joiner] = local_state(self.protocol, received, self.params0)
     self.heals.append(
-      (r, joiner, donor, protocol.global_state(self.replicas[joiner]), donor_global))
+      (r, joiner, donor, global_state(self.replicas[joiner]), donor_global))
 
   def _vote(self, plan: RoundPlan, members: list, sent: dict, weights: dict) -> Any:
     """The merged payload if the round commits, else ``None``."""
@@ -328,7 +335,7 @@ class InProcessEngine:
       return payload
     return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), payload)
 
-  def _commit(self, i: int, sent: tuple | None, merged: Any) -> protocol.ReplicaState:
+  def _commit(self, i: int, sent: tuple | None, merged: Any) -> ReplicaState:
     """Replica ``i`` commits: from its round's origin and residual candidate if it sent a
     payload, else (healed, joined) from its params and its current residual."""
     state = self.replicas[i]
@@ -343,7 +350,7 @@ class InProcessEngine:
     return RoundLog(
       round=r, replica=i, step=int(state.opt_state.local_step), quorum_id=self.quorum_id,
       members=members if i in members else (), committed=committed, weight=weight,
-      healed=healed, state_hash=protocol.state_hash(protocol.global_state(state)), tokens=tokens)
+      healed=healed, state_hash=state_hash(global_state(state)), tokens=tokens)
 
 
 def replay(engine: InProcessEngine, log: Sequence[RoundLog]) -> list[RoundLog]:
