@@ -264,12 +264,9 @@ def test_unequal_tokens_give_the_token_weighted_merge():
   p = _protocol("local_sgd", "none")
   engine = ft.InProcessEngine(p, _params(), _grad, _batch, num_replicas=2, tokens_per_step=[1, 3])
   assert [line.weight for line in engine.run(1)] == [H, 3 * H]
-  sent = []
-  for slot in range(2):  # each replica's round, outside the engine
-    state = p.init(_params())
-    params, opt_state = p.inner_step(state.params, state.opt_state, _grad(state.params, _batch(
-      0, slot, 0)))
-    sent.append(p.local_half(params, opt_state, _grad(params, _batch(0, slot, 1)))[2])
+  sent = [  # each replica's round, outside the engine
+    p.run_round(p.init(_params()), lambda params, t, s=slot: _grad(params, _batch(0, s, t)))[1]
+    .payload for slot in range(2)]
   weighted = optax_dist.merge_payloads(sent, [H, 3 * H])
   _assert_trees_equal(engine.replicas[0].average, weighted)
   assert not np.array_equal(weighted["a"], optax_dist.merge_payloads(sent)["a"])

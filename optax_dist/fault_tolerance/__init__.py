@@ -6,8 +6,8 @@ every member or an abort on every member; a replica that is behind heals from a 
 subpackage's modules:
 
 * :mod:`~optax_dist.fault_tolerance.protocol`: the round rules of one replica
-  (:class:`RoundProtocol`: the jitted inner step, local half and outer half, the merge, the
-  vote, commit and abort), the state split (:class:`ReplicaState`, :class:`GlobalState`,
+  (:class:`RoundProtocol`: the jitted inner step, local half and outer half, a replica's
+  round and what it :class:`Sent`, the merge, the vote, commit and abort), the state split (:class:`ReplicaState`, :class:`GlobalState`,
   :func:`global_state`, :func:`local_state`) and :func:`state_hash`;
 * :mod:`~optax_dist.fault_tolerance.heal`: the heal payload (:func:`encode_heal`,
   :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle;
@@ -50,6 +50,7 @@ from optax_dist.fault_tolerance.protocol import (
   GlobalState,
   ReplicaState,
   RoundProtocol,
+  Sent,
   global_state,
   local_state,
   state_hash,
@@ -66,6 +67,7 @@ __all__ = (
   "RoundLog",
   "RoundPlan",
   "RoundProtocol",
+  "Sent",
   "decode_heal",
   "encode_heal",
   "global_state",

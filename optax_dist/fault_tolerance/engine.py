@@ -22,6 +22,7 @@ from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.protocol import (
   ReplicaState,
   RoundProtocol,
+  Sent,
   global_state,
   local_state,
   state_hash,
@@ -243,7 +244,7 @@ class InProcessEngine:
         self.replicas[i] = None
     for i in plan.fresh:
       self.replicas[i] = self.protocol.init(self.params0)
-    sent = {i: self._inner_steps(i) for i in plan.runners}  # i -> (origin, payload, residual)
+    sent = {i: self._inner_steps(i) for i in plan.runners}
     members, stragglers = list(plan.members), list(plan.stragglers)
     healed = self._heal(plan, members, stragglers)
     if tuple(members) != self._last_members:
@@ -254,7 +255,8 @@ class InProcessEngine:
       if i in plan.lost:
         self.replicas[i] = None
       elif merged is not None:
-        self.replicas[i] = self._commit(i, sent.get(i) if weights[i] else None, merged)
+        self.replicas[i] = self.protocol.commit(
+          self.replicas[i], merged, sent.get(i) if weights[i] else None)
       else:
         self.replicas[i] = self.protocol.abort(self.replicas[i])
     for i in stragglers:
@@ -266,21 +268,12 @@ class InProcessEngine:
     self.rounds_run = plan.round + 1
     return lines
 
-  def _inner_steps(self, i: int) -> tuple:
-    """Replica ``i``'s H inner steps; returns ``(origin, payload, residual)`` of the last."""
-    p = self.protocol
-    state = self.replicas[i]
-    params, opt_state = state.params, state.opt_state
-    for _ in range(p.sync_period - 1):
-      params, opt_state = p.inner_step(params, opt_state, self._grads(i, params, opt_state))
-    origin = params
-    params, opt_state, payload, residual = p.local_half(
-      params, opt_state, self._grads(i, params, opt_state))
-    self.replicas[i] = state._replace(params=params, opt_state=opt_state)
-    return origin, payload, residual
-
-  def _grads(self, slot: int, params: Any, opt_state: Any) -> Any:
-    return self.grad_fn(params, self.batch_fn(self.seed, slot, int(opt_state.local_step)))
+  def _inner_steps(self, i: int) -> Sent:
+    """Replica ``i``'s round on its slot's data: batch ``(seed, i, local_step)``."""
+    self.replicas[i], sent = self.protocol.run_round(
+      self.replicas[i],
+      lambda params, step: self.grad_fn(params, self.batch_fn(self.seed, i, step)))
+    return sent
 
   def _key(self, i: int) -> tuple[int, int]:
     state = self.replicas[i]
@@ -324,7 +317,7 @@ class InProcessEngine:
     if (plan.force_abort or len(members) < self.min_replicas or not voters
         or any(i in plan.lost for i in members)):
       return None
-    payloads = [self._payload(i, sent[i][1], plan) for i in voters]
+    payloads = [self._payload(i, sent[i].payload, plan) for i in voters]
     if not all(self.protocol.votes(p) for p in payloads):
       return None
     return self.protocol.merge(payloads, [weights[i] for i in voters])
@@ -334,16 +327,6 @@ class InProcessEngine:
     if i not in plan.nonfinite:
       return payload
     return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), payload)
-
-  def _commit(self, i: int, sent: tuple | None, merged: Any) -> ReplicaState:
-    """Replica ``i`` commits: from its round's origin and residual candidate if it sent a
-    payload, else (healed, joined) from its params and its current residual."""
-    state = self.replicas[i]
-    if sent is None:
-      residual = getattr(state.opt_state, "error_feedback", None)
-      return self.protocol.commit(state, state.params, merged, residual)
-    origin, _, residual = sent
-    return self.protocol.commit(state, origin, merged, residual)
 
   def _line(self, r, i, members, committed, weight, healed, tokens) -> RoundLog:
     state = self.replicas[i]

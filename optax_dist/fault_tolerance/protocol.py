@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -40,6 +41,20 @@ class ReplicaState(NamedTuple):
   opt_state: Any
   rounds: jax.Array
   average: Any = None
+
+
+class Sent(NamedTuple):
+  """What a replica's round leaves for its commit.
+
+  Attributes:
+    origin: its params before the round's last inner step (where the commit lands from).
+    payload: its payload :math:`p_i` (the params' tree; the wire format's dtypes).
+    residual: its residual candidate :math:`r'_i` (``None`` without error feedback).
+  """
+
+  origin: Any
+  payload: Any
+  residual: Any
 
 
 class GlobalState(NamedTuple):
@@ -147,6 +162,7 @@ class RoundProtocol:
 
   @functools.cached_property
   def outer_tx(self) -> optax.GradientTransformation:
+    """``diloco``'s outer optimizer (``outer``, or the paper's default)."""
     return _outer.default_outer() if self.outer is None else self.outer
 
   def init(self, params: Any) -> ReplicaState:
@@ -210,12 +226,37 @@ class RoundProtocol:
     point = average if self.algorithm == "local_sgd" else opt_state.anchor
     return jax.tree.map(lambda a, p: jnp.asarray(a, jnp.result_type(p)), point, params_like)
 
-  def commit(self, replica: ReplicaState, origin: Any, merged: Any, residual: Any
+  def run_round(self, replica: ReplicaState, grads: Callable[[Any, int], Any]
+                ) -> tuple[ReplicaState, Sent]:
+    """The replica's H inner steps, the last with the local half.
+
+    Args:
+      replica: its state at the round's start.
+      grads: ``(params, step) -> grads``, ``step`` its ``local_step`` before the step (its data
+        position).
+
+    Returns:
+      ``(replica, sent)``: the state after the steps (``local_step`` advanced by H) and its
+      :class:`Sent`.
+    """
+    params, opt_state = replica.params, replica.opt_state
+    for _ in range(self.sync_period - 1):
+      params, opt_state = self.inner_step(params, opt_state, grads(params, _step(opt_state)))
+    origin = params
+    params, opt_state, payload, residual = self.local_half(
+      params, opt_state, grads(params, _step(opt_state)))
+    return replica._replace(params=params, opt_state=opt_state), Sent(origin, payload, residual)
+
+  def commit(self, replica: ReplicaState, merged: Any, sent: Sent | None = None
              ) -> ReplicaState:
-    """The replica after a committed round: the outer half on ``merged`` (the params landed
-    from ``origin``, see :attr:`outer_half`), the residual candidate taken, ``rounds + 1``."""
+    """The replica after a committed round: the outer half on ``merged``, the params landed
+    from its round's origin (see :attr:`outer_half`), its residual candidate taken,
+    ``rounds + 1``. ``sent=None`` (it healed or joined this round and sent nothing): from its
+    params, its residual kept."""
+    if sent is None:
+      sent = Sent(replica.params, None, getattr(replica.opt_state, "error_feedback", None))
     params, opt_state, average = self.outer_half(
-      origin, replica.opt_state, replica.average, merged, residual)
+      sent.origin, replica.opt_state, replica.average, merged, sent.residual)
     return ReplicaState(params, opt_state, replica.rounds + 1, average)
 
   def abort(self, replica: ReplicaState) -> ReplicaState:
@@ -237,6 +278,10 @@ class RoundProtocol:
   def votes(payload: Any) -> bool:
     """A member's vote: yes iff every value of its payload is finite."""
     return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(payload))
+
+
+def _step(opt_state: Any) -> int:
+  return int(opt_state.local_step)
 
 
 def _land(params: Any, target: Any) -> Any:
