@@ -7,8 +7,9 @@ subpackage's modules:
 
 * :mod:`~optax_dist.fault_tolerance.protocol`: the round rules of one replica
   (:class:`RoundProtocol`: the jitted inner step, local half and outer half, a replica's
-  round and what it :class:`Sent`, the merge, the vote, commit and abort), the state split (:class:`ReplicaState`, :class:`GlobalState`,
-  :func:`global_state`, :func:`local_state`) and :func:`state_hash`;
+  round and what it :class:`Sent`, the merge, the vote, commit and abort), the state split
+  (:class:`ReplicaState`, :class:`GlobalState`, :func:`global_state`, :func:`local_state`) and
+  :func:`state_hash`;
 * :mod:`~optax_dist.fault_tolerance.heal`: the heal payload (:func:`encode_heal`,
   :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle;
 * :mod:`~optax_dist.fault_tolerance.engine`: :class:`InProcessEngine`, R replicas in one
