@@ -334,11 +334,13 @@ def test_heal_payload_of_the_wrong_shape_names_replica_and_leaf(healed_state):
   wider = ft.global_state(
     _protocol("diloco", "int8_feedback").init(
       {"a": jnp.zeros((4, 3)), "b": jnp.zeros(6)}))
-  with pytest.raises(ValueError, match=r"replica '7': leaf \.opt_state\.anchor\['b'\] is"):
+  with pytest.raises(ValueError, match=r"replica '7': leaf \.opt_state\.anchor\['b'\] has dtype"
+                     r" 'float32' and shape \[5\], expected 'float32' and \[6\]"):
     ft.decode_heal(ft.encode_heal(healed_state), wider, replica="7")
   as_bf16 = jax.tree.map(
     lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, healed_state)
-  with pytest.raises(ValueError, match=r"replica '7': leaf \.opt_state\.anchor\['a'\]"):
+  with pytest.raises(ValueError, match=r"replica '7': leaf \.opt_state\.anchor\['a'\] has dtype"
+                     r" 'float32' and shape \[4, 3\], expected 'bfloat16'"):
     ft.decode_heal(ft.encode_heal(healed_state), as_bf16, replica="7")
 
 

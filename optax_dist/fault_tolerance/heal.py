@@ -131,10 +131,14 @@ def _check_manifest(head: dict, want: list, replica: str) -> None:
       raise ValueError(
         f"heal payload from replica {replica!r}: leaf {path}'s manifest entry must be [path,"
         f" dtype, shape, nbytes], got {entry!r}.")
-    if entry[:3] != [path, str(a.dtype), list(a.shape)]:
+    if entry[0] != path:
       raise ValueError(
-        f"heal payload from replica {replica!r}: leaf {path} is {entry[:3]!r}, expected"
-        f" {[path, str(a.dtype), list(a.shape)]!r}.")
+        f"heal payload from replica {replica!r}: a leaf is at {entry[0]!r} where {path} is"
+        " expected (another tree).")
+    if entry[1:3] != [str(a.dtype), list(a.shape)]:
+      raise ValueError(
+        f"heal payload from replica {replica!r}: leaf {path} has dtype {entry[1]!r} and shape"
+        f" {entry[2]!r}, expected {str(a.dtype)!r} and {list(a.shape)!r}.")
     if entry[3] != a.nbytes:
       raise ValueError(
         f"heal payload from replica {replica!r}: leaf {path} has {entry[3]!r} bytes, expected"
