@@ -251,22 +251,27 @@ class InProcessEngine:
       self.quorum_id, self._last_members = self.quorum_id + 1, tuple(members)
     weights = {i: self.tokens[i] if i in sent and i not in healed else 0 for i in members}
     merged = self._vote(plan, members, sent, weights)
-    for i in members:
-      if i in plan.lost:
-        self.replicas[i] = None
-      elif merged is not None:
-        self.replicas[i] = self.protocol.commit(
-          self.replicas[i], merged, sent.get(i) if weights[i] else None)
-      else:
-        self.replicas[i] = self.protocol.abort(self.replicas[i])
-    for i in stragglers:
-      self.replicas[i] = self.protocol.abort(self.replicas[i])
+    self._settle(plan, members, stragglers, merged, {i: sent[i] for i in sent if weights.get(i)})
     lines = [self._line(plan.round, i, tuple(members), merged is not None and i in members,
                         weights.get(i, 0), i in healed, self.tokens[i] if i in sent else 0)
              for i in sorted(set(members) - set(plan.lost) | set(stragglers))]
     self.log.extend(lines)
     self.rounds_run = plan.round + 1
     return lines
+
+  def _settle(self, plan: RoundPlan, members: list, stragglers: list, merged: Any, sent: dict
+              ) -> None:
+    """Members commit on ``merged`` (from their ``sent``, if any) or, if it is ``None``,
+    abort; members lost in the exchange die; stragglers abort."""
+    for i in members:
+      if i in plan.lost:
+        self.replicas[i] = None
+      elif merged is not None:
+        self.replicas[i] = self.protocol.commit(self.replicas[i], merged, sent.get(i))
+      else:
+        self.replicas[i] = self.protocol.abort(self.replicas[i])
+    for i in stragglers:
+      self.replicas[i] = self.protocol.abort(self.replicas[i])
 
   def _inner_steps(self, i: int) -> Sent:
     """Replica ``i``'s round on its slot's data: batch ``(seed, i, local_step)``."""
