@@ -272,6 +272,22 @@ def test_unequal_tokens_give_the_token_weighted_merge():
   assert not np.array_equal(weighted["a"], optax_dist.merge_payloads(sent)["a"])
 
 
+def test_straggler_reverts_then_heals_with_a_zero_residual():
+  engine = _engine(fmt="int8_feedback", num_replicas=3, faults=[ft.Fault(1, 2, "straggle")])
+  engine.run(1)
+  before = engine.replicas[2]
+  (*_, line) = engine.run(1)
+  assert (line.replica, line.members, line.committed, line.weight) == (2, (), False, 0)
+  late = engine.replicas[2]  # reverted as on an abort: the round's residual candidate dropped
+  _assert_trees_equal(late.params, before.opt_state.anchor)
+  _assert_trees_equal(late.opt_state.error_feedback, before.opt_state.error_feedback)
+  assert int(late.opt_state.local_step) == 2 * H and int(late.rounds) == 1
+  (*_, line) = engine.run(1)
+  assert (line.healed, line.committed, line.weight) == (True, True, 0)
+  residual = engine.replicas[2].opt_state.error_feedback  # rebuilt to zero, kept by the commit
+  _assert_trees_equal(residual, jax.tree.map(jnp.zeros_like, engine.params0))
+
+
 def test_no_quorum_no_commit():
   """All but one die: min_replicas = 2 of 3 is not met and the lone replica aborts."""
   engine = _engine(num_replicas=3, faults=[ft.Fault(1, 1, "die_inner"),
