@@ -57,15 +57,21 @@ def _grad(params, batch):  # the gradient of 0.5 |params - batch|^2
   return jax.tree.map(jnp.subtract, params, batch)
 
 
+# Streaming DiLoCo with 2 fragments and H = 4: a round (one fragment's exchange) every 2 steps,
+# as diloco's with H = 2.
+STREAMING = (("num_fragments", 2), ("sync_period", 2 * H))
+
+
 @functools.cache
-def _protocol(algorithm: str, fmt: str) -> ft.RoundProtocol:
+def _protocol(algorithm: str, fmt: str, extra: tuple = ()) -> ft.RoundProtocol:
   """One protocol per case, shared by the tests: its halves compile once."""
-  outer = _outer() if algorithm == "diloco" else None
-  return ft.RoundProtocol(algorithm, _inner(), outer, sync_period=H, **FORMATS[fmt])
+  outer = None if algorithm == "local_sgd" else _outer()
+  kw = {"sync_period": H, **FORMATS[fmt], **dict(extra)}
+  return ft.RoundProtocol(algorithm, _inner(), outer, **kw)
 
 
-def _engine(algorithm="diloco", fmt="none", **kw):
-  return ft.InProcessEngine(_protocol(algorithm, fmt), _params(), _grad, _batch, **kw)
+def _engine(algorithm="diloco", fmt="none", extra=(), **kw):
+  return ft.InProcessEngine(_protocol(algorithm, fmt, extra), _params(), _grad, _batch, **kw)
 
 
 def _assert_trees_equal(got, want) -> None:
@@ -87,11 +93,14 @@ def _assert_equal_global_state(engine, members) -> None:
 # E4: without a fault the engine is the in-program transformation.
 
 
-def _in_program(algorithm, fmt, n, rounds):
-  """The transformation under vmap(axis_name): each worker's (params, state) after each round."""
-  kw = dict(axis_name=AXIS, sync_period=H, **FORMATS[fmt])
-  tx = (optax_dist.diloco(_inner(), _outer(), **kw) if algorithm == "diloco"
-        else optax_dist.local_sgd(_inner(), **kw))
+def _in_program(algorithm, fmt, n, rounds, extra=()):
+  """The transformation under vmap(axis_name): each worker's (params, state) after each round
+  (every H steps: diloco's and local_sgd's rounds, and one fragment's for STREAMING)."""
+  kw = {"axis_name": AXIS, "sync_period": H, **FORMATS[fmt], **dict(extra)}
+  if algorithm == "local_sgd":
+    tx = optax_dist.local_sgd(_inner(), **kw)
+  else:
+    tx = getattr(optax_dist, algorithm)(_inner(), _outer(), **kw)
 
   @jax.jit
   @functools.partial(jax.vmap, axis_name=AXIS)
@@ -111,18 +120,21 @@ def _in_program(algorithm, fmt, n, rounds):
   return after
 
 
-@pytest.mark.parametrize("algorithm, fmt, n, exact", [
-  ("diloco", "none", 2, True), ("diloco", "bfloat16", 2, True), ("diloco", "float4", 2, True),
-  ("diloco", "int8_feedback", 3, True), ("diloco", "none", 3, False),
-  ("local_sgd", "none", 2, True), ("local_sgd", "int8", 3, True),
+@pytest.mark.parametrize("algorithm, fmt, n, exact, extra", [
+  ("diloco", "none", 2, True, ()), ("diloco", "bfloat16", 2, True, ()),
+  ("diloco", "float4", 2, True, ()), ("diloco", "int8_feedback", 3, True, ()),
+  ("diloco", "none", 3, False, ()),
+  ("local_sgd", "none", 2, True, ()), ("local_sgd", "int8", 3, True, ()),
+  ("streaming_diloco", "none", 2, True, STREAMING),
+  ("streaming_diloco", "int8_feedback", 3, True, (*STREAMING, ("mixing", 0.5))),
 ])
-def test_no_fault_equals_in_program(algorithm, fmt, n, exact):
+def test_no_fault_equals_in_program(algorithm, fmt, n, exact, extra):
   """Bitwise for 2 replicas and the gathered formats (summed in float32 in rank order); with 3
   replicas in the params' own dtype a psum may add in another order: the first round within
   one ulp (later rounds start from params an ulp apart)."""
-  rounds = 3 if exact else 1
-  want = _in_program(algorithm, fmt, n, rounds)
-  engine = _engine(algorithm, fmt, num_replicas=n)
+  rounds = 4 if exact else 1  # streaming: each fragment twice
+  want = _in_program(algorithm, fmt, n, rounds, extra)
+  engine = _engine(algorithm, fmt, extra, num_replicas=n)
   for r in range(rounds):
     assert all(line.committed for line in engine.run(1))
     for i in range(n):
@@ -154,8 +166,9 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def faulty_run():
+@pytest.fixture(scope="module", params=[("diloco", ()), ("streaming_diloco", STREAMING)],
+                ids=["diloco", "streaming_diloco"])
+def faulty_run(request):
   calls = []
 
   def batch_fn(seed, slot, step):
@@ -163,8 +176,8 @@ def faulty_run():
     return _batch(seed, slot, step)
 
   engine = ft.InProcessEngine(
-    _protocol("diloco", "int8_feedback"), _params(), _grad, batch_fn, num_replicas=4,
-    faults=SCHEDULE)
+    _protocol(request.param[0], "int8_feedback", request.param[1]), _params(), _grad, batch_fn,
+    num_replicas=4, faults=SCHEDULE)
   per_round = []
   for _ in EXPECTED:
     lines = engine.run(1)
@@ -209,8 +222,7 @@ def test_healed_joiner_equals_its_donor(faulty_run):
 def test_run_with_faults_equals_replay_of_its_log(faulty_run):
   """E3: a fresh engine driven by the log alone gives the same lines, hashes included."""
   engine, _, _ = faulty_run
-  fresh = ft.InProcessEngine(
-    _protocol("diloco", "int8_feedback"), _params(), _grad, _batch, num_replicas=4)
+  fresh = ft.InProcessEngine(engine.protocol, _params(), _grad, _batch, num_replicas=4)
   assert ft.replay(fresh, engine.log) == engine.log
 
 
@@ -246,6 +258,26 @@ def test_abort_keeps_the_global_state_and_returns_to_the_anchor():
     assert int(got.opt_state.local_step) == 2 * H and int(got.rounds) == 1
     # the inner state is kept: the one of the same inner steps in a committed round
     _assert_trees_equal(got.opt_state.inner_state, clean.replicas[i].opt_state.inner_state)
+
+
+def test_streaming_abort_reverts_only_its_fragment():
+  """Round 1 is fragment 1's exchange (step 4), and leaf "b" is fragment 1's."""
+  p = _protocol("streaming_diloco", "int8_feedback", STREAMING)
+  assert [p.fragment(t) for t in range(1, 5)] == [None, 0, None, 1]
+  assert optax_dist.streaming_diloco_fragments(_params(), 2) == (0, 1)
+  kw = dict(extra=STREAMING, num_replicas=2)
+  faulty = _engine("streaming_diloco", "int8_feedback", faults=[ft.Fault(1, 1, "nonfinite")], **kw)
+  clean = _engine("streaming_diloco", "int8_feedback", **kw)
+  faulty.run(1), clean.run(1)
+  before = [faulty.replicas[i] for i in range(2)]
+  assert not any(line.committed for line in faulty.run(1))
+  assert all(line.committed for line in clean.run(1))
+  for i in range(2):
+    got, old = faulty.replicas[i], before[i]
+    for field in ("anchor", "outer_state", "error_feedback"):
+      _assert_trees_equal(getattr(got.opt_state, field), getattr(old.opt_state, field))
+    _assert_trees_equal(got.params["b"], old.opt_state.anchor["b"])  # the fragment reverts
+    _assert_trees_equal(got.params["a"], clean.replicas[i].params["a"])  # the other goes on
 
 
 def test_healed_replica_weighs_nothing():
@@ -402,8 +434,13 @@ def test_pickle_payload_is_refused_and_runs_nothing(healed_state):
 
 
 def test_bad_input():
-  with pytest.raises(ValueError, match=r"RoundProtocol\(algorithm=...\).*'streaming_diloco'"):
-    ft.RoundProtocol("streaming_diloco", _inner())
+  with pytest.raises(ValueError, match=r"RoundProtocol\(algorithm=...\).*'elastic_average'"):
+    ft.RoundProtocol("elastic_average", _inner())
+  with pytest.raises(ValueError, match=r"RoundProtocol\(num_fragments=...\)` must be at most"
+                     r" sync_period=2"):
+    ft.RoundProtocol("streaming_diloco", _inner(), sync_period=2, num_fragments=3)
+  with pytest.raises(ValueError, match=r"are streaming_diloco's, got num_fragments=2"):
+    ft.RoundProtocol("diloco", _inner(), sync_period=2, num_fragments=2)
   with pytest.raises(ValueError, match=r"RoundProtocol\(outer=...\)"):
     ft.RoundProtocol("local_sgd", _inner(), _outer(), sync_period=2)
   with pytest.raises(ValueError, match=r"Fault\(kind=...\)"):

@@ -197,7 +197,7 @@ class InProcessEngine:
     self.protocol, self.params0, self.seed = protocol, params, seed
     self.grad_fn, self.batch_fn = jax.jit(grad_fn), batch_fn
     self.num_replicas, self.min_replicas = num_replicas, min_replicas
-    self.tokens = [protocol.sync_period * t for t in per_slot]  # a round's tokens, per slot
+    self.tokens_per_step = per_slot
     self.faults = tuple(faults)
     self.replicas: dict[int, ReplicaState | None] = {
       i: protocol.init(params) for i in range(num_replicas)}
@@ -249,11 +249,12 @@ class InProcessEngine:
     healed = self._heal(plan, members, stragglers)
     if tuple(members) != self._last_members:
       self.quorum_id, self._last_members = self.quorum_id + 1, tuple(members)
-    weights = {i: self.tokens[i] if i in sent and i not in healed else 0 for i in members}
+    tokens = {i: self.tokens_per_step[i] * sent[i].steps for i in sent}
+    weights = {i: tokens[i] if i in sent and i not in healed else 0 for i in members}
     merged = self._vote(plan, members, sent, weights)
     self._settle(plan, members, stragglers, merged, {i: sent[i] for i in sent if weights.get(i)})
     lines = [self._line(plan.round, i, tuple(members), merged is not None and i in members,
-                        weights.get(i, 0), i in healed, self.tokens[i] if i in sent else 0)
+                        weights.get(i, 0), i in healed, tokens.get(i, 0))
              for i in sorted(set(members) - set(plan.lost) | set(stragglers))]
     self.log.extend(lines)
     self.rounds_run = plan.round + 1

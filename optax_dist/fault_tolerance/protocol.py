@@ -21,9 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import _checks, _diloco, _exchange, _local_sgd, _outer, _state
+from optax_dist import (
+  _checks,
+  _diloco,
+  _exchange,
+  _fragments,
+  _local_sgd,
+  _outer,
+  _state,
+  _streaming_diloco,
+)
 
-SUPPORTED = ("diloco", "local_sgd")
+SUPPORTED = ("diloco", "local_sgd", "streaming_diloco")
 
 
 class ReplicaState(NamedTuple):
@@ -48,13 +57,18 @@ class Sent(NamedTuple):
 
   Attributes:
     origin: its params before the round's last inner step (where the commit lands from).
-    payload: its payload :math:`p_i` (the params' tree; the wire format's dtypes).
+    updates: that step's inner updates :math:`u_i` (the params' tree).
+    payload: its payload :math:`p_i` (the params' tree, ``MaskedNode`` outside the round's
+      fragment for ``streaming_diloco``; the wire format's dtypes).
     residual: its residual candidate :math:`r'_i` (``None`` without error feedback).
+    steps: the round's inner steps (``update`` calls).
   """
 
   origin: Any
+  updates: Any
   payload: Any
   residual: Any
+  steps: int
 
 
 class GlobalState(NamedTuple):
@@ -77,12 +91,15 @@ class GlobalState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class RoundProtocol:
-  r"""One run's round rules for ``diloco`` or ``local_sgd``, with the exchange outside the program.
+  r"""One run's round rules for the DiLoCo family, with the exchange outside the program.
 
-  Each replica :math:`i` takes H inner steps with ``communicate=False`` (no exchange; its
-  ``local_step`` advances), then at the round boundary (``local_step % H == 0``) the local half
-  gives its payload :math:`p_i` (:func:`optax_dist.diloco_payload` or
-  :func:`optax_dist.local_sgd_payload`) and a residual candidate :math:`r'_i`. The members
+  Each replica :math:`i` takes inner steps with ``communicate=False`` (no exchange; its
+  ``local_step`` advances) up to the round boundary, the step on which the transformation's
+  schedule syncs (``local_step % H == 0``; for ``streaming_diloco`` one fragment's sync,
+  every :math:`H/F` steps or so, :func:`optax_dist.streaming_diloco_syncs`). There the local
+  half gives its payload :math:`p_i` (:func:`optax_dist.diloco_payload`,
+  :func:`optax_dist.local_sgd_payload` or :func:`optax_dist.streaming_diloco_payload` of that
+  fragment) and a residual candidate :math:`r'_i`. The members
   merge the payloads in rank order (:meth:`merge`) and vote (:meth:`votes`). Then on every
   member either
 
@@ -91,25 +108,33 @@ class RoundProtocol:
     :math:`\bar x = \bar p`), the residual takes its candidate, ``rounds`` advances, and the
     params land on :math:`\theta` as the transformation's update lands them,
     :math:`x_i + (\theta - x_i)` (:math:`\theta` up to one rounding, so that without a fault the
-    run is the in-program one bit for bit);
+    run is the in-program one bit for bit; ``streaming_diloco``: the fragment's leaves, on
+    :math:`\alpha x'_i + (1 - \alpha) \theta`);
   * or **abort** (:meth:`abort`): anchor, outer state and residual unchanged, :math:`x_i
-    \leftarrow \theta` exactly (``local_sgd``: the last committed average), the inner state
-    kept; ``local_step`` (and so the data position) has advanced by H all the same.
+    \leftarrow \theta` exactly (``local_sgd``: the last committed average;
+    ``streaming_diloco``: the fragment's leaves only), the inner state kept; ``local_step``
+    (and so the data position) has advanced by the round's steps all the same.
 
   Attributes:
-    algorithm: ``"diloco"`` or ``"local_sgd"`` (``streaming_diloco`` is not supported yet).
+    algorithm: ``"diloco"``, ``"local_sgd"`` or ``"streaming_diloco"`` (with ``overlap=0``:
+      each fragment's exchange lands on its send step, so a round is one fragment's).
     inner: the inner optimizer.
-    outer: ``diloco``'s outer optimizer (``None``: its default); must be ``None`` for
+    outer: the outer optimizer (``None``: the transformation's default); must be ``None`` for
       ``local_sgd``.
-    sync_period: H, inner steps (``update`` calls) per round.
+    sync_period: H, inner steps (``update`` calls) per round (``streaming_diloco``: per round
+      of every fragment).
     comm_dtype: the wire format, as the transformation takes it.
     comm_block_size: B of a block-quantized ``comm_dtype``.
-    error_feedback: ``diloco``'s error feedback (needs a quantized ``comm_dtype``).
+    error_feedback: error feedback (``diloco``, ``streaming_diloco``; needs a quantized
+      ``comm_dtype``).
+    num_fragments: F, ``streaming_diloco``'s fragments (``None``: 4), at most H; must be
+      ``None`` otherwise. The leaves are assigned as ``fragments=None`` assigns them.
+    mixing: ``streaming_diloco``'s :math:`\alpha` in [0, 1]; must be 0 otherwise.
 
   Raises:
-    ValueError: ``algorithm`` not one of ``SUPPORTED`` (``streaming_diloco`` named as not
-      supported yet); ``outer`` given for ``local_sgd``; and whatever the transformation raises
-      for its arguments.
+    ValueError: ``algorithm`` not one of ``SUPPORTED``; ``outer`` given for ``local_sgd``;
+      ``num_fragments`` or ``mixing`` given for another algorithm, or F > H; and whatever the
+      transformation raises for its arguments.
 
   References:
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1);
@@ -124,18 +149,32 @@ class RoundProtocol:
   comm_dtype: Any = None
   comm_block_size: int | None = None
   error_feedback: bool = False
+  num_fragments: int | None = None
+  mixing: float = 0.0
 
   def __post_init__(self):
     fn = "RoundProtocol"
     if self.algorithm not in SUPPORTED:
-      raise ValueError(
-        f"`{fn}(algorithm=...)` must be one of {SUPPORTED}, got {self.algorithm!r}"
-        " (streaming_diloco's per-fragment rounds are not supported yet)."
-      )
+      raise ValueError(f"`{fn}(algorithm=...)` must be one of {SUPPORTED}, got {self.algorithm!r}.")
     if self.algorithm == "local_sgd" and self.outer is not None:
       raise ValueError(f"`{fn}(outer=...)` must be None for local_sgd, got {self.outer!r}.")
     _checks.check_positive_int(fn, "sync_period", self.sync_period)
+    if self.algorithm == "streaming_diloco":
+      self._check_fragments(fn)
+    elif self.num_fragments is not None or self.mixing != 0:
+      raise ValueError(
+        f"`{fn}(num_fragments=..., mixing=...)` are streaming_diloco's, got"
+        f" num_fragments={self.num_fragments!r}, mixing={self.mixing!r} for {self.algorithm}.")
     self.tx  # builds the transformation: its own checks raise here
+
+  def _check_fragments(self, fn: str) -> None:
+    if self.num_fragments is None:
+      object.__setattr__(self, "num_fragments", 4)
+    _checks.check_positive_int(fn, "num_fragments", self.num_fragments)
+    if self.num_fragments > self.sync_period:
+      raise ValueError(
+        f"`{fn}(num_fragments=...)` must be at most sync_period={self.sync_period} (one"
+        f" fragment's exchange per round), got {self.num_fragments}.")
 
   # --------------------------------------------------------------------------------------------
   # What the replicas share: the transformation, the exchange, the compiled halves.
@@ -146,6 +185,10 @@ class RoundProtocol:
     wire = dict(comm_dtype=self.comm_dtype, comm_block_size=self.comm_block_size)
     if self.algorithm == "local_sgd":
       return _local_sgd.local_sgd(self.inner, sync_period=self.sync_period, **wire)
+    if self.algorithm == "streaming_diloco":
+      return _streaming_diloco.streaming_diloco(
+        self.inner, self.outer, sync_period=self.sync_period, num_fragments=self.num_fragments,
+        mixing=self.mixing, error_feedback=self.error_feedback, **wire)
     return _diloco.diloco(
       self.inner, self.outer, sync_period=self.sync_period, error_feedback=self.error_feedback,
       **wire,
@@ -162,8 +205,28 @@ class RoundProtocol:
 
   @functools.cached_property
   def outer_tx(self) -> optax.GradientTransformation:
-    """``diloco``'s outer optimizer (``outer``, or the paper's default)."""
+    """The outer optimizer (``outer``, or the paper's default)."""
     return _outer.default_outer() if self.outer is None else self.outer
+
+  def fragment(self, step: int) -> int | None:
+    """The fragment whose exchange is due on ``update`` call ``step`` (from 1), or ``None``
+    (``diloco``, ``local_sgd``: the whole tree)."""
+    if self.algorithm != "streaming_diloco":
+      return None
+    due = [f for f in range(self.num_fragments) if _streaming_diloco.streaming_diloco_syncs(
+      step, sync_period=self.sync_period, num_fragments=self.num_fragments, fragment=f)]
+    return due[0] if due else None
+
+  def round_steps(self, local_step: int) -> int:
+    """The inner steps from ``local_step`` to the next round boundary (H, or about
+    :math:`H/F` for ``streaming_diloco``)."""
+    if self.algorithm != "streaming_diloco":
+      return self.sync_period - local_step % self.sync_period
+    return next(k for k in range(1, self.sync_period + 1)
+                if self.fragment(local_step + k) is not None)
+
+  def _ids(self, params: Any) -> tuple[int, ...]:
+    return _fragments.streaming_diloco_fragments(params, self.num_fragments)
 
   def init(self, params: Any) -> ReplicaState:
     """A replica at step 0: ``tx.init(params)``, zero rounds (``local_sgd``: the average is
@@ -183,52 +246,86 @@ class RoundProtocol:
 
   @functools.cached_property
   def local_half(self):
-    """Jitted ``(params, opt_state, grads) -> (params, opt_state, payload, residual)``: the
-    round's last inner step (the H-th, ``local_step % H == 0``) and this replica's payload
-    :math:`p_i` and residual candidate :math:`r'_i` (``None`` without error feedback)."""
+    """Jitted ``(params, opt_state, grads, fragment) -> (params, opt_state, updates, payload,
+    residual)``: the round's last inner step and this replica's payload :math:`p_i` and
+    residual candidate :math:`r'_i` (``None`` without error feedback); ``fragment`` (static)
+    is the round's, or ``None``."""
 
-    def half(params, opt_state, grads):
+    def half(params, opt_state, grads, fragment):
       updates, opt_state = self.tx.update(grads, opt_state, params, communicate=False)
       new_params = optax.apply_updates(params, updates)
       if self.algorithm == "local_sgd":
-        return new_params, opt_state, _local_sgd.local_sgd_payload(self.exchange, new_params), None
-      payload, residual = _diloco.diloco_payload(
-        self.exchange, opt_state.anchor, new_params, opt_state.error_feedback)
-      return new_params, opt_state, payload, residual
+        payload = _local_sgd.local_sgd_payload(self.exchange, new_params)
+        return new_params, opt_state, updates, payload, None
+      if self.algorithm == "streaming_diloco":
+        payload, residual = _streaming_diloco.streaming_diloco_payload(
+          self.exchange, opt_state.anchor, new_params, opt_state.error_feedback,
+          fragments=self._ids(params), fragment=fragment)
+      else:
+        payload, residual = _diloco.diloco_payload(
+          self.exchange, opt_state.anchor, new_params, opt_state.error_feedback)
+      return new_params, opt_state, updates, payload, residual
 
-    return jax.jit(half)
+    return jax.jit(half, static_argnums=3)
 
   @functools.cached_property
   def outer_half(self):
-    """Jitted ``(origin, opt_state, average, merged, residual) -> (params, opt_state,
-    average)``: the commit's new anchor and outer state (``local_sgd``: the new average), and
-    the params landed on it from ``origin``, the params before the round's last inner step
-    (as the transformation's sync step lands them)."""
+    """Jitted ``(origin, updates, opt_state, average, merged, residual, fragment) -> (params,
+    opt_state, average)``: the commit's new anchor and outer state (``local_sgd``: the new
+    average), and the params landed on it from ``origin``, the params before the round's last
+    inner step, as the transformation's sync step lands them (``streaming_diloco``: the
+    fragment's leaves; the others take ``updates``)."""
 
-    def half(origin, opt_state, average, merged, residual):
+    def half(origin, updates, opt_state, average, merged, residual, fragment):
       if self.algorithm == "local_sgd":
         average = _local_sgd.local_sgd_outer_step(merged, origin)
         return _land(origin, average), opt_state, average
+      if self.algorithm == "streaming_diloco":
+        params, opt_state = self._streaming_commit(
+          origin, updates, opt_state, merged, residual, fragment)
+        return params, opt_state, average
       anchor, outer_state = _diloco.diloco_outer_step(
         self.outer_tx, opt_state.anchor, opt_state.outer_state, merged)
       opt_state = opt_state._replace(
         anchor=anchor, outer_state=outer_state, error_feedback=residual)
       return _land(origin, anchor), opt_state, average
 
-    return jax.jit(half)
+    return jax.jit(half, static_argnums=6)
+
+  def _streaming_commit(self, origin, updates, opt_state, merged, residual, f):
+    ids = self._ids(origin)
+    anchor, outer_f = _streaming_diloco.streaming_diloco_outer_step(
+      self.outer_tx, opt_state.anchor, opt_state.outer_state[f], merged, fragments=ids,
+      fragment=f)
+    outer_state = tuple(outer_f if g == f else o for g, o in enumerate(opt_state.outer_state))
+    opt_state = opt_state._replace(
+      anchor=anchor, outer_state=outer_state, error_feedback=residual)
+    leaves, treedef = jax.tree.flatten(origin)
+    params = [
+      optax.apply_updates(p, _streaming_diloco._landed(i == f, a, p, u, self.mixing))
+      for p, a, u, i in zip(leaves, jax.tree.leaves(anchor), jax.tree.leaves(updates), ids,
+                            strict=True)
+    ]
+    return treedef.unflatten(params), opt_state
 
   # --------------------------------------------------------------------------------------------
   # The round's outcome.
 
-  def restart(self, params_like: Any, opt_state: Any, average: Any) -> Any:
+  def restart(self, params_like: Any, opt_state: Any, average: Any, fragment: int | None = None
+              ) -> Any:
     """The params of an abort or a heal: the anchor (``local_sgd``: the last committed
-    average) exactly, in ``params_like``'s dtypes."""
+    average) exactly, in ``params_like``'s dtypes; with ``fragment``, that fragment's leaves
+    only (the others are ``params_like``'s)."""
     point = average if self.algorithm == "local_sgd" else opt_state.anchor
-    return jax.tree.map(lambda a, p: jnp.asarray(a, jnp.result_type(p)), point, params_like)
+    leaves, treedef = jax.tree.flatten(params_like)
+    ids = self._ids(params_like) if fragment is not None else [None] * len(leaves)
+    return treedef.unflatten([
+      jnp.asarray(a, jnp.result_type(p)) if i == fragment else p
+      for a, p, i in zip(jax.tree.leaves(point), leaves, ids, strict=True)])
 
   def run_round(self, replica: ReplicaState, grads: Callable[[Any, int], Any]
                 ) -> tuple[ReplicaState, Sent]:
-    """The replica's H inner steps, the last with the local half.
+    """The replica's inner steps up to the round boundary, the last with the local half.
 
     Args:
       replica: its state at the round's start.
@@ -236,33 +333,40 @@ class RoundProtocol:
         position).
 
     Returns:
-      ``(replica, sent)``: the state after the steps (``local_step`` advanced by H) and its
-      :class:`Sent`.
+      ``(replica, sent)``: the state after the steps (``local_step`` advanced by
+      ``sent.steps``) and its :class:`Sent`.
     """
     params, opt_state = replica.params, replica.opt_state
-    for _ in range(self.sync_period - 1):
+    steps = self.round_steps(_step(opt_state))
+    for _ in range(steps - 1):
       params, opt_state = self.inner_step(params, opt_state, grads(params, _step(opt_state)))
-    origin = params
-    params, opt_state, payload, residual = self.local_half(
-      params, opt_state, grads(params, _step(opt_state)))
-    return replica._replace(params=params, opt_state=opt_state), Sent(origin, payload, residual)
+    origin, fragment = params, self.fragment(_step(opt_state) + 1)
+    params, opt_state, updates, payload, residual = self.local_half(
+      params, opt_state, grads(params, _step(opt_state)), fragment)
+    sent = Sent(origin, updates, payload, residual, steps)
+    return replica._replace(params=params, opt_state=opt_state), sent
 
   def commit(self, replica: ReplicaState, merged: Any, sent: Sent | None = None
              ) -> ReplicaState:
-    """The replica after a committed round: the outer half on ``merged``, the params landed
-    from its round's origin (see :attr:`outer_half`), its residual candidate taken,
-    ``rounds + 1``. ``sent=None`` (it healed or joined this round and sent nothing): from its
-    params, its residual kept."""
+    """The replica after a committed round: the outer half on ``merged`` (the round's
+    fragment's, for ``streaming_diloco``), the params landed from its round's origin (see
+    :attr:`outer_half`), its residual candidate taken, ``rounds + 1``. ``sent=None`` (it
+    healed or joined this round and sent nothing): from its params, its residual kept."""
     if sent is None:
-      sent = Sent(replica.params, None, getattr(replica.opt_state, "error_feedback", None))
+      zeros = jax.tree.map(jnp.zeros_like, replica.params)
+      sent = Sent(replica.params, zeros, None,
+                  getattr(replica.opt_state, "error_feedback", None), 0)
     params, opt_state, average = self.outer_half(
-      sent.origin, replica.opt_state, replica.average, merged, sent.residual)
+      sent.origin, sent.updates, replica.opt_state, replica.average, merged, sent.residual,
+      self.fragment(_step(replica.opt_state)))
     return ReplicaState(params, opt_state, replica.rounds + 1, average)
 
   def abort(self, replica: ReplicaState) -> ReplicaState:
-    """The replica after an aborted round: params back to the restart point, the state as it
-    was (the residual candidate dropped; ``local_step`` has advanced by the round's H)."""
-    params = self.restart(replica.params, replica.opt_state, replica.average)
+    """The replica after an aborted round: params back to the restart point (the round's
+    fragment's leaves only, for ``streaming_diloco``), the state as it was (the residual
+    candidate dropped; ``local_step`` has advanced by the round's steps)."""
+    params = self.restart(replica.params, replica.opt_state, replica.average,
+                          self.fragment(_step(replica.opt_state)))
     return replica._replace(params=params)
 
   @staticmethod
