@@ -16,8 +16,9 @@ subpackage's modules:
   process with a scripted :class:`Fault` schedule, its :class:`RoundLog` lines, and
   :func:`replay` of a log.
 
-Import the names from ``optax_dist.fault_tolerance``. ``streaming_diloco`` is not supported yet,
-nor is an engine over a network.
+Import the names from ``optax_dist.fault_tolerance``. Supported: ``diloco``, ``local_sgd`` and
+``streaming_diloco`` (``overlap=0``: a round is one fragment's exchange). An engine over a
+network is not built yet.
 
 Example: three DiLoCo replicas, replica 2 dies in round 1 and rejoins in round 2, healing from
 replica 0.
