@@ -76,7 +76,7 @@ class RoundLog:
     weight: its weight in the merge: tokens processed in the round, 0 if it healed or joined.
     healed: whether it healed from a donor this round.
     state_hash: :func:`state_hash` of its :class:`GlobalState` after the round.
-    tokens: tokens it processed in the round (H × tokens per step, or 0).
+    tokens: tokens it processed in the round (its inner steps × its tokens per step, or 0).
   """
 
   round: int
@@ -98,7 +98,7 @@ class RoundPlan:
   Attributes:
     round: the round.
     fresh: replicas that restart from ``init`` this round (joined).
-    runners: replicas that run the round's H inner steps.
+    runners: replicas that run the round's inner steps.
     members: the quorum in rank order, before donors die.
     stragglers: live replicas left out of the quorum.
     lost: members that die during the exchange.
@@ -127,7 +127,8 @@ class InProcessEngine:
   same id continues its slot's stream. Per round :math:`r`:
 
   1. joins restart from ``init``; replicas dying in the inner steps drop out;
-  2. every other live replica takes H inner steps (the last with the local half);
+  2. every other live replica takes its inner steps up to the round boundary (H, or about
+     :math:`H/F` for ``streaming_diloco``; the last with the local half);
   3. the quorum is the live replicas that are not straggling, by id (rank order); a member
      behind the most advanced (by committed rounds, then ``local_step``) heals from the first
      up-to-date member (the heal payload's bytes, :func:`encode_heal` then
@@ -148,7 +149,8 @@ class InProcessEngine:
     num_replicas: R, a positive int.
     seed: the data seed.
     tokens_per_step: the tokens of one batch, a positive int, or one per replica (slots of
-      unequal batches: the merge is then token-weighted); a round's weight is H times it.
+      unequal batches: the merge is then token-weighted); a round's weight is its inner steps
+      times it.
     min_replicas: the smallest quorum that commits; default :math:`\lfloor R/2 \rfloor + 1`.
     faults: a sequence of :class:`Fault`.
 
