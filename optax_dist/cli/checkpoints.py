@@ -226,8 +226,10 @@ class Checkpoints:
     sys.stderr.flush()
 
   def _check_settings(self, step: int, saved: dict[str, Any]) -> None:
-    # A resume may change the number of workers, and with it the defaults that depend on it.
-    elastic = ["devices"]
+    # A resume may change the number of workers, and with it the defaults that depend on it; and
+    # where the exchanges run: a checkpoint holds no exchange in flight outside the state (saved
+    # after ExchangeDeviceRun.settle), so both routes save and restore the same state.
+    elastic = ["devices", "exchange_device"]
     if all(s["moving_rate"] == default_moving_rate(s["devices"]) for s in (saved, self.settings)):
       elastic.append("moving_rate")
     if all(saved.get(k) == v for k, v in self.settings.items() if k not in elastic):
