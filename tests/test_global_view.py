@@ -10,7 +10,8 @@ replicas stacked on a mesh axis, each replica's params sharded over an inner axi
 * :func:`optax_dist.state_shardings` places a new state (``out_shardings``) and an Orbax restore.
 * Explicit mesh axes: what runs and what JAX refuses.
 * Flax: NNX ``nnx.Optimizer`` and Linen ``TrainState`` with a sharded model under DiLoCo.
-* ``optax.MultiSteps`` around diloco exchanges k times per sync; inside it, once.
+* ``optax.MultiSteps`` around diloco exchanges k times per sync; inside it, once; under a
+  partial-manual ``shard_map`` it runs with ``check_vma=False`` only.
 """
 
 from __future__ import annotations
