@@ -169,9 +169,13 @@ def apply_if_finite(
     def like(new, old):
       return _axis.cast_varying(new, _axis.varying_axes(old))
 
+    # last_finite = f, read off the count (0 exactly when f: safe_increment stops at the int32
+    # maximum): a value of the state, laid out as the state is, where the flag alone would be
+    # laid out as an agreed scalar (replicated over the replicas of the global view).
+    notfinite_count = like(notfinite_count, state.notfinite_count)
     return updates, ApplyIfFiniteState(
-      notfinite_count=like(notfinite_count, state.notfinite_count),
-      last_finite=like(isfinite, state.last_finite),
+      notfinite_count=notfinite_count,
+      last_finite=like(notfinite_count == 0, state.last_finite),
       total_notfinite=like(total_notfinite, state.total_notfinite),
       inner_state=inner_state,
     )

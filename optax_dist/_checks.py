@@ -83,7 +83,8 @@ def check_number(
 
 
 def check_floating_dtype(fn: str, name: str, dtype: Any) -> np.dtype | None:
-  """``dtype`` as a NumPy dtype (``None`` stays ``None``); ``TypeError`` unless floating."""
+  """``dtype`` as a NumPy dtype (``None`` stays ``None``); ``TypeError`` unless a floating
+  format with a sign and a zero (the rule of :func:`check_comm_dtype`'s cast formats)."""
   if dtype is None:
     return None
   try:
@@ -94,6 +95,7 @@ def check_floating_dtype(fn: str, name: str, dtype: Any) -> np.dtype | None:
     raise TypeError(
       f"`{fn}({name}=...)` must be None or a floating dtype such as jnp.bfloat16, got {dtype!r}."
     )
+  _check_signed_with_zero(fn, name, resolved)
   return resolved
 
 
@@ -167,8 +169,9 @@ def _check_signed_with_zero(fn: str, name: str, dtype: np.dtype) -> None:
                                  ("zero", float(np.zeros((), dtype)) == 0)) if not ok]
   if lacks:
     raise TypeError(
-      f"`{fn}({name}=...)` must be a format with a sign and a zero (the values exchanged are"
-      f" differences of either sign), got {dtype.name}, which has no {' and no '.join(lacks)}."
+      f"`{fn}({name}=...)` must be a format with a sign and a zero (the values it carries,"
+      f" params and differences of them, take either sign), got {dtype.name}, which has no"
+      f" {' and no '.join(lacks)}."
     )
 
 

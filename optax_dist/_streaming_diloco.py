@@ -28,7 +28,8 @@ class StreamingDiLoCoState(NamedTuple):
     outer_state: a tuple of ``num_fragments`` states of ``outer``; the f-th is ``outer.init``
       of the anchor with the leaves of the other fragments replaced by ``optax.MaskedNode()``
       (as ``optax.masked`` does), and advances only on fragment f's syncs; identical on every
-      worker.
+      worker. ``optax.tree.map_params`` with a spec tree needs
+      ``is_leaf=lambda x: isinstance(x, optax.MaskedNode)`` here, as for ``optax.masked``.
     in_flight: ``None`` when ``overlap=0``; else the anchor's tree, shapes and dtypes, each
       fragment's leaves holding the workers' mean pseudo-gradient :math:`\\Delta^f` it sent last
       and has not yet applied (meaningful while ``in_flight_step[f] > 0``); identical on every

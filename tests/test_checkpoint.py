@@ -545,6 +545,39 @@ def test_resume_with_every_checkpoint_damaged_is_one_line(digits_run, tmp_path, 
   assert sorted(os.listdir(directory)) == ["4", "6"]  # nothing renamed
 
 
+# Where the exchanges run is not part of the saved state.
+
+
+def _streaming_settings(**changes):
+  from optax_dist.cli.config import Settings
+
+  return Settings(algorithm="streaming_diloco", devices=2, replicas=2, steps=6, sync_period=4,
+                  num_fragments=2, overlap=2, **changes).as_dict()
+
+
+@pytest.mark.parametrize("saved, resumed", [(False, True), (True, False)],
+                         ids=["onto-exchange-device", "off-exchange-device"])
+def test_resume_may_move_the_exchanges_to_or_from_the_exchange_device(tmp_path, saved, resumed):
+  """A checkpoint holds no exchange in flight outside the state (saved after ``settle``): the
+  in-step route and ``--exchange-device`` save the same state, and either resumes the other's."""
+  from optax_dist.cli.checkpoints import CheckpointMismatchError, Checkpoints
+
+  state = {"w": jnp.arange(4.0).reshape(2, 2), "step": jnp.array([3, 3], jnp.int32)}
+  writer = Checkpoints(str(tmp_path), _streaming_settings(exchange_device=saved), resume=False)
+  writer.save(4, state, {"record": {}, "wall_time_s": 1.0})
+  writer.close()
+  reader = Checkpoints(str(tmp_path), _streaming_settings(exchange_device=resumed), resume=True)
+  restored, meta = reader.restore(state, None)
+  assert meta["step"] == 4 and meta["settings"]["exchange_device"] is saved
+  assert all(bitwise_equal(restored[k], state[k]) for k in state)
+  reader.close()
+  other = Checkpoints(str(tmp_path), _streaming_settings(exchange_device=resumed, mixing=0.5),
+                      resume=True)
+  with pytest.raises(CheckpointMismatchError, match=r"other settings \(mixing 0.0 -> 0.5\)"):
+    other.restore(state, None)
+  other.close()
+
+
 if __name__ == "__main__":
   assert sys.argv[1] == "resume", sys.argv
   resume_all(sys.argv[2], sys.argv[3])

@@ -172,6 +172,40 @@ def test_errors_page_quotes_the_raised_messages():
       assert got == raised, f"{what}: {call}\n  page: {raised}\n  real: {got}"
 
 
+PRIVATE_CHECKS = ("_quantize.py",)  # its helpers are reached only through comm_dtype and
+# comm_block_size, whose rows are on the page
+
+
+def _checked_arguments(path: pathlib.Path) -> set[str]:
+  """The arguments ``path`` checks: named in a raised (or warned) message as ``(name=...)`` or
+  ``(name=True)``, or passed by name to one of ``_checks``' ``check_*`` functions."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Raise) or (
+        isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "warn"):
+      for sub in ast.walk(node):
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+          names |= set(re.findall(r"\((\w+)=(?:\.\.\.|True)?(?:\)|$)", sub.value))
+    if isinstance(node, ast.Call):
+      called = getattr(node.func, "attr", getattr(node.func, "id", ""))
+      if called.startswith("check_"):
+        names |= {a.value for a in node.args[1:]
+                  if isinstance(a, ast.Constant) and str(a.value).isidentifier()}
+  return names
+
+
+def test_errors_page_covers_every_checked_argument():
+  checked = {}
+  for path in sorted((ROOT / "optax_dist").glob("_*.py")):
+    if path.name not in PRIVATE_CHECKS:
+      for name in _checked_arguments(path):
+        checked.setdefault(name, path.name)
+  documented = {name for what, _, _ in _error_rows() for name in re.findall(r"`(\w+)", what)}
+  assert len(checked) > 30, checked  # the scan finds the checks
+  missing = {name: where for name, where in checked.items() if name not in documented}
+  assert not missing, f"docs/errors.md has no row for these checked arguments: {missing}"
+
+
 # ------------------------------------------------------------------------------------------
 # (c) The site builds with warnings as errors.
 

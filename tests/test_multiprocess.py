@@ -239,6 +239,77 @@ def test_bad_multiprocess_arguments_give_one_line_errors(tmp_path, capsys):
     assert stdout == "", name
 
 
+def _process(code: str) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_a_mistake_said_by_process_zero_is_its_one_line(capfd):
+  """Process 1 exits with status 2 first, silently (the mistake is process 0's to say); the
+  launcher lets process 0 say it and adds no line of its own."""
+  from optax_dist.cli import launcher
+
+  said = "optax-dist: error: argument --resume: no intact checkpoint to resume from: ..."
+  procs = [_process(f"import sys, time; time.sleep(1.0); print({said!r}, file=sys.stderr);"
+                    " sys.exit(2)"),
+           _process("import sys; sys.exit(2)")]
+  assert launcher._watch(procs) == 2
+  assert capfd.readouterr().err.strip().splitlines() == [said]
+
+
+def test_a_crash_after_a_mistake_is_reported(capfd):
+  from optax_dist.cli import launcher
+
+  procs = [_process("import time, os; time.sleep(1.0); os._exit(1)"),
+           _process("import sys; sys.exit(2)")]
+  assert launcher._watch(procs) == 1
+  lines = capfd.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+    "optax-dist: error: process 0 exited with code 1; process 1 exited with code 2;"), lines
+
+
+@pytest.mark.parametrize("every_process, process, said", [
+  (True, 0, True), (True, 1, False), (False, 1, True)])
+def test_only_process_zero_says_what_every_process_finds(monkeypatch, capsys, tmp_path,
+                                                         every_process, process, said):
+  from optax_dist.cli import checkpoints, train, trainer
+
+  def refused(*args, **kwargs):
+    raise checkpoints.CheckpointMismatchError("it was written with other settings",
+                                              every_process=every_process)
+
+  monkeypatch.setattr(trainer, "train", refused)
+  monkeypatch.setattr(train.launcher, "init_jax", lambda *args: None)
+  argv = ["train", "--resume", "--processes", "2", "--process-id", str(process),
+          "--coordinator", "127.0.0.1:1", "--out", str(tmp_path)]
+  (tmp_path / "checkpoints" / "sync" / "2").mkdir(parents=True)  # --resume finds a checkpoint
+  assert main(argv) == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  expected = ["optax-dist: error: argument --resume: it was written with other settings"]
+  assert lines == (expected if said else []), lines
+
+
+@pytest.mark.slow
+def test_no_intact_checkpoint_over_two_processes_is_one_line(root):
+  """Every checkpoint damaged: process 0 names each and what is wrong with it, in one line; the
+  other process and the launcher add none."""
+  out = root / "damaged"
+  common = ["train", "--algorithm", "diloco", *MULTI, "--steps", "4", "--sync-period", "2",
+            "--checkpoint-every", "2", "--no-progress", "--out", out]
+  returncode, _, stderr = Run(*common).result()
+  assert returncode == 0, stderr
+  checkpoints = out / "checkpoints" / "diloco"
+  for step in (2, 4):
+    (checkpoints / str(step) / "meta" / "metadata").write_bytes(b"\xff\xfe not json")
+  returncode, stdout, stderr = Run(*common, "--resume").result()
+  said = [line for line in stderr.splitlines() if line.startswith("optax-dist")]
+  assert returncode == 2 and stdout == "", stderr
+  assert len(said) == 1, stderr
+  assert said[0].startswith("optax-dist: error: argument --resume: no intact checkpoint to resume"
+                            f" from: {checkpoints / '4'} is damaged (UnicodeDecodeError: ")
+  assert f"; {checkpoints / '2'} is damaged (UnicodeDecodeError: " in said[0]
+  assert said[0].endswith("; rerun without --resume to start over")
+
+
 @pytest.mark.slow
 def test_resume_on_another_number_of_processes_resizes(root):
   """A 2-process run (4 workers) resumes on 1 process (2 workers), and a 1-process run on 2."""

@@ -581,3 +581,41 @@ def test_tree_map_params_maps_every_param_shaped_tree(case, inner):
   for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(doubled), strict=True):
     if after.shape != before.shape:
       assert after.shape == (2 * before.shape[0], *before.shape[1:])
+
+
+def is_masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+@pytest.mark.parametrize("case,inner", CASE_INNER)
+def test_tree_map_params_maps_a_spec_tree_over_the_state(case, inner):
+  """The form that builds a state's shardings from the params': ``f(leaf, spec)`` with the
+  params' spec tree as ``*rest``. ``is_leaf=is_masked`` (as for ``optax.masked``) hands each
+  ``optax.MaskedNode`` of ``streaming_diloco``'s per-fragment outer states to ``f``, which gives it
+  the spec too: the result is a prefix of the state, each param-shaped array under its param's
+  spec and every other field under ``None``."""
+  tx = build(case, inner)
+  params = make_params(case)
+  state = per_worker(case, tx.init)(params)
+  tags = {"w": "W", "b": "B"}  # stand-ins for PartitionSpecs
+  spec = optax.tree.map_params(
+    tx, lambda _, tag: tag, state, tags, transform_non_params=lambda _: None, is_leaf=is_masked
+  )
+  under = {"W": [], "B": [], None: []}
+  jax.tree.map(lambda tag, sub: under[tag].extend(jax.tree.leaves(sub)), spec, state,
+               is_leaf=lambda x: x is None)
+  copies = case.own_param_copies + case.inner_states * INNER_PARAM_COPIES[inner]
+  for tag, name in (("W", "w"), ("B", "b")):
+    assert [x.shape for x in under[tag]] == [np.shape(params[name])] * copies, tag
+  assert len(under[None]) == len(jax.tree.leaves(state)) - 2 * copies
+
+
+def test_tree_map_params_needs_is_leaf_for_masked_nodes():
+  """Without ``is_leaf``, a ``MaskedNode`` (a node with no leaves) meets the spec tree's leaf
+  there: JAX refuses the two structures, as it does for ``optax.masked``'s states."""
+  tx = optax_dist.streaming_diloco(optax.sgd(LR), sync_period=2, num_fragments=2,
+                                   fragments={"w": 0, "b": 1})
+  params = make_params(CASES[0])
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="different types at key path"):
+    optax.tree.map_params(tx, lambda _, tag: tag, state, {"w": "W", "b": "B"})

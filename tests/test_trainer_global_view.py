@@ -18,6 +18,8 @@ replica's params and optimizer state sharded over K devices) trains the model of
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import chex
 import jax
@@ -170,3 +172,25 @@ def test_bad_fsdp_on_the_command_line(args, message, tmp_path, capsys):
     status = e.code
   assert status == 2
   assert message in capsys.readouterr().err
+
+
+def test_resume_onto_another_number_of_devices_says_it_resized(tmp_path, capsys):
+  """The global view's state is per replica: 2 replicas of 2 devices resume as 2 replicas of 4
+  (two data groups each), restored onto the new mesh as it is, and the command says so."""
+  out = tmp_path / "out"
+  argv = ["train", "--algorithm", "diloco", "--replicas", "2", "--fsdp", "2", "--steps", "6",
+          "--sync-period", "3", "--batch-size", "16", "--checkpoint-every", "3", "--no-progress",
+          "--out", str(out)]
+  assert len(jax.devices()) == 8  # the backend started: the command's --devices leave it be
+  assert main.main([*argv, "--devices", "4"]) == 0
+  checkpoints = out / "checkpoints" / "diloco"
+  shutil.rmtree(checkpoints / "6")  # resume from step 3
+  capsys.readouterr()
+  assert main.main([*argv, "--devices", "8", "--resume"]) == 0
+  stdout = capsys.readouterr().out
+  assert "diloco: resumed from the checkpoint of step 3" in stdout
+  assert ("diloco: resized from 4 to 8 workers at step 3 (the global view: the 2 replicas' state"
+          " restored onto the new mesh)") in stdout
+  result = json.loads((out / "results_diloco.json").read_text())["algorithms"]["diloco"]
+  assert result["resized"] == {"step": 3, "from_workers": 4, "to_workers": 8}
+  assert result["devices"] == 8 and result["history"]["step"][-1] == 6

@@ -343,3 +343,29 @@ def test_update_shapes_must_match_params(fn):
   )
   with pytest.raises(ValueError, match=pattern):
     tx.update(updates, state, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Storage dtypes: the rule of comm_dtype's cast formats.
+
+STORAGE_DTYPES = {
+  ("diloco", "anchor_dtype"): lambda **kw: optax_dist.diloco(sgd(), **kw),
+  ("streaming_diloco", "anchor_dtype"): lambda **kw: optax_dist.streaming_diloco(sgd(), **kw),
+  ("moving_average", "ema_dtype"): lambda **kw: optax_dist.moving_average(sgd(), **kw),
+  ("accumulate_then_reduce", "accumulator_dtype"): lambda **kw: optax_dist.accumulate_then_reduce(
+    sgd(), 2, axis_name=AXIS, **kw
+  ),
+}
+
+
+@pytest.mark.parametrize("fn,arg", STORAGE_DTYPES, ids=lambda x: x if isinstance(x, str) else "")
+def test_storage_dtypes_without_a_sign_or_a_zero_are_refused(fn, arg):
+  """``float8_e8m0fnu`` holds neither -1 nor 0: an anchor, an average or a sum of either sign
+  would turn into NaN, as a ``comm_dtype`` of that format would."""
+  pattern = (
+    called(fn, arg) + r"...\)` must be a format with a sign and a zero .*, got float8_e8m0fnu,"
+    r" which has no sign and no zero\.$"
+  )
+  with pytest.raises(TypeError, match=pattern):
+    STORAGE_DTYPES[fn, arg](**{arg: jnp.float8_e8m0fnu})
+  STORAGE_DTYPES[fn, arg](**{arg: jnp.float8_e4m3fn})  # signed, with a zero: taken

@@ -47,7 +47,14 @@ def _orbax() -> Any:
 
 
 class CheckpointMismatchError(ValueError):
-  """A checkpoint to resume from was written by a run with other settings."""
+  """A checkpoint to resume from was written by a run with other settings.
+
+  ``every_process``: every process of the run finds it alike (the settings, or process 0's
+  decision that no checkpoint is intact), so process 0 alone needs to say it."""
+
+  def __init__(self, message: str, *, every_process: bool = True):
+    super().__init__(message)
+    self.every_process = every_process
 
 
 class DamagedCheckpointError(CheckpointMismatchError):
@@ -165,7 +172,7 @@ class Checkpoints:
       return read()
     except Exception as e:  # noqa: BLE001 (see above)
       message = f"checkpoint {self._path(step)} is damaged ({_reason(e)})"
-      raise DamagedCheckpointError(message) from e
+      raise DamagedCheckpointError(message, every_process=False) from e
 
   def _damage(self, step: int) -> str | None:
     """What is wrong with checkpoint ``step``'s JSON or array metadata, or ``None``.
@@ -226,8 +233,10 @@ class Checkpoints:
     sys.stderr.flush()
 
   def _check_settings(self, step: int, saved: dict[str, Any]) -> None:
-    # A resume may change the number of workers, and with it the defaults that depend on it.
-    elastic = ["devices"]
+    # A resume may change the number of workers, and with it the defaults that depend on it; and
+    # where the exchanges run: a checkpoint holds no exchange in flight outside the state (saved
+    # after ExchangeDeviceRun.settle), so both routes save and restore the same state.
+    elastic = ["devices", "exchange_device"]
     if all(s["moving_rate"] == default_moving_rate(s["devices"]) for s in (saved, self.settings)):
       elastic.append("moving_rate")
     if all(saved.get(k) == v for k, v in self.settings.items() if k not in elastic):

@@ -23,6 +23,12 @@ class CommandError(Exception):
   """A mistake in the command line or in its environment, said in one line (exit status 2)."""
 
 
+class SaidByProcessZero(CommandError):
+  """A mistake every process of a run finds alike (process 0 decides, or all read the same),
+  raised on the other processes: they exit with status 2 without a line, and process 0 says it
+  once."""
+
+
 def report(message: str) -> None:
   """Writes ``optax-dist: error: message`` to stderr."""
   sys.stderr.write(f"{PROG}: error: {message}\n")

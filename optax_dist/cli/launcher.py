@@ -41,6 +41,13 @@ INITIALIZATION_TIMEOUT = 120
 POLL_SECONDS = 0.05
 """How often :func:`launch` checks its processes."""
 
+MISTAKE_STATUS = 2
+"""The exit status of a process that has said its mistake in one line (:mod:`.errors`)."""
+
+MISTAKE_GRACE_SECONDS = 10.0
+"""How long :func:`launch` lets the other processes end by themselves after one exits with
+:data:`MISTAKE_STATUS`: they find the same mistake, and process 0 says it."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
   """A TCP port on ``host`` that is free now (picked by the OS by binding port 0)."""
@@ -131,6 +138,13 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
     p.wait()
 
 
+def _wait(procs: Sequence[subprocess.Popen], seconds: float) -> None:
+  """Waits until every process has ended, or ``seconds`` have passed."""
+  deadline = time.monotonic() + seconds
+  while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    time.sleep(POLL_SECONDS)
+
+
 def launch(argv: Sequence[str], processes: int, coordinator: str | None = None) -> int:
   """Runs ``optax-dist argv`` as ``processes`` local processes; returns the exit status.
 
@@ -138,7 +152,9 @@ def launch(argv: Sequence[str], processes: int, coordinator: str | None = None) 
   with ``ADDRESS`` = ``coordinator`` or ``127.0.0.1`` and a free port. Their output goes to this
   process's stdout and stderr. Returns 0 when every process exits with 0. When one fails (checked
   every :data:`POLL_SECONDS`), kills the others, writes ``optax-dist: error: process i exited with
-  code c; ...`` and returns 1.
+  code c; ...`` and returns 1; when it exits with :data:`MISTAKE_STATUS`, a mistake it has said
+  (or process 0 says, :class:`~optax_dist.cli.errors.SaidByProcessZero`), lets the others end
+  within :data:`MISTAKE_GRACE_SECONDS`, kills those left, adds no line and returns 2.
   """
   address = coordinator or f"127.0.0.1:{free_port()}"
   procs = [
@@ -155,10 +171,17 @@ def launch(argv: Sequence[str], processes: int, coordinator: str | None = None) 
 
 
 def _watch(procs: Sequence[subprocess.Popen]) -> int:
-  """Waits for ``procs``; 0 if all succeed, else kills the others, reports and returns 1."""
+  """Waits for ``procs``; 0 if all succeed, 2 after a mistake (see :func:`launch`), else kills
+  the others, reports and returns 1."""
   while True:
     codes = [p.poll() for p in procs]
     failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    if failed and all(c == MISTAKE_STATUS for _, c in failed):
+      _wait(procs, MISTAKE_GRACE_SECONDS)  # then a crash meanwhile is reported, not a mistake
+      failed = [(i, p.poll()) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      if all(c == MISTAKE_STATUS for _, c in failed):
+        _stop(procs)
+        return MISTAKE_STATUS
     if failed:
       noticed = time.monotonic()
       _stop(procs)

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
   args.argv = argv
   try:
     return COMMANDS[args.command].run(args)
+  except errors.SaidByProcessZero:
+    pass
   except CommandError as e:
     errors.report(str(e))
   except ModuleNotFoundError as e:

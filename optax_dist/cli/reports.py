@@ -269,8 +269,11 @@ def report_training(args: argparse.Namespace, task: Task, data: Data, settings: 
       print(f"{r['algorithm']}: resumed from the checkpoint of step {r['resumed_from_step']}")
     if r.get("resized"):
       z = r["resized"]
+      how = ("optax_dist.resize_state: global state kept, workers rebuilt" if r["fsdp"] is None
+             else f"the global view: the {r['replicas']} replicas' state restored onto the new"
+             " mesh")
       print(f"{r['algorithm']}: resized from {z['from_workers']} to {z['to_workers']} workers at"
-            f" step {z['step']} (optax_dist.resize_state: global state kept, workers rebuilt)")
+            f" step {z['step']} ({how})")
   print(f"wrote {json_path} and {png_path}")
 
 

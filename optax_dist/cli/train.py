@@ -91,6 +91,8 @@ def _train_all(args: argparse.Namespace, task: Task, data: Data, settings: Setti
         checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         keep_state=bool(args.save_params))
     except CheckpointMismatchError as e:
+      if e.every_process and process != 0:
+        raise errors.SaidByProcessZero from None
       raise CommandError(f"argument --resume: {e}") from None
     states[algorithm] = result.pop("final_state", {})
     results.append(result)

@@ -195,10 +195,10 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
 
 def _restore(run: Run, checkpoints: Any, state: State, record: dict[str, list]) -> tuple:
   """``(state, record, earlier wall time, step, resize)`` of the newest intact checkpoint (step 0 if
-  none); ``resize`` is ``None``, or ``{"step", "from_workers", "to_workers"}`` when the checkpoint
-  had another number of workers and the state was moved to this run's with
-  :func:`optax_dist.resize_state`. On the global view (:class:`GlobalRun`) the state is per
-  replica and restores onto this run's mesh whatever the number of devices."""
+  none); ``resize`` is ``None``, or ``{"step", "from_workers", "to_workers"}`` (the devices) when
+  the checkpoint had another number of devices: the state was moved to this run's workers with
+  :func:`optax_dist.resize_state`, or on the global view (:class:`GlobalRun`), whose state is
+  per replica, restored onto this run's mesh as it is."""
   restored = checkpoints.restore(state._asdict(), run.replicated,
                                  per_worker=run.state_per_worker)
   if restored is None:
@@ -206,8 +206,9 @@ def _restore(run: Run, checkpoints: Any, state: State, record: dict[str, list]) 
   saved, meta = restored
   saved, change = State(**saved), None
   workers = meta["settings"]["devices"]
-  if workers != run.settings.devices and run.state_per_worker:
-    saved = resize(run, saved)
+  if workers != run.settings.devices:
+    if run.state_per_worker:
+      saved = resize(run, saved)
     change = {"step": meta["step"], "from_workers": workers, "to_workers": run.settings.devices}
   return saved, meta["record"], meta["wall_time_s"], meta["step"], change
 
