@@ -61,18 +61,24 @@ def run_training(args: argparse.Namespace, algorithms: tuple[str, ...]) -> int:
                        train_examples=lambda: checks.num_examples(load().train))
   if args.processes > 1 and args.process_id is None:
     return launcher.launch(args.argv, args.processes, args.coordinator)
+  progress = not args.no_progress and (args.process_id or 0) == 0
+  if progress:  # the run, before its phases (stdout: only the results)
+    sys.stderr.write(reports.training_summary(args, task, settings, algorithms) + "\n")
+    sys.stderr.flush()
   # --exchange-device: one more CPU device per process, beside the training devices.
   launcher.init_jax(args.devices + settings.exchange_device, args.processes, args.process_id,
                     args.coordinator, args.heartbeat_timeout)
-  results, states = _train_all(args, task, load(), settings, algorithms)
+  results, states = _train_all(args, task, load(), settings, algorithms, progress=progress)
   if (args.process_id or 0) == 0:  # process 0 prints and writes the results
     reports.report_training(args, task, load(), settings, results, states)
   return 0
 
 
 def _train_all(args: argparse.Namespace, task: Task, data: Data, settings: Settings,
-               algorithms: tuple[str, ...]) -> tuple[list[dict], dict[str, dict]]:
-  """Trains with each of ``algorithms``; their results and (with ``--save-params``) states."""
+               algorithms: tuple[str, ...], *,
+               progress: bool) -> tuple[list[dict], dict[str, dict]]:
+  """Trains with each of ``algorithms``; their results and (with ``--save-params``) states.
+  With ``progress``, each run shows its phases and steps on stderr."""
   process = args.process_id or 0
 
   def on_step(step: int) -> None:
@@ -86,7 +92,7 @@ def _train_all(args: argparse.Namespace, task: Task, data: Data, settings: Setti
     try:
       result = trainer.train(
         task, data, dataclasses.replace(settings, algorithm=algorithm), on_step=on_step,
-        progress=not args.no_progress and process == 0,
+        progress=progress,
         checkpoint_dir=os.path.join(args.out, "checkpoints", algorithm),
         checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         keep_state=bool(args.save_params))
