@@ -37,9 +37,9 @@ def train_columns(label: str = "test acc", metric: str = "accuracy",
     ("algorithm", "algorithm", "{}"),
     ("steps", "steps", "{}"),
     ("comm. rounds", "communication_rounds", "{}"),
-    (sent, "sent_per_step", "{}"),
     (f"{label} (eval_params)", f"test_{metric}_eval_params", "{:.4f}"),
     (f"{label} (workers, mean)", f"test_{metric}_workers", "{:.4f}"),
+    (sent, "sent_per_step", "{}"),
     ("wall time (s)", "wall_time_s", "{:.1f}"),
   )
 
