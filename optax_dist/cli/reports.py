@@ -2,7 +2,9 @@
 
 Every table has the same style (:func:`table`): a header of words, a rule of dashes, the first
 column left-aligned and the numbers right-aligned. :func:`report_training` prints and writes the
-results of ``train`` and ``compare``.
+results of ``train`` and ``compare``: the run's exchange (:func:`exchange`) is in the line above
+the table, in the plot's title and in the JSON's ``config``, and the table has the bytes each
+replica sends across the replicas per step (:func:`sent_per_step`).
 """
 
 from __future__ import annotations

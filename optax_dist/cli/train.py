@@ -1,8 +1,11 @@
 """``optax-dist train``: data-parallel training with one algorithm.
 
 Trains ``--task`` with ``--algorithm`` over ``--devices`` emulated CPU devices (of each of
-``--processes`` processes, :mod:`optax_dist.cli.launcher`), one worker each; prints a table and
-writes ``results_<algorithm>.json`` and ``accuracy_<algorithm>.png`` under ``--out``. With
+``--processes`` processes, :mod:`optax_dist.cli.launcher`), one worker each; shows on stderr the
+run in one line (:func:`optax_dist.cli.reports.training_summary`: the recipe and the exchange),
+then each phase and step as it runs (:mod:`optax_dist.cli.progress`; not with
+``--no-progress``); prints that line and a table on stdout and writes ``results_<algorithm>.json``
+and ``accuracy_<algorithm>.png`` under ``--out``. With
 ``--checkpoint-every N`` the state is saved with Orbax and ``--resume`` continues an interrupted
 run exactly. :func:`run_training` also runs ``compare`` (:mod:`optax_dist.cli.compare`).
 
