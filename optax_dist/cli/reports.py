@@ -23,6 +23,7 @@ import numpy as np
 from optax_dist.cli.algorithms import (ALGORITHMS, AXIS, EXCHANGE_OPTIONS, QUANTIZED_COMM_DTYPES,
                                        REPLICA)
 from optax_dist.cli.config import DEFAULTS, Settings
+from optax_dist.cli.progress import QUIET, Progress
 from optax_dist.cli.runs import STEP_KINDS
 from optax_dist.cli.tasks import Data, Task
 
@@ -358,19 +359,22 @@ def recipe(settings: Settings) -> str:
 
 
 def report_training(args: argparse.Namespace, task: Task, data: Data, settings: Settings,
-                    results: list[dict], states: dict[str, dict]) -> None:
-  """Writes the JSON, the plot and (``--save-params``) the ``states``; prints the table."""
+                    results: list[dict], states: dict[str, dict], *,
+                    progress: Progress = QUIET) -> None:
+  """Writes the JSON, the plot and (``--save-params``) the ``states`` (a phase of
+  ``progress``); prints the table."""
   suffix = "" if args.command == "compare" else f"_{args.algorithm}"
   json_path = os.path.join(args.out, f"results{suffix}.json")
   png_path = os.path.join(args.out, f"accuracy{suffix}.png")
   algorithms = [r["algorithm"] for r in results]
-  write_json(json_path, {"command": args.command,
-                         "config": training_config(args, task, data, settings, algorithms),
-                         "algorithms": {r["algorithm"]: r for r in results}})
-  plot_accuracy(results, png_path, training_title(task, settings, algorithms),
-                label=task.metric_label)
-  if args.save_params:
-    save_params(args.save_params, states)
+  with progress.phase("writing the results and the plot"):
+    write_json(json_path, {"command": args.command,
+                           "config": training_config(args, task, data, settings, algorithms),
+                           "algorithms": {r["algorithm"]: r for r in results}})
+    plot_accuracy(results, png_path, training_title(task, settings, algorithms),
+                  label=task.metric_label)
+    if args.save_params:
+      save_params(args.save_params, states)
   header, sent = sent_column(results, settings)
   print(training_summary(args, task, settings, algorithms))
   print(table(train_columns(task.metric_label, task.metric_key, header),

@@ -30,6 +30,7 @@ from optax_dist.cli.arguments import EPILOG, Formatter, training_parser
 from optax_dist.cli.checkpoints import CheckpointMismatchError
 from optax_dist.cli.config import Settings, settings_of
 from optax_dist.cli.errors import PROG, CommandError
+from optax_dist.cli.progress import Progress
 from optax_dist.cli.tasks import TASKS, Data, Task
 
 
@@ -73,7 +74,8 @@ def run_training(args: argparse.Namespace, algorithms: tuple[str, ...]) -> int:
                     args.coordinator, args.heartbeat_timeout)
   results, states = _train_all(args, task, load(), settings, algorithms, progress=progress)
   if (args.process_id or 0) == 0:  # process 0 prints and writes the results
-    reports.report_training(args, task, load(), settings, results, states)
+    reports.report_training(args, task, load(), settings, results, states,
+                            progress=Progress(PROG, progress))
   return 0
 
 
