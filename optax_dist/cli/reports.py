@@ -28,8 +28,7 @@ from optax_dist.cli.runs import STEP_KINDS
 from optax_dist.cli.tasks import Data, Task
 
 
-def train_columns(label: str = "test acc", metric: str = "accuracy",
-                  sent: str = "sent per worker (B/step)") -> tuple:
+def train_columns(label: str, metric: str, sent: str) -> tuple:
   """The columns of ``train`` and ``compare``: header, key of the result, format.
 
   ``label`` and ``metric`` are the task's ``metric_label`` and ``metric_key``; ``sent`` the
