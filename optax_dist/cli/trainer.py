@@ -75,8 +75,8 @@ def train(
 
   Args:
     on_step: called with the step number after each step.
-    progress: show on stderr each phase as it runs (building the model, compiling, restoring,
-      evaluating: :class:`optax_dist.cli.progress.Progress`), then a bar over the steps.
+    progress: show on stderr each phase as it runs (building the model, compiling, evaluating:
+      :class:`optax_dist.cli.progress.Progress`), then a bar over the steps.
     keep_state: put the final state in the result, as ``final_state``.
 
   Returns:
@@ -131,9 +131,8 @@ def train(
   if checkpoint_dir is not None and (checkpoint_every > 0 or resume):
     checkpoints = Checkpoints(checkpoint_dir, settings.as_dict(), resume=resume)
     if resume:
-      with shown.phase("restoring the latest checkpoint"):
-        state, record, earlier_time, resumed_from, resized = _restore(
-          run, checkpoints, state, record)
+      state, record, earlier_time, resumed_from, resized = _restore(
+        run, checkpoints, state, record)
   first = (resumed_from or 0) + 1
   if first == 1:
     with shown.phase("evaluating at step 0"):
