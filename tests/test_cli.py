@@ -150,13 +150,15 @@ def test_compare_prints_table_and_writes_results(compared):
   lines = stdout.splitlines()
   header, _ = check_table(stdout, "algorithm", len(COMPARED))
   for column in ("steps", "comm. rounds", "test acc (eval_params)", "test acc (workers, mean)",
-                 "wall time (s)"):
+                 "sent per worker (KiB/step)", "wall time (s)"):
     assert column in header
+  assert lines[0].endswith("; exchange float32; seed 1")
   with open(out / "results.json") as f:
     results = json.load(f)
   assert results["command"] == "compare"
   assert results["config"]["seed"] == 1
   assert results["config"]["replicas"] == 1
+  assert results["config"]["exchange"] == {"comm_dtype": "float32"}
   recipe = {key: results["config"][key] for key in ("optimizer", "b2", "weight_decay",
                                                      "lr_schedule", "lr_warmup_steps", "clip_norm")}
   assert recipe == {"optimizer": "adam", "b2": 0.999, "weight_decay": 0.0,

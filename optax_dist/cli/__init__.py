@@ -24,6 +24,7 @@ One concern per module:
 * :mod:`~optax_dist.cli.exchange_device`: ``streaming_diloco``'s exchanges on an extra device;
 * :mod:`~optax_dist.cli.checkpoints`: Orbax checkpoints and exact resuming;
 * :mod:`~optax_dist.cli.launcher`: several ``jax.distributed`` processes and their watchdog;
+* :mod:`~optax_dist.cli.progress`: the phases and the steps a run shows on stderr as it goes;
 * :mod:`~optax_dist.cli.reports`: the tables, the JSON files and the plots;
 * :mod:`~optax_dist.cli.errors`: one-line errors and the check of the ``examples`` extra.
 

@@ -252,7 +252,9 @@ def _exchange_arguments(common: argparse.ArgumentParser) -> None:
 def output_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", default="runs",
                       help="directory for the JSON results and the PNG plot (default: runs)")
-  parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+  parser.add_argument("--no-progress", action="store_true",
+                      help="hide what a run shows on stderr as it goes: the run in one line, its"
+                      " phases (building the model, compiling, evaluating) and the progress bars")
 
 
 def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:

@@ -2,12 +2,15 @@
 
 Every table has the same style (:func:`table`): a header of words, a rule of dashes, the first
 column left-aligned and the numbers right-aligned. :func:`report_training` prints and writes the
-results of ``train`` and ``compare``.
+results of ``train`` and ``compare``: the run's exchange (:func:`exchange`) is in the line above
+the table, in the plot's title and in the JSON's ``config``, and the table has the bytes each
+replica sends across the replicas per step (:func:`sent_per_step`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -17,15 +20,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_dist.cli.algorithms import ALGORITHMS
+from optax_dist.cli.algorithms import (ALGORITHMS, AXIS, EXCHANGE_OPTIONS, QUANTIZED_COMM_DTYPES,
+                                       REPLICA)
 from optax_dist.cli.config import DEFAULTS, Settings
+from optax_dist.cli.progress import QUIET, Progress
+from optax_dist.cli.runs import STEP_KINDS
 from optax_dist.cli.tasks import Data, Task
 
 
-def train_columns(label: str = "test acc", metric: str = "accuracy") -> tuple:
+def train_columns(label: str, metric: str, sent: str) -> tuple:
   """The columns of ``train`` and ``compare``: header, key of the result, format.
 
-  ``label`` and ``metric`` are the task's ``metric_label`` and ``metric_key``.
+  ``label`` and ``metric`` are the task's ``metric_label`` and ``metric_key``; ``sent`` the
+  header of the bytes sent across the replicas per step (:func:`sent_column`), whose cells are
+  the rows' ``sent_per_step``, already in words.
   """
   return (
     ("algorithm", "algorithm", "{}"),
@@ -33,6 +41,7 @@ def train_columns(label: str = "test acc", metric: str = "accuracy") -> tuple:
     ("comm. rounds", "communication_rounds", "{}"),
     (f"{label} (eval_params)", f"test_{metric}_eval_params", "{:.4f}"),
     (f"{label} (workers, mean)", f"test_{metric}_workers", "{:.4f}"),
+    (sent, "sent_per_step", "{}"),
     ("wall time (s)", "wall_time_s", "{:.1f}"),
   )
 
@@ -188,15 +197,53 @@ def plot_async(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> No
   plt.close(fig)
 
 
-def training_config(args: argparse.Namespace, task: Task, data: Data,
-                    settings: Settings) -> dict[str, Any]:
+def exchange(settings: Settings, algorithms: Sequence[str]) -> dict[str, Any]:
+  """What a run of ``algorithms`` exchanges: ``comm_dtype``, the format (``--comm-dtype``;
+  ``"float32"``: the params' own dtype), and each of
+  :data:`~optax_dist.cli.algorithms.EXCHANGE_OPTIONS` that one of ``algorithms`` takes and that
+  applies: ``comm_block_size`` with a block-quantized format, the others away from their
+  defaults. E.g. ``{"comm_dtype": "float4_e2m1fn", "comm_block_size": 64, "error_feedback":
+  True}``."""
+  described = {"comm_dtype": settings.comm_dtype or "float32"}
+  taken = {name for a in algorithms for name in ALGORITHMS[a].settings}
+  for name in EXCHANGE_OPTIONS:
+    value = getattr(settings, name)
+    if name == "comm_block_size":
+      applies = described["comm_dtype"] in QUANTIZED_COMM_DTYPES
+    else:
+      applies = value != DEFAULTS[name]
+    if name in taken and applies:
+      described[name] = value
+  return described
+
+
+EXCHANGE_WORDS = {"error_feedback": "error feedback", "overlap": "overlap {}", "eager": "eager",
+                  "mixing": "mixing {:g}", "exchange_device": "on an exchange device"}
+"""How :func:`exchange_text` says each option of :func:`exchange` after the format."""
+
+
+def exchange_text(described: dict[str, Any]) -> str:
+  """:func:`exchange`'s ``described`` in words, e.g. ``exchange float4_e2m1fn in blocks of 64,
+  error feedback`` or ``exchange float32, overlap 2, eager, mixing 0.5``."""
+  head = f"exchange {described['comm_dtype']}"
+  if "comm_block_size" in described:
+    head += f" in blocks of {described['comm_block_size']}"
+  options = [EXCHANGE_WORDS[name].format(value) for name, value in described.items()
+             if name in EXCHANGE_WORDS]
+  return ", ".join([head, *options])
+
+
+def training_config(args: argparse.Namespace, task: Task, data: Data, settings: Settings,
+                    algorithms: Sequence[str]) -> dict[str, Any]:
   """The ``config`` of the results' JSON: every setting but ``algorithm`` (the results hold one
   entry per algorithm), ``devices`` per process and ``workers`` in all, the ``--comm-dtype`` as
-  given, the data set and the model."""
+  given, ``exchange``: what ``algorithms`` exchange (:func:`exchange`), the data set and the
+  model."""
   return {
     **{key: value for key, value in settings.as_dict().items() if key != "algorithm"},
     "devices": args.devices, "processes": args.processes, "workers": settings.devices,
-    "comm_dtype": args.comm_dtype, "checkpoint_every": args.checkpoint_every,
+    "comm_dtype": args.comm_dtype, "exchange": exchange(settings, algorithms),
+    "checkpoint_every": args.checkpoint_every,
     "dataset": {"name": task.dataset, "train": len(next(iter(data.train.values()))),
                 "test": len(next(iter(data.test.values()))),
                 "provenance": task.provenance() if task.provenance else None},
@@ -205,8 +252,9 @@ def training_config(args: argparse.Namespace, task: Task, data: Data,
 
 
 def training_summary(args: argparse.Namespace, task: Task, settings: Settings,
-                     algorithms: list[str]) -> str:
-  """The line above the table: what was trained, on how many workers, with which optimizer."""
+                     algorithms: Sequence[str]) -> str:
+  """The run in one line (shown when it starts, and above the table): what is trained, on how
+  many workers, with which optimizer and which exchange (:func:`exchange_text`)."""
   period = ""
   for name, words in (("communication_period", "communication period"),
                       ("sync_period", "sync period")):
@@ -224,8 +272,72 @@ def training_summary(args: argparse.Namespace, task: Task, settings: Settings,
   if settings.fsdp is not None:
     layout += f", params sharded over {settings.fsdp} (global view)"
   return (f"{task.name}, {task.model_name}, {workers} worker{'s' if workers > 1 else ''}{layout}"
-          f" x batch {settings.batch_size}, {recipe(settings)}{period},"
-          f" seed {settings.seed}")
+          f" x batch {settings.batch_size}, {recipe(settings)}{period};"
+          f" {exchange_text(exchange(settings, algorithms))}; seed {settings.seed}")
+
+
+def training_title(task: Task, settings: Settings, algorithms: Sequence[str]) -> str:
+  """The plot's title: the task, the model and the workers, then the exchange
+  (:func:`exchange_text`) on a second line."""
+  return (f"{task.name}, {task.model_name}, {settings.devices} data-parallel workers\n"
+          f"{exchange_text(exchange(settings, algorithms))}")
+
+
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+"""The units of the bytes in the tables, each 1024 times the one before."""
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+  """The unit of :data:`BYTE_UNITS` (and its bytes) in which ``largest`` bytes shows as less
+  than 1000 (to 3 significant digits), the largest unit if none."""
+  for power, unit in enumerate(BYTE_UNITS):
+    if largest < 999.5 * 1024**power:
+      break
+  return unit, 1024**power
+
+
+def sent_per_step(result: dict[str, Any], settings: Settings) -> float:
+  """The bytes each replica sends across the replicas per step of ``result``'s run, the mean
+  over its steps; with one replica (``settings.replicas`` 1) every worker is one.
+
+  From ``result["collective_bytes"]`` (per device, by the mesh axes each collective spans: see
+  :func:`optax_dist.cli.trainer.train`): on each step, the compiled step the algorithm's
+  schedule runs (:meth:`~optax_dist.cli.algorithms.Algorithm.communicates`), its collectives
+  spanning :data:`~optax_dist.cli.algorithms.REPLICA` (or the workers'
+  :data:`~optax_dist.cli.algorithms.AXIS`): the unconditional ones and the mean of the
+  conditional exchanges (``streaming_diloco`` runs one fragment's per sync step), times the
+  devices of a replica; with ``exchange_device``, each exchanging step adds the mean of the
+  exchange programs, which run on one device per replica. Those within a replica are left out.
+  """
+  s = dataclasses.replace(settings, algorithm=result["algorithm"])
+  programs, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
+
+  def across(by_axes: dict[str, int]) -> int:
+    return sum(b for axes, b in by_axes.items() if {REPLICA, AXIS} & set(axes.split(",")))
+
+  def execution(kind: str) -> float:
+    exchanges = [across(c) for c in programs[kind]["conditional"]]
+    return across(programs[kind]["unconditional"]) + (np.mean(exchanges) if exchanges else 0.0)
+
+  devices = s.devices // s.replicas if s.replicas > 1 else 1  # of a replica
+  exchange_program = execution("exchange") if "exchange" in programs else 0.0
+  total = 0.0
+  for step in range(1, s.steps + 1):
+    hint = algorithm.communicates(s, step)
+    total += devices * execution(STEP_KINDS[hint])
+    total += exchange_program if hint else 0.0
+  return float(total / s.steps)
+
+
+def sent_column(results: Sequence[dict[str, Any]], settings: Settings) -> tuple[str, list[str]]:
+  """The header and the cells of the column of :func:`sent_per_step`, in one unit
+  (:func:`byte_unit`) named in the header: ``("sent per worker (KiB/step)", ["4.96", ...])``
+  (``replica`` with ``settings.replicas`` > 1)."""
+  sent = [sent_per_step(r, settings) for r in results]
+  unit, size = byte_unit(max(sent, default=0.0))
+  who = "replica" if settings.replicas > 1 else "worker"
+  return f"sent per {who} ({unit}/step)", [
+    np.format_float_positional(b / size, precision=3, fractional=False, trim="-") for b in sent]
 
 
 def recipe(settings: Settings) -> str:
@@ -246,21 +358,26 @@ def recipe(settings: Settings) -> str:
 
 
 def report_training(args: argparse.Namespace, task: Task, data: Data, settings: Settings,
-                    results: list[dict], states: dict[str, dict]) -> None:
-  """Writes the JSON, the plot and (``--save-params``) the ``states``; prints the table."""
+                    results: list[dict], states: dict[str, dict], *,
+                    progress: Progress = QUIET) -> None:
+  """Writes the JSON, the plot and (``--save-params``) the ``states`` (a phase of
+  ``progress``); prints the table."""
   suffix = "" if args.command == "compare" else f"_{args.algorithm}"
   json_path = os.path.join(args.out, f"results{suffix}.json")
   png_path = os.path.join(args.out, f"accuracy{suffix}.png")
-  write_json(json_path, {"command": args.command,
-                         "config": training_config(args, task, data, settings),
-                         "algorithms": {r["algorithm"]: r for r in results}})
-  plot_accuracy(results, png_path,
-                f"{task.name}, {task.model_name}, {settings.devices} data-parallel workers",
-                label=task.metric_label)
-  if args.save_params:
-    save_params(args.save_params, states)
-  print(training_summary(args, task, settings, [r["algorithm"] for r in results]))
-  print(table(train_columns(task.metric_label, task.metric_key), results))
+  algorithms = [r["algorithm"] for r in results]
+  with progress.phase("writing the results and the plot"):
+    write_json(json_path, {"command": args.command,
+                           "config": training_config(args, task, data, settings, algorithms),
+                           "algorithms": {r["algorithm"]: r for r in results}})
+    plot_accuracy(results, png_path, training_title(task, settings, algorithms),
+                  label=task.metric_label)
+    if args.save_params:
+      save_params(args.save_params, states)
+  header, sent = sent_column(results, settings)
+  print(training_summary(args, task, settings, algorithms))
+  print(table(train_columns(task.metric_label, task.metric_key, header),
+              [{**r, "sent_per_step": b} for r, b in zip(results, sent, strict=True)]))
   for r in results:
     if "num_dropped" in r:
       print(f"{r['algorithm']}: {r['num_dropped']} of {r['steps']} steps dropped"

@@ -30,6 +30,7 @@ from optax_dist.cli import pipeline
 from optax_dist.cli.algorithms import ALGORITHMS, DATA, FSDP, REPLICA, axes, make_optimizer
 from optax_dist.cli.config import Settings
 from optax_dist.cli.meshes import fsdp_spec, global_mesh, to_host, worker_mesh
+from optax_dist.cli.progress import QUIET, Progress
 from optax_dist.cli.steps import (State, evaluate_fn, global_step_fn, replica_evaluate_fn, stack,
                                   step_fn, unstack)
 from optax_dist.cli.tasks import Data, Task
@@ -64,6 +65,8 @@ class Run:
   ``jax.shard_map`` step, every worker (device) holding whole params.
 
   ``settings`` must be resolved and have passed :func:`optax_dist.cli.checks.check_settings`.
+  ``progress`` shows the phases of building it: the model, the compilation of the steps and of
+  the evaluation.
   """
 
   state_per_worker = True
@@ -77,7 +80,8 @@ class Run:
     worker."""
     return DATA if self.settings.replicas > 1 else None
 
-  def __init__(self, task: Task, data: Data, settings: Settings):
+  def __init__(self, task: Task, data: Data, settings: Settings, *,
+               progress: Progress = QUIET):
     s = self.settings = settings
     self.algorithm = ALGORITHMS[s.algorithm]
     self.stale = self.algorithm.stale_gradients
@@ -91,13 +95,17 @@ class Run:
     self.delays = pipeline.delays(s.seed, s.steps, self.depth)
     self.keys = metric_keys(task)
     example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
-    params = jax.tree.map(lambda p: p.astype(jnp.dtype(s.param_dtype)),
-                          initial_params(task, s.seed, example))
+    with progress.phase("building the model"):
+      model = task.model()
+      params = self.place(jax.tree.map(lambda p: p.astype(jnp.dtype(s.param_dtype)),
+                                       initial_params(task, s.seed, example)))
     self.tx = make_optimizer(s)
-    model = task.model()
-    self._compile(self.place(params), task.loss_fn(model))
-    self._evaluate = self._evaluation(task.metric_fn(model), data.test).lower(
-      self.initial.params, self.initial.opt_state, self.test).compile()
+    steps = "step" if len(self.hints()) == 1 else "steps with and without the exchange"
+    with progress.phase(f"compiling the {steps}"):
+      self._compile(params, task.loss_fn(model))
+    with progress.phase("compiling the evaluation"):
+      self._evaluate = self._evaluation(task.metric_fn(model), data.test).lower(
+        self.initial.params, self.initial.opt_state, self.test).compile()
     self.bytes_per_device = {
       "params": bytes_per_device(self.initial.params),
       "opt_state": bytes_per_device(self.initial.opt_state),

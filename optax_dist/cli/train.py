@@ -1,8 +1,11 @@
 """``optax-dist train``: data-parallel training with one algorithm.
 
 Trains ``--task`` with ``--algorithm`` over ``--devices`` emulated CPU devices (of each of
-``--processes`` processes, :mod:`optax_dist.cli.launcher`), one worker each; prints a table and
-writes ``results_<algorithm>.json`` and ``accuracy_<algorithm>.png`` under ``--out``. With
+``--processes`` processes, :mod:`optax_dist.cli.launcher`), one worker each; shows on stderr the
+run in one line (:func:`optax_dist.cli.reports.training_summary`: the recipe and the exchange),
+then each phase and step as it runs (:mod:`optax_dist.cli.progress`; not with
+``--no-progress``); prints that line and a table on stdout and writes ``results_<algorithm>.json``
+and ``accuracy_<algorithm>.png`` under ``--out``. With
 ``--checkpoint-every N`` the state is saved with Orbax and ``--resume`` continues an interrupted
 run exactly. :func:`run_training` also runs ``compare`` (:mod:`optax_dist.cli.compare`).
 
@@ -27,6 +30,7 @@ from optax_dist.cli.arguments import EPILOG, Formatter, training_parser
 from optax_dist.cli.checkpoints import CheckpointMismatchError
 from optax_dist.cli.config import Settings, settings_of
 from optax_dist.cli.errors import PROG, CommandError
+from optax_dist.cli.progress import Progress
 from optax_dist.cli.tasks import TASKS, Data, Task
 
 
@@ -61,18 +65,25 @@ def run_training(args: argparse.Namespace, algorithms: tuple[str, ...]) -> int:
                        train_examples=lambda: checks.num_examples(load().train))
   if args.processes > 1 and args.process_id is None:
     return launcher.launch(args.argv, args.processes, args.coordinator)
+  progress = not args.no_progress and (args.process_id or 0) == 0
+  if progress:  # the run, before its phases (stdout: only the results)
+    sys.stderr.write(reports.training_summary(args, task, settings, algorithms) + "\n")
+    sys.stderr.flush()
   # --exchange-device: one more CPU device per process, beside the training devices.
   launcher.init_jax(args.devices + settings.exchange_device, args.processes, args.process_id,
                     args.coordinator, args.heartbeat_timeout)
-  results, states = _train_all(args, task, load(), settings, algorithms)
+  results, states = _train_all(args, task, load(), settings, algorithms, progress=progress)
   if (args.process_id or 0) == 0:  # process 0 prints and writes the results
-    reports.report_training(args, task, load(), settings, results, states)
+    reports.report_training(args, task, load(), settings, results, states,
+                            progress=Progress(PROG, progress))
   return 0
 
 
 def _train_all(args: argparse.Namespace, task: Task, data: Data, settings: Settings,
-               algorithms: tuple[str, ...]) -> tuple[list[dict], dict[str, dict]]:
-  """Trains with each of ``algorithms``; their results and (with ``--save-params``) states."""
+               algorithms: tuple[str, ...], *,
+               progress: bool) -> tuple[list[dict], dict[str, dict]]:
+  """Trains with each of ``algorithms``; their results and (with ``--save-params``) states.
+  With ``progress``, each run shows its phases and steps on stderr."""
   process = args.process_id or 0
 
   def on_step(step: int) -> None:
@@ -86,7 +97,7 @@ def _train_all(args: argparse.Namespace, task: Task, data: Data, settings: Setti
     try:
       result = trainer.train(
         task, data, dataclasses.replace(settings, algorithm=algorithm), on_step=on_step,
-        progress=not args.no_progress and process == 0,
+        progress=progress,
         checkpoint_dir=os.path.join(args.out, "checkpoints", algorithm),
         checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
         keep_state=bool(args.save_params))

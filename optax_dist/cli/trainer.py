@@ -13,7 +13,6 @@ devices, and runs the same step. The caller must have made enough devices availa
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,16 +27,10 @@ from optax_dist.cli.checkpoints import Checkpoints
 from optax_dist.cli.config import Settings
 from optax_dist.cli.exchange_device import ExchangeDeviceRun
 from optax_dist.cli.meshes import to_host
+from optax_dist.cli.progress import Progress, Steps
 from optax_dist.cli.runs import GlobalRun, Run, metric_keys, record_keys
 from optax_dist.cli.steps import State
 from optax_dist.cli.tasks import Data, Task
-
-
-def _progress_bar(settings: Settings, done: int, enabled: bool) -> Any:
-  from tqdm.auto import tqdm
-
-  return tqdm(total=settings.steps, initial=done, desc=settings.algorithm, unit="step",
-              disable=not enabled, leave=False, file=sys.stderr)
 
 
 def train(
@@ -82,7 +75,8 @@ def train(
 
   Args:
     on_step: called with the step number after each step.
-    progress: show a progress bar on stderr.
+    progress: show on stderr each phase as it runs (building the model, compiling, evaluating:
+      :class:`optax_dist.cli.progress.Progress`), then a bar over the steps.
     keep_state: put the final state in the result, as ``final_state``.
 
   Returns:
@@ -123,12 +117,13 @@ def train(
   settings = settings.resolved()
   checks.check_settings(settings, (settings.algorithm,), processes=jax.process_count(),
                         train_examples=lambda: checks.num_examples(data.train))
+  shown = Progress(settings.algorithm, progress)
   if settings.fsdp is not None:
-    run = GlobalRun(task, data, settings)
+    run = GlobalRun(task, data, settings, progress=shown)
   elif settings.exchange_device:
-    run = ExchangeDeviceRun(task, data, settings)
+    run = ExchangeDeviceRun(task, data, settings, progress=shown)
   else:
-    run = Run(task, data, settings)
+    run = Run(task, data, settings, progress=shown)
   resized = None
   record = {key: [] for key in record_keys(task)}
   state, earlier_time, resumed_from = run.initial, 0.0, None
@@ -140,7 +135,8 @@ def train(
         run, checkpoints, state, record)
   first = (resumed_from or 0) + 1
   if first == 1:
-    run.measure(state, record, 0, None)
+    with shown.phase("evaluating at step 0"):
+      run.measure(state, record, 0, None)
 
   def save(s: int, state: State) -> State:
     if checkpoints is not None and checkpoint_every > 0 and (
@@ -151,7 +147,7 @@ def train(
     return state
 
   step_times = []
-  with _progress_bar(settings, first - 1, progress) as bar:
+  with shown.steps(settings.steps, first - 1) as bar:
     state = _loop(run, state, record, first, save=save, on_step=on_step, bar=bar,
                   step_times=step_times)
   state = run.settle(state)
@@ -171,10 +167,11 @@ def train(
 
 
 def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: Callable,
-          on_step: Callable | None, bar: Any, step_times: list[float]) -> State:
+          on_step: Callable | None, bar: Steps, step_times: list[float]) -> State:
   """Trains from step ``first`` to the end: evaluates, saves, reports progress; the last state.
 
-  Appends each step's seconds (the step until its loss is ready) to ``step_times``.
+  Appends each step's seconds (the step until its loss is ready) to ``step_times``. ``bar``
+  counts each step as it ends and says when the run evaluates.
   """
   settings = run.settings
   for s in range(first, settings.steps + 1):
@@ -184,10 +181,11 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
     # threads queue up on few cores.
     jax.block_until_ready(loss)
     step_times.append(time.perf_counter() - started)
+    bar.update()
     if s % settings.eval_every == 0 or s == settings.steps:
-      run.measure(state, record, s, loss)
+      with bar.phase("final evaluation" if s == settings.steps else f"evaluating at step {s}"):
+        run.measure(state, record, s, loss)
     state = save(s, state)
-    bar.update(1)
     if on_step is not None:
       on_step(s)
   return state
