@@ -207,8 +207,7 @@ def now() -> str:
   return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def median(xs: Sequence[float]) -> float:
-  return statistics.median(xs)
+median = statistics.median
 
 
 def time_call(fn: Callable[[], Any]) -> float:
@@ -250,6 +249,16 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | Non
   lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def fmt(x: Any, spec: str = "", missing: str = "—") -> str:
+  """``x`` formatted by ``spec``, or ``missing`` for ``None``."""
+  return missing if x is None else format(x, spec)
+
+
+def loads(before: str, after: str) -> str:
+  """``B → A``: the 1-minute load averages of ``before`` and ``after`` (``uptime``'s text)."""
+  return f"{before.split(',')[0]} → {after.split(',')[0]}"
 
 
 def mib(nbytes: float) -> str:

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -45,6 +46,9 @@ MIN_BURST = 32 * 1024
 
 PORT = 5201
 """The TCP port of :meth:`Link.measure_rate`'s receiver."""
+
+PROBE_TIMEOUT = 600
+"""Seconds the two processes of a probe may take."""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The checkout, first on the ``PYTHONPATH`` of :meth:`Link.run_pair`'s processes."""
@@ -178,40 +182,56 @@ def environment() -> dict[str, str]:
   return env
 
 
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-  """The hidden arguments a probe passes to each process of its pair (see :func:`probe_start`)."""
-  for name, kind in (("--worker", int), ("--coordinator", str), ("--device", str),
+def probe_main(argv: list[str], module: str, doc: str, port: int,
+               options: dict[str, dict[str, Any]], worker: Callable[[argparse.Namespace], Any],
+               drive: Callable[[argparse.Namespace, Callable[[Link], Any]], Any]) -> int:
+  """A probe's ``main``: its flags (``--out``, default ``benchmarks/results/PROBE.json``,
+  ``--port``, then ``options``, ``{flag: argparse keywords}``). As process ``--worker`` of the
+  pair, writes ``worker(args)`` as JSON to ``--result``; where :func:`unavailable` gives a
+  reason, prints it; otherwise writes ``drive(args, pair)`` to ``--out``, ``pair(link)`` running
+  ``python -m module`` as process 0 in namespace a and 1 in b (with the same options, the
+  coordinator at a's ``--port``) and returning both processes' results (raises
+  ``RuntimeError`` if one fails). Returns 0."""
+  parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+  parser.add_argument("--out", default=os.path.join(RESULTS, module.rsplit(".", 1)[1] + ".json"),
+                      help="a JSON file for the results")
+  parser.add_argument("--port", type=int, default=port, help="the coordinator's port")
+  for flag, kwargs in options.items():
+    parser.add_argument(flag, **kwargs)
+  for flag, kind in (("--worker", int), ("--coordinator", str), ("--device", str),
                      ("--result", str)):
-    parser.add_argument(name, type=kind, help=argparse.SUPPRESS)
-
-
-def probe_start(args: argparse.Namespace,
-                worker: Callable[[argparse.Namespace], dict[str, Any]]) -> int | None:
-  """The start of a probe's ``main``: as process ``--worker`` of the pair, runs ``worker(args)``,
-  writes its result as JSON to ``--result`` and returns 0; where :func:`unavailable` gives a
-  reason, prints it and returns 0; otherwise returns None and the probe goes on."""
+    parser.add_argument(flag, type=kind, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
   if args.worker is not None:
     with open(args.result, "w") as f:
       json.dump(worker(args), f)
     return 0
-  return 0 if skipped() else None
+  if skipped():
+    return 0
+  forwarded = []
+  for flag in options:
+    value = getattr(args, flag[2:].replace("-", "_"))
+    forwarded += [flag, *map(str, value if isinstance(value, list) else [value])]
 
+  def pair(link: Link) -> list[Any]:
+    with tempfile.TemporaryDirectory() as logs:
+      paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
+      link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
+                      f"{link.addresses['a']}:{args.port}", "--device", link.devices[side],
+                      "--result", path, *forwarded]
+                     for i, (side, path) in enumerate(zip("ab", paths))],
+                    logs, PROBE_TIMEOUT, what="the probe")
+      results = []
+      for path in paths:
+        with open(path) as f:
+          results.append(json.load(f))
+      return results
 
-def run_probe(link: Link, module: str, port: int, options: list[str], logs: str,
-              timeout: float) -> list[dict[str, Any]]:
-  """Runs the probe ``python -m module`` as process 0 in namespace a and process 1 in b (each with
-  ``--worker``, ``--coordinator`` at a's ``port``, its ``--device`` and ``--result``, then
-  ``options``); both processes' results (raises ``RuntimeError`` if one fails)."""
-  paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
-  link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
-                  f"{link.addresses['a']}:{port}", "--device", link.devices[side], "--result",
-                  path, *options] for i, (side, path) in enumerate(zip("ab", paths))],
-                logs, timeout, what="the probe")
-  results = []
-  for path in paths:
-    with open(path) as f:
-      results.append(json.load(f))
-  return results
+  result = drive(args, pair)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {args.out}")
+  return 0
 
 
 def process_devices() -> list[list[Any]]:

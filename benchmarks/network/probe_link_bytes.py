@@ -43,11 +43,10 @@ benchmarks.network.probe_link_bytes [--sizes 1000000 4000000] [--repeats 20] [--
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -66,7 +65,6 @@ SIZES = (1_000_000, 4_000_000)
 REPEATS = 20
 PORT = 7714
 """The coordination service's port."""
-TIMEOUT = 600
 FRAME_OVERHEAD = 66
 """The network study's headers per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 IDLE_SECONDS = 1.0
@@ -92,11 +90,16 @@ def read_counters(device: str) -> dict[str, Any]:
     with open(os.path.join(stats, key)) as f:
       out[key] = int(f.read())
   with open("/proc/net/snmp") as f:
-    tcp = [line.split() for line in f if line.startswith("Tcp:")]
-  fields = dict(zip(tcp[0][1:], tcp[1][1:], strict=True))
-  out["OutSegs"], out["RetransSegs"] = int(fields["OutSegs"]), int(fields["RetransSegs"])
+    out |= tcp_counters(f.read())
   out["connections"] = connections()
   return out
+
+
+def tcp_counters(snmp: str) -> dict[str, int]:
+  """``Tcp`` ``OutSegs`` and ``RetransSegs`` of the text of ``/proc/net/snmp``."""
+  names, values = (line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:"))
+  fields = dict(zip(names, values, strict=True))
+  return {k: int(fields[k]) for k in ("OutSegs", "RetransSegs")}
 
 
 def connections() -> dict[str, dict[str, int]]:
@@ -142,10 +145,10 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 # --- In each process ----------------------------------------------------------------------------
 
 
-def worker(process_id: int, coordinator: str, device: str, args: argparse.Namespace
-           ) -> dict[str, Any]:
-  """Process ``process_id``'s counter differences per measurement."""
-  init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+  """Process ``--worker``'s counter differences per measurement."""
+  process_id, device = args.worker, args.device
+  init_jax(DEVICES, 2, process_id, args.coordinator)  # gloo collectives, as the command's processes
   both = netns.process_devices()
   local = both[process_id]
   meshes = {"pair": Mesh(np.array([devs[0] for devs in both]), ("replica",)),
@@ -217,27 +220,15 @@ def worker(process_id: int, coordinator: str, device: str, args: argparse.Namesp
 # --- The driver ---------------------------------------------------------------------------------
 
 
-def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
-  """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
-  return netns.run_probe(link, "benchmarks.network.probe_link_bytes", args.port,
-                         ["--repeats", str(args.repeats), "--sizes", *map(str, args.sizes)], tmp,
-                         TIMEOUT)
-
-
-def snmp(link: netns.Link, side: str) -> dict[str, int]:
-  """``Tcp`` ``OutSegs`` and ``RetransSegs`` of namespace ``side``."""
-  tcp = [line.split() for line in link.run(side, ["cat", "/proc/net/snmp"]).splitlines()
-         if line.startswith("Tcp:")]
-  fields = dict(zip(tcp[0][1:], tcp[1][1:], strict=True))
-  return {k: int(fields[k]) for k in ("OutSegs", "RetransSegs")}
-
-
 def plain_tcp(link: netns.Link, nbytes: int) -> dict[str, Any]:
   """A TCP transfer of ``nbytes`` from ``b`` to ``a``: the sender's veth and ``Tcp`` counters,
   and the header bytes per packet they imply."""
-  before, segs = link.counters()["b"], snmp(link, "b")
+  def snmp():
+    return tcp_counters(link.run("b", ["cat", "/proc/net/snmp"]))
+
+  before, segs = link.counters()["b"], snmp()
   link.measure_rate("b", nbytes)
-  after, segs_after = link.counters()["b"], snmp(link, "b")
+  after, segs_after = link.counters()["b"], snmp()
   d = {k: after[k] - before[k] for k in ("tx_bytes", "tx_packets")}
   d |= {k: segs_after[k] - segs[k] for k in segs}
   d["nbytes"] = nbytes
@@ -296,37 +287,28 @@ def report(tcp: dict[str, Any], table: list[dict[str, Any]], load: list[float]) 
   return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
-                      help="bytes each process all-reduces")
-  parser.add_argument("--repeats", type=int, default=REPEATS)
-  parser.add_argument("--rate", default="unshaped", help="the link's rate, e.g. 100mbit")
-  parser.add_argument("--out", default=os.path.join(netns.RESULTS, "probe_link_bytes.json"),
-                      help="a JSON file for the results")
-  parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
-  netns.add_worker_arguments(parser)
-  args = parser.parse_args(argv)
-
-  done = netns.probe_start(args, lambda a: worker(a.worker, a.coordinator, a.device, a))
-  if done is not None:
-    return done
-  if subprocess.run(["which", "ss"], capture_output=True).returncode != 0:
-    print("skipped: ss not found; install iproute2 (apt-get install -y iproute2)")
-    return 0
-  with netns.Link(rate=args.rate) as link, tempfile.TemporaryDirectory() as tmp:
+def drive(args: argparse.Namespace, pair: Any) -> dict[str, Any]:
+  """The plain TCP transfer and both processes' measurements over a link at ``--rate``."""
+  with netns.Link(rate=args.rate) as link:
     load = [os.getloadavg()[0]]
     tcp = plain_tcp(link, args.repeats * max(args.sizes))
-    results = measure(link, args, tmp)
+    results = pair(link)
     load.append(os.getloadavg()[0])
   table = rows(results, args.repeats, tcp["header_per_packet"])
   print(report(tcp, table, load))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"rate": args.rate, "repeats": args.repeats, "load_average": load, "tcp": tcp,
-                 "rows": table, "raw": results}, f, indent=1)
-    print(f"wrote {args.out}")
-  return 0
+  return {"rate": args.rate, "repeats": args.repeats, "load_average": load, "tcp": tcp,
+          "rows": table, "raw": results}
+
+
+def main(argv: list[str]) -> int:
+  if shutil.which("ss") is None:
+    print("skipped: ss not found; install iproute2 (apt-get install -y iproute2)")
+    return 0
+  return netns.probe_main(argv, "benchmarks.network.probe_link_bytes", __doc__, PORT, {
+    "--sizes": {"type": int, "nargs": "+", "default": list(SIZES),
+                "help": "bytes each process all-reduces"},
+    "--repeats": {"type": int, "default": REPEATS},
+    "--rate": {"default": "unshaped", "help": "the link's rate, e.g. 100mbit"}}, worker, drive)
 
 
 if __name__ == "__main__":
