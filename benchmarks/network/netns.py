@@ -23,6 +23,7 @@ achieves in each direction: ``python -m benchmarks.network.netns 10mbit 100mbit`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -133,43 +134,26 @@ def _run(*argv: str) -> str:
   return done.stdout
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def namespaces() -> list[str]:
   """The names of the network namespaces ``ip netns list`` shows."""
   return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
 
 
-def remove_stale(prefix: str = PREFIX) -> list[str]:
-  """Removes the namespaces of ``prefix`` whose creating process has exited; their names."""
-  removed = []
+def remove_stale() -> None:
+  """Removes the namespaces of :data:`PREFIX` whose creating process has exited."""
   for name in namespaces():
-    match = re.fullmatch(rf"{re.escape(prefix)}-[ab]-(\d+)", name)
-    if match and not _alive(int(match[1])):
+    match = re.fullmatch(rf"{PREFIX}-[ab]-(\d+)", name)
+    if match and not os.path.exists(f"/proc/{match[1]}"):
       _remove_namespace(name)
-      removed.append(name)
-  return removed
 
 
 def _remove_namespace(name: str) -> None:
   """Kills the processes in namespace ``name``, deletes it and its ``/etc/netns`` directory."""
-  try:
-    pids = _run("ip", "netns", "pids", name).split()
-  except RuntimeError:
-    pids = []
-  for pid in pids:
-    try:
+  pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                        check=False).stdout
+  for pid in pids.split():
+    with contextlib.suppress(ProcessLookupError):
       os.kill(int(pid), signal.SIGKILL)
-    except (ProcessLookupError, ValueError):
-      pass
   subprocess.run(["ip", "netns", "del", name], capture_output=True)
   shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
 
@@ -247,8 +231,6 @@ class Link:
 
   Args:
     rate: tc's rate, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc.
-    latency: tbf's ``latency`` (the queue's longest wait).
-    prefix: the first part of the namespaces' names.
 
   Attributes:
     names: ``{"a": namespace, "b": namespace}``.
@@ -259,10 +241,10 @@ class Link:
     Unavailable: see :func:`unavailable`, or ``ip netns add`` failed (no namespace support).
   """
 
-  def __init__(self, rate: str | None = None, latency: str = LATENCY, prefix: str = PREFIX):
+  def __init__(self, rate: str | None = None):
     pid = os.getpid()
-    self.rate, self.latency = rate, latency
-    self.names = {side: f"{prefix}-{side}-{pid}" for side in "ab"}
+    self.rate = rate
+    self.names = {side: f"{PREFIX}-{side}-{pid}" for side in "ab"}
     self.devices = {side: f"od{pid}{side}" for side in "ab"}
     subnet = f"10.213.{pid % 256}"
     self.addresses = {"a": f"{subnet}.1", "b": f"{subnet}.2"}
@@ -291,10 +273,8 @@ class Link:
       raise SystemExit(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
-      try:
+      with contextlib.suppress(ValueError):  # not the main thread
         self._previous_handlers[signum] = signal.signal(signum, leave)
-      except ValueError:  # not the main thread
-        pass
 
   def _create(self) -> None:
     host = socket.gethostname()
@@ -317,16 +297,16 @@ class Link:
       self.run(side, ["ip", "link", "set", "lo", "up"])
     self.shape(self.rate)
 
-  def shape(self, rate: str | None, latency: str | None = None) -> None:
+  def shape(self, rate: str | None) -> None:
     """Shapes both directions at ``rate`` (``None``/``"unshaped"``: removes the shaping)."""
-    self.rate, self.latency = rate, latency or self.latency
+    self.rate = rate
     for side in "ab":
       dev = self.devices[side]
       subprocess.run(["ip", "netns", "exec", self.names[side], "tc", "qdisc", "del", "dev", dev,
                       "root"], capture_output=True)  # fails if there is none
       if bits_per_second(rate) is not None:
         self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
-                        str(burst(rate)), "latency", self.latency])
+                        str(burst(rate)), "latency", LATENCY])
 
   def close(self) -> None:
     """Removes the namespaces (killing what runs in them), the veth pair and ``/etc/netns``."""
@@ -336,17 +316,13 @@ class Link:
       signal.signal(signum, handler)
     self._previous_handlers.clear()
 
-  def command(self, side: str, argv: list[str]) -> list[str]:
-    """``argv`` run in namespace ``side`` (``"a"`` or ``"b"``): ``ip netns exec NAME *argv``."""
-    return ["ip", "netns", "exec", self.names[side], *argv]
-
   def run(self, side: str, argv: list[str]) -> str:
     """Runs ``argv`` in namespace ``side``; its stdout (raises ``RuntimeError`` on failure)."""
-    return _run(*self.command(side, argv))
+    return _run("ip", "netns", "exec", self.names[side], *argv)
 
   def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:
     """Starts ``argv`` in namespace ``side`` (``subprocess.Popen``'s ``kwargs``)."""
-    return subprocess.Popen(self.command(side, argv), **kwargs)
+    return subprocess.Popen(["ip", "netns", "exec", self.names[side], *argv], **kwargs)
 
   def run_pair(self, argvs: list[list[str]], logs: str, timeout: float, what: str = "") -> None:
     """Runs ``argvs[0]`` in namespace a and ``argvs[1]`` in b at once, from :data:`ROOT` in
@@ -392,21 +368,13 @@ class Link:
       out[side] = {k: int(v) for k, v in zip(keys, values, strict=True)}
     return out
 
-  def transfer_size(self) -> int:
-    """The bytes :meth:`measure_rate` sends: about 1 s at the rate, 1 to 64 MiB."""
-    rate = bits_per_second(self.rate)
-    if rate is None:
-      return 64 << 20
-    return int(min(max(rate / 8, 1 << 20), 64 << 20))
-
-  def measure_rate(self, sender: str = "b", nbytes: int | None = None,
-                   timeout: float = 120) -> float:
-    """The rate, in bits per second, of a TCP transfer of ``nbytes`` from ``sender``'s side.
-
-    The receiver, in the other namespace, times from the first byte it receives to the last.
-    """
+  def measure_rate(self, sender: str = "b", nbytes: int | None = None) -> float:
+    """The rate, in bits per second, of a TCP transfer of ``nbytes`` (default: about 1 s at the
+    rate, 1 to 64 MiB) from ``sender``'s side. The receiver, in the other namespace, times from
+    the first byte it receives to the last."""
     receiver = "a" if sender == "b" else "b"
-    nbytes = nbytes or self.transfer_size()
+    rate = bits_per_second(self.rate) or 8 * (64 << 20)
+    nbytes = nbytes or int(min(max(rate / 8, 1 << 20), 64 << 20))
     address = self.addresses[receiver]
     listen = self.popen(receiver, [sys.executable, "-c", _RECEIVER, address, str(PORT)],
                         stdout=subprocess.PIPE, text=True)
@@ -414,7 +382,7 @@ class Link:
       if listen.stdout.readline().strip() != "ready":
         raise RuntimeError("the rate measurement's receiver did not start")
       self.run(sender, [sys.executable, "-c", _SENDER, address, str(PORT), str(nbytes)])
-      out, _ = listen.communicate(timeout=timeout)
+      out, _ = listen.communicate(timeout=120)
     finally:
       if listen.poll() is None:
         listen.kill()
