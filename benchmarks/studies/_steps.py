@@ -242,6 +242,11 @@ def time_variants(problem: Problem, adam: Any, variants: Sequence[Variant], roun
           "load_before": compiling.load_before, "load_after": timing.load_after}
 
 
+def ratio_cell(row: dict[str, Any]) -> str:
+  """A row's median wall ratio over adam's, in bold, and its interquartile range."""
+  return f"**{row['ratio']:.3f}** ({row['q1']:.2f}–{row['q3']:.2f})"
+
+
 def ratio_plot(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]], target: float,
                xlabel: str, title: str, path: str) -> None:
   """Each row's median ratio over adam's with its interquartile range, a bar per group."""

@@ -17,7 +17,8 @@ import optax
 
 import optax_dist
 from benchmarks import kit
-from benchmarks.studies._steps import AXIS, Problem, Variant, ratio_plot, time_variants
+from benchmarks.studies._steps import (AXIS, Problem, Variant, ratio_cell, ratio_plot,
+                                       time_variants)
 from optax_dist.cli.models import MLP
 
 FEATURES = 784
@@ -246,8 +247,7 @@ def overhead_markdown(result: dict[str, Any]) -> str:
     cells = [f"`{row['label']}`", row["phase"]]
     for s in sizes:
       r = s["rows"][j]
-      cells += [f"{r['ms']:.1f}", f"**{r['ratio']:.3f}** ({r['q1']:.2f}–{r['q3']:.2f})",
-                f"{r['cpu_ratio']:.3f}"]
+      cells += [f"{r['ms']:.1f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}"]
     cells.append(kit.mib(last["rows"][j]["copies"]))
     if row["communicates"]:
       cells.append("n/a: communication step")
