@@ -8,6 +8,7 @@ driver (``python -m benchmarks``) imports it first, so every study imports JAX a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -123,17 +124,14 @@ def run_bytes(result: Mapping[str, Any], s: Settings, cost: Callable = total) ->
   steps, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
   program = 0.0
   if "exchange" in steps:
-    each = [cost(b, n, True) for b, n in zip(steps["exchange"]["conditional"],
-                                             steps["exchange"]["operands"]["conditional"],
-                                             strict=True)]
-    program = statistics.mean(each)
+    exchange = steps["exchange"]
+    program = statistics.mean(cost(b, n, True) for b, n in zip(
+      exchange["conditional"], exchange["operands"]["conditional"], strict=True))
   sent, cumulative = 0.0, []
   for t in range(1, s.steps + 1):
     flag = algorithm.communicates(s, t)
-    if "every_step" in steps:
-      sent += step_bytes(steps, "every_step", cost)
-    else:
-      sent += step_bytes(steps, "communication_step" if flag else "non_communication_step", cost)
+    kind = "communication_step" if flag else "non_communication_step"
+    sent += step_bytes(steps, "every_step" if "every_step" in steps else kind, cost)
     sent += program if flag else 0.0
     cumulative.append(sent)
   return cumulative
@@ -164,18 +162,16 @@ def tree_bytes(tree: Any) -> int:
 
 def machine() -> dict[str, str]:
   """The CPU model (``/proc/cpuinfo``), the core count and the memory (``/proc/meminfo``)."""
-  info = {"cpu": platform.processor() or platform.machine(), "memory": "unknown"}
-  for path, key, read in (
-      ("/proc/cpuinfo", "model name", lambda v: v.strip()),
-      ("/proc/meminfo", "MemTotal", lambda v: f"{int(v.split()[0]) / 2**20:.1f} GiB")):
-    try:
-      with open(path) as f:
-        line = next((x for x in f if x.startswith(key)), None)
-    except OSError:
-      continue
-    if line is not None:
-      info["cpu" if key == "model name" else "memory"] = read(line.split(":", 1)[1])
-  return {"cpu": info["cpu"], "cores": str(os.cpu_count()), "memory": info["memory"]}
+
+  def read(path: str, key: str) -> str | None:
+    with contextlib.suppress(OSError), open(path) as f:
+      return next((x.split(":", 1)[1].strip() for x in f if x.startswith(key)), None)
+    return None
+
+  memory = read("/proc/meminfo", "MemTotal")
+  return {"cpu": read("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+          "cores": str(os.cpu_count()),
+          "memory": "unknown" if memory is None else f"{int(memory.split()[0]) / 2**20:.1f} GiB"}
 
 
 def versions() -> dict[str, str]:
@@ -187,10 +183,7 @@ def versions() -> dict[str, str]:
 
 def load_average() -> str:
   """The 1-, 5- and 15-minute load averages, as ``uptime`` prints them."""
-  try:
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-  except OSError:
-    return "unknown"
+  return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def load_text(result: Mapping[str, Any], cpu: bool = True) -> str:

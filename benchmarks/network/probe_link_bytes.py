@@ -105,25 +105,18 @@ def tcp_counters(snmp: str) -> dict[str, int]:
 def connections() -> dict[str, dict[str, int]]:
   """``{"local peer": {"bytes_sent", "data_segs_out", "retrans"}}`` of this namespace's TCP
   connections other than loopback ones, from ``ss -tin``."""
-  text = subprocess.run(["ss", "-tinH"], capture_output=True, text=True).stdout
+  text = subprocess.run(["ss", "-tinH"], capture_output=True, text=True, check=False).stdout
   out, key = {}, None
   for line in text.splitlines():
-    if not line.startswith((" ", "\t")):
-      parts = line.split()
-      key = f"{parts[3]} {parts[4]}" if len(parts) >= 5 else None
-      if key and (parts[3].startswith("127.") or parts[4].startswith("127.")):
-        key = None
-      continue
-    if key is None:
-      continue
-    info = {"bytes_sent": 0, "data_segs_out": 0, "retrans": 0}
-    for token in line.split():
-      name, _, value = token.partition(":")
-      if name in ("bytes_sent", "data_segs_out"):
-        info[name] = int(value)
-      elif name == "retrans":  # retrans:NOW/TOTAL
-        info[name] = int(value.split("/")[-1])
-    out[key] = info
+    if not line[:1].isspace():  # a connection: state, queues, local and peer addresses
+      ends = line.split()[3:5]
+      loopback = any(e.startswith("127.") for e in ends)
+      key = " ".join(ends) if len(ends) == 2 and not loopback else None
+    elif key is not None:  # its details: NAME:VALUE tokens
+      info = dict(token.partition(":")[::2] for token in line.split())
+      out[key] = {"bytes_sent": int(info.get("bytes_sent", 0)),
+                  "data_segs_out": int(info.get("data_segs_out", 0)),
+                  "retrans": int(info.get("retrans", "0").split("/")[-1])}  # retrans:NOW/TOTAL
   return out
 
 
@@ -131,9 +124,8 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
   """``after - before``, with the connections' bytes summed per kind (a connection absent before
   counts from 0)."""
   out = {k: after[k] - before[k] for k in after if k != "connections"}
-  for kind in ("coordination", "gloo"):
-    for field in ("bytes_sent", "data_segs_out", "retrans"):
-      out[f"{kind}_{field}"] = 0
+  out |= {f"{kind}_{field}": 0 for kind in ("coordination", "gloo")
+          for field in ("bytes_sent", "data_segs_out", "retrans")}
   for key, info in after["connections"].items():
     kind = "coordination" if any(a.endswith(f":{PORT}") for a in key.split()) else "gloo"
     old = before["connections"].get(key, {})
@@ -244,21 +236,17 @@ def rows(results: list[dict[str, Any]], repeats: int, header: float) -> list[dic
     direction = "a->b" if proc["process"] == 0 else "b->a"
     for r in proc["results"]:
       count = repeats if r["kind"] != "idle" else 1
-      size = r["size"] or 1
       row = {"name": r["name"], "operands": r["operands"], "size": r["size"],
-             "direction": direction,
-             "seconds": r["seconds"], "correct": r.get("correct")}
-      row["tx_bytes"] = r["tx_bytes"] / count
-      row["tx_packets"] = r["tx_packets"] / count
-      row["bytes_per_packet"] = r["tx_bytes"] / max(r["tx_packets"], 1)
-      row["out_segs"] = r["OutSegs"] / count
-      row["retrans"] = r["RetransSegs"]
-      row["gloo_bytes"] = r["gloo_bytes_sent"] / count
-      row["coordination_bytes"] = r["coordination_bytes_sent"] / count
-      row["payload_66"] = (r["tx_bytes"] - FRAME_OVERHEAD * r["tx_packets"]) / count
-      row["payload_measured"] = (r["tx_bytes"] - header * r["tx_packets"]) / count
+             "direction": direction, "seconds": r["seconds"], "correct": r.get("correct"),
+             "tx_bytes": r["tx_bytes"] / count, "tx_packets": r["tx_packets"] / count,
+             "bytes_per_packet": r["tx_bytes"] / max(r["tx_packets"], 1),
+             "out_segs": r["OutSegs"] / count, "retrans": r["RetransSegs"],
+             "gloo_bytes": r["gloo_bytes_sent"] / count,
+             "coordination_bytes": r["coordination_bytes_sent"] / count,
+             "payload_66": (r["tx_bytes"] - FRAME_OVERHEAD * r["tx_packets"]) / count,
+             "payload_measured": (r["tx_bytes"] - header * r["tx_packets"]) / count}
       for k in ("tx_bytes", "gloo_bytes", "payload_66", "payload_measured"):
-        row[f"{k}/S"] = row[k] / size if r["size"] else None
+        row[f"{k}/S"] = row[k] / r["size"] if r["size"] else None
       out.append(row)
   return out
 
