@@ -17,8 +17,7 @@ import optax
 
 import optax_dist
 from benchmarks import kit
-from benchmarks.studies._steps import (AXIS, Problem, Variant, ratio_cell, ratio_plot,
-                                       time_variants)
+from benchmarks.studies._steps import AXIS, Problem, Variant, ratio_cell, ratio_plot, time_variants
 from optax_dist.cli.models import MLP
 
 FEATURES = 784
