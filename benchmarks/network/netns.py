@@ -48,6 +48,9 @@ MIN_BURST = 32 * 1024
 PORT = 5201
 """The TCP port of :meth:`Link.measure_rate`'s receiver."""
 
+FRAME_OVERHEAD = 66
+"""Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
+
 PROBE_TIMEOUT = 600
 """Seconds the two processes of a probe may take."""
 

@@ -1,8 +1,8 @@
 """What a cross-process all-reduce over gloo puts on the veth, byte for byte.
 
-The network study compares the bytes each veth sent, less :data:`FRAME_OVERHEAD` bytes of
-headers per transmitted packet, with the bytes its model of the compiled collectives predicts (a
-two-rank all-reduce sends its operand's bytes once each way). This probe measures, in isolation,
+The network study compares the bytes each veth sent, less :data:`netns.FRAME_OVERHEAD` bytes
+of headers per transmitted packet, with the bytes its model of the compiled collectives predicts
+(a two-rank all-reduce sends its operand's bytes once each way). This probe measures, in isolation,
 what that comparison rests on, with two ``jax.distributed`` processes (gloo CPU collectives,
 :data:`DEVICES` emulated CPU devices each) in two network namespaces joined by a veth pair
 (:mod:`netns`), process 0 and the coordinator in ``a``, process 1 in ``b``:
@@ -28,7 +28,7 @@ reads, in its own namespace: its veth's ``tx_bytes``, ``tx_packets``, ``rx_bytes
 ``rx_packets``; ``/proc/net/snmp``'s ``Tcp`` ``OutSegs`` and ``RetransSegs``; and ``ss -tin``'s
 per-connection ``bytes_sent`` and ``data_segs_out``, split into the connections to the
 coordination service (:data:`PORT`) and the others (gloo's). Reported per all-reduce and direction:
-the veth's bytes over ``S``, the veth's bytes less :data:`FRAME_OVERHEAD` per packet over ``S``
+the veth's bytes over ``S``, the veth's bytes less ``FRAME_OVERHEAD`` per packet over ``S``
 (the network study's payload), gloo's TCP bytes over ``S``, packets, mean bytes per packet and
 retransmitted segments; and ``payload_per_S - 1`` explained by the headers
 (``packets * header`` against the measured header size).
@@ -65,8 +65,6 @@ SIZES = (1_000_000, 4_000_000)
 REPEATS = 20
 PORT = 7714
 """The coordination service's port."""
-FRAME_OVERHEAD = 66
-"""The network study's headers per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 IDLE_SECONDS = 1.0
 TRAINER_OPERANDS = (1536, 24, 24, 6144, 6144, 64, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24,
                     24, 24, 24, 9216, 24, 9216, 96, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24,
@@ -243,7 +241,7 @@ def rows(results: list[dict[str, Any]], repeats: int, header: float) -> list[dic
              "out_segs": r["OutSegs"] / count, "retrans": r["RetransSegs"],
              "gloo_bytes": r["gloo_bytes_sent"] / count,
              "coordination_bytes": r["coordination_bytes_sent"] / count,
-             "payload_66": (r["tx_bytes"] - FRAME_OVERHEAD * r["tx_packets"]) / count,
+             "payload_66": (r["tx_bytes"] - netns.FRAME_OVERHEAD * r["tx_packets"]) / count,
              "payload_measured": (r["tx_bytes"] - header * r["tx_packets"]) / count}
       for k in ("tx_bytes", "gloo_bytes", "payload_66", "payload_measured"):
         row[f"{k}/S"] = row[k] / r["size"] if r["size"] else None

@@ -81,8 +81,6 @@ BATCH = 8
 EVAL_EVERY = 20
 TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
-FRAME_OVERHEAD = 66
-"""Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 GLOO_OPERAND_BYTES = 576
 """Bytes gloo sends beyond an all-reduce operand's own, per operand and direction between two
 processes (measured by ``probe_link_bytes.py`` with jax 0.10.2's gloo: 12 TCP segments per
@@ -215,9 +213,9 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def payload(run: dict[str, Any], side: str = "a") -> float:
-  """TCP payload bytes ``side`` sent: the veth's bytes less :data:`FRAME_OVERHEAD` per packet."""
-  other = "b" if side == "a" else "a"
-  return run[f"bytes_{side}_to_{other}"] - FRAME_OVERHEAD * run[f"packets_{side}_to_{other}"]
+  """TCP payload bytes ``side`` sent: the veth's bytes less the headers of its packets."""
+  to = f"{side}_to_{'b' if side == 'a' else 'a'}"
+  return run[f"bytes_{to}"] - netns.FRAME_OVERHEAD * run[f"packets_{to}"]
 
 
 def time_to(run: dict[str, Any], target: float) -> float | None:
