@@ -115,12 +115,9 @@ def step_bytes(steps: Mapping[str, Any], kind: str, cost: Callable = total) -> f
 
 def run_bytes(result: Mapping[str, Any], s: Settings, cost: Callable = total) -> list[float]:
   """The bytes sent after each step of a trainer's run (``result``, with settings ``s``):
-  :func:`step_bytes` of the step the algorithm's schedule runs at each step; with
-  ``--exchange-device``, each exchanging step also runs one exchange program (their mean).
-
-  ``cost(by_axes, operands, exchange)`` gives the bytes of one execution from the collectives'
-  bytes and operand counts by mesh axes (``exchange``: an exchange program's); default
-  :func:`total`."""
+  :func:`step_bytes` of the step the algorithm's schedule runs at each step, plus with
+  ``--exchange-device`` the mean exchange program's on each exchanging step. ``cost(by_axes,
+  operands, exchange)``: the bytes of one execution (``exchange``: an exchange program's)."""
   steps, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
   program = 0.0
   if "exchange" in steps:
@@ -226,8 +223,7 @@ class Timed:
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
-  """A field of a study's ``Config``: its default, and the help (and ``argparse`` keywords, e.g.
-  ``metavar``) of the flag ``--NAME`` the driver makes of it."""
+  """A field of a study's ``Config``: its default, and its flag's help and argparse keywords."""
   return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
@@ -235,8 +231,7 @@ def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
-  """A Markdown table; ``align`` is one character per column, ``l`` or ``r`` (default: ``l`` then
-  ``r``)."""
+  """A Markdown table; ``align``: ``l`` or ``r`` per column (default: ``l`` then ``r``)."""
   align = align or "l" + "r" * (len(header) - 1)
   rule = ["---:" if a == "r" else "---" for a in align]
   lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
@@ -293,8 +288,7 @@ def write_json(path: str, value: Any) -> None:
 
 def write_report(result: Any, prefix: str, plot: Callable[[Any, str], None] | None,
                  markdown: Callable[[Any, str], str]) -> str:
-  """Draws ``plot(result, PREFIX.png)`` (if ``plot``), writes ``markdown(result, "PREFIX.png")``
-  (the figure named relative to the Markdown) to ``PREFIX.md`` and returns that Markdown."""
+  """Draws ``PREFIX.png`` (if ``plot``), writes ``PREFIX.md`` and returns that Markdown."""
   if plot is not None:
     plot(result, f"{prefix}.png")
   text = markdown(result, os.path.basename(f"{prefix}.png"))

@@ -172,13 +172,10 @@ def environment() -> dict[str, str]:
 def probe_main(argv: list[str], module: str, doc: str, port: int,
                options: dict[str, dict[str, Any]], worker: Callable[[argparse.Namespace], Any],
                drive: Callable[[argparse.Namespace, Callable[[Link], Any]], Any]) -> int:
-  """A probe's ``main``: its flags (``--out``, default ``benchmarks/results/PROBE.json``,
-  ``--port``, then ``options``, ``{flag: argparse keywords}``). As process ``--worker`` of the
-  pair, writes ``worker(args)`` as JSON to ``--result``; where :func:`unavailable` gives a
-  reason, prints it; otherwise writes ``drive(args, pair)`` to ``--out``, ``pair(link)`` running
-  ``python -m module`` as process 0 in namespace a and 1 in b (with the same options, the
-  coordinator at a's ``--port``) and returning both processes' results (raises
-  ``RuntimeError`` if one fails). Returns 0."""
+  """A probe's ``main`` (flags ``--out``, ``--port`` and ``options``): as process ``--worker``,
+  writes ``worker(args)`` to ``--result``; otherwise (if :func:`unavailable` says nothing) writes
+  ``drive(args, pair)`` to ``--out``, ``pair(link)`` running the probe as process 0 in namespace a
+  and 1 in b and returning both processes' results (``RuntimeError`` if one fails)."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
   parser.add_argument("--out", default=os.path.join(RESULTS, module.rsplit(".", 1)[1] + ".json"),
                       help="a JSON file for the results")
@@ -232,16 +229,9 @@ def process_devices() -> list[list[Any]]:
 class Link:
   """Namespaces ``a`` and ``b`` and a veth pair between them shaped at ``rate`` each way.
 
-  Args:
-    rate: tc's rate, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc.
-
-  Attributes:
-    names: ``{"a": namespace, "b": namespace}``.
-    devices: ``{"a": veth in a, "b": veth in b}``.
-    addresses: ``{"a": "10.213.X.1", "b": "10.213.X.2"}``.
-
-  Raises (on entering):
-    Unavailable: see :func:`unavailable`, or ``ip netns add`` failed (no namespace support).
+  ``rate``: tc's, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc. ``names``,
+  ``devices`` and ``addresses``: the namespaces, veths and addresses by side. Entering raises
+  :class:`Unavailable` (see :func:`unavailable`, or ``ip netns add`` failed).
   """
 
   def __init__(self, rate: str | None = None):
@@ -329,12 +319,8 @@ class Link:
 
   def run_pair(self, argvs: list[list[str]], logs: str, timeout: float, what: str = "") -> None:
     """Runs ``argvs[0]`` in namespace a and ``argvs[1]`` in b at once, from :data:`ROOT` in
-    :func:`environment`, each writing ``LOGS/process{i}.log``; kills both after ``timeout``
-    seconds.
-
-    Raises:
-      RuntimeError: a process failed or timed out, with the last lines of each log.
-    """
+    :func:`environment`, each writing ``LOGS/process{i}.log``, killed after ``timeout`` seconds;
+    ``RuntimeError`` (with the last lines of each log) if one fails or times out."""
     env = environment()
     paths = [os.path.join(logs, f"process{i}.log") for i in range(len(argvs))]
     procs, deadline = [], time.perf_counter() + timeout

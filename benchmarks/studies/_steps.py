@@ -55,11 +55,10 @@ class Variant:
   def timed(self) -> Iterator[tuple[str, int | None, bool, int | None, bool | None]]:
     """``(phase, value, communicates, passes, hint)``: each phase with the counter rule, and
     (with ``hinted_why``) each again with the static hint."""
-    for phase, value, communicates, passes in self.phases:
-      yield phase, value, communicates, passes, None
-    if self.hinted_why is not None:
+    for hinted in (False, True) if self.hinted_why is not None else (False,):
       for phase, value, communicates, passes in self.phases:
-        yield f"{phase}, hint", value, communicates, passes, communicates
+        yield (f"{phase}, hint" if hinted else phase), value, communicates, passes, (
+          communicates if hinted else None)
 
 
 class Problem:
@@ -106,9 +105,8 @@ class Problem:
 
   def jitted(self, tx: Any, *, donate: bool = True, bound: bool = True, grad_step: bool = False,
              communicate: bool | None = None) -> Callable:
-    """The jitted step ``(params, opt_state, *batch) -> (params, opt_state, loss)`` of ``tx``;
-    ``bound``: ``shard_map``'ed over the mesh (else one device, no axis); ``grad_step``: passes
-    the state's ``global_step``; ``communicate``: the static hint (``None``: the counter rule)."""
+    """The jitted step ``(params, opt_state, *batch) -> (params, opt_state, loss)`` of ``tx``,
+    ``shard_map``'ed over the mesh if ``bound`` (else one device, no axis)."""
     loss_fn = self.loss_fn
 
     def step(params, opt_state, *batch):

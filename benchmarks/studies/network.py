@@ -148,28 +148,19 @@ def predicted_bytes(result: dict[str, Any], framing: int = GLOO_OPERAND_BYTES) -
 
 
 def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: int, period: int,
-             extra: list[str], timeout: float = TIMEOUT) -> dict[str, Any]:
+             extra: list[str]) -> dict[str, Any]:
   """One run over ``link``; its wall-clock, bytes, step times and curve (raises RuntimeError)."""
   os.makedirs(out, exist_ok=True)
   coordinator = f"{link.addresses['a']}:{port}"
-  load_before = os.getloadavg()
-  before = link.counters()
+  load_before, before = os.getloadavg(), link.counters()
   start = time.perf_counter()
   link.run_pair([command(algorithm, i, coordinator, out, steps=steps, period=period, extra=extra)
-                 for i in range(PROCESSES)], out, timeout, what=algorithm)
-  wall = time.perf_counter() - start
-  after = link.counters()
+                 for i in range(PROCESSES)], out, TIMEOUT, what=algorithm)
+  wall, after = time.perf_counter() - start, link.counters()
   with open(os.path.join(out, f"results_{algorithm}.json")) as f:
     result = json.load(f)["algorithms"][algorithm]
-  return summarize(result, wall, before, after, load_before, os.getloadavg())
-
-
-def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
-              load_before: tuple, load_after: tuple) -> dict[str, Any]:
-  """The numbers of one run kept in ``network_results.json``."""
   times, flags = result["step_times"], kit.exchanges(settings_of(result))
   history = result["history"]
-  elapsed = [sum(times[:s]) for s in history["step"]]
   # Step 1 is left out of the medians: its first calls set up the collectives.
   exchange = [t for s, (t, f) in enumerate(zip(times, flags)) if f and s > 0]
   local = [t for s, (t, f) in enumerate(zip(times, flags)) if not f and s > 0]
@@ -184,11 +175,11 @@ def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
     **counted, "predicted_bytes": predicted_bytes(result),
     "operand_bytes": predicted_bytes(result, framing=0),
     "collective_bytes": result["collective_bytes"],
-    "curve": {"step": history["step"], "train_s": elapsed,
+    "curve": {"step": history["step"], "train_s": [sum(times[:s]) for s in history["step"]],
               "bits_per_byte": history["test_bits_per_byte_eval_params"]},
     "bits_per_byte": result["test_bits_per_byte_eval_params"],
     "load_before": [round(x, 2) for x in load_before],
-    "load_after": [round(x, 2) for x in load_after],
+    "load_after": [round(x, 2) for x in os.getloadavg()],
   }
 
 
