@@ -161,14 +161,6 @@ def _remove_namespace(name: str) -> None:
   shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
 
 
-def environment() -> dict[str, str]:
-  """This process's environment with :data:`ROOT` first on ``PYTHONPATH``, no ``XLA_FLAGS``."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-  return env
-
-
 def probe_main(argv: list[str], module: str, doc: str, port: int,
                options: dict[str, dict[str, Any]], worker: Callable[[argparse.Namespace], Any],
                drive: Callable[[argparse.Namespace, Callable[[Link], Any]], Any]) -> int:
@@ -318,10 +310,11 @@ class Link:
     return subprocess.Popen(["ip", "netns", "exec", self.names[side], *argv], **kwargs)
 
   def run_pair(self, argvs: list[list[str]], logs: str, timeout: float, what: str = "") -> None:
-    """Runs ``argvs[0]`` in namespace a and ``argvs[1]`` in b at once, from :data:`ROOT` in
-    :func:`environment`, each writing ``LOGS/process{i}.log``, killed after ``timeout`` seconds;
-    ``RuntimeError`` (with the last lines of each log) if one fails or times out."""
-    env = environment()
+    """Runs ``argvs[0]`` in namespace a and ``argvs[1]`` in b at once, from :data:`ROOT` (first
+    on ``PYTHONPATH``, no ``XLA_FLAGS``), each writing ``LOGS/process{i}.log``, killed after
+    ``timeout`` seconds; ``RuntimeError`` (with the last lines of each log) if one fails."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     paths = [os.path.join(logs, f"process{i}.log") for i in range(len(argvs))]
     procs, deadline = [], time.perf_counter() + timeout
     try:

@@ -341,24 +341,22 @@ def target_lines(s: dict[str, Any]) -> list[str]:
   return lines
 
 
+def _cell(p: dict[str, Any] | None) -> str:
+  """A seed-0 run's final loss and its gap to data parallel."""
+  return "not run" if p is None else f"{p['loss']:.4f} ({kit.fmt(p['gap'], '+.1%')})"
+
+
 def sweep_table(s: dict[str, Any]) -> str:
   """The outer learning rate sweep: seed 0's final loss and gap at each swept M."""
   sweep = s["sweep"]
-  rows = []
-  for lr in next(iter(sweep.values())):
-    rows.append([f"{lr:g}"] + [
-      "not run" if sweep[m][lr] is None else
-      f"{sweep[m][lr]['loss']:.4f} ({kit.fmt(sweep[m][lr]['gap'], '+.1%')})" for m in sweep])
+  rows = [[f"{lr:g}", *(_cell(sweep[m][lr]) for m in sweep)] for lr in next(iter(sweep.values()))]
   return kit.table(["outer lr"] + [f"M = {m}" for m in sweep], rows)
 
 
 def momentum_table(s: dict[str, Any]) -> str:
   """The momentum runs beside each M's best run at :data:`OUTER_MOMENTUM` (seed 0)."""
-  def cell(p: dict[str, Any] | None) -> str:
-    return "not run" if p is None else f"{p['loss']:.4f} ({kit.fmt(p['gap'], '+.1%')})"
-
-  rows = [[f"M = {r['replicas']}", f"{r['outer_lr']:g}, {r['outer_momentum']:g}", cell(r["run"]),
-           f"{kit.fmt(r['default_lr'], 'g')}, {OUTER_MOMENTUM:g}", cell(r["default"])]
+  rows = [[f"M = {r['replicas']}", f"{r['outer_lr']:g}, {r['outer_momentum']:g}", _cell(r["run"]),
+           f"{kit.fmt(r['default_lr'], 'g')}, {OUTER_MOMENTUM:g}", _cell(r["default"])]
           for r in s["momenta"]]
   return kit.table(["", "outer lr, momentum", "val bits/byte (vs data parallel)",
                       "best lr, momentum", "val bits/byte (vs data parallel)"], rows, "llrlr")
