@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,6 +27,9 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import kit
 
 AXIS = "w"
+
+# XLA cannot use every buffer the steps donate, and JAX warns of it on every call.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
 @dataclasses.dataclass

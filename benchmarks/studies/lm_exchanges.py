@@ -29,6 +29,7 @@ left out) and the load average before and after.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -180,7 +181,7 @@ def quality_targets(result: dict[str, Any]) -> list[str]:
   streaming, reported), and what error feedback recovers; int8's recovery reported too."""
   runs = _by_label(result)
   lines = []
-  for family, fmt in [(f, x) for f in ("diloco", "streaming") for x in QUANTIZED]:
+  for family, fmt in itertools.product(("diloco", "streaming"), QUANTIZED):
     base = runs.get(f"{family} float32")
     plain, fed = runs.get(f"{family} {fmt}"), runs.get(f"{family} {fmt} + EF")
     if base is None or fed is None:
@@ -236,7 +237,7 @@ def runs_table(result: dict[str, Any]) -> str:
            kit.fmt(base and _gap(r, base), "+.2%"), str(r["communication_rounds"]),
            f"{r['exchange_bytes']:,.0f}", kit.human_bytes(r["total_bytes"]),
            f"{r['median_step_s']:.3f}", f"{r['wall_s']:.0f}",
-           f"{r['load_before'].split(',')[0]} → {r['load_after'].split(',')[0]}"]
+           kit.loads(r["load_before"], r["load_after"])]
           for r in result["runs"]]
   return kit.table(header, rows, "lllrlrrrrrrrl")
 

@@ -34,7 +34,6 @@ make a known number of params-sized passes over memory (adam: read g, p, μ, ν,
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
@@ -188,7 +187,6 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
-  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   configs = []
   for axis, donated in CONFIGS:
     bound = axis == "bound"

@@ -7,7 +7,6 @@ its timing (:mod:`benchmarks.studies._steps`) and the memory analysis.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
@@ -110,7 +109,6 @@ def problem(hidden: tuple[int, ...], seed: int = 0, devices: int = 1,
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   """Times every wrapper's steps against adam's and analyses their memory, for every size."""
-  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   adam = optax.adam(LEARNING_RATE)
   rounds = {"≈1M": config.rounds_1m, "≈10M": config.rounds_10m}
   out = {"sizes": [], "memory": {}, "rounds": rounds}

@@ -21,9 +21,6 @@ achieves in each direction. The runs alternate algorithms within each rate; the 
 is recorded before and after each run.
 
 Needs root and iproute2 (``make bench-network``); says why and exits with 0 otherwise.
-``--extra-args`` is appended to every run's command line (e.g. ``--extra-args='--replicas 2'``);
-``--report --note TEXT`` adds a note on the runs to the saved result (shown above the
-measurements), e.g. what else ran on the machine during one of them.
 """
 
 from __future__ import annotations
@@ -469,7 +466,8 @@ class Config:
                                     " family")
   keep_logs: str | None = kit.option(None, "keep each run's results and logs under DIR",
                                      metavar="DIR")
-  note: str | None = kit.option(None, "with --report: add this note on the runs to the result")
+  note: str | None = kit.option(None, "with --report: add this note on the runs (e.g. what else"
+                                " ran on the machine) to the result, shown above the measurements")
 
 
 QUICK = {"rates": ("100mbit",), "methods": ("sync", "diloco"), "steps": 6, "period": 3}
