@@ -153,8 +153,7 @@ class Spec:
 def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
   """The runs that depend on no other: the momentum runs, data parallel, the sweeps, the M not
   swept."""
-  runs = [Spec(m, SWEEP_SEED, grid.period, lr, momentum) for m, lr, momentum in
-          grid.momentum_runs]
+  runs = [Spec(m, SWEEP_SEED, grid.period, lr, mom) for m, lr, mom in grid.momentum_runs]
   runs += [Spec(None, s) for s in seeds]
   for m in grid.replicas:
     if m in grid.swept:

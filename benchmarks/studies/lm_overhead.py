@@ -253,14 +253,12 @@ def memory_markdown(result: dict[str, Any]) -> str:
   header = ["transformation"] + [f"{_config_name(c)}: temp / copies KiB" for c in configs]
   rows = [["bare adam"] + [f"{c['adam_memory']['temp'] / 1024:.0f} /"
                            f" {c['adam_memory']['copies'] / 1024:.0f}" for c in configs]]
-  seen = set()
+  first = {}  # each compiled step once: its first row
   for j, row in enumerate(configs[0]["rows"]):
-    key = (row["label"], row["hint"])
-    if key in seen:
-      continue
-    seen.add(key)
-    hint = "" if row["hint"] is None else f", `communicate={row['hint']}`"
-    rows.append([f"`{row['label']}`{hint}"] + [
+    first.setdefault((row["label"], row["hint"]), j)
+  for (label, hint), j in first.items():
+    hint = "" if hint is None else f", `communicate={hint}`"
+    rows.append([f"`{label}`{hint}"] + [
       f"{c['rows'][j]['temp'] / 1024:.0f} / {c['rows'][j]['copies'] / 1024:.0f}"
       for c in configs])
   return kit.table(header, rows, "l" + "r" * len(configs))

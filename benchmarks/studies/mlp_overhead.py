@@ -187,9 +187,8 @@ def _overhead_verdicts(result, target=TARGET) -> str:
   why = {v.name: v.why for v in variants()}
   for (name, label, phase), where in missed.items():
     lines.append(f"- `{label}`, {phase} ({'; '.join(where)}): {why.get(name) or 'noise?'}.")
-  lines.append("")
-  lines.append(
-    "A row missed on wall time only, with its CPU ratio within the target and an interquartile"
+  lines += [
+    "", ("A row missed on wall time only, with its CPU ratio within the target and an interquartile"
     " range spanning it, is within the noise of a shared machine; a row missed on both wall and"
     " CPU time shows the structural cost described. The ratio depends on how much of the step"
     " the optimizer is: the wrappers add memory"
@@ -197,7 +196,7 @@ def _overhead_verdicts(result, target=TARGET) -> str:
     " whose cost grows with the batch; a larger minibatch than this one makes every ratio"
     " smaller, a smaller one larger. Ratios below 1 on a non-communication step are real for"
     " `accumulate_then_reduce` (no adam update on an accumulating micro-step) and noise"
-    " elsewhere.")
+    " elsewhere.")]
   return "\n".join(lines)
 
 
