@@ -82,8 +82,7 @@ def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argpars
   parser.add_argument("--report", action="store_true",
                       help="render PREFIX.md and PREFIX.png again from the saved result;"
                            " measures nothing")
-  hints = typing.get_type_hints(study.Config)
-  fields = dataclasses.fields(study.Config)
+  hints, fields = typing.get_type_hints(study.Config), dataclasses.fields(study.Config)
   for field in fields:
     kind, kwargs = _unwrap(hints[field.name]), dict(field.metadata)
     if kind is bool:
@@ -97,9 +96,8 @@ def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argpars
                         default=argparse.SUPPRESS, **kwargs)
   args = parser.parse_args(argv)
   given = {f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
-  for key, value in given.items():
-    if isinstance(value, list):
-      given[key] = tuple(x for v in value for x in (v.split(",") if isinstance(v, str) else [v]))
+  given |= {key: tuple(x for v in value for x in (v.split(",") if isinstance(v, str) else [v]))
+            for key, value in given.items() if isinstance(value, list)}
   config = dataclasses.replace(study.Config(), **(study.QUICK if args.quick else {}) | given)
   return config, args
 

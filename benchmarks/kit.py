@@ -8,6 +8,7 @@ driver (``python -m benchmarks``) imports it first, so every study imports JAX a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -114,26 +115,20 @@ def step_bytes(steps: Mapping[str, Any], kind: str, cost: Callable = total) -> f
 
 def run_bytes(result: Mapping[str, Any], s: Settings, cost: Callable = total) -> list[float]:
   """The bytes sent after each step of a trainer's run (``result``, with settings ``s``):
-  :func:`step_bytes` of the step the algorithm's schedule runs at each step; with
-  ``--exchange-device``, each exchanging step also runs one exchange program (their mean).
-
-  ``cost(by_axes, operands, exchange)`` gives the bytes of one execution from the collectives'
-  bytes and operand counts by mesh axes (``exchange``: an exchange program's); default
-  :func:`total`."""
+  :func:`step_bytes` of the step the algorithm's schedule runs at each step, plus with
+  ``--exchange-device`` the mean exchange program's on each exchanging step. ``cost(by_axes,
+  operands, exchange)``: the bytes of one execution (``exchange``: an exchange program's)."""
   steps, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
   program = 0.0
   if "exchange" in steps:
-    each = [cost(b, n, True) for b, n in zip(steps["exchange"]["conditional"],
-                                             steps["exchange"]["operands"]["conditional"],
-                                             strict=True)]
-    program = statistics.mean(each)
+    exchange = steps["exchange"]
+    program = statistics.mean(cost(b, n, True) for b, n in zip(
+      exchange["conditional"], exchange["operands"]["conditional"], strict=True))
   sent, cumulative = 0.0, []
   for t in range(1, s.steps + 1):
     flag = algorithm.communicates(s, t)
-    if "every_step" in steps:
-      sent += step_bytes(steps, "every_step", cost)
-    else:
-      sent += step_bytes(steps, "communication_step" if flag else "non_communication_step", cost)
+    kind = "communication_step" if flag else "non_communication_step"
+    sent += step_bytes(steps, "every_step" if "every_step" in steps else kind, cost)
     sent += program if flag else 0.0
     cumulative.append(sent)
   return cumulative
@@ -164,18 +159,16 @@ def tree_bytes(tree: Any) -> int:
 
 def machine() -> dict[str, str]:
   """The CPU model (``/proc/cpuinfo``), the core count and the memory (``/proc/meminfo``)."""
-  info = {"cpu": platform.processor() or platform.machine(), "memory": "unknown"}
-  for path, key, read in (
-      ("/proc/cpuinfo", "model name", lambda v: v.strip()),
-      ("/proc/meminfo", "MemTotal", lambda v: f"{int(v.split()[0]) / 2**20:.1f} GiB")):
-    try:
-      with open(path) as f:
-        line = next((x for x in f if x.startswith(key)), None)
-    except OSError:
-      continue
-    if line is not None:
-      info["cpu" if key == "model name" else "memory"] = read(line.split(":", 1)[1])
-  return {"cpu": info["cpu"], "cores": str(os.cpu_count()), "memory": info["memory"]}
+
+  def read(path: str, key: str) -> str | None:
+    with contextlib.suppress(OSError), open(path) as f:
+      return next((x.split(":", 1)[1].strip() for x in f if x.startswith(key)), None)
+    return None
+
+  memory = read("/proc/meminfo", "MemTotal")
+  return {"cpu": read("/proc/cpuinfo", "model name") or platform.processor() or platform.machine(),
+          "cores": str(os.cpu_count()),
+          "memory": "unknown" if memory is None else f"{int(memory.split()[0]) / 2**20:.1f} GiB"}
 
 
 def versions() -> dict[str, str]:
@@ -187,10 +180,7 @@ def versions() -> dict[str, str]:
 
 def load_average() -> str:
   """The 1-, 5- and 15-minute load averages, as ``uptime`` prints them."""
-  try:
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
-  except OSError:
-    return "unknown"
+  return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def load_text(result: Mapping[str, Any], cpu: bool = True) -> str:
@@ -207,8 +197,7 @@ def now() -> str:
   return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def median(xs: Sequence[float]) -> float:
-  return statistics.median(xs)
+median = statistics.median
 
 
 def time_call(fn: Callable[[], Any]) -> float:
@@ -234,8 +223,7 @@ class Timed:
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
-  """A field of a study's ``Config``: its default, and the help (and ``argparse`` keywords, e.g.
-  ``metavar``) of the flag ``--NAME`` the driver makes of it."""
+  """A field of a study's ``Config``: its default, and its flag's help and argparse keywords."""
   return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
@@ -243,13 +231,22 @@ def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
-  """A Markdown table; ``align`` is one character per column, ``l`` or ``r`` (default: ``l`` then
-  ``r``)."""
+  """A Markdown table; ``align``: ``l`` or ``r`` per column (default: ``l`` then ``r``)."""
   align = align or "l" + "r" * (len(header) - 1)
   rule = ["---:" if a == "r" else "---" for a in align]
   lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def fmt(x: Any, spec: str = "", missing: str = "—") -> str:
+  """``x`` formatted by ``spec``, or ``missing`` for ``None``."""
+  return missing if x is None else format(x, spec)
+
+
+def loads(before: str, after: str) -> str:
+  """``B → A``: the 1-minute load averages of ``before`` and ``after`` (``uptime``'s text)."""
+  return f"{before.split(',')[0]} → {after.split(',')[0]}"
 
 
 def mib(nbytes: float) -> str:
@@ -291,8 +288,7 @@ def write_json(path: str, value: Any) -> None:
 
 def write_report(result: Any, prefix: str, plot: Callable[[Any, str], None] | None,
                  markdown: Callable[[Any, str], str]) -> str:
-  """Draws ``plot(result, PREFIX.png)`` (if ``plot``), writes ``markdown(result, "PREFIX.png")``
-  (the figure named relative to the Markdown) to ``PREFIX.md`` and returns that Markdown."""
+  """Draws ``PREFIX.png`` (if ``plot``), writes ``PREFIX.md`` and returns that Markdown."""
   if plot is not None:
     plot(result, f"{prefix}.png")
   text = markdown(result, os.path.basename(f"{prefix}.png"))

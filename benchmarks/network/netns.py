@@ -23,6 +23,7 @@ achieves in each direction: ``python -m benchmarks.network.netns 10mbit 100mbit`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -45,6 +47,12 @@ MIN_BURST = 32 * 1024
 
 PORT = 5201
 """The TCP port of :meth:`Link.measure_rate`'s receiver."""
+
+FRAME_OVERHEAD = 66
+"""Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
+
+PROBE_TIMEOUT = 600
+"""Seconds the two processes of a probe may take."""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The checkout, first on the ``PYTHONPATH`` of :meth:`Link.run_pair`'s processes."""
@@ -129,89 +137,77 @@ def _run(*argv: str) -> str:
   return done.stdout
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def namespaces() -> list[str]:
   """The names of the network namespaces ``ip netns list`` shows."""
   return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
 
 
-def remove_stale(prefix: str = PREFIX) -> list[str]:
-  """Removes the namespaces of ``prefix`` whose creating process has exited; their names."""
-  removed = []
+def remove_stale() -> None:
+  """Removes the namespaces of :data:`PREFIX` whose creating process has exited."""
   for name in namespaces():
-    match = re.fullmatch(rf"{re.escape(prefix)}-[ab]-(\d+)", name)
-    if match and not _alive(int(match[1])):
+    match = re.fullmatch(rf"{PREFIX}-[ab]-(\d+)", name)
+    if match and not os.path.exists(f"/proc/{match[1]}"):
       _remove_namespace(name)
-      removed.append(name)
-  return removed
 
 
 def _remove_namespace(name: str) -> None:
   """Kills the processes in namespace ``name``, deletes it and its ``/etc/netns`` directory."""
-  try:
-    pids = _run("ip", "netns", "pids", name).split()
-  except RuntimeError:
-    pids = []
-  for pid in pids:
-    try:
+  pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                        check=False).stdout
+  for pid in pids.split():
+    with contextlib.suppress(ProcessLookupError):
       os.kill(int(pid), signal.SIGKILL)
-    except (ProcessLookupError, ValueError):
-      pass
   subprocess.run(["ip", "netns", "del", name], capture_output=True)
   shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
 
 
-def environment() -> dict[str, str]:
-  """This process's environment with :data:`ROOT` first on ``PYTHONPATH``, no ``XLA_FLAGS``."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-  return env
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-  """The hidden arguments a probe passes to each process of its pair (see :func:`probe_start`)."""
-  for name, kind in (("--worker", int), ("--coordinator", str), ("--device", str),
+def probe_main(argv: list[str], module: str, doc: str, port: int,
+               options: dict[str, dict[str, Any]], worker: Callable[[argparse.Namespace], Any],
+               drive: Callable[[argparse.Namespace, Callable[[Link], Any]], Any]) -> int:
+  """A probe's ``main`` (flags ``--out``, ``--port`` and ``options``): as process ``--worker``,
+  writes ``worker(args)`` to ``--result``; otherwise (if :func:`unavailable` says nothing) writes
+  ``drive(args, pair)`` to ``--out``, ``pair(link)`` running the probe as process 0 in namespace a
+  and 1 in b and returning both processes' results (``RuntimeError`` if one fails)."""
+  parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+  parser.add_argument("--out", default=os.path.join(RESULTS, module.rsplit(".", 1)[1] + ".json"),
+                      help="a JSON file for the results")
+  parser.add_argument("--port", type=int, default=port, help="the coordinator's port")
+  for flag, kwargs in options.items():
+    parser.add_argument(flag, **kwargs)
+  for flag, kind in (("--worker", int), ("--coordinator", str), ("--device", str),
                      ("--result", str)):
-    parser.add_argument(name, type=kind, help=argparse.SUPPRESS)
-
-
-def probe_start(args: argparse.Namespace,
-                worker: Callable[[argparse.Namespace], dict[str, Any]]) -> int | None:
-  """The start of a probe's ``main``: as process ``--worker`` of the pair, runs ``worker(args)``,
-  writes its result as JSON to ``--result`` and returns 0; where :func:`unavailable` gives a
-  reason, prints it and returns 0; otherwise returns None and the probe goes on."""
+    parser.add_argument(flag, type=kind, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
   if args.worker is not None:
     with open(args.result, "w") as f:
       json.dump(worker(args), f)
     return 0
-  return 0 if skipped() else None
+  if skipped():
+    return 0
+  forwarded = []
+  for flag in options:
+    value = getattr(args, flag[2:].replace("-", "_"))
+    forwarded += [flag, *map(str, value if isinstance(value, list) else [value])]
 
+  def pair(link: Link) -> list[Any]:
+    with tempfile.TemporaryDirectory() as logs:
+      paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
+      link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
+                      f"{link.addresses['a']}:{args.port}", "--device", link.devices[side],
+                      "--result", path, *forwarded]
+                     for i, (side, path) in enumerate(zip("ab", paths))],
+                    logs, PROBE_TIMEOUT, what="the probe")
+      results = []
+      for path in paths:
+        with open(path) as f:
+          results.append(json.load(f))
+      return results
 
-def run_probe(link: Link, module: str, port: int, options: list[str], logs: str,
-              timeout: float) -> list[dict[str, Any]]:
-  """Runs the probe ``python -m module`` as process 0 in namespace a and process 1 in b (each with
-  ``--worker``, ``--coordinator`` at a's ``port``, its ``--device`` and ``--result``, then
-  ``options``); both processes' results (raises ``RuntimeError`` if one fails)."""
-  paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
-  link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
-                  f"{link.addresses['a']}:{port}", "--device", link.devices[side], "--result",
-                  path, *options] for i, (side, path) in enumerate(zip("ab", paths))],
-                logs, timeout, what="the probe")
-  results = []
-  for path in paths:
-    with open(path) as f:
-      results.append(json.load(f))
-  return results
+  result = drive(args, pair)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"wrote {args.out}")
+  return 0
 
 
 def process_devices() -> list[list[Any]]:
@@ -225,24 +221,15 @@ def process_devices() -> list[list[Any]]:
 class Link:
   """Namespaces ``a`` and ``b`` and a veth pair between them shaped at ``rate`` each way.
 
-  Args:
-    rate: tc's rate, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc.
-    latency: tbf's ``latency`` (the queue's longest wait).
-    prefix: the first part of the namespaces' names.
-
-  Attributes:
-    names: ``{"a": namespace, "b": namespace}``.
-    devices: ``{"a": veth in a, "b": veth in b}``.
-    addresses: ``{"a": "10.213.X.1", "b": "10.213.X.2"}``.
-
-  Raises (on entering):
-    Unavailable: see :func:`unavailable`, or ``ip netns add`` failed (no namespace support).
+  ``rate``: tc's, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc. ``names``,
+  ``devices`` and ``addresses``: the namespaces, veths and addresses by side. Entering raises
+  :class:`Unavailable` (see :func:`unavailable`, or ``ip netns add`` failed).
   """
 
-  def __init__(self, rate: str | None = None, latency: str = LATENCY, prefix: str = PREFIX):
+  def __init__(self, rate: str | None = None):
     pid = os.getpid()
-    self.rate, self.latency = rate, latency
-    self.names = {side: f"{prefix}-{side}-{pid}" for side in "ab"}
+    self.rate = rate
+    self.names = {side: f"{PREFIX}-{side}-{pid}" for side in "ab"}
     self.devices = {side: f"od{pid}{side}" for side in "ab"}
     subnet = f"10.213.{pid % 256}"
     self.addresses = {"a": f"{subnet}.1", "b": f"{subnet}.2"}
@@ -271,10 +258,8 @@ class Link:
       raise SystemExit(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
-      try:
+      with contextlib.suppress(ValueError):  # not the main thread
         self._previous_handlers[signum] = signal.signal(signum, leave)
-      except ValueError:  # not the main thread
-        pass
 
   def _create(self) -> None:
     host = socket.gethostname()
@@ -297,16 +282,16 @@ class Link:
       self.run(side, ["ip", "link", "set", "lo", "up"])
     self.shape(self.rate)
 
-  def shape(self, rate: str | None, latency: str | None = None) -> None:
+  def shape(self, rate: str | None) -> None:
     """Shapes both directions at ``rate`` (``None``/``"unshaped"``: removes the shaping)."""
-    self.rate, self.latency = rate, latency or self.latency
+    self.rate = rate
     for side in "ab":
       dev = self.devices[side]
       subprocess.run(["ip", "netns", "exec", self.names[side], "tc", "qdisc", "del", "dev", dev,
                       "root"], capture_output=True)  # fails if there is none
       if bits_per_second(rate) is not None:
         self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
-                        str(burst(rate)), "latency", self.latency])
+                        str(burst(rate)), "latency", LATENCY])
 
   def close(self) -> None:
     """Removes the namespaces (killing what runs in them), the veth pair and ``/etc/netns``."""
@@ -316,27 +301,20 @@ class Link:
       signal.signal(signum, handler)
     self._previous_handlers.clear()
 
-  def command(self, side: str, argv: list[str]) -> list[str]:
-    """``argv`` run in namespace ``side`` (``"a"`` or ``"b"``): ``ip netns exec NAME *argv``."""
-    return ["ip", "netns", "exec", self.names[side], *argv]
-
   def run(self, side: str, argv: list[str]) -> str:
     """Runs ``argv`` in namespace ``side``; its stdout (raises ``RuntimeError`` on failure)."""
-    return _run(*self.command(side, argv))
+    return _run("ip", "netns", "exec", self.names[side], *argv)
 
   def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:
     """Starts ``argv`` in namespace ``side`` (``subprocess.Popen``'s ``kwargs``)."""
-    return subprocess.Popen(self.command(side, argv), **kwargs)
+    return subprocess.Popen(["ip", "netns", "exec", self.names[side], *argv], **kwargs)
 
   def run_pair(self, argvs: list[list[str]], logs: str, timeout: float, what: str = "") -> None:
-    """Runs ``argvs[0]`` in namespace a and ``argvs[1]`` in b at once, from :data:`ROOT` in
-    :func:`environment`, each writing ``LOGS/process{i}.log``; kills both after ``timeout``
-    seconds.
-
-    Raises:
-      RuntimeError: a process failed or timed out, with the last lines of each log.
-    """
-    env = environment()
+    """Runs ``argvs[0]`` in namespace a and ``argvs[1]`` in b at once, from :data:`ROOT` (first
+    on ``PYTHONPATH``, no ``XLA_FLAGS``), each writing ``LOGS/process{i}.log``, killed after
+    ``timeout`` seconds; ``RuntimeError`` (with the last lines of each log) if one fails."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     paths = [os.path.join(logs, f"process{i}.log") for i in range(len(argvs))]
     procs, deadline = [], time.perf_counter() + timeout
     try:
@@ -372,21 +350,13 @@ class Link:
       out[side] = {k: int(v) for k, v in zip(keys, values, strict=True)}
     return out
 
-  def transfer_size(self) -> int:
-    """The bytes :meth:`measure_rate` sends: about 1 s at the rate, 1 to 64 MiB."""
-    rate = bits_per_second(self.rate)
-    if rate is None:
-      return 64 << 20
-    return int(min(max(rate / 8, 1 << 20), 64 << 20))
-
-  def measure_rate(self, sender: str = "b", nbytes: int | None = None,
-                   timeout: float = 120) -> float:
-    """The rate, in bits per second, of a TCP transfer of ``nbytes`` from ``sender``'s side.
-
-    The receiver, in the other namespace, times from the first byte it receives to the last.
-    """
+  def measure_rate(self, sender: str = "b", nbytes: int | None = None) -> float:
+    """The rate, in bits per second, of a TCP transfer of ``nbytes`` (default: about 1 s at the
+    rate, 1 to 64 MiB) from ``sender``'s side. The receiver, in the other namespace, times from
+    the first byte it receives to the last."""
     receiver = "a" if sender == "b" else "b"
-    nbytes = nbytes or self.transfer_size()
+    rate = bits_per_second(self.rate) or 8 * (64 << 20)
+    nbytes = nbytes or int(min(max(rate / 8, 1 << 20), 64 << 20))
     address = self.addresses[receiver]
     listen = self.popen(receiver, [sys.executable, "-c", _RECEIVER, address, str(PORT)],
                         stdout=subprocess.PIPE, text=True)
@@ -394,7 +364,7 @@ class Link:
       if listen.stdout.readline().strip() != "ready":
         raise RuntimeError("the rate measurement's receiver did not start")
       self.run(sender, [sys.executable, "-c", _SENDER, address, str(PORT), str(nbytes)])
-      out, _ = listen.communicate(timeout=timeout)
+      out, _ = listen.communicate(timeout=120)
     finally:
       if listen.poll() is None:
         listen.kill()

@@ -1,8 +1,8 @@
 """What a cross-process all-reduce over gloo puts on the veth, byte for byte.
 
-The network study compares the bytes each veth sent, less :data:`FRAME_OVERHEAD` bytes of
-headers per transmitted packet, with the bytes its model of the compiled collectives predicts (a
-two-rank all-reduce sends its operand's bytes once each way). This probe measures, in isolation,
+The network study compares the bytes each veth sent, less :data:`netns.FRAME_OVERHEAD` bytes
+of headers per transmitted packet, with the bytes its model of the compiled collectives predicts
+(a two-rank all-reduce sends its operand's bytes once each way). This probe measures, in isolation,
 what that comparison rests on, with two ``jax.distributed`` processes (gloo CPU collectives,
 :data:`DEVICES` emulated CPU devices each) in two network namespaces joined by a veth pair
 (:mod:`netns`), process 0 and the coordinator in ``a``, process 1 in ``b``:
@@ -28,7 +28,7 @@ reads, in its own namespace: its veth's ``tx_bytes``, ``tx_packets``, ``rx_bytes
 ``rx_packets``; ``/proc/net/snmp``'s ``Tcp`` ``OutSegs`` and ``RetransSegs``; and ``ss -tin``'s
 per-connection ``bytes_sent`` and ``data_segs_out``, split into the connections to the
 coordination service (:data:`PORT`) and the others (gloo's). Reported per all-reduce and direction:
-the veth's bytes over ``S``, the veth's bytes less :data:`FRAME_OVERHEAD` per packet over ``S``
+the veth's bytes over ``S``, the veth's bytes less ``FRAME_OVERHEAD`` per packet over ``S``
 (the network study's payload), gloo's TCP bytes over ``S``, packets, mean bytes per packet and
 retransmitted segments; and ``payload_per_S - 1`` explained by the headers
 (``packets * header`` against the measured header size).
@@ -43,11 +43,10 @@ benchmarks.network.probe_link_bytes [--sizes 1000000 4000000] [--repeats 20] [--
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -66,9 +65,6 @@ SIZES = (1_000_000, 4_000_000)
 REPEATS = 20
 PORT = 7714
 """The coordination service's port."""
-TIMEOUT = 600
-FRAME_OVERHEAD = 66
-"""The network study's headers per packet: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 IDLE_SECONDS = 1.0
 TRAINER_OPERANDS = (1536, 24, 24, 6144, 6144, 64, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24,
                     24, 24, 24, 9216, 24, 9216, 96, 2304, 24, 2304, 24, 2304, 24, 2304, 24, 24,
@@ -92,35 +88,33 @@ def read_counters(device: str) -> dict[str, Any]:
     with open(os.path.join(stats, key)) as f:
       out[key] = int(f.read())
   with open("/proc/net/snmp") as f:
-    tcp = [line.split() for line in f if line.startswith("Tcp:")]
-  fields = dict(zip(tcp[0][1:], tcp[1][1:], strict=True))
-  out["OutSegs"], out["RetransSegs"] = int(fields["OutSegs"]), int(fields["RetransSegs"])
+    out |= tcp_counters(f.read())
   out["connections"] = connections()
   return out
+
+
+def tcp_counters(snmp: str) -> dict[str, int]:
+  """``Tcp`` ``OutSegs`` and ``RetransSegs`` of the text of ``/proc/net/snmp``."""
+  names, values = (line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:"))
+  fields = dict(zip(names, values, strict=True))
+  return {k: int(fields[k]) for k in ("OutSegs", "RetransSegs")}
 
 
 def connections() -> dict[str, dict[str, int]]:
   """``{"local peer": {"bytes_sent", "data_segs_out", "retrans"}}`` of this namespace's TCP
   connections other than loopback ones, from ``ss -tin``."""
-  text = subprocess.run(["ss", "-tinH"], capture_output=True, text=True).stdout
+  text = subprocess.run(["ss", "-tinH"], capture_output=True, text=True, check=False).stdout
   out, key = {}, None
   for line in text.splitlines():
-    if not line.startswith((" ", "\t")):
-      parts = line.split()
-      key = f"{parts[3]} {parts[4]}" if len(parts) >= 5 else None
-      if key and (parts[3].startswith("127.") or parts[4].startswith("127.")):
-        key = None
-      continue
-    if key is None:
-      continue
-    info = {"bytes_sent": 0, "data_segs_out": 0, "retrans": 0}
-    for token in line.split():
-      name, _, value = token.partition(":")
-      if name in ("bytes_sent", "data_segs_out"):
-        info[name] = int(value)
-      elif name == "retrans":  # retrans:NOW/TOTAL
-        info[name] = int(value.split("/")[-1])
-    out[key] = info
+    if not line[:1].isspace():  # a connection: state, queues, local and peer addresses
+      ends = line.split()[3:5]
+      loopback = any(e.startswith("127.") for e in ends)
+      key = " ".join(ends) if len(ends) == 2 and not loopback else None
+    elif key is not None:  # its details: NAME:VALUE tokens
+      info = dict(token.partition(":")[::2] for token in line.split())
+      out[key] = {"bytes_sent": int(info.get("bytes_sent", 0)),
+                  "data_segs_out": int(info.get("data_segs_out", 0)),
+                  "retrans": int(info.get("retrans", "0").split("/")[-1])}  # retrans:NOW/TOTAL
   return out
 
 
@@ -128,9 +122,8 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
   """``after - before``, with the connections' bytes summed per kind (a connection absent before
   counts from 0)."""
   out = {k: after[k] - before[k] for k in after if k != "connections"}
-  for kind in ("coordination", "gloo"):
-    for field in ("bytes_sent", "data_segs_out", "retrans"):
-      out[f"{kind}_{field}"] = 0
+  out |= {f"{kind}_{field}": 0 for kind in ("coordination", "gloo")
+          for field in ("bytes_sent", "data_segs_out", "retrans")}
   for key, info in after["connections"].items():
     kind = "coordination" if any(a.endswith(f":{PORT}") for a in key.split()) else "gloo"
     old = before["connections"].get(key, {})
@@ -142,10 +135,10 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 # --- In each process ----------------------------------------------------------------------------
 
 
-def worker(process_id: int, coordinator: str, device: str, args: argparse.Namespace
-           ) -> dict[str, Any]:
-  """Process ``process_id``'s counter differences per measurement."""
-  init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+  """Process ``--worker``'s counter differences per measurement."""
+  process_id, device = args.worker, args.device
+  init_jax(DEVICES, 2, process_id, args.coordinator)  # gloo collectives, as the command's processes
   both = netns.process_devices()
   local = both[process_id]
   meshes = {"pair": Mesh(np.array([devs[0] for devs in both]), ("replica",)),
@@ -217,27 +210,15 @@ def worker(process_id: int, coordinator: str, device: str, args: argparse.Namesp
 # --- The driver ---------------------------------------------------------------------------------
 
 
-def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
-  """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
-  return netns.run_probe(link, "benchmarks.network.probe_link_bytes", args.port,
-                         ["--repeats", str(args.repeats), "--sizes", *map(str, args.sizes)], tmp,
-                         TIMEOUT)
-
-
-def snmp(link: netns.Link, side: str) -> dict[str, int]:
-  """``Tcp`` ``OutSegs`` and ``RetransSegs`` of namespace ``side``."""
-  tcp = [line.split() for line in link.run(side, ["cat", "/proc/net/snmp"]).splitlines()
-         if line.startswith("Tcp:")]
-  fields = dict(zip(tcp[0][1:], tcp[1][1:], strict=True))
-  return {k: int(fields[k]) for k in ("OutSegs", "RetransSegs")}
-
-
 def plain_tcp(link: netns.Link, nbytes: int) -> dict[str, Any]:
   """A TCP transfer of ``nbytes`` from ``b`` to ``a``: the sender's veth and ``Tcp`` counters,
   and the header bytes per packet they imply."""
-  before, segs = link.counters()["b"], snmp(link, "b")
+  def snmp():
+    return tcp_counters(link.run("b", ["cat", "/proc/net/snmp"]))
+
+  before, segs = link.counters()["b"], snmp()
   link.measure_rate("b", nbytes)
-  after, segs_after = link.counters()["b"], snmp(link, "b")
+  after, segs_after = link.counters()["b"], snmp()
   d = {k: after[k] - before[k] for k in ("tx_bytes", "tx_packets")}
   d |= {k: segs_after[k] - segs[k] for k in segs}
   d["nbytes"] = nbytes
@@ -253,21 +234,17 @@ def rows(results: list[dict[str, Any]], repeats: int, header: float) -> list[dic
     direction = "a->b" if proc["process"] == 0 else "b->a"
     for r in proc["results"]:
       count = repeats if r["kind"] != "idle" else 1
-      size = r["size"] or 1
       row = {"name": r["name"], "operands": r["operands"], "size": r["size"],
-             "direction": direction,
-             "seconds": r["seconds"], "correct": r.get("correct")}
-      row["tx_bytes"] = r["tx_bytes"] / count
-      row["tx_packets"] = r["tx_packets"] / count
-      row["bytes_per_packet"] = r["tx_bytes"] / max(r["tx_packets"], 1)
-      row["out_segs"] = r["OutSegs"] / count
-      row["retrans"] = r["RetransSegs"]
-      row["gloo_bytes"] = r["gloo_bytes_sent"] / count
-      row["coordination_bytes"] = r["coordination_bytes_sent"] / count
-      row["payload_66"] = (r["tx_bytes"] - FRAME_OVERHEAD * r["tx_packets"]) / count
-      row["payload_measured"] = (r["tx_bytes"] - header * r["tx_packets"]) / count
+             "direction": direction, "seconds": r["seconds"], "correct": r.get("correct"),
+             "tx_bytes": r["tx_bytes"] / count, "tx_packets": r["tx_packets"] / count,
+             "bytes_per_packet": r["tx_bytes"] / max(r["tx_packets"], 1),
+             "out_segs": r["OutSegs"] / count, "retrans": r["RetransSegs"],
+             "gloo_bytes": r["gloo_bytes_sent"] / count,
+             "coordination_bytes": r["coordination_bytes_sent"] / count,
+             "payload_66": (r["tx_bytes"] - netns.FRAME_OVERHEAD * r["tx_packets"]) / count,
+             "payload_measured": (r["tx_bytes"] - header * r["tx_packets"]) / count}
       for k in ("tx_bytes", "gloo_bytes", "payload_66", "payload_measured"):
-        row[f"{k}/S"] = row[k] / size if r["size"] else None
+        row[f"{k}/S"] = row[k] / r["size"] if r["size"] else None
       out.append(row)
   return out
 
@@ -296,37 +273,28 @@ def report(tcp: dict[str, Any], table: list[dict[str, Any]], load: list[float]) 
   return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
-                      help="bytes each process all-reduces")
-  parser.add_argument("--repeats", type=int, default=REPEATS)
-  parser.add_argument("--rate", default="unshaped", help="the link's rate, e.g. 100mbit")
-  parser.add_argument("--out", default=os.path.join(netns.RESULTS, "probe_link_bytes.json"),
-                      help="a JSON file for the results")
-  parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
-  netns.add_worker_arguments(parser)
-  args = parser.parse_args(argv)
-
-  done = netns.probe_start(args, lambda a: worker(a.worker, a.coordinator, a.device, a))
-  if done is not None:
-    return done
-  if subprocess.run(["which", "ss"], capture_output=True).returncode != 0:
-    print("skipped: ss not found; install iproute2 (apt-get install -y iproute2)")
-    return 0
-  with netns.Link(rate=args.rate) as link, tempfile.TemporaryDirectory() as tmp:
+def drive(args: argparse.Namespace, pair: Any) -> dict[str, Any]:
+  """The plain TCP transfer and both processes' measurements over a link at ``--rate``."""
+  with netns.Link(rate=args.rate) as link:
     load = [os.getloadavg()[0]]
     tcp = plain_tcp(link, args.repeats * max(args.sizes))
-    results = measure(link, args, tmp)
+    results = pair(link)
     load.append(os.getloadavg()[0])
   table = rows(results, args.repeats, tcp["header_per_packet"])
   print(report(tcp, table, load))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"rate": args.rate, "repeats": args.repeats, "load_average": load, "tcp": tcp,
-                 "rows": table, "raw": results}, f, indent=1)
-    print(f"wrote {args.out}")
-  return 0
+  return {"rate": args.rate, "repeats": args.repeats, "load_average": load, "tcp": tcp,
+          "rows": table, "raw": results}
+
+
+def main(argv: list[str]) -> int:
+  if shutil.which("ss") is None:
+    print("skipped: ss not found; install iproute2 (apt-get install -y iproute2)")
+    return 0
+  return netns.probe_main(argv, "benchmarks.network.probe_link_bytes", __doc__, PORT, {
+    "--sizes": {"type": int, "nargs": "+", "default": list(SIZES),
+                "help": "bytes each process all-reduces"},
+    "--repeats": {"type": int, "default": REPEATS},
+    "--rate": {"default": "unshaped", "help": "the link's rate, e.g. 100mbit"}}, worker, drive)
 
 
 if __name__ == "__main__":

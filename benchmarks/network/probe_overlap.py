@@ -44,11 +44,9 @@ benchmarks/results/probe_overlap.json]``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
@@ -72,8 +70,6 @@ SIZE = 1_120_000
 STEPS = 5
 REPEATS = 5
 PORT = 7713
-TIMEOUT = 600
-"""Seconds the two processes may take at one rate."""
 SHORTEST = 0.05
 """The overlap efficiency is left out when the shorter of compute and exchange is below this
 fraction of the longer: the noise of the longer then exceeds what overlap could save."""
@@ -85,9 +81,10 @@ OVERLAPPED = VARIANTS[3:]
 # --- In each process ----------------------------------------------------------------------------
 
 
-def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[str, Any]:
-  """Process ``process_id``'s measurements (it joins the other at ``coordinator``)."""
-  init_jax(DEVICES, 2, process_id, coordinator)  # gloo collectives, as the command's processes
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+  """Process ``--worker``'s measurements (it joins the other at ``--coordinator``)."""
+  process_id = args.worker
+  init_jax(DEVICES, 2, process_id, args.coordinator)  # gloo collectives, as the command's processes
   both = netns.process_devices()
   local = both[process_id]
   train_mesh = Mesh(np.array(local[:TRAINING]), ("data",))
@@ -207,14 +204,6 @@ def worker(process_id: int, coordinator: str, args: argparse.Namespace) -> dict[
 # --- The driver ---------------------------------------------------------------------------------
 
 
-def measure(link: netns.Link, args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
-  """Both processes' measurements over ``link`` (raises RuntimeError if one fails)."""
-  options = [f"--{k}={getattr(args, k)}" for k in ("size", "steps", "repeats", "width", "layers",
-                                                   "rows")]
-  return netns.run_probe(link, "benchmarks.network.probe_overlap", args.port, options, tmp,
-                         TIMEOUT)
-
-
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
   """Medians, minima and maxima of one process's times, and each overlap's efficiency."""
   stats = {v: {"median": statistics.median(t), "min": min(t), "max": max(t)}
@@ -247,41 +236,34 @@ def report(rate: str, summaries: list[dict[str, Any]], load: list[float]) -> str
   return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rates", nargs="+", default=["10mbit", "unshaped"])
-  parser.add_argument("--out", default=os.path.join(netns.RESULTS, "probe_overlap.json"))
-  parser.add_argument("--size", type=int, default=SIZE, help="bytes each process exchanges")
-  parser.add_argument("--steps", type=int, default=STEPS, help="local steps per measurement")
-  parser.add_argument("--repeats", type=int, default=REPEATS)
-  parser.add_argument("--width", type=int, default=512, help="the tower's width")
-  parser.add_argument("--layers", type=int, default=8, help="matmuls per step")
-  parser.add_argument("--rows", type=int, default=1024, help="rows of the batch per device")
-  parser.add_argument("--port", type=int, default=PORT, help="the coordinator's port")
-  netns.add_worker_arguments(parser)
-  args = parser.parse_args(argv)
-
-  done = netns.probe_start(args, lambda a: worker(a.worker, a.coordinator, a))
-  if done is not None:
-    return done
-  out = {"config": {k: getattr(args, k) for k in ("size", "steps", "repeats", "width", "layers",
-                                                  "rows")} | {"devices": DEVICES,
-                                                              "training": TRAINING},
-         "cores": os.cpu_count(), "rates": {}}
-  with netns.Link() as link, tempfile.TemporaryDirectory() as tmp:
+def drive(args: argparse.Namespace, pair: Any) -> dict[str, Any]:
+  """Both processes' measurements and their summaries at each of ``--rates``."""
+  config = {k: getattr(args, k) for k in ("size", "steps", "repeats", "width", "layers", "rows")}
+  out = {"config": config | {"devices": DEVICES, "training": TRAINING}, "cores": os.cpu_count(),
+         "rates": {}}
+  with netns.Link() as link:
     for rate in args.rates:
       link.shape(rate)
       load = [os.getloadavg()[0]]
-      results = measure(link, args, tmp)
+      results = pair(link)
       load.append(os.getloadavg()[0])
       summaries = [summarize(r) for r in results]
       print(report(rate, summaries, load), flush=True)
       out["rates"][rate] = {"load_average": load, "processes": summaries,
                             "raw": [r["times"] for r in results]}
-  with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
-  print(f"\nwrote {args.out}")
-  return 0
+  return out
+
+
+def main(argv: list[str]) -> int:
+  return netns.probe_main(argv, "benchmarks.network.probe_overlap", __doc__, PORT, {
+    "--rates": {"nargs": "+", "default": ["10mbit", "unshaped"]},
+    "--size": {"type": int, "default": SIZE, "help": "bytes each process exchanges"},
+    "--steps": {"type": int, "default": STEPS, "help": "local steps per measurement"},
+    "--repeats": {"type": int, "default": REPEATS},
+    "--width": {"type": int, "default": 512, "help": "the tower's width"},
+    "--layers": {"type": int, "default": 8, "help": "matmuls per step"},
+    "--rows": {"type": int, "default": 1024, "help": "rows of the batch per device"}},
+    worker, drive)
 
 
 if __name__ == "__main__":

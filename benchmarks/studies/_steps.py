@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,6 +27,9 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import kit
 
 AXIS = "w"
+
+# XLA cannot use every buffer the steps donate, and JAX warns of it on every call.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
 @dataclasses.dataclass
@@ -55,11 +59,10 @@ class Variant:
   def timed(self) -> Iterator[tuple[str, int | None, bool, int | None, bool | None]]:
     """``(phase, value, communicates, passes, hint)``: each phase with the counter rule, and
     (with ``hinted_why``) each again with the static hint."""
-    for phase, value, communicates, passes in self.phases:
-      yield phase, value, communicates, passes, None
-    if self.hinted_why is not None:
+    for hinted in (False, True) if self.hinted_why is not None else (False,):
       for phase, value, communicates, passes in self.phases:
-        yield f"{phase}, hint", value, communicates, passes, communicates
+        yield (f"{phase}, hint" if hinted else phase), value, communicates, passes, (
+          communicates if hinted else None)
 
 
 class Problem:
@@ -106,9 +109,8 @@ class Problem:
 
   def jitted(self, tx: Any, *, donate: bool = True, bound: bool = True, grad_step: bool = False,
              communicate: bool | None = None) -> Callable:
-    """The jitted step ``(params, opt_state, *batch) -> (params, opt_state, loss)`` of ``tx``;
-    ``bound``: ``shard_map``'ed over the mesh (else one device, no axis); ``grad_step``: passes
-    the state's ``global_step``; ``communicate``: the static hint (``None``: the counter rule)."""
+    """The jitted step ``(params, opt_state, *batch) -> (params, opt_state, loss)`` of ``tx``,
+    ``shard_map``'ed over the mesh if ``bound`` (else one device, no axis)."""
     loss_fn = self.loss_fn
 
     def step(params, opt_state, *batch):
@@ -240,6 +242,11 @@ def time_variants(problem: Problem, adam: Any, variants: Sequence[Variant], roun
           "adam_memory": memory(base_step), "rows": [m | r for m, r in zip(meta, t["rows"])],
           "compile_s": compiling.seconds, "timing_s": timing.seconds,
           "load_before": compiling.load_before, "load_after": timing.load_after}
+
+
+def ratio_cell(row: dict[str, Any]) -> str:
+  """A row's median wall ratio over adam's, in bold, and its interquartile range."""
+  return f"**{row['ratio']:.3f}** ({row['q1']:.2f}–{row['q3']:.2f})"
 
 
 def ratio_plot(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]], target: float,

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-import time
 from typing import Any
 
 import jax
@@ -75,8 +74,6 @@ PROTOCOLS = ("async diloco", "async + delayed nesterov", "async + delayed nester
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """What a run of the study varies (each field has its command-line flag)."""
-
   seeds: tuple[int, ...] = kit.option((0, 1, 2), "the seeds")
   rounds: int = kit.option(ROUNDS, "R, synchronous rounds")
   sync_period: int = kit.option(PERIOD, "H")
@@ -189,39 +186,37 @@ def shuffled(data: Any, seed: int) -> Any:
   return jax.tree.map(lambda a: a.reshape((n * m, *a.shape[2:]))[order].reshape(a.shape), data)
 
 
-def measure(setting: Config, prefix: str) -> dict[str, Any]:
-  """Every protocol and synchronous DiLoCo on each seed of ``setting``, at equal inner steps."""
-  st, start, load_before = setting, time.perf_counter(), kit.load_average()
+def measure(st: Config, prefix: str) -> dict[str, Any]:
+  """Every protocol and synchronous DiLoCo on each seed of ``st``, at equal inner steps."""
   n, h, rounds = len(st.speeds), st.sync_period, st.rounds
   total = n * rounds * h
   inner, batch = recipe(rounds * h, st)
   runs = []
-  for seed in st.seeds:
-    problem = async_run.setup(task_of(st), n, seed)
-    if st.shards == "shuffled":
-      problem["data"] = shuffled(problem["data"], seed)
-    began = time.perf_counter()
-    values = sync_diloco(problem, inner, h=h, rounds=rounds, batch=batch, seed=seed,
-                         outer=st.outer)
-    runs.append({"name": "sync diloco", "seed": seed, "metric": values.tolist(),
-                 "time": [r * h / min(st.speeds) for r in range(rounds + 1)],
-                 "steps": [r * n * h for r in range(rounds + 1)], "commits": rounds,
-                 "mean_staleness": 0.0, "wall_s": time.perf_counter() - began})
-    for name, protocol in protocols(inner, st).items():
-      began = time.perf_counter()
-      curve = async_curve(problem, protocol, speeds=st.speeds, steps=total, batch=batch,
-                          seed=seed, eval_every=total // (rounds * EVALS_PER_ROUND))
-      runs.append({"name": name, "seed": seed, **curve, "wall_s": time.perf_counter() - began})
-    for r in runs[-4:]:
-      print(f"[bench] seed {seed} {r['name']}: {r['metric'][-1]:.4f} at t = {r['time'][-1]:.0f},"
-            f" {r['commits']} commits, {r['wall_s']:.0f} s", flush=True)
-    jax.clear_caches()
+  with kit.Timed() as timed:
+    for seed in st.seeds:
+      problem = async_run.setup(task_of(st), n, seed)
+      if st.shards == "shuffled":
+        problem["data"] = shuffled(problem["data"], seed)
+      with kit.Timed() as one:
+        values = sync_diloco(problem, inner, h=h, rounds=rounds, batch=batch, seed=seed,
+                             outer=st.outer)
+      runs.append({"name": "sync diloco", "seed": seed, "metric": values.tolist(),
+                   "time": [r * h / min(st.speeds) for r in range(rounds + 1)],
+                   "steps": [r * n * h for r in range(rounds + 1)], "commits": rounds,
+                   "mean_staleness": 0.0, "wall_s": one.seconds})
+      for name, protocol in protocols(inner, st).items():
+        with kit.Timed() as one:
+          curve = async_curve(problem, protocol, speeds=st.speeds, steps=total, batch=batch,
+                              seed=seed, eval_every=total // (rounds * EVALS_PER_ROUND))
+        runs.append({"name": name, "seed": seed, **curve, "wall_s": one.seconds})
+      for r in runs[-4:]:
+        print(f"[bench] seed {seed} {r['name']}: {r['metric'][-1]:.4f} at t ="
+              f" {r['time'][-1]:.0f}, {r['commits']} commits, {r['wall_s']:.0f} s", flush=True)
+      jax.clear_caches()
   return {**dataclasses.asdict(st), "recipe_flags": shlex.split(st.recipe),
-          "buffer_size": st.buffer_size or n,
-          "dylu_periods": ae.dylu_sync_periods(st.speeds, h), "inner_steps": total,
-          "batch_size": batch, "runs": runs, "machine": kit.machine(),
-          "load_before": load_before,
-          "load_after": kit.load_average(), "wall_s": time.perf_counter() - start}
+          "buffer_size": st.buffer_size or n, "dylu_periods": ae.dylu_sync_periods(st.speeds, h),
+          "inner_steps": total, "batch_size": batch, "runs": runs, "machine": kit.machine(),
+          **timed.record()}
 
 
 def finals(result: dict[str, Any]) -> dict[str, dict[int, float]]:

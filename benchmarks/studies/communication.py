@@ -8,6 +8,7 @@ says what is counted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -34,27 +35,19 @@ QUICK = {}
 
 def configs() -> list[tuple[str, str, int, Any]]:
   """(algorithm, comm dtype, steps per communication, adam -> transformation)."""
-  rows = []
-  for dtype_name, dtype in (("float32", None), ("bfloat16", jnp.bfloat16)):
-    rows += [
-      ("tower", dtype_name, 1,
-       lambda adam, d=dtype: optax_dist.tower(adam, AXIS, comm_dtype=d)),
-      (f"elastic_average τ={PERIOD}", dtype_name, PERIOD,
-       lambda adam, d=dtype: optax_dist.elastic_average(
-         adam, communication_period=PERIOD, axis_name=AXIS, comm_dtype=d)),
-      (f"agn τ={PERIOD} sequential", dtype_name, PERIOD,
-       lambda adam, d=dtype: optax_dist.agn(
-         adam, communication_period=PERIOD, axis_name=AXIS, comm_dtype=d)),
-      (f"agn τ={PERIOD} mean", dtype_name, PERIOD,
-       lambda adam, d=dtype: optax_dist.agn(
-         adam, communication_period=PERIOD, center_update="mean", axis_name=AXIS,
-         comm_dtype=d)),
-      (f"accumulate_then_reduce k={EVERY_K}", dtype_name, EVERY_K,
-       lambda adam, d=dtype: optax_dist.accumulate_then_reduce(adam, EVERY_K, AXIS,
-                                                               comm_dtype=d)),
-    ]
-  order = [r[0] for r in rows[:5]]
-  return sorted(rows, key=lambda r: (order.index(r[0]), r[1] != "float32"))
+  makers = (
+    ("tower", 1, lambda adam, d: optax_dist.tower(adam, AXIS, comm_dtype=d)),
+    (f"elastic_average τ={PERIOD}", PERIOD, lambda adam, d: optax_dist.elastic_average(
+      adam, communication_period=PERIOD, axis_name=AXIS, comm_dtype=d)),
+    (f"agn τ={PERIOD} sequential", PERIOD, lambda adam, d: optax_dist.agn(
+      adam, communication_period=PERIOD, axis_name=AXIS, comm_dtype=d)),
+    (f"agn τ={PERIOD} mean", PERIOD, lambda adam, d: optax_dist.agn(
+      adam, communication_period=PERIOD, center_update="mean", axis_name=AXIS, comm_dtype=d)),
+    (f"accumulate_then_reduce k={EVERY_K}", EVERY_K,
+     lambda adam, d: optax_dist.accumulate_then_reduce(adam, EVERY_K, AXIS, comm_dtype=d)))
+  return [(name, dtype_name, every, functools.partial(make, d=dtype))
+          for name, every, make in makers
+          for dtype_name, dtype in (("float32", None), ("bfloat16", jnp.bfloat16))]
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:

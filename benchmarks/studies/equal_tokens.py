@@ -48,7 +48,7 @@ import contextlib
 import dataclasses
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -57,8 +57,6 @@ from benchmarks import kit
 from optax_dist.cli import trainer
 from optax_dist.cli.tasks import LM_CONTEXT, TASKS
 
-DEVICES = kit.DEVICES
-"""Data parallel's workers."""
 GLOBAL_BATCH = 64
 """Windows per step, of every run: 8 workers × the ``lm`` task's batch of 8 (4,096 tokens)."""
 EVAL_EVERY = 100
@@ -144,8 +142,8 @@ class Spec:
     """The trainer's :class:`~optax_dist.cli.config.Settings` of this run."""
     fields = {"steps": steps, "eval_every": min(EVAL_EVERY, steps), "seed": self.seed}
     if self.replicas is None:
-      return kit.settings(**fields | {"algorithm": "sync", "devices": DEVICES,
-                                      "batch_size": GLOBAL_BATCH // DEVICES})
+      return kit.settings(**fields | {"algorithm": "sync", "devices": kit.DEVICES,
+                                      "batch_size": GLOBAL_BATCH // kit.DEVICES})
     return kit.settings(**fields | {
       "algorithm": "diloco", "devices": self.replicas, "batch_size": GLOBAL_BATCH // self.replicas,
       "sync_period": self.sync_period, "outer_learning_rate": self.outer_lr,
@@ -155,8 +153,7 @@ class Spec:
 def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
   """The runs that depend on no other: the momentum runs, data parallel, the sweeps, the M not
   swept."""
-  runs = [Spec(m, SWEEP_SEED, grid.period, lr, momentum) for m, lr, momentum in
-          grid.momentum_runs]
+  runs = [Spec(m, SWEEP_SEED, grid.period, lr, mom) for m, lr, mom in grid.momentum_runs]
   runs += [Spec(None, s) for s in seeds]
   for m in grid.replicas:
     if m in grid.swept:
@@ -175,11 +172,8 @@ def second_runs(grid: Grid, seeds: Sequence[int], best: Mapping[int, float]) -> 
 
 def run_count(grid: Grid, seeds: Sequence[int]) -> int:
   """The number of runs of ``grid`` on ``seeds`` (whatever the best outer learning rates)."""
-  return len(first_runs(grid, seeds)) + len(second_runs(grid, seeds, _any_lrs(grid)))
-
-
-def _any_lrs(grid: Grid) -> dict[int, float]:
-  return {**grid.fixed_lr, **{m: grid.outer_lrs[0] for m in grid.swept}}
+  any_lrs = {**grid.fixed_lr, **{m: grid.outer_lrs[0] for m in grid.swept}}
+  return len(first_runs(grid, seeds)) + len(second_runs(grid, seeds, any_lrs))
 
 
 def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float | None]:
@@ -220,19 +214,11 @@ def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
   return out
 
 
-def estimate_seconds(runs: int, steps: int, records: Sequence[dict[str, Any]]) -> float:
-  """Seconds of ``runs`` runs of ``steps`` steps: the cached runs' median step and start-up
-  (compilation, evaluations), or :data:`SECONDS_PER_STEP` and :data:`SECONDS_PER_RUN`."""
-  if not records:
-    return runs * (SECONDS_PER_RUN + steps * SECONDS_PER_STEP)
-  step = statistics.median(r["step_s"] for r in records)
-  start = statistics.median(r["wall_s"] - r["train_s"] for r in records)
-  return runs * (start + steps * step)
-
-
 def plan_text(grid: Grid, seeds: Sequence[int], steps: int,
               records: Mapping[str, dict[str, Any]]) -> str:
-  """The planned runs, how many are cached, and the estimated time of the others."""
+  """The planned runs, how many are cached, and the estimated time of the others: the cached
+  runs' median step and start-up (compilation, evaluations), or :data:`SECONDS_PER_STEP` and
+  :data:`SECONDS_PER_RUN` before any is cached."""
   first = first_runs(grid, seeds)
   cached = [s for s in first if s.key(steps) in records]
   if len(cached) == len(first):  # the best outer learning rates are known
@@ -240,7 +226,11 @@ def plan_text(grid: Grid, seeds: Sequence[int], steps: int,
     cached += [s for s in second if s.key(steps) in records]
   total = run_count(grid, seeds)
   todo = total - len(cached)
-  seconds = estimate_seconds(todo, steps, list(records.values()))
+  step, start = SECONDS_PER_STEP, SECONDS_PER_RUN
+  if records:
+    step = statistics.median(r["step_s"] for r in records.values())
+    start = statistics.median(r["wall_s"] - r["train_s"] for r in records.values())
+  seconds = todo * (start + steps * step)
   return (f"[equal-tokens] {total} runs planned ({len(first)} first, {total - len(first)} at the"
           f" swept M's best outer learning rate), {len(cached)} cached, {todo} to train: about"
           f" {seconds / 60:.0f} min at {steps} steps each")
@@ -320,20 +310,8 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   return out
 
 
-def _pct(x: float | None) -> str:
-  return "—" if x is None else f"{100 * x:+.1f}%"
-
-
-def _lr(x: float | None) -> str:
-  return "—" if x is None else f"{x:g}"
-
-
-def _mean_sd(stats: tuple[float, float] | None, pct: bool = False) -> str:
-  if stats is None:
-    return "not run"
-  if pct:
-    return f"{100 * stats[0]:+.2f}% ± {100 * stats[1]:.2f}%"
-  return f"{stats[0]:.4f} ± {stats[1]:.4f}"
+def _mean_sd(stats: tuple[float, float] | None, spec: str = ".4f") -> str:
+  return "not run" if stats is None else f"{stats[0]:{spec}} ± {stats[1]:{spec.lstrip('+')}}"
 
 
 def comparison_table(s: dict[str, Any]) -> str:
@@ -342,11 +320,11 @@ def comparison_table(s: dict[str, Any]) -> str:
   table = [["data parallel", "—", ", ".join(map(str, dp["seeds"])), _mean_sd(dp["loss"]), "—",
             "—"]]
   for r in s["rows"]:
-    paper = "slightly below 0" if r["replicas"] == 1 else _pct(r["paper"])
+    paper = "slightly below 0" if r["replicas"] == 1 else kit.fmt(r["paper"], "+.1%")
     table.append([f"DiLoCo M = {r['replicas']}",
-                  _lr(r["outer_lr"]) + (" (swept)" if r["swept"] else ""),
+                  kit.fmt(r["outer_lr"], "g") + (" (swept)" if r["swept"] else ""),
                   ", ".join(map(str, r["seeds"])) or "—", _mean_sd(r["loss"]),
-                  _mean_sd(r["gap"], pct=True), paper])
+                  _mean_sd(r["gap"], "+.2%"), paper])
   return kit.table(["", "outer lr", "seeds", "val bits/byte (mean ± sd)",
                       "vs data parallel (mean ± sd over seeds)", "paper, Table 4 (35M)"],
                      table, "llrrrr")
@@ -357,29 +335,27 @@ def target_lines(s: dict[str, Any]) -> list[str]:
   lines = []
   for t in s["targets"]:
     verdict = "not measured" if t["met"] is None else "met" if t["met"] else "MISSED"
-    numbers = ", ".join(f"M = {m}: {_pct(g)}" for m, g in t["gaps"].items())
+    numbers = ", ".join(f"M = {m}: {kit.fmt(g, '+.1%')}" for m, g in t["gaps"].items())
     lines.append(f"- {verdict}: {t['text']} ({numbers}).")
   return lines
+
+
+def _cell(p: dict[str, Any] | None) -> str:
+  """A seed-0 run's final loss and its gap to data parallel."""
+  return "not run" if p is None else f"{p['loss']:.4f} ({kit.fmt(p['gap'], '+.1%')})"
 
 
 def sweep_table(s: dict[str, Any]) -> str:
   """The outer learning rate sweep: seed 0's final loss and gap at each swept M."""
   sweep = s["sweep"]
-  rows = []
-  for lr in next(iter(sweep.values())):
-    rows.append([f"{lr:g}"] + [
-      "not run" if sweep[m][lr] is None else
-      f"{sweep[m][lr]['loss']:.4f} ({_pct(sweep[m][lr]['gap'])})" for m in sweep])
+  rows = [[f"{lr:g}", *(_cell(sweep[m][lr]) for m in sweep)] for lr in next(iter(sweep.values()))]
   return kit.table(["outer lr"] + [f"M = {m}" for m in sweep], rows)
 
 
 def momentum_table(s: dict[str, Any]) -> str:
   """The momentum runs beside each M's best run at :data:`OUTER_MOMENTUM` (seed 0)."""
-  def cell(p: dict[str, Any] | None) -> str:
-    return "not run" if p is None else f"{p['loss']:.4f} ({_pct(p['gap'])})"
-
-  rows = [[f"M = {r['replicas']}", f"{r['outer_lr']:g}, {r['outer_momentum']:g}", cell(r["run"]),
-           f"{_lr(r['default_lr'])}, {OUTER_MOMENTUM:g}", cell(r["default"])]
+  rows = [[f"M = {r['replicas']}", f"{r['outer_lr']:g}, {r['outer_momentum']:g}", _cell(r["run"]),
+           f"{kit.fmt(r['default_lr'], 'g')}, {OUTER_MOMENTUM:g}", _cell(r["default"])]
           for r in s["momenta"]]
   return kit.table(["", "outer lr, momentum", "val bits/byte (vs data parallel)",
                       "best lr, momentum", "val bits/byte (vs data parallel)"], rows, "llrlr")
@@ -388,7 +364,8 @@ def momentum_table(s: dict[str, Any]) -> str:
 def periods_table(s: dict[str, Any]) -> str:
   """The H sweep: outer steps, the anchor's final loss and gap, the workers' final loss."""
   rows = [[str(h), "not run", "", "", ""] if p is None else
-          [str(h), str(p["rounds"]), f"{p['loss']:.4f}", _pct(p["gap"]), f"{p['workers']:.4f}"]
+          [str(h), str(p["rounds"]), f"{p['loss']:.4f}", kit.fmt(p["gap"], "+.1%"),
+           f"{p['workers']:.4f}"]
           for h, p in s["periods"].items()]
   return kit.table(["H", "outer steps", "val bits/byte (anchor)", "vs data parallel",
                       "workers' params"], rows)
@@ -408,7 +385,7 @@ def document(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
     "Targets:", "", *target_lines(s), "",
     f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", "",
     sweep_table(s), "",
-    f"## Sync period H at M = {m} (outer lr {_lr(best[m])}, seed {SWEEP_SEED})", "",
+    f"## Sync period H at M = {m} (outer lr {kit.fmt(best[m], 'g')}, seed {SWEEP_SEED})", "",
     periods_table(s), "",
     *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})", "",
        (f"The papers' outer Nesterov momentum {OUTER_MOMENTUM:g} averages over about"
@@ -438,17 +415,11 @@ def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
     + (quick if grid is QUICK_GRID else ""))
 
 
-def _loads(meta: dict[str, Any]) -> str:
-  """The 1-minute load averages at the start and the end of each invocation."""
-  return ", ".join(f"{i['load_start'].split(',')[0]} → {i['load_end'].split(',')[0]}"
-                   for i in meta["invocations"]) or "not recorded"
-
-
 def runs_table(records: Sequence[dict[str, Any]]) -> str:
   """Every cached run: its final loss, wall-clock, median step and the load around it."""
   rows = [[r["label"], str(r["seed"]), f"{r['devices']} × {r['batch_size']}", f"{r['final']:.4f}",
            f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}",
-           f"{r['load_before'].split(',')[0]} → {r['load_after'].split(',')[0]}"]
+           kit.loads(r["load_before"], r["load_after"])]
           for r in sorted(records, key=_order)]
   return kit.table(["run", "seed", "devices × batch", "val bits/byte", "wall s",
                       "s / step (median)", "load (1 min)"], rows, "lrrrrrr")
@@ -491,45 +462,41 @@ def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
   for ax in (by_m, by_h):
     ax.minorticks_off()
     ax.legend(fontsize=8)
+  loads = ", ".join(kit.loads(i["load_start"], i["load_end"]) for i in meta["invocations"])
   fig.suptitle(f"lm task at equal tokens ({meta['steps']} steps of {GLOBAL_BATCH} windows):"
-               f" DiLoCo against data parallel; load average {_loads(meta)}", fontsize=9)
+               f" DiLoCo against data parallel; load average {loads or 'not recorded'}", fontsize=9)
   kit.save_figure(fig, path)
 
 
 def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> int:
-  """Trains every planned run not yet cached under ``runs_dir``; the number trained."""
+  """Trains every planned run not yet cached under ``runs_dir``, caching each run's record; the
+  number trained."""
   os.makedirs(runs_dir, exist_ok=True)
   task = TASKS["lm"]
   data = task.load(0)
   records = {k: r for k, r in load_records(runs_dir).items() if r["steps"] == steps}
   trained = 0
+
+  def planned() -> Iterator[Spec]:  # lazily: the second runs need the first ones' records
+    yield from first_runs(grid, seeds)
+    yield from second_runs(grid, seeds, best_lrs(grid, list(records.values())))
+
   with tqdm(total=run_count(grid, seeds), unit="run", desc="equal tokens") as bar:
-    for spec in first_runs(grid, seeds):
-      trained += _train_once(task, data, spec, steps, runs_dir, records, bar)
-    best = best_lrs(grid, list(records.values()))
-    for spec in second_runs(grid, seeds, best):
-      trained += _train_once(task, data, spec, steps, runs_dir, records, bar)
-  return trained
-
-
-def _train_once(task: Any, data: Any, spec: Spec, steps: int, runs_dir: str,
-                records: dict[str, dict[str, Any]], bar: Any) -> bool:
-  """Trains ``spec`` unless ``records`` has it, caching its record; whether it trained."""
-  key = spec.key(steps)
-  trains = key not in records
-  if trains:
-    bar.set_description(f"{spec.label} seed {spec.seed}")
 
     def on_step(step: int) -> None:
       if step % 100 == 0:
         bar.set_postfix_str(f"step {step}/{steps}")
 
-    load = kit.load_average()
-    result = trainer.train(task, data, spec.settings(steps), on_step=on_step)
-    records[key] = record(spec, result, load)
-    kit.write_json(os.path.join(runs_dir, key + ".json"), records[key])
-  bar.update(1)
-  return trains
+    for spec in planned():
+      if (key := spec.key(steps)) not in records:
+        bar.set_description(f"{spec.label} seed {spec.seed}")
+        load = kit.load_average()
+        result = trainer.train(task, data, spec.settings(steps), on_step=on_step)
+        records[key] = record(spec, result, load)
+        kit.write_json(os.path.join(runs_dir, key + ".json"), records[key])
+        trained += 1
+      bar.update(1)
+  return trained
 
 
 def default_steps(num_params: int, context: int, period: int) -> int:
@@ -564,7 +531,9 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   """Trains every planned run not cached beside ``prefix`` (``equal_tokens_runs/``)."""
   grid, seeds = (FULL if config.grid == "full" else QUICK_GRID), list(range(config.seeds))
   runs_dir = os.path.join(os.path.dirname(prefix), "equal_tokens_runs")
-  meta = _invocations(f"{prefix}.json") | meta_of(seeds)
+  meta = {"invocations": []} | meta_of(seeds)
+  with contextlib.suppress(OSError, ValueError, KeyError):  # the earlier invocations
+    meta["invocations"] = kit.read_json(f"{prefix}.json")["meta"]["invocations"]
   meta["steps"] = steps = config.steps or default_steps(meta["num_params"], meta["context"],
                                                         grid.period)
   per_step = GLOBAL_BATCH * meta["context"]
@@ -593,9 +562,10 @@ def load(prefix: str, config: Config) -> dict[str, Any]:
 def result_of(grid: Grid, meta: dict[str, Any], runs_dir: str) -> dict[str, Any]:
   records = [r for r in load_records(runs_dir).values()
              if r["steps"] == meta["steps"] and r["seed"] in meta["seeds"]]
-  print("\n".join(target_lines(summary(grid, records))))
+  s = summary(grid, records)
+  print("\n".join(target_lines(s)))
   return {"meta": meta, "grid": dataclasses.asdict(grid), "versions": kit.versions(),
-          "summary": summary(grid, records), "records": records}
+          "summary": s, "records": records}
 
 
 def _grid(result: dict[str, Any]) -> Grid:
@@ -608,10 +578,3 @@ def markdown(result: dict[str, Any], figure_name: str) -> str:
 
 def plot(result: dict[str, Any], path: str) -> None:
   figure(_grid(result), result["records"], result["meta"], path)
-
-
-def _invocations(path: str) -> dict[str, Any]:
-  """The earlier invocations recorded in ``path`` (none if there is no such file)."""
-  with contextlib.suppress(OSError, ValueError, KeyError):
-    return {"invocations": kit.read_json(path)["meta"]["invocations"]}
-  return {"invocations": []}

@@ -29,6 +29,7 @@ left out) and the load average before and after.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -63,28 +64,17 @@ def _row(label: str, family: str, flags: list[str], fmt: str = "float32", *,
 
 def grid() -> list[dict[str, Any]]:
   """Every run: its label, family, format, options and ``optax-dist train`` flags."""
-  rows = []
-  for fmt in FORMATS:
-    rows.append(_row(f"diloco {fmt}", "diloco", ["--algorithm", "diloco", "--comm-dtype", fmt],
-                     fmt))
-  for fmt in QUANTIZED:
-    rows.append(_row(f"diloco {fmt} + EF", "diloco + error feedback",
-                     ["--algorithm", "diloco", "--comm-dtype", fmt, "--error-feedback"], fmt,
-                     error_feedback=True))
   streaming = ["--algorithm", "streaming_diloco", "--num-fragments", str(FRAGMENTS)]
-  for fmt in FORMATS:
-    rows.append(_row(f"streaming {fmt}", "streaming_diloco", [*streaming, "--comm-dtype", fmt],
-                     fmt))
-  for fmt in QUANTIZED:
-    rows.append(_row(f"streaming {fmt} + EF", "streaming_diloco + error feedback",
-                     [*streaming, "--comm-dtype", fmt, "--error-feedback"], fmt,
-                     error_feedback=True))
-  for tau in OVERLAPS:
-    for eager in (False, True):
-      rows.append(_row(f"streaming τ={tau}{' eager' if eager else ''}", "streaming overlap",
-                       [*streaming, "--overlap", str(tau), *(["--eager"] if eager else [])],
-                       overlap=tau, eager=eager))
-  return rows
+  rows = []
+  for name, family, flags in (("diloco", "diloco", ["--algorithm", "diloco"]),
+                              ("streaming", "streaming_diloco", streaming)):
+    rows += [_row(f"{name} {fmt}", family, [*flags, "--comm-dtype", fmt], fmt) for fmt in FORMATS]
+    rows += [_row(f"{name} {fmt} + EF", f"{family} + error feedback",
+                  [*flags, "--comm-dtype", fmt, "--error-feedback"], fmt, error_feedback=True)
+             for fmt in QUANTIZED]
+  return rows + [_row(f"streaming τ={tau}{' eager' if eager else ''}", "streaming overlap",
+                      [*streaming, "--overlap", str(tau), *(["--eager"] if eager else [])],
+                      overlap=tau, eager=eager) for tau in OVERLAPS for eager in (False, True)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,16 +145,6 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
             "labels": list(config.runs), "date": kit.now(), **timed.record()}]}
 
 
-def expected_exchange(sizes: list[int], fmt: str) -> float:
-  """The bytes of one ``diloco`` exchange of params of leaf sizes ``sizes`` in ``fmt``: codes and
-  float32 scales of all the leaves end to end (:func:`optax_dist._quantize.wire_bytes`), or the
-  values' own bytes."""
-  if fmt in QUANTIZED:
-    return float(wire_bytes(sum(sizes), fmt, BLOCK))
-  itemsize = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}[fmt]
-  return float(itemsize * sum(sizes))
-
-
 def _by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
   return {r["label"]: r for r in result["runs"]}
 
@@ -183,7 +163,7 @@ def bytes_targets(result: dict[str, Any]) -> list[str]:
     r = runs.get(f"diloco {fmt}")
     if r is None or base is None:
       continue
-    expected = expected_exchange(sizes, fmt)
+    expected = float(wire_bytes(sum(sizes), fmt, BLOCK))  # codes and scales, leaves end to end
     ideal = CODE_BYTES[fmt] / 4 + 1 / BLOCK
     ratio = r["exchange_bytes"] / base["exchange_bytes"]
     met = r["exchange_bytes"] == expected
@@ -201,7 +181,7 @@ def quality_targets(result: dict[str, Any]) -> list[str]:
   streaming, reported), and what error feedback recovers; int8's recovery reported too."""
   runs = _by_label(result)
   lines = []
-  for family, fmt in [(f, x) for f in ("diloco", "streaming") for x in QUANTIZED]:
+  for family, fmt in itertools.product(("diloco", "streaming"), QUANTIZED):
     base = runs.get(f"{family} float32")
     plain, fed = runs.get(f"{family} {fmt}"), runs.get(f"{family} {fmt} + EF")
     if base is None or fed is None:
@@ -254,10 +234,10 @@ def runs_table(result: dict[str, Any]) -> str:
   rows = [[r["label"], r["format"], "yes" if r["error_feedback"] else "",
            str(r["overlap"]) if r["family"].startswith("streaming") else "—",
            "yes" if r["eager"] else "", f"{r['final']:.4f}",
-           "—" if base is None else f"{_gap(r, base):+.2%}", str(r["communication_rounds"]),
+           kit.fmt(base and _gap(r, base), "+.2%"), str(r["communication_rounds"]),
            f"{r['exchange_bytes']:,.0f}", kit.human_bytes(r["total_bytes"]),
            f"{r['median_step_s']:.3f}", f"{r['wall_s']:.0f}",
-           f"{r['load_before'].split(',')[0]} → {r['load_after'].split(',')[0]}"]
+           kit.loads(r["load_before"], r["load_after"])]
           for r in result["runs"]]
   return kit.table(header, rows, "lllrlrrrrrrrl")
 

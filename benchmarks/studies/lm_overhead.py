@@ -34,7 +34,6 @@ make a known number of params-sized passes over memory (adam: read g, p, μ, ν,
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
@@ -44,7 +43,7 @@ import optax
 
 import optax_dist
 from benchmarks import kit
-from benchmarks.studies._steps import Problem, Variant, ratio_plot, time_variants
+from benchmarks.studies._steps import Problem, Variant, ratio_cell, ratio_plot, time_variants
 from optax_dist.cli.tasks import TASKS
 
 BATCH = 8
@@ -188,7 +187,6 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
-  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   configs = []
   for axis, donated in CONFIGS:
     bound = axis == "bound"
@@ -237,7 +235,7 @@ def matrix_markdown(result: dict[str, Any]) -> str:
     verdict = []
     for c in configs:
       r = c["rows"][j]
-      cells += [f"**{r['ratio']:.3f}** ({r['q1']:.2f}–{r['q3']:.2f})", f"{r['cpu_ratio']:.3f}"]
+      cells += [ratio_cell(r), f"{r['cpu_ratio']:.3f}"]
       verdict.append(("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a")
     rows.append(cells + [", ".join(verdict)])
   lines = [kit.table(header, rows, "ll" + "rr" * len(configs) + "l"), ""]
@@ -255,14 +253,12 @@ def memory_markdown(result: dict[str, Any]) -> str:
   header = ["transformation"] + [f"{_config_name(c)}: temp / copies KiB" for c in configs]
   rows = [["bare adam"] + [f"{c['adam_memory']['temp'] / 1024:.0f} /"
                            f" {c['adam_memory']['copies'] / 1024:.0f}" for c in configs]]
-  seen = set()
+  first = {}  # each compiled step once: its first row
   for j, row in enumerate(configs[0]["rows"]):
-    key = (row["label"], row["hint"])
-    if key in seen:
-      continue
-    seen.add(key)
-    hint = "" if row["hint"] is None else f", `communicate={row['hint']}`"
-    rows.append([f"`{row['label']}`{hint}"] + [
+    first.setdefault((row["label"], row["hint"]), j)
+  for (label, hint), j in first.items():
+    hint = "" if hint is None else f", `communicate={hint}`"
+    rows.append([f"`{label}`{hint}"] + [
       f"{c['rows'][j]['temp'] / 1024:.0f} / {c['rows'][j]['copies'] / 1024:.0f}"
       for c in configs])
   return kit.table(header, rows, "l" + "r" * len(configs))
@@ -273,24 +269,21 @@ def missed_markdown(result: dict[str, Any]) -> str:
   whys = {(v.label, hinted): v.hinted_why if hinted else v.why
           for v in variants() for hinted in (False, True)}
   params_kib = result["configs"][0]["num_params"] * 4 / 1024
-  lines = []
+  missed = {}
   for c in result["configs"]:
     for r in c["rows"]:
       if _applies(r) and r["ratio"] > TARGET:
-        lines.append((r["label"], r["phase"], r.get("hint") is not None, _config_name(c), r, c))
-  if not lines:
+        extra_temp = (r["temp"] - c["adam_memory"]["temp"]) / 1024
+        extra_copies = (r["copies"] - c["adam_memory"]["copies"]) / 1024
+        missed.setdefault((r["label"], r["phase"], r.get("hint") is not None), []).append(
+          f"{_config_name(c)} {r['ratio']:.3f}× (CPU {r['cpu_ratio']:.3f}×; temp"
+          f" {extra_temp:+.0f} KiB, copies {extra_copies:+.0f} KiB vs adam)")
+  if not missed:
     return (f"Every non-communication LM step is within {TARGET}× of bare adam in every"
             " configuration.")
   out = [(f"Missed (> {TARGET}× wall on a non-communication step), and why (params:"
           f" {params_kib:.0f} KiB per worker):"), ""]
-  by_label = {}
-  for label, phase, hinted, config, r, c in lines:
-    extra_temp = (r["temp"] - c["adam_memory"]["temp"]) / 1024
-    extra_copies = (r["copies"] - c["adam_memory"]["copies"]) / 1024
-    by_label.setdefault((label, phase, hinted), []).append(
-      f"{config} {r['ratio']:.3f}× (CPU {r['cpu_ratio']:.3f}×; temp {extra_temp:+.0f} KiB,"
-      f" copies {extra_copies:+.0f} KiB vs adam)")
-  for (label, phase, hinted), where in by_label.items():
+  for (label, phase, hinted), where in missed.items():
     why = whys.get((label, hinted)) or "no structural cost expected: noise"
     out.append(f"- `{label}`, {phase}: {'; '.join(where)}. Why: {why}.")
   return "\n".join(out)
@@ -306,12 +299,9 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
            f"{kit.mib(base['temp'])} / {kit.mib(base['copies'])}"]]
   for r in o["rows"]:
     bound = r["bound_ms"]
-    rows.append([f"`{r['label']}`", r["phase"], f"{r['ms']:.2f}",
-                 f"**{r['ratio']:.3f}** ({r['q1']:.2f}–{r['q3']:.2f})", f"{r['cpu_ratio']:.3f}",
-                 "—" if r["passes"] is None else str(r["passes"]),
-                 "—" if bound is None else f"{bound:.2f}",
-                 "—" if bound is None else f"{r['bound_ratio']:.3f}",
-                 "—" if bound is None else f"{r['ms'] / bound:.2f}",
+    rows.append([f"`{r['label']}`", r["phase"], f"{r['ms']:.2f}", ratio_cell(r),
+                 f"{r['cpu_ratio']:.3f}", kit.fmt(r["passes"]), kit.fmt(bound, ".2f"),
+                 kit.fmt(r["bound_ratio"], ".3f"), kit.fmt(bound and r["ms"] / bound, ".2f"),
                  f"{kit.mib(r['temp'])} / {kit.mib(r['copies'])}"])
   slow = [r for r in o["rows"] if r["bound_ms"] is not None
           and r["ratio"] > 1.25 * r["bound_ratio"]]

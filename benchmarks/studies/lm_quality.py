@@ -70,8 +70,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     for label, overrides in RUNS:
       run(label, overrides)
     sync_final = rows[0]["final"]
-    for label, overrides in RUNS:  # the paper's outer optimizer missed: model averaging too
-      row = next(r for r in rows if r["label"] == label)
+    for (label, overrides), row in zip(RUNS, list(rows)):  # Nesterov missed: averaging too
       if (overrides["algorithm"] == "diloco" and overrides["sync_period"] >= 50
           and row["final"] > sync_final * (1 + TOLERANCE)):
         run(f"{label}, outer SGD 1.0, momentum 0 (extra)", {**overrides, **EXTRA_OUTER},

@@ -7,7 +7,6 @@ its timing (:mod:`benchmarks.studies._steps`) and the memory analysis.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
@@ -17,7 +16,7 @@ import optax
 
 import optax_dist
 from benchmarks import kit
-from benchmarks.studies._steps import AXIS, Problem, Variant, ratio_plot, time_variants
+from benchmarks.studies._steps import AXIS, Problem, Variant, ratio_cell, ratio_plot, time_variants
 from optax_dist.cli.models import MLP
 
 FEATURES = 784
@@ -110,7 +109,6 @@ def problem(hidden: tuple[int, ...], seed: int = 0, devices: int = 1,
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   """Times every wrapper's steps against adam's and analyses their memory, for every size."""
-  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   adam = optax.adam(LEARNING_RATE)
   rounds = {"≈1M": config.rounds_1m, "≈10M": config.rounds_10m}
   out = {"sizes": [], "memory": {}, "rounds": rounds}
@@ -189,9 +187,8 @@ def _overhead_verdicts(result, target=TARGET) -> str:
   why = {v.name: v.why for v in variants()}
   for (name, label, phase), where in missed.items():
     lines.append(f"- `{label}`, {phase} ({'; '.join(where)}): {why.get(name) or 'noise?'}.")
-  lines.append("")
-  lines.append(
-    "A row missed on wall time only, with its CPU ratio within the target and an interquartile"
+  lines += [
+    "", ("A row missed on wall time only, with its CPU ratio within the target and an interquartile"
     " range spanning it, is within the noise of a shared machine; a row missed on both wall and"
     " CPU time shows the structural cost described. The ratio depends on how much of the step"
     " the optimizer is: the wrappers add memory"
@@ -199,7 +196,7 @@ def _overhead_verdicts(result, target=TARGET) -> str:
     " whose cost grows with the batch; a larger minibatch than this one makes every ratio"
     " smaller, a smaller one larger. Ratios below 1 on a non-communication step are real for"
     " `accumulate_then_reduce` (no adam update on an accumulating micro-step) and noise"
-    " elsewhere.")
+    " elsewhere.")]
   return "\n".join(lines)
 
 
@@ -246,8 +243,7 @@ def overhead_markdown(result: dict[str, Any]) -> str:
     cells = [f"`{row['label']}`", row["phase"]]
     for s in sizes:
       r = s["rows"][j]
-      cells += [f"{r['ms']:.1f}", f"**{r['ratio']:.3f}** ({r['q1']:.2f}–{r['q3']:.2f})",
-                f"{r['cpu_ratio']:.3f}"]
+      cells += [f"{r['ms']:.1f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}"]
     cells.append(kit.mib(last["rows"][j]["copies"]))
     if row["communicates"]:
       cells.append("n/a: communication step")

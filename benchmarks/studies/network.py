@@ -21,9 +21,6 @@ achieves in each direction. The runs alternate algorithms within each rate; the 
 is recorded before and after each run.
 
 Needs root and iproute2 (``make bench-network``); says why and exits with 0 otherwise.
-``--extra-args`` is appended to every run's command line (e.g. ``--extra-args='--replicas 2'``);
-``--report --note TEXT`` adds a note on the runs to the saved result (shown above the
-measurements), e.g. what else ran on the machine during one of them.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ import shlex
 import sys
 import tempfile
 import time
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -80,8 +78,6 @@ BATCH = 8
 EVAL_EVERY = 20
 TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
-FRAME_OVERHEAD = 66
-"""Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 GLOO_OPERAND_BYTES = 576
 """Bytes gloo sends beyond an all-reduce operand's own, per operand and direction between two
 processes (measured by ``probe_link_bytes.py`` with jax 0.10.2's gloo: 12 TCP segments per
@@ -100,9 +96,9 @@ def command(algorithm: str, process_id: int, coordinator: str, out: str, *, step
           "--no-progress", *extra]
 
 
-def param_bytes(task_name: str = "lm") -> int:
-  """The bytes of ``task_name``'s params (float32), from their shapes."""
-  task = tasks.TASKS[task_name]
+def param_bytes() -> int:
+  """The bytes of the ``lm`` task's params (float32), from their shapes."""
+  task = tasks.TASKS["lm"]
   return kit.tree_bytes(kit.initial_params(task, task.load(0).train))
 
 
@@ -149,55 +145,38 @@ def predicted_bytes(result: dict[str, Any], framing: int = GLOO_OPERAND_BYTES) -
 
 
 def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: int, period: int,
-             extra: list[str], timeout: float = TIMEOUT) -> dict[str, Any]:
+             extra: list[str]) -> dict[str, Any]:
   """One run over ``link``; its wall-clock, bytes, step times and curve (raises RuntimeError)."""
   os.makedirs(out, exist_ok=True)
   coordinator = f"{link.addresses['a']}:{port}"
-  load_before = os.getloadavg()
-  before = link.counters()
+  load_before, before = os.getloadavg(), link.counters()
   start = time.perf_counter()
   link.run_pair([command(algorithm, i, coordinator, out, steps=steps, period=period, extra=extra)
-                 for i in range(PROCESSES)], out, timeout, what=algorithm)
-  wall = time.perf_counter() - start
-  after = link.counters()
+                 for i in range(PROCESSES)], out, TIMEOUT, what=algorithm)
+  wall, after = time.perf_counter() - start, link.counters()
   with open(os.path.join(out, f"results_{algorithm}.json")) as f:
     result = json.load(f)["algorithms"][algorithm]
-  return summarize(result, wall, before, after, load_before, os.getloadavg())
-
-
-def summarize(result: dict[str, Any], wall: float, before: dict, after: dict,
-              load_before: tuple, load_after: tuple) -> dict[str, Any]:
-  """The numbers of one run kept in ``network_results.json``."""
   times, flags = result["step_times"], kit.exchanges(settings_of(result))
   history = result["history"]
-  elapsed = [sum(times[:s]) for s in history["step"]]
   # Step 1 is left out of the medians: its first calls set up the collectives.
   exchange = [t for s, (t, f) in enumerate(zip(times, flags)) if f and s > 0]
   local = [t for s, (t, f) in enumerate(zip(times, flags)) if not f and s > 0]
+  counted = {f"{kind}_{x}_to_{y}": after[x][f"tx_{kind}"] - before[x][f"tx_{kind}"]
+             for kind in ("bytes", "packets") for x, y in ("ab", "ba")}
   return {
-    "algorithm": result["algorithm"],
-    "steps": result["steps"],
+    "algorithm": result["algorithm"], "steps": result["steps"],
     "period": result.get("sync_period", result.get("communication_period", 1)),
-    "replicas": result.get("replicas", 1),
-    "communication_rounds": result["communication_rounds"],
-    "wall_s": wall,
-    "trainer_wall_s": result["wall_time_s"],
-    "train_s": sum(times),
-    "step_times": times,
-    "exchange_step_s": _median_of(exchange),
-    "local_step_s": _median_of(local),
-    "bytes_a_to_b": after["a"]["tx_bytes"] - before["a"]["tx_bytes"],
-    "bytes_b_to_a": after["b"]["tx_bytes"] - before["b"]["tx_bytes"],
-    "packets_a_to_b": after["a"]["tx_packets"] - before["a"]["tx_packets"],
-    "packets_b_to_a": after["b"]["tx_packets"] - before["b"]["tx_packets"],
-    "predicted_bytes": predicted_bytes(result),
+    "replicas": result.get("replicas", 1), "communication_rounds": result["communication_rounds"],
+    "wall_s": wall, "trainer_wall_s": result["wall_time_s"], "train_s": sum(times),
+    "step_times": times, "exchange_step_s": _median_of(exchange), "local_step_s": _median_of(local),
+    **counted, "predicted_bytes": predicted_bytes(result),
     "operand_bytes": predicted_bytes(result, framing=0),
     "collective_bytes": result["collective_bytes"],
-    "curve": {"step": history["step"], "train_s": elapsed,
+    "curve": {"step": history["step"], "train_s": [sum(times[:s]) for s in history["step"]],
               "bits_per_byte": history["test_bits_per_byte_eval_params"]},
     "bits_per_byte": result["test_bits_per_byte_eval_params"],
     "load_before": [round(x, 2) for x in load_before],
-    "load_after": [round(x, 2) for x in load_after],
+    "load_after": [round(x, 2) for x in os.getloadavg()],
   }
 
 
@@ -217,66 +196,14 @@ def outer_sweep(*, steps: int, period: int, extra: list[str]) -> list[dict[str, 
   return runs
 
 
-def sweep_table(runs: list[dict[str, Any]]) -> str:
-  header = ["outer learning rate", "outer momentum", "final val bits/byte"]
-  rows = [[f"{r['outer_learning_rate']:g}", f"{r['outer_momentum']:g}",
-           f"{r['bits_per_byte']:.4f}"] for r in runs]
-  return kit.table(header, rows, "rrr")
-
-
-def study(rates: list[str], methods: list[str], *, steps: int, period: int,
-            extra: list[str], repeats: int = 1, work: str | None = None,
-            sweep: bool = True) -> dict[str, Any]:
-  """Every method of :data:`METHODS` at every rate over one :class:`netns.Link` (reshaped
-  between rates), after :func:`outer_sweep` if ``sweep`` and the DiLoCo family is among them."""
-  for rate in rates:
-    netns.bits_per_second(rate)  # a bad rate fails before anything runs
-  for method in methods:
-    if method not in METHODS:
-      raise ValueError(f"--methods: {method!r} is not one of {', '.join(METHODS)}")
-  result = {"rates": rates, "methods": {m: METHODS[m] for m in methods}, "steps": steps,
-            "period": period,
-            "processes": PROCESSES, "devices": DEVICES, "batch_size": BATCH, "extra_args": extra,
-            "param_bytes": param_bytes(), "load_before": [round(x, 2) for x in os.getloadavg()],
-            "achieved_mbit": {}, "runs": []}
-  start, port = time.perf_counter(), 12000
-  if sweep and ("diloco" in methods or "streaming_diloco" in methods):
-    result["outer_sweep"] = outer_sweep(steps=steps, period=period, extra=extra)
-  with tempfile.TemporaryDirectory() as tmp, netns.Link() as link:
-    for repeat in range(repeats):
-      for rate in rates:
-        link.shape(rate)
-        if rate not in result["achieved_mbit"]:
-          result["achieved_mbit"][rate] = {
-            "b_to_a": link.measure_rate("b") / 1e6, "a_to_b": link.measure_rate("a") / 1e6}
-          print(f"[network] {rate}: achieved {result['achieved_mbit'][rate]['b_to_a']:.1f}"
-                f" Mbit/s b->a, {result['achieved_mbit'][rate]['a_to_b']:.1f} a->b", flush=True)
-        for method in methods:
-          port += 1
-          algorithm, flags = METHODS[method]
-          out = os.path.join(work or tmp, f"{rate}-{method}-{repeat}")
-          run = run_once(link, algorithm, port, out, steps=steps, period=period,
-                         extra=[*flags, *extra])
-          run |= {"rate": rate, "repeat": repeat, "method": method}
-          result["runs"].append(run)
-          print(f"[network] {rate} {method}: {run['wall_s']:.1f} s whole,"
-                f" {run['train_s']:.1f} s training, {run['bytes_a_to_b'] / 1e6:.1f} MB a->b,"
-                f" {run['bytes_b_to_a'] / 1e6:.1f} MB b->a, {run['bits_per_byte']:.3f}"
-                f" bits/byte, load {run['load_after'][0]:.2f}", flush=True)
-  result["load_after"] = [round(x, 2) for x in os.getloadavg()]
-  result["seconds"] = time.perf_counter() - start
-  result["namespaces_left"] = [n for n in netns.namespaces() if n in link.names.values()]
-  return result
-
-
 def _fmt(x: float | None, spec: str) -> str:
-  return "–" if x is None else format(x, spec)
+  return kit.fmt(x, spec, "–")
 
 
 def payload(run: dict[str, Any], side: str = "a") -> float:
-  """TCP payload bytes ``side`` sent: the veth's bytes less :data:`FRAME_OVERHEAD` per packet."""
-  other = "b" if side == "a" else "a"
-  return run[f"bytes_{side}_to_{other}"] - FRAME_OVERHEAD * run[f"packets_{side}_to_{other}"]
+  """TCP payload bytes ``side`` sent: the veth's bytes less the headers of its packets."""
+  to = f"{side}_to_{'b' if side == 'a' else 'a'}"
+  return run[f"bytes_{to}"] - netns.FRAME_OVERHEAD * run[f"packets_{to}"]
 
 
 def time_to(run: dict[str, Any], target: float) -> float | None:
@@ -325,7 +252,7 @@ def measurements_table(result: dict[str, Any]) -> str:
       if not runs:
         continue
       rounds = max(runs[0]["communication_rounds"], 1)
-      med = lambda key: _median_of(runs, lambda r: r[key])  # noqa: E731
+      med = lambda key: _median_of(runs, itemgetter(key))  # noqa: E731
       spread = max(r["train_s"] for r in runs) - min(r["train_s"] for r in runs)
       rows.append([
         rate, f"{achieved:.1f}", method, f"{med('wall_s'):.1f}",
@@ -344,24 +271,28 @@ def measurements_table(result: dict[str, Any]) -> str:
   return kit.table(header, rows, "lrlrrrrrrrrrrr")
 
 
+def _speedup(result: dict[str, Any], rate: str, method: str, target: float) -> float | None:
+  """Sync's median training seconds to ``target`` at ``rate`` over ``method``'s."""
+  sync, reach = (_median_of(_runs(result, rate, m), lambda r: time_to(r, target))
+                 for m in ("sync", method))
+  return sync / reach if sync and reach else None
+
+
 def summary_table(result: dict[str, Any]) -> str:
   """Per rate and method: time to the target loss, speed-up over sync, the loss at sync's
   training time, and the training time over the method's own unshaped time."""
   target, rows = target_loss(result), []
   for rate in result["rates"]:
-    sync = _runs(result, rate, "sync")
-    sync_time = _median_of(sync, lambda r: time_to(r, target))
-    budget = _median_of(sync, lambda r: r["train_s"])
+    budget = _median_of(_runs(result, rate, "sync"), itemgetter("train_s"))
     for method in result["methods"]:
       runs = _runs(result, rate, method)
       if not runs:
         continue
-      reach = _median_of(runs, lambda r: time_to(r, target))
-      unshaped = _median_of(_runs(result, "unshaped", method), lambda r: r["train_s"])
-      train = _median_of(runs, lambda r: r["train_s"])
+      unshaped = _median_of(_runs(result, "unshaped", method), itemgetter("train_s"))
+      train = _median_of(runs, itemgetter("train_s"))
       rows.append([
-        rate, method, _fmt(reach, ".1f"),
-        _fmt(sync_time / reach if sync_time and reach else None, ".2f"),
+        rate, method, _fmt(_median_of(runs, lambda r: time_to(r, target)), ".1f"),
+        _fmt(_speedup(result, rate, method, target), ".2f"),
         _fmt(_median_of(runs, lambda r: loss_at(r, budget)) if budget else None, ".3f"),
         _fmt(train / unshaped if unshaped else None, ".2f")])
   header = ["rate", "method", f"training s to {target:.3f} bits/byte", "speed-up over sync",
@@ -375,19 +306,14 @@ def sensitivity_table(result: dict[str, Any], levels: int = 5) -> str:
   other than sync's (where the best of them ends, at its last evaluation)."""
   rate = result["rates"][-1]
   unshaped = "unshaped" if "unshaped" in result["rates"] else result["rates"][0]
-  sync = _runs(result, rate, "sync")
   lowest = min(r["bits_per_byte"] for r in result["runs"]
                if r["rate"] == unshaped and r["method"] != "sync")
-  losses = np.linspace(target_loss(result), lowest, levels).tolist()
   methods = [m for m in result["methods"] if m != "sync" and _runs(result, rate, m)]
   rows = []
-  for loss in losses:
-    sync_time = _median_of(sync, lambda r: time_to(r, loss))
-    cells = []
-    for method in methods:
-      reach = _median_of(_runs(result, rate, method), lambda r: time_to(r, loss))
-      cells.append(_fmt(sync_time / reach if sync_time and reach else None, ".2f"))
-    rows.append([f"{loss:.3f}", _fmt(sync_time, ".1f"), *cells])
+  for loss in np.linspace(target_loss(result), lowest, levels).tolist():
+    sync = _median_of(_runs(result, rate, "sync"), lambda r: time_to(r, loss))
+    rows.append([f"{loss:.3f}", _fmt(sync, ".1f"),
+                 *(_fmt(_speedup(result, rate, m, loss), ".2f") for m in methods)])
   header = ["target bits/byte", f"sync's training s at {rate}", *methods]
   return kit.table(header, rows, "r" * len(header))
 
@@ -404,14 +330,12 @@ def targets(result: dict[str, Any]) -> list[str]:
     runs = _runs(result, slow, method) if slow else []
     if not runs:
       continue
-    sync = _median_of(_runs(result, slow, "sync"), lambda r: time_to(r, target))
-    reach = _median_of(runs, lambda r: time_to(r, target))
-    speedup = sync / reach if sync and reach else None
+    speedup = _speedup(result, slow, method, target)
     check(None if speedup is None else speedup >= 3,
           f"{method} reaches {target:.3f} bits/byte at 10 Mbit/s"
           f" {_fmt(speedup, '.2f')}× sooner than sync (target ≥ 3×)")
-    unshaped = _median_of(_runs(result, "unshaped", method), lambda r: r["train_s"])
-    ratio = _median_of(runs, lambda r: r["train_s"]) / unshaped if unshaped else None
+    unshaped = _median_of(_runs(result, "unshaped", method), itemgetter("train_s"))
+    ratio = _median_of(runs, itemgetter("train_s")) / unshaped if unshaped else None
     check(None if ratio is None else ratio <= 1.3,
           f"{method}'s training time at 10 Mbit/s is {_fmt(ratio, '.2f')}× its unshaped"
           " time (target ≤ 1.3×)")
@@ -419,7 +343,7 @@ def targets(result: dict[str, Any]) -> list[str]:
     runs = [r for r in result["runs"] if r["method"] == method]
     if runs:
       rounds = max(runs[0]["communication_rounds"], 1)
-      per = _median_of(runs, lambda r: r["operand_bytes"]) / rounds / p
+      per = _median_of(runs, itemgetter("operand_bytes")) / rounds / p
       measured = _median_of(runs, payload) / rounds / p
       check(per <= bound, f"{method}: {what} sends {per:.3f}× the params' bytes each way"
             f" (the operands of the compiled collectives; the veth payload over the whole run,"
@@ -431,8 +355,8 @@ def targets(result: dict[str, Any]) -> list[str]:
     fmt = flags[list(flags).index("--comm-dtype") + 1]
     base, runs = _runs(result, slow, "diloco"), _runs(result, slow, method)
     wire = _median_of(runs, payload) / _median_of(base, payload)
-    operands = _median_of(runs, lambda r: r["operand_bytes"]) / _median_of(
-      base, lambda r: r["operand_bytes"])
+    operands = (_median_of(runs, itemgetter("operand_bytes"))
+                / _median_of(base, itemgetter("operand_bytes")))
     bound = {"int8": 0.26, "e3m0": 0.135, "float4_e2m1fn": 0.135}.get(fmt)
     check(None if bound is None else wire <= bound,
           f"{method}: the veth payload at 10 Mbit/s is {wire:.3f}× float32 diloco's (the"
@@ -493,7 +417,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     *([(f"DiLoCo's outer optimizer at this budget ({result['steps'] // result['period']} outer"
         " steps; one process, unshaped, the same losses as over the link): the final validation"
         " loss for each outer learning rate and Nesterov momentum. The DiLoCo family above runs"
-        f" `{' '.join(OUTER)}`."), "", sweep_table(result["outer_sweep"]), ""]
+        f" `{' '.join(OUTER)}`."), "",
+       kit.table(["outer learning rate", "outer momentum", "final val bits/byte"],
+                 [[f"{r['outer_learning_rate']:g}", f"{r['outer_momentum']:g}",
+                   f"{r['bits_per_byte']:.4f}"] for r in result["outer_sweep"]], "rrr"), ""]
       if result.get("outer_sweep") else []),
     f"![validation bits per byte against training seconds, one panel per rate]({plot_name})",
   ])
@@ -539,24 +466,64 @@ class Config:
                                     " family")
   keep_logs: str | None = kit.option(None, "keep each run's results and logs under DIR",
                                      metavar="DIR")
-  note: str | None = kit.option(None, "with --report: add this note on the runs to the result")
+  note: str | None = kit.option(None, "with --report: add this note on the runs (e.g. what else"
+                                " ran on the machine) to the result, shown above the measurements")
 
 
 QUICK = {"rates": ("100mbit",), "methods": ("sync", "diloco"), "steps": 6, "period": 3}
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
-  """The study over a fresh :class:`netns.Link`, or ``None`` (having said why) without one."""
+  """Every method of ``--methods`` at every rate over one fresh :class:`netns.Link` (reshaped
+  between rates), after :func:`outer_sweep` unless ``--no-outer-sweep`` or no method of the
+  DiLoCo family is among them; or ``None`` (having said why) without a link."""
+  for rate in config.rates:
+    netns.bits_per_second(rate)  # a bad rate fails before anything runs
+  for method in config.methods:
+    if method not in METHODS:
+      raise ValueError(f"--methods: {method!r} is not one of {', '.join(METHODS)}")
   if netns.skipped("[network] "):
     return None
   netns.remove_stale()
+  steps, period, extra = config.steps, config.period, shlex.split(config.extra_args)
+  result = {"rates": list(config.rates), "methods": {m: METHODS[m] for m in config.methods},
+            "steps": steps, "period": period, "processes": PROCESSES, "devices": DEVICES,
+            "batch_size": BATCH, "extra_args": extra, "param_bytes": param_bytes(),
+            "load_before": [round(x, 2) for x in os.getloadavg()], "achieved_mbit": {},
+            "runs": []}
+  start, port = time.perf_counter(), 12000
+  if not config.no_outer_sweep and {"diloco", "streaming_diloco"} & set(config.methods):
+    result["outer_sweep"] = outer_sweep(steps=steps, period=period, extra=extra)
   try:
-    return study(list(config.rates), list(config.methods), steps=config.steps,
-                 period=config.period, extra=shlex.split(config.extra_args),
-                 repeats=config.repeats, work=config.keep_logs, sweep=not config.no_outer_sweep)
+    with tempfile.TemporaryDirectory() as tmp, netns.Link() as link:
+      for repeat in range(config.repeats):
+        for rate in config.rates:
+          link.shape(rate)
+          if rate not in result["achieved_mbit"]:
+            achieved = {"b_to_a": link.measure_rate("b") / 1e6,
+                        "a_to_b": link.measure_rate("a") / 1e6}
+            result["achieved_mbit"][rate] = achieved
+            print(f"[network] {rate}: achieved {achieved['b_to_a']:.1f} Mbit/s b->a,"
+                  f" {achieved['a_to_b']:.1f} a->b", flush=True)
+          for method in config.methods:
+            port += 1
+            algorithm, flags = METHODS[method]
+            out = os.path.join(config.keep_logs or tmp, f"{rate}-{method}-{repeat}")
+            run = run_once(link, algorithm, port, out, steps=steps, period=period,
+                           extra=[*flags, *extra])
+            run |= {"rate": rate, "repeat": repeat, "method": method}
+            result["runs"].append(run)
+            print(f"[network] {rate} {method}: {run['wall_s']:.1f} s whole,"
+                  f" {run['train_s']:.1f} s training, {run['bytes_a_to_b'] / 1e6:.1f} MB a->b,"
+                  f" {run['bytes_b_to_a'] / 1e6:.1f} MB b->a, {run['bits_per_byte']:.3f}"
+                  f" bits/byte, load {run['load_after'][0]:.2f}", flush=True)
   except netns.Unavailable as e:
     print(f"[network] skipped: {e}")
     return None
+  result["load_after"] = [round(x, 2) for x in os.getloadavg()]
+  result["seconds"] = time.perf_counter() - start
+  result["namespaces_left"] = [n for n in netns.namespaces() if n in link.names.values()]
+  return result
 
 
 def load(prefix: str, config: Config) -> dict[str, Any]:
