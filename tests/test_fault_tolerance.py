@@ -243,17 +243,28 @@ def test_data_position_is_the_local_step(faulty_run):
 # Abort, weights, quorum.
 
 
-def test_abort_keeps_the_global_state_and_returns_to_the_anchor():
-  faulty = _engine(fmt="int8_feedback", num_replicas=2, faults=[ft.Fault(1, 1, "nonfinite")])
-  clean = _engine(fmt="int8_feedback", num_replicas=2)
+def _aborted_round(algorithm: str, **kw):
+  """Two replicas' engines, one whose round 1 aborts (a non-finite payload) and one without
+  the fault; each after round 1, with the faulty replicas' states before it. Checks the
+  outcomes and that the abort keeps the anchor, the outer state and the residual."""
+  faulty = _engine(algorithm, "int8_feedback", num_replicas=2,
+                   faults=[ft.Fault(1, 1, "nonfinite")], **kw)
+  clean = _engine(algorithm, "int8_feedback", num_replicas=2, **kw)
   faulty.run(1), clean.run(1)
   before = [faulty.replicas[i] for i in range(2)]
   assert not any(line.committed for line in faulty.run(1))
   assert all(line.committed for line in clean.run(1))
   for i in range(2):
-    got, old = faulty.replicas[i], before[i]
     for field in ("anchor", "outer_state", "error_feedback"):
-      _assert_trees_equal(getattr(got.opt_state, field), getattr(old.opt_state, field))
+      _assert_trees_equal(getattr(faulty.replicas[i].opt_state, field),
+                          getattr(before[i].opt_state, field))
+  return faulty, clean, before
+
+
+def test_abort_keeps_the_global_state_and_returns_to_the_anchor():
+  faulty, clean, before = _aborted_round("diloco")
+  for i in range(2):
+    got, old = faulty.replicas[i], before[i]
     _assert_trees_equal(got.params, old.opt_state.anchor)
     assert int(got.opt_state.local_step) == 2 * H and int(got.rounds) == 1
     # the inner state is kept: the one of the same inner steps in a committed round
@@ -265,17 +276,9 @@ def test_streaming_abort_reverts_only_its_fragment():
   p = _protocol("streaming_diloco", "int8_feedback", STREAMING)
   assert [p.fragment(t) for t in range(1, 5)] == [None, 0, None, 1]
   assert optax_dist.streaming_diloco_fragments(_params(), 2) == (0, 1)
-  kw = dict(extra=STREAMING, num_replicas=2)
-  faulty = _engine("streaming_diloco", "int8_feedback", faults=[ft.Fault(1, 1, "nonfinite")], **kw)
-  clean = _engine("streaming_diloco", "int8_feedback", **kw)
-  faulty.run(1), clean.run(1)
-  before = [faulty.replicas[i] for i in range(2)]
-  assert not any(line.committed for line in faulty.run(1))
-  assert all(line.committed for line in clean.run(1))
+  faulty, clean, before = _aborted_round("streaming_diloco", extra=STREAMING)
   for i in range(2):
     got, old = faulty.replicas[i], before[i]
-    for field in ("anchor", "outer_state", "error_feedback"):
-      _assert_trees_equal(getattr(got.opt_state, field), getattr(old.opt_state, field))
     _assert_trees_equal(got.params["b"], old.opt_state.anchor["b"])  # the fragment reverts
     _assert_trees_equal(got.params["a"], clean.replicas[i].params["a"])  # the other goes on
 
