@@ -477,6 +477,7 @@ def test_replica_without_the_ft_extra_says_so_in_one_line(monkeypatch, capsys):
 
   monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ModuleNotFoundError
   monkeypatch.delitem(sys.modules, "optax_dist.fault_tolerance.torchft_engine", raising=False)
+  monkeypatch.delattr(ft, "torchft_engine", raising=False)  # imported by another test
   status = replica.main(["--lighthouse", "http://127.0.0.1:1", "--replica-id", "0", "--out", "x"])
   err = capsys.readouterr().err
   assert status == 2

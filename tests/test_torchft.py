@@ -196,3 +196,58 @@ def test_heal_frame_of_a_pickle_is_refused_and_runs_nothing():
   with pytest.raises(ValueError, match="rank 0: the counters are not JSON"):
     te._unframe(framed, "rank 0")
   assert RAN == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The launcher.
+
+
+def _tail(out: pathlib.Path) -> str:
+  return "\n".join(f"--- {path.name}:\n{path.read_text()[-2000:]}"
+                   for path in sorted(out.glob("*.log")))
+
+
+@pytest.mark.slow
+def test_launcher_restarts_a_killed_replica_which_heals_and_the_run_ends(tmp_path):
+  # min_replicas = R: no quorum forms while a replica is dead, so the run waits for the
+  # restart whatever the machine's speed.
+  rounds = 100
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+  env["PYTHONPATH"] = str(ROOT)
+  log = open(tmp_path / "launcher.log", "w")
+  launcher = subprocess.Popen(
+    [sys.executable, "-m", "optax_dist.fault_tolerance.launcher", "--replicas", "3",
+     "--min-replicas", "3", "--out", str(tmp_path), "--restart-delay", "0.2",
+     "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), "--", "--steps", str(5 * rounds),
+     "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60"],
+    env=env, stdout=log, stderr=log, start_new_session=True)
+  log.close()  # a file, not a pipe: the Lighthouse's log would fill a pipe nobody reads
+
+  def lines(i):
+    path = tmp_path / "replicas" / f"replica_{i}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+  try:
+    deadline = time.monotonic() + 90
+    while len(_committed(lines(2))) < 3:
+      assert launcher.poll() is None and time.monotonic() < deadline, _tail(tmp_path)
+      time.sleep(0.02)
+    first = lines(2)[0]["pid"]
+    os.kill(first, signal.SIGKILL)
+    assert launcher.wait(timeout=100) == 0, _tail(tmp_path)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+
+  restarted = [line for line in lines(2) if line["pid"] != first]
+  assert restarted and restarted[0]["healed"] and restarted[0]["committed"]
+  by_round: dict[int, set] = {}
+  for i in range(3):
+    for line in _committed(lines(i)):
+      by_round.setdefault(line["round"], set()).add(line["state_hash"])
+  # The round indices count the aborted rounds (the one in flight at the kill) too.
+  assert len(by_round) == rounds
+  assert all(len(hashes) == 1 for hashes in by_round.values())
+  assert len({(lines(i)[-1]["round"], lines(i)[-1]["state_hash"], lines(i)[-1]["committed"])
+              for i in range(3)}) == 1

@@ -18,7 +18,9 @@ subpackage's modules:
 * :mod:`~optax_dist.fault_tolerance.torchft_engine` (the ``ft`` extra: torch and torchft; not
   imported here): ``TorchftReplica``, one replica per process over torchft's Lighthouse,
   ``Manager`` and ``ProcessGroupGloo``, and ``HealTransport``;
-  :mod:`~optax_dist.fault_tolerance.replica` runs one as a process.
+  :mod:`~optax_dist.fault_tolerance.replica` runs one as a process, and
+  :mod:`~optax_dist.fault_tolerance.launcher` runs a Lighthouse and R of them on one host,
+  restarting the dead.
 
 Import the names from ``optax_dist.fault_tolerance``. Supported: ``diloco``, ``local_sgd`` and
 ``streaming_diloco`` (``overlap=0``: a round is one fragment's exchange).

@@ -115,7 +115,8 @@ class HealTransport(CheckpointTransport):
 
   Args:
     host: the address the server binds and advertises (never a wildcard).
-    timeout: seconds for a joiner's GET.
+    timeout: seconds the server holds a GET until its frame is staged (then a 404); a
+      joiner's GET waits twice that.
 
   Raises:
     ValueError: ``host`` empty or a wildcard (``0.0.0.0``, ``::``).
@@ -174,7 +175,8 @@ class HealTransport(CheckpointTransport):
 
   def recv_checkpoint(self, src_rank, metadata, step, timeout) -> dict:
     url = f"{metadata}/heal/{step}"
-    with urllib.request.urlopen(url, timeout=self._timeout) as response:
+    # Twice the server's wait, so that a frame never staged comes back as a 404.
+    with urllib.request.urlopen(url, timeout=2 * self._timeout) as response:
       return _unframe(response.read(), f"rank {src_rank} ({metadata})")
 
   def shutdown(self, wait: bool = True) -> None:
@@ -328,12 +330,21 @@ class TorchftReplica:
                   quorum_seconds=time.monotonic() - start)
     info.weight = 0 if self.healed else info.tokens
     merged = self._exchange(sent, info)
-    committed = self._manager.should_commit()
+    committed = self._vote()
     if committed:
       self.state = self.protocol.commit(self.state, merged, sent if info.weight else None)
     else:
       self.state = self.protocol.abort(self.state)
     return self._write(info, committed)
+
+  def _vote(self) -> bool:
+    """``should_commit()``; a vote that cannot be cast in time (the process was stopped while
+    the request was in flight) is a no."""
+    try:
+      return self._manager.should_commit()
+    except TimeoutError as e:
+      self._manager.report_error(e)
+      return False
 
   def _exchange(self, sent: Sent, info: _Round) -> Any:
     """The all-gather and the merge; on failure reports the error (a no vote) and returns
