@@ -8,6 +8,7 @@ the run instead of skipping it.
 
 import json
 import pickle
+import re
 import os
 import pathlib
 import signal
@@ -251,3 +252,39 @@ def test_launcher_restarts_a_killed_replica_which_heals_and_the_run_ends(tmp_pat
   assert all(len(hashes) == 1 for hashes in by_round.values())
   assert len({(lines(i)[-1]["round"], lines(i)[-1]["state_hash"], lines(i)[-1]["committed"])
               for i in range(3)}) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_input(tmp_path, capsys):
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import launcher
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=2)
+  args = (protocol, jnp.zeros(2), lambda p, b: p, lambda seed, slot, step: 0)
+  kwargs = dict(lighthouse="http://127.0.0.1:1", replica_id=0, out=tmp_path)
+  with pytest.raises(ValueError, match=r"TorchftReplica\(lighthouse=...\)` must be an http://"
+                     r" URL, got '127.0.0.1:1'"):
+    te.TorchftReplica(*args, **dict(kwargs, lighthouse="127.0.0.1:1"))
+  with pytest.raises(ValueError, match=r"TorchftReplica\(replica_id=...\)` must be an int >= 0,"
+                     r" got -1"):
+    te.TorchftReplica(*args, **dict(kwargs, replica_id=-1))
+  with pytest.raises(ValueError, match=r"TorchftReplica\(timeout=...\)` must be a positive"
+                     r" number of seconds, got 0"):
+    te.TorchftReplica(*args, **kwargs, timeout=0)
+  for flags, said in ((["--replicas", "0"], "--replicas must be a positive int, got 0"),
+                      (["--replicas", "2", "--min-replicas", "3"],
+                       r"--min-replicas must be in \[1, --replicas=2\], got 3"),
+                      (["--replicas", "2", "--host", "0.0.0.0"],
+                       "--host must be a specific address, got '0.0.0.0'"),
+                      (["--replicas", "2", "--restart-delay", "-1"],
+                       "--restart-delay must be >= 0 seconds, got -1.0")):
+    assert launcher.main([*flags, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(said, err), err
