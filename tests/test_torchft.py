@@ -1,16 +1,17 @@
-"""The torchft engine end to end: a Lighthouse and 3 replica processes on 127.0.0.1, a `kill -9`
-and a restart under the same id (it heals), a `SIGSTOP`/`SIGCONT`; every committed round's
-global state hash is equal on every replica that committed it.
+"""The torchft engine end to end: the launcher (a Lighthouse and 3 replica processes on
+127.0.0.1), a `kill -9` and the restart under the same id (it heals), a `SIGSTOP`/`SIGCONT`, the
+launcher's death (its replicas follow); every committed round's global state hash is equal on
+every replica that committed it. Then the heal transport and bad input.
 
 Needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing extra fails
 the run instead of skipping it.
 """
 
 import json
-import pickle
-import re
 import os
 import pathlib
+import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import urllib.error
 import pytest
 
 try:
-  from torchft.coordination import LighthouseServer
+  import torchft  # noqa: F401
 except ModuleNotFoundError as e:
   if os.environ.get("OPTAX_DIST_REQUIRE_FT") == "1":
     raise ModuleNotFoundError(
@@ -35,54 +36,52 @@ STOP_S = 5.0  # longer than the collective's timeout and the Lighthouse's heartb
 
 
 class Run:
-  """A Lighthouse in this process and replica processes, each in its own process group."""
+  """The launcher as a process of its own session: its Lighthouse and 3 replica processes
+  (which die with it). A replica's pid is in its log lines."""
 
-  def __init__(self, out: pathlib.Path):
+  def __init__(self, out: pathlib.Path, *, min_replicas: int, steps: int):
     self.out = out
-    self.lighthouse = LighthouseServer(
-      bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=300, quorum_tick_ms=20,
-      heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))
-    self.url = "http://127.0.0.1:" + self.lighthouse.address().rsplit(":", 1)[1]
-    self.procs: dict[int, subprocess.Popen] = {}
-    self.env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
-    self.env["PYTHONPATH"] = str(ROOT)
-
-  def start(self, i: int) -> None:
-    log = open(self.out / f"replica_{i}.stderr", "a")
-    self.procs[i] = subprocess.Popen(
-      [sys.executable, "-m", "optax_dist.fault_tolerance.replica", "--lighthouse", self.url,
-       "--replica-id", str(i), "--out", str(self.out), "--steps", "1000000",
-       "--sync-period", "5", "--min-replicas", "2", "--timeout", str(TIMEOUT_S),
-       "--quorum-timeout", "60", "--parent-death"],
-      env=self.env, stdout=log, stderr=log, start_new_session=True)
-    log.close()
-
-  def signal(self, i: int, sig: int) -> None:
-    os.killpg(self.procs[i].pid, sig)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    with open(out / "launcher.log", "w") as log:  # a file: a full pipe would stall the Lighthouse
+      self.proc = subprocess.Popen(
+        [sys.executable, "-m", "optax_dist.fault_tolerance.launcher", "--replicas", "3",
+         "--min-replicas", str(min_replicas), "--out", str(out), "--restart-delay", "0.5",
+         "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), "--", "--steps", str(steps),
+         "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60"],
+        env=env, stdout=log, stderr=log, start_new_session=True)
 
   def lines(self, i: int) -> list[dict]:
     path = self.out / "replicas" / f"replica_{i}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
+  def pid(self, i: int) -> int:
+    return self.lines(i)[-1]["pid"]
+
   def wait(self, what: str, predicate, timeout: float = 60.0) -> None:
-    """Polls ``predicate()`` until true; fails naming ``what`` and every replica's stderr
-    tail if a replica exits or the time runs out."""
+    """Polls ``predicate()`` until true; fails naming ``what`` with the logs' tails if the
+    launcher exits or the time runs out."""
     deadline = time.monotonic() + timeout
     while not predicate():
-      dead = [i for i, p in self.procs.items() if p.poll() is not None]
-      if dead or time.monotonic() > deadline:
-        tails = "\n".join(
-          f"--- replica {i}:\n" + (self.out / f"replica_{i}.stderr").read_text()[-2000:]
-          for i in self.procs)
-        pytest.fail(f"waiting for {what}: replicas {dead} exited or timed out\n{tails}")
-      time.sleep(0.05)
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        tails = "\n".join(f"--- {path.name}:\n{path.read_text()[-2000:]}"
+                          for path in sorted(self.out.glob("*.log")))
+        pytest.fail(f"waiting for {what}: the launcher exited or the time ran out\n{tails}")
+      time.sleep(0.02)
 
   def close(self) -> None:
-    for i, p in self.procs.items():
-      if p.poll() is None:
-        self.signal(i, signal.SIGKILL)
-      p.wait()
-    self.lighthouse.shutdown()
+    """Kills the launcher; its replicas die with it (parent-death signal)."""
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.proc.wait()
+
+
+def _alive(pid: int) -> bool:
+  try:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except FileNotFoundError:
+    return False
+  return state not in ("Z", "X")  # a zombie has ended
 
 
 def _committed(lines: list[dict], after: float = 0.0, members=None) -> list[dict]:
@@ -90,49 +89,81 @@ def _committed(lines: list[dict], after: float = 0.0, members=None) -> list[dict
           and (members is None or sorted(line["members"]) == members)]
 
 
-@pytest.mark.slow
-def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
-  run = Run(tmp_path)
-  try:
-    for i in range(3):
-      run.start(i)
-    run.wait("3 committed rounds of all three", lambda: all(
-      len(_committed(run.lines(i), members=[0, 1, 2])) >= 3 for i in range(3)), timeout=90)
-
-    killed = time.time()
-    run.signal(2, signal.SIGKILL)
-    run.procs.pop(2).wait()
-    run.wait("a quorum without the killed replica", lambda: _committed(
-      run.lines(0), killed, [0, 1]))
-    dropped = _committed(run.lines(0), killed, [0, 1])[0]["time"] - killed
-
-    run.start(2)
-    run.wait("the restarted replica healed and committed twice", lambda: len(_committed(
-      [line for line in run.lines(2) if line["pid"] == run.procs[2].pid], killed)) >= 3)
-    heal = next(line for line in run.lines(2) if line["healed"] and line["time"] > killed)
-
-    stopped = time.time()
-    run.signal(1, signal.SIGSTOP)
-    run.wait("a quorum without the stopped replica", lambda: _committed(
-      run.lines(0), stopped, [0, 2]))
-    time.sleep(max(0.0, stopped + STOP_S - time.time()))
-    resumed = time.time()
-    run.signal(1, signal.SIGCONT)
-    run.wait("the resumed replica committing again", lambda: len(_committed(
-      run.lines(1), resumed, [0, 1, 2])) >= 2)
-  finally:
-    run.close()
-
+def _states_by_round(run: Run) -> dict[int, set]:
   by_round: dict[int, set] = {}
   for i in range(3):
     for line in _committed(run.lines(i)):
       by_round.setdefault(line["round"], set()).add((line["state_hash"], line["step"]))
+  return by_round
+
+
+@pytest.mark.slow
+def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
+  run = Run(tmp_path, min_replicas=2, steps=10**7)  # runs until the test kills the launcher
+  try:
+    run.wait("3 committed rounds of all three", lambda: all(
+      len(_committed(run.lines(i), members=[0, 1, 2])) >= 3 for i in range(3)), timeout=90)
+
+    killed, first = time.time(), run.pid(2)
+    os.kill(first, signal.SIGKILL)
+    run.wait("a quorum without the killed replica", lambda: _committed(
+      run.lines(0), killed, [0, 1]))
+    dropped = _committed(run.lines(0), killed, [0, 1])[0]["time"] - killed
+    run.wait("the restarted replica healed and committed 3 times", lambda: len(_committed(
+      [line for line in run.lines(2) if line["pid"] != first], killed)) >= 3)
+    heal = next(line for line in run.lines(2) if line["pid"] != first)
+
+    stopped = time.time()
+    os.kill(run.pid(1), signal.SIGSTOP)
+    run.wait("a quorum without the stopped replica", lambda: _committed(
+      run.lines(0), stopped, [0, 2]))
+    time.sleep(max(0.0, stopped + STOP_S - time.time()))
+    resumed = time.time()
+    os.kill(run.pid(1), signal.SIGCONT)
+    run.wait("the resumed replica committing again", lambda: len(_committed(
+      run.lines(1), resumed, [0, 1, 2])) >= 2)
+
+    replicas = [run.pid(i) for i in range(3)]
+    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: its replicas must follow
+    deadline = time.monotonic() + 10
+    while any(map(_alive, replicas)) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not any(map(_alive, replicas))
+  finally:
+    run.close()
+
+  by_round = _states_by_round(run)
   assert all(len(states) == 1 for states in by_round.values()), {
     r: s for r, s in by_round.items() if len(s) > 1}
-  assert heal["replica"] == 2 and heal["weight"] == 0 and heal["committed"]
+  assert heal["healed"] and heal["weight"] == 0 and heal["committed"]
   assert any(line["healed"] for line in run.lines(1) if line["time"] > resumed)
   print(f"quorum without the killed replica committed {dropped:.2f} s after the kill;"
         f" the restarted replica's quorum with its heal took {heal['quorum_seconds']:.3f} s")
+
+
+@pytest.mark.slow
+def test_launcher_restarts_a_killed_replica_which_heals_and_the_run_ends(tmp_path):
+  # min_replicas = R: no quorum forms while a replica is dead, so the run waits for the
+  # restart whatever the machine's speed.
+  rounds = 100
+  run = Run(tmp_path, min_replicas=3, steps=5 * rounds)
+  try:
+    run.wait("3 committed rounds of replica 2", lambda: len(_committed(run.lines(2))) >= 3,
+             timeout=90)
+    first = run.pid(2)
+    os.kill(first, signal.SIGKILL)
+    assert run.proc.wait(timeout=100) == 0
+  finally:
+    run.close()
+
+  restarted = [line for line in run.lines(2) if line["pid"] != first]
+  assert restarted and restarted[0]["healed"] and restarted[0]["committed"]
+  by_round = _states_by_round(run)
+  # The round indices count the aborted rounds (the one in flight at the kill) too.
+  assert len(by_round) == rounds
+  assert all(len(states) == 1 for states in by_round.values())
+  assert len({(run.lines(i)[-1]["round"], run.lines(i)[-1]["state_hash"],
+               run.lines(i)[-1]["committed"]) for i in range(3)}) == 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,61 +228,6 @@ def test_heal_frame_of_a_pickle_is_refused_and_runs_nothing():
   with pytest.raises(ValueError, match="rank 0: the counters are not JSON"):
     te._unframe(framed, "rank 0")
   assert RAN == []
-
-
-# ------------------------------------------------------------------------------------------------
-# The launcher.
-
-
-def _tail(out: pathlib.Path) -> str:
-  return "\n".join(f"--- {path.name}:\n{path.read_text()[-2000:]}"
-                   for path in sorted(out.glob("*.log")))
-
-
-@pytest.mark.slow
-def test_launcher_restarts_a_killed_replica_which_heals_and_the_run_ends(tmp_path):
-  # min_replicas = R: no quorum forms while a replica is dead, so the run waits for the
-  # restart whatever the machine's speed.
-  rounds = 100
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
-  env["PYTHONPATH"] = str(ROOT)
-  log = open(tmp_path / "launcher.log", "w")
-  launcher = subprocess.Popen(
-    [sys.executable, "-m", "optax_dist.fault_tolerance.launcher", "--replicas", "3",
-     "--min-replicas", "3", "--out", str(tmp_path), "--restart-delay", "0.2",
-     "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), "--", "--steps", str(5 * rounds),
-     "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60"],
-    env=env, stdout=log, stderr=log, start_new_session=True)
-  log.close()  # a file, not a pipe: the Lighthouse's log would fill a pipe nobody reads
-
-  def lines(i):
-    path = tmp_path / "replicas" / f"replica_{i}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-  try:
-    deadline = time.monotonic() + 90
-    while len(_committed(lines(2))) < 3:
-      assert launcher.poll() is None and time.monotonic() < deadline, _tail(tmp_path)
-      time.sleep(0.02)
-    first = lines(2)[0]["pid"]
-    os.kill(first, signal.SIGKILL)
-    assert launcher.wait(timeout=100) == 0, _tail(tmp_path)
-  finally:
-    if launcher.poll() is None:
-      os.killpg(launcher.pid, signal.SIGKILL)
-    launcher.wait()
-
-  restarted = [line for line in lines(2) if line["pid"] != first]
-  assert restarted and restarted[0]["healed"] and restarted[0]["committed"]
-  by_round: dict[int, set] = {}
-  for i in range(3):
-    for line in _committed(lines(i)):
-      by_round.setdefault(line["round"], set()).add(line["state_hash"])
-  # The round indices count the aborted rounds (the one in flight at the kill) too.
-  assert len(by_round) == rounds
-  assert all(len(hashes) == 1 for hashes in by_round.values())
-  assert len({(lines(i)[-1]["round"], lines(i)[-1]["state_hash"], lines(i)[-1]["committed"])
-              for i in range(3)}) == 1
 
 
 # ------------------------------------------------------------------------------------------------

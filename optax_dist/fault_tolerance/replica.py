@@ -10,7 +10,8 @@ the outer Nesterov of the DiLoCo paper.
 
 With ``--parent-death`` the process gets ``SIGKILL`` when its parent dies (Linux
 ``prctl(PR_SET_PDEATHSIG)``). A mistake, a missing ``ft`` extra or a quorum that never forms is
-one line on stderr, exit status 2.
+one line on stderr, exit status 2. ``optax-dist replica`` (:mod:`optax_dist.cli.replica`) takes
+the same flags.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """The replica's command line."""
-  p = argparse.ArgumentParser(prog="python -m optax_dist.fault_tolerance.replica",
-                              description=__doc__.split("\n\n")[0])
+class ReplicaError(Exception):
+  """A mistake or a failure of the run said in one line (exit status 2)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """Adds the replica's flags to ``p`` (this module's parser, or ``optax-dist replica``'s)."""
   p.add_argument("--lighthouse", required=True, help="the Lighthouse's URL, http://host:port")
   p.add_argument("--replica-id", type=int, required=True, help="id and data slot, from 0")
   p.add_argument("--out", required=True, help="the run's directory")
@@ -44,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
                  help="seconds for a collective, a heal and the vote")
   p.add_argument("--parent-death", action="store_true",
                  help="die (SIGKILL) when the parent process dies")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The replica's command line."""
+  p = argparse.ArgumentParser(prog="python -m optax_dist.fault_tolerance.replica",
+                              description=__doc__.split("\n\n")[0])
+  add_arguments(p)
   return p
 
 
@@ -67,16 +77,18 @@ def linear_task(dim: int, batch: int):
   return jnp.zeros(dim, jnp.float32), grad_fn, batch_fn
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Runs one replica; returns the exit status."""
-  args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+  """Runs one replica to the end of the run; returns 0.
+
+  Raises:
+    ReplicaError: the ``ft`` extra missing, a bad flag value, or a quorum that never formed.
+  """
   if args.parent_death:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
   try:
     from optax_dist.fault_tolerance import torchft_engine
   except ModuleNotFoundError as e:
-    sys.stderr.write(f"optax_dist replica: error: {e}\n")
-    return 2
+    raise ReplicaError(str(e)) from None
   import optax
 
   # torchft warns on every new quorum that it has no NCCL flight recorder (CPU only).
@@ -85,22 +97,34 @@ def main(argv: list[str] | None = None) -> int:
 
   params, grad_fn, batch_fn = linear_task(args.dim, args.batch)
   outer = None if args.algorithm == "local_sgd" else optax.sgd(0.7, momentum=0.9, nesterov=True)
-  protocol = RoundProtocol(args.algorithm, optax.sgd(0.02), outer, sync_period=args.sync_period)
-  replica = torchft_engine.TorchftReplica(
-    protocol, params, grad_fn, batch_fn, lighthouse=args.lighthouse,
-    replica_id=args.replica_id, out=args.out, host=args.host, seed=args.seed,
-    tokens_per_step=args.batch, min_replicas=args.min_replicas,
-    quorum_timeout=args.quorum_timeout, timeout=args.timeout)
+  try:
+    protocol = RoundProtocol(args.algorithm, optax.sgd(0.02), outer, sync_period=args.sync_period)
+    replica = torchft_engine.TorchftReplica(
+      protocol, params, grad_fn, batch_fn, lighthouse=args.lighthouse,
+      replica_id=args.replica_id, out=args.out, host=args.host, seed=args.seed,
+      tokens_per_step=args.batch, min_replicas=args.min_replicas,
+      quorum_timeout=args.quorum_timeout, timeout=args.timeout)
+  except ValueError as e:
+    raise ReplicaError(str(e)) from None
   try:
     replica.run(args.steps)
   except TimeoutError as e:
-    sys.stderr.write(
-      f"optax_dist replica: error: replica {args.replica_id}: timed out ({e}); a quorum of at"
-      f" least {args.min_replicas} must form within --quorum-timeout {args.quorum_timeout} s\n")
-    return 2
+    raise ReplicaError(
+      f"replica {args.replica_id}: timed out ({e}); a quorum of at least {args.min_replicas}"
+      f" must form within --quorum-timeout {args.quorum_timeout} s") from None
   finally:
     replica.shutdown()
   return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs one replica; returns the exit status (2 for a :class:`ReplicaError`, said in one
+  line)."""
+  try:
+    return run(build_parser().parse_args(argv))
+  except ReplicaError as e:
+    sys.stderr.write(f"optax_dist replica: error: {e}\n")
+    return 2
 
 
 if __name__ == "__main__":
