@@ -231,6 +231,33 @@ def test_heal_frame_of_a_pickle_is_refused_and_runs_nothing():
 
 
 # ------------------------------------------------------------------------------------------------
+# The settings fingerprint.
+
+
+def test_settings_fingerprint_tells_runs_apart():
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  def fingerprint(sync_period=2, shape=(2, 3), seed=0, tokens=8, comm_dtype=None):
+    protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=sync_period,
+                                comm_dtype=comm_dtype)
+    return te.settings_fingerprint(protocol, {"w": jnp.zeros(shape)}, seed=seed,
+                                   tokens_per_step=tokens)
+
+  base = fingerprint()
+  assert base == fingerprint()  # another protocol object, the same settings
+  others = [fingerprint(sync_period=3), fingerprint(shape=(3, 2)), fingerprint(seed=1),
+            fingerprint(tokens=16), fingerprint(comm_dtype=jnp.bfloat16)]
+  assert len({base, *others}) == 1 + len(others)
+  assert -2**63 <= base < 2**63
+  assert te.run_fingerprint([5, 7, 7]) == 7  # the majority's
+  assert te.run_fingerprint([7, 5]) == 7  # a tie: the lowest rank's
+
+
+# ------------------------------------------------------------------------------------------------
 # Bad input.
 
 

@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     raise ReplicaError(str(e)) from None
   try:
     replica.run(args.steps)
+  except torchft_engine.SettingsMismatch as e:
+    raise ReplicaError(str(e)) from None
   except TimeoutError as e:
     raise ReplicaError(
       f"replica {args.replica_id}: timed out ({e}); a quorum of at least {args.min_replicas}"

@@ -8,10 +8,13 @@ replicas through torchft:
    the quorum, and a replica behind the most advanced (torchft's step: committed rounds) heals
    inside the call from a live peer over :class:`HealTransport` (:func:`encode_heal` bytes over
    HTTP, checked by :func:`decode_heal`; never a pickle).
-2. **Exchange**: one all-gather over torchft's ``ProcessGroupGloo`` of every member's header
-   (slot, weight, whether its quorum and heal went without error) and payload bytes (uint8);
-   every member merges the payloads of weight > 0 in rank order (:meth:`RoundProtocol.merge`),
-   so every member gets the same bits.
+2. **Exchange**: two all-gathers over torchft's ``ProcessGroupGloo``: every member's header
+   (slot, weight, whether its quorum and heal went without error, the fingerprint of its
+   settings: :func:`settings_fingerprint`), then, if every fingerprint is the run's, every
+   member's payload bytes (uint8). Every member merges the payloads of weight > 0 in rank
+   order (:meth:`RoundProtocol.merge`), so every member gets the same bits. A member whose
+   fingerprint is not the run's (the one most members hold) leaves the run with
+   :class:`SettingsMismatch`.
 3. **Vote**: ``Manager.should_commit()``. A member reports an error, and so votes no, when its
    all-gather failed or when the gathered headers and payloads show a failed heal, no payload
    or a non-finite one. Every member reads the same gathered bytes, so every member whose
@@ -27,7 +30,9 @@ torch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import http.server
 import json
 import os
@@ -72,9 +77,28 @@ FRAME_MAGIC = b"optax_dist-torchft-heal/1\n"
 big-endian length and JSON, then one :func:`encode_heal` payload."""
 
 _LENGTH = 8
-_HEADER = ("slot", "weight", "ok")
-"""The int64 header each member puts before its payload in the all-gather (``ok``: 1 unless
-its quorum or heal failed)."""
+_HEADER = ("slot", "weight", "ok", "fingerprint")
+"""The int64 header each member sends before its payload (``ok``: 1 unless its quorum or heal
+failed)."""
+
+
+class SettingsMismatch(RuntimeError):
+  """A replica's settings differ from the run's: it leaves the run."""
+
+
+def settings_fingerprint(protocol: RoundProtocol, params: Any, *, seed: int,
+                         tokens_per_step: int) -> int:
+  """A signed 64-bit int (the first 8 bytes of a sha256) of what every replica of a run must
+  share: the protocol's algorithm, H, wire format, error feedback, fragments and mixing; the
+  params' tree, dtypes and shapes; the data seed; the tokens per step. Not covered: the
+  optimizers' hyperparameters (optax transformations are closures)."""
+  fields = [protocol.algorithm, protocol.sync_period, str(protocol.comm_dtype),
+            protocol.comm_block_size, protocol.error_feedback, protocol.num_fragments,
+            protocol.mixing, seed, tokens_per_step]
+  fields += [[jax.tree_util.keystr(path), str(np.asarray(x).dtype), list(np.shape(x))]
+             for path, x in jax.tree_util.tree_leaves_with_path(params)]
+  digest = hashlib.sha256(json.dumps(fields, default=str).encode()).digest()
+  return int.from_bytes(digest[:8], "big", signed=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,24 +212,28 @@ class HealTransport(CheckpointTransport):
 # The exchange.
 
 
-def _pack(header: list[int], payload: Any) -> torch.Tensor:
-  """A member's all-gather buffer: int64 header, then the payload leaves' bytes."""
-  parts = [np.asarray(header, np.int64).tobytes()]
-  parts += [np.asarray(x, order="C").tobytes() for x in jax.tree.leaves(payload)]
+def _pack(payload: Any) -> torch.Tensor:
+  """A member's payload as an all-gather buffer: the leaves' bytes end to end (uint8)."""
+  data = b"".join(np.asarray(x, order="C").tobytes() for x in jax.tree.leaves(payload))
   # gloo writes into its buffers: a writable copy, never a view of a JAX array.
-  return torch.from_numpy(np.frombuffer(b"".join(parts), np.uint8).copy())
+  return torch.from_numpy(np.frombuffer(data, np.uint8).copy())
 
 
-def _unpack(buffer: torch.Tensor, like: Any) -> tuple[dict, Any]:
-  """A member's header (dict) and payload (``like``'s tree, dtypes and shapes)."""
+def _unpack(buffer: torch.Tensor, like: Any) -> Any:
+  """A member's payload (``like``'s tree, dtypes and shapes) from its buffer."""
   data = buffer.numpy().tobytes()
-  head = dict(zip(_HEADER, np.frombuffer(data, np.int64, len(_HEADER)).tolist(), strict=True))
-  offset, leaves = 8 * len(_HEADER), []
+  offset, leaves = 0, []
   for x in jax.tree.leaves(like):
     x = np.asarray(x)
     leaves.append(jnp.asarray(np.frombuffer(data, x.dtype, x.size, offset).reshape(x.shape)))
     offset += x.nbytes
-  return head, jax.tree.unflatten(jax.tree.structure(like), leaves)
+  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def run_fingerprint(fingerprints: list[int]) -> int:
+  """The run's fingerprint among the members' (rank order): the one most of them hold, the
+  lowest rank's among equally many."""
+  return collections.Counter(fingerprints).most_common(1)[0][0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,6 +248,7 @@ class _Round:
   weight: int = 0
   tokens: int = 0
   quorum_seconds: float = 0.0
+  foreign: bool = False
 
 
 class TorchftReplica:
@@ -276,6 +305,8 @@ class TorchftReplica:
     self.protocol, self.params0, self.slot, self.seed = protocol, params, replica_id, seed
     self.grad_fn, self.batch_fn = jax.jit(grad_fn), batch_fn
     self.tokens_per_step = tokens_per_step
+    self.fingerprint = settings_fingerprint(
+      protocol, params, seed=seed, tokens_per_step=tokens_per_step)
     self.state: ReplicaState = protocol.init(params)
     self.healed = False
     self.quorum_id, self._last_members = 0, None
@@ -319,7 +350,12 @@ class TorchftReplica:
 
   def round(self) -> dict:
     """One round: inner steps, quorum (and heal), exchange, vote, commit or abort; returns the
-    log line written."""
+    log line written.
+
+    Raises:
+      SettingsMismatch: after the line (an abort), if this replica's settings fingerprint is
+        not the run's.
+    """
     self.state, sent = self.protocol.run_round(
       self.state,
       lambda params, step: self.grad_fn(params, self.batch_fn(self.seed, self.slot, step)))
@@ -335,7 +371,13 @@ class TorchftReplica:
       self.state = self.protocol.commit(self.state, merged, sent if info.weight else None)
     else:
       self.state = self.protocol.abort(self.state)
-    return self._write(info, committed)
+    line = self._write(info, committed)
+    if info.foreign:
+      raise SettingsMismatch(
+        f"replica {self.slot}: its settings (fingerprint {self.fingerprint}) differ from the"
+        " run's: algorithm, sync period, wire format, params' shapes, seed and tokens per step"
+        " must be every replica's")
+    return line
 
   def _vote(self) -> bool:
     """``should_commit()``; a vote that cannot be cast in time (the process was stopped while
@@ -346,21 +388,38 @@ class TorchftReplica:
       self._manager.report_error(e)
       return False
 
-  def _exchange(self, sent: Sent, info: _Round) -> Any:
-    """The all-gather and the merge; on failure reports the error (a no vote) and returns
-    ``None``."""
-    ok = int(self._manager.errored() is None)
-    mine = _pack([self.slot, info.weight, ok], sent.payload)
+  def _allgather(self, mine: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every member's ``mine`` in rank order, or ``None`` (the error reported: a no vote)."""
     outs = [torch.empty_like(mine) for _ in range(self._manager.num_participants())]
     try:
       self._pg.allgather([outs], [mine], AllgatherOptions()).wait()
     except Exception as e:  # noqa: BLE001 (any failure of the collective is a no vote)
       self._manager.report_error(e)
       return None
-    gathered = [_unpack(out, sent.payload) for out in outs]
-    info.members = tuple(head["slot"] for head, _ in gathered)
-    voters = [(head["weight"], payload) for head, payload in gathered if head["weight"] > 0]
-    if not (voters and all(head["ok"] for head, _ in gathered)
+    return outs
+
+  def _exchange(self, sent: Sent, info: _Round) -> Any:
+    """The headers' all-gather, the payloads' and the merge; on failure reports the error (a
+    no vote) and returns ``None``."""
+    ok = int(self._manager.errored() is None)
+    header = np.asarray([self.slot, info.weight, ok, self.fingerprint], np.int64)
+    outs = self._allgather(torch.from_numpy(header))
+    if outs is None:
+      return None
+    heads = [dict(zip(_HEADER, out.tolist(), strict=True)) for out in outs]
+    info.members = tuple(head["slot"] for head in heads)
+    run = run_fingerprint([head["fingerprint"] for head in heads])
+    info.foreign = self.fingerprint != run
+    foreign = [head["slot"] for head in heads if head["fingerprint"] != run]
+    if foreign:
+      self._manager.report_error(ValueError(f"replicas {foreign}: settings differ from the run's"))
+      return None
+    outs = self._allgather(_pack(sent.payload))
+    if outs is None:
+      return None
+    voters = [(head["weight"], _unpack(out, sent.payload))
+              for head, out in zip(heads, outs, strict=True) if head["weight"] > 0]
+    if not (voters and all(head["ok"] for head in heads)
             and all(self.protocol.votes(p) for _, p in voters)):
       self._manager.report_error(ValueError("a member's heal failed, no payload, or a"
                                             " non-finite one"))
