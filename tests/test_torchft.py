@@ -41,7 +41,7 @@ class Run:
 
   def __init__(self, out: pathlib.Path, *, min_replicas: int, steps: int):
     self.out = out
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+    self.env = env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
     env["PYTHONPATH"] = str(ROOT)
     with open(out / "launcher.log", "w") as log:  # a file: a full pipe would stall the Lighthouse
       self.proc = subprocess.Popen(
@@ -122,6 +122,23 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
     os.kill(run.pid(1), signal.SIGCONT)
     run.wait("the resumed replica committing again", lambda: len(_committed(
       run.lines(1), resumed, [0, 1, 2])) >= 2)
+
+    # A foreign replica (another data seed) joins: the round aborts, it leaves, the run goes on.
+    url = (tmp_path / "launcher.log").read_text().split("lighthouse ", 1)[1].split()[0]
+    joined = time.time()
+    foreign = subprocess.run(
+      [sys.executable, "-m", "optax_dist.fault_tolerance.replica", "--lighthouse", url,
+       "--replica-id", "3", "--out", str(tmp_path), "--steps", str(10**7), "--sync-period", "5",
+       "--seed", "1", "--timeout", str(TIMEOUT_S), "--parent-death"],
+      env=run.env, capture_output=True, text=True, timeout=90, check=False)
+    assert foreign.returncode == 2 and foreign.stderr.endswith(
+      "differ from the run's: algorithm, sync period, wire format, params' shapes, seed and"
+      " tokens per step must be every replica's\n"), foreign.stderr[-3000:]
+    left = time.time()
+    assert any(not line["committed"] and 3 in line["members"]
+               for line in run.lines(0) if line["time"] > joined)
+    run.wait("a committed round of the three after the foreign replica left", lambda: _committed(
+      run.lines(0), left, [0, 1, 2]))
 
     replicas = [run.pid(i) for i in range(3)]
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: its replicas must follow

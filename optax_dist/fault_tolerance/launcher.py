@@ -12,7 +12,8 @@ is started again under the same id after ``--restart-delay`` seconds, at most
 ``--steps`` committed), the others have ``--finish-grace`` seconds to finish too; the ones still
 running then are stopped (they are behind: no quorum forms for them any more). The launcher
 exits 0 if at least ``--min-replicas`` replicas finished, else 1; a mistake or a missing ``ft``
-extra is one line, status 2.
+extra is one line, status 2. Its first line on stdout is ``lighthouse <URL>``, the address
+another replica (``optax-dist replica --lighthouse URL``) joins.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.write(f"optax_dist launcher: error: {e}\n")
     return 2
   launcher = Launcher(args)
+  print(f"lighthouse {launcher.url}", flush=True)  # where a replica started by hand joins
   try:
     return launcher.run()
   finally:
