@@ -21,14 +21,17 @@ demo: $(VENV)/.examples
 # (runs started together) run once.
 PYTEST_PARALLEL := -n auto --dist loadfile
 
-test: $(VENV)/.test
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
+# With the ft extra (torch==2.13.0, torchft): OPTAX_DIST_REQUIRE_FT=1 makes a missing torchft
+# fail tests/test_torchft.py instead of skipping it.
+test: $(VENV)/.test,ft
+	OPTAX_DIST_REQUIRE_FT=1 $(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 # The tests run in-process, on the lowest versions pyproject.toml allows: uv resolves every direct
 # dependency to its floor (jax, optax, flax, orbax-checkpoint, ...). The tests that drive
-# subprocesses (command line, multi-process, notebooks, docs, README) run in `make test` only.
+# subprocesses (command line, multi-process, notebooks, docs, README) run in `make test` only, and so
+# do the torchft tests: the ft extra is left out here (uv would download a CUDA build of torch).
 LOWEST := .venv-lowest
-LOWEST_SKIP := cli docs exchange_device lm_task multiprocess notebooks readme
+LOWEST_SKIP := cli docs exchange_device lm_task multiprocess notebooks readme torchft
 
 $(LOWEST)/.installed: pyproject.toml
 	rm -rf $(LOWEST)

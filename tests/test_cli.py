@@ -359,6 +359,23 @@ def test_missing_extra_is_one_line(tmp_path, capsys, monkeypatch):
   assert not any(p.suffix in (".json", ".png") for p in tmp_path.rglob("*"))
 
 
+def test_replica_mistakes_are_one_line(tmp_path, capsys, monkeypatch):
+  """``optax-dist replica`` without the ``ft`` extra, and with a lighthouse address that is not
+  an http:// URL: one line each, status 2."""
+  from optax_dist import fault_tolerance
+
+  args = ["replica", "--replica-id", "0", "--out", str(tmp_path)]
+  with monkeypatch.context() as m:
+    hide(m, "torch")
+    m.delitem(sys.modules, "optax_dist.fault_tolerance.torchft_engine", raising=False)
+    m.delattr(fault_tolerance, "torchft_engine", raising=False)
+    one_line_error(capsys, *args, "--lighthouse", "http://127.0.0.1:1",
+                   contains=("no module named 'torch'", 'pip install "optax-dist[ft]"'))
+  if importlib.util.find_spec("torchft") is not None:
+    one_line_error(capsys, *args, "--lighthouse", "127.0.0.1:1",
+                   contains=("`TorchftReplica(lighthouse=...)` must be an http:// URL",))
+
+
 def test_command_imports_without_the_extra(tmp_path):
   """A fresh process where no module of the ``examples`` extra is installed: importing the command
   needs none of them, and running it says so in one line, status 2."""

@@ -10,7 +10,11 @@ inexact product there would move an anchor by an ulp whatever the protocol does.
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
 import pickle
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -456,3 +460,29 @@ def test_bad_input():
     _engine(num_replicas=2, faults=[ft.Fault(0, 2, "join")])
   with pytest.raises(ValueError, match="replica 1 is alive"):
     _engine(num_replicas=2, faults=[ft.Fault(0, 1, "join")]).run(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The ft extra: only the torchft engine imports torch.
+
+
+def test_core_does_not_import_torch():
+  code = ("import sys, optax_dist, optax_dist.fault_tolerance;"
+          " print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchft')))")
+  env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parent.parent))
+  done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        check=True)
+  assert done.stdout.strip() == "[]"
+
+
+def test_replica_without_the_ft_extra_says_so_in_one_line(monkeypatch, capsys):
+  from optax_dist.fault_tolerance import replica
+
+  monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ModuleNotFoundError
+  monkeypatch.delitem(sys.modules, "optax_dist.fault_tolerance.torchft_engine", raising=False)
+  monkeypatch.delattr(ft, "torchft_engine", raising=False)  # imported by another test
+  status = replica.main(["--lighthouse", "http://127.0.0.1:1", "--replica-id", "0", "--out", "x"])
+  err = capsys.readouterr().err
+  assert status == 2
+  assert err.count("\n") == 1 and "no module named 'torch'" in err
+  assert 'pip install "optax-dist[ft]"' in err

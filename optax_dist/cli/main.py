@@ -4,9 +4,11 @@ subcommand.
 Each subcommand is a module with ``add_parser(subparsers)`` and ``run(args)``:
 ``train`` (:mod:`optax_dist.cli.train`) trains with one algorithm, ``compare``
 (:mod:`optax_dist.cli.compare`) with several side by side, ``async``
-(:mod:`optax_dist.cli.async_run`) compares asynchronous protocols, emulated, and ``plan``
-(:mod:`optax_dist.cli.plan`) computes each method's utilization over a link. A mistake is one
-line, ``optax-dist: error: ...``, with exit status 2. Training needs the ``examples`` extra.
+(:mod:`optax_dist.cli.async_run`) compares asynchronous protocols, emulated, ``plan``
+(:mod:`optax_dist.cli.plan`) computes each method's utilization over a link, and ``replica``
+(:mod:`optax_dist.cli.replica`) runs one replica of a fault-tolerant run over torchft (the ``ft``
+extra). A mistake is one line, ``optax-dist: error: ...``, with exit status 2. Training needs
+the ``examples`` extra.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import argparse
 import sys
 
 from optax_dist import __version__
-from optax_dist.cli import async_run, compare, errors, plan, train
+from optax_dist.cli import async_run, compare, errors, plan, replica, train
 from optax_dist.cli.arguments import EPILOG, Formatter, Parser
 from optax_dist.cli.errors import PROG, CommandError
 
-COMMANDS = {"train": train, "compare": compare, "async": async_run, "plan": plan}
+COMMANDS = {"train": train, "compare": compare, "async": async_run, "plan": plan,
+            "replica": replica}
 """The module of each subcommand, in the order of the help."""
 
 

@@ -14,11 +14,16 @@ subpackage's modules:
   :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle;
 * :mod:`~optax_dist.fault_tolerance.engine`: :class:`InProcessEngine`, R replicas in one
   process with a scripted :class:`Fault` schedule, its :class:`RoundLog` lines, and
-  :func:`replay` of a log.
+  :func:`replay` of a log;
+* :mod:`~optax_dist.fault_tolerance.torchft_engine` (the ``ft`` extra: torch and torchft; not
+  imported here): ``TorchftReplica``, one replica per process over torchft's Lighthouse,
+  ``Manager`` and ``ProcessGroupGloo``, and ``HealTransport``;
+  :mod:`~optax_dist.fault_tolerance.replica` runs one as a process, and
+  :mod:`~optax_dist.fault_tolerance.launcher` runs a Lighthouse and R of them on one host,
+  restarting the dead.
 
 Import the names from ``optax_dist.fault_tolerance``. Supported: ``diloco``, ``local_sgd`` and
-``streaming_diloco`` (``overlap=0``: a round is one fragment's exchange). An engine over a
-network is not built yet.
+``streaming_diloco`` (``overlap=0``: a round is one fragment's exchange).
 
 Example: three DiLoCo replicas, replica 2 dies in round 1 and rejoins in round 2, healing from
 replica 0.

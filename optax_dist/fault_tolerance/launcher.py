@@ -1,0 +1,179 @@
+r"""A fault-tolerant run on one host: a Lighthouse and R replica processes, dead ones restarted.
+
+``python -m optax_dist.fault_tolerance.launcher --replicas R --out DIR [flags] [-- replica
+flags]`` starts torchft's Lighthouse in this process, bound to ``--host`` (never a wildcard), and
+R processes of :mod:`optax_dist.fault_tolerance.replica`, ids 0 to R-1, each in its own process
+group and with ``--parent-death`` (they die with the launcher). The flags after ``--`` go to
+every replica (e.g. ``--steps``, ``--sync-period``).
+
+A replica that exits with a nonzero status (killed, or an error) while no replica has finished
+is started again under the same id after ``--restart-delay`` seconds, at most
+``--max-restarts`` times per id: it heals at its first quorum. Once a replica has finished (its
+``--steps`` committed), the others have ``--finish-grace`` seconds to finish too; the ones still
+running then are stopped (they are behind: no quorum forms for them any more). The launcher
+exits 0 if at least ``--min-replicas`` replicas finished, else 1; a mistake or a missing ``ft``
+extra is one line, status 2. Its first line on stdout is ``lighthouse <URL>``, the address
+another replica (``optax-dist replica --lighthouse URL``) joins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The launcher's command line (timing flags in float seconds)."""
+  p = argparse.ArgumentParser(prog="python -m optax_dist.fault_tolerance.launcher",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--replicas", type=int, required=True, help="R, replica processes")
+  p.add_argument("--min-replicas", type=int, default=None,
+                 help="the smallest quorum that commits; default R // 2 + 1")
+  p.add_argument("--out", required=True, help="the run's directory")
+  p.add_argument("--host", default="127.0.0.1", help="the address every server binds")
+  p.add_argument("--port", type=int, default=0, help="the Lighthouse's port (0: any free one)")
+  p.add_argument("--join-timeout", type=float, default=0.3,
+                 help="seconds the Lighthouse waits for stragglers before a quorum")
+  p.add_argument("--lighthouse-heartbeat-timeout", type=float, default=5.0,
+                 help="seconds without a heartbeat before the Lighthouse drops a replica")
+  p.add_argument("--max-restarts", type=int, default=3, help="restarts per replica id")
+  p.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a restart")
+  p.add_argument("--finish-grace", type=float, default=10.0,
+                 help="seconds the others have to finish once one replica has")
+  p.add_argument("replica_args", nargs=argparse.REMAINDER,
+                 help="-- then the flags of every replica")
+  return p
+
+
+def _check(args: argparse.Namespace) -> None:
+  """Raises ValueError naming the flag of a bad value."""
+  if args.replicas < 1:
+    raise ValueError(f"--replicas must be a positive int, got {args.replicas}")
+  if args.min_replicas is None:
+    args.min_replicas = args.replicas // 2 + 1
+  if not 1 <= args.min_replicas <= args.replicas:
+    raise ValueError(
+      f"--min-replicas must be in [1, --replicas={args.replicas}], got {args.min_replicas}")
+  for flag in ("join_timeout", "lighthouse_heartbeat_timeout", "restart_delay", "finish_grace"):
+    if not getattr(args, flag) >= 0:
+      raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got"
+                       f" {getattr(args, flag)}")
+  if args.max_restarts < 0:
+    raise ValueError(f"--max-restarts must be an int >= 0, got {args.max_restarts}")
+  if args.host in ("", "0.0.0.0", "::", "[::]"):
+    raise ValueError(f"--host must be a specific address, got {args.host!r}")
+  if args.replica_args[:1] == ["--"]:
+    args.replica_args = args.replica_args[1:]
+
+
+@dataclasses.dataclass
+class _Slot:
+  """One replica id's process and its history."""
+
+  proc: subprocess.Popen | None = None
+  restarts: int = 0
+  restart_at: float | None = None
+  finished: bool = False
+
+
+class Launcher:
+  """The Lighthouse and the replica processes of one run (see the module's docstring)."""
+
+  def __init__(self, args: argparse.Namespace):
+    from torchft.coordination import LighthouseServer
+
+    self.args = args
+    self.lighthouse = LighthouseServer(
+      bind=f"{args.host}:{args.port}", min_replicas=args.min_replicas,
+      join_timeout_ms=int(args.join_timeout * 1000), quorum_tick_ms=20,
+      heartbeat_timeout_ms=int(args.lighthouse_heartbeat_timeout * 1000))
+    port = self.lighthouse.address().rsplit(":", 1)[1]
+    self.url = f"http://{args.host}:{port}"
+    self.slots = [_Slot() for _ in range(args.replicas)]
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+
+  def start(self, i: int) -> None:
+    """Starts replica ``i`` (its stdout and stderr appended to ``OUT/replica_<i>.log``)."""
+    log = open(pathlib.Path(self.args.out) / f"replica_{i}.log", "a")
+    command = [sys.executable, "-m", "optax_dist.fault_tolerance.replica", "--lighthouse",
+               self.url, "--replica-id", str(i), "--out", self.args.out, "--host",
+               self.args.host, "--min-replicas", str(self.args.min_replicas), "--parent-death",
+               *self.args.replica_args]
+    self.slots[i].proc = subprocess.Popen(command, stdout=log, stderr=log,
+                                          start_new_session=True)
+    self.slots[i].restart_at = None
+    log.close()
+
+  def run(self) -> int:
+    """Runs the replicas to the end; returns the exit status."""
+    for i in range(len(self.slots)):
+      self.start(i)
+    finish_by = None
+    while any(s.proc is not None or s.restart_at is not None for s in self.slots):
+      now = time.monotonic()
+      for i, slot in enumerate(self.slots):
+        self._tend(i, slot, now, finish_by is None)
+      if finish_by is None and any(s.finished for s in self.slots):
+        finish_by = now + self.args.finish_grace
+      if finish_by is not None and now > finish_by:
+        self.stop()
+      time.sleep(0.05)
+    return 0 if sum(s.finished for s in self.slots) >= self.args.min_replicas else 1
+
+  def _tend(self, i: int, slot: _Slot, now: float, may_restart: bool) -> None:
+    """Notes replica ``i``'s exit, schedules its restart, or restarts it when due."""
+    if slot.restart_at is not None:
+      if not may_restart:
+        slot.restart_at = None
+      elif now >= slot.restart_at:
+        self.start(i)
+      return
+    if slot.proc is None or slot.proc.poll() is None:
+      return
+    status, slot.proc = slot.proc.returncode, None
+    slot.finished = status == 0
+    if not slot.finished and may_restart and slot.restarts < self.args.max_restarts:
+      slot.restarts += 1
+      slot.restart_at = now + self.args.restart_delay
+
+  def stop(self) -> None:
+    """Kills every replica still running (its process group) and cancels pending restarts."""
+    for slot in self.slots:
+      slot.restart_at = None
+      if slot.proc is not None:
+        if slot.proc.poll() is None:
+          os.killpg(slot.proc.pid, signal.SIGKILL)
+        slot.proc.wait()
+        slot.proc = None
+
+  def close(self) -> None:
+    """Stops the replicas and the Lighthouse."""
+    self.stop()
+    self.lighthouse.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the launcher; returns the exit status."""
+  args = build_parser().parse_args(argv)
+  try:
+    _check(args)
+    from optax_dist.fault_tolerance import torchft_engine  # noqa: F401 (the ft extra)
+  except (ValueError, ModuleNotFoundError) as e:
+    sys.stderr.write(f"optax_dist launcher: error: {e}\n")
+    return 2
+  launcher = Launcher(args)
+  print(f"lighthouse {launcher.url}", flush=True)  # where a replica started by hand joins
+  try:
+    return launcher.run()
+  finally:
+    launcher.close()
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,133 @@
+r"""One replica of a fault-tolerant run over torchft, as a process.
+
+``python -m optax_dist.fault_tolerance.replica --lighthouse http://HOST:PORT --replica-id I
+--out DIR [...]`` joins the run the Lighthouse coordinates (a first start, or a restart under the
+same id: it heals) and writes ``DIR/replicas/replica_<I>.jsonl``. The task is a synthetic
+linear regression: :math:`y = X w^\star` with :math:`X` of shape ``[batch, dim]`` drawn from
+``(seed, slot, step)``, :math:`w^\star_k = k / \mathrm{dim}`, loss
+:math:`\lVert X w - y\rVert^2 / \mathrm{batch}`. DiLoCo (``--algorithm``) with inner SGD and
+the outer Nesterov of the DiLoCo paper.
+
+With ``--parent-death`` the process gets ``SIGKILL`` when its parent dies (Linux
+``prctl(PR_SET_PDEATHSIG)``). A mistake, a missing ``ft`` extra or a quorum that never forms is
+one line on stderr, exit status 2. ``optax-dist replica`` (:mod:`optax_dist.cli.replica`) takes
+the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ReplicaError(Exception):
+  """A mistake or a failure of the run said in one line (exit status 2)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """Adds the replica's flags to ``p`` (this module's parser, or ``optax-dist replica``'s)."""
+  p.add_argument("--lighthouse", required=True, help="the Lighthouse's URL, http://host:port")
+  p.add_argument("--replica-id", type=int, required=True, help="id and data slot, from 0")
+  p.add_argument("--out", required=True, help="the run's directory")
+  p.add_argument("--host", default="127.0.0.1", help="the address this replica advertises")
+  p.add_argument("--algorithm", default="diloco", choices=("diloco", "local_sgd"))
+  p.add_argument("--steps", type=int, default=100, help="committed inner steps")
+  p.add_argument("--sync-period", type=int, default=5, help="H, inner steps per round")
+  p.add_argument("--min-replicas", type=int, default=1)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dim", type=int, default=8)
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds")
+  p.add_argument("--timeout", type=float, default=30.0,
+                 help="seconds for a collective, a heal and the vote")
+  p.add_argument("--parent-death", action="store_true",
+                 help="die (SIGKILL) when the parent process dies")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The replica's command line."""
+  p = argparse.ArgumentParser(prog="python -m optax_dist.fault_tolerance.replica",
+                              description=__doc__.split("\n\n")[0])
+  add_arguments(p)
+  return p
+
+
+def linear_task(dim: int, batch: int):
+  """``(params0, grad_fn, batch_fn)`` of the synthetic linear regression."""
+  import jax
+  import jax.numpy as jnp
+
+  target = jnp.arange(dim, dtype=jnp.float32) / dim
+
+  @jax.jit
+  def batch_fn(seed, slot, step):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), slot), step)
+    x = jax.random.normal(key, (batch, dim))
+    return x, x @ target
+
+  def grad_fn(w, data):
+    x, y = data
+    return jax.grad(lambda w: jnp.sum((x @ w - y) ** 2) / batch)(w)
+
+  return jnp.zeros(dim, jnp.float32), grad_fn, batch_fn
+
+
+def run(args: argparse.Namespace) -> int:
+  """Runs one replica to the end of the run; returns 0.
+
+  Raises:
+    ReplicaError: the ``ft`` extra missing, a bad flag value, or a quorum that never formed.
+  """
+  if args.parent_death:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  try:
+    from optax_dist.fault_tolerance import torchft_engine
+  except ModuleNotFoundError as e:
+    raise ReplicaError(str(e)) from None
+  import optax
+
+  # torchft warns on every new quorum that it has no NCCL flight recorder (CPU only).
+  logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+  from optax_dist.fault_tolerance import RoundProtocol
+
+  params, grad_fn, batch_fn = linear_task(args.dim, args.batch)
+  outer = None if args.algorithm == "local_sgd" else optax.sgd(0.7, momentum=0.9, nesterov=True)
+  try:
+    protocol = RoundProtocol(args.algorithm, optax.sgd(0.02), outer, sync_period=args.sync_period)
+    replica = torchft_engine.TorchftReplica(
+      protocol, params, grad_fn, batch_fn, lighthouse=args.lighthouse,
+      replica_id=args.replica_id, out=args.out, host=args.host, seed=args.seed,
+      tokens_per_step=args.batch, min_replicas=args.min_replicas,
+      quorum_timeout=args.quorum_timeout, timeout=args.timeout)
+  except ValueError as e:
+    raise ReplicaError(str(e)) from None
+  try:
+    replica.run(args.steps)
+  except torchft_engine.SettingsMismatch as e:
+    raise ReplicaError(str(e)) from None
+  except TimeoutError as e:
+    raise ReplicaError(
+      f"replica {args.replica_id}: timed out ({e}); a quorum of at least {args.min_replicas}"
+      f" must form within --quorum-timeout {args.quorum_timeout} s") from None
+  finally:
+    replica.shutdown()
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs one replica; returns the exit status (2 for a :class:`ReplicaError`, said in one
+  line)."""
+  try:
+    return run(build_parser().parse_args(argv))
+  except ReplicaError as e:
+    sys.stderr.write(f"optax_dist replica: error: {e}\n")
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,451 @@
+r"""A fault-tolerant replica over torchft: one process, one replica, a round at a time.
+
+Each replica is its own process and its own JAX program. Per round it runs the
+:class:`~optax_dist.fault_tolerance.RoundProtocol`'s inner steps (jitted), then meets the other
+replicas through torchft:
+
+1. **Quorum**: ``Manager.start_quorum()`` with ``use_async_quorum=False``; the Lighthouse forms
+   the quorum, and a replica behind the most advanced (torchft's step: committed rounds) heals
+   inside the call from a live peer over :class:`HealTransport` (:func:`encode_heal` bytes over
+   HTTP, checked by :func:`decode_heal`; never a pickle).
+2. **Exchange**: two all-gathers over torchft's ``ProcessGroupGloo``: every member's header
+   (slot, weight, whether its quorum and heal went without error, the fingerprint of its
+   settings: :func:`settings_fingerprint`), then, if every fingerprint is the run's, every
+   member's payload bytes (uint8). Every member merges the payloads of weight > 0 in rank
+   order (:meth:`RoundProtocol.merge`), so every member gets the same bits. A member whose
+   fingerprint is not the run's (the one most members hold) leaves the run with
+   :class:`SettingsMismatch`.
+3. **Vote**: ``Manager.should_commit()``. A member reports an error, and so votes no, when its
+   all-gather failed or when the gathered headers and payloads show a failed heal, no payload
+   or a non-finite one. Every member reads the same gathered bytes, so every member whose
+   all-gather completed decides alike; torchft's vote is within one replica group only, so a
+   member whose all-gather failed while the others' completed aborts alone, is one committed
+   round behind at the next quorum, and heals there.
+4. **Commit or abort** (:meth:`RoundProtocol.commit`, :meth:`RoundProtocol.abort`), then one
+   JSON line in ``OUT/replicas/replica_<i>.jsonl``.
+
+Needs the ``ft`` extra (``torch`` and ``torchft``); the rest of optax_dist does not import
+torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import http.server
+import json
+import os
+import pathlib
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_dist import _checks
+from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance.engine import RoundLog
+from optax_dist.fault_tolerance.protocol import (
+  ReplicaState,
+  RoundProtocol,
+  Sent,
+  global_state,
+  local_state,
+  state_hash,
+)
+
+INSTALL_HINT = 'the torchft engine needs the "ft" extra: pip install "optax-dist[ft]"'
+
+try:
+  import torch
+  import torch.distributed as dist
+  from torch.distributed.distributed_c10d import AllgatherOptions
+  from torchft.checkpointing.transport import CheckpointTransport
+  from torchft.manager import Manager
+  from torchft.process_group import ProcessGroupGloo
+except ModuleNotFoundError as e:
+  raise ModuleNotFoundError(f"no module named {e.name!r}; {INSTALL_HINT}", name=e.name) from None
+
+FRAME_MAGIC = b"optax_dist-torchft-heal/1\n"
+"""The first bytes of what :class:`HealTransport` sends: then the torchft counters as 8-byte
+big-endian length and JSON, then one :func:`encode_heal` payload."""
+
+_LENGTH = 8
+_HEADER = ("slot", "weight", "ok", "fingerprint")
+"""The int64 header each member sends before its payload (``ok``: 1 unless its quorum or heal
+failed)."""
+
+
+class SettingsMismatch(RuntimeError):
+  """A replica's settings differ from the run's: it leaves the run."""
+
+
+def settings_fingerprint(protocol: RoundProtocol, params: Any, *, seed: int,
+                         tokens_per_step: int) -> int:
+  """A signed 64-bit int (the first 8 bytes of a sha256) of what every replica of a run must
+  share: the protocol's algorithm, H, wire format, error feedback, fragments and mixing; the
+  params' tree, dtypes and shapes; the data seed; the tokens per step. Not covered: the
+  optimizers' hyperparameters (optax transformations are closures)."""
+  fields = [protocol.algorithm, protocol.sync_period, str(protocol.comm_dtype),
+            protocol.comm_block_size, protocol.error_feedback, protocol.num_fragments,
+            protocol.mixing, seed, tokens_per_step]
+  fields += [[jax.tree_util.keystr(path), str(np.asarray(x).dtype), list(np.shape(x))]
+             for path, x in jax.tree_util.tree_leaves_with_path(params)]
+  digest = hashlib.sha256(json.dumps(fields, default=str).encode()).digest()
+  return int.from_bytes(digest[:8], "big", signed=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The heal transport.
+
+
+def _frame(state_dict: dict) -> bytes:
+  """torchft's heal state ``{"user": {"default": bytes}, "torchft": {str: int}}`` as bytes."""
+  counters = state_dict["torchft"]
+  head = json.dumps({k: int(v) for k, v in counters.items()}).encode()
+  return b"".join([FRAME_MAGIC, len(head).to_bytes(_LENGTH, "big"), head,
+                   state_dict["user"]["default"]])
+
+
+def _unframe(data: bytes, source: str) -> dict:
+  """The inverse of :func:`_frame`, reading JSON integers and raw bytes only."""
+  if not data.startswith(FRAME_MAGIC):
+    raise ValueError(f"heal frame from {source} does not start with {FRAME_MAGIC!r}: refused.")
+  start = len(FRAME_MAGIC) + _LENGTH
+  length = int.from_bytes(data[len(FRAME_MAGIC):start], "big")
+  try:
+    counters = json.loads(data[start:start + length].decode())
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"heal frame from {source}: the counters are not JSON ({e}).") from None
+  if not (isinstance(counters, dict)
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values())):
+    raise ValueError(f"heal frame from {source}: the counters must be a JSON object of ints.")
+  return {"user": {"default": data[start + length:]}, "torchft": counters}
+
+
+class HealTransport(CheckpointTransport):
+  """torchft's ``CheckpointTransport`` carrying heal payloads over HTTP, never a pickle.
+
+  A donor's ``send_checkpoint`` stages the frame (:data:`FRAME_MAGIC`, torchft's step counters
+  as JSON, the user state: one :func:`encode_heal` payload); a joiner's ``recv_checkpoint`` GETs
+  ``/heal/<step>`` from the donor's :meth:`metadata` address and returns the same dict, whose
+  heal bytes the replica's ``load_state_dict`` passes to :func:`decode_heal`.
+
+  Args:
+    host: the address the server binds and advertises (never a wildcard).
+    timeout: seconds the server holds a GET until its frame is staged (then a 404); a
+      joiner's GET waits twice that.
+
+  Raises:
+    ValueError: ``host`` empty or a wildcard (``0.0.0.0``, ``::``).
+  """
+
+  def __init__(self, host: str, timeout: float):
+    if host in ("", "0.0.0.0", "::", "[::]"):
+      raise ValueError(f"`HealTransport(host=...)` must be a specific address, got {host!r}.")
+    self._staged = threading.Condition()
+    self._step_bytes: tuple[int, bytes] | None = None
+    self._timeout = timeout
+    transport = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def do_GET(self):  # noqa: N802 (http.server's name)
+        data = transport._wait_for(self.path)
+        if data is None:
+          self.send_error(404)
+          return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+      def log_message(self, *args):
+        pass
+
+    self._server = http.server.ThreadingHTTPServer((host, 0), Handler)
+    self._server.daemon_threads = True
+    self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+    self._thread.start()
+    self.address = f"http://{host}:{self._server.server_address[1]}"
+
+  def metadata(self) -> str:
+    return self.address
+
+  def _wait_for(self, path: str) -> bytes | None:
+    """The staged frame once ``path`` is ``/heal/<its step>`` (a joiner may ask before its donor
+    stages), or ``None`` after the timeout."""
+    with self._staged:
+      self._staged.wait_for(
+        lambda: self._step_bytes is not None and path == f"/heal/{self._step_bytes[0]}",
+        self._timeout)
+      staged = self._step_bytes
+    return staged[1] if staged is not None and path == f"/heal/{staged[0]}" else None
+
+  def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+    del dst_ranks, timeout
+    with self._staged:
+      self._step_bytes = (step, _frame(state_dict))
+      self._staged.notify_all()
+
+  def disallow_checkpoint(self) -> None:
+    with self._staged:
+      self._step_bytes = None
+
+  def recv_checkpoint(self, src_rank, metadata, step, timeout) -> dict:
+    url = f"{metadata}/heal/{step}"
+    # Twice the server's wait, so that a frame never staged comes back as a 404.
+    with urllib.request.urlopen(url, timeout=2 * self._timeout) as response:
+      return _unframe(response.read(), f"rank {src_rank} ({metadata})")
+
+  def shutdown(self, wait: bool = True) -> None:
+    self._server.shutdown()
+    self._server.server_close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The exchange.
+
+
+def _pack(payload: Any) -> torch.Tensor:
+  """A member's payload as an all-gather buffer: the leaves' bytes end to end (uint8)."""
+  data = b"".join(np.asarray(x, order="C").tobytes() for x in jax.tree.leaves(payload))
+  # gloo writes into its buffers: a writable copy, never a view of a JAX array.
+  return torch.from_numpy(np.frombuffer(data, np.uint8).copy())
+
+
+def _unpack(buffer: torch.Tensor, like: Any) -> Any:
+  """A member's payload (``like``'s tree, dtypes and shapes) from its buffer."""
+  data = buffer.numpy().tobytes()
+  offset, leaves = 0, []
+  for x in jax.tree.leaves(like):
+    x = np.asarray(x)
+    leaves.append(jnp.asarray(np.frombuffer(data, x.dtype, x.size, offset).reshape(x.shape)))
+    offset += x.nbytes
+  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def run_fingerprint(fingerprints: list[int]) -> int:
+  """The run's fingerprint among the members' (rank order): the one most of them hold, the
+  lowest rank's among equally many."""
+  return collections.Counter(fingerprints).most_common(1)[0][0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The replica.
+
+
+@dataclasses.dataclass
+class _Round:
+  """What one round left for its log line."""
+
+  members: tuple = ()
+  weight: int = 0
+  tokens: int = 0
+  quorum_seconds: float = 0.0
+  foreign: bool = False
+
+
+class TorchftReplica:
+  r"""One replica of a fault-tolerant run over torchft (see the module's docstring).
+
+  Replica ``i`` uses data slot ``i``: its batch at step :math:`t` (its ``local_step`` before
+  the step) is ``batch_fn(seed, i, t)``, so a replica restarted under the same id continues its
+  slot's stream from the healed ``local_step``. Every process runs its round's inner steps
+  before its quorum; a replica that heals there sends weight 0 (its steps were not from the
+  current state) and commits from the healed state.
+
+  Args:
+    protocol: the run's :class:`RoundProtocol` (every replica's alike).
+    params: the initial params (every replica's alike).
+    grad_fn: ``(params, batch) -> grads`` (jitted here).
+    batch_fn: ``(seed, slot, step) -> batch``, a stateless function of its ints.
+    lighthouse: the Lighthouse's URL, ``http://host:port``.
+    replica_id: this replica's id and data slot, an int >= 0.
+    out: the run's directory; the log goes to ``out/replicas/replica_<i>.jsonl`` (appended).
+    host: the address this replica's servers advertise (and its heal server binds).
+    seed: the data seed.
+    tokens_per_step: the tokens of one batch: a round's weight is its inner steps times it.
+    min_replicas: the smallest quorum that commits (torchft's ``min_replica_size``).
+    quorum_timeout: seconds to wait for a quorum before ``TimeoutError``.
+    timeout: seconds for a collective, a heal and the vote.
+
+  Raises:
+    ValueError: ``lighthouse`` not an ``http://`` URL; ``replica_id`` not an int >= 0;
+      ``tokens_per_step`` or ``min_replicas`` not a positive int; a timeout not a positive
+      number.
+
+  References:
+    torchft 0.2.0 (``Manager``, ``LighthouseServer``, ``ProcessGroupGloo``,
+    ``CheckpointTransport``); the contract's "Fault-tolerant rounds".
+  """
+
+  def __init__(
+    self, protocol: RoundProtocol, params: Any, grad_fn: Callable, batch_fn: Callable, *,
+    lighthouse: str, replica_id: int, out: str | os.PathLike, host: str = "127.0.0.1",
+    seed: int = 0, tokens_per_step: int = 1, min_replicas: int = 1,
+    quorum_timeout: float = 60.0, timeout: float = 30.0,
+  ):
+    fn = "TorchftReplica"
+    if not str(lighthouse).startswith("http://"):
+      raise ValueError(f"`{fn}(lighthouse=...)` must be an http:// URL, got {lighthouse!r}.")
+    _checks.check_int(fn, "replica_id", replica_id)
+    if replica_id < 0:
+      raise ValueError(f"`{fn}(replica_id=...)` must be an int >= 0, got {replica_id}.")
+    _checks.check_positive_int(fn, "tokens_per_step", tokens_per_step)
+    _checks.check_positive_int(fn, "min_replicas", min_replicas)
+    for name, value in (("quorum_timeout", quorum_timeout), ("timeout", timeout)):
+      if not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"`{fn}({name}=...)` must be a positive number of seconds, got {value!r}.")
+    self.protocol, self.params0, self.slot, self.seed = protocol, params, replica_id, seed
+    self.grad_fn, self.batch_fn = jax.jit(grad_fn), batch_fn
+    self.tokens_per_step = tokens_per_step
+    self.fingerprint = settings_fingerprint(
+      protocol, params, seed=seed, tokens_per_step=tokens_per_step)
+    self.state: ReplicaState = protocol.init(params)
+    self.healed = False
+    self.quorum_id, self._last_members = 0, None
+    path = pathlib.Path(out) / "replicas"
+    path.mkdir(parents=True, exist_ok=True)
+    self.log_path = path / f"replica_{replica_id}.jsonl"
+    self._manager = self._make_manager(
+      lighthouse, host, min_replicas, quorum_timeout, timeout)
+
+  def _make_manager(self, lighthouse, host, min_replicas, quorum_timeout, timeout) -> Manager:
+    self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    self._pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout))
+    self.transport = HealTransport(host, timeout)
+    return Manager(
+      pg=self._pg, load_state_dict=self._load, state_dict=self._heal_bytes,
+      min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
+      timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
+      connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1, store_addr=host,
+      store_port=self._store.port, lighthouse_addr=lighthouse,
+      replica_id=f"replica_{self.slot}", hostname=host, checkpoint_transport=self.transport)
+
+  # The state torchft moves on a heal.
+
+  def _heal_bytes(self) -> bytes:
+    return heal.encode_heal(global_state(self.state))
+
+  def _load(self, payload: bytes) -> None:
+    received = heal.decode_heal(payload, global_state(self.state), replica="donor")
+    self.state = local_state(self.protocol, received, self.params0)
+    self.healed = True
+
+  # The rounds.
+
+  def run(self, steps: int) -> None:
+    """Runs rounds until the run has committed ``steps`` inner steps' worth of rounds (the
+    round boundaries up to step ``steps``), healing on the way if behind."""
+    _checks.check_positive_int("TorchftReplica.run", "steps", steps)
+    target = _boundaries(self.protocol, steps)
+    while int(self.state.rounds) < target:
+      self.round()
+
+  def round(self) -> dict:
+    """One round: inner steps, quorum (and heal), exchange, vote, commit or abort; returns the
+    log line written.
+
+    Raises:
+      SettingsMismatch: after the line (an abort), if this replica's settings fingerprint is
+        not the run's.
+    """
+    self.state, sent = self.protocol.run_round(
+      self.state,
+      lambda params, step: self.grad_fn(params, self.batch_fn(self.seed, self.slot, step)))
+    self.healed = False
+    start = time.monotonic()
+    self._manager.start_quorum()
+    info = _Round(tokens=sent.steps * self.tokens_per_step,
+                  quorum_seconds=time.monotonic() - start)
+    info.weight = 0 if self.healed else info.tokens
+    merged = self._exchange(sent, info)
+    committed = self._vote()
+    if committed:
+      self.state = self.protocol.commit(self.state, merged, sent if info.weight else None)
+    else:
+      self.state = self.protocol.abort(self.state)
+    line = self._write(info, committed)
+    if info.foreign:
+      raise SettingsMismatch(
+        f"replica {self.slot}: its settings (fingerprint {self.fingerprint}) differ from the"
+        " run's: algorithm, sync period, wire format, params' shapes, seed and tokens per step"
+        " must be every replica's")
+    return line
+
+  def _vote(self) -> bool:
+    """``should_commit()``; a vote that cannot be cast in time (the process was stopped while
+    the request was in flight) is a no."""
+    try:
+      return self._manager.should_commit()
+    except TimeoutError as e:
+      self._manager.report_error(e)
+      return False
+
+  def _allgather(self, mine: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every member's ``mine`` in rank order, or ``None`` (the error reported: a no vote)."""
+    outs = [torch.empty_like(mine) for _ in range(self._manager.num_participants())]
+    try:
+      self._pg.allgather([outs], [mine], AllgatherOptions()).wait()
+    except Exception as e:  # noqa: BLE001 (any failure of the collective is a no vote)
+      self._manager.report_error(e)
+      return None
+    return outs
+
+  def _exchange(self, sent: Sent, info: _Round) -> Any:
+    """The headers' all-gather, the payloads' and the merge; on failure reports the error (a
+    no vote) and returns ``None``."""
+    ok = int(self._manager.errored() is None)
+    header = np.asarray([self.slot, info.weight, ok, self.fingerprint], np.int64)
+    outs = self._allgather(torch.from_numpy(header))
+    if outs is None:
+      return None
+    heads = [dict(zip(_HEADER, out.tolist(), strict=True)) for out in outs]
+    info.members = tuple(head["slot"] for head in heads)
+    run = run_fingerprint([head["fingerprint"] for head in heads])
+    info.foreign = self.fingerprint != run
+    foreign = [head["slot"] for head in heads if head["fingerprint"] != run]
+    if foreign:
+      self._manager.report_error(ValueError(f"replicas {foreign}: settings differ from the run's"))
+      return None
+    outs = self._allgather(_pack(sent.payload))
+    if outs is None:
+      return None
+    voters = [(head["weight"], _unpack(out, sent.payload))
+              for head, out in zip(heads, outs, strict=True) if head["weight"] > 0]
+    if not (voters and all(head["ok"] for head in heads)
+            and all(self.protocol.votes(p) for _, p in voters)):
+      self._manager.report_error(ValueError("a member's heal failed, no payload, or a"
+                                            " non-finite one"))
+      return None
+    return self.protocol.merge([p for _, p in voters], [w for w, _ in voters])
+
+  def _write(self, info: _Round, committed: bool) -> dict:
+    if info.members != self._last_members:
+      self.quorum_id, self._last_members = self.quorum_id + 1, info.members
+    step = int(self.state.opt_state.local_step)
+    line = dataclasses.asdict(RoundLog(
+      round=_boundaries(self.protocol, step) - 1, replica=self.slot, step=step,
+      quorum_id=self.quorum_id, members=info.members, committed=committed, weight=info.weight,
+      healed=self.healed, state_hash=state_hash(global_state(self.state)), tokens=info.tokens))
+    line.update(time=time.time(), pid=os.getpid(), quorum_seconds=info.quorum_seconds)
+    with open(self.log_path, "a") as f:
+      f.write(json.dumps(line) + "\n")
+    return line
+
+  def shutdown(self) -> None:
+    """Stops the manager, its servers and the heal server."""
+    self._manager.shutdown(wait=False)
+
+
+def _boundaries(protocol: RoundProtocol, steps: int) -> int:
+  """The round boundaries in ``update`` calls 1 to ``steps``: the rounds up to that step."""
+  if protocol.algorithm != "streaming_diloco":
+    return steps // protocol.sync_period
+  return sum(protocol.fragment(s) is not None for s in range(1, steps + 1))

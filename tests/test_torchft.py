@@ -1,0 +1,310 @@
+"""The torchft engine end to end: the launcher (a Lighthouse and 3 replica processes on
+127.0.0.1), a `kill -9` and the restart under the same id (it heals), a `SIGSTOP`/`SIGCONT`, the
+launcher's death (its replicas follow); every committed round's global state hash is equal on
+every replica that committed it. Then the heal transport and bad input.
+
+Needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing extra fails
+the run instead of skipping it.
+"""
+
+import json
+import os
+import pathlib
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+
+import pytest
+
+try:
+  import torchft  # noqa: F401
+except ModuleNotFoundError as e:
+  if os.environ.get("OPTAX_DIST_REQUIRE_FT") == "1":
+    raise ModuleNotFoundError(
+      f"OPTAX_DIST_REQUIRE_FT=1 but {e.name!r} is missing: pip install 'optax-dist[ft]'",
+      name=e.name) from None
+  pytest.skip("needs the ft extra (torch, torchft)", allow_module_level=True)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HEARTBEAT_S = 1.0
+TIMEOUT_S = 3.0  # a collective, a heal, the vote
+STOP_S = 5.0  # longer than the collective's timeout and the Lighthouse's heartbeat timeout
+
+
+class Run:
+  """The launcher as a process of its own session: its Lighthouse and 3 replica processes
+  (which die with it). A replica's pid is in its log lines."""
+
+  def __init__(self, out: pathlib.Path, *, min_replicas: int, steps: int):
+    self.out = out
+    self.env = env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    with open(out / "launcher.log", "w") as log:  # a file: a full pipe would stall the Lighthouse
+      self.proc = subprocess.Popen(
+        [sys.executable, "-m", "optax_dist.fault_tolerance.launcher", "--replicas", "3",
+         "--min-replicas", str(min_replicas), "--out", str(out), "--restart-delay", "0.5",
+         "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), "--", "--steps", str(steps),
+         "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60"],
+        env=env, stdout=log, stderr=log, start_new_session=True)
+
+  def lines(self, i: int) -> list[dict]:
+    path = self.out / "replicas" / f"replica_{i}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+  def pid(self, i: int) -> int:
+    return self.lines(i)[-1]["pid"]
+
+  def wait(self, what: str, predicate, timeout: float = 60.0) -> None:
+    """Polls ``predicate()`` until true; fails naming ``what`` with the logs' tails if the
+    launcher exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+      if self.proc.poll() is not None or time.monotonic() > deadline:
+        tails = "\n".join(f"--- {path.name}:\n{path.read_text()[-2000:]}"
+                          for path in sorted(self.out.glob("*.log")))
+        pytest.fail(f"waiting for {what}: the launcher exited or the time ran out\n{tails}")
+      time.sleep(0.02)
+
+  def close(self) -> None:
+    """Kills the launcher; its replicas die with it (parent-death signal)."""
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.proc.wait()
+
+
+def _alive(pid: int) -> bool:
+  try:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except FileNotFoundError:
+    return False
+  return state not in ("Z", "X")  # a zombie has ended
+
+
+def _committed(lines: list[dict], after: float = 0.0, members=None) -> list[dict]:
+  return [line for line in lines if line["committed"] and line["time"] > after
+          and (members is None or sorted(line["members"]) == members)]
+
+
+def _states_by_round(run: Run) -> dict[int, set]:
+  by_round: dict[int, set] = {}
+  for i in range(3):
+    for line in _committed(run.lines(i)):
+      by_round.setdefault(line["round"], set()).add((line["state_hash"], line["step"]))
+  return by_round
+
+
+@pytest.mark.slow
+def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
+  run = Run(tmp_path, min_replicas=2, steps=10**7)  # runs until the test kills the launcher
+  try:
+    run.wait("3 committed rounds of all three", lambda: all(
+      len(_committed(run.lines(i), members=[0, 1, 2])) >= 3 for i in range(3)), timeout=90)
+
+    killed, first = time.time(), run.pid(2)
+    os.kill(first, signal.SIGKILL)
+    run.wait("a quorum without the killed replica", lambda: _committed(
+      run.lines(0), killed, [0, 1]))
+    dropped = _committed(run.lines(0), killed, [0, 1])[0]["time"] - killed
+    run.wait("the restarted replica healed and committed 3 times", lambda: len(_committed(
+      [line for line in run.lines(2) if line["pid"] != first], killed)) >= 3)
+    heal = next(line for line in run.lines(2) if line["pid"] != first)
+
+    stopped = time.time()
+    os.kill(run.pid(1), signal.SIGSTOP)
+    run.wait("a quorum without the stopped replica", lambda: _committed(
+      run.lines(0), stopped, [0, 2]))
+    time.sleep(max(0.0, stopped + STOP_S - time.time()))
+    resumed = time.time()
+    os.kill(run.pid(1), signal.SIGCONT)
+    run.wait("the resumed replica committing again", lambda: len(_committed(
+      run.lines(1), resumed, [0, 1, 2])) >= 2)
+
+    # A foreign replica (another data seed) joins: the round aborts, it leaves, the run goes on.
+    url = (tmp_path / "launcher.log").read_text().split("lighthouse ", 1)[1].split()[0]
+    joined = time.time()
+    foreign = subprocess.run(
+      [sys.executable, "-m", "optax_dist.fault_tolerance.replica", "--lighthouse", url,
+       "--replica-id", "3", "--out", str(tmp_path), "--steps", str(10**7), "--sync-period", "5",
+       "--seed", "1", "--timeout", str(TIMEOUT_S), "--parent-death"],
+      env=run.env, capture_output=True, text=True, timeout=90, check=False)
+    assert foreign.returncode == 2 and foreign.stderr.endswith(
+      "differ from the run's: algorithm, sync period, wire format, params' shapes, seed and"
+      " tokens per step must be every replica's\n"), foreign.stderr[-3000:]
+    left = time.time()
+    assert any(not line["committed"] and 3 in line["members"]
+               for line in run.lines(0) if line["time"] > joined)
+    run.wait("a committed round of the three after the foreign replica left", lambda: _committed(
+      run.lines(0), left, [0, 1, 2]))
+
+    replicas = [run.pid(i) for i in range(3)]
+    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: its replicas must follow
+    deadline = time.monotonic() + 10
+    while any(map(_alive, replicas)) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not any(map(_alive, replicas))
+  finally:
+    run.close()
+
+  by_round = _states_by_round(run)
+  assert all(len(states) == 1 for states in by_round.values()), {
+    r: s for r, s in by_round.items() if len(s) > 1}
+  assert heal["healed"] and heal["weight"] == 0 and heal["committed"]
+  assert any(line["healed"] for line in run.lines(1) if line["time"] > resumed)
+  print(f"quorum without the killed replica committed {dropped:.2f} s after the kill;"
+        f" the restarted replica's quorum with its heal took {heal['quorum_seconds']:.3f} s")
+
+
+@pytest.mark.slow
+def test_launcher_restarts_a_killed_replica_which_heals_and_the_run_ends(tmp_path):
+  # min_replicas = R: no quorum forms while a replica is dead, so the run waits for the
+  # restart whatever the machine's speed.
+  rounds = 100
+  run = Run(tmp_path, min_replicas=3, steps=5 * rounds)
+  try:
+    run.wait("3 committed rounds of replica 2", lambda: len(_committed(run.lines(2))) >= 3,
+             timeout=90)
+    first = run.pid(2)
+    os.kill(first, signal.SIGKILL)
+    assert run.proc.wait(timeout=100) == 0
+  finally:
+    run.close()
+
+  restarted = [line for line in run.lines(2) if line["pid"] != first]
+  assert restarted and restarted[0]["healed"] and restarted[0]["committed"]
+  by_round = _states_by_round(run)
+  # The round indices count the aborted rounds (the one in flight at the kill) too.
+  assert len(by_round) == rounds
+  assert all(len(states) == 1 for states in by_round.values())
+  assert len({(run.lines(i)[-1]["round"], run.lines(i)[-1]["state_hash"],
+               run.lines(i)[-1]["committed"]) for i in range(3)}) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The heal transport.
+
+
+def _heal_state():
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=2)
+  return ft.global_state(protocol.init({"w": jnp.arange(6.0).reshape(2, 3)}))
+
+
+def test_heal_transport_sends_heal_bytes_over_http_on_the_address_given():
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  state = _heal_state()
+  sent = {"user": {"default": ft.encode_heal(state)},
+          "torchft": {"step": 3, "batches_committed": 7}}
+  transport = te.HealTransport("127.0.0.1", timeout=2.0)
+  try:
+    assert transport._server.socket.getsockname()[0] == "127.0.0.1"
+    assert transport.metadata().startswith("http://127.0.0.1:")
+    transport.send_checkpoint([1], 3, sent, None)
+    got = transport.recv_checkpoint(0, transport.metadata(), 3, None)
+    assert got == sent
+    ft.decode_heal(got["user"]["default"], state, replica="0")
+    transport.disallow_checkpoint()
+    # Nothing staged: refused after the timeout.
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+      transport.recv_checkpoint(0, transport.metadata(), 3, None)
+  finally:
+    transport.shutdown()
+  with pytest.raises(ValueError, match=r"HealTransport\(host=...\)` must be a specific address"):
+    te.HealTransport("0.0.0.0", timeout=1.0)
+
+
+RAN = []
+
+
+def _record(what):
+  RAN.append(what)
+  return what
+
+
+class _Payload:
+  def __reduce__(self):
+    return _record, ("unpickled",)
+
+
+def test_heal_frame_of_a_pickle_is_refused_and_runs_nothing():
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  blob = pickle.dumps({"user": _Payload()})
+  with pytest.raises(ValueError, match="does not start with"):
+    te._unframe(blob, "rank 0")
+  framed = te.FRAME_MAGIC + len(blob).to_bytes(8, "big") + blob  # a pickle as the counters
+  with pytest.raises(ValueError, match="rank 0: the counters are not JSON"):
+    te._unframe(framed, "rank 0")
+  assert RAN == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The settings fingerprint.
+
+
+def test_settings_fingerprint_tells_runs_apart():
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  def fingerprint(sync_period=2, shape=(2, 3), seed=0, tokens=8, comm_dtype=None):
+    protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=sync_period,
+                                comm_dtype=comm_dtype)
+    return te.settings_fingerprint(protocol, {"w": jnp.zeros(shape)}, seed=seed,
+                                   tokens_per_step=tokens)
+
+  base = fingerprint()
+  assert base == fingerprint()  # another protocol object, the same settings
+  others = [fingerprint(sync_period=3), fingerprint(shape=(3, 2)), fingerprint(seed=1),
+            fingerprint(tokens=16), fingerprint(comm_dtype=jnp.bfloat16)]
+  assert len({base, *others}) == 1 + len(others)
+  assert -2**63 <= base < 2**63
+  assert te.run_fingerprint([5, 7, 7]) == 7  # the majority's
+  assert te.run_fingerprint([7, 5]) == 7  # a tie: the lowest rank's
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_input(tmp_path, capsys):
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import launcher
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=2)
+  args = (protocol, jnp.zeros(2), lambda p, b: p, lambda seed, slot, step: 0)
+  kwargs = dict(lighthouse="http://127.0.0.1:1", replica_id=0, out=tmp_path)
+  with pytest.raises(ValueError, match=r"TorchftReplica\(lighthouse=...\)` must be an http://"
+                     r" URL, got '127.0.0.1:1'"):
+    te.TorchftReplica(*args, **dict(kwargs, lighthouse="127.0.0.1:1"))
+  with pytest.raises(ValueError, match=r"TorchftReplica\(replica_id=...\)` must be an int >= 0,"
+                     r" got -1"):
+    te.TorchftReplica(*args, **dict(kwargs, replica_id=-1))
+  with pytest.raises(ValueError, match=r"TorchftReplica\(timeout=...\)` must be a positive"
+                     r" number of seconds, got 0"):
+    te.TorchftReplica(*args, **kwargs, timeout=0)
+  for flags, said in ((["--replicas", "0"], "--replicas must be a positive int, got 0"),
+                      (["--replicas", "2", "--min-replicas", "3"],
+                       r"--min-replicas must be in \[1, --replicas=2\], got 3"),
+                      (["--replicas", "2", "--host", "0.0.0.0"],
+                       "--host must be a specific address, got '0.0.0.0'"),
+                      (["--replicas", "2", "--restart-delay", "-1"],
+                       "--restart-delay must be >= 0 seconds, got -1.0")):
+    assert launcher.main([*flags, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(said, err), err
