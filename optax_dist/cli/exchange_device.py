@@ -81,16 +81,12 @@ class ExchangeDeviceRun(Run):
     self._exchanges = [self._exchange_program([in_flight[j] for j in leaves])
                        for leaves in self.fragment_leaves]
     programs = [collective_bytes(c, self.exchange_mesh) for c in self._exchanges]
-    self._exchange_collectives = {
+    self.collectives["exchange"] = {
       "unconditional": {}, "conditional": [p["unconditional"] for p in programs],
       "operands": {"unconditional": {},
                    "conditional": [p["operands"]["unconditional"] for p in programs]}}
     self.pending: dict[int, tuple[int, Any]] = {}
     """The exchanges in flight: fragment -> (the step before which it lands, its outputs)."""
-
-  @property
-  def collectives(self) -> dict[str, Any]:
-    return {**super().collectives, "exchange": self._exchange_collectives}
 
   def _exchange_program(self, leaves: list[Any]) -> Any:
     """The compiled exchange of one fragment's ``in_flight`` leaves (``[workers, ...]``): the

@@ -4,10 +4,8 @@
 whole params, its optimizer state and its shard of the training set, the params and state
 donated; :class:`GlobalRun` the global view's ``jax.jit`` step of ``jax.vmap`` over the replicas
 (``fsdp``). Each is compiled once, ahead of time (one step per value of the algorithm's
-``communicate`` hint): the first step's before training, the other in a background thread while
-the first steps run (:meth:`Run.compiled_step`). The test metric is measured on the params
-:func:`optax_dist.eval_params` returns (the center, the EMA, or the params) and on the workers'
-own params.
+``communicate`` hint). The test metric is measured on the params :func:`optax_dist.eval_params`
+returns (the center, the EMA, or the params) and on the workers' own params.
 
 ``drop_stale_gradients`` is fed stale gradients: on each step all workers compute their gradients
 at the params of a random number of accepted steps ago (0 to ``max_staleness + 1``, the same for
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -103,7 +100,8 @@ class Run:
       params = self.place(jax.tree.map(lambda p: p.astype(jnp.dtype(s.param_dtype)),
                                        initial_params(task, s.seed, example)))
     self.tx = make_optimizer(s)
-    with progress.phase(f"compiling the step{STEP_PHASES[self.first_hint()]}"):
+    steps = "step" if len(self.hints()) == 1 else "steps with and without the exchange"
+    with progress.phase(f"compiling the {steps}"):
       self._compile(params, task.loss_fn(model))
     with progress.phase("compiling the evaluation"):
       self._evaluate = self._evaluation(task.metric_fn(model), data.test).lower(
@@ -111,7 +109,7 @@ class Run:
     self.bytes_per_device = {
       "params": bytes_per_device(self.initial.params),
       "opt_state": bytes_per_device(self.initial.opt_state),
-      "step_arguments": self._steps[self.first_hint()].memory_analysis().argument_size_in_bytes}
+      "step_arguments": next(iter(self._steps.values())).memory_analysis().argument_size_in_bytes}
     """What one device holds: its shards of the params and of the optimizer state, and the
     compiled step's arguments (those and the device's shard of the training set, its minibatch
     indices), in bytes."""
@@ -154,56 +152,26 @@ class Run:
     idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))
     delay = pipeline.put(self.delays[0], self.replicated)
     # One step for each value of the hint: with a schedule, a step that communicates and one
-    # that does not (no conditional, no collective).
-    self._compile_steps({hint: jax.jit(jax.shard_map(
-      step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint,
-              axis=axes(s), loss_axis=self.loss_axis),
-      mesh=self.mesh, in_specs=(split,) * 5 + (P(),),
-      out_specs=(split,) * 3 + (P() if self.loss_axis is None else P(REPLICA),)),
-      donate_argnums=(0, 1, 2)) for hint in self.hints()}, (*self.initial, self.train, idx, delay))
+    # that does not (no conditional, no collective). Compiled ahead of time: a call with other
+    # types would raise instead of recompiling.
+    self._steps, self.collectives = {}, {}
+    for hint in self.hints():
+      step = jax.shard_map(
+        step_fn(self.tx, loss_fn, stale=self.stale, depth=self.depth, communicate=hint,
+                axis=axes(s), loss_axis=self.loss_axis),
+        mesh=self.mesh, in_specs=(split,) * 5 + (P(),),
+        out_specs=(split,) * 3 + (P() if self.loss_axis is None else P(REPLICA),))
+      self._add_step(hint, jax.jit(step, donate_argnums=(0, 1, 2)).lower(
+        *self.initial, self.train, idx, delay).compile())
 
   def hints(self) -> tuple[bool | None, ...]:
     """The ``communicate`` hints of the compiled steps: ``(None,)``, or with a schedule
     ``(False, True)``."""
     return (None,) if self.algorithm.schedule is None else (False, True)
 
-  def first_hint(self) -> bool | None:
-    """The ``communicate`` hint of step 1, whose step is compiled before training."""
-    return self.algorithm.communicates(self.settings, 1)
-
-  def _compile_steps(self, steps: dict[bool | None, Any], args: tuple) -> None:
-    """Compiles ahead of time ``steps`` (the jitted step of each hint) for ``args``: that of
-    :meth:`first_hint` now, the others (lowered and compiled) in a background thread, each taken
-    by :meth:`compiled_step` when a step first needs it. Compiled ahead of time, a step called
-    with other types raises instead of recompiling."""
-    first = self.first_hint()
-    self._steps, self._pending = {}, {}
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          args)
-    self._add_step(first, steps.pop(first).lower(*shapes).compile())
-    if steps:
-      compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optax-dist compile")
-      self._pending = {hint: compiler.submit(lambda f=f: f.lower(*shapes).compile())
-                       for hint, f in steps.items()}
-      compiler.shutdown(wait=False)  # the queued compilations still run
-
   def _add_step(self, hint: bool | None, compiled: Any) -> None:
     self._steps[hint] = compiled
-
-  def compiled_step(self, hint: bool | None) -> Any:
-    """The compiled step of ``hint`` (:meth:`hints`), waiting for its compilation if it is still
-    running in the background."""
-    pending: Future | None = self._pending.pop(hint, None)
-    if pending is not None:
-      self._add_step(hint, pending.result())
-    return self._steps[hint]
-
-  @property
-  def collectives(self) -> dict[str, Any]:
-    """The :func:`collective_bytes` of each compiled step, by its name in the results
-    (:data:`STEP_KINDS`); waits for the steps still compiling."""
-    return {STEP_KINDS[hint]: collective_bytes(self.compiled_step(hint), self.mesh)
-            for hint in self.hints()}
+    self.collectives[STEP_KINDS[hint]] = collective_bytes(compiled, self.mesh)
 
   def _init_fn(self, params):
     params = unstack(params)
@@ -218,7 +186,7 @@ class Run:
     idx = self.shard(pipeline.minibatch(s.seed, s.devices, self.n_local, s.batch_size, step - 1))
     delay = pipeline.put(self.delays[step - 1], self.replicated)
     hint = self.algorithm.communicates(s, step)
-    *state, loss = self.compiled_step(hint)(*state, self.train, idx, delay)
+    *state, loss = self._steps[hint](*state, self.train, idx, delay)
     return State(*state), loss
 
   def settle(self, state: State) -> State:
@@ -292,16 +260,17 @@ class GlobalRun(Run):
     idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))
     batch = NamedSharding(self.mesh, P((DATA, FSDP)))
     outs = (jax.tree.map(lambda p: p.sharding, params), state_sh, self.replicated)
-    self._compile_steps({hint: jax.jit(
-      global_step_fn(self.tx, loss_fn, batch, communicate=hint), out_shardings=outs,
-      donate_argnums=(0, 1)) for hint in self.hints()}, (params, opt_state, self.train, idx))
+    self._steps, self.collectives = {}, {}
+    for hint in self.hints():
+      step = jax.jit(global_step_fn(self.tx, loss_fn, batch, communicate=hint),
+                     out_shardings=outs, donate_argnums=(0, 1))
+      self._add_step(hint, step.lower(params, opt_state, self.train, idx).compile())
 
   def step(self, state: State, step: int) -> tuple[State, Any]:
     s = self.settings
     idx = self.shard(pipeline.minibatch(s.seed, s.devices, self.n_local, s.batch_size, step - 1))
     hint = self.algorithm.communicates(s, step)
-    params, opt_state, loss = self.compiled_step(hint)(state.params, state.opt_state, self.train,
-                                                       idx)
+    params, opt_state, loss = self._steps[hint](state.params, state.opt_state, self.train, idx)
     return State(params, opt_state, {}), loss
 
 
@@ -334,6 +303,3 @@ def collective_bytes(compiled: Any, mesh: jax.sharding.Mesh) -> dict[str, Any]:
 
 STEP_KINDS = {None: "every_step", True: "communication_step", False: "non_communication_step"}
 """The results' names of the compiled steps, by their ``communicate`` hint."""
-
-STEP_PHASES = {None: "", True: " with the exchange", False: " without the exchange"}
-"""What the phase compiling the first step adds to ``compiling the step``, by its hint."""
