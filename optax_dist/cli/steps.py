@@ -81,14 +81,34 @@ def step_fn(tx: Any, loss_fn: Callable, *, stale: bool, depth: int,
 
 
 def evaluate_fn(metric_fn: Callable) -> Callable:
-  """``evaluate(params, opt_state, test)``: the mean metric of ``eval_params`` and of the params."""
+  """``evaluate(params, opt_state, test)``: the mean metric of ``eval_params`` and of the params.
+
+  The params' metric is computed only where they differ from ``eval_params`` (in any bit of any
+  worker's); where they are the same (e.g. at step 0, ``eval_params`` being a copy of the params)
+  it is the ``eval_params``' metric, which the same computation on the same bits gives again.
+  """
 
   def evaluate(params, opt_state, test):
     score = jax.vmap(lambda p: metric_fn(p, test))
     averaged = optax_dist.eval_params(opt_state, params)
-    return jnp.mean(score(averaged)), jnp.mean(score(params))
+    if averaged is params:  # no averaging state: one computation, which XLA computes once
+      return jnp.mean(score(averaged)), jnp.mean(score(params))
+    metric = jnp.mean(score(averaged))
+    return metric, jax.lax.cond(same_bits(averaged, params), lambda: metric,
+                                lambda: jnp.mean(score(params)))
 
   return evaluate
+
+
+def same_bits(a: Any, b: Any) -> jax.Array:
+  """Whether the trees ``a`` and ``b`` (of one structure, shapes and dtypes) hold the same bits:
+  a scalar bool (``-0.0`` and ``0.0`` differ, a NaN equals itself)."""
+
+  def bits(x):
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+  return jnp.all(jnp.stack([jnp.all(bits(x) == bits(y))
+                            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]))
 
 
 def replica_evaluate_fn(metric_fn: Callable) -> Callable:
