@@ -280,7 +280,7 @@ def test_only_process_zero_says_what_every_process_finds(monkeypatch, capsys, tm
   monkeypatch.setattr(trainer, "train", refused)
   monkeypatch.setattr(train.launcher, "init_jax", lambda *args: None)
   argv = ["train", "--resume", "--processes", "2", "--process-id", str(process),
-          "--coordinator", "127.0.0.1:1", "--out", str(tmp_path)]
+          "--coordinator", "127.0.0.1:1", "--out", str(tmp_path), "--no-progress"]
   (tmp_path / "checkpoints" / "sync" / "2").mkdir(parents=True)  # --resume finds a checkpoint
   assert main(argv) == 2
   lines = capsys.readouterr().err.strip().splitlines()
