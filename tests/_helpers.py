@@ -81,3 +81,18 @@ def error(fn: str, arg: str, constraint: str, value) -> str:
 
 def sgd():
   return optax.sgd(0.1)
+
+
+class PicklePayload:
+  """An object whose unpickling runs code: it appends ``"unpickled"`` to :attr:`RAN`. A heal
+  payload that holds one must be refused without running it."""
+
+  RAN: list = []
+
+  def __reduce__(self):
+    return _record_unpickling, ("unpickled",)
+
+
+def _record_unpickling(what):
+  PicklePayload.RAN.append(what)
+  return what

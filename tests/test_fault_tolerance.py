@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import PicklePayload
 
 import optax_dist
 from optax_dist import fault_tolerance as ft
@@ -410,30 +411,19 @@ def test_heal_payload_corrupted_or_truncated_is_refused(healed_state):
     ft.decode_heal(healed_state, healed_state, replica="2")
 
 
-RAN = []
-
-
-def _record(what):
-  RAN.append(what)
-  return what
-
-
-class _Payload:
-  def __reduce__(self):
-    return _record, ("unpickled",)
 
 
 def test_pickle_payload_is_refused_and_runs_nothing(healed_state):
-  blob = pickle.dumps(_Payload())
+  blob = pickle.dumps(PicklePayload())
   pickle.loads(blob)  # the payload is live: unpickling it runs code
-  assert RAN == ["unpickled"]
-  RAN.clear()
+  assert PicklePayload.RAN == ["unpickled"]
+  PicklePayload.RAN.clear()
   with pytest.raises(ValueError, match="replica '3' does not start with"):
     ft.decode_heal(blob, healed_state, replica="3")
   header = ft.MAGIC + len(blob).to_bytes(8, "big") + blob  # a pickle where the manifest goes
   with pytest.raises(ValueError, match="replica '3': the manifest is not JSON"):
     ft.decode_heal(header, healed_state, replica="3")
-  assert RAN == []
+  assert PicklePayload.RAN == []
 
 
 # ------------------------------------------------------------------------------------------------

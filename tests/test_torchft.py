@@ -29,6 +29,8 @@ except ModuleNotFoundError as e:
       name=e.name) from None
   pytest.skip("needs the ft extra (torch, torchft)", allow_module_level=True)
 
+from _helpers import PicklePayload  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEARTBEAT_S = 1.0
 TIMEOUT_S = 3.0  # a collective, a heal, the vote
@@ -222,29 +224,18 @@ def test_heal_transport_sends_heal_bytes_over_http_on_the_address_given():
     te.HealTransport("0.0.0.0", timeout=1.0)
 
 
-RAN = []
-
-
-def _record(what):
-  RAN.append(what)
-  return what
-
-
-class _Payload:
-  def __reduce__(self):
-    return _record, ("unpickled",)
 
 
 def test_heal_frame_of_a_pickle_is_refused_and_runs_nothing():
   from optax_dist.fault_tolerance import torchft_engine as te
 
-  blob = pickle.dumps({"user": _Payload()})
+  blob = pickle.dumps({"user": PicklePayload()})
   with pytest.raises(ValueError, match="does not start with"):
     te._unframe(blob, "rank 0")
   framed = te.FRAME_MAGIC + len(blob).to_bytes(8, "big") + blob  # a pickle as the counters
   with pytest.raises(ValueError, match="rank 0: the counters are not JSON"):
     te._unframe(framed, "rank 0")
-  assert RAN == []
+  assert PicklePayload.RAN == []
 
 
 # ------------------------------------------------------------------------------------------------
