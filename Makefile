@@ -31,7 +31,11 @@ test: $(VENV)/.test,ft
 # subprocesses (command line, multi-process, notebooks, docs, README) run in `make test` only, and so
 # do the torchft tests: the ft extra is left out here (uv would download a CUDA build of torch).
 LOWEST := .venv-lowest
-LOWEST_SKIP := cli docs exchange_device lm_task multiprocess notebooks readme torchft
+# fault_tolerance: its bitwise comparisons with the in-program route for 3 replicas hold on the
+# JAX that `make test` installs; JAX 0.10.0 compiles the in-program sum or outer step otherwise
+# (1 or 2 units in the last place apart).
+LOWEST_SKIP := cli docs exchange_device fault_tolerance lm_task multiprocess notebooks readme \
+  torchft
 
 $(LOWEST)/.installed: pyproject.toml
 	rm -rf $(LOWEST)

@@ -617,5 +617,6 @@ def test_tree_map_params_needs_is_leaf_for_masked_nodes():
                                    fragments={"w": 0, "b": 1})
   params = make_params(CASES[0])
   state = tx.init(params)
-  with pytest.raises(ValueError, match="different types at key path"):
+  # optax 0.2.8 names the key path; older optax fails in its own walker ("Expected named tuple").
+  with pytest.raises(ValueError, match="different types at key path|Expected named tuple"):
     optax.tree.map_params(tx, lambda _, tag: tag, state, {"w": "W", "b": "B"})
