@@ -81,15 +81,25 @@ WORKERS = jnp.arange(N, dtype=jnp.float32)
 RTOL, ATOL = 1e-5, 1e-7
 
 
+def vmapped_updates(tx):
+  """``tx.update`` under ``vmap``, jitted once for each value of ``communicate`` (``None``: the
+  rule's schedule)."""
+
+  def jitted(hint):
+    kwargs = {} if hint is None else {"communicate": hint}
+    return jax.jit(jax.vmap(functools.partial(tx.update, **kwargs), axis_name=AXIS))
+
+  return {hint: jitted(hint) for hint in (None, False, True)}
+
+
 def run_vmap(tx, hints):
   """``len(hints)`` steps under ``vmap``, step ``t`` given ``communicate=hints[t - 1]``."""
   params = worker_params()
   state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  updates_of = vmapped_updates(tx)
   for t, hint in enumerate(hints, start=1):
-    kwargs = {} if hint is None else {"communicate": hint}
-    update = jax.vmap(functools.partial(tx.update, **kwargs), axis_name=AXIS)
     grads = jax.vmap(grads_at, in_axes=(None, 0, 0))(t, params, WORKERS)
-    updates, state = jax.jit(update)(grads, state, params)
+    updates, state = updates_of[hint](grads, state, params)
     params = optax.apply_updates(params, updates)
   return params, state
 
@@ -354,12 +364,11 @@ def test_hint_with_gradients_in_another_dtype(name):
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), worker_params())
     state = jax.vmap(tx.init, axis_name=AXIS)(params)
     dtypes = jax.tree.map(lambda x: x.dtype, state)
+    updates_of = vmapped_updates(tx)
     for t, hint in enumerate(hints, start=1):
-      kwargs = {} if hint is None else {"communicate": hint}
-      update = jax.vmap(functools.partial(tx.update, **kwargs), axis_name=AXIS)
       grads = jax.vmap(grads_at, in_axes=(None, 0, 0))(
         t, jax.tree.map(lambda p: p.astype(jnp.float32), params), WORKERS)
-      updates, state = jax.jit(update)(grads, state, params)
+      updates, state = updates_of[hint](grads, state, params)
       params = optax.apply_updates(params, updates)
       assert jax.tree.map(lambda x: x.dtype, state) == dtypes
     return params, state
