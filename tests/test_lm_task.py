@@ -114,12 +114,9 @@ TINY = ["--task", "lm", "--steps", "6", "--devices", "2", "--batch-size", "2", "
         "--sync-period", "3", "--communication-period", "3", "--no-progress"]
 
 
-def optax_dist_command(*args, check=True):
-  proc = subprocess.run([sys.executable, "-m", "optax_dist.cli", *map(str, args)], check=False,
+def optax_dist_command(*args):
+  return subprocess.run([sys.executable, "-m", "optax_dist.cli", *map(str, args)], check=False,
                         capture_output=True, text=True, timeout=600)
-  if check:
-    assert proc.returncode == 0, proc.stderr
-  return proc
 
 
 def check_bits_per_byte(out, stdout, algorithm, param_dtype):
@@ -144,19 +141,18 @@ def test_train_lm_reports_bits_per_byte(tmp_path, capsys):
 @pytest.mark.slow
 def test_lm_resume_after_a_crash_ends_with_the_uninterrupted_params(tmp_path, capsys):
   """diloco in bfloat16: the uninterrupted run (in process) reports bits per byte; a run that
-  crashes after the checkpoint of step 4 (a subprocess, which exits at once) resumes to the
-  uninterrupted run's params and state, bitwise."""
+  crashes after the checkpoint of step 4 (a subprocess, which exits at once) resumes (in process,
+  from what the crashed process wrote) to the uninterrupted run's params and state, bitwise."""
   args = ["train", "--algorithm", "diloco", *TINY, "--param-dtype", "bfloat16",
           "--checkpoint-every", "2"]
   assert main([*args, "--out", str(tmp_path / "whole"),
                "--save-params", str(tmp_path / "whole.npz")]) == 0
   check_bits_per_byte(tmp_path / "whole", capsys.readouterr().out, "diloco", "bfloat16")
-  crashed = optax_dist_command(*args, "--out", tmp_path / "cut", "--fail-at-step", "5",
-                               check=False)
+  crashed = optax_dist_command(*args, "--out", tmp_path / "cut", "--fail-at-step", "5")
   assert crashed.returncode != 0
-  resumed = optax_dist_command(*args, "--out", tmp_path / "cut", "--resume",
-                               "--save-params", tmp_path / "resumed.npz")
-  assert "resumed from the checkpoint of step 4" in resumed.stdout
+  assert main([*args, "--out", str(tmp_path / "cut"), "--resume",
+               "--save-params", str(tmp_path / "resumed.npz")]) == 0
+  assert "resumed from the checkpoint of step 4" in capsys.readouterr().out
   whole, again = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
   assert sorted(whole) == sorted(again)
   for key in whole:
