@@ -13,7 +13,9 @@ is started again under the same id after ``--restart-delay`` seconds, at most
 running then are stopped (they are behind: no quorum forms for them any more). The launcher
 exits 0 if at least ``--min-replicas`` replicas finished, else 1; a mistake or a missing ``ft``
 extra is one line, status 2. Its first line on stdout is ``lighthouse <URL>``, the address
-another replica (``optax-dist replica --lighthouse URL``) joins.
+another replica (``python -m optax_dist.fault_tolerance.replica --lighthouse URL``) joins.
+``optax-dist train --fault-tolerant`` (:mod:`optax_dist.cli.fault_tolerant`) runs a
+:class:`Launcher` of ``optax-dist replica`` processes on the command's tasks.
 """
 
 from __future__ import annotations
