@@ -193,7 +193,7 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
       os.killpg(proc.pid, signal.SIGKILL)
       proc.wait()
   assert proc.returncode == 0, stderr[-3000:]
-  assert "1 restarts" in stdout and "the state hashes agree on every committed round" in stdout
+  assert "1 restart," in stdout and "the state hashes agree on every committed round" in stdout
   restarted = [line for line in _lines(tmp_path, 2) if line["pid"] != first]
   assert restarted[0]["healed"] and restarted[0]["committed"] and restarted[0]["weight"] == 0
   by_round: dict[int, set] = {}

@@ -337,6 +337,10 @@ def summary(out: pathlib.Path, replicas: int, restarts: int) -> dict[str, Any]:
           "finished": sorted(final), "final": final}
 
 
+def _count(n: int, thing: str) -> str:
+  return f"{n} {thing}{'s' * (n != 1)}"
+
+
 def _describe(result: dict[str, Any], task: Task) -> str:
   """Two lines: the rounds, restarts, heals and hashes; the final test metric."""
   heals = result["heal_seconds"]
@@ -345,8 +349,9 @@ def _describe(result: dict[str, Any], task: Task) -> str:
            else "STATE HASHES DIFFER on a committed round")
   first = (f"fault-tolerant {result['algorithm']} on {task.name}, {result['replicas']} replicas"
            f" (quorum >= {result['min_replicas']}): {result['rounds_committed']} rounds"
-           f" committed, {result['rounds_aborted']} aborted, {result['restarts']} restarts,"
-           f" {len(heals)} heals{healed}; {agree}")
+           f" committed, {result['rounds_aborted']} aborted,"
+           f" {_count(result['restarts'], 'restart')}, {_count(len(heals), 'heal')}{healed};"
+           f" {agree}")
   if not result["final"]:
     return first + "\nno replica finished"
   values = {f"{v[f'test_{task.metric_key}']:.4f}" for v in result["final"].values()}
