@@ -338,20 +338,23 @@ class TorchftReplica:
   def _warm_up(self) -> None:
     """Runs a round's computations once on a scratch copy of the initial state, before the
     manager starts (so before the Lighthouse knows this replica): the inner steps, the local
-    half, the vote's check, both merges, a commit, an abort, a heal's decoding and rebuild, and
-    a healer's commit. Their
-    compilation then delays neither this replica's first quorum nor a heal, and a round costs
-    the same from the first. The data order is untouched (``batch_fn`` is stateless)."""
+    half, the vote's check, both merges (of payloads placed as a peer's arrive), a commit, an
+    abort, a heal's decoding and rebuild, a healer's commit and its next round. Their
+    compilation then delays neither this replica's first quorum nor the round after a heal,
+    and a round costs the same from the first. The data order is untouched (``batch_fn`` is
+    stateless)."""
     state, sent = self.protocol.run_round(self.state, self._grads)
-    self.protocol.votes(sent.payload)
-    self.protocol.merge([sent.payload] * 2, [1, 2])  # the weighted merge of a round with a heal
-    merged = self.protocol.merge([sent.payload] * 2, [1, 1])
+    payload = _unpack(_pack(sent.payload), sent.payload)  # placed as a peer's arrives
+    self.protocol.votes(payload)
+    self.protocol.merge([payload] * 2, [1, 2])  # the weighted merge of a round with a heal
+    merged = self.protocol.merge([payload] * 2, [1, 1])
     self.protocol.commit(state, merged, sent)
     self.protocol.abort(state)
     received = heal.decode_heal(heal.encode_heal(global_state(state)), global_state(state),
                                 replica="self")
-    healed = local_state(self.protocol, received, self.params0)
-    state_hash(global_state(self.protocol.commit(healed, merged)))
+    healed = self.protocol.commit(local_state(self.protocol, received, self.params0), merged)
+    state_hash(global_state(healed))
+    self.protocol.run_round(healed, self._grads)  # its arrays may be placed otherwise
 
   def _grads(self, params: Any, step: int) -> Any:
     """The gradient at ``params`` on this replica's batch of ``step``."""
