@@ -80,6 +80,17 @@ def test_without_the_ft_extra_one_line_names_it(tmp_path, capsys, monkeypatch):
                   ' extra: pip install "optax-dist[ft]"')
 
 
+def test_a_protocol_refusal_is_one_line_before_any_replica_starts(tmp_path, capsys):
+  """The digits MLP's 6 leaves leave a fragment of 4 empty (the protocol's assignment)."""
+  _require_ft()
+  line = _one_line(capsys, "train", "--algorithm", "streaming_diloco", "--fault-tolerant",
+                   "--replicas", "2", "--devices", "1", "--steps", "40", "--sync-period", "8",
+                   "--out", str(tmp_path))
+  assert line.startswith("optax-dist: error: argument --num-fragments: `streaming_diloco("
+                         "num_fragments=...)` must leave no fragment empty"), line
+  assert not (tmp_path / "replicas").exists() and not list(tmp_path.glob("replica_*.log"))
+
+
 def test_timing_flags_are_float_seconds_beside_the_integer_heartbeat_timeout():
   args = build_parser().parse_args(
     [*EXAMPLE, "--quorum-timeout", "2.5", "--join-timeout", "0.25", "--restart-delay", "0.5",

@@ -234,6 +234,26 @@ def run_replica(args: argparse.Namespace) -> int:
   return 0
 
 
+def _check_protocol(task: Task, data: Data, s: Settings) -> None:
+  """Raises :class:`CommandError` naming the flag if :func:`protocol` refuses ``s`` or the
+  task's params (e.g. more fragments than the params' leaves fill), on abstract values: before
+  any replica starts, whose error would otherwise be restarted."""
+  import jax
+
+  model = task.model()
+  example = {key: jax.ShapeDtypeStruct((1,) + v.shape[1:], v.dtype)
+             for key, v in data.train.items()}
+  try:
+    params = jax.eval_shape(
+      lambda batch: task.init_params(model, jax.random.key(s.seed), batch), example)
+    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, s.param_dtype), params)
+    jax.eval_shape(protocol(s).init, params)
+  except ValueError as e:
+    match = checks._LIBRARY_ARGUMENT.match(str(e))
+    raise CommandError(f"argument {algorithms.flag(match[1]) if match else '--algorithm'}: {e}"
+                       ) from None
+
+
 def _meet(out: pathlib.Path, replica_id: int, replicas: int, timeout: float) -> None:
   """A start barrier: writes ``out/replicas/ready_<replica_id>``, then waits until every
   replica's file exists, at most ``timeout`` seconds, so that replicas started together, whose
@@ -264,7 +284,8 @@ def run_train(args: argparse.Namespace) -> int:
   replicas committed one round with different state hashes."""
   task = TASKS[args.task]
   errors.require_task(task)
-  settings(args, task, lambda: task.load(args.seed))
+  data = task.load(args.seed)
+  _check_protocol(task, data, settings(args, task, lambda: data))
   spec = argparse.Namespace(
     replicas=args.replicas, min_replicas=args.min_replicas, out=args.out, host=args.host,
     port=0, join_timeout=args.join_timeout,
