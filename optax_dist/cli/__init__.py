@@ -5,8 +5,11 @@ One concern per module:
 * :mod:`~optax_dist.cli.main`: the entry point; parses the command line and runs a subcommand;
 * the subcommands, each a module with ``add_parser(subparsers)`` and ``run(args)``:
   :mod:`~optax_dist.cli.train` (``train``), :mod:`~optax_dist.cli.compare` (``compare``),
-  :mod:`~optax_dist.cli.async_run` (``async``: the emulated asynchronous protocols) and
-  :mod:`~optax_dist.cli.plan` (``plan``: each method's utilization over a link);
+  :mod:`~optax_dist.cli.async_run` (``async``: the emulated asynchronous protocols),
+  :mod:`~optax_dist.cli.plan` (``plan``: each method's utilization over a link) and
+  :mod:`~optax_dist.cli.replica` (``replica``: one replica of a fault-tolerant run);
+* :mod:`~optax_dist.cli.fault_tolerant`: ``train --fault-tolerant``, the task in replica
+  processes over torchft (the launcher, a replica's engine, the summary);
 * :mod:`~optax_dist.cli.arguments`: the flags' types and the flags of ``train`` and ``compare``;
 * :mod:`~optax_dist.cli.config`: the settings of a training run, their defaults, and the settings
   a command line asks for;

@@ -123,7 +123,9 @@ def _training_arguments(common: argparse.ArgumentParser) -> None:
                       " the gradients within each replica (tower), and the algorithm"
                       f" ({across}) runs across the replicas; the other algorithms reduce over"
                       " every worker. With --processes P --replicas P each process holds one"
-                      f" replica (default: {d['replicas']}: the algorithm runs across the workers)")
+                      " replica; with train --fault-tolerant, R replica processes of --devices"
+                      f" devices each (default: {d['replicas']}: the algorithm runs across the"
+                      " workers)")
   refused = ", ".join(a.name for a in ALGORITHMS.values() if a.stale_gradients)
   common.add_argument("--fsdp", type=positive_int, default=None, metavar="K",
                       help="train on the global view: one jitted jax.vmap step over the"

@@ -7,8 +7,8 @@ Each subcommand is a module with ``add_parser(subparsers)`` and ``run(args)``:
 (:mod:`optax_dist.cli.async_run`) compares asynchronous protocols, emulated, ``plan``
 (:mod:`optax_dist.cli.plan`) computes each method's utilization over a link, and ``replica``
 (:mod:`optax_dist.cli.replica`) runs one replica of a fault-tolerant run over torchft (the ``ft``
-extra). A mistake is one line, ``optax-dist: error: ...``, with exit status 2. Training needs
-the ``examples`` extra.
+extra), as ``train --fault-tolerant`` starts them. A mistake is one line,
+``optax-dist: error: ...``, with exit status 2. Training needs the ``examples`` extra.
 """
 
 from __future__ import annotations

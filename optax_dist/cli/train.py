@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any
 
-from optax_dist.cli import checks, errors, launcher, reports, trainer
+from optax_dist.cli import checks, errors, fault_tolerant, launcher, reports, trainer
 from optax_dist.cli.algorithms import ALGORITHMS
 from optax_dist.cli.arguments import EPILOG, Formatter, training_parser
 from optax_dist.cli.checkpoints import CheckpointMismatchError
@@ -39,18 +39,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
   parser = subparsers.add_parser(
     "train", parents=[training_parser()], help="train with one algorithm",
     description="Train with one algorithm; writes results_<algorithm>.json and"
-    " accuracy_<algorithm>.png under --out.",
+    " accuracy_<algorithm>.png under --out. With --fault-tolerant, --replicas R processes train"
+    " through failures instead: a replica that dies is restarted and heals while the others go"
+    " on (see the fault tolerance flags; docs/fault_tolerance.md).",
     epilog=EPILOG, formatter_class=Formatter,
   )
   parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="sync",
                       help="the algorithm: " + "; ".join(
                         f"{a.name}: {a.summary}" for a in ALGORITHMS.values())
                       + " (default: sync)")
+  fault_tolerant.add_arguments(parser)
   return parser
 
 
 def run(args: argparse.Namespace) -> int:
-  """Runs ``optax-dist train``; returns the exit status."""
+  """Runs ``optax-dist train`` (with ``--fault-tolerant``,
+  :func:`optax_dist.cli.fault_tolerant.run_train`); returns the exit status."""
+  fault_tolerant.resolve(args)
+  if args.fault_tolerant:
+    return fault_tolerant.run_train(args)
   return run_training(args, (args.algorithm,))
 
 

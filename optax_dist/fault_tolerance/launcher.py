@@ -13,7 +13,9 @@ is started again under the same id after ``--restart-delay`` seconds, at most
 running then are stopped (they are behind: no quorum forms for them any more). The launcher
 exits 0 if at least ``--min-replicas`` replicas finished, else 1; a mistake or a missing ``ft``
 extra is one line, status 2. Its first line on stdout is ``lighthouse <URL>``, the address
-another replica (``optax-dist replica --lighthouse URL``) joins.
+another replica (``python -m optax_dist.fault_tolerance.replica --lighthouse URL``) joins.
+``optax-dist train --fault-tolerant`` (:mod:`optax_dist.cli.fault_tolerant`) runs a
+:class:`Launcher` of ``optax-dist replica`` processes on the command's tasks.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ import signal
 import subprocess
 import sys
 import time
+
+REPLICA_COMMAND = ("-m", "optax_dist.fault_tolerance.replica")
+"""What follows the Python interpreter in a replica's command line by default: the synthetic
+task's replica (:mod:`optax_dist.fault_tolerance.replica`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def _check(args: argparse.Namespace) -> None:
-  """Raises ValueError naming the flag of a bad value."""
+def check_arguments(args: argparse.Namespace) -> None:
+  """Raises ValueError naming the flag of a bad value; fills in ``--min-replicas``' default and
+  drops the ``--`` before the replicas' flags."""
   if args.replicas < 1:
     raise ValueError(f"--replicas must be a positive int, got {args.replicas}")
   if args.min_replicas is None:
@@ -83,12 +90,20 @@ class _Slot:
 
 
 class Launcher:
-  """The Lighthouse and the replica processes of one run (see the module's docstring)."""
+  """The Lighthouse and the replica processes of one run (see the module's docstring).
 
-  def __init__(self, args: argparse.Namespace):
+  Args:
+    args: the launcher's flags (:func:`build_parser`), checked by :func:`check_arguments`.
+    command: what follows the Python interpreter in a replica's command line, before the flags
+      the launcher adds (``--lighthouse``, ``--replica-id``, ``--out``, ``--host``,
+      ``--min-replicas``, ``--parent-death``) and ``args.replica_args``; the replica must take
+      those flags.
+  """
+
+  def __init__(self, args: argparse.Namespace, command: tuple[str, ...] = REPLICA_COMMAND):
     from torchft.coordination import LighthouseServer
 
-    self.args = args
+    self.args, self.command = args, tuple(command)
     self.lighthouse = LighthouseServer(
       bind=f"{args.host}:{args.port}", min_replicas=args.min_replicas,
       join_timeout_ms=int(args.join_timeout * 1000), quorum_tick_ms=20,
@@ -101,10 +116,9 @@ class Launcher:
   def start(self, i: int) -> None:
     """Starts replica ``i`` (its stdout and stderr appended to ``OUT/replica_<i>.log``)."""
     log = open(pathlib.Path(self.args.out) / f"replica_{i}.log", "a")
-    command = [sys.executable, "-m", "optax_dist.fault_tolerance.replica", "--lighthouse",
-               self.url, "--replica-id", str(i), "--out", self.args.out, "--host",
-               self.args.host, "--min-replicas", str(self.args.min_replicas), "--parent-death",
-               *self.args.replica_args]
+    command = [sys.executable, *self.command, "--lighthouse", self.url, "--replica-id", str(i),
+               "--out", self.args.out, "--host", self.args.host, "--min-replicas",
+               str(self.args.min_replicas), "--parent-death", *self.args.replica_args]
     self.slots[i].proc = subprocess.Popen(command, stdout=log, stderr=log,
                                           start_new_session=True)
     self.slots[i].restart_at = None
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
   """Runs the launcher; returns the exit status."""
   args = build_parser().parse_args(argv)
   try:
-    _check(args)
+    check_arguments(args)
     from optax_dist.fault_tolerance import torchft_engine  # noqa: F401 (the ft extra)
   except (ValueError, ModuleNotFoundError) as e:
     sys.stderr.write(f"optax_dist launcher: error: {e}\n")

@@ -10,8 +10,9 @@ the outer Nesterov of the DiLoCo paper.
 
 With ``--parent-death`` the process gets ``SIGKILL`` when its parent dies (Linux
 ``prctl(PR_SET_PDEATHSIG)``). A mistake, a missing ``ft`` extra or a quorum that never forms is
-one line on stderr, exit status 2. ``optax-dist replica`` (:mod:`optax_dist.cli.replica`) takes
-the same flags.
+one line on stderr, exit status 2. :func:`serve` runs a replica of any task: ``optax-dist
+replica`` and ``optax-dist train --fault-tolerant`` (:mod:`optax_dist.cli.fault_tolerant`) run
+the command's tasks with it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import ctypes
 import logging
 import signal
 import sys
+from collections.abc import Callable
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -77,45 +80,85 @@ def linear_task(dim: int, batch: int):
   return jnp.zeros(dim, jnp.float32), grad_fn, batch_fn
 
 
+def die_with_parent() -> None:
+  """Asks Linux to send this process ``SIGKILL`` when its parent dies
+  (``prctl(PR_SET_PDEATHSIG)``)."""
+  ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def load_engine() -> Any:
+  """The module :mod:`~optax_dist.fault_tolerance.torchft_engine`, with torchft's per-quorum
+  warning about a missing NCCL flight recorder silenced (CPU only).
+
+  Raises:
+    ReplicaError: the ``ft`` extra is missing (the message names it).
+  """
+  try:
+    from optax_dist.fault_tolerance import torchft_engine
+  except ModuleNotFoundError as e:
+    raise ReplicaError(str(e)) from None
+  logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+  return torchft_engine
+
+
+def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, steps: int,
+          seed: int, tokens_per_step: int, lighthouse: str, replica_id: int, out: str,
+          host: str, min_replicas: int, quorum_timeout: float, timeout: float,
+          on_ready: Callable[[], None] | None = None) -> Any:
+  """Runs one ``TorchftReplica`` of ``protocol`` on ``(params, grad_fn, batch_fn)`` until the
+  run has committed ``steps`` inner steps; returns its final ``ReplicaState``.
+
+  The arguments are ``TorchftReplica``'s and ``TorchftReplica.run``'s.
+
+  Raises:
+    ReplicaError: the ``ft`` extra missing, a bad value, a replica whose settings are not the
+      run's, or a quorum that never formed.
+  """
+  engine = load_engine()
+  try:
+    replica = engine.TorchftReplica(
+      protocol, params, grad_fn, batch_fn, lighthouse=lighthouse, replica_id=replica_id,
+      out=out, host=host, seed=seed, tokens_per_step=tokens_per_step,
+      min_replicas=min_replicas, quorum_timeout=quorum_timeout, timeout=timeout,
+      on_ready=on_ready)
+  except ValueError as e:
+    raise ReplicaError(str(e)) from None
+  try:
+    replica.run(steps)
+  except engine.SettingsMismatch as e:
+    raise ReplicaError(str(e)) from None
+  except TimeoutError as e:
+    raise ReplicaError(
+      f"replica {replica_id}: timed out ({e}); a quorum of at least {min_replicas} must form"
+      f" within --quorum-timeout {quorum_timeout} s") from None
+  finally:
+    replica.shutdown()
+  return replica.state
+
+
 def run(args: argparse.Namespace) -> int:
-  """Runs one replica to the end of the run; returns 0.
+  """Runs one replica of the synthetic task to the end of the run; returns 0.
 
   Raises:
     ReplicaError: the ``ft`` extra missing, a bad flag value, or a quorum that never formed.
   """
   if args.parent_death:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-  try:
-    from optax_dist.fault_tolerance import torchft_engine
-  except ModuleNotFoundError as e:
-    raise ReplicaError(str(e)) from None
+    die_with_parent()
+  load_engine()
   import optax
 
-  # torchft warns on every new quorum that it has no NCCL flight recorder (CPU only).
-  logging.getLogger("torchft.manager").setLevel(logging.ERROR)
   from optax_dist.fault_tolerance import RoundProtocol
 
   params, grad_fn, batch_fn = linear_task(args.dim, args.batch)
   outer = None if args.algorithm == "local_sgd" else optax.sgd(0.7, momentum=0.9, nesterov=True)
   try:
     protocol = RoundProtocol(args.algorithm, optax.sgd(0.02), outer, sync_period=args.sync_period)
-    replica = torchft_engine.TorchftReplica(
-      protocol, params, grad_fn, batch_fn, lighthouse=args.lighthouse,
-      replica_id=args.replica_id, out=args.out, host=args.host, seed=args.seed,
-      tokens_per_step=args.batch, min_replicas=args.min_replicas,
-      quorum_timeout=args.quorum_timeout, timeout=args.timeout)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
-  try:
-    replica.run(args.steps)
-  except torchft_engine.SettingsMismatch as e:
-    raise ReplicaError(str(e)) from None
-  except TimeoutError as e:
-    raise ReplicaError(
-      f"replica {args.replica_id}: timed out ({e}); a quorum of at least {args.min_replicas}"
-      f" must form within --quorum-timeout {args.quorum_timeout} s") from None
-  finally:
-    replica.shutdown()
+  serve(protocol, params, grad_fn, batch_fn, steps=args.steps, seed=args.seed,
+        tokens_per_step=args.batch, lighthouse=args.lighthouse, replica_id=args.replica_id,
+        out=args.out, host=args.host, min_replicas=args.min_replicas,
+        quorum_timeout=args.quorum_timeout, timeout=args.timeout)
   return 0
 
 

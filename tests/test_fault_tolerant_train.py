@@ -1,0 +1,221 @@
+"""``optax-dist train --fault-tolerant``: its one-line refusals (in process), the replicas' data
+order against the trainer's, the run's summary, and the command end to end with a `kill -9`.
+
+The end-to-end test needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a
+missing extra fails it instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("sklearn")
+
+from optax_dist.cli import fault_tolerant, pipeline  # noqa: E402
+from optax_dist.cli.main import build_parser, main  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "3",
+           "--min-replicas", "2", "--devices", "1", "--steps", "80", "--sync-period", "5"]
+"""The example of docs/fault_tolerance.md, without its --out."""
+
+
+def _one_line(capsys, *args: str) -> str:
+  """Runs ``optax-dist args`` in process: status 2, nothing on stdout, one line on stderr (no
+  traceback); returns it."""
+  capsys.readouterr()
+  try:
+    status = main(list(args))
+  except SystemExit as e:
+    status = e.code
+  stdout, stderr = capsys.readouterr()
+  assert status == 2 and stdout == "" and "Traceback" not in stderr, (args, status, stderr)
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), stderr
+  return lines[0]
+
+
+def _without(example: list[str], flag: str) -> list[str]:
+  i = example.index(flag)
+  return example[:i] + example[i + 2:]
+
+
+@pytest.mark.parametrize("args, said", [
+  (EXAMPLE + ["--processes", "2"], "argument --processes: not with --fault-tolerant"),
+  (_without(EXAMPLE, "--algorithm") + ["--algorithm", "sync"],
+   "argument --algorithm: --fault-tolerant runs diloco, local_sgd, streaming_diloco only, got"
+   " sync"),
+  (EXAMPLE + ["--fsdp", "1"], "argument --fsdp: not with --fault-tolerant"),
+  (EXAMPLE + ["--checkpoint-every", "10"], "argument --checkpoint-every: not with"),
+  (_without(EXAMPLE, "--min-replicas") + ["--min-replicas", "4"],
+   "argument --min-replicas: must be at most --replicas (3), got 4"),
+  (["train", "--min-replicas", "2"], "argument --min-replicas: needs --fault-tolerant"),
+  (["train", "--restart-delay", "0.5"], "argument --restart-delay: needs --fault-tolerant"),
+  (EXAMPLE + ["--join-timeout", "-1"], "argument --join-timeout: must be a number >= 0"),
+  (["replica", "--lighthouse", "http://127.0.0.1:1", "--replica-id", "3", "--replicas", "3"],
+   "argument --replica-id: must be in 0..2 (--replicas 3), got 3"),
+])
+def test_refusals_are_one_line(args, said, tmp_path, capsys):
+  line = _one_line(capsys, *args, "--out", str(tmp_path))
+  assert said in line, line
+  assert not (tmp_path / "replicas").exists()
+
+
+def test_without_the_ft_extra_one_line_names_it(tmp_path, capsys, monkeypatch):
+  for module in ("torch", "torchft"):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+  line = _one_line(capsys, *EXAMPLE, "--out", str(tmp_path))
+  assert line == ("optax-dist: error: no module named 'torch'; --fault-tolerant needs the \"ft\""
+                  ' extra: pip install "optax-dist[ft]"')
+
+
+def test_a_protocol_refusal_is_one_line_before_any_replica_starts(tmp_path, capsys):
+  """The digits MLP's 6 leaves leave a fragment of 4 empty (the protocol's assignment)."""
+  _require_ft()
+  line = _one_line(capsys, "train", "--algorithm", "streaming_diloco", "--fault-tolerant",
+                   "--replicas", "2", "--devices", "1", "--steps", "40", "--sync-period", "8",
+                   "--out", str(tmp_path))
+  assert line.startswith("optax-dist: error: argument --num-fragments: `streaming_diloco("
+                         "num_fragments=...)` must leave no fragment empty"), line
+  assert not (tmp_path / "replicas").exists() and not list(tmp_path.glob("replica_*.log"))
+
+
+def test_timing_flags_are_float_seconds_beside_the_integer_heartbeat_timeout():
+  args = build_parser().parse_args(
+    [*EXAMPLE, "--quorum-timeout", "2.5", "--join-timeout", "0.25", "--restart-delay", "0.5",
+     "--lighthouse-heartbeat-timeout", "1.5", "--heartbeat-timeout", "7", "--max-restarts", "2"])
+  assert (args.quorum_timeout, args.join_timeout, args.restart_delay) == (2.5, 0.25, 0.5)
+  assert (args.lighthouse_heartbeat_timeout, args.heartbeat_timeout) == (1.5, 7)
+  assert args.max_restarts == 2
+
+
+def test_min_replicas_defaults_to_a_majority(monkeypatch):
+  monkeypatch.setattr(fault_tolerant.errors, "require", lambda *a, **k: None)  # no extra needed
+  for replicas, majority in ((1, 1), (2, 2), (3, 2), (4, 3), (5, 3)):
+    args = build_parser().parse_args(
+      [*_without(_without(EXAMPLE, "--replicas"), "--min-replicas"), "--replicas", str(replicas)])
+    fault_tolerant.resolve(args)
+    assert args.min_replicas == majority
+    assert args.quorum_timeout == fault_tolerant.DEFAULTS["quorum_timeout"]
+
+
+def test_replicas_draw_the_trainers_minibatches():
+  """Replica i's batch at step t is the minibatches of workers i*D .. i*D+D-1 of the trainer
+  with R*D workers (`pipeline.shard_examples`, `pipeline.minibatch`), stateless in (seed, i,
+  t)."""
+  import jax
+
+  from optax_dist.cli.config import Settings
+  from optax_dist.cli.tasks import TASKS
+
+  task = TASKS["digits"]
+  data = task.load(0)
+  replicas, per_replica, batch = 3, 2, 4
+  s = Settings(algorithm="diloco", devices=replicas * per_replica, batch_size=batch,
+               steps=20, sync_period=5).resolved()
+  params, grad_fn, batch_fn, examples, evaluate = fault_tolerant.task_engine(
+    task, data, s, replicas)
+  assert examples == per_replica * batch
+  shards = pipeline.shard_examples(data.train, s.devices)
+  n_local = len(shards["x"][0])
+  for seed, slot, step in ((0, 0, 0), (0, 2, 7), (3, 1, 40)):
+    idx = pipeline.minibatch(seed, s.devices, n_local, batch, step)
+    got = jax.device_get(batch_fn(seed, slot, step))
+    workers = range(slot * per_replica, (slot + 1) * per_replica)
+    for key in ("x", "y"):
+      want = np.concatenate([shards[key][w][idx[w]] for w in workers])
+      np.testing.assert_array_equal(got[key], want)
+    np.testing.assert_array_equal(jax.device_get(batch_fn(seed, slot, step))["x"], got["x"])
+  assert 0.0 <= evaluate(params) <= 1.0
+  assert jax.tree.structure(grad_fn(params, batch_fn(0, 0, 0))) == jax.tree.structure(params)
+
+
+def _write_lines(out: pathlib.Path, i: int, lines: list[tuple]) -> None:
+  folder = out / "replicas"
+  folder.mkdir(parents=True, exist_ok=True)
+  with open(folder / f"replica_{i}.jsonl", "w") as f:
+    for round_, committed, healed, digest in lines:
+      f.write(json.dumps({"round": round_, "committed": committed, "healed": healed,
+                          "state_hash": digest, "quorum_seconds": 0.5 if healed else 0.01})
+              + "\n")
+
+
+def test_summary_counts_rounds_heals_and_hash_agreement(tmp_path):
+  _write_lines(tmp_path, 0, [(0, True, False, "a"), (1, False, False, "a"), (2, True, False, "c")])
+  _write_lines(tmp_path, 1, [(0, True, False, "a"), (1, False, False, "a"), (2, True, True, "c")])
+  (tmp_path / "replicas" / "final_1.json").write_text('{"test_accuracy": 0.5}')
+  result = fault_tolerant.summary(tmp_path, 3, restarts=1)
+  assert (result["rounds_committed"], result["rounds_aborted"]) == (2, 1)
+  assert (result["heals"], result["heal_seconds"], result["restarts"]) == (1, [0.5], 1)
+  assert result["hashes_agree"] and result["finished"] == [1]
+  _write_lines(tmp_path, 2, [(2, True, False, "d")])
+  assert not fault_tolerant.summary(tmp_path, 3, restarts=1)["hashes_agree"]
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end.
+
+
+def _require_ft() -> None:
+  if importlib.util.find_spec("torchft") is None:
+    if os.environ.get("OPTAX_DIST_REQUIRE_FT") == "1":
+      pytest.fail("OPTAX_DIST_REQUIRE_FT=1 but torchft is missing: pip install 'optax-dist[ft]'")
+    pytest.skip("needs the ft extra (torch, torchft)")
+
+
+def _lines(out: pathlib.Path, i: int) -> list[dict]:
+  path = out / "replicas" / f"replica_{i}.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
+  """The example with ``--min-replicas 3``: no quorum forms while replica 2 is dead, so the
+  launcher's restart and the heal happen whatever the machine's speed (with 2, the other two
+  may finish the short run before the restarted replica has imported JAX)."""
+  _require_ft()
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+  env["PYTHONPATH"] = str(ROOT)
+  command = [sys.executable, "-m", "optax_dist.cli", *_without(EXAMPLE, "--min-replicas"),
+             "--min-replicas", "3", "--restart-delay", "0.2", "--out", str(tmp_path)]
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True)
+  try:
+    deadline = time.monotonic() + 120
+    while sum(line["committed"] for line in _lines(tmp_path, 2)) < 3:
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+      time.sleep(0.02)
+    first = _lines(tmp_path, 2)[-1]["pid"]
+    os.kill(first, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  assert proc.returncode == 0, stderr[-3000:]
+  assert "1 restart," in stdout and "the state hashes agree on every committed round" in stdout
+  restarted = [line for line in _lines(tmp_path, 2) if line["pid"] != first]
+  assert restarted[0]["healed"] and restarted[0]["committed"] and restarted[0]["weight"] == 0
+  by_round: dict[int, set] = {}
+  for i in range(3):
+    for line in _lines(tmp_path, i):
+      if line["committed"]:
+        by_round.setdefault(line["round"], set()).add(line["state_hash"])
+  # 16 committed rounds (--steps 80, H = 5); the round indices count the aborted ones too.
+  assert len(by_round) == 16 and all(len(h) == 1 for h in by_round.values())
+  finals = [json.loads((tmp_path / "replicas" / f"final_{i}.json").read_text())
+            for i in range(3)]
+  assert len({(f["test_accuracy"], f["step"]) for f in finals}) == 1
+  summary = json.loads((tmp_path / "fault_tolerant_diloco.json").read_text())
+  assert summary["restarts"] == 1 and summary["hashes_agree"] and summary["heals"] >= 1
