@@ -208,7 +208,7 @@ def _global_dtype(settings: Settings) -> Any:
   return "float32" if settings.param_dtype != "float32" else None
 
 
-def _outer(settings: Settings) -> optax.GradientTransformation:
+def outer_optimizer(settings: Settings) -> optax.GradientTransformation:
   """DiLoCo's outer optimizer: Nesterov SGD (plain SGD with ``outer_momentum`` 0)."""
   s = settings
   return optax.sgd(s.outer_learning_rate, momentum=s.outer_momentum or None,
@@ -226,7 +226,7 @@ def _tower(s: Settings, inner: Any, axis: Any) -> Any:
   return optax_dist.tower(inner, axis, comm_dtype=comm, hierarchical=isinstance(axis, tuple))
 
 
-def _exchange(s: Settings) -> dict[str, Any]:
+def exchange_options(s: Settings) -> dict[str, Any]:
   """The library's arguments of an exchange that may be block-quantized (``comm_block_size``
   only with a block-quantized ``comm_dtype``: the library refuses it with the others)."""
   block = s.comm_dtype in QUANTIZED_COMM_DTYPES
@@ -235,10 +235,10 @@ def _exchange(s: Settings) -> dict[str, Any]:
 
 def _streaming_diloco(s: Settings, inner: Any, axis: Any, slice_axis=None) -> Any:
   return optax_dist.streaming_diloco(
-    inner, _outer(s), sync_period=s.sync_period, num_fragments=s.num_fragments,
+    inner, outer_optimizer(s), sync_period=s.sync_period, num_fragments=s.num_fragments,
     fragments="balanced", mixing=s.mixing, overlap=s.overlap, eager=s.eager, axis_name=axis,
     error_feedback=s.error_feedback, anchor_dtype=_global_dtype(s), slice_axis=slice_axis,
-    **_exchange(s))
+    **exchange_options(s))
 
 
 _DILOCO = ("sync_period", "outer_learning_rate", "outer_momentum")
@@ -253,7 +253,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     "elastic_average", "EASGD: each worker pulled to a center every communication period",
     build=lambda s, inner, axis, slice_axis=None: optax_dist.elastic_average(
       inner, communication_period=s.communication_period, moving_rate=s.moving_rate,
-      axis_name=axis, slice_axis=slice_axis, **_exchange(s)),
+      axis_name=axis, slice_axis=slice_axis, **exchange_options(s)),
     schedule=lambda s: lambda step: optax_dist.elastic_average_communicates(
       step, communication_period=s.communication_period),
     period_name="communication_period",
@@ -263,7 +263,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     "agn", "AGN: the workers' accumulated updates averaged every communication period",
     build=lambda s, inner, axis, slice_axis=None: optax_dist.agn(
       inner, communication_period=s.communication_period, axis_name=axis, slice_axis=slice_axis,
-      **_exchange(s)),
+      **exchange_options(s)),
     schedule=lambda s: lambda step: optax_dist.agn_communicates(
       step, communication_period=s.communication_period),
     period_name="communication_period", settings=("communication_period", *_QUANTIZED),
@@ -283,7 +283,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     "local_sgd", "local SGD: the workers' params averaged every sync period",
     build=lambda s, inner, axis, slice_axis=None: optax_dist.local_sgd(
       inner, sync_period=s.sync_period, axis_name=axis, warmup_steps=s.warmup_steps,
-      slice_axis=slice_axis, **_exchange(s)),
+      slice_axis=slice_axis, **exchange_options(s)),
     schedule=lambda s: lambda step: optax_dist.local_sgd_syncs(
       step, sync_period=s.sync_period, warmup_steps=s.warmup_steps),
     warmup=lambda s: lambda step: optax_dist.local_sgd_warming_up(
@@ -293,9 +293,9 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
   Algorithm(
     "diloco", "DiLoCo: an outer Nesterov step on the workers' mean change every sync period",
     build=lambda s, inner, axis, slice_axis=None: optax_dist.diloco(
-      inner, _outer(s), sync_period=s.sync_period, axis_name=axis,
+      inner, outer_optimizer(s), sync_period=s.sync_period, axis_name=axis,
       error_feedback=s.error_feedback, anchor_dtype=_global_dtype(s), slice_axis=slice_axis,
-      **_exchange(s)),
+      **exchange_options(s)),
     schedule=lambda s: lambda step: optax_dist.diloco_syncs(step, sync_period=s.sync_period),
     period_name="sync_period", settings=(*_DILOCO, *_QUANTIZED, "error_feedback"),
     comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True,

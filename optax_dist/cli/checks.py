@@ -32,6 +32,13 @@ _LIBRARY_ARGUMENT = re.compile(r"^`\w+\((\w+)=")
 """The argument a library error names first: ``diloco`` in "`diloco(comm_block_size=...)` ..."."""
 
 
+def library_flag(error: Exception) -> str | None:
+  """The flag of the argument a library error names first (``--comm-block-size`` for
+  "`diloco(comm_block_size=...)` ..."), or ``None`` when it names none."""
+  match = _LIBRARY_ARGUMENT.match(str(error))
+  return None if match is None else flag(match[1])
+
+
 def num_examples(split: dict[str, Any]) -> int:
   """The number of examples of ``split`` (its leaves' leading axis)."""
   return len(next(iter(split.values())))
@@ -168,10 +175,10 @@ def _check_library(s: Settings) -> None:
   try:
     make_optimizer(s)
   except ValueError as e:
-    match = _LIBRARY_ARGUMENT.match(str(e))
-    if match is None:
+    named = library_flag(e)
+    if named is None:
       raise
-    raise ValueError(f"argument {flag(match[1])}: {e}") from None
+    raise ValueError(f"argument {named}: {e}") from None
 
 
 def _check_batch_size(s: Settings, train_examples: int) -> None:

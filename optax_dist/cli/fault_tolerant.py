@@ -160,11 +160,11 @@ def protocol(s: Settings) -> RoundProtocol:
   """The :class:`~optax_dist.fault_tolerance.RoundProtocol` of ``s``: the command's inner
   optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`), outer optimizer and exchange."""
   streaming = s.algorithm == "streaming_diloco"
+  outer = None if s.algorithm == "local_sgd" else algorithms.outer_optimizer(s)
   return RoundProtocol(
-    s.algorithm, algorithms.inner_optimizer(s),
-    None if s.algorithm == "local_sgd" else algorithms._outer(s), sync_period=s.sync_period,
+    s.algorithm, algorithms.inner_optimizer(s), outer, sync_period=s.sync_period,
     error_feedback=s.error_feedback, num_fragments=s.num_fragments if streaming else None,
-    mixing=s.mixing, **algorithms._exchange(s))
+    mixing=s.mixing, **algorithms.exchange_options(s))
 
 
 def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any, ...]:
@@ -249,9 +249,7 @@ def _check_protocol(task: Task, data: Data, s: Settings) -> None:
     params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, s.param_dtype), params)
     jax.eval_shape(protocol(s).init, params)
   except ValueError as e:
-    match = checks._LIBRARY_ARGUMENT.match(str(e))
-    raise CommandError(f"argument {algorithms.flag(match[1]) if match else '--algorithm'}: {e}"
-                       ) from None
+    raise CommandError(f"argument {checks.library_flag(e) or '--algorithm'}: {e}") from None
 
 
 def _meet(out: pathlib.Path, replica_id: int, replicas: int, timeout: float) -> None:
