@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -288,43 +289,31 @@ def test_only_process_zero_says_what_every_process_finds(monkeypatch, capsys, tm
   assert lines == (expected if said else []), lines
 
 
-@pytest.mark.slow
-def test_no_intact_checkpoint_over_two_processes_is_one_line(root):
-  """Every checkpoint damaged: process 0 names each and what is wrong with it, in one line; the
-  other process and the launcher add none."""
-  out = root / "damaged"
-  common = ["train", "--algorithm", "diloco", *MULTI, "--steps", "4", "--sync-period", "2",
-            "--checkpoint-every", "2", "--no-progress", "--out", out]
-  returncode, _, stderr = Run(*common).result()
-  assert returncode == 0, stderr
-  checkpoints = out / "checkpoints" / "diloco"
-  for step in (2, 4):
-    (checkpoints / str(step) / "meta" / "metadata").write_bytes(b"\xff\xfe not json")
-  returncode, stdout, stderr = Run(*common, "--resume").result()
-  said = [line for line in stderr.splitlines() if line.startswith("optax-dist")]
-  assert returncode == 2 and stdout == "", stderr
-  assert len(said) == 1, stderr
-  assert said[0].startswith("optax-dist: error: argument --resume: no intact checkpoint to resume"
-                            f" from: {checkpoints / '4'} is damaged (UnicodeDecodeError: ")
-  assert f"; {checkpoints / '2'} is damaged (UnicodeDecodeError: " in said[0]
-  assert said[0].endswith("; rerun without --resume to start over")
+RESIZE = ["train", "--algorithm", "diloco", *ARGS, "--sync-period", str(PERIOD),
+          "--checkpoint-every", str(CHECKPOINT_EVERY)]
+LAYOUTS = {"shrink": (MULTI, ["--devices", "2"]), "grow": (["--devices", "2"], MULTI)}
+
+
+@pytest.fixture(scope="module")
+def resized(root):
+  """A 2-process run (4 workers) crashed at step ``FAIL_AT`` and resumed on 1 process (2
+  workers), ``shrink``, and a 1-process run resumed on 2, ``grow``: ``{name: (crashed, resumed)}``,
+  each a ``(returncode, stdout, stderr)``."""
+  crashed = {name: Run(*RESIZE, *first, "--out", root / name, "--fail-at-step", str(FAIL_AT))
+             for name, (first, _) in LAYOUTS.items()}
+  crashed = {name: run_.result() for name, run_ in crashed.items()}
+  resumed = {name: Run(*RESIZE, *second, "--out", root / name, "--resume")
+             for name, (_, second) in LAYOUTS.items()}
+  return {name: (crashed[name], resumed[name].result()) for name in LAYOUTS}
 
 
 @pytest.mark.slow
-def test_resume_on_another_number_of_processes_resizes(root):
+def test_resume_on_another_number_of_processes_resizes(root, resized):
   """A 2-process run (4 workers) resumes on 1 process (2 workers), and a 1-process run on 2."""
-  layouts = {"shrink": (MULTI, ["--devices", "2"]), "grow": (["--devices", "2"], MULTI)}
-  common = ["train", "--algorithm", "diloco", *ARGS, "--sync-period", str(PERIOD),
-            "--checkpoint-every", str(CHECKPOINT_EVERY)]
-  crashed = {name: Run(*common, *first, "--out", root / name, "--fail-at-step", str(FAIL_AT))
-             for name, (first, _) in layouts.items()}
-  for name, run_ in crashed.items():
-    returncode, _, stderr = run_.result()
+  for name, ((returncode, _, stderr), _) in resized.items():
     assert returncode == 1 and f"exiting at step {FAIL_AT}" in stderr, (name, stderr)
-  resumed = {name: Run(*common, *second, "--out", root / name, "--resume")
-             for name, (_, second) in layouts.items()}
   for name, (before, after) in {"shrink": (4, 2), "grow": (2, 4)}.items():
-    returncode, stdout, stderr = resumed[name].result()
+    returncode, stdout, stderr = resized[name][1]
     assert returncode == 0, stderr
     line = f"diloco: resized from {before} to {after} workers at step 8"
     assert line in stdout
@@ -333,6 +322,31 @@ def test_resume_on_another_number_of_processes_resizes(root):
     assert result["devices"] == after
     assert result["history"]["step"] == [0, 10, 20]  # the evaluations of the checkpoint kept
     assert result["test_accuracy_eval_params"] > 0.8  # trains on after the resize
+
+
+@pytest.mark.slow
+def test_no_intact_checkpoint_over_two_processes_is_one_line(root, resized):
+  """Every checkpoint of the run that ended on 2 processes (``grow``, copied) damaged: process 0
+  names each and what is wrong with it, in one line; the other process and the launcher add
+  none."""
+  assert resized["grow"][1][0] == 0
+  out = root / "damaged"
+  shutil.copytree(root / "grow", out)
+  checkpoints = out / "checkpoints" / "diloco"
+  steps = sorted((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()), reverse=True)
+  assert len(steps) >= 2, steps
+  for step in steps:
+    (checkpoints / str(step) / "meta" / "metadata").write_bytes(b"\xff\xfe not json")
+  returncode, stdout, stderr = Run(*RESIZE, *MULTI, "--out", out, "--resume").result()
+  said = [line for line in stderr.splitlines() if line.startswith("optax-dist")]
+  assert returncode == 2 and stdout == "", stderr
+  assert len(said) == 1, stderr
+  newest = checkpoints / str(steps[0])
+  assert said[0].startswith("optax-dist: error: argument --resume: no intact checkpoint to resume"
+                            f" from: {newest} is damaged (UnicodeDecodeError: ")
+  for step in steps[1:]:
+    assert f"; {checkpoints / str(step)} is damaged (UnicodeDecodeError: " in said[0]
+  assert said[0].endswith("; rerun without --resume to start over")
 
 
 @pytest.mark.slow
