@@ -24,9 +24,7 @@ def results(metric, curves, every):
 def y_limits(runs):
   fig = reports.accuracy_figure(runs)
   fig.canvas.draw()
-  limits = fig.axes[0].get_ylim()
-  reports._pyplot().close(fig)
-  return limits
+  return fig.axes[0].get_ylim()
 
 
 def shown(runs, limits):

@@ -77,13 +77,15 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     json.dump(payload, f, indent=2)
 
 
-def _pyplot():
-  import matplotlib
+def _figure(**kwargs: Any) -> Any:
+  """A matplotlib ``Figure(**kwargs)`` drawn by Agg, outside ``pyplot``: no global figure to
+  close, no interactive backend, and a lighter import."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  return plt
+  fig = Figure(**kwargs)
+  FigureCanvasAgg(fig)
+  return fig
 
 
 def rounds_axis(ax: Any, results: Sequence[dict[str, Any]]) -> None:
@@ -130,10 +132,10 @@ def _zoom(results: Sequence[dict[str, Any]], key: str, metric: str) -> tuple[flo
 def accuracy_figure(results: Sequence[dict[str, Any]], title: str = "",
                     label: str = "test accuracy") -> Any:
   """The figure of :func:`plot_accuracy`: test metric vs step and vs communication rounds."""
-  plt = _pyplot()
   metric = results[0].get("metric", "accuracy")
   key = f"test_{metric}_eval_params"
-  fig, (by_step, by_round) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+  fig = _figure(figsize=(11, 4.2))
+  by_step, by_round = fig.subplots(1, 2, sharey=True)
   for result in results:
     h = result["history"]
     by_step.plot(h["step"], h[key], label=result["algorithm"])
@@ -158,15 +160,13 @@ def accuracy_figure(results: Sequence[dict[str, Any]], title: str = "",
 def plot_accuracy(results: Sequence[dict[str, Any]], path: str, title: str = "",
                   label: str = "test accuracy") -> None:
   """Writes a PNG of the test metric of ``eval_params`` vs step and vs communication rounds."""
-  fig = accuracy_figure(results, title, label)
-  fig.savefig(path, dpi=110)
-  _pyplot().close(fig)
+  accuracy_figure(results, title, label).savefig(path, dpi=110)
 
 
 def plot_async(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
   """Writes a PNG: test metric against simulated time, and the staleness of the commits."""
-  plt = _pyplot()
-  fig, (acc, hist) = plt.subplots(1, 2, figsize=(11, 4.2))
+  fig = _figure(figsize=(11, 4.2))
+  acc, hist = fig.subplots(1, 2)
   for k, row in enumerate(rows):
     h = row["history"]
     acc.plot(h["time"], h["test_accuracy"], color=f"C{k}", label=row["protocol"])
@@ -194,7 +194,6 @@ def plot_async(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> No
     fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 def exchange(settings: Settings, algorithms: Sequence[str]) -> dict[str, Any]:
