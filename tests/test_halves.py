@@ -238,8 +238,8 @@ def test_payload_dtypes_are_the_wire_formats():
   for fmt, dtype in [("none", jnp.float32), ("bfloat16", jnp.bfloat16),
                      ("float8", jnp.float32), ("int8", jnp.float32)]:
     exchange = optax_dist.Exchange(AXIS, **_wire(fmt))
-    payload = jax.vmap(lambda t: exchange.payload(t)[0], axis_name=AXIS)(
-      jax.tree.map(lambda x: jnp.stack([x, x]), tree))
+    payload = jax.eval_shape(jax.vmap(lambda t: exchange.payload(t)[0], axis_name=AXIS),
+                             jax.tree.map(lambda x: jnp.stack([x, x]), tree))
     assert payload["x"].dtype == dtype, fmt
 
 

@@ -473,10 +473,11 @@ def test_streaming_diloco_error_feedback_is_diloco_with_one_fragment():
   rng = np.random.RandomState(2)
   params = _stack({k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}, 2)
   states = [jax.vmap(tx.init, axis_name=AXIS)(params) for tx in (streaming, diloco)]
+  steps = [jax.jit(jax.vmap(tx.update, axis_name=AXIS)) for tx in (streaming, diloco)]
   for _ in range(3 * H):
     grads = _gradients(rng, 2)
-    for i, tx in enumerate((streaming, diloco)):
-      _, states[i] = jax.vmap(tx.update, axis_name=AXIS)(grads, states[i], params)
+    for i, step in enumerate(steps):
+      _, states[i] = step(grads, states[i], params)
   for k in SHAPES:
     np.testing.assert_array_equal(states[0].anchor[k], states[1].anchor[k])
     np.testing.assert_array_equal(states[0].error_feedback[k], states[1].error_feedback[k])
@@ -489,8 +490,9 @@ def test_streaming_diloco_error_feedback_residual_is_mean_on_resize():
     optax.sgd(1.0), optax.sgd(1.0), sync_period=2, num_fragments=2, fragments={"b": 1, "w": 0},
     overlap=1, axis_name=AXIS, comm_dtype="e3m0", comm_block_size=BLOCK, error_feedback=True)
   state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
   for _ in range(4):
-    _, state = jax.vmap(tx.update, axis_name=AXIS)(_gradients(rng, n), state, params)
+    _, state = step(_gradients(rng, n), state, params)
   residual = {k: np.asarray(v) for k, v in state.error_feedback.items()}
   assert not np.array_equal(residual["w"][0], residual["w"][1])  # each worker's own
   _assert_resized_to_the_mean(tx, state, params, residual)
