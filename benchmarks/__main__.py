@@ -9,7 +9,7 @@ why), ``markdown(result, figure)`` and ``plot(result, path)``; and optionally ``
 config)``, how ``--report`` reads the result back (default: ``PREFIX.json``). The driver sets up
 JAX (importing :mod:`benchmarks.kit`), measures, records the run (date, command, wall-clock,
 load average before and after, machine, versions: the result's ``run``), writes
-``PREFIX.json`` and, with :func:`benchmarks.kit.write_report`, ``PREFIX.png`` and ``PREFIX.md``.
+``PREFIX.json``, then draws ``PREFIX.png`` (``plot``) and writes ``PREFIX.md`` (``markdown``).
 ``--report`` measures nothing and renders the report again from the saved result. ``PREFIX``
 defaults to ``benchmarks/results/STUDY`` (with ``--quick``, a temporary directory); a report
 written there also rewrites ``benchmarks/RESULTS.md``, which gathers every report.
@@ -60,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "load_after": timed.load_after, "machine": kit.machine(),
                      "versions": kit.versions()}
   kit.write_json(f"{prefix}.json", result)
-  print(kit.write_report(result, prefix, study.plot, study.markdown))
+  study.plot(result, f"{prefix}.png")
+  text = study.markdown(result, os.path.basename(f"{prefix}.png"))
+  with open(f"{prefix}.md", "w") as f:
+    f.write(text.rstrip("\n") + "\n")
+  print(text)
   print(f"[benchmarks] wrote {prefix}.json, .md and .png", file=sys.stderr)
   if os.path.dirname(os.path.abspath(prefix)) == kit.RESULTS:
     results_md.write(os.path.join(kit.ROOT, "RESULTS.md"))
@@ -84,7 +88,9 @@ def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argpars
                            " measures nothing")
   hints, fields = typing.get_type_hints(study.Config), dataclasses.fields(study.Config)
   for field in fields:
-    kind, kwargs = _unwrap(hints[field.name]), dict(field.metadata)
+    kind, kwargs = hints[field.name], dict(field.metadata)
+    if type(None) in typing.get_args(kind):  # X | None: X
+      (kind,) = set(typing.get_args(kind)) - {type(None)}
     if kind is bool:
       kwargs["action"] = "store_true"
     elif typing.get_origin(kind) is tuple:
@@ -100,13 +106,6 @@ def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argpars
             for key, value in given.items() if isinstance(value, list)}
   config = dataclasses.replace(study.Config(), **(study.QUICK if args.quick else {}) | given)
   return config, args
-
-
-def _unwrap(kind: object) -> object:
-  """``X`` of ``X | None``."""
-  if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-    (kind,) = [k for k in typing.get_args(kind) if k is not type(None)]
-  return kind
 
 
 if __name__ == "__main__":

@@ -239,6 +239,11 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | Non
   return "\n".join(lines)
 
 
+def blocks(*parts: str) -> str:
+  """Markdown blocks (paragraphs, tables, lists) one after the other, a blank line between."""
+  return "\n\n".join(parts)
+
+
 def fmt(x: Any, spec: str = "", missing: str = "—") -> str:
   """``x`` formatted by ``spec``, or ``missing`` for ``None``."""
   return missing if x is None else format(x, spec)
@@ -284,17 +289,6 @@ def write_json(path: str, value: Any) -> None:
   with open(path + ".tmp", "w") as f:
     json.dump(value, f, indent=1, default=str)
   os.replace(path + ".tmp", path)
-
-
-def write_report(result: Any, prefix: str, plot: Callable[[Any, str], None] | None,
-                 markdown: Callable[[Any, str], str]) -> str:
-  """Draws ``PREFIX.png`` (if ``plot``), writes ``PREFIX.md`` and returns that Markdown."""
-  if plot is not None:
-    plot(result, f"{prefix}.png")
-  text = markdown(result, os.path.basename(f"{prefix}.png"))
-  with open(f"{prefix}.md", "w") as f:
-    f.write(text.rstrip("\n") + "\n")
-  return text
 
 
 def save_figure(fig: Any, path: str) -> None:

@@ -274,11 +274,9 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
-  return "\n".join([
+  return kit.blocks(
     "# Asynchronous DiLoCo on heterogeneous workers: delayed Nesterov and DyLU",
-    "",
     kit.doc_markdown(__doc__, 1, 4),
-    "",
     (f"Task `{result['task']}`; speeds {' : '.join(f'{v:g}' for v in result['speeds'])};"
      f" H = {result['sync_period']} (DyLU: H_w = {', '.join(map(str, result['dylu_periods']))});"
      f" R = {result['rounds']} rounds: {result['inner_steps']:,} inner steps per run; batch"
@@ -294,11 +292,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
      " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13. "
      + kit.load_text(result)),
-    "",
     summary(result),
-    "",
-    f"![validation bits per byte against simulated time and inner steps]({plot_name})",
-  ])
+    f"![validation bits per byte against simulated time and inner steps]({plot_name})")
 
 
 COLORS = dict(zip(("sync diloco", *PROTOCOLS), ("C0", "C3", "C1", "C2"), strict=True))

@@ -80,8 +80,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  return "\n".join(["## MLP: communication", "", _communication_intro(result), "",
-                    table(result), "", f"![bytes sent per {STEPS} steps]({figure})"])
+  return kit.blocks("## MLP: communication", _communication_intro(result), table(result),
+                    f"![bytes sent per {STEPS} steps]({figure})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:

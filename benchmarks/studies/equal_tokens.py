@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
@@ -140,14 +141,13 @@ class Spec:
 
   def settings(self, steps: int) -> Any:
     """The trainer's :class:`~optax_dist.cli.config.Settings` of this run."""
-    fields = {"steps": steps, "eval_every": min(EVAL_EVERY, steps), "seed": self.seed}
+    m = self.replicas or kit.DEVICES
+    fields = {"steps": steps, "eval_every": min(EVAL_EVERY, steps), "seed": self.seed,
+              "devices": m, "batch_size": GLOBAL_BATCH // m}
     if self.replicas is None:
-      return kit.settings(**fields | {"algorithm": "sync", "devices": kit.DEVICES,
-                                      "batch_size": GLOBAL_BATCH // kit.DEVICES})
-    return kit.settings(**fields | {
-      "algorithm": "diloco", "devices": self.replicas, "batch_size": GLOBAL_BATCH // self.replicas,
-      "sync_period": self.sync_period, "outer_learning_rate": self.outer_lr,
-      "outer_momentum": self.outer_momentum})
+      return kit.settings(**fields, algorithm="sync")
+    return kit.settings(**fields, algorithm="diloco", sync_period=self.sync_period,
+                        outer_learning_rate=self.outer_lr, outer_momentum=self.outer_momentum)
 
 
 def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
@@ -207,10 +207,9 @@ def record(spec: Spec, result: dict[str, Any], load_before: str) -> dict[str, An
 def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
   """The cached results under ``runs_dir``, by key (files that do not parse are left out)."""
   out = {}
-  names = sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []
-  for name in (n for n in names if n.endswith(".json")):
+  for path in sorted(glob.glob(os.path.join(runs_dir, "*.json"))):
     with contextlib.suppress(OSError, ValueError):
-      out[name.removesuffix(".json")] = kit.read_json(os.path.join(runs_dir, name))
+      out[os.path.basename(path).removesuffix(".json")] = kit.read_json(path)
   return out
 
 
@@ -376,26 +375,21 @@ def document(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
   """The report: the setup, the comparison beside Table 4, the targets, the sweeps, the runs."""
   s = summary(grid, records)
   m, best = grid.period_replicas, best_lrs(grid, records)
-  return "\n".join([
-    "# DiLoCo against data parallel at equal tokens", "",
-    kit.doc_markdown(__doc__, 1, 4), "",
-    setup_text(grid, meta), "",
-    f"## Final validation loss, H = {grid.period}", "",
-    comparison_table(s), "",
-    "Targets:", "", *target_lines(s), "",
-    f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", "",
-    sweep_table(s), "",
-    f"## Sync period H at M = {m} (outer lr {kit.fmt(best[m], 'g')}, seed {SWEEP_SEED})", "",
-    periods_table(s), "",
-    *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})", "",
+  return kit.blocks(
+    "# DiLoCo against data parallel at equal tokens", kit.doc_markdown(__doc__, 1, 4),
+    setup_text(grid, meta), f"## Final validation loss, H = {grid.period}", comparison_table(s),
+    "Targets:", "\n".join(target_lines(s)),
+    f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", sweep_table(s),
+    f"## Sync period H at M = {m} (outer lr {kit.fmt(best[m], 'g')}, seed {SWEEP_SEED})",
+    periods_table(s),
+    *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})",
        (f"The papers' outer Nesterov momentum {OUTER_MOMENTUM:g} averages over about"
         f" {1 / (1 - OUTER_MOMENTUM):.0f} outer steps; these runs have"
         f" {meta['steps'] // grid.period}. Beside each M's best run above, the same M with"
-        " another outer learning rate and momentum:"), "",
-       momentum_table(s), ""] if grid.momentum_runs else []),
-    "## Runs", "",
-    runs_table(records), "",
-    f"![final validation loss against M and against H]({plot_name})", ""])
+        " another outer learning rate and momentum:"), momentum_table(s)]
+      if grid.momentum_runs else []),
+    "## Runs", runs_table(records),
+    f"![final validation loss against M and against H]({plot_name})")
 
 
 def setup_text(grid: Grid, meta: dict[str, Any]) -> str:

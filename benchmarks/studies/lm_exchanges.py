@@ -243,11 +243,9 @@ def runs_table(result: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
-  return "\n".join([
+  return kit.blocks(
     "## Exchange formats on the language model: quality against bytes",
-    "",
     kit.doc_markdown(__doc__, 1, 3),
-    "",
     (f"{result['steps']} steps per run, H = {result['period']}, F = {result['fragments']},"
      f" blocks of {result['block']}; {result['devices']} workers; one seed (0), so a"
      " difference of a few tenths of a percent is within the seed-to-seed spread. "
@@ -256,17 +254,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
                f" {', '.join(a['labels'])}; load average {a['load_before']} before,"
                f" {a['load_after']} after; {a['wall_s'] / 60:.1f} min."
                for a in result.get("added", []))),
-    "",
     runs_table(result),
-    "",
     "Targets:",
-    "",
-    *bytes_targets(result),
-    *quality_targets(result),
-    *overlap_targets(result),
-    "",
-    f"![validation bits per byte against MB sent per worker]({plot_name})",
-  ])
+    "\n".join([*bytes_targets(result), *quality_targets(result), *overlap_targets(result)]),
+    f"![validation bits per byte against MB sent per worker]({plot_name})")
 
 
 MARKERS = dict(zip(FORMATS, "osD^vP"))

@@ -198,15 +198,13 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  return "\n".join([
-    "## Language model: overhead on the step", "",
-    kit.doc_markdown(__doc__, 1, 4), "",
-    matrix_markdown(result), "", missed_markdown(result), "",
+  return kit.blocks(
+    "## Language model: overhead on the step", kit.doc_markdown(__doc__, 1, 4),
+    matrix_markdown(result), missed_markdown(result),
     ("Temp bytes (`compile().memory_analysis()`) and bytes written by `copy` instructions in"
-     " each compiled LM step:"), "", memory_markdown(result), "",
-    f"![LM step time over bare adam's]({figure})", "",
-    "### The optimizer alone", "", kit.doc_markdown(__doc__, 5, 5), "",
-    optimizer_markdown(result)])
+     " each compiled LM step:"), memory_markdown(result),
+    f"![LM step time over bare adam's]({figure})",
+    "### The optimizer alone", kit.doc_markdown(__doc__, 5, 5), optimizer_markdown(result))
 
 
 def _config_name(c: dict[str, Any]) -> str:
@@ -324,20 +322,14 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
       "Beyond their bound with the hint: " + _slow_list(hinted) + ". The exchange runs"
       " unconditionally there, but XLA does not fuse it into one pass over the params (the"
       " temp and copy bytes); it runs once per period.")
-  note = "\n\n".join(notes)
-  return "\n".join([
+  return kit.blocks(
     (f"{o['num_params']:,} params ({kit.human_bytes(o['params_bytes'])}), one device,"
     f" `axis_name=None`, donated; measured bandwidth {o['bandwidth'] / 1e9:.1f} GB/s (a fused"
     f" `a + b` over the tree, 3 passes); {o['rounds']} rounds; load average {o['load_before']}"
     f" before, {o['load_after']} after. *passes*: the params-sized reads and writes the step"
     " must make (adam 7: read g, p, μ, ν, write μ, ν, p; an EMA +2; an accumulator +2; a"
     " DiLoCo sync +4: read anchor and outer momentum, write both; —: not counted); *bound*:"
-    " passes × params bytes / bandwidth."),
-    "",
-    kit.table(header, rows, "llrrrrrrrr"),
-    "",
-    note,
-  ])
+    " passes × params bytes / bandwidth."), kit.table(header, rows, "llrrrrrrrr"), *notes)
 
 
 def _slow_list(rows: list[dict[str, Any]]) -> str:

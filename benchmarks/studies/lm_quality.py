@@ -183,12 +183,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
                 ", ".join(f"{x:,}" for x in c["exchanges"]) or "—",
                 f"{c['per_round'] / c['params_bytes']:.3f}"] for family, c in b.items()]
   any_bytes = next(iter(b.values()))
-  verdicts = []
-  for t in targets(result):
-    verdicts.append(
-      f"- {t['label']} within {100 * TOLERANCE:g}% of sync: **{'met' if t['met'] else 'missed'}**"
-      f" ({100 * t['gap']:+.1f}%; per seed"
-      f" {', '.join(f'{100 * g:+.1f}%' for g in t['per_seed'])}).")
+  verdicts = [
+    f"- {t['label']} within {100 * TOLERANCE:g}% of sync: **{'met' if t['met'] else 'missed'}**"
+    f" ({100 * t['gap']:+.1f}%; per seed {', '.join(f'{100 * g:+.1f}%' for g in t['per_seed'])})."
+    for t in targets(result)]
   extras = [r for r in result["rows"] if r["extra"]]
   extra_note = (
     "Extra rows (outer SGD 1.0 without momentum: the anchor moves to the workers' mean, model"
@@ -197,9 +195,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     if extras else
     "No extra row: the paper's outer optimizer (Nesterov 0.7, momentum 0.9) met the target at"
     " every H ≥ 50, so model averaging (outer SGD 1.0, no momentum) was not run.")
-  return "\n".join([
+  return kit.blocks(
     "## Language model: quality against communication",
-    "",
     (f"`optax_dist.cli.trainer.train` on the `lm` task ({result['model']}; {result['dataset']})"
      f" over {kit.DEVICES} workers, one emulated CPU device each, each with its own"
      f" 1/{kit.DEVICES} of the training windows, minibatch {d['batch_size']} windows of 64 bytes"
@@ -210,28 +207,20 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      " (their mean); *sent per worker*: bytes each worker sends in the run, from the compiled"
      " step (table below); *steps to sync + 2%*: the first evaluated step where the seed-mean"
      " curve is within 2% of sync's final loss."),
-    "",
     (f"{result['steps']} steps per run, evaluated every {result['eval_every']} steps; mean over"
     f" seeds {', '.join(map(str, result['seeds']))}. " + kit.load_text(result, cpu=False)),
-    "",
     headline_table(result),
-    "",
-    *verdicts,
-    "",
+    "\n".join(verdicts),
     *_why(result),
     extra_note,
-    "",
     (f"Bytes each worker sends ({any_bytes['num_params']:,} params,"
      f" {any_bytes['params_bytes']:,} B in float32), from"
      " `communication_report` of each algorithm's compiled 8-device step: *every step* are the"
      " collectives outside any conditional, *per exchange* those of each conditional's"
      " communicating branch (per fragment for streaming_diloco), in params' bytes:"),
-    "",
-    kit.table(["algorithm", "every step B", "every step", "per exchange B",
-                 "exchange / params"], comm_rows, "lrlrr"),
-    "",
-    f"![validation bits per byte against steps and bytes sent]({plot_name})",
-  ])
+    kit.table(["algorithm", "every step B", "every step", "per exchange B", "exchange / params"],
+              comm_rows, "lrlrr"),
+    f"![validation bits per byte against steps and bytes sent]({plot_name})")
 
 
 def _why(result: dict[str, Any]) -> list[str]:
@@ -266,7 +255,7 @@ def _why(result: dict[str, Any]) -> list[str]:
              " to accumulate while it amplifies each noisy pseudo-gradient. The paper's regime"
              " (H = 500 inner steps over thousands of outer steps, larger models) is far from"
              " this one; more steps would be needed to test the targets there.")
-  return [text, ""]
+  return [text]
 
 
 def plot(result: dict[str, Any], path: str) -> None:

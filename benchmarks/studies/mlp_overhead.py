@@ -140,11 +140,10 @@ def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  return "\n".join([
-    "## MLP: overhead and memory", "", _overhead_intro(), "", overhead_markdown(result), "",
-    _overhead_verdicts(result), "", "### Memory", "", _memory_intro(result), "",
-    memory_markdown(result), "", _memory_notes(result), "",
-    f"![MLP step time over bare adam's]({figure})"])
+  return kit.blocks(
+    "## MLP: overhead and memory", _overhead_intro(), overhead_markdown(result),
+    _overhead_verdicts(result), "### Memory", _memory_intro(result), memory_markdown(result),
+    _memory_notes(result), f"![MLP step time over bare adam's]({figure})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:

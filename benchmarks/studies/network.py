@@ -376,11 +376,9 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
   p = result["param_bytes"]
   machine = kit.machine()
   extra = f" Arguments: `{' '.join(result['extra_args'])}`." if result["extra_args"] else ""
-  return "\n".join([
+  return kit.blocks(
     "## Training over a bandwidth-limited link (two network namespaces)",
-    "",
     kit.doc_markdown(__doc__, 1, 2),
-    "",
     (f"{result['processes']} processes × {result['devices']} devices, lm task, batch"
      f" {result['batch_size']} per worker, {result['steps']} steps, H = {result['period']};"
      f" params {p / 1e6:.2f} MB (float32). {machine['cores']} CPUs, shared by both processes;"
@@ -389,41 +387,32 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f"{extra} Steps' medians leave out step 1. *Predicted*: the bytes process 0 sends process 1"
      " over the steps, from the compiled steps' collectives (`cross_bytes`: their operands'"
      f" bytes and gloo's {GLOO_OPERAND_BYTES} bytes per operand); *operands*: those bytes"
-     " without gloo's; *payload*: the"
-     " veth's bytes less 66 bytes of headers per packet, the whole run (start-up, evaluations"
-     " and the coordination service included); `streaming_diloco` sends one fragment, about"
-     " 1/F of the params, per exchange."),
-    "",
+     " without gloo's; *payload*: the veth's bytes less 66 bytes of headers per packet, the whole"
+     " run (start-up, evaluations and the coordination service included); `streaming_diloco`"
+     " sends one fragment, about 1/F of the params, per exchange."),
     "Methods (label: algorithm and flags): " + "; ".join(
       f"{m}: `--algorithm {a}{''.join(' ' + x for x in flags)}`"
       for m, (a, flags) in result["methods"].items()) + ".",
-    "",
-    *[f"Note: {note}\n" for note in result.get("notes", [])],
+    *[f"Note: {note}" for note in result.get("notes", [])],
     measurements_table(result),
-    "",
     (f"Time to loss: the target is the highest final validation loss of the unshaped runs,"
      f" {target_loss(result):.3f} bits/byte; training seconds are the steps' own (start-up,"
      " compilation and evaluations left out)."),
-    "",
     summary_table(result),
-    "",
     *([(f"The speed-up over sync at {result['rates'][-1]} for other targets, from the one above"
-        " down to the lowest final loss of the other unshaped runs ('–': not reached):"), "",
-       sensitivity_table(result), ""] if _runs(result, result["rates"][-1], "sync") else []),
+        " down to the lowest final loss of the other unshaped runs ('–': not reached):"),
+       sensitivity_table(result)] if _runs(result, result["rates"][-1], "sync") else []),
     "Targets:",
-    "",
-    *targets(result),
-    "",
+    "\n".join(targets(result)),
     *([(f"DiLoCo's outer optimizer at this budget ({result['steps'] // result['period']} outer"
         " steps; one process, unshaped, the same losses as over the link): the final validation"
         " loss for each outer learning rate and Nesterov momentum. The DiLoCo family above runs"
-        f" `{' '.join(OUTER)}`."), "",
+        f" `{' '.join(OUTER)}`."),
        kit.table(["outer learning rate", "outer momentum", "final val bits/byte"],
                  [[f"{r['outer_learning_rate']:g}", f"{r['outer_momentum']:g}",
-                   f"{r['bits_per_byte']:.4f}"] for r in result["outer_sweep"]], "rrr"), ""]
+                   f"{r['bits_per_byte']:.4f}"] for r in result["outer_sweep"]], "rrr")]
       if result.get("outer_sweep") else []),
-    f"![validation bits per byte against training seconds, one panel per rate]({plot_name})",
-  ])
+    f"![validation bits per byte against training seconds, one panel per rate]({plot_name})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
