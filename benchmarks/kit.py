@@ -101,15 +101,16 @@ def total(by_axes: Mapping[str, float], operands: Mapping[str, int], exchange: b
   return float(sum(by_axes.values()))
 
 
-def step_bytes(steps: Mapping[str, Any], kind: str, cost: Callable = total) -> float:
+def step_bytes(steps: Mapping[str, Any], kind: str, cost: Callable = total,
+               exchange: bool = False) -> float:
   """``cost`` of one execution of the compiled step ``kind`` of a trainer's ``collective_bytes``
-  (``every_step``, ``communication_step`` or ``non_communication_step``): its unconditional
-  collectives plus the mean of its conditional exchanges (``streaming_diloco`` runs one fragment's
-  per sync step)."""
+  (``every_step``, ``communication_step``, ``non_communication_step``, or with ``exchange`` the
+  exchange programs of ``--exchange-device``): its unconditional collectives plus the mean of
+  its conditional exchanges (``streaming_diloco`` runs one fragment's per sync step)."""
   step = steps[kind]
-  exchanges = [cost(b, n, False) for b, n in zip(step["conditional"],
-                                                 step["operands"]["conditional"], strict=True)]
-  return (cost(step["unconditional"], step["operands"]["unconditional"], False)
+  exchanges = [cost(b, n, exchange) for b, n in zip(step["conditional"],
+                                                    step["operands"]["conditional"], strict=True)]
+  return (cost(step["unconditional"], step["operands"]["unconditional"], exchange)
           + (statistics.mean(exchanges) if exchanges else 0.0))
 
 
@@ -119,11 +120,7 @@ def run_bytes(result: Mapping[str, Any], s: Settings, cost: Callable = total) ->
   ``--exchange-device`` the mean exchange program's on each exchanging step. ``cost(by_axes,
   operands, exchange)``: the bytes of one execution (``exchange``: an exchange program's)."""
   steps, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
-  program = 0.0
-  if "exchange" in steps:
-    exchange = steps["exchange"]
-    program = statistics.mean(cost(b, n, True) for b, n in zip(
-      exchange["conditional"], exchange["operands"]["conditional"], strict=True))
+  program = step_bytes(steps, "exchange", cost, exchange=True) if "exchange" in steps else 0.0
   sent, cumulative = 0.0, []
   for t in range(1, s.steps + 1):
     flag = algorithm.communicates(s, t)

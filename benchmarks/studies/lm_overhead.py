@@ -149,17 +149,6 @@ def lm_problem(bound: bool, seed: int = 0) -> Problem:
   return Problem(params, task.loss_fn(task.model()), ({k: v[rows] for k, v in data.items()},), n)
 
 
-def measure_config(bound: bool, donated: bool, rounds: int, seed: int = 0) -> dict[str, Any]:
-  """Times every variant's phases on the LM step in one configuration."""
-  p = lm_problem(bound, seed)
-  timed = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, seed, bound=bound,
-                        donate=donated)
-  for row in timed["rows"]:
-    row["communicates"] = row["communicates"] and bound
-  return {"axis": "bound" if bound else "unbound", "donated": donated, "rounds": rounds,
-          "devices": p.n, "num_params": p.num_params, **timed}
-
-
 def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
   """``update`` + ``apply_updates`` on the 4M-param tree against its bytes-per-pass bound: the
   step of a problem whose batch is the gradients."""
@@ -187,12 +176,19 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
+  """Times every variant's phases on the LM step in each configuration, then the optimizer."""
   configs = []
   for axis, donated in CONFIGS:
     bound = axis == "bound"
+    rounds = config.rounds_bound if bound else config.rounds_unbound
     print(f"[lm_overhead] LM step, {axis}, donated={donated}", flush=True)
-    configs.append(measure_config(bound, donated,
-                                  config.rounds_bound if bound else config.rounds_unbound))
+    p = lm_problem(bound)
+    timed = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, 0, bound=bound,
+                          donate=donated)
+    for row in timed["rows"]:
+      row["communicates"] = row["communicates"] and bound
+    configs.append({"axis": axis, "donated": donated, "rounds": rounds, "devices": p.n,
+                    "num_params": p.num_params, **timed})
   print("[lm_overhead] optimizer alone", flush=True)
   return {"configs": configs, "optimizer": measure_optimizer(config.rounds_optimizer)}
 
@@ -220,29 +216,22 @@ def _applies(row: dict[str, Any]) -> bool:
 def matrix_markdown(result: dict[str, Any]) -> str:
   """One row per transformation and phase, one column group per configuration."""
   configs = result["configs"]
-  header = ["transformation", "step"]
-  for c in configs:
-    header += [f"{_config_name(c)}: ratio (IQR)", "CPU"]
-  header.append(f"≤ {TARGET}× (wall)")
-  base = ["bare adam", "every step"]
-  for c in configs:
-    base += [f"{c['adam_ms']:.1f} ms", f"{c['adam_cpu_ms']:.1f} ms"]
-  rows = [base + [""]]
+  header = ["transformation", "step",
+            *[x for c in configs for x in (f"{_config_name(c)}: ratio (IQR)", "CPU")],
+            f"≤ {TARGET}× (wall)"]
+  rows = [["bare adam", "every step", *[x for c in configs for x in (
+    f"{c['adam_ms']:.1f} ms", f"{c['adam_cpu_ms']:.1f} ms")], ""]]
   for j, row in enumerate(configs[0]["rows"]):
-    cells = [f"`{row['label']}`", row["phase"]]
-    verdict = []
-    for c in configs:
-      r = c["rows"][j]
-      cells += [ratio_cell(r), f"{r['cpu_ratio']:.3f}"]
-      verdict.append(("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a")
-    rows.append(cells + [", ".join(verdict)])
-  lines = [kit.table(header, rows, "ll" + "rr" * len(configs) + "l"), ""]
-  for c in configs:
-    lines.append(
-      f"- {_config_name(c)}: bare adam {c['adam_ms']:.1f} ms wall, {c['adam_cpu_ms']:.1f} ms"
-      f" CPU per step; {c['rounds']} rounds; compile {c['compile_s']:.0f} s, timing"
-      f" {c['timing_s']:.0f} s; load average {c['load_before']} before, {c['load_after']} after.")
-  return "\n".join(lines)
+    rs = [c["rows"][j] for c in configs]
+    verdict = [("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a" for r in rs]
+    rows.append([f"`{row['label']}`", row["phase"],
+                 *[x for r in rs for x in (ratio_cell(r), f"{r['cpu_ratio']:.3f}")],
+                 ", ".join(verdict)])
+  return kit.blocks(kit.table(header, rows, "ll" + "rr" * len(configs) + "l"), "\n".join(
+    f"- {_config_name(c)}: bare adam {c['adam_ms']:.1f} ms wall, {c['adam_cpu_ms']:.1f} ms"
+    f" CPU per step; {c['rounds']} rounds; compile {c['compile_s']:.0f} s, timing"
+    f" {c['timing_s']:.0f} s; load average {c['load_before']} before, {c['load_after']} after."
+    for c in configs))
 
 
 def memory_markdown(result: dict[str, Any]) -> str:

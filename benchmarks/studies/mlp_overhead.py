@@ -229,38 +229,26 @@ def _verdict(ratios: list[float]) -> str:
 def overhead_markdown(result: dict[str, Any]) -> str:
   sizes = result["sizes"]
   last = sizes[-1]
-  header = ["wrapper", "step"]
-  for s in sizes:
-    header += [f"{s['size']} ms", f"{s['size']} wall ratio (IQR)", f"{s['size']} CPU ratio"]
-  header += [f"{last['size']} copies MiB", f"≤ {TARGET}× (wall / CPU)"]
-  base = ["bare adam", "every step"]
-  for s in sizes:
-    base += [f"{s['adam_ms']:.1f}", "1", "1"]
-  base += [kit.mib(last["adam_memory"]["copies"]), ""]
-  rows = [base]
+  header = ["wrapper", "step", *[x for s in sizes for x in (
+    f"{s['size']} ms", f"{s['size']} wall ratio (IQR)", f"{s['size']} CPU ratio")],
+            f"{last['size']} copies MiB", f"≤ {TARGET}× (wall / CPU)"]
+  rows = [["bare adam", "every step",
+           *[x for s in sizes for x in (f"{s['adam_ms']:.1f}", "1", "1")],
+           kit.mib(last["adam_memory"]["copies"]), ""]]
   for j, row in enumerate(sizes[0]["rows"]):
-    cells = [f"`{row['label']}`", row["phase"]]
-    for s in sizes:
-      r = s["rows"][j]
-      cells += [f"{r['ms']:.1f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}"]
-    cells.append(kit.mib(last["rows"][j]["copies"]))
-    if row["communicates"]:
-      cells.append("n/a: communication step")
-    else:
-      wall = _verdict([s["rows"][j]["ratio"] for s in sizes])
-      cpu = _verdict([s["rows"][j]["cpu_ratio"] for s in sizes])
-      cells.append(f"{wall} / {cpu}")
-    rows.append(cells)
-  lines = [kit.table(header, rows, "ll" + "rrr" * len(sizes) + "rl"), ""]
-  for s in sizes:
-    lines.append(
-      f"- {s['size']}: {s['num_params']:,} params ({kit.human_bytes(s['params_bytes'])}),"
-      f" hidden {'-'.join(map(str, s['hidden']))}; bare adam {s['adam_ms']:.1f} ms wall,"
-      f" {s['adam_cpu_ms']:.1f} ms CPU per step; {result['rounds'][s['size']]} rounds;"
-      f" compile + warm-up {s['compile_s']:.0f} s, timing {s['timing_s']:.0f} s;"
-      f" load average {s['load_before']} before, {s['load_after']} after."
-    )
-  return "\n".join(lines)
+    rs = [s["rows"][j] for s in sizes]
+    verdict = (f"{_verdict([r['ratio'] for r in rs])} / {_verdict([r['cpu_ratio'] for r in rs])}"
+               if not row["communicates"] else "n/a: communication step")
+    rows.append([f"`{row['label']}`", row["phase"],
+                 *[x for r in rs
+                   for x in (f"{r['ms']:.1f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}")],
+                 kit.mib(last["rows"][j]["copies"]), verdict])
+  return kit.blocks(kit.table(header, rows, "ll" + "rrr" * len(sizes) + "rl"), "\n".join(
+    f"- {s['size']}: {s['num_params']:,} params ({kit.human_bytes(s['params_bytes'])}),"
+    f" hidden {'-'.join(map(str, s['hidden']))}; bare adam {s['adam_ms']:.1f} ms wall,"
+    f" {s['adam_cpu_ms']:.1f} ms CPU per step; {result['rounds'][s['size']]} rounds;"
+    f" compile + warm-up {s['compile_s']:.0f} s, timing {s['timing_s']:.0f} s;"
+    f" load average {s['load_before']} before, {s['load_after']} after." for s in sizes))
 
 
 def memory_markdown(result: dict[str, Any]) -> str:
