@@ -238,16 +238,16 @@ def memory_markdown(result: dict[str, Any]) -> str:
   """Temp and copy bytes of each compiled LM step, against bare adam's, per configuration."""
   configs = result["configs"]
   header = ["transformation"] + [f"{_config_name(c)}: temp / copies KiB" for c in configs]
-  rows = [["bare adam"] + [f"{c['adam_memory']['temp'] / 1024:.0f} /"
-                           f" {c['adam_memory']['copies'] / 1024:.0f}" for c in configs]]
+
+  def kib(m: dict[str, Any]) -> str:
+    return f"{m['temp'] / 1024:.0f} / {m['copies'] / 1024:.0f}"
+
+  rows = [["bare adam"] + [kib(c["adam_memory"]) for c in configs]]
   first = {}  # each compiled step once: its first row
   for j, row in enumerate(configs[0]["rows"]):
     first.setdefault((row["label"], row["hint"]), j)
-  for (label, hint), j in first.items():
-    hint = "" if hint is None else f", `communicate={hint}`"
-    rows.append([f"`{label}`{hint}"] + [
-      f"{c['rows'][j]['temp'] / 1024:.0f} / {c['rows'][j]['copies'] / 1024:.0f}"
-      for c in configs])
+  rows += [[f"`{label}`" + ("" if hint is None else f", `communicate={hint}`")]
+           + [kib(c["rows"][j]) for c in configs] for (label, hint), j in first.items()]
   return kit.table(header, rows, "l" + "r" * len(configs))
 
 
@@ -268,12 +268,12 @@ def missed_markdown(result: dict[str, Any]) -> str:
   if not missed:
     return (f"Every non-communication LM step is within {TARGET}× of bare adam in every"
             " configuration.")
-  out = [(f"Missed (> {TARGET}× wall on a non-communication step), and why (params:"
-          f" {params_kib:.0f} KiB per worker):"), ""]
-  for (label, phase, hinted), where in missed.items():
-    why = whys.get((label, hinted)) or "no structural cost expected: noise"
-    out.append(f"- `{label}`, {phase}: {'; '.join(where)}. Why: {why}.")
-  return "\n".join(out)
+  return kit.blocks(
+    (f"Missed (> {TARGET}× wall on a non-communication step), and why (params:"
+     f" {params_kib:.0f} KiB per worker):"), "\n".join(
+      f"- `{label}`, {phase}: {'; '.join(where)}. Why:"
+      f" {whys.get((label, hinted)) or 'no structural cost expected: noise'}."
+      for (label, phase, hinted), where in missed.items()))
 
 
 def optimizer_markdown(result: dict[str, Any]) -> str:

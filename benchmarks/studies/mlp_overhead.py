@@ -182,21 +182,19 @@ def _overhead_verdicts(result, target=TARGET) -> str:
           f"{s['size']} {r['ratio']:.2f}× wall / {r['cpu_ratio']:.2f}× CPU")
   if not missed:
     return f"Every non-communication step is within {target}× of bare adam, wall and CPU."
-  lines = [f"Targets missed (> {target}× on a non-communication step, wall or CPU), and why:", ""]
   why = {v.name: v.why for v in variants()}
-  for (name, label, phase), where in missed.items():
-    lines.append(f"- `{label}`, {phase} ({'; '.join(where)}): {why.get(name) or 'noise?'}.")
-  lines += [
-    "", ("A row missed on wall time only, with its CPU ratio within the target and an interquartile"
+  return kit.blocks(
+    f"Targets missed (> {target}× on a non-communication step, wall or CPU), and why:",
+    "\n".join(f"- `{label}`, {phase} ({'; '.join(where)}): {why.get(name) or 'noise?'}."
+              for (name, label, phase), where in missed.items()),
+    "A row missed on wall time only, with its CPU ratio within the target and an interquartile"
     " range spanning it, is within the noise of a shared machine; a row missed on both wall and"
     " CPU time shows the structural cost described. The ratio depends on how much of the step"
-    " the optimizer is: the wrappers add memory"
-    " passes over params-sized buffers, the forward and backward passes are matrix products"
-    " whose cost grows with the batch; a larger minibatch than this one makes every ratio"
-    " smaller, a smaller one larger. Ratios below 1 on a non-communication step are real for"
-    " `accumulate_then_reduce` (no adam update on an accumulating micro-step) and noise"
-    " elsewhere.")]
-  return "\n".join(lines)
+    " the optimizer is: the wrappers add memory passes over params-sized buffers, the forward"
+    " and backward passes are matrix products whose cost grows with the batch; a larger"
+    " minibatch than this one makes every ratio smaller, a smaller one larger. Ratios below 1 on"
+    " a non-communication step are real for `accumulate_then_reduce` (no adam update on an"
+    " accumulating micro-step) and noise elsewhere.")
 
 
 def _memory_intro(result) -> str:
@@ -256,15 +254,10 @@ def memory_markdown(result: dict[str, Any]) -> str:
   pb = mem["params_bytes"]
   header = ["optimizer", "state MiB", "state / params", "needed / params", "needed",
             "excess bytes", "peak MiB donated", "peak MiB not donated",
-            "arg + out + temp MiB donated",
-            "temp MiB donated", "temp MiB not donated"]
-  rows = []
-  for r in mem["rows"]:
-    rows.append([
-      f"`{r['label']}`", kit.mib(r["state_bytes"]), f"{r['state_bytes'] / pb:.4f}",
-      f"{r['needed']}", r["need_note"], f"{r['excess_bytes']:,}",
-      kit.mib(r["donated"]["peak"]), kit.mib(r["not_donated"]["peak"]),
-      kit.mib(r["donated"]["peak"] + r["donated"]["alias"]),
-      kit.mib(r["donated"]["temp"]), kit.mib(r["not_donated"]["temp"]),
-    ])
+            "arg + out + temp MiB donated", "temp MiB donated", "temp MiB not donated"]
+  rows = [[f"`{r['label']}`", kit.mib(r["state_bytes"]), f"{r['state_bytes'] / pb:.4f}",
+           f"{r['needed']}", r["need_note"], f"{r['excess_bytes']:,}",
+           kit.mib(r["donated"]["peak"]), kit.mib(r["not_donated"]["peak"]),
+           kit.mib(r["donated"]["peak"] + r["donated"]["alias"]),
+           kit.mib(r["donated"]["temp"]), kit.mib(r["not_donated"]["temp"])] for r in mem["rows"]]
   return kit.table(header, rows, "lrrrlrrrrrr")
