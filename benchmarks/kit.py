@@ -215,8 +215,7 @@ class Timed:
     self.seconds, self.load_after = time.perf_counter() - self.start, load_average()
 
   def record(self) -> dict[str, Any]:
-    return {"load_before": self.load_before, "load_after": self.load_after,
-            "wall_s": self.seconds}
+    return {"load_before": self.load_before, "load_after": self.load_after, "wall_s": self.seconds}
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:

@@ -276,8 +276,7 @@ class Link:
     _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
     for side in "ab":
       _run("ip", "link", "set", self.devices[side], "netns", self.names[side])
-      self.run(side, ["ip", "addr", "add", f"{self.addresses[side]}/30", "dev",
-                      self.devices[side]])
+      self.run(side, ["ip", "addr", "add", f"{self.addresses[side]}/30", "dev", self.devices[side]])
       self.run(side, ["ip", "link", "set", self.devices[side], "up"])
       self.run(side, ["ip", "link", "set", "lo", "up"])
     self.shape(self.rate)

@@ -160,8 +160,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     else:
       shards = [jax.device_put(values[None, i * elements:(i + 1) * elements], d)
                 for i, d in enumerate(local)]
-    return (jax.make_array_from_single_device_arrays((2, per_process), sharding, shards),
-            3 * base)
+    return (jax.make_array_from_single_device_arrays((2, per_process), sharding, shards), 3 * base)
 
   results = []
 

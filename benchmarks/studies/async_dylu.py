@@ -120,8 +120,7 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
   """The anchor's metric after each round of synchronous DiLoCo (round 0 first)."""
   data = problem["data"]
   n, m = jax.tree.leaves(data)[0].shape[:2]
-  tx = optax_dist.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h,
-                         axis_name="w")
+  tx = optax_dist.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h, axis_name="w")
   rng = np.random.default_rng((seed, 7))
   index = jnp.asarray(rng.integers(0, m, size=(rounds, h, n, batch)))
   loss_fn = problem["loss_fn"]

@@ -264,8 +264,7 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
                  "seeds": sorted(r["seed"] for r in mine),
                  "loss": _stats([r["final"] for r in mine]), "gap": _stats(gaps(mine, dp)),
                  "paper": PAPER_GAP.get(m)})
-  sweep = {m: {lr: _one(runs(m, lr, grid.period), dp) for lr in grid.outer_lrs}
-           for m in grid.swept}
+  sweep = {m: {lr: _one(runs(m, lr, grid.period), dp) for lr in grid.outer_lrs} for m in grid.swept}
   m = grid.period_replicas
   periods = {h: _one(runs(m, best[m], h), dp) for h in grid.periods}
   momenta = [{"replicas": m, "outer_lr": lr, "outer_momentum": momentum,
@@ -412,8 +411,7 @@ def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
 def runs_table(records: Sequence[dict[str, Any]]) -> str:
   """Every cached run: its final loss, wall-clock, median step and the load around it."""
   rows = [[r["label"], str(r["seed"]), f"{r['devices']} × {r['batch_size']}", f"{r['final']:.4f}",
-           f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}",
-           kit.loads(r["load_before"], r["load_after"])]
+           f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}", kit.loads(r["load_before"], r["load_after"])]
           for r in sorted(records, key=_order)]
   return kit.table(["run", "seed", "devices × batch", "val bits/byte", "wall s",
                       "s / step (median)", "load (1 min)"], rows, "lrrrrrr")

@@ -73,8 +73,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     for (label, overrides), row in zip(RUNS, list(rows)):  # Nesterov missed: averaging too
       if (overrides["algorithm"] == "diloco" and overrides["sync_period"] >= 50
           and row["final"] > sync_final * (1 + TOLERANCE)):
-        run(f"{label}, outer SGD 1.0, momentum 0 (extra)", {**overrides, **EXTRA_OUTER},
-            extra=True)
+        run(f"{label}, outer SGD 1.0, momentum 0 (extra)", {**overrides, **EXTRA_OUTER}, extra=True)
   _thresholds(rows)
   return {"seeds": list(seeds), "steps": config.steps, "eval_every": EVAL_EVERY, "rows": rows,
           "bytes": bytes_of, "dataset": task.dataset, "model": task.model_name,
@@ -234,8 +233,7 @@ def _why(result: dict[str, Any]) -> list[str]:
   others = [r for r in result["rows"] if r is not sync and sync_to(r, sync)]
   steps = [sync_to(r, sync)[0] for r in others]
   ratios = [sync_to(r, sync)[1] / r["total_bytes"] for r in others]
-  pairs = [(f"diloco H={h}", f"diloco H={h}, outer SGD 1.0, momentum 0 (extra)")
-           for h in (50, 100)]
+  pairs = [(f"diloco H={h}", f"diloco H={h}, outer SGD 1.0, momentum 0 (extra)") for h in (50, 100)]
   compare = "; ".join(f"H={a.split('=')[1]}: {rows[a]['final']:.3f} with Nesterov,"
                       f" {rows[b]['final']:.3f} averaging" for a, b in pairs if b in rows)
   text = (
