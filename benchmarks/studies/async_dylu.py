@@ -149,11 +149,9 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
 def protocols(inner: Any, setting: Config) -> dict[str, Any]:
   """The emulator's three asynchronous protocols of :data:`PROTOCOLS` in ``setting``."""
   h, outer = setting.sync_period, setting.outer
-  nesterov = optax.sgd(*outer, nesterov=True)
-  delayed = optax_dist.delayed_nesterov(
-    *outer, buffer_size=setting.buffer_size or len(setting.speeds),
-    activation=setting.activation)
-  return dict(zip(PROTOCOLS, (ae.diloco(inner, nesterov, sync_period=h),
+  buffer = setting.buffer_size or len(setting.speeds)
+  delayed = optax_dist.delayed_nesterov(*outer, buffer_size=buffer, activation=setting.activation)
+  return dict(zip(PROTOCOLS, (ae.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h, dylu=True)), strict=True))
 
@@ -166,8 +164,7 @@ def async_curve(problem: dict[str, Any], protocol: Any, *, speeds: tuple[float, 
   schedule = cluster.schedule(num_events=steps,
                               communication_period=protocol.sync_periods(cluster.worker_speeds))
   r = ae.emulate(protocol, problem["loss_fn"], problem["params"], problem["data"], schedule,
-                 batch_size=batch, seed=seed, eval_fn=problem["metric_fn"],
-                 eval_every=eval_every)
+                 batch_size=batch, seed=seed, eval_fn=problem["metric_fn"], eval_every=eval_every)
   stale = r.staleness[r.committed]
   # Every event is an inner step: the evaluations follow every eval_every-th and the last.
   done = [0, *(min(k * eval_every, steps) for k in range(1, len(r.eval_time)))]

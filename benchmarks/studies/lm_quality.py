@@ -74,7 +74,10 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
       if (overrides["algorithm"] == "diloco" and overrides["sync_period"] >= 50
           and row["final"] > sync_final * (1 + TOLERANCE)):
         run(f"{label}, outer SGD 1.0, momentum 0 (extra)", {**overrides, **EXTRA_OUTER}, extra=True)
-  _thresholds(rows)
+  for r in rows:  # the first evaluated step (and its bytes) where the mean curve reaches sync + 2%
+    reached = [i for i, v in enumerate(r["curve"]) if v <= sync_final * (1 + TOLERANCE)]
+    r["to_target_step"] = r["step"][reached[0]] if reached else None
+    r["to_target_bytes"] = r["bytes"][reached[0]] if reached else None
   return {"seeds": list(seeds), "steps": config.steps, "eval_every": EVAL_EVERY, "rows": rows,
           "bytes": bytes_of, "dataset": task.dataset, "model": task.model_name,
           "defaults": dict(task.defaults), **timed.record()}
@@ -113,15 +116,6 @@ def _summarise(label: str, overrides: dict[str, Any], results: list[dict[str, An
     "communication_rounds": int(rounds[-1]), "total_bytes": float(sent[-1]),
     "wall_s": float(np.mean([r["wall_time_s"] for r in results])),
   }
-
-
-def _thresholds(rows: list[dict[str, Any]]) -> None:
-  """The first evaluated step (and its bytes) where each row's mean curve reaches sync + 2%."""
-  threshold = rows[0]["final"] * (1 + TOLERANCE)
-  for r in rows:
-    reached = [i for i, v in enumerate(r["curve"]) if v <= threshold]
-    r["to_target_step"] = r["step"][reached[0]] if reached else None
-    r["to_target_bytes"] = r["bytes"][reached[0]] if reached else None
 
 
 def sync_to(row: dict[str, Any], sync: dict[str, Any]) -> tuple[float, float] | None:
