@@ -491,21 +491,6 @@ def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> in
   return trained
 
 
-def default_steps(num_params: int, context: int, period: int) -> int:
-  """The fewest steps with at least :data:`TOKENS_PER_PARAM` tokens per parameter that are a
-  multiple of ``period`` (DiLoCo's anchor, which is evaluated, then holds every inner step)."""
-  per_step = GLOBAL_BATCH * context
-  return period * -(-TOKENS_PER_PARAM * num_params // (per_step * period))
-
-
-def meta_of(seeds: Sequence[int]) -> dict[str, Any]:
-  """The model's params count and the training tokens (from the task), and the seeds."""
-  task = TASKS["lm"]
-  data = task.load(0)
-  return {"num_params": kit.num_params(kit.initial_params(task, data.train)),
-          "train_tokens": int(data.train["y"].size), "context": LM_CONTEXT, "seeds": list(seeds)}
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
   grid: str = kit.option("full", "the runs: full, or quick (5 runs: checks the program only)",
@@ -520,15 +505,20 @@ QUICK = {"grid": "quick", "steps": QUICK_STEPS, "seeds": 1}
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
-  """Trains every planned run not cached beside ``prefix`` (``equal_tokens_runs/``)."""
+  """Trains every planned run not cached beside ``prefix`` (``equal_tokens_runs/``); by default
+  the fewest steps with at least :data:`TOKENS_PER_PARAM` tokens per parameter that are a
+  multiple of H (DiLoCo's anchor, which is evaluated, then holds every inner step)."""
   grid, seeds = (FULL if config.grid == "full" else QUICK_GRID), list(range(config.seeds))
   runs_dir = os.path.join(os.path.dirname(prefix), "equal_tokens_runs")
-  meta = {"invocations": []} | meta_of(seeds)
+  task = TASKS["lm"]
+  train = task.load(0).train
+  meta = {"invocations": [], "num_params": kit.num_params(kit.initial_params(task, train)),
+          "train_tokens": int(train["y"].size), "context": LM_CONTEXT, "seeds": seeds}
   with contextlib.suppress(OSError, ValueError, KeyError):  # the earlier invocations
     meta["invocations"] = kit.read_json(f"{prefix}.json")["meta"]["invocations"]
-  meta["steps"] = steps = config.steps or default_steps(meta["num_params"], meta["context"],
-                                                        grid.period)
-  per_step = GLOBAL_BATCH * meta["context"]
+  per_step = GLOBAL_BATCH * LM_CONTEXT
+  meta["steps"] = steps = config.steps or grid.period * -(
+    -TOKENS_PER_PARAM * meta["num_params"] // (per_step * grid.period))
   print(f"[equal-tokens] {meta['num_params']:,} params, {per_step:,} tokens per step: {steps}"
         f" steps are {steps * per_step / meta['num_params']:.1f} tokens per parameter"
         f" (target ≥ {TOKENS_PER_PARAM})", flush=True)
