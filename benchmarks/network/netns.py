@@ -94,16 +94,14 @@ def unavailable() -> str | None:
   """Why :class:`Link` cannot run here (not root, ``ip`` or ``tc`` missing), or ``None``."""
   if os.geteuid() != 0:
     return "network namespaces need root (run as root, e.g. sudo make bench-network)"
-  missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-  if missing:
+  if missing := [tool for tool in ("ip", "tc") if shutil.which(tool) is None]:
     return f"{' and '.join(missing)} not found; install iproute2 (apt-get install -y iproute2)"
   return None
 
 
 def skipped(who: str = "") -> bool:
   """Whether :func:`unavailable` gives a reason, having printed it (``WHO skipped: REASON``)."""
-  reason = unavailable()
-  if reason is not None:
+  if (reason := unavailable()) is not None:
     print(f"{who}skipped: {reason}")
   return reason is not None
 
@@ -237,8 +235,7 @@ class Link:
     self._previous_handlers: dict[int, Any] = {}
 
   def __enter__(self) -> Link:
-    reason = unavailable()
-    if reason is not None:
+    if (reason := unavailable()) is not None:
       raise Unavailable(reason)
     self._catch_signals()
     try:

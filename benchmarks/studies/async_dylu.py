@@ -245,10 +245,10 @@ def summary(result: dict[str, Any]) -> str:
                  f"{np.mean([r['time'][-1] for r in runs]):.0f}", f"{then:.4f}",
                  f"{np.mean([r['commits'] for r in runs]):.0f}",
                  f"{np.mean([r['mean_staleness'] for r in runs]):.2f}"])
-  table = kit.table(["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over seeds)",
-                       "simulated time", "sync diloco at that time", "outer steps",
-                       "mean staleness"], rows, "lrrrrrr")
-  return table + "\n\nTargets:\n\n" + "\n".join(targets(result))
+  return kit.blocks(kit.table(["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over"
+                              " seeds)", "simulated time", "sync diloco at that time",
+                              "outer steps", "mean staleness"], rows, "lrrrrrr"),
+                    "Targets:", "\n".join(targets(result)))
 
 
 def targets(result: dict[str, Any]) -> list[str]:
@@ -303,8 +303,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     for ax, x in zip(axes, ("time", "steps"), strict=True):
       ax.plot(r[x], r["metric"], color=COLORS[r["name"]], alpha=0.8, label=label)
   # Runs that end above where they started (diverged) go off the top: the others are close.
-  kept = [r["metric"][-1] for r in result["runs"] if r["metric"][-1] < r["metric"][0]]
-  if kept:
+  if kept := [r["metric"][-1] for r in result["runs"] if r["metric"][-1] < r["metric"][0]]:
     axes[0].set_ylim(min(kept) - 0.2, max(kept) + 1.0)
   axes[0].set_xlabel("simulated time (a step of the fastest worker = 1)")
   axes[1].set_xlabel("inner steps, all workers")

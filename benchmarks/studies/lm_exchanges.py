@@ -122,8 +122,7 @@ def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, An
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   """Trains every row of :func:`grid` (or those of ``config.runs``), in order; with
   ``config.add``, into ``PREFIX.json``'s result."""
-  unknown = sorted(set(config.runs) - {r["label"] for r in grid()})
-  if unknown:
+  if unknown := sorted(set(config.runs) - {r["label"] for r in grid()}):
     raise ValueError(f"--runs: no such run {', '.join(unknown)}; the runs are"
                      f" {', '.join(r['label'] for r in grid())}")
   if config.add:

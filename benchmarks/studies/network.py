@@ -340,8 +340,7 @@ def targets(result: dict[str, Any]) -> list[str]:
           f"{method}'s training time at 10 Mbit/s is {_fmt(ratio, '.2f')}× its unshaped"
           " time (target ≤ 1.3×)")
   for method, bound, what in (("sync", 1.1, "a step"), ("diloco", 1.1, "an exchange")):
-    runs = [r for r in result["runs"] if r["method"] == method]
-    if runs:
+    if runs := [r for r in result["runs"] if r["method"] == method]:
       rounds = max(runs[0]["communication_rounds"], 1)
       per = _median_of(runs, itemgetter("operand_bytes")) / rounds / p
       measured = _median_of(runs, payload) / rounds / p
@@ -362,8 +361,7 @@ def targets(result: dict[str, Any]) -> list[str]:
           f"{method}: the veth payload at 10 Mbit/s is {wire:.3f}× float32 diloco's (the"
           f" compiled exchanges' operands {operands:.3f}×; codes and scales: target"
           f" ≤ {bound}×)")
-  ratios = [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]
-  if ratios:
+  if ratios := [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]:
     worst = max(ratios, key=lambda x: abs(x - 1))
     check(abs(worst - 1) <= 0.05,
           f"veth payload a→b within {abs(worst - 1):.1%} of the prediction in the worst run"
@@ -468,9 +466,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   DiLoCo family is among them; or ``None`` (having said why) without a link."""
   for rate in config.rates:
     netns.bits_per_second(rate)  # a bad rate fails before anything runs
-  for method in config.methods:
-    if method not in METHODS:
-      raise ValueError(f"--methods: {method!r} is not one of {', '.join(METHODS)}")
+  if unknown := [m for m in config.methods if m not in METHODS]:
+    raise ValueError(f"--methods: {unknown[0]!r} is not one of {', '.join(METHODS)}")
   if netns.skipped("[network] "):
     return None
   netns.remove_stale()
