@@ -284,12 +284,10 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
   rows = [["bare adam", "every step", f"{o['adam_ms']:.2f}", "1", "1", "7",
            f"{o['adam_bound_ms']:.2f}", "1", f"{o['adam_ms'] / o['adam_bound_ms']:.2f}",
            f"{kit.mib(base['temp'])} / {kit.mib(base['copies'])}"]]
-  for r in o["rows"]:
-    bound = r["bound_ms"]
-    rows.append([f"`{r['label']}`", r["phase"], f"{r['ms']:.2f}", ratio_cell(r),
-                 f"{r['cpu_ratio']:.3f}", kit.fmt(r["passes"]), kit.fmt(bound, ".2f"),
-                 kit.fmt(r["bound_ratio"], ".3f"), kit.fmt(bound and r["ms"] / bound, ".2f"),
-                 f"{kit.mib(r['temp'])} / {kit.mib(r['copies'])}"])
+  rows += [[f"`{r['label']}`", r["phase"], f"{r['ms']:.2f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}",
+            kit.fmt(r["passes"]), kit.fmt(r["bound_ms"], ".2f"), kit.fmt(r["bound_ratio"], ".3f"),
+            kit.fmt(r["bound_ms"] and r["ms"] / r["bound_ms"], ".2f"),
+            f"{kit.mib(r['temp'])} / {kit.mib(r['copies'])}"] for r in o["rows"]]
   slow = [r for r in o["rows"] if r["bound_ms"] is not None
           and r["ratio"] > 1.25 * r["bound_ratio"]]
   ruled = [r for r in slow if r.get("hint") is None]

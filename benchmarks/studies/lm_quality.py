@@ -125,30 +125,26 @@ def sync_to(row: dict[str, Any], sync: dict[str, Any]) -> tuple[float, float] | 
   for i in range(1, len(curve)):
     if curve[i] <= target:
       f = (curve[i - 1] - target) / max(curve[i - 1] - curve[i], 1e-12)
-      step = sync["step"][i - 1] + f * (sync["step"][i] - sync["step"][i - 1])
-      sent = sync["bytes"][i - 1] + f * (sync["bytes"][i] - sync["bytes"][i - 1])
-      return step, sent
+      return (sync["step"][i - 1] + f * (sync["step"][i] - sync["step"][i - 1]),
+              sync["bytes"][i - 1] + f * (sync["bytes"][i] - sync["bytes"][i - 1]))
   return None
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
   """DiLoCo at H ≥ 50 and EASGD at τ = 10: each within 2% of sync's final validation loss."""
   rows = {r["label"]: r for r in result["rows"]}
-  sync = rows["sync"]
-  out = []
+  sync, out = rows["sync"], []
   for label in ("diloco H=50", "diloco H=100", "elastic_average τ=10"):
-    r = rows[label]
-    gap = r["final"] / sync["final"] - 1
-    per_seed = [a / b - 1 for a, b in zip(r["finals"], sync["finals"])]
-    out.append({"label": label, "gap": gap, "per_seed": per_seed, "met": gap <= TOLERANCE})
+    gap = rows[label]["final"] / sync["final"] - 1
+    out.append({"label": label, "gap": gap, "met": gap <= TOLERANCE, "per_seed": [
+      a / b - 1 for a, b in zip(rows[label]["finals"], sync["finals"])]})
   return out
 
 
 def headline_table(result: dict[str, Any]) -> str:
   """The quality table: final bits per byte, rounds, bytes, steps and bytes to sync + 2%."""
   rows = result["rows"]
-  sync = rows[0]
-  threshold = sync["final"] * (1 + TOLERANCE)
+  sync, threshold = rows[0], rows[0]["final"] * (1 + TOLERANCE)
   header = ["algorithm", "val bits/byte (eval_params) ± sd", "vs sync", "workers' bits/byte",
             "comm. rounds", "sent per worker", "vs sync bytes",
             f"steps to ≤ {threshold:.3f} (sync + 2%)", "bytes to it",
