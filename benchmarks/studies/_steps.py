@@ -202,7 +202,8 @@ def memory(compiled: Any) -> dict[str, int]:
   copies = 0
   for dtype, dims in _COPY.findall(compiled.as_text()):
     size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-    copies += size * (8 if dtype == "pred" else int(re.sub(r"[a-z]", "", dtype) or 32)) // 8
+    bits = 8 if dtype == "pred" else int(re.sub(r"[a-z]", "", dtype) or 32)
+    copies += size * bits // 8
   return {"temp": int(compiled.memory_analysis().temp_size_in_bytes), "copies": copies}
 
 

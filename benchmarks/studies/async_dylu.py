@@ -245,10 +245,9 @@ def summary(result: dict[str, Any]) -> str:
                  f"{np.mean([r['time'][-1] for r in runs]):.0f}", f"{then:.4f}",
                  f"{np.mean([r['commits'] for r in runs]):.0f}",
                  f"{np.mean([r['mean_staleness'] for r in runs]):.2f}"])
-  return kit.blocks(kit.table(["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over"
-                              " seeds)", "simulated time", "sync diloco at that time",
-                              "outer steps", "mean staleness"], rows, "lrrrrrr"),
-                    "Targets:", "\n".join(targets(result)))
+  header = ["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over seeds)",
+            "simulated time", "sync diloco at that time", "outer steps", "mean staleness"]
+  return kit.blocks(kit.table(header, rows, "lrrrrrr"), "Targets:", "\n".join(targets(result)))
 
 
 def targets(result: dict[str, Any]) -> list[str]:

@@ -165,13 +165,12 @@ def bytes_targets(result: dict[str, Any]) -> list[str]:
     expected = float(wire_bytes(sum(sizes), fmt, BLOCK))  # codes and scales, leaves end to end
     ideal = CODE_BYTES[fmt] / 4 + 1 / BLOCK
     ratio = r["exchange_bytes"] / base["exchange_bytes"]
-    met = r["exchange_bytes"] == expected
     lines.append(
       f"- {fmt}: {r['exchange_bytes']:,.0f} B per exchange against float32's"
       f" {base['exchange_bytes']:,.0f} B, {ratio:.4f} of float32's bytes per value (codes"
       f" {CODE_BYTES[fmt] / 4:g} + scales 1/{BLOCK} = {ideal:.4f}; the rest is the padding of the"
       f" last block); the codes and scales exactly ({expected:,.0f} B):"
-      f" **{'met' if met else 'missed'}**.")
+      f" **{'met' if r['exchange_bytes'] == expected else 'missed'}**.")
   return lines
 
 
