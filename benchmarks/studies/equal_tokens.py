@@ -448,9 +448,8 @@ def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
   points = [(h, p["loss"]) for h, p in s["periods"].items() if p is not None]
   by_h.plot([h for h, _ in points], [v for _, v in points], "o-", color="C1",
             label=f"DiLoCo M = {grid.period_replicas}")
-  by_h.set_xscale("log")
+  by_h.set(xscale="log", xlabel=f"sync period H (M = {grid.period_replicas}, seed {SWEEP_SEED})")
   by_h.set_xticks(grid.periods, [str(h) for h in grid.periods])
-  by_h.set_xlabel(f"sync period H (M = {grid.period_replicas}, seed {SWEEP_SEED})")
   for ax in (by_m, by_h):
     ax.minorticks_off()
     ax.legend(fontsize=8)

@@ -280,12 +280,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     by_bytes.plot([], [], marker, color="grey", label=fmt)
   for family, color in COLORS.items():
     by_bytes.plot([], [], "-", lw=5, color=color, label=family)
-  by_bytes.set_xscale("log")
-  by_bytes.set_xlabel("MB sent per worker over the run (log)")
-  by_bytes.set_ylabel("final validation bits per byte (eval_params)")
+  by_bytes.set(xscale="log", xlabel="MB sent per worker over the run (log)",
+               ylabel="final validation bits per byte (eval_params)")
   by_bytes.legend(fontsize=7, ncol=2)
-  by_step.set_xlabel("step")
-  by_step.set_ylabel("validation bits per byte (eval_params)")
+  by_step.set(xlabel="step", ylabel="validation bits per byte (eval_params)")
   by_step.legend(fontsize=7)
   for ax in (by_bytes, by_step):
     ax.grid(True, alpha=0.3)

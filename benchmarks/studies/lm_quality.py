@@ -264,8 +264,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.set_ylabel("validation bits per byte (eval_params)")
   by_step.set_xlabel("step")
-  by_bytes.set_xlabel("MiB sent per worker (log; from the first exchange on)")
-  by_bytes.set_xscale("log")
+  by_bytes.set(xlabel="MiB sent per worker (log; from the first exchange on)", xscale="log")
   by_step.legend(fontsize=7, loc="upper right")
   fig.suptitle(
     f"LM, {kit.DEVICES} workers, mean ± sd over seeds {', '.join(map(str, result['seeds']))}"
