@@ -287,7 +287,10 @@ def write_json(path: str, value: Any) -> None:
   os.replace(path + ".tmp", path)
 
 
-def save_figure(fig: Any, path: str) -> None:
+def save_figure(fig: Any, path: str, title: str | None = None) -> None:
+  """Saves ``fig`` (with its ``title`` above its plots, if given) to ``path`` and closes it."""
+  if title is not None:
+    fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

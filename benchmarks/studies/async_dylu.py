@@ -310,7 +310,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   axes[0].legend(fontsize=8)
   for ax in axes:
     ax.grid(True, alpha=0.3)
-  fig.suptitle(f"{result['task']}, speeds {result['speeds']}, H = {result['sync_period']},"
-               f" seeds {result['seeds']}; load {result['load_before']} →"
-               f" {result['load_after']}", fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"{result['task']}, speeds {result['speeds']}, H ="
+                             f" {result['sync_period']}, seeds {result['seeds']}; load"
+                             f" {result['load_before']} → {result['load_after']}")

@@ -454,9 +454,9 @@ def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
     ax.minorticks_off()
     ax.legend(fontsize=8)
   loads = ", ".join(kit.loads(i["load_start"], i["load_end"]) for i in meta["invocations"])
-  fig.suptitle(f"lm task at equal tokens ({meta['steps']} steps of {GLOBAL_BATCH} windows):"
-               f" DiLoCo against data parallel; load average {loads or 'not recorded'}", fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"lm task at equal tokens ({meta['steps']} steps of {GLOBAL_BATCH}"
+                             f" windows): DiLoCo against data parallel; load average"
+                             f" {loads or 'not recorded'}")
 
 
 def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> int:

@@ -287,7 +287,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   by_step.legend(fontsize=7)
   for ax in (by_bytes, by_step):
     ax.grid(True, alpha=0.3)
-  fig.suptitle(f"lm, {result['devices']} workers, {result['steps']} steps, H = {result['period']},"
-               f" seed 0; load average {result['load_before']} before, {result['load_after']}"
-               " after", fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"lm, {result['devices']} workers, {result['steps']} steps, H ="
+                             f" {result['period']}, seed 0; load average {result['load_before']}"
+                             f" before, {result['load_after']} after")

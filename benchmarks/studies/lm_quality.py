@@ -266,8 +266,7 @@ def plot(result: dict[str, Any], path: str) -> None:
   by_step.set_xlabel("step")
   by_bytes.set(xlabel="MiB sent per worker (log; from the first exchange on)", xscale="log")
   by_step.legend(fontsize=7, loc="upper right")
-  fig.suptitle(
-    f"LM, {kit.DEVICES} workers, mean ± sd over seeds {', '.join(map(str, result['seeds']))}"
-    f" (dotted: sync's final + 2%). {kit.machine()['cores']} CPUs; load average"
-    f" {result['load_before']} before, {result['load_after']} after", fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"LM, {kit.DEVICES} workers, mean ± sd over seeds"
+                             f" {', '.join(map(str, result['seeds']))} (dotted: sync's final +"
+                             f" 2%). {kit.machine()['cores']} CPUs; load average"
+                             f" {result['load_before']} before, {result['load_after']} after")

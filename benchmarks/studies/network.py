@@ -432,11 +432,10 @@ def plot(result: dict[str, Any], path: str) -> None:
   axes[0][0].set_ylim(min(finals) - 0.1, target_loss(result) + 1.0)
   axes[0][0].set_ylabel("validation bits per byte (dotted: the target)")
   axes[0][-1].legend(fontsize=7)
-  fig.suptitle(f"lm, {result['processes']} processes × {result['devices']} devices, veth pair"
-               f" shaped with tbf\n{result['steps']} steps, H = {result['period']}; load"
-               f" {result['load_before'][0]:.1f} before, {result['load_after'][0]:.1f} after",
-               fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"lm, {result['processes']} processes × {result['devices']}"
+                             f" devices, veth pair shaped with tbf\n{result['steps']} steps, H ="
+                             f" {result['period']}; load {result['load_before'][0]:.1f} before,"
+                             f" {result['load_after'][0]:.1f} after")
 
 
 @dataclasses.dataclass(frozen=True)
