@@ -101,15 +101,16 @@ def total(by_axes: Mapping[str, float], operands: Mapping[str, int], exchange: b
   return float(sum(by_axes.values()))
 
 
-def step_bytes(steps: Mapping[str, Any], kind: str, cost: Callable = total) -> float:
+def step_bytes(steps: Mapping[str, Any], kind: str, cost: Callable = total,
+               exchange: bool = False) -> float:
   """``cost`` of one execution of the compiled step ``kind`` of a trainer's ``collective_bytes``
-  (``every_step``, ``communication_step`` or ``non_communication_step``): its unconditional
-  collectives plus the mean of its conditional exchanges (``streaming_diloco`` runs one fragment's
-  per sync step)."""
+  (``every_step``, ``communication_step``, ``non_communication_step``, or with ``exchange`` the
+  exchange programs of ``--exchange-device``): its unconditional collectives plus the mean of
+  its conditional exchanges (``streaming_diloco`` runs one fragment's per sync step)."""
   step = steps[kind]
-  exchanges = [cost(b, n, False) for b, n in zip(step["conditional"],
-                                                 step["operands"]["conditional"], strict=True)]
-  return (cost(step["unconditional"], step["operands"]["unconditional"], False)
+  exchanges = [cost(b, n, exchange) for b, n in zip(step["conditional"],
+                                                    step["operands"]["conditional"], strict=True)]
+  return (cost(step["unconditional"], step["operands"]["unconditional"], exchange)
           + (statistics.mean(exchanges) if exchanges else 0.0))
 
 
@@ -119,11 +120,7 @@ def run_bytes(result: Mapping[str, Any], s: Settings, cost: Callable = total) ->
   ``--exchange-device`` the mean exchange program's on each exchanging step. ``cost(by_axes,
   operands, exchange)``: the bytes of one execution (``exchange``: an exchange program's)."""
   steps, algorithm = result["collective_bytes"], ALGORITHMS[s.algorithm]
-  program = 0.0
-  if "exchange" in steps:
-    exchange = steps["exchange"]
-    program = statistics.mean(cost(b, n, True) for b, n in zip(
-      exchange["conditional"], exchange["operands"]["conditional"], strict=True))
+  program = step_bytes(steps, "exchange", cost, exchange=True) if "exchange" in steps else 0.0
   sent, cumulative = 0.0, []
   for t in range(1, s.steps + 1):
     flag = algorithm.communicates(s, t)
@@ -218,8 +215,7 @@ class Timed:
     self.seconds, self.load_after = time.perf_counter() - self.start, load_average()
 
   def record(self) -> dict[str, Any]:
-    return {"load_before": self.load_before, "load_after": self.load_after,
-            "wall_s": self.seconds}
+    return {"load_before": self.load_before, "load_after": self.load_after, "wall_s": self.seconds}
 
 
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -237,6 +233,11 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | Non
   lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def blocks(*parts: str) -> str:
+  """Markdown blocks (paragraphs, tables, lists) one after the other, a blank line between."""
+  return "\n\n".join(parts)
 
 
 def fmt(x: Any, spec: str = "", missing: str = "—") -> str:
@@ -286,18 +287,10 @@ def write_json(path: str, value: Any) -> None:
   os.replace(path + ".tmp", path)
 
 
-def write_report(result: Any, prefix: str, plot: Callable[[Any, str], None] | None,
-                 markdown: Callable[[Any, str], str]) -> str:
-  """Draws ``PREFIX.png`` (if ``plot``), writes ``PREFIX.md`` and returns that Markdown."""
-  if plot is not None:
-    plot(result, f"{prefix}.png")
-  text = markdown(result, os.path.basename(f"{prefix}.png"))
-  with open(f"{prefix}.md", "w") as f:
-    f.write(text.rstrip("\n") + "\n")
-  return text
-
-
-def save_figure(fig: Any, path: str) -> None:
+def save_figure(fig: Any, path: str, title: str | None = None) -> None:
+  """Saves ``fig`` (with its ``title`` above its plots, if given) to ``path`` and closes it."""
+  if title is not None:
+    fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

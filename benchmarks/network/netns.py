@@ -15,9 +15,6 @@ Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable` says why not, befo
   with Link(rate="10mbit") as link:
     link.popen("a", ["python", "-m", "http.server"])  # runs in namespace a
     print(link.counters(), link.measure_rate())
-
-Run as a script, it creates a link at each rate given and prints the rate a timed TCP transfer
-achieves in each direction: ``python -m benchmarks.network.netns 10mbit 100mbit``.
 """
 
 from __future__ import annotations
@@ -97,16 +94,14 @@ def unavailable() -> str | None:
   """Why :class:`Link` cannot run here (not root, ``ip`` or ``tc`` missing), or ``None``."""
   if os.geteuid() != 0:
     return "network namespaces need root (run as root, e.g. sudo make bench-network)"
-  missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-  if missing:
+  if missing := [tool for tool in ("ip", "tc") if shutil.which(tool) is None]:
     return f"{' and '.join(missing)} not found; install iproute2 (apt-get install -y iproute2)"
   return None
 
 
 def skipped(who: str = "") -> bool:
   """Whether :func:`unavailable` gives a reason, having printed it (``WHO skipped: REASON``)."""
-  reason = unavailable()
-  if reason is not None:
+  if (reason := unavailable()) is not None:
     print(f"{who}skipped: {reason}")
   return reason is not None
 
@@ -166,8 +161,9 @@ def probe_main(argv: list[str], module: str, doc: str, port: int,
                drive: Callable[[argparse.Namespace, Callable[[Link], Any]], Any]) -> int:
   """A probe's ``main`` (flags ``--out``, ``--port`` and ``options``): as process ``--worker``,
   writes ``worker(args)`` to ``--result``; otherwise (if :func:`unavailable` says nothing) writes
-  ``drive(args, pair)`` to ``--out``, ``pair(link)`` running the probe as process 0 in namespace a
-  and 1 in b and returning both processes' results (``RuntimeError`` if one fails)."""
+  ``drive(args, pair)`` to ``--out``, ``pair(link)`` running the probe (with ``argv``) as process 0
+  in namespace a and 1 in b and returning both processes' results and the 1-minute load average
+  before and after (``RuntimeError`` if one fails)."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
   parser.add_argument("--out", default=os.path.join(RESULTS, module.rsplit(".", 1)[1] + ".json"),
                       help="a JSON file for the results")
@@ -184,24 +180,21 @@ def probe_main(argv: list[str], module: str, doc: str, port: int,
     return 0
   if skipped():
     return 0
-  forwarded = []
-  for flag in options:
-    value = getattr(args, flag[2:].replace("-", "_"))
-    forwarded += [flag, *map(str, value if isinstance(value, list) else [value])]
 
-  def pair(link: Link) -> list[Any]:
+  def pair(link: Link) -> tuple[list[Any], list[float]]:
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as logs:
       paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
       link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
                       f"{link.addresses['a']}:{args.port}", "--device", link.devices[side],
-                      "--result", path, *forwarded]
+                      "--result", path, *argv]
                      for i, (side, path) in enumerate(zip("ab", paths))],
                     logs, PROBE_TIMEOUT, what="the probe")
       results = []
       for path in paths:
         with open(path) as f:
           results.append(json.load(f))
-      return results
+    return results, load + [os.getloadavg()[0]]
 
   result = drive(args, pair)
   with open(args.out, "w") as f:
@@ -210,10 +203,15 @@ def probe_main(argv: list[str], module: str, doc: str, port: int,
   return 0
 
 
-def process_devices() -> list[list[Any]]:
-  """In a probe's process: each of the two processes' JAX devices, by id."""
-  import jax  # the probes' processes set JAX up first (optax_dist.cli.launcher.init_jax)
+def join(args: argparse.Namespace, devices: int) -> list[list[Any]]:
+  """In a probe's process ``--worker``: JAX set up on ``devices`` CPU devices and joined to the
+  other process at ``--coordinator`` (gloo collectives, as the command's processes); each of the
+  two processes' devices, by id."""
+  import jax  # only the probes' processes need JAX
 
+  from optax_dist.cli.launcher import init_jax
+
+  init_jax(devices, 2, args.worker, args.coordinator)
   return [sorted((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
           for i in range(2)]
 
@@ -237,8 +235,7 @@ class Link:
     self._previous_handlers: dict[int, Any] = {}
 
   def __enter__(self) -> Link:
-    reason = unavailable()
-    if reason is not None:
+    if (reason := unavailable()) is not None:
       raise Unavailable(reason)
     self._catch_signals()
     try:
@@ -276,8 +273,7 @@ class Link:
     _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
     for side in "ab":
       _run("ip", "link", "set", self.devices[side], "netns", self.names[side])
-      self.run(side, ["ip", "addr", "add", f"{self.addresses[side]}/30", "dev",
-                      self.devices[side]])
+      self.run(side, ["ip", "addr", "add", f"{self.addresses[side]}/30", "dev", self.devices[side]])
       self.run(side, ["ip", "link", "set", self.devices[side], "up"])
       self.run(side, ["ip", "link", "set", "lo", "up"])
     self.shape(self.rate)
@@ -373,18 +369,3 @@ class Link:
     if int(total) != nbytes:
       raise RuntimeError(f"the receiver got {total} of {nbytes} bytes")
     return 8 * nbytes / float(seconds)
-
-
-def main(argv: list[str]) -> int:
-  if skipped():
-    return 0
-  with Link() as link:
-    for rate in argv or ["unshaped"]:
-      link.shape(rate)
-      rates = {s: link.measure_rate(s) / 1e6 for s in "ba"}
-      print(f"{rate}: b->a {rates['b']:.1f} Mbit/s, a->b {rates['a']:.1f} Mbit/s")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))

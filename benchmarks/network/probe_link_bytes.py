@@ -57,7 +57,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.network import netns
-from optax_dist.cli.launcher import init_jax
 
 DEVICES = 4
 """Emulated CPU devices per process (the ``wide`` mesh's second axis)."""
@@ -138,8 +137,7 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 def worker(args: argparse.Namespace) -> dict[str, Any]:
   """Process ``--worker``'s counter differences per measurement."""
   process_id, device = args.worker, args.device
-  init_jax(DEVICES, 2, process_id, args.coordinator)  # gloo collectives, as the command's processes
-  both = netns.process_devices()
+  both = netns.join(args, DEVICES)
   local = both[process_id]
   meshes = {"pair": Mesh(np.array([devs[0] for devs in both]), ("replica",)),
             "wide": Mesh(np.array(both), ("replica", "data"))}
@@ -162,8 +160,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     else:
       shards = [jax.device_put(values[None, i * elements:(i + 1) * elements], d)
                 for i, d in enumerate(local)]
-    return (jax.make_array_from_single_device_arrays((2, per_process), sharding, shards),
-            3 * base)
+    return (jax.make_array_from_single_device_arrays((2, per_process), sharding, shards), 3 * base)
 
   results = []
 
@@ -276,10 +273,10 @@ def report(tcp: dict[str, Any], table: list[dict[str, Any]], load: list[float]) 
 def drive(args: argparse.Namespace, pair: Any) -> dict[str, Any]:
   """The plain TCP transfer and both processes' measurements over a link at ``--rate``."""
   with netns.Link(rate=args.rate) as link:
-    load = [os.getloadavg()[0]]
+    before = os.getloadavg()[0]
     tcp = plain_tcp(link, args.repeats * max(args.sizes))
-    results = pair(link)
-    load.append(os.getloadavg()[0])
+    results, (_, after) = pair(link)
+  load = [before, after]
   table = rows(results, args.repeats, tcp["header_per_packet"])
   print(report(tcp, table, load))
   return {"rate": args.rate, "repeats": args.repeats, "load_average": load, "tcp": tcp,

@@ -59,7 +59,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.network import netns
-from optax_dist.cli.launcher import init_jax
 
 DEVICES = 5
 """Emulated CPU devices per process: the training devices and one for the exchange."""
@@ -84,8 +83,7 @@ OVERLAPPED = VARIANTS[3:]
 def worker(args: argparse.Namespace) -> dict[str, Any]:
   """Process ``--worker``'s measurements (it joins the other at ``--coordinator``)."""
   process_id = args.worker
-  init_jax(DEVICES, 2, process_id, args.coordinator)  # gloo collectives, as the command's processes
-  both = netns.process_devices()
+  both = netns.join(args, DEVICES)
   local = both[process_id]
   train_mesh = Mesh(np.array(local[:TRAINING]), ("data",))
   wide_mesh = Mesh(np.array([devs[:TRAINING] for devs in both]), ("replica", "data"))
@@ -244,9 +242,7 @@ def drive(args: argparse.Namespace, pair: Any) -> dict[str, Any]:
   with netns.Link() as link:
     for rate in args.rates:
       link.shape(rate)
-      load = [os.getloadavg()[0]]
-      results = pair(link)
-      load.append(os.getloadavg()[0])
+      results, load = pair(link)
       summaries = [summarize(r) for r in results]
       print(report(rate, summaries, load), flush=True)
       out["rates"][rate] = {"load_average": load, "processes": summaries,

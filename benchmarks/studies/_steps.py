@@ -150,13 +150,11 @@ class Runner:
 
   def __call__(self) -> tuple[float, float]:
     """Runs one step; returns its wall-clock and process CPU seconds."""
-    state = self.state
     if self.counter is not None:
-      fresh = self.problem.put(np.int32(self.value))
-      state = state._replace(**{self.counter: jax.block_until_ready(fresh)})
+      fresh = jax.block_until_ready(self.problem.put(np.int32(self.value)))
+      self.state = self.state._replace(**{self.counter: fresh})
     start, cpu = time.perf_counter(), time.process_time()
-    out = self.step(self.params, state, *self.problem.batch)
-    jax.block_until_ready(out)
+    out = jax.block_until_ready(self.step(self.params, self.state, *self.problem.batch))
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     self.params, self.state = out[0], out[1]
     return elapsed, cpu
@@ -198,20 +196,15 @@ def interleaved(baseline: Runner, runners: Sequence[Runner], rounds: int,
 _COPY = re.compile(r"=\s*([a-z][a-z0-9]*)\[([\d,]*)\]\S*\s+copy\(")
 
 
-def copy_bytes(compiled: Any) -> int:
-  """Bytes written by the ``copy`` instructions of a compiled program (every computation)."""
-  total = 0
+def memory(compiled: Any) -> dict[str, int]:
+  """XLA's temp bytes of ``compiled`` and the bytes its ``copy`` instructions write (in every
+  computation of its program)."""
+  copies = 0
   for dtype, dims in _COPY.findall(compiled.as_text()):
     size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
     bits = 8 if dtype == "pred" else int(re.sub(r"[a-z]", "", dtype) or 32)
-    total += size * bits // 8
-  return total
-
-
-def memory(compiled: Any) -> dict[str, int]:
-  """XLA's temp bytes of ``compiled`` and the bytes its ``copy`` instructions write."""
-  return {"temp": int(compiled.memory_analysis().temp_size_in_bytes),
-          "copies": copy_bytes(compiled)}
+    copies += size * bits // 8
+  return {"temp": int(compiled.memory_analysis().temp_size_in_bytes), "copies": copies}
 
 
 def time_variants(problem: Problem, adam: Any, variants: Sequence[Variant], rounds: int,
@@ -262,8 +255,7 @@ def ratio_plot(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]], target: f
   ax.axvline(target, color="grey", lw=0.8, ls="--")
   ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=7)
   ax.invert_yaxis()
-  ax.set_xlim(left=0.8)
-  ax.set_xlabel(xlabel)
+  ax.set(xlim=(0.8, None), xlabel=xlabel)
   ax.legend(fontsize=7)
   ax.set_title(title, fontsize=9)
   kit.save_figure(fig, path)

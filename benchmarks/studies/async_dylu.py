@@ -120,8 +120,7 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
   """The anchor's metric after each round of synchronous DiLoCo (round 0 first)."""
   data = problem["data"]
   n, m = jax.tree.leaves(data)[0].shape[:2]
-  tx = optax_dist.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h,
-                         axis_name="w")
+  tx = optax_dist.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h, axis_name="w")
   rng = np.random.default_rng((seed, 7))
   index = jnp.asarray(rng.integers(0, m, size=(rounds, h, n, batch)))
   loss_fn = problem["loss_fn"]
@@ -150,11 +149,9 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
 def protocols(inner: Any, setting: Config) -> dict[str, Any]:
   """The emulator's three asynchronous protocols of :data:`PROTOCOLS` in ``setting``."""
   h, outer = setting.sync_period, setting.outer
-  nesterov = optax.sgd(*outer, nesterov=True)
-  delayed = optax_dist.delayed_nesterov(
-    *outer, buffer_size=setting.buffer_size or len(setting.speeds),
-    activation=setting.activation)
-  return dict(zip(PROTOCOLS, (ae.diloco(inner, nesterov, sync_period=h),
+  buffer = setting.buffer_size or len(setting.speeds)
+  delayed = optax_dist.delayed_nesterov(*outer, buffer_size=buffer, activation=setting.activation)
+  return dict(zip(PROTOCOLS, (ae.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h, dylu=True)), strict=True))
 
@@ -167,8 +164,7 @@ def async_curve(problem: dict[str, Any], protocol: Any, *, speeds: tuple[float, 
   schedule = cluster.schedule(num_events=steps,
                               communication_period=protocol.sync_periods(cluster.worker_speeds))
   r = ae.emulate(protocol, problem["loss_fn"], problem["params"], problem["data"], schedule,
-                 batch_size=batch, seed=seed, eval_fn=problem["metric_fn"],
-                 eval_every=eval_every)
+                 batch_size=batch, seed=seed, eval_fn=problem["metric_fn"], eval_every=eval_every)
   stale = r.staleness[r.committed]
   # Every event is an inner step: the evaluations follow every eval_every-th and the last.
   done = [0, *(min(k * eval_every, steps) for k in range(1, len(r.eval_time)))]
@@ -249,10 +245,9 @@ def summary(result: dict[str, Any]) -> str:
                  f"{np.mean([r['time'][-1] for r in runs]):.0f}", f"{then:.4f}",
                  f"{np.mean([r['commits'] for r in runs]):.0f}",
                  f"{np.mean([r['mean_staleness'] for r in runs]):.2f}"])
-  table = kit.table(["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over seeds)",
-                       "simulated time", "sync diloco at that time", "outer steps",
-                       "mean staleness"], rows, "lrrrrrr")
-  return table + "\n\nTargets:\n\n" + "\n".join(targets(result))
+  header = ["", "val bits/byte (mean ± sd)", "vs sync diloco (mean ± sd over seeds)",
+            "simulated time", "sync diloco at that time", "outer steps", "mean staleness"]
+  return kit.blocks(kit.table(header, rows, "lrrrrrr"), "Targets:", "\n".join(targets(result)))
 
 
 def targets(result: dict[str, Any]) -> list[str]:
@@ -274,11 +269,9 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
-  return "\n".join([
+  return kit.blocks(
     "# Asynchronous DiLoCo on heterogeneous workers: delayed Nesterov and DyLU",
-    "",
     kit.doc_markdown(__doc__, 1, 4),
-    "",
     (f"Task `{result['task']}`; speeds {' : '.join(f'{v:g}' for v in result['speeds'])};"
      f" H = {result['sync_period']} (DyLU: H_w = {', '.join(map(str, result['dylu_periods']))});"
      f" R = {result['rounds']} rounds: {result['inner_steps']:,} inner steps per run; batch"
@@ -294,11 +287,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
      " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13. "
      + kit.load_text(result)),
-    "",
     summary(result),
-    "",
-    f"![validation bits per byte against simulated time and inner steps]({plot_name})",
-  ])
+    f"![validation bits per byte against simulated time and inner steps]({plot_name})")
 
 
 COLORS = dict(zip(("sync diloco", *PROTOCOLS), ("C0", "C3", "C1", "C2"), strict=True))
@@ -312,8 +302,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     for ax, x in zip(axes, ("time", "steps"), strict=True):
       ax.plot(r[x], r["metric"], color=COLORS[r["name"]], alpha=0.8, label=label)
   # Runs that end above where they started (diverged) go off the top: the others are close.
-  kept = [r["metric"][-1] for r in result["runs"] if r["metric"][-1] < r["metric"][0]]
-  if kept:
+  if kept := [r["metric"][-1] for r in result["runs"] if r["metric"][-1] < r["metric"][0]]:
     axes[0].set_ylim(min(kept) - 0.2, max(kept) + 1.0)
   axes[0].set_xlabel("simulated time (a step of the fastest worker = 1)")
   axes[1].set_xlabel("inner steps, all workers")
@@ -321,7 +310,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   axes[0].legend(fontsize=8)
   for ax in axes:
     ax.grid(True, alpha=0.3)
-  fig.suptitle(f"{result['task']}, speeds {result['speeds']}, H = {result['sync_period']},"
-               f" seeds {result['seeds']}; load {result['load_before']} →"
-               f" {result['load_after']}", fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"{result['task']}, speeds {result['speeds']}, H ="
+                             f" {result['sync_period']}, seeds {result['seeds']}; load"
+                             f" {result['load_before']} → {result['load_after']}")

@@ -80,8 +80,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  return "\n".join(["## MLP: communication", "", _communication_intro(result), "",
-                    table(result), "", f"![bytes sent per {STEPS} steps]({figure})"])
+  return kit.blocks("## MLP: communication", _communication_intro(result), table(result),
+                    f"![bytes sent per {STEPS} steps]({figure})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -94,8 +94,7 @@ def plot(result: dict[str, Any], path: str) -> None:
          label="lowered")
   ax.set_xticks(list(x), [f"{r['algorithm']}\n{r['comm_dtype']}" for r in rows], fontsize=6,
                 rotation=90)
-  ax.set_yscale("log")
-  ax.set_ylabel(f"MiB sent per device per {STEPS} steps")
+  ax.set(yscale="log", ylabel=f"MiB sent per device per {STEPS} steps")
   ax.legend(fontsize=8)
   kit.save_figure(fig, path)
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
@@ -140,14 +141,13 @@ class Spec:
 
   def settings(self, steps: int) -> Any:
     """The trainer's :class:`~optax_dist.cli.config.Settings` of this run."""
-    fields = {"steps": steps, "eval_every": min(EVAL_EVERY, steps), "seed": self.seed}
+    m = self.replicas or kit.DEVICES
+    fields = {"steps": steps, "eval_every": min(EVAL_EVERY, steps), "seed": self.seed,
+              "devices": m, "batch_size": GLOBAL_BATCH // m}
     if self.replicas is None:
-      return kit.settings(**fields | {"algorithm": "sync", "devices": kit.DEVICES,
-                                      "batch_size": GLOBAL_BATCH // kit.DEVICES})
-    return kit.settings(**fields | {
-      "algorithm": "diloco", "devices": self.replicas, "batch_size": GLOBAL_BATCH // self.replicas,
-      "sync_period": self.sync_period, "outer_learning_rate": self.outer_lr,
-      "outer_momentum": self.outer_momentum})
+      return kit.settings(**fields, algorithm="sync")
+    return kit.settings(**fields, algorithm="diloco", sync_period=self.sync_period,
+                        outer_learning_rate=self.outer_lr, outer_momentum=self.outer_momentum)
 
 
 def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
@@ -207,10 +207,9 @@ def record(spec: Spec, result: dict[str, Any], load_before: str) -> dict[str, An
 def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:
   """The cached results under ``runs_dir``, by key (files that do not parse are left out)."""
   out = {}
-  names = sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []
-  for name in (n for n in names if n.endswith(".json")):
+  for path in sorted(glob.glob(os.path.join(runs_dir, "*.json"))):
     with contextlib.suppress(OSError, ValueError):
-      out[name.removesuffix(".json")] = kit.read_json(os.path.join(runs_dir, name))
+      out[os.path.basename(path).removesuffix(".json")] = kit.read_json(path)
   return out
 
 
@@ -265,8 +264,7 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
                  "seeds": sorted(r["seed"] for r in mine),
                  "loss": _stats([r["final"] for r in mine]), "gap": _stats(gaps(mine, dp)),
                  "paper": PAPER_GAP.get(m)})
-  sweep = {m: {lr: _one(runs(m, lr, grid.period), dp) for lr in grid.outer_lrs}
-           for m in grid.swept}
+  sweep = {m: {lr: _one(runs(m, lr, grid.period), dp) for lr in grid.outer_lrs} for m in grid.swept}
   m = grid.period_replicas
   periods = {h: _one(runs(m, best[m], h), dp) for h in grid.periods}
   momenta = [{"replicas": m, "outer_lr": lr, "outer_momentum": momentum,
@@ -376,26 +374,21 @@ def document(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
   """The report: the setup, the comparison beside Table 4, the targets, the sweeps, the runs."""
   s = summary(grid, records)
   m, best = grid.period_replicas, best_lrs(grid, records)
-  return "\n".join([
-    "# DiLoCo against data parallel at equal tokens", "",
-    kit.doc_markdown(__doc__, 1, 4), "",
-    setup_text(grid, meta), "",
-    f"## Final validation loss, H = {grid.period}", "",
-    comparison_table(s), "",
-    "Targets:", "", *target_lines(s), "",
-    f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", "",
-    sweep_table(s), "",
-    f"## Sync period H at M = {m} (outer lr {kit.fmt(best[m], 'g')}, seed {SWEEP_SEED})", "",
-    periods_table(s), "",
-    *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})", "",
+  return kit.blocks(
+    "# DiLoCo against data parallel at equal tokens", kit.doc_markdown(__doc__, 1, 4),
+    setup_text(grid, meta), f"## Final validation loss, H = {grid.period}", comparison_table(s),
+    "Targets:", "\n".join(target_lines(s)),
+    f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", sweep_table(s),
+    f"## Sync period H at M = {m} (outer lr {kit.fmt(best[m], 'g')}, seed {SWEEP_SEED})",
+    periods_table(s),
+    *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})",
        (f"The papers' outer Nesterov momentum {OUTER_MOMENTUM:g} averages over about"
         f" {1 / (1 - OUTER_MOMENTUM):.0f} outer steps; these runs have"
         f" {meta['steps'] // grid.period}. Beside each M's best run above, the same M with"
-        " another outer learning rate and momentum:"), "",
-       momentum_table(s), ""] if grid.momentum_runs else []),
-    "## Runs", "",
-    runs_table(records), "",
-    f"![final validation loss against M and against H]({plot_name})", ""])
+        " another outer learning rate and momentum:"), momentum_table(s)]
+      if grid.momentum_runs else []),
+    "## Runs", runs_table(records),
+    f"![final validation loss against M and against H]({plot_name})")
 
 
 def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
@@ -418,8 +411,7 @@ def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
 def runs_table(records: Sequence[dict[str, Any]]) -> str:
   """Every cached run: its final loss, wall-clock, median step and the load around it."""
   rows = [[r["label"], str(r["seed"]), f"{r['devices']} × {r['batch_size']}", f"{r['final']:.4f}",
-           f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}",
-           kit.loads(r["load_before"], r["load_after"])]
+           f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}", kit.loads(r["load_before"], r["load_after"])]
           for r in sorted(records, key=_order)]
   return kit.table(["run", "seed", "devices × batch", "val bits/byte", "wall s",
                       "s / step (median)", "load (1 min)"], rows, "lrrrrrr")
@@ -456,16 +448,15 @@ def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
   points = [(h, p["loss"]) for h, p in s["periods"].items() if p is not None]
   by_h.plot([h for h, _ in points], [v for _, v in points], "o-", color="C1",
             label=f"DiLoCo M = {grid.period_replicas}")
-  by_h.set_xscale("log")
+  by_h.set(xscale="log", xlabel=f"sync period H (M = {grid.period_replicas}, seed {SWEEP_SEED})")
   by_h.set_xticks(grid.periods, [str(h) for h in grid.periods])
-  by_h.set_xlabel(f"sync period H (M = {grid.period_replicas}, seed {SWEEP_SEED})")
   for ax in (by_m, by_h):
     ax.minorticks_off()
     ax.legend(fontsize=8)
   loads = ", ".join(kit.loads(i["load_start"], i["load_end"]) for i in meta["invocations"])
-  fig.suptitle(f"lm task at equal tokens ({meta['steps']} steps of {GLOBAL_BATCH} windows):"
-               f" DiLoCo against data parallel; load average {loads or 'not recorded'}", fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"lm task at equal tokens ({meta['steps']} steps of {GLOBAL_BATCH}"
+                             f" windows): DiLoCo against data parallel; load average"
+                             f" {loads or 'not recorded'}")
 
 
 def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> int:
@@ -499,21 +490,6 @@ def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> in
   return trained
 
 
-def default_steps(num_params: int, context: int, period: int) -> int:
-  """The fewest steps with at least :data:`TOKENS_PER_PARAM` tokens per parameter that are a
-  multiple of ``period`` (DiLoCo's anchor, which is evaluated, then holds every inner step)."""
-  per_step = GLOBAL_BATCH * context
-  return period * -(-TOKENS_PER_PARAM * num_params // (per_step * period))
-
-
-def meta_of(seeds: Sequence[int]) -> dict[str, Any]:
-  """The model's params count and the training tokens (from the task), and the seeds."""
-  task = TASKS["lm"]
-  data = task.load(0)
-  return {"num_params": kit.num_params(kit.initial_params(task, data.train)),
-          "train_tokens": int(data.train["y"].size), "context": LM_CONTEXT, "seeds": list(seeds)}
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
   grid: str = kit.option("full", "the runs: full, or quick (5 runs: checks the program only)",
@@ -528,15 +504,20 @@ QUICK = {"grid": "quick", "steps": QUICK_STEPS, "seeds": 1}
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
-  """Trains every planned run not cached beside ``prefix`` (``equal_tokens_runs/``)."""
+  """Trains every planned run not cached beside ``prefix`` (``equal_tokens_runs/``); by default
+  the fewest steps with at least :data:`TOKENS_PER_PARAM` tokens per parameter that are a
+  multiple of H (DiLoCo's anchor, which is evaluated, then holds every inner step)."""
   grid, seeds = (FULL if config.grid == "full" else QUICK_GRID), list(range(config.seeds))
   runs_dir = os.path.join(os.path.dirname(prefix), "equal_tokens_runs")
-  meta = {"invocations": []} | meta_of(seeds)
+  task = TASKS["lm"]
+  train = task.load(0).train
+  meta = {"invocations": [], "num_params": kit.num_params(kit.initial_params(task, train)),
+          "train_tokens": int(train["y"].size), "context": LM_CONTEXT, "seeds": seeds}
   with contextlib.suppress(OSError, ValueError, KeyError):  # the earlier invocations
     meta["invocations"] = kit.read_json(f"{prefix}.json")["meta"]["invocations"]
-  meta["steps"] = steps = config.steps or default_steps(meta["num_params"], meta["context"],
-                                                        grid.period)
-  per_step = GLOBAL_BATCH * meta["context"]
+  per_step = GLOBAL_BATCH * LM_CONTEXT
+  meta["steps"] = steps = config.steps or grid.period * -(
+    -TOKENS_PER_PARAM * meta["num_params"] // (per_step * grid.period))
   print(f"[equal-tokens] {meta['num_params']:,} params, {per_step:,} tokens per step: {steps}"
         f" steps are {steps * per_step / meta['num_params']:.1f} tokens per parameter"
         f" (target ≥ {TOKENS_PER_PARAM})", flush=True)

@@ -63,10 +63,10 @@ def markdown(result: dict[str, Any], figure: str) -> str:
   keys = [k for k in result["rows"][0] if k != "step ms"]
   rows = [[r[k] for k in keys] + ["{1:.1f} [{0:.1f}, {2:.1f}]".format(*r["step ms"])]
           for r in result["rows"]]
-  return "\n".join(["# The global view against the per-device step", "",
-                    kit.doc_markdown(__doc__, 0, 1), "", f"{result['steps']} steps per run.", "",
-                    kit.table(keys + ["step ms median [IQR]"], rows), "",
-                    f"![step time by configuration]({figure})"])
+  return kit.blocks("# The global view against the per-device step",
+                    kit.doc_markdown(__doc__, 0, 1), f"{result['steps']} steps per run.",
+                    kit.table(keys + ["step ms median [IQR]"], rows),
+                    f"![step time by configuration]({figure})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -122,8 +122,7 @@ def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, An
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   """Trains every row of :func:`grid` (or those of ``config.runs``), in order; with
   ``config.add``, into ``PREFIX.json``'s result."""
-  unknown = sorted(set(config.runs) - {r["label"] for r in grid()})
-  if unknown:
+  if unknown := sorted(set(config.runs) - {r["label"] for r in grid()}):
     raise ValueError(f"--runs: no such run {', '.join(unknown)}; the runs are"
                      f" {', '.join(r['label'] for r in grid())}")
   if config.add:
@@ -166,13 +165,12 @@ def bytes_targets(result: dict[str, Any]) -> list[str]:
     expected = float(wire_bytes(sum(sizes), fmt, BLOCK))  # codes and scales, leaves end to end
     ideal = CODE_BYTES[fmt] / 4 + 1 / BLOCK
     ratio = r["exchange_bytes"] / base["exchange_bytes"]
-    met = r["exchange_bytes"] == expected
     lines.append(
       f"- {fmt}: {r['exchange_bytes']:,.0f} B per exchange against float32's"
       f" {base['exchange_bytes']:,.0f} B, {ratio:.4f} of float32's bytes per value (codes"
       f" {CODE_BYTES[fmt] / 4:g} + scales 1/{BLOCK} = {ideal:.4f}; the rest is the padding of the"
       f" last block); the codes and scales exactly ({expected:,.0f} B):"
-      f" **{'met' if met else 'missed'}**.")
+      f" **{'met' if r['exchange_bytes'] == expected else 'missed'}**.")
   return lines
 
 
@@ -243,11 +241,9 @@ def runs_table(result: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
-  return "\n".join([
+  return kit.blocks(
     "## Exchange formats on the language model: quality against bytes",
-    "",
     kit.doc_markdown(__doc__, 1, 3),
-    "",
     (f"{result['steps']} steps per run, H = {result['period']}, F = {result['fragments']},"
      f" blocks of {result['block']}; {result['devices']} workers; one seed (0), so a"
      " difference of a few tenths of a percent is within the seed-to-seed spread. "
@@ -256,17 +252,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
                f" {', '.join(a['labels'])}; load average {a['load_before']} before,"
                f" {a['load_after']} after; {a['wall_s'] / 60:.1f} min."
                for a in result.get("added", []))),
-    "",
     runs_table(result),
-    "",
     "Targets:",
-    "",
-    *bytes_targets(result),
-    *quality_targets(result),
-    *overlap_targets(result),
-    "",
-    f"![validation bits per byte against MB sent per worker]({plot_name})",
-  ])
+    "\n".join([*bytes_targets(result), *quality_targets(result), *overlap_targets(result)]),
+    f"![validation bits per byte against MB sent per worker]({plot_name})")
 
 
 MARKERS = dict(zip(FORMATS, "osD^vP"))
@@ -291,16 +280,13 @@ def plot(result: dict[str, Any], path: str) -> None:
     by_bytes.plot([], [], marker, color="grey", label=fmt)
   for family, color in COLORS.items():
     by_bytes.plot([], [], "-", lw=5, color=color, label=family)
-  by_bytes.set_xscale("log")
-  by_bytes.set_xlabel("MB sent per worker over the run (log)")
-  by_bytes.set_ylabel("final validation bits per byte (eval_params)")
+  by_bytes.set(xscale="log", xlabel="MB sent per worker over the run (log)",
+               ylabel="final validation bits per byte (eval_params)")
   by_bytes.legend(fontsize=7, ncol=2)
-  by_step.set_xlabel("step")
-  by_step.set_ylabel("validation bits per byte (eval_params)")
+  by_step.set(xlabel="step", ylabel="validation bits per byte (eval_params)")
   by_step.legend(fontsize=7)
   for ax in (by_bytes, by_step):
     ax.grid(True, alpha=0.3)
-  fig.suptitle(f"lm, {result['devices']} workers, {result['steps']} steps, H = {result['period']},"
-               f" seed 0; load average {result['load_before']} before, {result['load_after']}"
-               " after", fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"lm, {result['devices']} workers, {result['steps']} steps, H ="
+                             f" {result['period']}, seed 0; load average {result['load_before']}"
+                             f" before, {result['load_after']} after")

@@ -149,17 +149,6 @@ def lm_problem(bound: bool, seed: int = 0) -> Problem:
   return Problem(params, task.loss_fn(task.model()), ({k: v[rows] for k, v in data.items()},), n)
 
 
-def measure_config(bound: bool, donated: bool, rounds: int, seed: int = 0) -> dict[str, Any]:
-  """Times every variant's phases on the LM step in one configuration."""
-  p = lm_problem(bound, seed)
-  timed = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, seed, bound=bound,
-                        donate=donated)
-  for row in timed["rows"]:
-    row["communicates"] = row["communicates"] and bound
-  return {"axis": "bound" if bound else "unbound", "donated": donated, "rounds": rounds,
-          "devices": p.n, "num_params": p.num_params, **timed}
-
-
 def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
   """``update`` + ``apply_updates`` on the 4M-param tree against its bytes-per-pass bound: the
   step of a problem whose batch is the gradients."""
@@ -187,26 +176,31 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
+  """Times every variant's phases on the LM step in each configuration, then the optimizer."""
   configs = []
   for axis, donated in CONFIGS:
     bound = axis == "bound"
+    rounds = config.rounds_bound if bound else config.rounds_unbound
     print(f"[lm_overhead] LM step, {axis}, donated={donated}", flush=True)
-    configs.append(measure_config(bound, donated,
-                                  config.rounds_bound if bound else config.rounds_unbound))
+    p = lm_problem(bound)
+    timed = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, 0, bound=bound,
+                          donate=donated)
+    for row in timed["rows"]:
+      row["communicates"] = row["communicates"] and bound
+    configs.append({"axis": axis, "donated": donated, "rounds": rounds, "devices": p.n,
+                    "num_params": p.num_params, **timed})
   print("[lm_overhead] optimizer alone", flush=True)
   return {"configs": configs, "optimizer": measure_optimizer(config.rounds_optimizer)}
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  return "\n".join([
-    "## Language model: overhead on the step", "",
-    kit.doc_markdown(__doc__, 1, 4), "",
-    matrix_markdown(result), "", missed_markdown(result), "",
+  return kit.blocks(
+    "## Language model: overhead on the step", kit.doc_markdown(__doc__, 1, 4),
+    matrix_markdown(result), missed_markdown(result),
     ("Temp bytes (`compile().memory_analysis()`) and bytes written by `copy` instructions in"
-     " each compiled LM step:"), "", memory_markdown(result), "",
-    f"![LM step time over bare adam's]({figure})", "",
-    "### The optimizer alone", "", kit.doc_markdown(__doc__, 5, 5), "",
-    optimizer_markdown(result)])
+     " each compiled LM step:"), memory_markdown(result),
+    f"![LM step time over bare adam's]({figure})",
+    "### The optimizer alone", kit.doc_markdown(__doc__, 5, 5), optimizer_markdown(result))
 
 
 def _config_name(c: dict[str, Any]) -> str:
@@ -222,45 +216,38 @@ def _applies(row: dict[str, Any]) -> bool:
 def matrix_markdown(result: dict[str, Any]) -> str:
   """One row per transformation and phase, one column group per configuration."""
   configs = result["configs"]
-  header = ["transformation", "step"]
-  for c in configs:
-    header += [f"{_config_name(c)}: ratio (IQR)", "CPU"]
-  header.append(f"≤ {TARGET}× (wall)")
-  base = ["bare adam", "every step"]
-  for c in configs:
-    base += [f"{c['adam_ms']:.1f} ms", f"{c['adam_cpu_ms']:.1f} ms"]
-  rows = [base + [""]]
+  header = ["transformation", "step",
+            *[x for c in configs for x in (f"{_config_name(c)}: ratio (IQR)", "CPU")],
+            f"≤ {TARGET}× (wall)"]
+  rows = [["bare adam", "every step", *[x for c in configs for x in (
+    f"{c['adam_ms']:.1f} ms", f"{c['adam_cpu_ms']:.1f} ms")], ""]]
   for j, row in enumerate(configs[0]["rows"]):
-    cells = [f"`{row['label']}`", row["phase"]]
-    verdict = []
-    for c in configs:
-      r = c["rows"][j]
-      cells += [ratio_cell(r), f"{r['cpu_ratio']:.3f}"]
-      verdict.append(("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a")
-    rows.append(cells + [", ".join(verdict)])
-  lines = [kit.table(header, rows, "ll" + "rr" * len(configs) + "l"), ""]
-  for c in configs:
-    lines.append(
-      f"- {_config_name(c)}: bare adam {c['adam_ms']:.1f} ms wall, {c['adam_cpu_ms']:.1f} ms"
-      f" CPU per step; {c['rounds']} rounds; compile {c['compile_s']:.0f} s, timing"
-      f" {c['timing_s']:.0f} s; load average {c['load_before']} before, {c['load_after']} after.")
-  return "\n".join(lines)
+    rs = [c["rows"][j] for c in configs]
+    verdict = [("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a" for r in rs]
+    rows.append([f"`{row['label']}`", row["phase"],
+                 *[x for r in rs for x in (ratio_cell(r), f"{r['cpu_ratio']:.3f}")],
+                 ", ".join(verdict)])
+  return kit.blocks(kit.table(header, rows, "ll" + "rr" * len(configs) + "l"), "\n".join(
+    f"- {_config_name(c)}: bare adam {c['adam_ms']:.1f} ms wall, {c['adam_cpu_ms']:.1f} ms"
+    f" CPU per step; {c['rounds']} rounds; compile {c['compile_s']:.0f} s, timing"
+    f" {c['timing_s']:.0f} s; load average {c['load_before']} before, {c['load_after']} after."
+    for c in configs))
 
 
 def memory_markdown(result: dict[str, Any]) -> str:
   """Temp and copy bytes of each compiled LM step, against bare adam's, per configuration."""
   configs = result["configs"]
   header = ["transformation"] + [f"{_config_name(c)}: temp / copies KiB" for c in configs]
-  rows = [["bare adam"] + [f"{c['adam_memory']['temp'] / 1024:.0f} /"
-                           f" {c['adam_memory']['copies'] / 1024:.0f}" for c in configs]]
+
+  def kib(m: dict[str, Any]) -> str:
+    return f"{m['temp'] / 1024:.0f} / {m['copies'] / 1024:.0f}"
+
+  rows = [["bare adam"] + [kib(c["adam_memory"]) for c in configs]]
   first = {}  # each compiled step once: its first row
   for j, row in enumerate(configs[0]["rows"]):
     first.setdefault((row["label"], row["hint"]), j)
-  for (label, hint), j in first.items():
-    hint = "" if hint is None else f", `communicate={hint}`"
-    rows.append([f"`{label}`{hint}"] + [
-      f"{c['rows'][j]['temp'] / 1024:.0f} / {c['rows'][j]['copies'] / 1024:.0f}"
-      for c in configs])
+  rows += [[f"`{label}`" + ("" if hint is None else f", `communicate={hint}`")]
+           + [kib(c["rows"][j]) for c in configs] for (label, hint), j in first.items()]
   return kit.table(header, rows, "l" + "r" * len(configs))
 
 
@@ -281,12 +268,12 @@ def missed_markdown(result: dict[str, Any]) -> str:
   if not missed:
     return (f"Every non-communication LM step is within {TARGET}× of bare adam in every"
             " configuration.")
-  out = [(f"Missed (> {TARGET}× wall on a non-communication step), and why (params:"
-          f" {params_kib:.0f} KiB per worker):"), ""]
-  for (label, phase, hinted), where in missed.items():
-    why = whys.get((label, hinted)) or "no structural cost expected: noise"
-    out.append(f"- `{label}`, {phase}: {'; '.join(where)}. Why: {why}.")
-  return "\n".join(out)
+  return kit.blocks(
+    (f"Missed (> {TARGET}× wall on a non-communication step), and why (params:"
+     f" {params_kib:.0f} KiB per worker):"), "\n".join(
+      f"- `{label}`, {phase}: {'; '.join(where)}. Why:"
+      f" {whys.get((label, hinted)) or 'no structural cost expected: noise'}."
+      for (label, phase, hinted), where in missed.items()))
 
 
 def optimizer_markdown(result: dict[str, Any]) -> str:
@@ -297,12 +284,10 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
   rows = [["bare adam", "every step", f"{o['adam_ms']:.2f}", "1", "1", "7",
            f"{o['adam_bound_ms']:.2f}", "1", f"{o['adam_ms'] / o['adam_bound_ms']:.2f}",
            f"{kit.mib(base['temp'])} / {kit.mib(base['copies'])}"]]
-  for r in o["rows"]:
-    bound = r["bound_ms"]
-    rows.append([f"`{r['label']}`", r["phase"], f"{r['ms']:.2f}", ratio_cell(r),
-                 f"{r['cpu_ratio']:.3f}", kit.fmt(r["passes"]), kit.fmt(bound, ".2f"),
-                 kit.fmt(r["bound_ratio"], ".3f"), kit.fmt(bound and r["ms"] / bound, ".2f"),
-                 f"{kit.mib(r['temp'])} / {kit.mib(r['copies'])}"])
+  rows += [[f"`{r['label']}`", r["phase"], f"{r['ms']:.2f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}",
+            kit.fmt(r["passes"]), kit.fmt(r["bound_ms"], ".2f"), kit.fmt(r["bound_ratio"], ".3f"),
+            kit.fmt(r["bound_ms"] and r["ms"] / r["bound_ms"], ".2f"),
+            f"{kit.mib(r['temp'])} / {kit.mib(r['copies'])}"] for r in o["rows"]]
   slow = [r for r in o["rows"] if r["bound_ms"] is not None
           and r["ratio"] > 1.25 * r["bound_ratio"]]
   ruled = [r for r in slow if r.get("hint") is None]
@@ -324,20 +309,14 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
       "Beyond their bound with the hint: " + _slow_list(hinted) + ". The exchange runs"
       " unconditionally there, but XLA does not fuse it into one pass over the params (the"
       " temp and copy bytes); it runs once per period.")
-  note = "\n\n".join(notes)
-  return "\n".join([
+  return kit.blocks(
     (f"{o['num_params']:,} params ({kit.human_bytes(o['params_bytes'])}), one device,"
     f" `axis_name=None`, donated; measured bandwidth {o['bandwidth'] / 1e9:.1f} GB/s (a fused"
     f" `a + b` over the tree, 3 passes); {o['rounds']} rounds; load average {o['load_before']}"
     f" before, {o['load_after']} after. *passes*: the params-sized reads and writes the step"
     " must make (adam 7: read g, p, μ, ν, write μ, ν, p; an EMA +2; an accumulator +2; a"
     " DiLoCo sync +4: read anchor and outer momentum, write both; —: not counted); *bound*:"
-    " passes × params bytes / bandwidth."),
-    "",
-    kit.table(header, rows, "llrrrrrrrr"),
-    "",
-    note,
-  ])
+    " passes × params bytes / bandwidth."), kit.table(header, rows, "llrrrrrrrr"), *notes)
 
 
 def _slow_list(rows: list[dict[str, Any]]) -> str:

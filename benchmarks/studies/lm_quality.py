@@ -73,9 +73,11 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     for (label, overrides), row in zip(RUNS, list(rows)):  # Nesterov missed: averaging too
       if (overrides["algorithm"] == "diloco" and overrides["sync_period"] >= 50
           and row["final"] > sync_final * (1 + TOLERANCE)):
-        run(f"{label}, outer SGD 1.0, momentum 0 (extra)", {**overrides, **EXTRA_OUTER},
-            extra=True)
-  _thresholds(rows)
+        run(f"{label}, outer SGD 1.0, momentum 0 (extra)", {**overrides, **EXTRA_OUTER}, extra=True)
+  for r in rows:  # the first evaluated step (and its bytes) where the mean curve reaches sync + 2%
+    reached = [i for i, v in enumerate(r["curve"]) if v <= sync_final * (1 + TOLERANCE)]
+    r["to_target_step"] = r["step"][reached[0]] if reached else None
+    r["to_target_bytes"] = r["bytes"][reached[0]] if reached else None
   return {"seeds": list(seeds), "steps": config.steps, "eval_every": EVAL_EVERY, "rows": rows,
           "bytes": bytes_of, "dataset": task.dataset, "model": task.model_name,
           "defaults": dict(task.defaults), **timed.record()}
@@ -116,15 +118,6 @@ def _summarise(label: str, overrides: dict[str, Any], results: list[dict[str, An
   }
 
 
-def _thresholds(rows: list[dict[str, Any]]) -> None:
-  """The first evaluated step (and its bytes) where each row's mean curve reaches sync + 2%."""
-  threshold = rows[0]["final"] * (1 + TOLERANCE)
-  for r in rows:
-    reached = [i for i, v in enumerate(r["curve"]) if v <= threshold]
-    r["to_target_step"] = r["step"][reached[0]] if reached else None
-    r["to_target_bytes"] = r["bytes"][reached[0]] if reached else None
-
-
 def sync_to(row: dict[str, Any], sync: dict[str, Any]) -> tuple[float, float] | None:
   """``(step, bytes)`` where sync's mean curve first reaches ``row``'s final loss (linear
   between evaluations), or ``None`` if it never does."""
@@ -132,30 +125,26 @@ def sync_to(row: dict[str, Any], sync: dict[str, Any]) -> tuple[float, float] | 
   for i in range(1, len(curve)):
     if curve[i] <= target:
       f = (curve[i - 1] - target) / max(curve[i - 1] - curve[i], 1e-12)
-      step = sync["step"][i - 1] + f * (sync["step"][i] - sync["step"][i - 1])
-      sent = sync["bytes"][i - 1] + f * (sync["bytes"][i] - sync["bytes"][i - 1])
-      return step, sent
+      return (sync["step"][i - 1] + f * (sync["step"][i] - sync["step"][i - 1]),
+              sync["bytes"][i - 1] + f * (sync["bytes"][i] - sync["bytes"][i - 1]))
   return None
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
   """DiLoCo at H ≥ 50 and EASGD at τ = 10: each within 2% of sync's final validation loss."""
   rows = {r["label"]: r for r in result["rows"]}
-  sync = rows["sync"]
-  out = []
+  sync, out = rows["sync"], []
   for label in ("diloco H=50", "diloco H=100", "elastic_average τ=10"):
-    r = rows[label]
-    gap = r["final"] / sync["final"] - 1
-    per_seed = [a / b - 1 for a, b in zip(r["finals"], sync["finals"])]
-    out.append({"label": label, "gap": gap, "per_seed": per_seed, "met": gap <= TOLERANCE})
+    gap = rows[label]["final"] / sync["final"] - 1
+    out.append({"label": label, "gap": gap, "met": gap <= TOLERANCE, "per_seed": [
+      a / b - 1 for a, b in zip(rows[label]["finals"], sync["finals"])]})
   return out
 
 
 def headline_table(result: dict[str, Any]) -> str:
   """The quality table: final bits per byte, rounds, bytes, steps and bytes to sync + 2%."""
   rows = result["rows"]
-  sync = rows[0]
-  threshold = sync["final"] * (1 + TOLERANCE)
+  sync, threshold = rows[0], rows[0]["final"] * (1 + TOLERANCE)
   header = ["algorithm", "val bits/byte (eval_params) ± sd", "vs sync", "workers' bits/byte",
             "comm. rounds", "sent per worker", "vs sync bytes",
             f"steps to ≤ {threshold:.3f} (sync + 2%)", "bytes to it",
@@ -183,12 +172,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
                 ", ".join(f"{x:,}" for x in c["exchanges"]) or "—",
                 f"{c['per_round'] / c['params_bytes']:.3f}"] for family, c in b.items()]
   any_bytes = next(iter(b.values()))
-  verdicts = []
-  for t in targets(result):
-    verdicts.append(
-      f"- {t['label']} within {100 * TOLERANCE:g}% of sync: **{'met' if t['met'] else 'missed'}**"
-      f" ({100 * t['gap']:+.1f}%; per seed"
-      f" {', '.join(f'{100 * g:+.1f}%' for g in t['per_seed'])}).")
+  verdicts = [
+    f"- {t['label']} within {100 * TOLERANCE:g}% of sync: **{'met' if t['met'] else 'missed'}**"
+    f" ({100 * t['gap']:+.1f}%; per seed {', '.join(f'{100 * g:+.1f}%' for g in t['per_seed'])})."
+    for t in targets(result)]
   extras = [r for r in result["rows"] if r["extra"]]
   extra_note = (
     "Extra rows (outer SGD 1.0 without momentum: the anchor moves to the workers' mean, model"
@@ -197,9 +184,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     if extras else
     "No extra row: the paper's outer optimizer (Nesterov 0.7, momentum 0.9) met the target at"
     " every H ≥ 50, so model averaging (outer SGD 1.0, no momentum) was not run.")
-  return "\n".join([
+  return kit.blocks(
     "## Language model: quality against communication",
-    "",
     (f"`optax_dist.cli.trainer.train` on the `lm` task ({result['model']}; {result['dataset']})"
      f" over {kit.DEVICES} workers, one emulated CPU device each, each with its own"
      f" 1/{kit.DEVICES} of the training windows, minibatch {d['batch_size']} windows of 64 bytes"
@@ -210,28 +196,20 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      " (their mean); *sent per worker*: bytes each worker sends in the run, from the compiled"
      " step (table below); *steps to sync + 2%*: the first evaluated step where the seed-mean"
      " curve is within 2% of sync's final loss."),
-    "",
     (f"{result['steps']} steps per run, evaluated every {result['eval_every']} steps; mean over"
     f" seeds {', '.join(map(str, result['seeds']))}. " + kit.load_text(result, cpu=False)),
-    "",
     headline_table(result),
-    "",
-    *verdicts,
-    "",
+    "\n".join(verdicts),
     *_why(result),
     extra_note,
-    "",
     (f"Bytes each worker sends ({any_bytes['num_params']:,} params,"
      f" {any_bytes['params_bytes']:,} B in float32), from"
      " `communication_report` of each algorithm's compiled 8-device step: *every step* are the"
      " collectives outside any conditional, *per exchange* those of each conditional's"
      " communicating branch (per fragment for streaming_diloco), in params' bytes:"),
-    "",
-    kit.table(["algorithm", "every step B", "every step", "per exchange B",
-                 "exchange / params"], comm_rows, "lrlrr"),
-    "",
-    f"![validation bits per byte against steps and bytes sent]({plot_name})",
-  ])
+    kit.table(["algorithm", "every step B", "every step", "per exchange B", "exchange / params"],
+              comm_rows, "lrlrr"),
+    f"![validation bits per byte against steps and bytes sent]({plot_name})")
 
 
 def _why(result: dict[str, Any]) -> list[str]:
@@ -245,8 +223,7 @@ def _why(result: dict[str, Any]) -> list[str]:
   others = [r for r in result["rows"] if r is not sync and sync_to(r, sync)]
   steps = [sync_to(r, sync)[0] for r in others]
   ratios = [sync_to(r, sync)[1] / r["total_bytes"] for r in others]
-  pairs = [(f"diloco H={h}", f"diloco H={h}, outer SGD 1.0, momentum 0 (extra)")
-           for h in (50, 100)]
+  pairs = [(f"diloco H={h}", f"diloco H={h}, outer SGD 1.0, momentum 0 (extra)") for h in (50, 100)]
   compare = "; ".join(f"H={a.split('=')[1]}: {rows[a]['final']:.3f} with Nesterov,"
                       f" {rows[b]['final']:.3f} averaging" for a, b in pairs if b in rows)
   text = (
@@ -266,7 +243,7 @@ def _why(result: dict[str, Any]) -> list[str]:
              " to accumulate while it amplifies each noisy pseudo-gradient. The paper's regime"
              " (H = 500 inner steps over thousands of outer steps, larger models) is far from"
              " this one; more steps would be needed to test the targets there.")
-  return [text, ""]
+  return [text]
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -287,11 +264,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.set_ylabel("validation bits per byte (eval_params)")
   by_step.set_xlabel("step")
-  by_bytes.set_xlabel("MiB sent per worker (log; from the first exchange on)")
-  by_bytes.set_xscale("log")
+  by_bytes.set(xlabel="MiB sent per worker (log; from the first exchange on)", xscale="log")
   by_step.legend(fontsize=7, loc="upper right")
-  fig.suptitle(
-    f"LM, {kit.DEVICES} workers, mean ± sd over seeds {', '.join(map(str, result['seeds']))}"
-    f" (dotted: sync's final + 2%). {kit.machine()['cores']} CPUs; load average"
-    f" {result['load_before']} before, {result['load_after']} after", fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"LM, {kit.DEVICES} workers, mean ± sd over seeds"
+                             f" {', '.join(map(str, result['seeds']))} (dotted: sync's final +"
+                             f" 2%). {kit.machine()['cores']} CPUs; load average"
+                             f" {result['load_before']} before, {result['load_after']} after")

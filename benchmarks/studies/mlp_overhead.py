@@ -140,11 +140,10 @@ def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  return "\n".join([
-    "## MLP: overhead and memory", "", _overhead_intro(), "", overhead_markdown(result), "",
-    _overhead_verdicts(result), "", "### Memory", "", _memory_intro(result), "",
-    memory_markdown(result), "", _memory_notes(result), "",
-    f"![MLP step time over bare adam's]({figure})"])
+  return kit.blocks(
+    "## MLP: overhead and memory", _overhead_intro(), overhead_markdown(result),
+    _overhead_verdicts(result), "### Memory", _memory_intro(result), memory_markdown(result),
+    _memory_notes(result), f"![MLP step time over bare adam's]({figure})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -183,21 +182,19 @@ def _overhead_verdicts(result, target=TARGET) -> str:
           f"{s['size']} {r['ratio']:.2f}× wall / {r['cpu_ratio']:.2f}× CPU")
   if not missed:
     return f"Every non-communication step is within {target}× of bare adam, wall and CPU."
-  lines = [f"Targets missed (> {target}× on a non-communication step, wall or CPU), and why:", ""]
   why = {v.name: v.why for v in variants()}
-  for (name, label, phase), where in missed.items():
-    lines.append(f"- `{label}`, {phase} ({'; '.join(where)}): {why.get(name) or 'noise?'}.")
-  lines += [
-    "", ("A row missed on wall time only, with its CPU ratio within the target and an interquartile"
+  return kit.blocks(
+    f"Targets missed (> {target}× on a non-communication step, wall or CPU), and why:",
+    "\n".join(f"- `{label}`, {phase} ({'; '.join(where)}): {why.get(name) or 'noise?'}."
+              for (name, label, phase), where in missed.items()),
+    "A row missed on wall time only, with its CPU ratio within the target and an interquartile"
     " range spanning it, is within the noise of a shared machine; a row missed on both wall and"
     " CPU time shows the structural cost described. The ratio depends on how much of the step"
-    " the optimizer is: the wrappers add memory"
-    " passes over params-sized buffers, the forward and backward passes are matrix products"
-    " whose cost grows with the batch; a larger minibatch than this one makes every ratio"
-    " smaller, a smaller one larger. Ratios below 1 on a non-communication step are real for"
-    " `accumulate_then_reduce` (no adam update on an accumulating micro-step) and noise"
-    " elsewhere.")]
-  return "\n".join(lines)
+    " the optimizer is: the wrappers add memory passes over params-sized buffers, the forward"
+    " and backward passes are matrix products whose cost grows with the batch; a larger"
+    " minibatch than this one makes every ratio smaller, a smaller one larger. Ratios below 1 on"
+    " a non-communication step are real for `accumulate_then_reduce` (no adam update on an"
+    " accumulating micro-step) and noise elsewhere.")
 
 
 def _memory_intro(result) -> str:
@@ -230,38 +227,26 @@ def _verdict(ratios: list[float]) -> str:
 def overhead_markdown(result: dict[str, Any]) -> str:
   sizes = result["sizes"]
   last = sizes[-1]
-  header = ["wrapper", "step"]
-  for s in sizes:
-    header += [f"{s['size']} ms", f"{s['size']} wall ratio (IQR)", f"{s['size']} CPU ratio"]
-  header += [f"{last['size']} copies MiB", f"≤ {TARGET}× (wall / CPU)"]
-  base = ["bare adam", "every step"]
-  for s in sizes:
-    base += [f"{s['adam_ms']:.1f}", "1", "1"]
-  base += [kit.mib(last["adam_memory"]["copies"]), ""]
-  rows = [base]
+  header = ["wrapper", "step", *[x for s in sizes for x in (
+    f"{s['size']} ms", f"{s['size']} wall ratio (IQR)", f"{s['size']} CPU ratio")],
+            f"{last['size']} copies MiB", f"≤ {TARGET}× (wall / CPU)"]
+  rows = [["bare adam", "every step",
+           *[x for s in sizes for x in (f"{s['adam_ms']:.1f}", "1", "1")],
+           kit.mib(last["adam_memory"]["copies"]), ""]]
   for j, row in enumerate(sizes[0]["rows"]):
-    cells = [f"`{row['label']}`", row["phase"]]
-    for s in sizes:
-      r = s["rows"][j]
-      cells += [f"{r['ms']:.1f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}"]
-    cells.append(kit.mib(last["rows"][j]["copies"]))
-    if row["communicates"]:
-      cells.append("n/a: communication step")
-    else:
-      wall = _verdict([s["rows"][j]["ratio"] for s in sizes])
-      cpu = _verdict([s["rows"][j]["cpu_ratio"] for s in sizes])
-      cells.append(f"{wall} / {cpu}")
-    rows.append(cells)
-  lines = [kit.table(header, rows, "ll" + "rrr" * len(sizes) + "rl"), ""]
-  for s in sizes:
-    lines.append(
-      f"- {s['size']}: {s['num_params']:,} params ({kit.human_bytes(s['params_bytes'])}),"
-      f" hidden {'-'.join(map(str, s['hidden']))}; bare adam {s['adam_ms']:.1f} ms wall,"
-      f" {s['adam_cpu_ms']:.1f} ms CPU per step; {result['rounds'][s['size']]} rounds;"
-      f" compile + warm-up {s['compile_s']:.0f} s, timing {s['timing_s']:.0f} s;"
-      f" load average {s['load_before']} before, {s['load_after']} after."
-    )
-  return "\n".join(lines)
+    rs = [s["rows"][j] for s in sizes]
+    verdict = (f"{_verdict([r['ratio'] for r in rs])} / {_verdict([r['cpu_ratio'] for r in rs])}"
+               if not row["communicates"] else "n/a: communication step")
+    rows.append([f"`{row['label']}`", row["phase"],
+                 *[x for r in rs
+                   for x in (f"{r['ms']:.1f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}")],
+                 kit.mib(last["rows"][j]["copies"]), verdict])
+  return kit.blocks(kit.table(header, rows, "ll" + "rrr" * len(sizes) + "rl"), "\n".join(
+    f"- {s['size']}: {s['num_params']:,} params ({kit.human_bytes(s['params_bytes'])}),"
+    f" hidden {'-'.join(map(str, s['hidden']))}; bare adam {s['adam_ms']:.1f} ms wall,"
+    f" {s['adam_cpu_ms']:.1f} ms CPU per step; {result['rounds'][s['size']]} rounds;"
+    f" compile + warm-up {s['compile_s']:.0f} s, timing {s['timing_s']:.0f} s;"
+    f" load average {s['load_before']} before, {s['load_after']} after." for s in sizes))
 
 
 def memory_markdown(result: dict[str, Any]) -> str:
@@ -269,15 +254,10 @@ def memory_markdown(result: dict[str, Any]) -> str:
   pb = mem["params_bytes"]
   header = ["optimizer", "state MiB", "state / params", "needed / params", "needed",
             "excess bytes", "peak MiB donated", "peak MiB not donated",
-            "arg + out + temp MiB donated",
-            "temp MiB donated", "temp MiB not donated"]
-  rows = []
-  for r in mem["rows"]:
-    rows.append([
-      f"`{r['label']}`", kit.mib(r["state_bytes"]), f"{r['state_bytes'] / pb:.4f}",
-      f"{r['needed']}", r["need_note"], f"{r['excess_bytes']:,}",
-      kit.mib(r["donated"]["peak"]), kit.mib(r["not_donated"]["peak"]),
-      kit.mib(r["donated"]["peak"] + r["donated"]["alias"]),
-      kit.mib(r["donated"]["temp"]), kit.mib(r["not_donated"]["temp"]),
-    ])
+            "arg + out + temp MiB donated", "temp MiB donated", "temp MiB not donated"]
+  rows = [[f"`{r['label']}`", kit.mib(r["state_bytes"]), f"{r['state_bytes'] / pb:.4f}",
+           f"{r['needed']}", r["need_note"], f"{r['excess_bytes']:,}",
+           kit.mib(r["donated"]["peak"]), kit.mib(r["not_donated"]["peak"]),
+           kit.mib(r["donated"]["peak"] + r["donated"]["alias"]),
+           kit.mib(r["donated"]["temp"]), kit.mib(r["not_donated"]["temp"])] for r in mem["rows"]]
   return kit.table(header, rows, "lrrrlrrrrrr")

@@ -325,10 +325,9 @@ def targets(result: dict[str, Any]) -> list[str]:
   def check(ok: bool | None, text: str) -> None:
     lines.append(f"- {'n/a' if ok is None else 'met' if ok else 'MISSED'}: {text}")
 
-  slow = "10mbit" if "10mbit" in result["rates"] else None
+  slow = "10mbit"  # no runs there: no target of it
   for method in ("diloco", "streaming_diloco"):
-    runs = _runs(result, slow, method) if slow else []
-    if not runs:
+    if not (runs := _runs(result, slow, method)):
       continue
     speedup = _speedup(result, slow, method, target)
     check(None if speedup is None else speedup >= 3,
@@ -340,8 +339,7 @@ def targets(result: dict[str, Any]) -> list[str]:
           f"{method}'s training time at 10 Mbit/s is {_fmt(ratio, '.2f')}× its unshaped"
           " time (target ≤ 1.3×)")
   for method, bound, what in (("sync", 1.1, "a step"), ("diloco", 1.1, "an exchange")):
-    runs = [r for r in result["runs"] if r["method"] == method]
-    if runs:
+    if runs := [r for r in result["runs"] if r["method"] == method]:
       rounds = max(runs[0]["communication_rounds"], 1)
       per = _median_of(runs, itemgetter("operand_bytes")) / rounds / p
       measured = _median_of(runs, payload) / rounds / p
@@ -362,8 +360,7 @@ def targets(result: dict[str, Any]) -> list[str]:
           f"{method}: the veth payload at 10 Mbit/s is {wire:.3f}× float32 diloco's (the"
           f" compiled exchanges' operands {operands:.3f}×; codes and scales: target"
           f" ≤ {bound}×)")
-  ratios = [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]
-  if ratios:
+  if ratios := [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]:
     worst = max(ratios, key=lambda x: abs(x - 1))
     check(abs(worst - 1) <= 0.05,
           f"veth payload a→b within {abs(worst - 1):.1%} of the prediction in the worst run"
@@ -376,11 +373,9 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
   p = result["param_bytes"]
   machine = kit.machine()
   extra = f" Arguments: `{' '.join(result['extra_args'])}`." if result["extra_args"] else ""
-  return "\n".join([
+  return kit.blocks(
     "## Training over a bandwidth-limited link (two network namespaces)",
-    "",
     kit.doc_markdown(__doc__, 1, 2),
-    "",
     (f"{result['processes']} processes × {result['devices']} devices, lm task, batch"
      f" {result['batch_size']} per worker, {result['steps']} steps, H = {result['period']};"
      f" params {p / 1e6:.2f} MB (float32). {machine['cores']} CPUs, shared by both processes;"
@@ -389,41 +384,32 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f"{extra} Steps' medians leave out step 1. *Predicted*: the bytes process 0 sends process 1"
      " over the steps, from the compiled steps' collectives (`cross_bytes`: their operands'"
      f" bytes and gloo's {GLOO_OPERAND_BYTES} bytes per operand); *operands*: those bytes"
-     " without gloo's; *payload*: the"
-     " veth's bytes less 66 bytes of headers per packet, the whole run (start-up, evaluations"
-     " and the coordination service included); `streaming_diloco` sends one fragment, about"
-     " 1/F of the params, per exchange."),
-    "",
+     " without gloo's; *payload*: the veth's bytes less 66 bytes of headers per packet, the whole"
+     " run (start-up, evaluations and the coordination service included); `streaming_diloco`"
+     " sends one fragment, about 1/F of the params, per exchange."),
     "Methods (label: algorithm and flags): " + "; ".join(
       f"{m}: `--algorithm {a}{''.join(' ' + x for x in flags)}`"
       for m, (a, flags) in result["methods"].items()) + ".",
-    "",
-    *[f"Note: {note}\n" for note in result.get("notes", [])],
+    *[f"Note: {note}" for note in result.get("notes", [])],
     measurements_table(result),
-    "",
     (f"Time to loss: the target is the highest final validation loss of the unshaped runs,"
      f" {target_loss(result):.3f} bits/byte; training seconds are the steps' own (start-up,"
      " compilation and evaluations left out)."),
-    "",
     summary_table(result),
-    "",
     *([(f"The speed-up over sync at {result['rates'][-1]} for other targets, from the one above"
-        " down to the lowest final loss of the other unshaped runs ('–': not reached):"), "",
-       sensitivity_table(result), ""] if _runs(result, result["rates"][-1], "sync") else []),
+        " down to the lowest final loss of the other unshaped runs ('–': not reached):"),
+       sensitivity_table(result)] if _runs(result, result["rates"][-1], "sync") else []),
     "Targets:",
-    "",
-    *targets(result),
-    "",
+    "\n".join(targets(result)),
     *([(f"DiLoCo's outer optimizer at this budget ({result['steps'] // result['period']} outer"
         " steps; one process, unshaped, the same losses as over the link): the final validation"
         " loss for each outer learning rate and Nesterov momentum. The DiLoCo family above runs"
-        f" `{' '.join(OUTER)}`."), "",
+        f" `{' '.join(OUTER)}`."),
        kit.table(["outer learning rate", "outer momentum", "final val bits/byte"],
                  [[f"{r['outer_learning_rate']:g}", f"{r['outer_momentum']:g}",
-                   f"{r['bits_per_byte']:.4f}"] for r in result["outer_sweep"]], "rrr"), ""]
+                   f"{r['bits_per_byte']:.4f}"] for r in result["outer_sweep"]], "rrr")]
       if result.get("outer_sweep") else []),
-    f"![validation bits per byte against training seconds, one panel per rate]({plot_name})",
-  ])
+    f"![validation bits per byte against training seconds, one panel per rate]({plot_name})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -446,11 +432,10 @@ def plot(result: dict[str, Any], path: str) -> None:
   axes[0][0].set_ylim(min(finals) - 0.1, target_loss(result) + 1.0)
   axes[0][0].set_ylabel("validation bits per byte (dotted: the target)")
   axes[0][-1].legend(fontsize=7)
-  fig.suptitle(f"lm, {result['processes']} processes × {result['devices']} devices, veth pair"
-               f" shaped with tbf\n{result['steps']} steps, H = {result['period']}; load"
-               f" {result['load_before'][0]:.1f} before, {result['load_after'][0]:.1f} after",
-               fontsize=9)
-  kit.save_figure(fig, path)
+  kit.save_figure(fig, path, f"lm, {result['processes']} processes × {result['devices']}"
+                             f" devices, veth pair shaped with tbf\n{result['steps']} steps, H ="
+                             f" {result['period']}; load {result['load_before'][0]:.1f} before,"
+                             f" {result['load_after'][0]:.1f} after")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,9 +464,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   DiLoCo family is among them; or ``None`` (having said why) without a link."""
   for rate in config.rates:
     netns.bits_per_second(rate)  # a bad rate fails before anything runs
-  for method in config.methods:
-    if method not in METHODS:
-      raise ValueError(f"--methods: {method!r} is not one of {', '.join(METHODS)}")
+  if unknown := [m for m in config.methods if m not in METHODS]:
+    raise ValueError(f"--methods: {unknown[0]!r} is not one of {', '.join(METHODS)}")
   if netns.skipped("[network] "):
     return None
   netns.remove_stale()
