@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import pathlib
 
 import pytest
 
@@ -71,7 +72,7 @@ def faulted_run():
 
 def control_run():
   return {"t0": 50.0, "events": [],
-          "lines": [line(r, i, 50.0 + r) for r in range(5) for i in range(2)]}
+          "lines": [line(r, i, 50.0 + r) for r in range(6) for i in range(2)]}
 
 
 def test_accounting_of_a_hand_written_log():
@@ -90,7 +91,7 @@ def test_accounting_of_a_hand_written_log():
 
 def test_goodput_against_the_control():
   result = chaos.compare(control_run(), faulted_run())
-  assert result["span_s"] == 4.0
+  assert result["span_s"] == 4.0  # the faulted run's; the control ran 5 s
   assert result["control"]["committed_tokens"] == 80  # rounds 1 to 4, two replicas, 10 each
   assert result["goodput"] == pytest.approx(50 / 80)
 
@@ -119,7 +120,8 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   run = chaos.drive(config, out, faults)
   assert chaos.processes(out) == {}
   for _, _, _, pid in run["events"]:
-    assert not os.path.exists(f"/proc/{pid}") or "--out" not in open(f"/proc/{pid}/cmdline").read()
+    assert not os.path.exists(f"/proc/{pid}") or out not in pathlib.Path(
+      f"/proc/{pid}/cmdline").read_text()
   kinds = [kind for _, kind, _, _ in run["events"]]
   assert kinds.count("stop") == kinds.count("cont") == kinds.count("kill") == 1
   assert run["status"] == 0 and len(run["final"]) >= 2

@@ -1,45 +1,42 @@
 """Training through failures: fault-tolerant DiLoCo under a fixed-seed Poisson schedule of faults.
 
-Two runs of ``optax-dist train --fault-tolerant --replicas R`` (a torchft Lighthouse and R
-replica processes on 127.0.0.1, each ``--devices 1``; the launcher restarts a dead replica after
-``--restart-delay`` seconds and it heals at its first quorum), the same settings and seed: a
-control without faults first, then the faulted run. Each run's clock starts at its first
-committed round (the replicas' imports and compilation are not timed). The faults are drawn with
-``--seed`` over the control's span: exponential gaps of mean ``1 / --fault-rate`` seconds, each
-a ``kill -9`` of a replica (its process group) or a ``SIGSTOP`` of ``--stop-seconds`` (drawn
-uniformly), then ``SIGCONT``; the replica is drawn uniformly. A fault on a replica that is not
-running (being restarted) is recorded as skipped.
+Two runs of ``optax-dist train --fault-tolerant`` (a torchft Lighthouse and R replica processes
+on 127.0.0.1, ``--devices 1`` each; the launcher restarts a dead replica after
+``--restart-delay`` s and it heals at its first quorum) with the same settings and seed: a
+control without faults, then the faulted run. Each run's clock starts at its first commit
+(imports and compilation untimed). The faults are drawn with ``--seed`` over the control's span:
+exponential gaps of mean ``1 / --fault-rate`` s, each a ``kill -9`` of a replica's process group
+or a ``SIGSTOP`` for ``--stop-seconds`` (uniform) then ``SIGCONT``, on a uniform replica; one
+on a replica that is not running (or already stopped) is recorded as skipped.
 
 Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
 
-* goodput: the faulted run's committed tokens (the weights of the committed lines: a healer's
-  weight-0 round counts nothing) over the control's, both counted over the control's span after
-  each run's first commit;
-* useful-work ratio: committed tokens over the tokens the logged rounds processed (the inner
-  steps of a killed replica's unfinished round are not logged, so this is an upper bound);
-* heal time: from a restarted replica's first appearance in the process tree (or from the
-  ``SIGCONT`` of a stopped one) to its first committed round; and the first round's
-  ``quorum_seconds`` (quorum request to quorum, heal included) of a restarted replica;
-* longest stall (the longest gap between two committed rounds), aborted rounds, and the rounds
-  whose committed lines hold more than one ``state_hash`` (must be 0);
-* the final held-out metric (``OUT/replicas/final_<i>.json``) of both runs.
+* goodput: the faulted run's committed tokens (the committed lines' weights: a healer's
+  weight-0 round counts nothing) over the control's, over the span both ran (the shorter run's,
+  from each run's first commit);
+* useful-work ratio: committed tokens over the tokens of the logged rounds (a killed replica's
+  unfinished round is not logged: an upper bound);
+* heal time: from a restarted replica's first appearance in the process tree, or a stopped
+  one's ``SIGCONT``, to its next committed round; a restarted replica's first ``quorum_seconds``
+  (quorum request to quorum, heal included);
+* longest stall (gap between commits), aborted rounds, the rounds whose committed lines hold
+  more than one ``state_hash`` (must be 0), and the final held-out metric (``final_<i>.json``).
 
-Every process a run starts (the launcher and its Lighthouse, the replicas) is killed when the run
-ends, also on an exception or Ctrl-C: found by the run's own output directory in its command
-line. Needs root (``make bench-chaos``), as the studies over network namespaces do; says so and
-exits with 0 otherwise.
+Every process of a run (launcher, Lighthouse, replicas: found by the run's directory in their
+command lines) is killed when it ends, also on an exception or Ctrl-C. Needs root (``make
+bench-chaos``); says so and exits with 0 otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -107,15 +104,12 @@ def schedule(seed: int, rate: float, horizon: float, replicas: int,
     faults.append(Fault(round(t, 3), kind, replica, round(seconds, 3) if kind == "stop" else 0.0))
 
 
-# --- One run ------------------------------------------------------------------------------------
-
-
-def command(config: Config, out: str, steps: int | None = None) -> list[str]:
+def command(config: Config, out: str) -> list[str]:
   """``optax-dist train --fault-tolerant`` of the study's settings, writing to ``out``."""
   return [sys.executable, "-m", "optax_dist.cli", "train", "--algorithm", "diloco",
           "--fault-tolerant", "--replicas", str(config.replicas), "--min-replicas",
           str(config.min_replicas), "--devices", "1", "--task", config.task, "--steps",
-          str(steps or config.steps), "--sync-period", str(config.sync_period),
+          str(config.steps), "--sync-period", str(config.sync_period),
           "--restart-delay", str(config.restart_delay), "--max-restarts", "1000",
           "--exchange-timeout", str(config.exchange_timeout), "--finish-grace",
           str(config.finish_grace), "--lighthouse-heartbeat-timeout",
@@ -130,7 +124,7 @@ def processes(out: str) -> dict[int, str]:
       args = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
     except OSError:
       continue
-    if any(a == b"--out" and b == out.encode() for a, b in zip(args, args[1:])):
+    if any(a == b"--out" and b == out.encode() for a, b in itertools.pairwise(args)):
       found[int(entry.name)] = " ".join(a.decode() for a in args)
   return found
 
@@ -169,13 +163,7 @@ def read_lines(out: str) -> list[dict[str, Any]]:
   return sorted(lines, key=lambda line: line["time"])
 
 
-def first_commit(out: str) -> float | None:
-  committed = [line["time"] for line in read_lines(out) if line["committed"]]
-  return min(committed) if committed else None
-
-
-def drive(config: Config, out: str, faults: list[Fault], steps: int | None = None
-          ) -> dict[str, Any]:
+def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
   """Runs the command into ``out`` and applies ``faults`` on the clock of its first commit.
 
   Returns the run's record: ``t0`` (Unix time of the first commit), ``events`` (``[t, kind,
@@ -186,7 +174,7 @@ def drive(config: Config, out: str, faults: list[Fault], steps: int | None = Non
   """
   os.makedirs(out, exist_ok=True)
   with kit.Timed() as timed, open(os.path.join(out, "command.log"), "w") as log:
-    proc = subprocess.Popen(command(config, out, steps), stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(command(config, out), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
       t0, events = _inject(proc, out, faults, time.monotonic() + config.timeout)
@@ -209,7 +197,7 @@ def _inject(proc: subprocess.Popen, out: str, faults: list[Fault], deadline: flo
     if time.monotonic() > deadline:
       raise TimeoutError(f"chaos: the run {out} is past its --timeout")
     pids = replica_pids(out)
-    t0 = t0 or first_commit(out)
+    t0 = t0 or min((x["time"] for x in read_lines(out) if x["committed"]), default=None)
     now = time.time() - (t0 or time.time())
     for i, pid in pids.items():
       if seen.get(i) != pid:
@@ -232,7 +220,8 @@ def _inject(proc: subprocess.Popen, out: str, faults: list[Fault], deadline: flo
   return t0, events
 
 
-def _signal(pid: int, sig: int, events: list, now: float, kind: str, replica: int) -> None:
+def _signal(pid: int, sig: int, events: list[list[Any]], now: float, kind: str, replica: int
+            ) -> None:
   """Sends ``sig`` to ``pid`` (a group if negative) and records it, or a ``skipped``."""
   try:
     os.kill(pid, sig)
@@ -240,8 +229,6 @@ def _signal(pid: int, sig: int, events: list, now: float, kind: str, replica: in
   except ProcessLookupError:
     events.append([now, "skipped", replica, abs(pid)])
 
-
-# --- Accounting ---------------------------------------------------------------------------------
 
 
 def committed_tokens(lines: list[dict[str, Any]], t0: float, span: float) -> int:
@@ -294,84 +281,89 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
   }
 
 
-def _timeline(lines: list[dict[str, Any]], t0: float) -> list[list[float]]:
-  """``[seconds after t0, committed tokens so far]`` at each committed line after ``t0``."""
+def _timeline(lines: list[dict[str, Any]], t0: float, points: int = 400) -> list[list[float]]:
+  """``[seconds after t0, committed tokens so far]`` at about ``points`` of the committed lines
+  after ``t0``, the last one included."""
   done = [(x["time"] - t0, x["weight"]) for x in lines if x["committed"] and x["time"] > t0]
-  return [[t, float(w)] for t, w in zip([t for t, _ in done], np.cumsum([w for _, w in done]))]
+  total = np.cumsum([w for _, w in done])
+  keep = sorted(set(range(0, len(done), max(1, len(done) // points))) | {len(done) - 1})
+  return [[done[i][0], float(total[i])] for i in keep if i >= 0]
 
 
 def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
-  """Both runs' accounting over the control's span, and the goodput."""
-  span = max(line["time"] for line in control["lines"]) - control["t0"]
+  """Both runs' accounting over the span both ran (the shorter one, from each run's first
+  commit to its last line), and the goodput."""
+  span = min(max(x["time"] for x in run["lines"]) - run["t0"] for run in (control, faulted))
   a, b = accounting(control, span), accounting(faulted, span)
   return {"span_s": span, "control": a, "faulted": b,
           "goodput": b["committed_tokens"] / a["committed_tokens"]}
 
 
-# --- The study ----------------------------------------------------------------------------------
-
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
-  """The control run, the schedule over its span, the faulted run; their comparison."""
+  """The control run, the schedule over its span, the faulted run (their directories, logs
+  included, in ``PREFIX_runs/``); their comparison."""
   if os.geteuid() != 0:
     print("[chaos] skipped: needs root (make bench-chaos)", file=sys.stderr)
     return None
-  with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
-    control = drive(config, os.path.join(tmp, "control"), [])
-    span = max(line["time"] for line in control["lines"]) - control["t0"]
-    faults = schedule(config.seed, config.fault_rate, span, config.replicas,
-                      tuple(config.stop_seconds))
-    faulted = drive(config, os.path.join(tmp, "faulted"), faults)
-  runs = {"control": control, "faulted": faulted}
+  control = drive(config, f"{prefix}_runs/control", [])
+  span = max(line["time"] for line in control["lines"]) - control["t0"]
+  faults = schedule(config.seed, config.fault_rate, span, config.replicas,
+                    tuple(config.stop_seconds))
+  faulted = drive(config, f"{prefix}_runs/faulted", faults)
+  keys = ("events", "final", "status", "wall_s", "load_before", "load_after")
   return {"config": dataclasses.asdict(config), "faults": [dataclasses.asdict(f) for f in faults],
-          **compare(control, faulted),
-          "runs": {k: {key: v[key] for key in ("events", "final", "status", "wall_s",
-                                               "load_before", "load_after")}
-                   for k, v in runs.items()}}
+          "horizon_s": span, **compare(control, faulted),
+          "runs": {k: {key: run[key] for key in keys}
+                   for k, run in (("control", control), ("faulted", faulted))}}
 
 
-def _metric(run: dict[str, Any]) -> str:
-  values = [v for final in run["final"] for k, v in final.items() if k.startswith("test_")]
-  names = {k for final in run["final"] for k in final if k.startswith("test_")}
-  return f"{', '.join(names)} {np.mean(values):.4f}" if values else "—"
+ROWS = (
+  ("committed tokens in the span", lambda a, r: a["committed_tokens"]),
+  ("useful-work ratio", lambda a, r: f"{a['useful_work']:.3f}"),
+  ("rounds committed (whole run)", lambda a, r: a["rounds_committed"]),
+  ("rounds aborted everywhere / abort lines",
+   lambda a, r: f"{a['rounds_aborted']} / {a['abort_lines']}"),
+  ("state-hash mismatches", lambda a, r: a["hash_mismatches"]),
+  ("longest stall (s)", lambda a, r: f"{a['longest_stall_s']:.2f}"),
+  ("heal p50 / p95 (s)", lambda a, r: " / ".join(
+    kit.fmt(a[k], ".2f") for k in ("heal_p50_s", "heal_p95_s")) + f" (n = {len(a['heal_s'])})"),
+  ("restarted replica's first quorum (s)",
+   lambda a, r: ", ".join(f"{q:.2f}" for q in a["first_quorum_s"]) or "—"),
+  ("final held-out metric (mean of replicas)", lambda a, r: _metric(r["final"])),
+  ("exit status / wall clock (s)", lambda a, r: f"{r['status']} / {r['wall_s']:.0f}"),
+  ("load average before → after", lambda a, r: kit.loads(r["load_before"], r["load_after"])))
+"""The report's table: a label, and the cell of one run from its accounting and its record."""
+
+
+def _metric(final: list[dict[str, Any]]) -> str:
+  items = [(k, v) for line in final for k, v in line.items() if k.startswith("test_")]
+  names = sorted({k for k, _ in items})
+  return f"{', '.join(names)} {np.mean([v for _, v in items]):.4f}" if items else "—"
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  c, f, r, cfg = result["control"], result["faulted"], result["runs"], result["config"]
-  kinds = [e[1] for e in r["faulted"]["events"]]
-  rows = [["committed tokens in the span", c["committed_tokens"], f["committed_tokens"]],
-          ["useful-work ratio", f"{c['useful_work']:.3f}", f"{f['useful_work']:.3f}"],
-          ["rounds committed (whole run)", c["rounds_committed"], f["rounds_committed"]],
-          ["rounds aborted everywhere / abort lines", f"{c['rounds_aborted']} /"
-           f" {c['abort_lines']}", f"{f['rounds_aborted']} / {f['abort_lines']}"],
-          ["state-hash mismatches", c["hash_mismatches"], f["hash_mismatches"]],
-          ["longest stall (s)", f"{c['longest_stall_s']:.2f}", f"{f['longest_stall_s']:.2f}"],
-          ["heal p50 / p95 (s)", "—", f"{kit.fmt(f['heal_p50_s'], '.2f')} /"
-           f" {kit.fmt(f['heal_p95_s'], '.2f')} (n = {len(f['heal_s'])})"],
-          ["restarted replica's first quorum (s)", "—",
-           ", ".join(f"{q:.2f}" for q in f["first_quorum_s"]) or "—"],
-          ["final held-out metric (mean of replicas)", _metric(r["control"]),
-           _metric(r["faulted"])],
-          ["exit status / wall clock (s)", f"{r['control']['status']} /"
-           f" {r['control']['wall_s']:.0f}", f"{r['faulted']['status']} /"
-           f" {r['faulted']['wall_s']:.0f}"],
-          ["load average before → after", kit.loads(r["control"]["load_before"],
-                                                    r["control"]["load_after"]),
-           kit.loads(r["faulted"]["load_before"], r["faulted"]["load_after"])]]
+  cfg, runs = result["config"], result["runs"]
+  kinds = [e[1] for e in runs["faulted"]["events"] if 0 < e[0] <= result["span_s"]]
+  rows = [[label] + [cell(result[k], runs[k]) for k in ("control", "faulted")]
+          for label, cell in ROWS]
   return "\n\n".join([
     "# Chaos: fault-tolerant DiLoCo under faults", kit.doc_markdown(__doc__, 0, 3),
-    f"Settings: `{' '.join(command(Config(**cfg), 'OUT')[2:])}`; faults: rate"
-    f" {cfg['fault_rate']:.3f}/s, seed {cfg['seed']}, over the control's span of"
-    f" {result['span_s']:.1f} s: {kinds.count('kill')} kills, {kinds.count('stop')} stops,"
-    f" {kinds.count('skipped')} skipped.",
-    f"**Goodput {result['goodput']:.3f}** (committed tokens of the faulted run over the"
-    f" control's, {result['span_s']:.1f} s after each run's first commit).",
+    (f"Settings: `{' '.join(command(Config(**cfg), 'OUT')[2:])}`; faults: rate"
+     f" {cfg['fault_rate']:.3f}/s, seed {cfg['seed']}, over the control's span of"
+     f" {result['horizon_s']:.1f} s; within the span counted: {kinds.count('kill')} kills,"
+     f" {kinds.count('stop')} stops, {kinds.count('skipped')} skipped (the plot shows all)."),
+    (f"**Goodput {result['goodput']:.3f}** (committed tokens of the faulted run over the"
+     f" control's, over the first {result['span_s']:.1f} s after each run's first commit, the"
+     " span both ran)."),
     kit.table(["", "control", "faults"], rows), f"![committed tokens]({figure})",
-    "Not built here: synchronous data parallelism with checkpoint-restart on the same schedule,"
-    " link-down faults (network namespaces), a lighthouse kill, an equal CPU share per replica"
-    " (cgroup `cpu.max`), the lm task and a 10-minute schedule of 15 faults. The replicas"
-    " share 2 cores with whatever else runs: a stopped replica frees CPU for the others.",
-    f"Run {result['run']['date']}: `{result['run']['command']}`, {result['run']['seconds']:.0f} s."])
+    ("Not built here: synchronous data parallelism with checkpoint-restart on the same"
+     " schedule, link-down faults (network namespaces), a lighthouse kill, an equal CPU share"
+     " per replica (cgroup `cpu.max`), the lm task and a 10-minute schedule of 15 faults. The"
+     " replicas share 2 cores with whatever else runs: a stopped replica frees CPU for the"
+     " others, and a restarted one spends its first seconds importing JAX and torch."),
+    (f"Run {result['run']['date']}: `{result['run']['command']}`,"
+     f" {result['run']['seconds']:.0f} s.")])
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -384,7 +376,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     if at > 0 and kind in colors:
       ax.axvline(at, color=colors[kind], lw=0.8, ls=":" if kind == "start" else "-")
       ax.text(at, ax.get_ylim()[1], f"{kind} {replica}", rotation=90, fontsize=6, va="top")
-  ax.axvline(result["span_s"], color="black", lw=0.8, ls="--", label="control's span")
+  ax.axvline(result["span_s"], color="black", lw=0.8, ls="--", label="the span counted")
   ax.set_xlabel("seconds after the first commit")
   ax.set_ylabel("committed tokens")
   ax.set_title(f"goodput {result['goodput']:.3f}: kill (red), stop (orange), cont (green),"
