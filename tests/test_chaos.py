@@ -105,6 +105,13 @@ def test_heal_from_a_sigcont_and_a_hash_mismatch():
   assert got["hash_mismatches"] == 1
 
 
+def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_path):
+  monkeypatch.setattr(chaos.os, "geteuid", lambda: 1000)
+  assert chaos.measure(chaos.Config(), str(tmp_path / "chaos")) is None
+  assert "needs root" in capsys.readouterr().err
+  assert list(tmp_path.iterdir()) == []
+
+
 needs_ft = pytest.mark.skipif(
   importlib.util.find_spec("torchft") is None and os.environ.get("OPTAX_DIST_REQUIRE_FT") != "1",
   reason="needs the ft extra (torch, torchft)")

@@ -190,7 +190,8 @@ def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
 def _inject(proc: subprocess.Popen, out: str, faults: list[Fault], deadline: float
             ) -> tuple[float | None, list[list[Any]]]:
   """Until ``proc`` ends: notes each new replica process, applies the due faults and the due
-  ``SIGCONT``s (see :func:`drive`); returns ``t0`` and the events."""
+  ``SIGCONT``s (see :func:`drive`), no fault once a replica has finished; returns ``t0`` and
+  the events."""
   events, seen, pending, t0 = [], {}, sorted(faults, key=lambda f: f.at), None
   conts: list[tuple[float, int, int]] = []
   while proc.poll() is None:
@@ -206,6 +207,8 @@ def _inject(proc: subprocess.Popen, out: str, faults: list[Fault], deadline: flo
     for cont in [c for c in conts if c[0] <= now]:
       conts.remove(cont)
       _signal(cont[2], signal.SIGCONT, events, now, "cont", cont[1])
+    if any(pathlib.Path(out, "replicas").glob("final_*.json")):
+      pending = []  # a replica has finished: the run is ending
     while t0 is not None and pending and pending[0].at <= now:
       fault = pending.pop(0)
       pid = pids.get(fault.replica)
