@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens bench-lm-exchanges \
-  bench-async-dylu dist clean
+  bench-async-dylu bench-chaos dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,15 @@ bench-lm-exchanges: $(VENV)/.bench
 # BENCH_ASYNC_DYLU_ARGS=--quick checks the program.
 bench-async-dylu: $(VENV)/.bench
 	$(BIN)/python -m benchmarks async_dylu $(BENCH_ASYNC_DYLU_ARGS)
+
+# Fault-tolerant DiLoCo (4 replica processes over torchft, the digits task) under a fixed-seed
+# Poisson schedule of kill -9 and SIGSTOP faults, against a control run without faults: goodput,
+# heal times, stalls, state-hash mismatches; in benchmarks/results/chaos/. Needs root and the ft
+# extra; says why and does nothing without root. BENCH_CHAOS_ARGS=--quick checks the program.
+bench-chaos: $(VENV)/.bench,ft
+	@if [ "$$(id -u)" != 0 ]; then echo "bench-chaos: skipped: needs root"; exit 0; fi; \
+	mkdir -p benchmarks/results/chaos; \
+	$(BIN)/python -m benchmarks chaos --out benchmarks/results/chaos/chaos $(BENCH_CHAOS_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist

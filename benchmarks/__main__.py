@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from benchmarks import kit
 
 STUDIES = ("lm_quality", "lm_overhead", "mlp_overhead", "communication", "fsdp", "network",
-           "equal_tokens", "lm_exchanges", "async_dylu")
+           "equal_tokens", "lm_exchanges", "async_dylu", "chaos")
 BENCH = ("lm_quality", "lm_overhead", "mlp_overhead", "communication")
 """The studies of ``make bench`` (``python -m benchmarks bench``)."""
 

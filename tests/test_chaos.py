@@ -1,0 +1,142 @@
+"""The chaos study (``benchmarks/studies/chaos.py``): its fault schedule, its accounting on
+hand-written replica logs, and one small faulted run of ``optax-dist train --fault-tolerant``
+(3 replicas, a scripted ``SIGSTOP`` and ``kill -9``) whose numbers are checked against a count
+of its own logs, with every process of the run gone afterwards.
+
+The run needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing
+extra fails it instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import pathlib
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from benchmarks.studies import chaos  # noqa: E402
+
+
+def test_schedule_is_fixed_by_its_seed_and_extends_with_the_horizon():
+  a = chaos.schedule(3, 0.1, 300.0, 4)
+  assert a == chaos.schedule(3, 0.1, 300.0, 4)
+  assert a != chaos.schedule(4, 0.1, 300.0, 4)
+  assert chaos.schedule(3, 0.1, 600.0, 4)[:len(a)] == a
+
+
+def test_schedule_draws_a_poisson_process_of_its_rate():
+  rate, horizon = 0.1, 100_000.0
+  faults = chaos.schedule(0, rate, horizon, 4, (3.0, 10.0))
+  expected = rate * horizon  # 10,000 faults; a Poisson count's standard deviation is 100
+  assert abs(len(faults) - expected) < 4 * math.sqrt(expected)
+  assert all(0 < f.at < horizon for f in faults)
+  assert [f.at for f in faults] == sorted(f.at for f in faults)
+  kills = sum(f.kind == "kill" for f in faults)
+  assert abs(kills - len(faults) / 2) < 4 * math.sqrt(len(faults) / 4)
+  assert {f.replica for f in faults} == {0, 1, 2, 3}
+  assert all(3.0 <= f.seconds <= 10.0 for f in faults if f.kind == "stop")
+  assert all(f.seconds == 0.0 for f in faults if f.kind == "kill")
+
+
+@pytest.mark.parametrize("kwargs", [{"rate": 0.0}, {"horizon": -1.0}, {"replicas": 0},
+                                    {"stop_seconds": (5.0, 3.0)}])
+def test_schedule_refuses_bad_input(kwargs):
+  args = {"seed": 0, "rate": 0.1, "horizon": 10.0, "replicas": 2} | kwargs
+  with pytest.raises(ValueError, match="chaos.schedule"):
+    chaos.schedule(**args)
+
+
+def line(round, replica, time, committed=True, weight=10, tokens=10, healed=False, pid=None,
+         state_hash="h", quorum_seconds=0.01):
+  return {"round": round, "replica": replica, "time": time, "committed": committed,
+          "weight": weight, "tokens": tokens, "healed": healed, "pid": pid or 100 + replica,
+          "state_hash": f"{state_hash}{round}", "quorum_seconds": quorum_seconds}
+
+
+def faulted_run():
+  """Two replicas from t0 = 100 s: replica 1 is killed at 1.5 s, replica 0 aborts round 2
+  alone, replica 1 restarts at 2.5 s (pid 201) and heals in round 3 (weight 0)."""
+  lines = [line(0, 0, 100.0), line(0, 1, 100.0), line(1, 0, 101.0), line(1, 1, 101.0),
+           line(2, 0, 102.0, committed=False),
+           line(3, 0, 103.0), line(3, 1, 103.0, weight=0, healed=True, pid=201,
+                                   quorum_seconds=0.2),
+           line(4, 0, 104.0), line(4, 1, 104.0, pid=201)]
+  events = [[0.0, "start", 0, 100], [0.0, "start", 1, 101], [1.5, "kill", 1, 101],
+            [2.5, "start", 1, 201]]
+  return {"t0": 100.0, "lines": lines, "events": events}
+
+
+def control_run():
+  return {"t0": 50.0, "events": [],
+          "lines": [line(r, i, 50.0 + r) for r in range(6) for i in range(2)]}
+
+
+def test_accounting_of_a_hand_written_log():
+  got = chaos.accounting(faulted_run(), span=4.0)
+  # rounds 1, 3, 4 after the first commit: 10 + 10, 10 + 0 (the healer), 10 + 10
+  assert got["committed_tokens"] == 50
+  assert chaos.accounting(faulted_run(), span=3.5)["committed_tokens"] == 30
+  assert got["useful_work"] == pytest.approx(70 / 90)  # round 0's 20 counted; 9 lines of 10
+  assert (got["rounds_committed"], got["rounds_aborted"], got["abort_lines"]) == (4, 1, 1)
+  assert got["longest_stall_s"] == pytest.approx(2.0)  # round 1 at 1 s, round 3 at 3 s
+  assert got["heal_s"] == [pytest.approx(0.5)]  # restarted at 2.5 s, first commit at 3 s
+  assert got["first_quorum_s"] == [0.2]
+  assert got["hash_mismatches"] == 0
+  assert got["timeline"][-1] == [pytest.approx(4.0), 50.0]
+
+
+def test_goodput_against_the_control():
+  result = chaos.compare(control_run(), faulted_run())
+  assert result["span_s"] == 4.0  # the faulted run's; the control ran 5 s
+  assert result["control"]["committed_tokens"] == 80  # rounds 1 to 4, two replicas, 10 each
+  assert result["goodput"] == pytest.approx(50 / 80)
+
+
+def test_heal_from_a_sigcont_and_a_hash_mismatch():
+  run = faulted_run()
+  run["events"] += [[3.2, "stop", 0, 100], [3.6, "cont", 0, 100]]
+  run["lines"][-1] = line(4, 1, 104.0, pid=201, state_hash="other")
+  got = chaos.accounting(run, span=4.0)
+  assert got["heal_s"] == [pytest.approx(0.5), pytest.approx(0.4)]
+  assert got["hash_mismatches"] == 1
+
+
+def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_path):
+  monkeypatch.setattr(chaos.os, "geteuid", lambda: 1000)
+  assert chaos.measure(chaos.Config(), str(tmp_path / "chaos")) is None
+  assert "needs root" in capsys.readouterr().err
+  assert list(tmp_path.iterdir()) == []
+
+
+needs_ft = pytest.mark.skipif(
+  importlib.util.find_spec("torchft") is None and os.environ.get("OPTAX_DIST_REQUIRE_FT") != "1",
+  reason="needs the ft extra (torch, torchft)")
+
+
+@pytest.mark.slow
+@needs_ft
+def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
+  config = chaos.Config(replicas=3, min_replicas=2, steps=500, sync_period=5, restart_delay=0.5,
+                        exchange_timeout=2.0, timeout=150.0)
+  faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2)]
+  out = str(tmp_path / "run")
+  run = chaos.drive(config, out, faults)
+  assert chaos.processes(out) == {}
+  for _, _, _, pid in run["events"]:
+    assert not os.path.exists(f"/proc/{pid}") or out not in pathlib.Path(
+      f"/proc/{pid}/cmdline").read_text()
+  kinds = [kind for _, kind, _, _ in run["events"]]
+  assert kinds.count("stop") == kinds.count("cont") == kinds.count("kill") == 1
+  assert run["status"] == 0 and len(run["final"]) >= 2
+  got = chaos.accounting(run, span=math.inf)
+  assert got["hash_mismatches"] == 0
+  committed = [x for x in run["lines"] if x["committed"]]
+  # every committed line carries its round's tokens (5 steps x a batch of 16), a healer's none
+  hand = sum(0 if x["healed"] else 5 * 16 for x in committed if x["time"] > run["t0"])
+  assert got["committed_tokens"] == hand > 0
+  assert any(x["healed"] for x in committed)  # the stopped replica fell behind and healed
+  assert len(got["heal_s"]) >= 1
