@@ -81,8 +81,7 @@ class Problem:
     self.params, self.loss_fn, self.n = params, loss_fn, devices
     self.mesh = Mesh(np.array(jax.devices()[:devices]), (AXIS,))
     self.batch = self.put(tuple(batch), tile=False)
-    self.num_params = kit.num_params(params)
-    self.params_bytes = kit.tree_bytes(params)
+    self.num_params, self.params_bytes = kit.num_params(params), kit.tree_bytes(params)
 
   def spec(self, tree: Any) -> Any:
     return jax.tree.map(lambda x: P(AXIS) if np.ndim(x) else P(), tree)

@@ -286,8 +286,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" seeds {', '.join(map(str, result['seeds']))}. Simulated time:"
      f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
      " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13. "
-     + kit.load_text(result)),
-    summary(result),
+     + kit.load_text(result)), summary(result),
     f"![validation bits per byte against simulated time and inner steps]({plot_name})")
 
 

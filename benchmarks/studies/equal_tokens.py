@@ -271,8 +271,7 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
               "run": _one(runs(m, lr, grid.period, momentum), dp),
               "default": _one(runs(m, best[m], grid.period), dp), "default_lr": best[m]}
              for m, lr, momentum in grid.momentum_runs]
-  return {"dp": {"seeds": sorted(r["seed"] for r in dp),
-                 "loss": _stats([r["final"] for r in dp])},
+  return {"dp": {"seeds": sorted(r["seed"] for r in dp), "loss": _stats([r["final"] for r in dp])},
           "rows": rows, "sweep": sweep, "periods": periods, "momenta": momenta,
           "targets": targets(rows)}
 
@@ -315,8 +314,7 @@ def _mean_sd(stats: tuple[float, float] | None, spec: str = ".4f") -> str:
 def comparison_table(s: dict[str, Any]) -> str:
   """Data parallel and each M: final loss, gap to data parallel, the paper's gap."""
   dp = s["dp"]
-  table = [["data parallel", "—", ", ".join(map(str, dp["seeds"])), _mean_sd(dp["loss"]), "—",
-            "—"]]
+  table = [["data parallel", "—", ", ".join(map(str, dp["seeds"])), _mean_sd(dp["loss"]), "—", "—"]]
   for r in s["rows"]:
     paper = "slightly below 0" if r["replicas"] == 1 else kit.fmt(r["paper"], "+.1%")
     table.append([f"DiLoCo M = {r['replicas']}",
@@ -363,8 +361,7 @@ def periods_table(s: dict[str, Any]) -> str:
   """The H sweep: outer steps, the anchor's final loss and gap, the workers' final loss."""
   rows = [[str(h), "not run", "", "", ""] if p is None else
           [str(h), str(p["rounds"]), f"{p['loss']:.4f}", kit.fmt(p["gap"], "+.1%"),
-           f"{p['workers']:.4f}"]
-          for h, p in s["periods"].items()]
+           f"{p['workers']:.4f}"] for h, p in s["periods"].items()]
   return kit.table(["H", "outer steps", "val bits/byte (anchor)", "vs data parallel",
                       "workers' params"], rows)
 
@@ -380,14 +377,12 @@ def document(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
     "Targets:", "\n".join(target_lines(s)),
     f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", sweep_table(s),
     f"## Sync period H at M = {m} (outer lr {kit.fmt(best[m], 'g')}, seed {SWEEP_SEED})",
-    periods_table(s),
-    *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})",
+    periods_table(s), *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})",
        (f"The papers' outer Nesterov momentum {OUTER_MOMENTUM:g} averages over about"
         f" {1 / (1 - OUTER_MOMENTUM):.0f} outer steps; these runs have"
         f" {meta['steps'] // grid.period}. Beside each M's best run above, the same M with"
         " another outer learning rate and momentum:"), momentum_table(s)]
-      if grid.momentum_runs else []),
-    "## Runs", runs_table(records),
+      if grid.momentum_runs else []), "## Runs", runs_table(records),
     f"![final validation loss against M and against H]({plot_name})")
 
 
@@ -418,12 +413,10 @@ def runs_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def _order(r: dict[str, Any]) -> tuple:
-  return (r["replicas"] or 0, r["sync_period"] or 0, r["outer_lr"] or 0, -_momentum(r),
-          r["seed"])
+  return (r["replicas"] or 0, r["sync_period"] or 0, r["outer_lr"] or 0, -_momentum(r), r["seed"])
 
 
-def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
-           path: str) -> None:
+def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any], path: str) -> None:
   """Final validation loss against M (beside Table 4's gaps applied to data parallel's loss) and
   against H at M = ``grid.period_replicas``."""
   s = summary(grid, records)

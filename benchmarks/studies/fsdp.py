@@ -55,8 +55,7 @@ def row(name: str, result: dict, load: str) -> dict:
   return {"run": name, "final train loss": repr(result["final_train_loss"]),
           "val bits/byte": repr(result["test_bits_per_byte_eval_params"]),
           "params B/device": held["params"], "opt state B/device": held["opt_state"],
-          "step args B/device": held["step_arguments"], "step ms": quartiles,
-          "load before": load}
+          "step args B/device": held["step_arguments"], "step ms": quartiles, "load before": load}
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:

@@ -30,6 +30,7 @@ SIZES = (("≈1M", (1024, 256)), ("≈10M", (2048, 2048, 2048)))
 
 TARGET = 1.05
 
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   rounds_1m: int = kit.option(60, "timing rounds of the ≈1M MLP")
@@ -40,8 +41,8 @@ QUICK = {"rounds_1m": 3, "rounds_10m": 2}
 
 
 def variants() -> list[Variant]:
-  comm = (("non-communication step", 0, False, None), ("communication step", PERIOD - 1, True,
-                                                      None))
+  comm = (("non-communication step", 0, False, None),
+          ("communication step", PERIOD - 1, True, None))
   return [
     Variant("moving_average", "moving_average(adam, 0.999)",
             lambda adam, axis: optax_dist.moving_average(adam, 0.999), needed=3,
@@ -78,8 +79,7 @@ def variants() -> list[Variant]:
             (("every step (all-reduce)", None, True, None),), needed=2, need_note="adam 2×"),
     Variant("apply_if_finite", "apply_if_finite(adam, 3)",
             lambda adam, axis: optax_dist.apply_if_finite(adam, 3, axis_name=axis),
-            (("every step (pmax of a flag)", None, True, None),), needed=2,
-            need_note="adam 2×"),
+            (("every step (pmax of a flag)", None, True, None),), needed=2, need_note="adam 2×"),
     Variant("accumulate_then_reduce", f"accumulate_then_reduce(adam, k={EVERY_K})",
             lambda adam, axis: optax_dist.accumulate_then_reduce(adam, EVERY_K, axis),
             (("accumulating micro-step", 0, False, None),
@@ -111,17 +111,16 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
   """Times every wrapper's steps against adam's and analyses their memory, for every size."""
   adam = optax.adam(LEARNING_RATE)
   rounds = {"≈1M": config.rounds_1m, "≈10M": config.rounds_10m}
-  out = {"sizes": [], "memory": {}, "rounds": rounds}
+  sizes = []
   for size_name, hidden in SIZES:
     p = problem(hidden)
-    timed = time_variants(p, adam, variants(), rounds[size_name], [0, len(hidden)])
-    out["sizes"].append({"size": size_name, "hidden": hidden, "num_params": p.num_params,
-                         "params_bytes": p.params_bytes, **timed})
-  out["memory"] = {"size": size_name, "num_params": p.num_params, "params_bytes": p.params_bytes,
-                   "rows": [_memory_row(v, p, adam) for v in [
-                     Variant("adam", "adam (bare)", lambda adam, axis: adam, needed=2,
-                             need_note="adam 2×"), *variants()]]}
-  return out
+    sizes.append({"size": size_name, "hidden": hidden, "num_params": p.num_params,
+                  "params_bytes": p.params_bytes,
+                  **time_variants(p, adam, variants(), rounds[size_name], [0, len(hidden)])})
+  bare = Variant("adam", "adam (bare)", lambda adam, axis: adam, needed=2, need_note="adam 2×")
+  memory = {"size": size_name, "num_params": p.num_params, "params_bytes": p.params_bytes,
+            "rows": [_memory_row(v, p, adam) for v in [bare, *variants()]]}
+  return {"sizes": sizes, "memory": memory, "rounds": rounds}
 
 
 def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
