@@ -44,10 +44,8 @@ from optax_dist.cli.tasks import TASKS  # noqa: E402
 DEVICES = 8
 """Emulated CPU devices of every study."""
 
-try:
+with contextlib.suppress(RuntimeError):  # JAX already set up (e.g. by a test session's conftest)
   jax.config.update("jax_num_cpu_devices", DEVICES)
-except RuntimeError:  # JAX already initialised (e.g. by a test session's own configuration)
-  pass
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(ROOT, "results")

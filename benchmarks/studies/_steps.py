@@ -165,8 +165,7 @@ def interleaved(baseline: Runner, runners: Sequence[Runner], rounds: int,
   baseline, then each runner (in a seeded random order) followed by the baseline again, so each
   call sits between two baseline calls; its ratio is its time over their mean. The medians over
   the rounds, in wall-clock and in process CPU time, with the interquartile range of the ratio."""
-  baseline()
-  for r in runners:
+  for r in (baseline, *runners):
     r()
   rng = np.random.default_rng(seed)
   base, times, ratios = [], [[] for _ in runners], [[] for _ in runners]
