@@ -1,7 +1,21 @@
 """Step-time overhead and memory of each wrapper against the bare inner optimizer (adam).
 
-The report's own paragraphs (:func:`_overhead_intro`, :func:`_memory_intro`) describe the step,
-its timing (:mod:`benchmarks.studies._steps`) and the memory analysis.
+A jitted training step (forward, backward, optimizer update, ``apply_updates``) of a Flax MLP with
+784 inputs and 10 outputs, minibatch 128, params and optimizer state donated
+(``donate_argnums=(0, 1)``), for each wrapper around ``optax.adam(0.001)`` against the same step
+with bare adam. One worker: the step is ``jax.shard_map``'ed over a one-device mesh, so the axis is
+bound (size 1) and every wrapper runs its own code path, its ``lax.cond`` a real conditional
+(under ``vmap`` it would become a ``select`` running both branches). The communicating wrappers'
+communication and non-communication steps are timed separately: before each call the step
+counter (``local_step``, ``mini_step``) is set so that the call is the one wanted. In each round
+every wrapper call sits between two bare-adam calls (wrappers in a seeded random order); its
+ratio is its time over the mean of those two; the table gives the median ratio over the rounds
+with its interquartile range, the median of the same ratio in process CPU time (steadier on a
+loaded machine), and the median wall time. Target: ≤ 1.05× on non-communication steps. *copies
+MiB*: bytes written by ``copy`` instructions in the compiled ≈10M step (all branches), a
+deterministic hint of extra memory traffic.
+
+The memory section's own paragraph (:func:`_memory_intro`) describes its analysis.
 """
 
 from __future__ import annotations
@@ -140,7 +154,7 @@ def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any], figure: str) -> str:
   return kit.blocks(
-    "## MLP: overhead and memory", _overhead_intro(), overhead_markdown(result),
+    "## MLP: overhead and memory", kit.doc_markdown(__doc__, 1, 1), overhead_markdown(result),
     _overhead_verdicts(result), "### Memory", _memory_intro(result), memory_markdown(result),
     _memory_notes(result), f"![MLP step time over bare adam's]({figure})")
 
@@ -150,26 +164,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   ratio_plot([(s["size"], s["rows"]) for s in result["sizes"]], TARGET,
              "MLP step time / bare adam's (median, IQR)",
              f"Overhead on the MLP step (dashed: {TARGET}×)", path)
-
-
-def _overhead_intro() -> str:
-  return (
-    f"A jitted training step (forward, backward, optimizer update, `apply_updates`) of a Flax"
-    f" MLP with {FEATURES} inputs and {CLASSES} outputs, minibatch {BATCH}, params and"
-    f" optimizer state donated (`donate_argnums=(0, 1)`), for each wrapper around"
-    f" `optax.adam({LEARNING_RATE:g})` against the same step with bare adam. One worker: the"
-    f" step is `jax.shard_map`'ed over a one-device mesh, so the axis is bound (size 1) and every"
-    f" wrapper runs its own code path, its `lax.cond` a real conditional (under `vmap` it would"
-    f" become a `select` running both branches). The communicating wrappers' communication and"
-    f" non-communication steps are timed separately: before each call the step counter"
-    f" (`local_step`, `mini_step`) is set so that the call is the one wanted. In each round every"
-    f" wrapper call sits between two bare-adam calls (wrappers in a seeded random order); its"
-    f" ratio is its time over the mean of those two; the table gives the median ratio over the"
-    f" rounds with its interquartile range, the median of the same ratio in process CPU time"
-    f" (steadier on a loaded machine), and the median wall time. Target: ≤ {TARGET}× on"
-    f" non-communication steps. *copies MiB*: bytes written by `copy` instructions in the"
-    f" compiled ≈10M step (all branches), a deterministic hint of extra memory traffic."
-  )
 
 
 def _overhead_verdicts(result, target=TARGET) -> str:
