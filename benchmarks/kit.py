@@ -57,10 +57,9 @@ RESULTS = os.path.join(ROOT, "results")
 
 def settings(flags: Sequence[str] = (), **overrides: Any) -> Settings:
   """The trainer's settings of an ``lm`` run: the task's recipe (its defaults but ``steps``), then
-  ``flags`` (``optax-dist train`` flags, e.g. ``("--lr-schedule", "constant", "--eager")``:
-  ``--name VALUE`` sets ``name``, a flag without a value sets it to ``True``), then
-  ``overrides``. As on the command line, a period the task sets and these do not is at most
-  ``steps``."""
+  ``flags`` (``optax-dist train`` flags, e.g. ``("--lr-schedule", "constant", "--eager")``: ``--name
+  VALUE`` sets ``name``, a flag without a value sets it to ``True``), then ``overrides``. As on the
+  command line, a period the task sets and these do not is at most ``steps``."""
   task = TASKS[overrides.get("task", "lm")]
   given = flag_values(flags) | overrides
   values = {"task": task.name, **{k: v for k, v in task.defaults.items() if k != "steps"}, **given}

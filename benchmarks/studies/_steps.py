@@ -209,8 +209,7 @@ def time_variants(problem: Problem, adam: Any, variants: Sequence[Variant], roun
                   seed: Any, *, bound: bool = True, donate: bool = True) -> dict[str, Any]:
   """Compiles adam's step and each variant's (once per hint), times each phase against adam's
   (:func:`interleaved`); adam's times and memory, and a row per phase (``name``, ``label``,
-  ``phase``, ``hint``, ``communicates``, ``sync_phase``, ``passes``, :func:`memory`, the
-  timing)."""
+  ``phase``, ``hint``, ``communicates``, ``sync_phase``, ``passes``, :func:`memory`, the timing)."""
   with kit.Timed() as compiling:
     base_step = problem.compiled(adam, donate=donate, bound=bound)
     baseline = Runner(problem, base_step, problem.init(adam))

@@ -4,14 +4,13 @@ The ≈1M MLP's step of ``mlp_overhead`` over 8 emulated devices, compiled (and 
 ``jax.ShapeDtypeStruct``s, never run.
 
 Bytes are per device and per execution: *sent* is what a device contributes (a collective's
-operands), *received* its result (an ``all_gather`` over 8 devices returns 8× what each sends:
-AGN's sequential center update gathers every worker's accumulated gradient). Per 1000 steps:
-communication steps at the communication-step bytes, the others at the non-communication-step
-bytes (none for every algorithm here). **bfloat16 on CPU**: XLA's CPU compiler widens bfloat16
-collectives to float32 after rounding the values to bfloat16, so the compiled stage reports
-float32 bytes for the ``comm_dtype=bfloat16`` rows; the *lowered* columns (``stage="lowered"``,
-the program as JAX emits it, one collective per leaf) show the halved bytes that GPU and TPU
-backends send.
+operands), *received* its result (an ``all_gather`` over 8 devices returns 8× what each sends: AGN's
+sequential center update gathers every worker's accumulated gradient). Per 1000 steps: communication
+steps at the communication-step bytes, the others at the non-communication-step bytes (none for
+every algorithm here). **bfloat16 on CPU**: XLA's CPU compiler widens bfloat16 collectives to
+float32 after rounding the values to bfloat16, so the compiled stage reports float32 bytes for the
+``comm_dtype=bfloat16`` rows; the *lowered* columns (``stage="lowered"``, the program as JAX emits
+it, one collective per leaf) show the halved bytes that GPU and TPU backends send.
 """
 
 from __future__ import annotations

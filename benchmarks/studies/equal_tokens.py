@@ -19,16 +19,15 @@ device per replica, M = 1 is a real DiLoCo over a one-device axis (the outer opt
 the pseudo-gradient), and a replica's step is the one ``--replicas`` would take (the mean of equal
 minibatches' mean gradients is the gradient of their union).
 
-The grid, trimmed to fit about 90 minutes on 2 cores: the outer learning rate
-from {0.4, 0.6, 0.8, 1.0} swept at M = 2 and M = 8 on seed 0; M = 1 at 0.6 and M = 4 at 0.8
-(the values Scaling Laws for DiLoCo finds best for few replicas, 0.6 to 0.8, the larger with
-more replicas); every M, and data parallel, on 3 seeds at its best (the swept M at the outer
-learning rate with the lowest seed-0 loss); H from {1, 5, 10, 30, 100} at M = 2 (seed 0); and
-M = 1, 2 and 8 with outer learning rate 0.7 and momentum 0.5 (seed 0), where the rest has the
-papers' momentum 0.9.
-Steps: the fewest multiple of H = 30 with at least 20 tokens per parameter
-(the anchor then holds every inner step; at H = 100 the last sync is up to 99 steps before the
-end, and the workers' own params, which hold them, are reported beside the anchor).
+The grid, trimmed to fit about 90 minutes on 2 cores: the outer learning rate from {0.4, 0.6, 0.8,
+1.0} swept at M = 2 and M = 8 on seed 0; M = 1 at 0.6 and M = 4 at 0.8 (the values Scaling Laws for
+DiLoCo finds best for few replicas, 0.6 to 0.8, the larger with more replicas); every M, and data
+parallel, on 3 seeds at its best (the swept M at the outer learning rate with the lowest seed-0
+loss); H from {1, 5, 10, 30, 100} at M = 2 (seed 0); and M = 1, 2 and 8 with outer learning rate 0.7
+and momentum 0.5 (seed 0), where the rest has the papers' momentum 0.9. Steps: the fewest multiple
+of H = 30 with at least 20 tokens per parameter (the anchor then holds every inner step; at H = 100
+the last sync is up to 99 steps before the end, and the workers' own params, which hold them, are
+reported beside the anchor).
 
 The metric is the final validation loss in bits per byte of :func:`optax_dist.eval_params` (the
 anchor of DiLoCo, the global model the paper evaluates); a ratio of two losses is the same in
@@ -177,9 +176,8 @@ def run_count(grid: Grid, seeds: Sequence[int]) -> int:
 
 
 def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float | None]:
-  """Each M's outer learning rate: the swept M's with the lowest final loss at
-  :data:`SWEEP_SEED` and H = ``grid.period`` among ``records`` (``None`` if none was run); the
-  others' fixed one."""
+  """Each M's outer learning rate: the swept M's with the lowest final loss at :data:`SWEEP_SEED`
+  and H = ``grid.period`` among ``records`` (``None`` if none was run); the others' fixed one."""
   best = dict(grid.fixed_lr)
   for m in grid.swept:
     sweep = [r for r in records if r["replicas"] == m and r["sync_period"] == grid.period

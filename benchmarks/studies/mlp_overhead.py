@@ -1,19 +1,18 @@
 """Step-time overhead and memory of each wrapper against the bare inner optimizer (adam).
 
 A jitted training step (forward, backward, optimizer update, ``apply_updates``) of a Flax MLP with
-784 inputs and 10 outputs, minibatch 128, params and optimizer state donated
-(``donate_argnums=(0, 1)``), for each wrapper around ``optax.adam(0.001)`` against the same step
-with bare adam. One worker: the step is ``jax.shard_map``'ed over a one-device mesh, so the axis is
-bound (size 1) and every wrapper runs its own code path, its ``lax.cond`` a real conditional
-(under ``vmap`` it would become a ``select`` running both branches). The communicating wrappers'
-communication and non-communication steps are timed separately: before each call the step
-counter (``local_step``, ``mini_step``) is set so that the call is the one wanted. In each round
-every wrapper call sits between two bare-adam calls (wrappers in a seeded random order); its
-ratio is its time over the mean of those two; the table gives the median ratio over the rounds
-with its interquartile range, the median of the same ratio in process CPU time (steadier on a
-loaded machine), and the median wall time. Target: ≤ 1.05× on non-communication steps. *copies
-MiB*: bytes written by ``copy`` instructions in the compiled ≈10M step (all branches), a
-deterministic hint of extra memory traffic.
+784 inputs and 10 outputs, minibatch 128, params and optimizer state donated (``donate_argnums=(0,
+1)``), for each wrapper around ``optax.adam(0.001)`` against the same step with bare adam. One
+worker: the step is ``jax.shard_map``'ed over a one-device mesh, so the axis is bound (size 1) and
+every wrapper runs its own code path, its ``lax.cond`` a real conditional (under ``vmap`` it would
+become a ``select`` running both branches). The communicating wrappers' communication and
+non-communication steps are timed separately: before each call the step counter (``local_step``,
+``mini_step``) is set so that the call is the one wanted. In each round every wrapper call sits
+between two bare-adam calls (wrappers in a seeded random order); its ratio is its time over the mean
+of those two; the table gives the median ratio over the rounds with its interquartile range, the
+median of the same ratio in process CPU time (steadier on a loaded machine), and the median wall
+time. Target: ≤ 1.05× on non-communication steps. *copies MiB*: bytes written by ``copy``
+instructions in the compiled ≈10M step (all branches), a deterministic hint of extra memory traffic.
 
 The memory section's own paragraph (:func:`_memory_intro`) describes its analysis.
 """

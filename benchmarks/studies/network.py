@@ -81,9 +81,8 @@ TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
 GLOO_OPERAND_BYTES = 576
 """Bytes gloo sends beyond an all-reduce operand's own, per operand and direction between two
-processes (measured by ``probe_link_bytes.py`` with jax 0.10.2's gloo: 12 TCP segments per
-operand; XLA combines a tree's leaves into one all-reduce of many operands, and gloo reduces each
-apart)."""
+processes (measured by ``probe_link_bytes.py`` with jax 0.10.2's gloo: 12 TCP segments per operand;
+XLA combines a tree's leaves into one all-reduce of many operands, and gloo reduces each apart)."""
 
 
 def command(algorithm: str, process_id: int, coordinator: str, out: str, *, steps: int,
@@ -120,9 +119,8 @@ def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
   all-gather) sends its operands' bytes each way, plus ``framing`` bytes per operand (gloo's,
   :data:`GLOO_OPERAND_BYTES`; 0 for the operands' bytes alone), for each of the ``pairs`` device
   pairs (``DEVICES``; 1 for the exchange device's programs of ``--exchange-device``). Those over
-  every worker (``replica,data`` or ``workers``)
-  are taken as one ring over all :math:`n` devices, which crosses once each way carrying
-  :math:`2(n-1)/n` of the bytes.
+  every worker (``replica,data`` or ``workers``) are taken as one ring over all :math:`n` devices,
+  which crosses once each way carrying :math:`2(n-1)/n` of the bytes.
   """
   n = PROCESSES * DEVICES
   total = 0.0
