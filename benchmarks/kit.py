@@ -44,10 +44,8 @@ from optax_dist.cli.tasks import TASKS  # noqa: E402
 DEVICES = 8
 """Emulated CPU devices of every study."""
 
-try:
+with contextlib.suppress(RuntimeError):  # JAX already set up (e.g. by a test session's conftest)
   jax.config.update("jax_num_cpu_devices", DEVICES)
-except RuntimeError:  # JAX already initialised (e.g. by a test session's own configuration)
-  pass
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(ROOT, "results")
@@ -59,10 +57,9 @@ RESULTS = os.path.join(ROOT, "results")
 
 def settings(flags: Sequence[str] = (), **overrides: Any) -> Settings:
   """The trainer's settings of an ``lm`` run: the task's recipe (its defaults but ``steps``), then
-  ``flags`` (``optax-dist train`` flags, e.g. ``("--lr-schedule", "constant", "--eager")``:
-  ``--name VALUE`` sets ``name``, a flag without a value sets it to ``True``), then
-  ``overrides``. As on the command line, a period the task sets and these do not is at most
-  ``steps``."""
+  ``flags`` (``optax-dist train`` flags, e.g. ``("--lr-schedule", "constant", "--eager")``: ``--name
+  VALUE`` sets ``name``, a flag without a value sets it to ``True``), then ``overrides``. As on the
+  command line, a period the task sets and these do not is at most ``steps``."""
   task = TASKS[overrides.get("task", "lm")]
   given = flag_values(flags) | overrides
   values = {"task": task.name, **{k: v for k, v in task.defaults.items() if k != "steps"}, **given}

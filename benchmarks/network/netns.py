@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -187,13 +188,9 @@ def probe_main(argv: list[str], module: str, doc: str, port: int,
       paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
       link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
                       f"{link.addresses['a']}:{args.port}", "--device", link.devices[side],
-                      "--result", path, *argv]
-                     for i, (side, path) in enumerate(zip("ab", paths))],
+                      "--result", path, *argv] for i, (side, path) in enumerate(zip("ab", paths))],
                     logs, PROBE_TIMEOUT, what="the probe")
-      results = []
-      for path in paths:
-        with open(path) as f:
-          results.append(json.load(f))
+      results = [json.loads(pathlib.Path(path).read_text()) for path in paths]
     return results, load + [os.getloadavg()[0]]
 
   result = drive(args, pair)

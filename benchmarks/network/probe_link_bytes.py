@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -81,15 +82,11 @@ SMALL_OPERANDS = (24,) * 38
 def read_counters(device: str) -> dict[str, Any]:
   """This namespace's veth counters, ``Tcp`` counters, and TCP bytes sent per kind of connection
   (``coordination``: to or from :data:`PORT`; ``gloo``: the others)."""
-  out: dict[str, Any] = {}
-  stats = f"/sys/class/net/{device}/statistics"
-  for key in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets"):
-    with open(os.path.join(stats, key)) as f:
-      out[key] = int(f.read())
-  with open("/proc/net/snmp") as f:
-    out |= tcp_counters(f.read())
-  out["connections"] = connections()
-  return out
+  stats = pathlib.Path(f"/sys/class/net/{device}/statistics")
+  out: dict[str, Any] = {key: int((stats / key).read_text())
+                         for key in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")}
+  return out | tcp_counters(pathlib.Path("/proc/net/snmp").read_text()) | {
+    "connections": connections()}
 
 
 def tcp_counters(snmp: str) -> dict[str, int]:

@@ -9,9 +9,8 @@ process 1 in ``b``.
 
 The local step is a jitted function over the first :data:`TRAINING` devices of a process (a
 data-parallel tower: a few matmuls on each device's shard and a ``psum`` of a gradient over the
-process's devices); the exchange is an all-reduce (``psum``) across the two processes of
-``--size`` bytes of float32 per process. Each process times, per repeat, with a barrier between
-measurements:
+process's devices); the exchange is an all-reduce (``psum``) across the two processes of ``--size``
+bytes of float32 per process. Each process times, per repeat, with a barrier between measurements:
 
 * ``compute``: ``--steps`` local steps, dispatched one after the other, waited for at the end;
 * ``exchange``: the exchange alone, on the dedicated device, waited for;

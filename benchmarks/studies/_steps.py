@@ -81,8 +81,7 @@ class Problem:
     self.params, self.loss_fn, self.n = params, loss_fn, devices
     self.mesh = Mesh(np.array(jax.devices()[:devices]), (AXIS,))
     self.batch = self.put(tuple(batch), tile=False)
-    self.num_params = kit.num_params(params)
-    self.params_bytes = kit.tree_bytes(params)
+    self.num_params, self.params_bytes = kit.num_params(params), kit.tree_bytes(params)
 
   def spec(self, tree: Any) -> Any:
     return jax.tree.map(lambda x: P(AXIS) if np.ndim(x) else P(), tree)
@@ -166,8 +165,7 @@ def interleaved(baseline: Runner, runners: Sequence[Runner], rounds: int,
   baseline, then each runner (in a seeded random order) followed by the baseline again, so each
   call sits between two baseline calls; its ratio is its time over their mean. The medians over
   the rounds, in wall-clock and in process CPU time, with the interquartile range of the ratio."""
-  baseline()
-  for r in runners:
+  for r in (baseline, *runners):
     r()
   rng = np.random.default_rng(seed)
   base, times, ratios = [], [[] for _ in runners], [[] for _ in runners]
@@ -211,8 +209,7 @@ def time_variants(problem: Problem, adam: Any, variants: Sequence[Variant], roun
                   seed: Any, *, bound: bool = True, donate: bool = True) -> dict[str, Any]:
   """Compiles adam's step and each variant's (once per hint), times each phase against adam's
   (:func:`interleaved`); adam's times and memory, and a row per phase (``name``, ``label``,
-  ``phase``, ``hint``, ``communicates``, ``sync_phase``, ``passes``, :func:`memory`, the
-  timing)."""
+  ``phase``, ``hint``, ``communicates``, ``sync_phase``, ``passes``, :func:`memory`, the timing)."""
   with kit.Timed() as compiling:
     base_step = problem.compiled(adam, donate=donate, bound=bound)
     baseline = Runner(problem, base_step, problem.init(adam))

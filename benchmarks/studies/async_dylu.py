@@ -1,14 +1,13 @@
 """Synchronous DiLoCo against asynchronous DiLoCo, delayed Nesterov and DyLU on heterogeneous
 workers (Liu et al. 2024, Table 3's comparison), emulated on the language model.
 
-Four workers of speeds 1 : 1 : 0.5 : 0.25 (a step of worker w takes 1 / v_w units of simulated
-time; ``--speeds`` sets others) train the ``lm`` task of ``optax-dist`` (the byte-level
-transformer on the Python standard library's sources; ``--model`` sets its width and depth),
-each on its own quarter of the training windows (whole files, in corpus order;
-``--shards shuffled`` deals the windows at random instead), with the command's recipe for the
-task as the inner optimizer (AdamW, warm-up then cosine decay keyed to the worker's own inner
-steps, sized to R × H, clipping; batch 8 per worker), sync period H, outer learning rate 0.7 and
-momentum 0.9 (``--outer`` sets both for every run):
+Four workers of speeds 1 : 1 : 0.5 : 0.25 (a step of worker w takes 1 / v_w units of simulated time;
+``--speeds`` sets others) train the ``lm`` task of ``optax-dist`` (the byte-level transformer on the
+Python standard library's sources; ``--model`` sets its width and depth), each on its own quarter of
+the training windows (whole files, in corpus order; ``--shards shuffled`` deals the windows at
+random instead), with the command's recipe for the task as the inner optimizer (AdamW, warm-up then
+cosine decay keyed to the worker's own inner steps, sized to R × H, clipping; batch 8 per worker),
+sync period H, outer learning rate 0.7 and momentum 0.9 (``--outer`` sets both for every run):
 
 * ``sync diloco``: :func:`optax_dist.diloco` under ``jax.vmap``, R rounds: every round all
   workers take H steps and wait for the slowest, so a round takes H / 0.25 time units; one
@@ -286,8 +285,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" seeds {', '.join(map(str, result['seeds']))}. Simulated time:"
      f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
      " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13. "
-     + kit.load_text(result)),
-    summary(result),
+     + kit.load_text(result)), summary(result),
     f"![validation bits per byte against simulated time and inner steps]({plot_name})")
 
 

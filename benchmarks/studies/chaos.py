@@ -29,6 +29,7 @@ bench-chaos``); says so and exits with 0 otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -145,12 +146,9 @@ def kill_all(out: str) -> None:
     found = processes(out)
     if not found:
       return
-    for pid in found:
-      for sig in (signal.SIGKILL, signal.SIGCONT):
-        try:
-          os.kill(pid, sig)
-        except ProcessLookupError:
-          pass
+    for pid, sig in itertools.product(found, (signal.SIGKILL, signal.SIGCONT)):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
     time.sleep(0.1)
   raise RuntimeError(f"chaos: processes of {out} survive SIGKILL: {sorted(processes(out))}")
 
@@ -228,10 +226,9 @@ def _signal(pid: int, sig: int, events: list[list[Any]], now: float, kind: str, 
   """Sends ``sig`` to ``pid`` (a group if negative) and records it, or a ``skipped``."""
   try:
     os.kill(pid, sig)
-    events.append([now, kind, replica, abs(pid)])
   except ProcessLookupError:
-    events.append([now, "skipped", replica, abs(pid)])
-
+    kind = "skipped"
+  events.append([now, kind, replica, abs(pid)])
 
 
 def committed_tokens(lines: list[dict[str, Any]], t0: float, span: float) -> int:
@@ -269,18 +266,15 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
   return {
     "committed_tokens": committed_tokens(lines, t0, span),
     "useful_work": sum(x["weight"] for x in lines if x["committed"]) / sum(
-      x["tokens"] for x in lines),
-    "rounds_committed": len(commits),
+      x["tokens"] for x in lines), "rounds_committed": len(commits),
     "rounds_aborted": sum(not any(x["committed"] for x in g) for g in rounds.values()),
     "abort_lines": sum(not x["committed"] for x in lines),
     "hash_mismatches": sum(len({x["state_hash"] for x in g if x["committed"]}) > 1
                            for g in rounds.values()),
-    "longest_stall_s": float(max(np.diff(commits), default=0.0)),
-    "heal_s": heals,
+    "longest_stall_s": float(max(np.diff(commits), default=0.0)), "heal_s": heals,
     "heal_p50_s": float(np.percentile(heals, 50)) if heals else None,
     "heal_p95_s": float(np.percentile(heals, 95)) if heals else None,
-    "first_quorum_s": [q for q in first if q is not None],
-    "timeline": _timeline(lines, t0),
+    "first_quorum_s": [q for q in first if q is not None], "timeline": _timeline(lines, t0),
   }
 
 
@@ -300,7 +294,6 @@ def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
   a, b = accounting(control, span), accounting(faulted, span)
   return {"span_s": span, "control": a, "faulted": b,
           "goodput": b["committed_tokens"] / a["committed_tokens"]}
-
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:

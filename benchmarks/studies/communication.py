@@ -1,8 +1,16 @@
 """Bytes communicated per step by each algorithm, from :func:`optax_dist.communication_report`.
 
 The ≈1M MLP's step of ``mlp_overhead`` over 8 emulated devices, compiled (and lowered) from
-``jax.ShapeDtypeStruct``s, never run; the report's first paragraph (:func:`_communication_intro`)
-says what is counted.
+``jax.ShapeDtypeStruct``s, never run.
+
+Bytes are per device and per execution: *sent* is what a device contributes (a collective's
+operands), *received* its result (an ``all_gather`` over 8 devices returns 8× what each sends: AGN's
+sequential center update gathers every worker's accumulated gradient). Per 1000 steps: communication
+steps at the communication-step bytes, the others at the non-communication-step bytes (none for
+every algorithm here). **bfloat16 on CPU**: XLA's CPU compiler widens bfloat16 collectives to
+float32 after rounding the values to bfloat16, so the compiled stage reports float32 bytes for the
+``comm_dtype=bfloat16`` rows; the *lowered* columns (``stage="lowered"``, the program as JAX emits
+it, one collective per leaf) show the halved bytes that GPU and TPU backends send.
 """
 
 from __future__ import annotations
@@ -100,22 +108,12 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def _communication_intro(result) -> str:
-  return (
-    f"The training step of the ≈1M MLP ({result['num_params']:,} params,"
-    f" {result['params_bytes']:,} B in float32, hidden"
-    f" {'-'.join(map(str, result['hidden']))}) under `jax.shard_map` over {kit.DEVICES} emulated"
-    f" CPU devices, compiled (not run) from `jax.ShapeDtypeStruct`s, and read by"
-    f" `optax_dist.communication_report`. Bytes are per device and per execution: *sent* is"
-    f" what a device contributes (a collective's operands), *received* its result (an"
-    f" `all_gather` over {kit.DEVICES} devices returns {kit.DEVICES}× what each sends: AGN's"
-    f" sequential center update gathers every worker's accumulated gradient). Per {STEPS}"
-    f" steps: communication steps at the communication-step bytes, the others at the"
-    f" non-communication-step bytes (none for every algorithm here). **bfloat16 on CPU**:"
-    f" XLA's CPU compiler widens bfloat16 collectives to float32 after rounding the values to"
-    f" bfloat16, so the compiled stage reports float32 bytes for the `comm_dtype=bfloat16`"
-    f" rows; the *lowered* columns (`stage=\"lowered\"`, the program as JAX emits it, one"
-    f" collective per leaf) show the halved bytes that GPU and TPU backends send."
-  )
+  """The step measured, then what is counted (the module's docstring)."""
+  return (f"The training step of the ≈1M MLP ({result['num_params']:,} params,"
+          f" {result['params_bytes']:,} B in float32, hidden"
+          f" {'-'.join(map(str, result['hidden']))}) under `jax.shard_map` over {kit.DEVICES}"
+          " emulated CPU devices, compiled (not run) from `jax.ShapeDtypeStruct`s, and read by"
+          " `optax_dist.communication_report`. " + kit.doc_markdown(__doc__, 2, 2))
 
 
 def table(result: dict[str, Any]) -> str:

@@ -19,16 +19,15 @@ device per replica, M = 1 is a real DiLoCo over a one-device axis (the outer opt
 the pseudo-gradient), and a replica's step is the one ``--replicas`` would take (the mean of equal
 minibatches' mean gradients is the gradient of their union).
 
-The grid, trimmed to fit about 90 minutes on 2 cores: the outer learning rate
-from {0.4, 0.6, 0.8, 1.0} swept at M = 2 and M = 8 on seed 0; M = 1 at 0.6 and M = 4 at 0.8
-(the values Scaling Laws for DiLoCo finds best for few replicas, 0.6 to 0.8, the larger with
-more replicas); every M, and data parallel, on 3 seeds at its best (the swept M at the outer
-learning rate with the lowest seed-0 loss); H from {1, 5, 10, 30, 100} at M = 2 (seed 0); and
-M = 1, 2 and 8 with outer learning rate 0.7 and momentum 0.5 (seed 0), where the rest has the
-papers' momentum 0.9.
-Steps: the fewest multiple of H = 30 with at least 20 tokens per parameter
-(the anchor then holds every inner step; at H = 100 the last sync is up to 99 steps before the
-end, and the workers' own params, which hold them, are reported beside the anchor).
+The grid, trimmed to fit about 90 minutes on 2 cores: the outer learning rate from {0.4, 0.6, 0.8,
+1.0} swept at M = 2 and M = 8 on seed 0; M = 1 at 0.6 and M = 4 at 0.8 (the values Scaling Laws for
+DiLoCo finds best for few replicas, 0.6 to 0.8, the larger with more replicas); every M, and data
+parallel, on 3 seeds at its best (the swept M at the outer learning rate with the lowest seed-0
+loss); H from {1, 5, 10, 30, 100} at M = 2 (seed 0); and M = 1, 2 and 8 with outer learning rate 0.7
+and momentum 0.5 (seed 0), where the rest has the papers' momentum 0.9. Steps: the fewest multiple
+of H = 30 with at least 20 tokens per parameter (the anchor then holds every inner step; at H = 100
+the last sync is up to 99 steps before the end, and the workers' own params, which hold them, are
+reported beside the anchor).
 
 The metric is the final validation loss in bits per byte of :func:`optax_dist.eval_params` (the
 anchor of DiLoCo, the global model the paper evaluates); a ratio of two losses is the same in
@@ -177,9 +176,8 @@ def run_count(grid: Grid, seeds: Sequence[int]) -> int:
 
 
 def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float | None]:
-  """Each M's outer learning rate: the swept M's with the lowest final loss at
-  :data:`SWEEP_SEED` and H = ``grid.period`` among ``records`` (``None`` if none was run); the
-  others' fixed one."""
+  """Each M's outer learning rate: the swept M's with the lowest final loss at :data:`SWEEP_SEED`
+  and H = ``grid.period`` among ``records`` (``None`` if none was run); the others' fixed one."""
   best = dict(grid.fixed_lr)
   for m in grid.swept:
     sweep = [r for r in records if r["replicas"] == m and r["sync_period"] == grid.period
@@ -271,8 +269,7 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
               "run": _one(runs(m, lr, grid.period, momentum), dp),
               "default": _one(runs(m, best[m], grid.period), dp), "default_lr": best[m]}
              for m, lr, momentum in grid.momentum_runs]
-  return {"dp": {"seeds": sorted(r["seed"] for r in dp),
-                 "loss": _stats([r["final"] for r in dp])},
+  return {"dp": {"seeds": sorted(r["seed"] for r in dp), "loss": _stats([r["final"] for r in dp])},
           "rows": rows, "sweep": sweep, "periods": periods, "momenta": momenta,
           "targets": targets(rows)}
 
@@ -315,8 +312,7 @@ def _mean_sd(stats: tuple[float, float] | None, spec: str = ".4f") -> str:
 def comparison_table(s: dict[str, Any]) -> str:
   """Data parallel and each M: final loss, gap to data parallel, the paper's gap."""
   dp = s["dp"]
-  table = [["data parallel", "—", ", ".join(map(str, dp["seeds"])), _mean_sd(dp["loss"]), "—",
-            "—"]]
+  table = [["data parallel", "—", ", ".join(map(str, dp["seeds"])), _mean_sd(dp["loss"]), "—", "—"]]
   for r in s["rows"]:
     paper = "slightly below 0" if r["replicas"] == 1 else kit.fmt(r["paper"], "+.1%")
     table.append([f"DiLoCo M = {r['replicas']}",
@@ -363,8 +359,7 @@ def periods_table(s: dict[str, Any]) -> str:
   """The H sweep: outer steps, the anchor's final loss and gap, the workers' final loss."""
   rows = [[str(h), "not run", "", "", ""] if p is None else
           [str(h), str(p["rounds"]), f"{p['loss']:.4f}", kit.fmt(p["gap"], "+.1%"),
-           f"{p['workers']:.4f}"]
-          for h, p in s["periods"].items()]
+           f"{p['workers']:.4f}"] for h, p in s["periods"].items()]
   return kit.table(["H", "outer steps", "val bits/byte (anchor)", "vs data parallel",
                       "workers' params"], rows)
 
@@ -380,14 +375,12 @@ def document(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any]
     "Targets:", "\n".join(target_lines(s)),
     f"## Outer learning rate (seed {SWEEP_SEED}, H = {grid.period})", sweep_table(s),
     f"## Sync period H at M = {m} (outer lr {kit.fmt(best[m], 'g')}, seed {SWEEP_SEED})",
-    periods_table(s),
-    *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})",
+    periods_table(s), *([f"## Outer momentum (seed {SWEEP_SEED}, H = {grid.period})",
        (f"The papers' outer Nesterov momentum {OUTER_MOMENTUM:g} averages over about"
         f" {1 / (1 - OUTER_MOMENTUM):.0f} outer steps; these runs have"
         f" {meta['steps'] // grid.period}. Beside each M's best run above, the same M with"
         " another outer learning rate and momentum:"), momentum_table(s)]
-      if grid.momentum_runs else []),
-    "## Runs", runs_table(records),
+      if grid.momentum_runs else []), "## Runs", runs_table(records),
     f"![final validation loss against M and against H]({plot_name})")
 
 
@@ -418,12 +411,10 @@ def runs_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def _order(r: dict[str, Any]) -> tuple:
-  return (r["replicas"] or 0, r["sync_period"] or 0, r["outer_lr"] or 0, -_momentum(r),
-          r["seed"])
+  return (r["replicas"] or 0, r["sync_period"] or 0, r["outer_lr"] or 0, -_momentum(r), r["seed"])
 
 
-def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
-           path: str) -> None:
+def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any], path: str) -> None:
   """Final validation loss against M (beside Table 4's gaps applied to data parallel's loss) and
   against H at M = ``grid.period_replicas``."""
   s = summary(grid, records)

@@ -1,14 +1,13 @@
 """The trainer on the global view (``--fsdp K``) against the per-device ``shard_map`` step.
 
-The ``lm`` task (0.28M params) with ``diloco`` over 2 replicas of 4 emulated CPU devices, the
-same seed and settings, trained by :func:`optax_dist.cli.trainer.train` three ways: the
-per-device step (``--replicas 2``), the global view with ``fsdp=1`` (params whole on every
-device) and with ``fsdp=4`` (each replica's params and state sharded over its 4 devices). The
-runs are interleaved, ``--rounds`` times each. Reported for each: the final train loss and
-validation bits per byte, each device's bytes of params and optimizer state (its shards) and
-of the compiled step's arguments (``memory_analysis``), the median step time with its
-interquartile range (the result's ``step_times``, the first step left out) and the machine's
-load average before the run.
+The ``lm`` task (0.28M params) with ``diloco`` over 2 replicas of 4 emulated CPU devices, the same
+seed and settings, trained by :func:`optax_dist.cli.trainer.train` three ways: the per-device step
+(``--replicas 2``), the global view with ``fsdp=1`` (params whole on every device) and with
+``fsdp=4`` (each replica's params and state sharded over its 4 devices). The runs are interleaved,
+``--rounds`` times each. Reported for each: the final train loss and validation bits per byte, each
+device's bytes of params and optimizer state (its shards) and of the compiled step's arguments
+(``memory_analysis``), the median step time with its interquartile range (the result's
+``step_times``, the first step left out) and the machine's load average before the run.
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ def row(name: str, result: dict, load: str) -> dict:
   return {"run": name, "final train loss": repr(result["final_train_loss"]),
           "val bits/byte": repr(result["test_bits_per_byte_eval_params"]),
           "params B/device": held["params"], "opt state B/device": held["opt_state"],
-          "step args B/device": held["step_arguments"], "step ms": quartiles,
-          "load before": load}
+          "step args B/device": held["step_arguments"], "step ms": quartiles, "load before": load}
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:

@@ -235,8 +235,7 @@ def runs_table(result: dict[str, Any]) -> str:
            kit.fmt(base and _gap(r, base), "+.2%"), str(r["communication_rounds"]),
            f"{r['exchange_bytes']:,.0f}", kit.human_bytes(r["total_bytes"]),
            f"{r['median_step_s']:.3f}", f"{r['wall_s']:.0f}",
-           kit.loads(r["load_before"], r["load_after"])]
-          for r in result["runs"]]
+           kit.loads(r["load_before"], r["load_after"])] for r in result["runs"]]
   return kit.table(header, rows, "lllrlrrrrrrrl")
 
 
@@ -247,13 +246,10 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     (f"{result['steps']} steps per run, H = {result['period']}, F = {result['fragments']},"
      f" blocks of {result['block']}; {result['devices']} workers; one seed (0), so a"
      " difference of a few tenths of a percent is within the seed-to-seed spread. "
-     + kit.load_text(result)
-     + "".join(f" Added later ({a['date']}, `--add`), at the same settings:"
+     + kit.load_text(result) + "".join(f" Added later ({a['date']}, `--add`), at the same settings:"
                f" {', '.join(a['labels'])}; load average {a['load_before']} before,"
                f" {a['load_after']} after; {a['wall_s'] / 60:.1f} min."
-               for a in result.get("added", []))),
-    runs_table(result),
-    "Targets:",
+               for a in result.get("added", []))), runs_table(result), "Targets:",
     "\n".join([*bytes_targets(result), *quality_targets(result), *overlap_targets(result)]),
     f"![validation bits per byte against MB sent per worker]({plot_name})")
 

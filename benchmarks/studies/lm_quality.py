@@ -63,8 +63,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
             f" {results[-1]['test_bits_per_byte_eval_params']:.4f} bits/byte,"
             f" {results[-1]['wall_time_s']:.0f} s", flush=True)
     bytes_of.setdefault(overrides["algorithm"], exchange_bytes(results[0]))
-    rows.append(_summarise(label, overrides, results, kit.run_bytes(results[0], s)) | {
-      "extra": extra})
+    rows.append(_summarise(label, overrides, results, kit.run_bytes(results[0], s), extra))
 
   with kit.Timed() as timed:
     for label, overrides in RUNS:
@@ -98,13 +97,12 @@ def exchange_bytes(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summarise(label: str, overrides: dict[str, Any], results: list[dict[str, Any]],
-               cumulative: list[float]) -> dict[str, Any]:
+               cumulative: list[float], extra: bool) -> dict[str, Any]:
   """Seed-averaged curves and finals of one row, with its bytes after every evaluated step."""
   h = results[0]["history"]
   curves = np.array([r["history"]["test_bits_per_byte_eval_params"] for r in results])
   workers = np.array([r["history"]["test_bits_per_byte_workers"] for r in results])
-  steps = np.array(h["step"])
-  rounds = np.array(h["communication_rounds"])
+  steps, rounds = np.array(h["step"]), np.array(h["communication_rounds"])
   sent = np.array([0.0 if t == 0 else cumulative[t - 1] for t in steps])
   finals = curves[:, -1].tolist()
   return {
@@ -114,7 +112,7 @@ def _summarise(label: str, overrides: dict[str, Any], results: list[dict[str, An
     "final": float(np.mean(finals)), "final_sd": float(np.std(finals)),
     "final_workers": float(workers[:, -1].mean()),
     "communication_rounds": int(rounds[-1]), "total_bytes": float(sent[-1]),
-    "wall_s": float(np.mean([r["wall_time_s"] for r in results])),
+    "wall_s": float(np.mean([r["wall_time_s"] for r in results])), "extra": extra,
   }
 
 
@@ -198,10 +196,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      " curve is within 2% of sync's final loss."),
     (f"{result['steps']} steps per run, evaluated every {result['eval_every']} steps; mean over"
     f" seeds {', '.join(map(str, result['seeds']))}. " + kit.load_text(result, cpu=False)),
-    headline_table(result),
-    "\n".join(verdicts),
-    *_why(result),
-    extra_note,
+    headline_table(result), "\n".join(verdicts), *_why(result), extra_note,
     (f"Bytes each worker sends ({any_bytes['num_params']:,} params,"
      f" {any_bytes['params_bytes']:,} B in float32), from"
      " `communication_report` of each algorithm's compiled 8-device step: *every step* are the"

@@ -1,7 +1,20 @@
 """Step-time overhead and memory of each wrapper against the bare inner optimizer (adam).
 
-The report's own paragraphs (:func:`_overhead_intro`, :func:`_memory_intro`) describe the step,
-its timing (:mod:`benchmarks.studies._steps`) and the memory analysis.
+A jitted training step (forward, backward, optimizer update, ``apply_updates``) of a Flax MLP with
+784 inputs and 10 outputs, minibatch 128, params and optimizer state donated (``donate_argnums=(0,
+1)``), for each wrapper around ``optax.adam(0.001)`` against the same step with bare adam. One
+worker: the step is ``jax.shard_map``'ed over a one-device mesh, so the axis is bound (size 1) and
+every wrapper runs its own code path, its ``lax.cond`` a real conditional (under ``vmap`` it would
+become a ``select`` running both branches). The communicating wrappers' communication and
+non-communication steps are timed separately: before each call the step counter (``local_step``,
+``mini_step``) is set so that the call is the one wanted. In each round every wrapper call sits
+between two bare-adam calls (wrappers in a seeded random order); its ratio is its time over the mean
+of those two; the table gives the median ratio over the rounds with its interquartile range, the
+median of the same ratio in process CPU time (steadier on a loaded machine), and the median wall
+time. Target: ≤ 1.05× on non-communication steps. *copies MiB*: bytes written by ``copy``
+instructions in the compiled ≈10M step (all branches), a deterministic hint of extra memory traffic.
+
+The memory section's own paragraph (:func:`_memory_intro`) describes its analysis.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ SIZES = (("≈1M", (1024, 256)), ("≈10M", (2048, 2048, 2048)))
 
 TARGET = 1.05
 
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   rounds_1m: int = kit.option(60, "timing rounds of the ≈1M MLP")
@@ -40,8 +54,8 @@ QUICK = {"rounds_1m": 3, "rounds_10m": 2}
 
 
 def variants() -> list[Variant]:
-  comm = (("non-communication step", 0, False, None), ("communication step", PERIOD - 1, True,
-                                                      None))
+  comm = (("non-communication step", 0, False, None),
+          ("communication step", PERIOD - 1, True, None))
   return [
     Variant("moving_average", "moving_average(adam, 0.999)",
             lambda adam, axis: optax_dist.moving_average(adam, 0.999), needed=3,
@@ -78,8 +92,7 @@ def variants() -> list[Variant]:
             (("every step (all-reduce)", None, True, None),), needed=2, need_note="adam 2×"),
     Variant("apply_if_finite", "apply_if_finite(adam, 3)",
             lambda adam, axis: optax_dist.apply_if_finite(adam, 3, axis_name=axis),
-            (("every step (pmax of a flag)", None, True, None),), needed=2,
-            need_note="adam 2×"),
+            (("every step (pmax of a flag)", None, True, None),), needed=2, need_note="adam 2×"),
     Variant("accumulate_then_reduce", f"accumulate_then_reduce(adam, k={EVERY_K})",
             lambda adam, axis: optax_dist.accumulate_then_reduce(adam, EVERY_K, axis),
             (("accumulating micro-step", 0, False, None),
@@ -111,17 +124,16 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
   """Times every wrapper's steps against adam's and analyses their memory, for every size."""
   adam = optax.adam(LEARNING_RATE)
   rounds = {"≈1M": config.rounds_1m, "≈10M": config.rounds_10m}
-  out = {"sizes": [], "memory": {}, "rounds": rounds}
+  sizes = []
   for size_name, hidden in SIZES:
     p = problem(hidden)
-    timed = time_variants(p, adam, variants(), rounds[size_name], [0, len(hidden)])
-    out["sizes"].append({"size": size_name, "hidden": hidden, "num_params": p.num_params,
-                         "params_bytes": p.params_bytes, **timed})
-  out["memory"] = {"size": size_name, "num_params": p.num_params, "params_bytes": p.params_bytes,
-                   "rows": [_memory_row(v, p, adam) for v in [
-                     Variant("adam", "adam (bare)", lambda adam, axis: adam, needed=2,
-                             need_note="adam 2×"), *variants()]]}
-  return out
+    sizes.append({"size": size_name, "hidden": hidden, "num_params": p.num_params,
+                  "params_bytes": p.params_bytes,
+                  **time_variants(p, adam, variants(), rounds[size_name], [0, len(hidden)])})
+  bare = Variant("adam", "adam (bare)", lambda adam, axis: adam, needed=2, need_note="adam 2×")
+  memory = {"size": size_name, "num_params": p.num_params, "params_bytes": p.params_bytes,
+            "rows": [_memory_row(v, p, adam) for v in [bare, *variants()]]}
+  return {"sizes": sizes, "memory": memory, "rounds": rounds}
 
 
 def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
@@ -141,7 +153,7 @@ def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any], figure: str) -> str:
   return kit.blocks(
-    "## MLP: overhead and memory", _overhead_intro(), overhead_markdown(result),
+    "## MLP: overhead and memory", kit.doc_markdown(__doc__, 1, 1), overhead_markdown(result),
     _overhead_verdicts(result), "### Memory", _memory_intro(result), memory_markdown(result),
     _memory_notes(result), f"![MLP step time over bare adam's]({figure})")
 
@@ -151,26 +163,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   ratio_plot([(s["size"], s["rows"]) for s in result["sizes"]], TARGET,
              "MLP step time / bare adam's (median, IQR)",
              f"Overhead on the MLP step (dashed: {TARGET}×)", path)
-
-
-def _overhead_intro() -> str:
-  return (
-    f"A jitted training step (forward, backward, optimizer update, `apply_updates`) of a Flax"
-    f" MLP with {FEATURES} inputs and {CLASSES} outputs, minibatch {BATCH}, params and"
-    f" optimizer state donated (`donate_argnums=(0, 1)`), for each wrapper around"
-    f" `optax.adam({LEARNING_RATE:g})` against the same step with bare adam. One worker: the"
-    f" step is `jax.shard_map`'ed over a one-device mesh, so the axis is bound (size 1) and every"
-    f" wrapper runs its own code path, its `lax.cond` a real conditional (under `vmap` it would"
-    f" become a `select` running both branches). The communicating wrappers' communication and"
-    f" non-communication steps are timed separately: before each call the step counter"
-    f" (`local_step`, `mini_step`) is set so that the call is the one wanted. In each round every"
-    f" wrapper call sits between two bare-adam calls (wrappers in a seeded random order); its"
-    f" ratio is its time over the mean of those two; the table gives the median ratio over the"
-    f" rounds with its interquartile range, the median of the same ratio in process CPU time"
-    f" (steadier on a loaded machine), and the median wall time. Target: ≤ {TARGET}× on"
-    f" non-communication steps. *copies MiB*: bytes written by `copy` instructions in the"
-    f" compiled ≈10M step (all branches), a deterministic hint of extra memory traffic."
-  )
 
 
 def _overhead_verdicts(result, target=TARGET) -> str:

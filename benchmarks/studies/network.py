@@ -26,6 +26,7 @@ Needs root and iproute2 (``make bench-network``); says why and exits with 0 othe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -80,9 +81,8 @@ TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
 GLOO_OPERAND_BYTES = 576
 """Bytes gloo sends beyond an all-reduce operand's own, per operand and direction between two
-processes (measured by ``probe_link_bytes.py`` with jax 0.10.2's gloo: 12 TCP segments per
-operand; XLA combines a tree's leaves into one all-reduce of many operands, and gloo reduces each
-apart)."""
+processes (measured by ``probe_link_bytes.py`` with jax 0.10.2's gloo: 12 TCP segments per operand;
+XLA combines a tree's leaves into one all-reduce of many operands, and gloo reduces each apart)."""
 
 
 def command(algorithm: str, process_id: int, coordinator: str, out: str, *, steps: int,
@@ -119,9 +119,8 @@ def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
   all-gather) sends its operands' bytes each way, plus ``framing`` bytes per operand (gloo's,
   :data:`GLOO_OPERAND_BYTES`; 0 for the operands' bytes alone), for each of the ``pairs`` device
   pairs (``DEVICES``; 1 for the exchange device's programs of ``--exchange-device``). Those over
-  every worker (``replica,data`` or ``workers``)
-  are taken as one ring over all :math:`n` devices, which crosses once each way carrying
-  :math:`2(n-1)/n` of the bytes.
+  every worker (``replica,data`` or ``workers``) are taken as one ring over all :math:`n` devices,
+  which crosses once each way carrying :math:`2(n-1)/n` of the bytes.
   """
   n = PROCESSES * DEVICES
   total = 0.0
@@ -149,7 +148,7 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
   """One run over ``link``; its wall-clock, bytes, step times and curve (raises RuntimeError)."""
   os.makedirs(out, exist_ok=True)
   coordinator = f"{link.addresses['a']}:{port}"
-  load_before, before = os.getloadavg(), link.counters()
+  load_before, before = _load(), link.counters()
   start = time.perf_counter()
   link.run_pair([command(algorithm, i, coordinator, out, steps=steps, period=period, extra=extra)
                  for i in range(PROCESSES)], out, TIMEOUT, what=algorithm)
@@ -159,8 +158,7 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
   times, flags = result["step_times"], kit.exchanges(settings_of(result))
   history = result["history"]
   # Step 1 is left out of the medians: its first calls set up the collectives.
-  exchange = [t for s, (t, f) in enumerate(zip(times, flags)) if f and s > 0]
-  local = [t for s, (t, f) in enumerate(zip(times, flags)) if not f and s > 0]
+  exchange, local = ([t for t, f in zip(times[1:], flags[1:]) if f is k] for k in (True, False))
   counted = {f"{kind}_{x}_to_{y}": after[x][f"tx_{kind}"] - before[x][f"tx_{kind}"]
              for kind in ("bytes", "packets") for x, y in ("ab", "ba")}
   return {
@@ -175,8 +173,7 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
     "curve": {"step": history["step"], "train_s": [sum(times[:s]) for s in history["step"]],
               "bits_per_byte": history["test_bits_per_byte_eval_params"]},
     "bits_per_byte": result["test_bits_per_byte_eval_params"],
-    "load_before": [round(x, 2) for x in load_before],
-    "load_after": [round(x, 2) for x in os.getloadavg()],
+    "load_before": load_before, "load_after": _load(),
   }
 
 
@@ -194,6 +191,11 @@ def outer_sweep(*, steps: int, period: int, extra: list[str]) -> list[dict[str, 
     runs.append({"outer_learning_rate": lr, "outer_momentum": momentum, "bits_per_byte": bits})
     print(f"[network] outer sweep lr {lr} momentum {momentum}: {bits:.4f} bits/byte", flush=True)
   return runs
+
+
+def _load() -> list[float]:
+  """The 1-, 5- and 15-minute load averages, to 2 decimals."""
+  return [round(x, 2) for x in os.getloadavg()]
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -229,8 +231,9 @@ def _runs(result: dict[str, Any], rate: str, method: str) -> list[dict]:
 
 
 def _median_of(runs: list, fn: Any = lambda x: x) -> float | None:
-  """The median of ``fn`` over ``runs``, ``None`` values left out (``None`` if none is left)."""
-  values = [v for v in map(fn, runs) if v is not None]
+  """The median of ``fn`` (a function, or a key) over ``runs``, ``None`` values left out (``None``
+  if none is left)."""
+  values = [v for v in map(itemgetter(fn) if isinstance(fn, str) else fn, runs) if v is not None]
   return kit.median(values) if values else None
 
 
@@ -252,16 +255,15 @@ def measurements_table(result: dict[str, Any]) -> str:
       if not runs:
         continue
       rounds = max(runs[0]["communication_rounds"], 1)
-      med = lambda key: _median_of(runs, itemgetter(key))  # noqa: E731
+      med = functools.partial(_median_of, runs)
       spread = max(r["train_s"] for r in runs) - min(r["train_s"] for r in runs)
       rows.append([
         rate, f"{achieved:.1f}", method, f"{med('wall_s'):.1f}",
         f"{med('train_s'):.1f}" + (f" ± {spread / 2:.1f}" if len(runs) > 1 else ""),
         _fmt(med("exchange_step_s"), ".3f"), _fmt(med("local_step_s"), ".3f"),
         str(runs[0]["communication_rounds"]),
-        f"{med('predicted_bytes') / 1e6:.1f}", f"{_median_of(runs, payload) / 1e6:.1f}",
-        f"{_median_of(runs, payload) / med('predicted_bytes'):.3f}",
-        f"{med('operand_bytes') / rounds / p:.3f}",
+        f"{med('predicted_bytes') / 1e6:.1f}", f"{med(payload) / 1e6:.1f}",
+        f"{med(payload) / med('predicted_bytes'):.3f}", f"{med('operand_bytes') / rounds / p:.3f}",
         f"{med('bits_per_byte'):.3f}",
         f"{runs[-1]['load_before'][0]:.1f} → {runs[-1]['load_after'][0]:.1f}"])
   header = ["rate", "achieved Mbit/s", "method", "whole run s", "training s",
@@ -283,13 +285,13 @@ def summary_table(result: dict[str, Any]) -> str:
   training time, and the training time over the method's own unshaped time."""
   target, rows = target_loss(result), []
   for rate in result["rates"]:
-    budget = _median_of(_runs(result, rate, "sync"), itemgetter("train_s"))
+    budget = _median_of(_runs(result, rate, "sync"), "train_s")
     for method in result["methods"]:
       runs = _runs(result, rate, method)
       if not runs:
         continue
-      unshaped = _median_of(_runs(result, "unshaped", method), itemgetter("train_s"))
-      train = _median_of(runs, itemgetter("train_s"))
+      unshaped = _median_of(_runs(result, "unshaped", method), "train_s")
+      train = _median_of(runs, "train_s")
       rows.append([
         rate, method, _fmt(_median_of(runs, lambda r: time_to(r, target)), ".1f"),
         _fmt(_speedup(result, rate, method, target), ".2f"),
@@ -333,15 +335,15 @@ def targets(result: dict[str, Any]) -> list[str]:
     check(None if speedup is None else speedup >= 3,
           f"{method} reaches {target:.3f} bits/byte at 10 Mbit/s"
           f" {_fmt(speedup, '.2f')}× sooner than sync (target ≥ 3×)")
-    unshaped = _median_of(_runs(result, "unshaped", method), itemgetter("train_s"))
-    ratio = _median_of(runs, itemgetter("train_s")) / unshaped if unshaped else None
+    unshaped = _median_of(_runs(result, "unshaped", method), "train_s")
+    ratio = _median_of(runs, "train_s") / unshaped if unshaped else None
     check(None if ratio is None else ratio <= 1.3,
           f"{method}'s training time at 10 Mbit/s is {_fmt(ratio, '.2f')}× its unshaped"
           " time (target ≤ 1.3×)")
   for method, bound, what in (("sync", 1.1, "a step"), ("diloco", 1.1, "an exchange")):
     if runs := [r for r in result["runs"] if r["method"] == method]:
       rounds = max(runs[0]["communication_rounds"], 1)
-      per = _median_of(runs, itemgetter("operand_bytes")) / rounds / p
+      per = _median_of(runs, "operand_bytes") / rounds / p
       measured = _median_of(runs, payload) / rounds / p
       check(per <= bound, f"{method}: {what} sends {per:.3f}× the params' bytes each way"
             f" (the operands of the compiled collectives; the veth payload over the whole run,"
@@ -353,8 +355,7 @@ def targets(result: dict[str, Any]) -> list[str]:
     fmt = flags[list(flags).index("--comm-dtype") + 1]
     base, runs = _runs(result, slow, "diloco"), _runs(result, slow, method)
     wire = _median_of(runs, payload) / _median_of(base, payload)
-    operands = (_median_of(runs, itemgetter("operand_bytes"))
-                / _median_of(base, itemgetter("operand_bytes")))
+    operands = _median_of(runs, "operand_bytes") / _median_of(base, "operand_bytes")
     bound = {"int8": 0.26, "e3m0": 0.135, "float4_e2m1fn": 0.135}.get(fmt)
     check(None if bound is None else wire <= bound,
           f"{method}: the veth payload at 10 Mbit/s is {wire:.3f}× float32 diloco's (the"
@@ -390,17 +391,14 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     "Methods (label: algorithm and flags): " + "; ".join(
       f"{m}: `--algorithm {a}{''.join(' ' + x for x in flags)}`"
       for m, (a, flags) in result["methods"].items()) + ".",
-    *[f"Note: {note}" for note in result.get("notes", [])],
-    measurements_table(result),
+    *[f"Note: {note}" for note in result.get("notes", [])], measurements_table(result),
     (f"Time to loss: the target is the highest final validation loss of the unshaped runs,"
      f" {target_loss(result):.3f} bits/byte; training seconds are the steps' own (start-up,"
-     " compilation and evaluations left out)."),
-    summary_table(result),
+     " compilation and evaluations left out)."), summary_table(result),
     *([(f"The speed-up over sync at {result['rates'][-1]} for other targets, from the one above"
         " down to the lowest final loss of the other unshaped runs ('–': not reached):"),
        sensitivity_table(result)] if _runs(result, result["rates"][-1], "sync") else []),
-    "Targets:",
-    "\n".join(targets(result)),
+    "Targets:", "\n".join(targets(result)),
     *([(f"DiLoCo's outer optimizer at this budget ({result['steps'] // result['period']} outer"
         " steps; one process, unshaped, the same losses as over the link): the final validation"
         " loss for each outer learning rate and Nesterov momentum. The DiLoCo family above runs"
@@ -473,8 +471,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   result = {"rates": list(config.rates), "methods": {m: METHODS[m] for m in config.methods},
             "steps": steps, "period": period, "processes": PROCESSES, "devices": DEVICES,
             "batch_size": BATCH, "extra_args": extra, "param_bytes": param_bytes(),
-            "load_before": [round(x, 2) for x in os.getloadavg()], "achieved_mbit": {},
-            "runs": []}
+            "load_before": _load(), "achieved_mbit": {}, "runs": []}
   start, port = time.perf_counter(), 12000
   if not config.no_outer_sweep and {"diloco", "streaming_diloco"} & set(config.methods):
     result["outer_sweep"] = outer_sweep(steps=steps, period=period, extra=extra)
@@ -504,7 +501,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   except netns.Unavailable as e:
     print(f"[network] skipped: {e}")
     return None
-  result["load_after"] = [round(x, 2) for x in os.getloadavg()]
+  result["load_after"] = _load()
   result["seconds"] = time.perf_counter() - start
   result["namespaces_left"] = [n for n in netns.namespaces() if n in link.names.values()]
   return result
