@@ -30,7 +30,8 @@
   :func:`diloco_payload`, :func:`streaming_diloco_payload` and :func:`local_sgd_payload` (each
   worker's term of the mean), :func:`merge_payloads` (the mean, in rank order) and
   :func:`diloco_outer_step`, :func:`streaming_diloco_outer_step` and
-  :func:`local_sgd_outer_step` (the step on the merged mean).
+  :func:`local_sgd_outer_step` (the step on the merged mean); :func:`diloco_synchronize`, the
+  mean and the outer step in the program, apart from the inner step.
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.vmap(..., axis_name=...)``, ``jax.jit`` of
@@ -52,6 +53,7 @@ from optax_dist._diloco import (
   diloco,
   diloco_outer_step,
   diloco_payload,
+  diloco_synchronize,
   diloco_syncs,
 )
 from optax_dist._drop_stale_gradients import DropStaleGradientsState, drop_stale_gradients
@@ -111,6 +113,7 @@ __all__ = (
   "diloco",
   "diloco_outer_step",
   "diloco_payload",
+  "diloco_synchronize",
   "diloco_syncs",
   "drop_stale_gradients",
   "elastic_average",

@@ -189,6 +189,68 @@ def diloco_outer_step(
   return _outer.outer_step(outer, anchor, outer_state, merged)
 
 
+def diloco_synchronize(
+  outer: optax.GradientTransformation, exchange: _exchange.Exchange, anchor: Any,
+  outer_state: optax.OptState, new_params: Any, residual: Any = None
+) -> tuple[Any, optax.OptState, Any]:
+  r""":func:`diloco`'s sync in the program: the workers' mean pseudo-gradient, an outer step.
+
+  The mean is over ``exchange``'s axis, then ``outer`` takes one step from the anchor on it.
+
+  .. math::
+
+    \Delta = \tfrac{1}{N} \textstyle\sum_j Q(\theta - x'_j + r_j), \qquad
+    \theta \leftarrow \theta + \mathrm{outer}(\Delta)
+
+  (:math:`r_j` and the new residual :math:`r'_i` only with error feedback, as in
+  :func:`diloco_payload`). It is what :func:`diloco`'s ``update`` computes on a sync step after
+  its inner step, and it may run apart from that step: a trainer can compile its step once with
+  ``communicate=False`` and, on a sync step, run this in a small program on the step's new params
+  (and land every worker on the new anchor from its params before the step, ``params + (anchor -
+  params)``, as ``update`` does).
+
+  Args:
+    outer: :func:`diloco`'s ``outer`` (the default is
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``).
+    exchange: the :class:`~optax_dist.Exchange` of that :func:`diloco` (its ``axis_name``,
+      ``comm_dtype``, ``comm_block_size``, ``slice_axis``).
+    anchor: :math:`\theta`, ``DiLoCoState.anchor``.
+    outer_state: ``DiLoCoState.outer_state``.
+    new_params: :math:`x'_i`, this worker's params after its inner step.
+    residual: ``DiLoCoState.error_feedback`` with error feedback, else ``None``.
+
+  Returns:
+    ``(new_anchor, new_outer_state, new_residual)``, the new residual ``None`` without error
+    feedback; the dtypes of the old ones.
+
+  Collectives:
+    :meth:`Exchange.mean <optax_dist.Exchange.mean>` (or ``mean_with_feedback``) of one
+    params-sized tree over ``exchange``'s axis: the collectives :func:`diloco` issues on a sync
+    step (see there).
+
+  Raises:
+    TypeError: ``exchange`` not an :class:`~optax_dist.Exchange`.
+
+  Examples:
+    Two workers emulated with ``vmap``, outer SGD of learning rate 1 (model averaging):
+
+    >>> import jax, jax.numpy as jnp, optax, optax_dist
+    >>> outer, exchange = optax.sgd(1.0), optax_dist.Exchange("w")
+    >>> def sync(anchor, new_params):
+    ...   return optax_dist.diloco_synchronize(
+    ...       outer, exchange, anchor, outer.init(anchor), new_params)[0]
+    >>> jax.vmap(sync, axis_name="w")(jnp.zeros((2, 1)), jnp.array([[1.0], [3.0]]))[:, 0]
+    Array([2., 2.], dtype=float32)
+
+  References:
+    Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the
+    outer step on the averaged outer gradient).
+  """
+  check_exchange("diloco_synchronize", exchange)
+  delta, residual = _outer.pseudo_gradient(exchange, anchor, new_params, residual)
+  return (*diloco_outer_step(outer, anchor, outer_state, delta), residual)
+
+
 def check_exchange(fn: str, exchange: Any) -> None:
   if not isinstance(exchange, _exchange.Exchange):
     raise TypeError(f"`{fn}(exchange=...)` must be an optax_dist.Exchange, got {exchange!r}.")
@@ -387,9 +449,7 @@ def diloco(
     # With error feedback it also carries this worker's residual r_i.
     def synchronize(anchor, outer_state, residual, u):
       new_params = optax.apply_updates(params, u)  # x'_i
-      # mean_j Q(theta - x'_j + r_j); r_i updated
-      delta, residual = _outer.pseudo_gradient(exchange, anchor, new_params, residual)
-      return (*diloco_outer_step(outer, anchor, outer_state, delta), residual)
+      return diloco_synchronize(outer, exchange, anchor, outer_state, new_params, residual)
 
     def keep(anchor, outer_state, residual, u):
       return anchor, outer_state, residual

@@ -9,7 +9,8 @@ which :mod:`tests.test_communication_hint` shows gives the counter rule's result
 (whose hint also picks the fragment) is trained a second time with the counter rule (its
 ``schedule`` removed, so one step with the conditional is compiled): the final params and
 optimizer state agree to float rounding; a hint one step off the rule moves them by orders of
-magnitude more.
+magnitude more. diloco's sync steps run the step without the exchange and then an exchange
+program: the same params and state as a second compiled step, bit for bit in float32.
 """
 
 from __future__ import annotations
@@ -78,12 +79,27 @@ class Recorded:
     return getattr(self.compiled, name)
 
 
+class Synced(Recorded):
+  """The exchange program of a sync step run apart (``diloco``): called after the step compiled
+  with ``communicate=False``, it makes that step's entry ``True``."""
+
+  def __call__(self, *args):
+    self.calls[-1] = True
+    return self.compiled(*args)
+
+
 def record_steps(monkeypatch) -> list[bool | None]:
   """The ``communicate`` hint of each compiled step the trainer calls, in order (from now on)."""
   calls = []
-  add_step = trainer.Run._add_step
+  add_step, compile_sync = trainer.Run._add_step, trainer.Run._compile_sync
+
+  def recorded_sync(run):
+    compile_sync(run)
+    run._sync = Synced(run._sync, True, calls)
+
   monkeypatch.setattr(trainer.Run, "_add_step", lambda run, hint, compiled: add_step(
     run, hint, Recorded(compiled, hint, calls)))
+  monkeypatch.setattr(trainer.Run, "_compile_sync", recorded_sync)
   return calls
 
 
@@ -102,6 +118,29 @@ def test_hinted_steps_train_as_the_counter_rule(name, monkeypatch):
                       dataclasses.replace(ALGORITHMS[name], schedule=None))
   ruled = trained(name)
   chex.assert_trees_all_close(hinted, ruled, rtol=1e-5, atol=1e-6)
+
+
+def test_diloco_s_sync_apart_from_the_step_is_the_in_step_sync(monkeypatch):
+  """diloco's sync steps run the step compiled with ``communicate=False`` then the exchange
+  program (:func:`optax_dist.diloco_synchronize`): in float32 the params and state are those of
+  a second step compiled with ``communicate=True``, bit for bit, with quantized payloads and
+  error feedback across replicas too, and the bytes recorded for a sync step are that step's."""
+  cases = [{}, {"replicas": 2, "devices": 4, "comm_dtype": "int8", "comm_block_size": 8,
+                "error_feedback": True}]
+  for kwargs in cases:
+    task = TASKS["digits"]
+    settings = Settings(algorithm="diloco", steps=12, eval_every=12, batch_size=8,
+                        sync_period=4, **kwargs)
+    with monkeypatch.context() as m:
+      calls = record_steps(m)
+      apart = trainer.train(task, task.load(0), settings, keep_state=True)
+    assert calls == [t % 4 == 0 for t in range(1, 13)]
+    with monkeypatch.context() as m:
+      m.setitem(algorithms.ALGORITHMS, "diloco",
+                dataclasses.replace(ALGORITHMS["diloco"], synchronize=None))
+      in_step = trainer.train(task, task.load(0), settings, keep_state=True)
+    chex.assert_trees_all_equal(apart["final_state"], in_step["final_state"])
+    assert apart["collective_bytes"] == in_step["collective_bytes"], kwargs
 
 
 def test_communication_rounds_count_the_schedule():

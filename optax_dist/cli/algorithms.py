@@ -51,6 +51,7 @@ the others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +114,11 @@ class Algorithm:
       device of a replica exchanges only its 1/K slice of the params.
     stale_gradients: whether the trainer feeds it gradients computed at older params.
     evaluated: what :func:`optax_dist.eval_params` gives back for it, in words.
+    synchronize: ``synchronize(settings, axis, slice_axis) -> fn``: the sync of its
+      ``update`` apart from the inner step, ``fn(anchor, outer_state, new_params, residual) ->
+      (anchor, outer_state, residual)`` (:func:`optax_dist.diloco_synchronize`), which the
+      trainer runs after the step compiled with ``communicate=False`` instead of compiling a
+      second step; or ``None``.
   """
 
   name: str
@@ -127,6 +133,7 @@ class Algorithm:
   across_replicas: bool = False
   stale_gradients: bool = False
   evaluated: str = "the params"
+  synchronize: Callable[[Settings, Any, Any], Callable] | None = None
 
   def period(self, settings: Settings) -> int:
     """Steps between the exchanges of this algorithm under ``settings`` (1: every step)."""
@@ -299,7 +306,9 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     schedule=lambda s: lambda step: optax_dist.diloco_syncs(step, sync_period=s.sync_period),
     period_name="sync_period", settings=(*_DILOCO, *_QUANTIZED, "error_feedback"),
     comm_dtypes=COMM_DTYPES, compared=True, across_replicas=True,
-    evaluated="the anchor"),
+    evaluated="the anchor", synchronize=lambda s, axis, slice_axis: functools.partial(
+      optax_dist.diloco_synchronize, outer_optimizer(s),
+      optax_dist.Exchange(axis, slice_axis=slice_axis, call="diloco", **exchange_options(s)))),
   Algorithm(
     "streaming_diloco", "streaming DiLoCo: DiLoCo with the params synced in fragments, in turn",
     build=_streaming_diloco,
@@ -344,19 +353,29 @@ def make_optimizer(settings: Settings) -> Any:
       f"`make_optimizer(settings.algorithm=...)` must be one of {', '.join(ALGORITHMS)}, got"
       f" {settings.algorithm!r}.")
   inner = inner_optimizer(settings)
+  axis, slice_axis = exchange_axes(settings)
+  if slice_axis is None and not settings.exchange_device:
+    return algorithm.build(settings, inner, axis)
+  # Each replica's params are one worker's: a tower within the replica.
+  return algorithm.build(settings, _tower(settings, inner, DATA), axis, slice_axis=slice_axis)
+
+
+def exchange_axes(settings: Settings) -> tuple[Any, Any]:
+  """``(axis, slice_axis)`` of :func:`make_optimizer`'s transformation: the mesh axis (or axes)
+  of its workers, or ``None`` with ``exchange_device`` (each replica's own pseudo-gradient goes
+  in flight: the trainer exchanges it across the replicas on its exchange device and puts the
+  mean back before the landing step); and with replicas, for the algorithms across them,
+  :data:`DATA` (a replica's devices hold identical params after the tower: each exchanges its
+  1/K slice), else ``None``."""
   if settings.fsdp is not None:
-    return algorithm.build(settings, inner, REPLICA)
+    return REPLICA, None
   if settings.replicas == 1:
-    return algorithm.build(settings, inner, AXIS)
+    return AXIS, None
   if settings.exchange_device:
-    # Each replica's own pseudo-gradient goes in flight: the trainer exchanges it across the
-    # replicas on its exchange device and puts the mean back before the landing step.
-    return algorithm.build(settings, _tower(settings, inner, DATA), None)
-  if not algorithm.across_replicas:
-    return algorithm.build(settings, inner, (REPLICA, DATA))
-  tower = _tower(settings, inner, DATA)
-  # A replica's devices hold identical params after the tower: each exchanges its 1/K slice.
-  return algorithm.build(settings, tower, REPLICA, slice_axis=DATA)
+    return None, None
+  if not ALGORITHMS[settings.algorithm].across_replicas:
+    return (REPLICA, DATA), None
+  return REPLICA, DATA
 
 
 def takers(name: str) -> tuple[str, ...]:

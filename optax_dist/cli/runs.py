@@ -4,7 +4,9 @@
 whole params, its optimizer state and its shard of the training set, the params and state
 donated; :class:`GlobalRun` the global view's ``jax.jit`` step of ``jax.vmap`` over the replicas
 (``fsdp``). Each is compiled once, ahead of time (one step per value of the algorithm's
-``communicate`` hint). The test metric is measured on the params :func:`optax_dist.eval_params`
+``communicate`` hint; for ``diloco`` on the per-worker step, the step without the exchange and a
+small exchange program its sync steps run after it, :attr:`Run.synchronize`: the model is
+compiled once). The test metric is measured on the params :func:`optax_dist.eval_params`
 returns (the center, the EMA, or the params) and on the workers' own params.
 
 ``drop_stale_gradients`` is fed stale gradients: on each step all workers compute their gradients
@@ -22,12 +24,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_dist
 from optax_dist.cli import pipeline
-from optax_dist.cli.algorithms import ALGORITHMS, DATA, FSDP, REPLICA, axes, make_optimizer
+from optax_dist.cli.algorithms import (ALGORITHMS, DATA, FSDP, REPLICA, axes, exchange_axes,
+                                      make_optimizer)
 from optax_dist.cli.config import Settings
 from optax_dist.cli.meshes import fsdp_spec, global_mesh, to_host, worker_mesh
 from optax_dist.cli.progress import QUIET, Progress
@@ -100,7 +104,11 @@ class Run:
       params = self.place(jax.tree.map(lambda p: p.astype(jnp.dtype(s.param_dtype)),
                                        initial_params(task, s.seed, example)))
     self.tx = make_optimizer(s)
-    steps = "step" if len(self.hints()) == 1 else "steps with and without the exchange"
+    synchronize = self.algorithm.synchronize if self.state_per_worker else None
+    self.synchronize = synchronize and synchronize(s, *exchange_axes(s))
+    """The sync apart from the step (:attr:`Algorithm.synchronize`), or ``None``."""
+    steps = {1: "step", 2: "steps with and without the exchange"}[len(self.hints())]
+    steps += " and the exchange" if self.synchronize else ""
     with progress.phase(f"compiling the {steps}"):
       self._compile(params, task.loss_fn(model))
     with progress.phase("compiling the evaluation"):
@@ -163,11 +171,48 @@ class Run:
         out_specs=(split,) * 3 + (P() if self.loss_axis is None else P(REPLICA),))
       self._add_step(hint, jax.jit(step, donate_argnums=(0, 1, 2)).lower(
         *self.initial, self.train, idx, delay).compile())
+    if self.synchronize:
+      self._compile_sync()
+
+  def _compile_sync(self) -> None:
+    """The exchange program of the sync steps (:meth:`step`): every worker's sync on its params
+    after the step compiled with ``communicate=False``, landing it on the new anchor from its
+    params before that step as the transformation's sync step lands it, ``params + (anchor -
+    params)`` in the dtypes of its updates."""
+    split = self.split.spec
+    updates = jax.eval_shape(jax.shard_map(
+      lambda p, o: stack(self.tx.update(unstack(p), unstack(o), unstack(p),
+                                        communicate=False)[0]),
+      mesh=self.mesh, in_specs=split, out_specs=split), self.initial.params,
+      self.initial.opt_state)
+    dtypes = jax.tree.map(lambda u: u.dtype, updates)
+
+    def sync(origin, params, opt_state):
+      origin, params, opt_state = unstack((origin, params, opt_state))
+      anchor, outer_state, residual = self.synchronize(
+        opt_state.anchor, opt_state.outer_state, params, opt_state.error_feedback)
+      landed = jax.tree.map(lambda p, a, d: optax.apply_updates(p, (a - p).astype(d)),
+                            origin, anchor, dtypes)
+      return stack((landed, opt_state._replace(
+        anchor=anchor, outer_state=outer_state, error_feedback=residual)))
+
+    program = jax.jit(jax.shard_map(sync, mesh=self.mesh, in_specs=split, out_specs=split),
+                      donate_argnums=(0, 1, 2))
+    self._sync = program.lower(
+      self.initial.params, self.initial.params, self.initial.opt_state).compile()
+    # The step donates the params: a sync step first keeps a copy of them, the origin.
+    self._copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=self.split
+                         ).lower(self.initial.params).compile()
+    self.collectives[STEP_KINDS[True]] = combined_bytes(
+      self.collectives[STEP_KINDS[False]], collective_bytes(self._sync, self.mesh))
 
   def hints(self) -> tuple[bool | None, ...]:
     """The ``communicate`` hints of the compiled steps: ``(None,)``, or with a schedule
-    ``(False, True)``."""
-    return (None,) if self.algorithm.schedule is None else (False, True)
+    ``(False, True)`` (``(False,)`` with :attr:`synchronize`: a sync step is the step without
+    the exchange, then the exchange program)."""
+    if self.algorithm.schedule is None:
+      return (None,)
+    return (False,) if self.synchronize else (False, True)
 
   def _add_step(self, hint: bool | None, compiled: Any) -> None:
     self._steps[hint] = compiled
@@ -186,6 +231,10 @@ class Run:
     idx = self.shard(pipeline.minibatch(s.seed, s.devices, self.n_local, s.batch_size, step - 1))
     delay = pipeline.put(self.delays[step - 1], self.replicated)
     hint = self.algorithm.communicates(s, step)
+    if hint and self.synchronize:
+      origin = self._copy(state.params)
+      params, opt_state, history, loss = self._steps[False](*state, self.train, idx, delay)
+      return State(*self._sync(origin, params, opt_state), history), loss
     *state, loss = self._steps[hint](*state, self.train, idx, delay)
     return State(*state), loss
 
@@ -299,6 +348,22 @@ def collective_bytes(compiled: Any, mesh: jax.sharding.Mesh) -> dict[str, Any]:
           "conditional": [by_axes(c) for c in report.per_conditional.values()],
           "operands": {"unconditional": operands(report.unconditional),
                        "conditional": [operands(c) for c in report.per_conditional.values()]}}
+
+
+def combined_bytes(*reports: dict[str, Any]) -> dict[str, Any]:
+  """The :func:`collective_bytes` of programs run one after the other, as one step's."""
+
+  def added(parts):
+    total = {}
+    for part in parts:
+      for axes, n in part.items():
+        total[axes] = total.get(axes, 0) + n
+    return total
+
+  return {"unconditional": added(r["unconditional"] for r in reports),
+          "conditional": [c for r in reports for c in r["conditional"]],
+          "operands": {"unconditional": added(r["operands"]["unconditional"] for r in reports),
+                       "conditional": [c for r in reports for c in r["operands"]["conditional"]]}}
 
 
 STEP_KINDS = {None: "every_step", True: "communication_step", False: "non_communication_step"}
