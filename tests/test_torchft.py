@@ -299,3 +299,20 @@ def test_bad_input(tmp_path, capsys):
     assert launcher.main([*flags, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(said, err), err
+
+
+@pytest.mark.parametrize("status,restarts", [(2, 0), (1, 2)])
+def test_launcher_restarts_a_failed_replica_but_not_a_refusal(tmp_path, status, restarts):
+  """A replica that exits with status 2 refused its flags and would refuse again: it is not
+  restarted; another failure is, up to --max-restarts times."""
+  from optax_dist.fault_tolerance import launcher
+
+  args = launcher.build_parser().parse_args(
+    ["--replicas", "2", "--out", str(tmp_path), "--restart-delay", "0", "--max-restarts", "2"])
+  launcher.check_arguments(args)
+  run = launcher.Launcher(args, command=("-c", f"import sys; sys.exit({status})"))
+  try:
+    assert run.run() == 1  # no replica finished
+  finally:
+    run.close()
+  assert [slot.restarts for slot in run.slots] == [restarts, restarts]

@@ -8,7 +8,9 @@ every replica (e.g. ``--steps``, ``--sync-period``).
 
 A replica that exits with a nonzero status (killed, or an error) while no replica has finished
 is started again under the same id after ``--restart-delay`` seconds, at most
-``--max-restarts`` times per id: it heals at its first quorum. Once a replica has finished (its
+``--max-restarts`` times per id: it heals at its first quorum. Status 2 is a replica's refusal
+(a mistake in its flags or settings, said in one line in its log): it would refuse again, so
+it is not restarted. Once a replica has finished (its
 ``--steps`` committed), the others have ``--finish-grace`` seconds to finish too; the ones still
 running then are stopped (they are behind: no quorum forms for them any more). The launcher
 exits 0 if at least ``--min-replicas`` replicas finished, else 1; a mistake or a missing ``ft``
@@ -28,6 +30,9 @@ import signal
 import subprocess
 import sys
 import time
+
+REFUSED = 2
+"""A replica's exit status when it refuses its flags or settings: it is not restarted."""
 
 REPLICA_COMMAND = ("-m", "optax_dist.fault_tolerance.replica")
 """What follows the Python interpreter in a replica's command line by default: the synthetic
@@ -152,7 +157,8 @@ class Launcher:
       return
     status, slot.proc = slot.proc.returncode, None
     slot.finished = status == 0
-    if not slot.finished and may_restart and slot.restarts < self.args.max_restarts:
+    refused = status == REFUSED
+    if not (slot.finished or refused) and may_restart and slot.restarts < self.args.max_restarts:
       slot.restarts += 1
       slot.restart_at = now + self.args.restart_delay
 
