@@ -1,6 +1,6 @@
-"""What a run's evaluation computes: :func:`optax_dist.cli.steps.evaluate_fn` scores the workers'
-params only where they differ from ``eval_params`` in some bit, with the metrics of computing
-both."""
+"""What a run's evaluation computes: :func:`optax_dist.cli.steps.evaluate_fn` (and, with replicas,
+:func:`optax_dist.cli.steps.replica_evaluate_fn` on each device) scores the workers' params only
+where they differ from ``eval_params`` in some bit, with the metrics of computing both."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import optax
 import pytest
 
 import optax_dist
-from optax_dist.cli.steps import evaluate_fn, same_bits
+from optax_dist.cli.algorithms import DATA, REPLICA
+from optax_dist.cli.steps import evaluate_fn, replica_evaluate_fn, same_bits
 
 
 def metric_fn(scored: list[int]):
@@ -46,6 +47,29 @@ def test_the_workers_params_are_scored_only_where_they_differ(move):
   want = (mean_metric(optax_dist.eval_params(opt_state, params)), mean_metric(params))
   np.testing.assert_array_equal(np.array(got), np.array(want))
   assert (want[0] == want[1]) == (move != 0.5)
+
+
+@pytest.mark.parametrize("move", [None, 0.5])
+def test_with_replicas_a_device_scores_its_params_only_where_they_differ(move):
+  """2 replicas of 2 devices, each device holding its worker's params and the whole test set:
+  4 scorings of ``eval_params``, and of the params only on the device whose params moved."""
+  tx = optax_dist.diloco(optax.sgd(0.1), sync_period=4, axis_name="w")
+  w = np.tile(np.linspace(-1.0, 1.0, 6, dtype=np.float32), (4, 1))
+  opt_state = jax.vmap(tx.init, axis_name="w")({"w": jnp.asarray(w)})
+  if move is not None:
+    w[2, 3] += move
+  test = jnp.asarray(np.random.default_rng(0).normal(size=(5, 6)), jnp.float32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (REPLICA, DATA))
+  split = jax.sharding.PartitionSpec((REPLICA, DATA))
+  scored = []
+  evaluate = jax.jit(jax.shard_map(
+    replica_evaluate_fn(metric_fn(scored)), mesh=mesh,
+    in_specs=(split, split, jax.sharding.PartitionSpec()), out_specs=jax.sharding.PartitionSpec()))
+  got = evaluate({"w": jnp.asarray(w)}, opt_state, test)
+  jax.effects_barrier()
+  assert len(scored) == (4 if move is None else 5)
+  each = [float(jnp.mean((test @ row) ** 2)) for row in w]
+  np.testing.assert_allclose(got[1], np.mean(each), rtol=1e-6)
 
 
 def test_same_bits_tells_signed_zeros_apart_and_a_nan_from_itself():

@@ -91,13 +91,20 @@ def evaluate_fn(metric_fn: Callable) -> Callable:
   def evaluate(params, opt_state, test):
     score = jax.vmap(lambda p: metric_fn(p, test))
     averaged = optax_dist.eval_params(opt_state, params)
-    if averaged is params:  # no averaging state: one computation, which XLA computes once
-      return jnp.mean(score(averaged)), jnp.mean(score(params))
-    metric = jnp.mean(score(averaged))
-    return metric, jax.lax.cond(same_bits(averaged, params), lambda: metric,
-                                lambda: jnp.mean(score(params)))
+    return both_metrics(lambda p: jnp.mean(score(p)), averaged, params)
 
   return evaluate
+
+
+def both_metrics(score: Callable, averaged: Any, params: Any) -> tuple[jax.Array, jax.Array]:
+  """``(score(averaged), score(params))``, the second computed only where ``params`` differ from
+  ``averaged`` in some bit (else it is the first: the same computation on the same bits); once
+  when they are one tree (no averaging state)."""
+  metric = score(averaged)
+  if averaged is params:
+    return metric, metric
+  return metric, jax.lax.cond(same_bits(averaged, params), lambda: metric,
+                              lambda: score(params))
 
 
 def same_bits(a: Any, b: Any) -> jax.Array:
@@ -115,13 +122,14 @@ def replica_evaluate_fn(metric_fn: Callable) -> Callable:
   """``evaluate(params, opt_state, test)`` of one device under ``jax.shard_map`` over
   ``(REPLICA, DATA)``, for replicas whose devices hold the same params and state: the metric of
   its worker's ``eval_params`` and params on its ``test`` examples (its 1/K of the test set, or
-  all of it), averaged over every device. ``metric_fn`` must be a mean over equally many values
-  per example, so that the mean over equal slices is the whole test set's."""
+  all of it), averaged over every device; the params' only on a device where they differ from
+  its ``eval_params`` in some bit (:func:`both_metrics`). ``metric_fn`` must be a mean over
+  equally many values per example, so that the mean over equal slices is the whole test set's."""
 
   def evaluate(params, opt_state, test):
     params, opt_state = unstack(params), unstack(opt_state)
     averaged = optax_dist.eval_params(opt_state, params)
-    scores = jnp.stack([metric_fn(averaged, test), metric_fn(params, test)])
+    scores = jnp.stack(both_metrics(lambda p: metric_fn(p, test), averaged, params))
     return tuple(jax.lax.pmean(scores, (REPLICA, DATA)))
 
   return evaluate
