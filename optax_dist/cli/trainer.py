@@ -97,7 +97,7 @@ def train(
     also ``exchange``, the exchange programs', per device of the exchange mesh,
     ``conditional`` holding one per fragment, and the steps' own have none across replicas),
     ``step_times`` (the seconds of each step this call ran, from the step's start until its
-    loss is ready on this process: evaluations and checkpoints excluded; after ``resume``, the
+    loss and params are ready on this process: evaluations and checkpoints excluded; after ``resume``, the
     steps after the checkpoint's) and ``bytes_per_device`` (``params``, ``opt_state``: one
     device's shards; ``step_arguments``: the compiled step's arguments on one device, from its
     ``memory_analysis``, the device's shard of the training set included); with ``keep_state``,
@@ -170,7 +170,7 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
           on_step: Callable | None, bar: Steps, step_times: list[float]) -> State:
   """Trains from step ``first`` to the end: evaluates, saves, reports progress; the last state.
 
-  Appends each step's seconds (the step until its loss is ready) to ``step_times``. ``bar``
+  Appends each step's seconds (the step until its loss and params are ready) to ``step_times``. ``bar``
   counts each step as it ends and says when the run evaluates.
   """
   settings = run.settings
@@ -178,8 +178,9 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
     started = time.perf_counter()
     state, loss = run.step(state, s)
     # One step at a time: XLA CPU's collectives time out when many steps' worth of device
-    # threads queue up on few cores.
-    jax.block_until_ready(loss)
+    # threads queue up on few cores. The params too: a sync step run apart (diloco) ends with
+    # its exchange program, after the loss.
+    jax.block_until_ready((loss, state.params))
     step_times.append(time.perf_counter() - started)
     bar.update()
     if s % settings.eval_every == 0 or s == settings.steps:
