@@ -230,6 +230,7 @@ def diloco_synchronize(
 
   Raises:
     TypeError: ``exchange`` not an :class:`~optax_dist.Exchange`.
+    ValueError: ``exchange``'s ``axis_name`` or ``slice_axis`` not bound where it runs.
 
   Examples:
     Two workers emulated with ``vmap``, outer SGD of learning rate 1 (model averaging):
@@ -247,6 +248,7 @@ def diloco_synchronize(
     outer step on the averaged outer gradient).
   """
   check_exchange("diloco_synchronize", exchange)
+  exchange.bind()
   delta, residual = _outer.pseudo_gradient(exchange, anchor, new_params, residual)
   return (*diloco_outer_step(outer, anchor, outer_state, delta), residual)
 

@@ -277,3 +277,16 @@ def test_halves_errors():
   with pytest.raises(ValueError, match=r"streaming_diloco_outer_step\(fragment=...\)"):
     optax_dist.streaming_diloco_outer_step(
       _outer(), tree, None, tree, fragments=(0,), fragment=1)
+
+
+def test_diloco_synchronize_refuses_a_misspelled_axis_and_a_non_exchange():
+  outer, anchor = _outer(), jnp.zeros((2, 3))
+
+  def sync(exchange):
+    return jax.vmap(lambda a: optax_dist.diloco_synchronize(
+      outer, exchange, a, outer.init(a), a + 1.0)[0], axis_name=AXIS)(anchor)
+
+  with pytest.raises(ValueError, match=r"axis 'wrokers' is not bound"):
+    sync(optax_dist.Exchange("wrokers"))
+  with pytest.raises(TypeError, match=r"diloco_synchronize\(exchange=...\)"):
+    sync(AXIS)
