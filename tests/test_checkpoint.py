@@ -522,8 +522,16 @@ def test_resume_goes_back_past_a_damaged_checkpoint(digits_run, tmp_path, capsys
   assert all(bitwise_equal(resumed[k], expected[k]) for k in expected)
 
 
-def test_resume_with_every_checkpoint_damaged_is_one_line(digits_run, tmp_path, capsys):
+def test_resume_with_every_checkpoint_damaged_is_one_line(digits_run, tmp_path, capsys,
+                                                         monkeypatch):
+  """Refused before the run is built (nothing compiles)."""
+  from optax_dist.cli import trainer
   from optax_dist.cli.main import main
+
+  def built(*args, **kwargs):
+    raise AssertionError("the run was built before the checkpoint was refused")
+
+  monkeypatch.setattr(trainer, "Run", built)
 
   out = tmp_path / "out"
   directory = out / "checkpoints" / "diloco"
@@ -571,11 +579,9 @@ def test_resume_may_move_the_exchanges_to_or_from_the_exchange_device(tmp_path, 
   assert meta["step"] == 4 and meta["settings"]["exchange_device"] is saved
   assert all(bitwise_equal(restored[k], state[k]) for k in state)
   reader.close()
-  other = Checkpoints(str(tmp_path), _streaming_settings(exchange_device=resumed, mixing=0.5),
-                      resume=True)
   with pytest.raises(CheckpointMismatchError, match=r"other settings \(mixing 0.0 -> 0.5\)"):
-    other.restore(state, None)
-  other.close()
+    Checkpoints(str(tmp_path), _streaming_settings(exchange_device=resumed, mixing=0.5),
+                resume=True)
 
 
 if __name__ == "__main__":

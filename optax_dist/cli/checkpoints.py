@@ -5,7 +5,7 @@ arrays: each process writes and reads its own shards; on several hosts the direc
 shared file system) and, as JSON, the step, the run's settings, the record of the metric so far
 and the wall time so far. The step is the position in the minibatches and the delays (see
 :mod:`optax_dist.cli.pipeline`), so nothing else is needed to continue exactly. A resume skips a
-damaged checkpoint for the intact one before it (:meth:`Checkpoints.restore`).
+damaged checkpoint for the intact one before it (:attr:`Checkpoints.found`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,14 @@ class Checkpoints:
   """The checkpoints of one run under ``directory``; the last two are kept.
 
   Saves are synchronous and atomic: a process killed while saving leaves the previous checkpoint
-  as the latest. Without ``resume``, the checkpoints of an earlier run there are deleted.
+  as the latest. Without ``resume``, the checkpoints of an earlier run there are deleted; with
+  ``resume``, the newest intact checkpoint is found and its settings checked at once, before the
+  caller builds and compiles its run: :attr:`found`.
+
+  Raises:
+    CheckpointMismatchError: with ``resume``, the newest intact checkpoint was written with other
+      settings (other than the number of workers).
+    DamagedCheckpointError: with ``resume``, every checkpoint is damaged.
   """
 
   def __init__(self, directory: str, settings: dict[str, Any], *, resume: bool):
@@ -104,6 +111,9 @@ class Checkpoints:
       item_handlers={"state": ocp.StandardCheckpointHandler(),  # item_metadata reads them
                      "meta": ocp.JsonCheckpointHandler()},
     )
+    self.found = self._find() if resume else None
+    """The newest intact checkpoint's ``(step, JSON)``, its settings checked against this run's,
+    or ``None`` (none, or not resuming)."""
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Saves ``state`` (a pytree of global arrays) and ``meta`` (JSON) as checkpoint ``step``."""
@@ -113,29 +123,15 @@ class Checkpoints:
       state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()
 
-  def restore(self, state: Any, replicated: Any, *,
-              per_worker: bool = True) -> tuple[Any, dict[str, Any]] | None:
-    """The newest intact checkpoint's state and JSON, or ``None`` if there is none.
-
-    With ``per_worker``, ``state``'s leaves have a leading worker axis: a checkpoint of as many
-    workers is restored shaped and sharded like ``state``; one of another number of workers
-    (``settings["devices"]`` differs: an elastic resume) is restored with its own worker count,
-    replicated on every device (``replicated``, a sharding), for
-    :func:`optax_dist.resize_state`. Without (the global view: a leading replica axis), every
-    checkpoint is restored shaped and sharded like ``state``.
+  def _find(self) -> tuple[int, dict[str, Any]] | None:
+    """The newest intact checkpoint's step and JSON (its settings completed with
+    :data:`SETTINGS_ADDED` and checked), or ``None`` if there is none.
 
     A checkpoint whose JSON or array metadata Orbax cannot read is damaged: process 0 finds the
     newest intact one (and tells the others, :func:`multihost_utils.broadcast_one_to_all`),
     renames the newer damaged ones ``N.damaged`` (kept for inspection; no longer a step), and says
     so on stderr in one line.
-
-    Raises:
-      CheckpointMismatchError: the checkpoint was written with other settings (other than the
-        number of workers).
-      DamagedCheckpointError: every checkpoint is damaged, or the arrays of the intact one cannot
-        be read.
     """
-    ocp = _orbax()
     step = self._intact_step()
     if step is None:
       return None
@@ -144,6 +140,26 @@ class Checkpoints:
     if meta["settings"]["sync_period"] is None:  # resolved only for the DiLoCo family before
       meta["settings"]["sync_period"] = self.settings["sync_period"]
     self._check_settings(step, meta["settings"])
+    return step, meta
+
+  def restore(self, state: Any, replicated: Any, *,
+              per_worker: bool = True) -> tuple[Any, dict[str, Any]] | None:
+    """The state and JSON of the checkpoint :attr:`found`, or ``None`` if there is none.
+
+    With ``per_worker``, ``state``'s leaves have a leading worker axis: a checkpoint of as many
+    workers is restored shaped and sharded like ``state``; one of another number of workers
+    (``settings["devices"]`` differs: an elastic resume) is restored with its own worker count,
+    replicated on every device (``replicated``, a sharding), for
+    :func:`optax_dist.resize_state`. Without (the global view: a leading replica axis), every
+    checkpoint is restored shaped and sharded like ``state``.
+
+    Raises:
+      DamagedCheckpointError: the arrays of the checkpoint cannot be read.
+    """
+    ocp = _orbax()
+    if self.found is None:
+      return None
+    step, meta = self.found
     workers = meta["settings"]["devices"]
 
     def abstract(x):

@@ -1,9 +1,11 @@
 """Data-parallel training of any task with any algorithm: the loop, checkpoints and resuming.
 
-:func:`train` checks the settings (:func:`optax_dist.cli.checks.check_settings`), builds the run
-(:class:`optax_dist.cli.runs.Run`, :class:`~optax_dist.cli.runs.GlobalRun` on the global view,
-:class:`~optax_dist.cli.exchange_device.ExchangeDeviceRun` with an exchange device), restores
-the latest checkpoint with ``resume``, and trains step by step, evaluating and saving on the way.
+:func:`train` checks the settings (:func:`optax_dist.cli.checks.check_settings`), with
+``resume`` finds the checkpoint to resume from (and refuses a damaged or mismatched one before
+anything compiles), builds the run (:class:`optax_dist.cli.runs.Run`,
+:class:`~optax_dist.cli.runs.GlobalRun` on the global view,
+:class:`~optax_dist.cli.exchange_device.ExchangeDeviceRun` with an exchange device), restores that
+checkpoint, and trains step by step, evaluating and saving on the way.
 
 The mesh may span several ``jax.distributed`` processes (:mod:`optax_dist.cli.launcher`): every
 process builds the same global arrays from the same host data, holding the shards of its own
@@ -108,15 +110,20 @@ def train(
     ValueError: settings that :func:`optax_dist.cli.checks.check_settings` refuses (its
       one-line messages name the command's flags); too few devices, or with ``exchange_device``
       a process without exactly one device beyond its training devices.
-    CheckpointMismatchError: ``resume`` from a checkpoint written with other settings.
-    DamagedCheckpointError: ``resume`` with every checkpoint damaged, or the arrays of the
-      newest intact one unreadable (a damaged newer one is set aside: see
-      :meth:`Checkpoints.restore`).
+    CheckpointMismatchError: ``resume`` from a checkpoint written with other settings, raised
+      before the run is built.
+    DamagedCheckpointError: ``resume`` with every checkpoint damaged (raised before the run is
+      built), or the arrays of the newest intact one unreadable (a damaged newer one is set
+      aside: see :class:`Checkpoints`).
   """
   start = time.perf_counter()
   settings = settings.resolved()
   checks.check_settings(settings, (settings.algorithm,), processes=jax.process_count(),
                         train_examples=lambda: checks.num_examples(data.train))
+  checkpoints = None
+  if checkpoint_dir is not None and (checkpoint_every > 0 or resume):
+    # With resume, a checkpoint to refuse is refused here, before the run compiles.
+    checkpoints = Checkpoints(checkpoint_dir, settings.as_dict(), resume=resume)
   shown = Progress(settings.algorithm, progress)
   if settings.fsdp is not None:
     run = GlobalRun(task, data, settings, progress=shown)
@@ -127,12 +134,8 @@ def train(
   resized = None
   record = {key: [] for key in record_keys(task)}
   state, earlier_time, resumed_from = run.initial, 0.0, None
-  checkpoints = None
-  if checkpoint_dir is not None and (checkpoint_every > 0 or resume):
-    checkpoints = Checkpoints(checkpoint_dir, settings.as_dict(), resume=resume)
-    if resume:
-      state, record, earlier_time, resumed_from, resized = _restore(
-        run, checkpoints, state, record)
+  if resume and checkpoints is not None:
+    state, record, earlier_time, resumed_from, resized = _restore(run, checkpoints, state, record)
   first = (resumed_from or 0) + 1
   if first == 1:
     with shown.phase("evaluating at step 0"):
