@@ -93,11 +93,12 @@ def test_transformer_is_causal_and_byte_level():
 
   model = tasks.transformer()
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, tasks.LM_CONTEXT)), jnp.uint8)
-  params = model.init(jax.random.key(0), tokens)["params"]
-  logits = model.apply({"params": params}, tokens)
+  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+  apply = jax.jit(lambda tokens: model.apply({"params": params}, tokens))  # compiled once
+  logits = apply(tokens)
   assert logits.shape == (2, tasks.LM_CONTEXT, 256)
   changed = tokens.at[:, 40].set((tokens[:, 40] + 1) % 256)
-  after = model.apply({"params": params}, changed)
+  after = apply(changed)
   np.testing.assert_array_equal(logits[:, :40], after[:, :40])  # the past does not see the future
   assert not np.allclose(logits[:, 40:], after[:, 40:])
   n_params = sum(x.size for x in jax.tree.leaves(params))
