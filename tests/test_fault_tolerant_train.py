@@ -124,9 +124,9 @@ def test_replicas_draw_the_trainers_minibatches():
   replicas, per_replica, batch = 3, 2, 4
   s = Settings(algorithm="diloco", devices=replicas * per_replica, batch_size=batch,
                steps=20, sync_period=5).resolved()
-  params, grad_fn, batch_fn, examples, evaluate = fault_tolerant.task_engine(
+  params, grad_fn, batch_fn, tokens, evaluate = fault_tolerant.task_engine(
     task, data, s, replicas)
-  assert examples == per_replica * batch
+  assert tokens == per_replica * batch  # a digit's label is its one target
   shards = pipeline.shard_examples(data.train, s.devices)
   n_local = len(shards["x"][0])
   for seed, slot, step in ((0, 0, 0), (0, 2, 7), (3, 1, 40)):
@@ -139,6 +139,13 @@ def test_replicas_draw_the_trainers_minibatches():
     np.testing.assert_array_equal(jax.device_get(batch_fn(seed, slot, step))["x"], got["x"])
   assert 0.0 <= evaluate(params) <= 1.0
   assert jax.tree.structure(grad_fn(params, batch_fn(0, 0, 0))) == jax.tree.structure(params)
+
+
+def test_an_lm_example_weighs_its_context_in_tokens():
+  """A window of the ``lm`` task predicts the next byte at each of its positions."""
+  from optax_dist.cli.tasks import LM_CONTEXT, load_lm
+
+  assert fault_tolerant.tokens_per_example(load_lm(seed=0)) == LM_CONTEXT
 
 
 def _write_lines(out: pathlib.Path, i: int, lines: list[tuple]) -> None:

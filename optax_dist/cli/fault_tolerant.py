@@ -168,7 +168,7 @@ def protocol(s: Settings) -> RoundProtocol:
 
 
 def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any, ...]:
-  """``(params, grad_fn, batch_fn, examples_per_step, evaluate)`` of ``task`` for one replica
+  """``(params, grad_fn, batch_fn, tokens_per_step, evaluate)`` of ``task`` for one replica
   of ``replicas`` (``s.devices`` workers in all, ``K = s.devices // replicas`` per replica).
 
   * ``params``: :func:`optax_dist.cli.runs.initial_params` (``train``'s), replicated over the
@@ -177,6 +177,8 @@ def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any
     ``K * batch_size`` examples, split over its K devices: the mean of its workers' gradients;
   * ``batch_fn(seed, slot, step)``: the minibatches of workers ``slot * K`` to ``slot * K + K -
     1`` for step ``step + 1`` (:func:`optax_dist.cli.pipeline.minibatch`), stateless;
+  * ``tokens_per_step``: the targets in the replica's batch of a step, ``K * batch_size`` times
+    :func:`tokens_per_example` (a round's merge weight is its inner steps times this);
   * ``evaluate(params) -> float``: ``task``'s test metric.
   """
   import jax
@@ -201,8 +203,14 @@ def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any
     return jax.device_put(batch, NamedSharding(mesh, P("data")))
 
   metric = jax.jit(task.metric_fn(model))
-  return (params, jax.grad(task.loss_fn(model)), batch_fn, k * s.batch_size,
-          lambda p: float(metric(p, data.test)))
+  return (params, jax.grad(task.loss_fn(model)), batch_fn,
+          k * s.batch_size * tokens_per_example(data), lambda p: float(metric(p, data.test)))
+
+
+def tokens_per_example(data: Data) -> int:
+  """The targets an example of ``data`` holds: its label (1) for a classification task, one per
+  position (the next byte) for the ``lm`` task's windows."""
+  return int(np.prod(np.shape(data.train["y"])[1:], dtype=np.int64))
 
 
 def run_replica(args: argparse.Namespace) -> int:
@@ -216,11 +224,11 @@ def run_replica(args: argparse.Namespace) -> int:
   launcher.init_jax(args.devices)
   data = task.load(args.seed)
   s = settings(args, task, lambda: data)
-  params, grad_fn, batch_fn, examples, evaluate = task_engine(task, data, s, args.replicas)
+  params, grad_fn, batch_fn, tokens, evaluate = task_engine(task, data, s, args.replicas)
   try:
     state = ft_replica.serve(
       protocol(s), params, grad_fn, batch_fn, steps=s.steps, seed=s.seed,
-      tokens_per_step=examples, lighthouse=args.lighthouse, replica_id=args.replica_id,
+      tokens_per_step=tokens, lighthouse=args.lighthouse, replica_id=args.replica_id,
       out=args.out, host=args.host, min_replicas=args.min_replicas,
       quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
       on_ready=lambda: _meet(pathlib.Path(args.out), args.replica_id, args.replicas,
