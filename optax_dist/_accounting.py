@@ -439,19 +439,38 @@ _IOTA_GROUPS = re.compile(
   r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
 )
 
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_GROUPS = re.compile(
+  r"replica_groups=mesh\[([^\]]*)\]"
+  r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?\s*\{([^}]*)\}"
+)
+
+
+def _iota(dims: str, transpose: str | None) -> np.ndarray:
+  """XLA's iota list ``[dims]T(transpose)``: ``arange`` reshaped to ``dims``, then transposed."""
+  shape = [int(d) for d in dims.split(",")]
+  ids = np.arange(int(np.prod(shape))).reshape(shape)
+  return ids.transpose([int(a) for a in transpose.split(",")]) if transpose else ids
 
 
 def _mesh_groups(match: re.Match) -> tuple[tuple[int, ...], ...]:
-  """The groups of XLA's mesh form ``mesh['a'=2,'b'=4] {'b'}``: the device positions ``arange``
-  laid out on the named axes, one group per position on the axes not listed; ``()`` for a form
+  """The groups of XLA's mesh form ``mesh['a'=2,'b'=4] {'b'}``: the device positions laid out on
+  the named axes (``arange``, or the mesh's ``device_ids``, an iota list ``[2,2,2]T(0,2,1)`` or
+  the positions themselves), one group per position on the axes not listed; ``()`` for a form
   read no further (sub-axes such as ``'b':(1)2``)."""
   sizes = dict((name, int(n)) for name, n in re.findall(r"'([^']+)'=(\d+)", match.group(1)))
-  grouped = [entry.strip() for entry in match.group(2).split(",") if entry.strip()]
+  grouped = [entry.strip() for entry in match.group(3).split(",") if entry.strip()]
   if not all(re.fullmatch(r"'[^']+'", e) and e[1:-1] in sizes for e in grouped):
     return ()
   names, grouped = list(sizes), [e[1:-1] for e in grouped]
-  ids = np.arange(int(np.prod(list(sizes.values())))).reshape(list(sizes.values()))
+  listed = match.group(2) or ""
+  iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", listed)
+  if iota:
+    ids = _iota(iota.group(1), iota.group(2))
+  elif listed:
+    ids = np.array([int(d) for d in listed.split(",") if d.strip()])
+  else:
+    ids = np.arange(int(np.prod(list(sizes.values()))))
+  ids = ids.reshape(list(sizes.values()))
   order = [names.index(n) for n in names if n not in grouped] + [names.index(n) for n in grouped]
   size = int(np.prod([sizes[n] for n in grouped]))
   return tuple(tuple(int(d) for d in g) for g in ids.transpose(order).reshape(-1, size))
@@ -467,10 +486,7 @@ def _replica_groups(attributes: str) -> tuple[tuple[int, ...], ...]:
     return _mesh_groups(m)
   m = _IOTA_GROUPS.search(attributes)
   if m:
-    dims = [int(d) for d in m.group(3).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(4):
-      ids = ids.transpose([int(a) for a in m.group(4).split(",")])
+    ids = _iota(m.group(3), m.group(4))
     return tuple(tuple(int(d) for d in g) for g in ids.reshape(int(m.group(1)), int(m.group(2))))
   m = _EXPLICIT_GROUPS.search(attributes)
   if not m:

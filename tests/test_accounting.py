@@ -458,8 +458,9 @@ ENTRY %main (p: f32[3]) -> f32[3] {
 
 def test_mesh_axes_replica_groups_are_parsed():
   """XLA's mesh form ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (the global view's FSDP
-  collectives): the groups along the second axis of a 2x4 mesh, {0,1,2,3} and {4,5,6,7}; a form
-  with sub-axes is not read (no groups)."""
+  collectives): the groups along the second axis of a 2x4 mesh, {0,1,2,3} and {4,5,6,7}; with
+  ``device_ids`` (an iota list or the ids), the mesh laid over those; a form with sub-axes is not
+  read (no groups)."""
   hlo = """HloModule m
 
 ENTRY %main (p: f32[3]) -> f32[3] {{
@@ -473,6 +474,12 @@ ENTRY %main (p: f32[3]) -> f32[3] {{
       ("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", ((0, 4), (1, 5), (2, 6), (3, 7)), ("replica",)),
       ("mesh['axis_0'=2,'axis_1'=4,'axis_2'=1] {'axis_1','axis_2'}", ((0, 1, 2, 3), (4, 5, 6, 7)),
        ("fsdp",)),
+      # The mesh over listed devices (the global view's exchange, one group per position of
+      # (data, fsdp) when the state is sharded over both): 2x4 over 0,2,1,3,4,6,5,7.
+      ("mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(0,2,1)) {'axis_0'}",
+       ((0, 4), (2, 6), (1, 5), (3, 7)), ("replica",)),
+      ("mesh['axis_0'=2,'axis_1'=4], device_ids=(0,2,1,3,4,6,5,7) {'axis_1'}",
+       ((0, 2, 1, 3), (4, 6, 5, 7)), ("fsdp",)),
       ("mesh['axis_0'=2,'axis_1'=4] {'axis_1':(1)2}", (), ("replica", "fsdp"))]:
     text = hlo.format(groups=groups)
     (collective,) = optax_dist.CommunicationReport.from_hlo_text(text).collectives
