@@ -121,6 +121,30 @@ def test_the_step_keeps_the_shardings(digits):
   assert after == before
 
 
+def test_with_data_groups_the_state_is_split_over_them_and_crosses_once_per_replica(
+    trainings, digits):
+  """``fsdp=2`` over a replica's 4 devices (2 data groups): the state's param-shaped leaves are
+  split over all 4 devices where a dimension divides, so DiLoCo's sync sends each device's
+  quarter across the replicas (each byte once per replica; with the state on the params' layout
+  each data group sent the same half); the run trains the per-device step's model."""
+  per_device, per_device_final = trainings("diloco", None)
+  global_view, global_final = trainings("diloco", 2)
+  first = jax.tree.map(lambda x: x[::WORKERS // REPLICAS], per_device_final["params"])
+  chex.assert_trees_all_close(global_final["params"], first, rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(global_view["history"]["train_loss"][1:],
+                             per_device["history"]["train_loss"][1:], rtol=RTOL)
+  task, data = digits
+  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
+  devices = WORKERS // REPLICAS  # a replica's: fsdp 2 x 2 data groups
+  # Each leaf's bytes over the most of a replica's devices (4, the 2 of fsdp, 1) that divide one
+  # of its dimensions: the (10,) bias of the last layer is split over 2.
+  split = sum(p.nbytes // next(n for n in (devices, 2, 1) if any(d % n == 0 for d in p.shape))
+              for p in jax.tree.leaves(runs.initial_params(task, 0, example)))
+  steps = {kind: step["unconditional"]["replica"]
+           for kind, step in global_view["collective_bytes"].items()}
+  assert steps["communication_step"] - steps["non_communication_step"] == split
+
+
 def test_resume_restores_onto_the_mesh(digits, trainings, tmp_path):
   task, data = digits
   _, uninterrupted = trainings("diloco", K)  # the uninterrupted run of test_fsdp_trains_...[diloco]

@@ -130,7 +130,8 @@ def _training_arguments(common: argparse.ArgumentParser) -> None:
   common.add_argument("--fsdp", type=positive_int, default=None, metavar="K",
                       help="train on the global view: one jitted jax.vmap step over the"
                       " replicas, each replica's params and optimizer state sharded over K of"
-                      " its devices (FSDP), its minibatch over all of them; the compiler reduces"
+                      " its devices (FSDP; the state over all of the replica's devices where"
+                      " they divide it), its minibatch over all of them; the compiler reduces"
                       " the gradients within a replica and the algorithm runs across the"
                       " replicas (sync: tower over the replicas). K must divide the devices of a"
                       " replica; the same examples as without --fsdp, so the same losses to float"

@@ -100,11 +100,19 @@ def exchange_mesh(devices: int) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array(extra), (REPLICA,), axis_types=(AxisType.Auto,))
 
 
-def fsdp_spec(shape: tuple[int, ...], k: int) -> P:
+def fsdp_spec(shape: tuple[int, ...], k: int, d: int = 1) -> P:
   """The spec of a param of ``shape`` inside one replica: :data:`FSDP` on its largest dimension
-  divisible by ``k`` (the first of equal ones), ``P()`` (whole on every device) if none is."""
-  divisible = [d for d, n in enumerate(shape) if n % k == 0]
-  if not divisible:
-    return P()
-  axis = max(divisible, key=lambda d: (shape[d], -d))
-  return P(*(FSDP if d == axis else None for d in range(len(shape))))
+  divisible by ``k`` (the first of equal ones), ``P()`` (whole on every device) if none is.
+
+  With ``d > 1`` (the optimizer state's layout over a replica of ``d`` data groups of ``k``
+  devices): ``(FSDP, DATA)`` on its largest dimension divisible by ``k * d``, so that each of the
+  replica's devices holds a distinct ``1 / (k d)`` of the leaf, inside the ``1 / k`` of the param
+  it holds; the param's spec if no dimension is.
+  """
+  layouts = [(k * d, (FSDP, DATA))] if d > 1 else []
+  for n, axes in [*layouts, (k, FSDP)]:
+    divisible = [i for i, size in enumerate(shape) if size % n == 0]
+    if divisible:
+      axis = max(divisible, key=lambda i: (shape[i], -i))
+      return P(*(axes if i == axis else None for i in range(len(shape))))
+  return P()

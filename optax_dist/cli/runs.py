@@ -263,9 +263,12 @@ class GlobalRun(Run):
   FSDP)``.
 
   The params and the optimizer state are stacked over the replicas, sharded ``P(REPLICA, ...)``;
-  inside each replica every param, and every state leaf shaped like one
-  (:func:`optax_dist.state_shardings`), is sharded over the K devices of :data:`FSDP` on its
-  largest dimension divisible by K (whole on each if none, see :func:`fsdp_spec`). Worker
+  inside each replica every param is sharded over the K devices of :data:`FSDP` on its largest
+  dimension divisible by K (whole on each if none, see :func:`fsdp_spec`), and every state leaf
+  shaped like one (:func:`optax_dist.state_shardings`) likewise, or, with D > 1 data groups, over
+  all D K devices of the replica (``(FSDP, DATA)``) where a dimension divides: each device then
+  holds 1/(D K) of the state and sends that 1/(D K) of a DiLoCo exchange across the replicas
+  (each byte crosses once per replica, not once per data group). Worker
   (device) ``i`` holds the ``i``-th shard of the training set and draws the minibatches of
   :class:`Run`'s worker ``i``, so both train on the same examples. The compiler inserts FSDP's
   all-gathers and reduce-scatters, and the gradients' reduction inside each replica.
@@ -291,19 +294,22 @@ class GlobalRun(Run):
     return jax.tree.map(lambda p, sh: pipeline.put(np.broadcast_to(p, (r,) + p.shape), sh),
                         params, self.shardings(params, stacked=True))
 
-  def shardings(self, params: Any, *, stacked: bool) -> Any:
+  def shardings(self, params: Any, *, stacked: bool, state: bool = False) -> Any:
     """The ``NamedSharding`` of each of one replica's ``params`` (:func:`fsdp_spec`), with
-    ``stacked`` for the params stacked over the replicas (:data:`REPLICA` first)."""
-    lead = (REPLICA,) if stacked else ()
+    ``stacked`` for the params stacked over the replicas (:data:`REPLICA` first); with ``state``,
+    the layout of the optimizer state's param-shaped leaves, split over the replica's data groups
+    too."""
+    s, lead = self.settings, (REPLICA,) if stacked else ()
+    groups = s.devices // s.replicas // s.fsdp if state else 1
     return jax.tree.map(
-      lambda p: NamedSharding(self.mesh, P(*lead, *fsdp_spec(np.shape(p), self.settings.fsdp))),
+      lambda p: NamedSharding(self.mesh, P(*lead, *fsdp_spec(np.shape(p), s.fsdp, groups))),
       params)
 
   def _compile(self, params, loss_fn) -> None:
     s = self.settings
     one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype), params)
-    state_sh = optax_dist.state_shardings(self.tx, one, self.shardings(one, stacked=False),
-                                          replica_axis=REPLICA)
+    state_sh = optax_dist.state_shardings(
+      self.tx, one, self.shardings(one, stacked=False, state=True), replica_axis=REPLICA)
     opt_state = jax.jit(jax.vmap(self.tx.init), out_shardings=state_sh)(params)
     self.initial = State(params, opt_state, {})
     idx = self.shard(np.zeros((s.devices, s.batch_size), np.int32))

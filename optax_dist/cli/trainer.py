@@ -60,7 +60,8 @@ def train(
 
   With ``settings.fsdp`` K the run is on the global view
   (:class:`~optax_dist.cli.runs.GlobalRun`): one jitted ``jax.vmap`` step over the replicas,
-  each replica's params and state sharded over K of its devices; device ``i`` trains on worker
+  each replica's params sharded over K of its devices and its state over K or all of them (see
+  :class:`~optax_dist.cli.runs.GlobalRun`); device ``i`` trains on worker
   ``i``'s examples, so the losses are those of the per-device step to float rounding. The state
   then has a leading replica axis.
 
