@@ -35,9 +35,8 @@ dispatch is asynchronous) and until the steps were done (about ``compute`` when 
 the exchange, ``exchange + compute`` when behind it); whether the exchanges' results equal the
 sum of both processes' inputs; and the load average before and after each rate.
 
-Needs root and iproute2; says why and exits with 0 otherwise. ``python -m
-benchmarks.network.probe_overlap [--rates 10mbit unshaped] [--out
-benchmarks/results/probe_overlap.json]``.
+Needs root and iproute2 (``python -m benchmarks.network.probe_overlap --help``); says why and exits
+with 0 otherwise.
 """
 
 from __future__ import annotations
@@ -76,9 +75,6 @@ VARIANTS = ("compute", "exchange", "blocking", "overlap_same_devices", "overlap_
 OVERLAPPED = VARIANTS[3:]
 
 
-# --- In each process ----------------------------------------------------------------------------
-
-
 def worker(args: argparse.Namespace) -> dict[str, Any]:
   """Process ``--worker``'s measurements (it joins the other at ``--coordinator``)."""
   process_id = args.worker
@@ -88,7 +84,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
   wide_mesh = Mesh(np.array([devs[:TRAINING] for devs in both]), ("replica", "data"))
   own_mesh = Mesh(np.array([devs[TRAINING] for devs in both]), ("replica",))
   own_device = local[TRAINING]
-
   width, layers, rows = args.width, args.layers, args.rows
 
   def tower(x, w):
@@ -149,8 +144,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if variant == "compute":
       steps(w0, wait=False).block_until_ready()
     elif variant == "exchange":
-      out = exchange_own(own_input())
-      out.block_until_ready()
+      out = exchange_own(own_input()).block_until_ready()
     elif variant == "blocking":
       exchange_own(own_input()).block_until_ready()
       steps(w0, wait=True)
@@ -170,7 +164,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
       out = box["out"]
     else:
       same = variant == "overlap_same_devices"
-      out = (exchange_wide(wide_input()) if same else exchange_own(own_input()))
+      out = exchange_wide(wide_input()) if same else exchange_own(own_input())
       marks["dispatch"] = time.perf_counter() - start
       steps(w0, wait=False).block_until_ready()
       marks["steps_done"] = time.perf_counter() - start
@@ -196,9 +190,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
   sync_global_devices("done")
   return {"process": process_id, "times": times, "marks": marks,
           "correct": {v: all(oks) for v, oks in right.items()}}
-
-
-# --- The driver ---------------------------------------------------------------------------------
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
