@@ -232,7 +232,13 @@ class Link:
   def __enter__(self) -> Link:
     if (reason := unavailable()) is not None:
       raise Unavailable(reason)
-    self._catch_signals()
+
+    def leave(signum, frame):  # SIGTERM and SIGHUP leave the ``with`` block, which cleans up
+      raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+      with contextlib.suppress(ValueError):  # not the main thread
+        self._previous_handlers[signum] = signal.signal(signum, leave)
     try:
       self._create()
     except BaseException:
@@ -242,16 +248,6 @@ class Link:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
-
-  def _catch_signals(self) -> None:
-    """SIGTERM and SIGHUP raise ``SystemExit``, so that the ``with`` block's exit still runs."""
-
-    def leave(signum, frame):
-      raise SystemExit(128 + signum)
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-      with contextlib.suppress(ValueError):  # not the main thread
-        self._previous_handlers[signum] = signal.signal(signum, leave)
 
   def _create(self) -> None:
     host = socket.gethostname()
@@ -329,8 +325,7 @@ class Link:
       raise RuntimeError(f"{what} at {self.rate}: " + "; ".join(tails))
 
   def counters(self) -> dict[str, dict[str, int]]:
-    """``{side: {"tx_bytes", "rx_bytes", "tx_packets"}}`` of each veth
-    (``/sys/class/net/DEV/statistics``)."""
+    """``{side: {"tx_bytes", "rx_bytes", "tx_packets"}}`` of each veth (``/sys/class/net``)."""
     keys, out = ("tx_bytes", "rx_bytes", "tx_packets"), {}
     for side in "ab":
       stats = f"/sys/class/net/{self.devices[side]}/statistics"

@@ -228,8 +228,7 @@ def _runs(result: dict[str, Any], rate: str, method: str) -> list[dict]:
 
 
 def _median_of(runs: list, fn: Any = lambda x: x) -> float | None:
-  """The median of ``fn`` (a function, or a key) over ``runs``, ``None`` values left out (``None``
-  if none is left)."""
+  """The median of ``fn`` (a function, or a key) over ``runs``, ``None`` values left out."""
   values = [v for v in map(itemgetter(fn) if isinstance(fn, str) else fn, runs) if v is not None]
   return kit.median(values) if values else None
 
