@@ -6,31 +6,28 @@ its operand's bytes once each way). This probe measures what that rests on, in i
 ``jax.distributed`` processes (gloo, :data:`DEVICES` emulated CPU devices each) over a
 :class:`netns.Link`, process 0 and the coordinator in ``a``, process 1 in ``b``:
 
-* ``tcp``: a plain TCP transfer of a known number of bytes from ``b`` to ``a``
-  (:meth:`netns.Link.measure_rate`): the veth's bytes less that payload, over its packets, is the
-  per-packet header overhead the counters actually show;
+* ``tcp``: a TCP transfer of known bytes from ``b`` to ``a`` (:meth:`netns.Link.measure_rate`):
+  the veth's bytes less that payload, over its packets, is the header overhead the counters show;
 * ``pair``: ``--repeats`` all-reduces (``psum``) of ``S`` bytes of float32 per process over a
   2-device mesh, one device per process, each waited for;
 * ``wide``: the same ``S`` bytes per process split over a 2 x :data:`DEVICES` mesh, each device
   all-reducing its ``S / DEVICES`` across the processes only (the trainer's ``replica`` axis);
-* ``wide trainer``: one all-reduce over the replicas of 38 operands per device, the shapes XLA
-  leaves in the lm task's exchange (:data:`TRAINER_OPERANDS`, 279424 bytes per device);
+* ``wide trainer``: one all-reduce over the replicas of the 38 operands per device XLA leaves in
+  the lm task's exchange (:data:`TRAINER_OPERANDS`, 279424 bytes per device);
 * ``pair small``: one all-reduce of 38 operands of 96 bytes on the 2-device mesh: what an
   operand costs beyond its bytes;
 * ``idle``: nothing for about a second (the coordination service's background traffic).
 
-Each all-reduce's results are checked against the sum of both processes' inputs, and the number
-of all-reduce instructions in its compiled program is recorded (XLA combines a tuple into one).
+Each all-reduce's results are checked against the sum of both processes' inputs; the number of
+all-reduce instructions in its compiled program is recorded (XLA combines a tuple into one).
 
-Around each measurement (between barriers, so only the measured work falls inside) each process
-reads, in its own namespace: its veth's ``tx_bytes``, ``tx_packets``, ``rx_bytes`` and
-``rx_packets``; ``/proc/net/snmp``'s ``Tcp`` ``OutSegs`` and ``RetransSegs``; and ``ss -tin``'s
-per-connection ``bytes_sent`` and ``data_segs_out``, split into the connections to the
-coordination service (:data:`PORT`) and the others (gloo's). Reported per all-reduce and direction:
-the veth's bytes over ``S``, the veth's bytes less ``FRAME_OVERHEAD`` per packet over ``S``
-(the network study's payload), gloo's TCP bytes over ``S``, packets, mean bytes per packet and
-retransmitted segments; and ``payload_per_S - 1`` explained by the headers
-(``packets * header`` against the measured header size).
+Around each measurement, between barriers, each process reads in its namespace its veth's
+``tx_bytes``, ``tx_packets``, ``rx_bytes`` and ``rx_packets``; ``/proc/net/snmp``'s ``Tcp``
+``OutSegs`` and ``RetransSegs``; and ``ss -tin``'s ``bytes_sent`` and ``data_segs_out`` of the
+connections to the coordination service (:data:`PORT`) and of the others (gloo's). Reported per
+all-reduce and direction, over ``S``: the veth's bytes, those less ``FRAME_OVERHEAD`` per packet
+(the network study's payload) and gloo's TCP bytes; packets, mean bytes per packet, retransmitted
+segments; and ``payload_per_S - 1`` explained by the headers (``packets * header``).
 
 Measured (unshaped, ``benchmarks/results/probe_link_bytes.json``): 66.0 bytes of headers per
 counted (GSO) packet, and gloo's :data:`benchmarks.studies.network.GLOO_OPERAND_BYTES` per operand.
