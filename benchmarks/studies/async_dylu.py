@@ -181,7 +181,8 @@ def shuffled(data: Any, seed: int) -> Any:
 def measure(st: Config, prefix: str) -> dict[str, Any]:
   """Every protocol and synchronous DiLoCo on each seed of ``st``, at equal inner steps."""
   n, h, rounds, runs = len(st.speeds), st.sync_period, st.rounds, []
-  total, (inner, batch) = n * rounds * h, recipe(rounds * h, st)
+  total = n * rounds * h
+  inner, batch = recipe(rounds * h, st)
   with kit.Timed() as timed:
     for seed in st.seeds:
       problem = async_run.setup(task_of(st), n, seed)

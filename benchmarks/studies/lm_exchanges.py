@@ -118,10 +118,6 @@ def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, An
   return out
 
 
-def _by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-  return {r["label"]: r for r in result["runs"]}
-
-
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   """Trains every row of :func:`grid` (or those of ``config.runs``), in order; with
   ``config.add``, into ``PREFIX.json``'s result."""
@@ -145,6 +141,10 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
   return {**result, "runs": sorted(by_label.values(), key=lambda r: order.index(r["label"])),
           "added": [*result.get("added", []), {
             "labels": list(config.runs), "date": kit.now(), **timed.record()}]}
+
+
+def _by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  return {r["label"]: r for r in result["runs"]}
 
 
 def _gap(a: dict[str, Any], b: dict[str, Any]) -> float:
