@@ -52,9 +52,6 @@ RESULTS = os.path.join(ROOT, "results")
 """Where the reports, their figures and their JSON go by default."""
 
 
-# --- The run's settings -------------------------------------------------------------------------
-
-
 def settings(flags: Sequence[str] = (), **overrides: Any) -> Settings:
   """The trainer's settings of an ``lm`` run: the task's recipe (its defaults but ``steps``), then
   ``flags`` (``optax-dist train`` flags, e.g. ``("--lr-schedule", "constant", "--eager")``: ``--name
@@ -90,9 +87,6 @@ def flag_values(flags: Sequence[str]) -> dict[str, Any]:
   return out
 
 
-# --- Bytes over a run ---------------------------------------------------------------------------
-
-
 def total(by_axes: Mapping[str, float], operands: Mapping[str, int], exchange: bool) -> float:
   """The bytes a device sends into collectives of one execution: all of them, whatever axes."""
   return float(sum(by_axes.values()))
@@ -100,10 +94,9 @@ def total(by_axes: Mapping[str, float], operands: Mapping[str, int], exchange: b
 
 def step_bytes(steps: Mapping[str, Any], kind: str, cost: Callable = total,
                exchange: bool = False) -> float:
-  """``cost`` of one execution of the compiled step ``kind`` of a trainer's ``collective_bytes``
-  (``every_step``, ``communication_step``, ``non_communication_step``, or with ``exchange`` the
-  exchange programs of ``--exchange-device``): its unconditional collectives plus the mean of
-  its conditional exchanges (``streaming_diloco`` runs one fragment's per sync step)."""
+  """``cost`` of one execution of the step ``kind`` of a trainer's ``collective_bytes`` (or with
+  ``exchange``, of ``--exchange-device``'s exchange program): its unconditional collectives plus
+  the mean of its conditional exchanges (``streaming_diloco`` runs one fragment's per sync)."""
   step = steps[kind]
   exchanges = [cost(b, n, exchange) for b, n in zip(step["conditional"],
                                                     step["operands"]["conditional"], strict=True)]
@@ -148,9 +141,6 @@ def tree_bytes(tree: Any) -> int:
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-# --- The machine, the load, timing --------------------------------------------------------------
-
-
 def machine() -> dict[str, str]:
   """The CPU model (``/proc/cpuinfo``), the core count and the memory (``/proc/meminfo``)."""
 
@@ -178,8 +168,8 @@ def load_average() -> str:
 
 
 def load_text(result: Mapping[str, Any], cpu: bool = True) -> str:
-  """``Load average B before, A after (N CPUs, MODEL); M min.`` of a result's ``load_before``,
-  ``load_after``, ``wall_s`` and ``machine`` (default: this one; ``cpu``: the model named)."""
+  """``Load average B before, A after (N CPUs, MODEL); M min.`` of a result (``machine``: this
+  one's if it has none; ``cpu``: the model named)."""
   m = result.get("machine") or machine()
   cpus = f"{m['cores']} CPUs" + (f", {m['cpu']}" if cpu else "")
   return (f"Load average {result['load_before']} before, {result['load_after']} after ({cpus});"
@@ -218,9 +208,6 @@ class Timed:
 def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
   """A field of a study's ``Config``: its default, and its flag's help and argparse keywords."""
   return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
-
-
-# --- Tables and reports -------------------------------------------------------------------------
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:

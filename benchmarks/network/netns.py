@@ -102,7 +102,7 @@ def unavailable() -> str | None:
 
 def skipped(who: str = "") -> bool:
   """Whether :func:`unavailable` gives a reason, having printed it (``WHO skipped: REASON``)."""
-  if (reason := unavailable()) is not None:
+  if reason := unavailable():
     print(f"{who}skipped: {reason}")
   return reason is not None
 
@@ -222,19 +222,23 @@ class Link:
   """
 
   def __init__(self, rate: str | None = None):
-    pid = os.getpid()
-    self.rate = rate
+    pid, self.rate = os.getpid(), rate
     self.names = {side: f"{PREFIX}-{side}-{pid}" for side in "ab"}
     self.devices = {side: f"od{pid}{side}" for side in "ab"}
-    subnet = f"10.213.{pid % 256}"
-    self.addresses = {"a": f"{subnet}.1", "b": f"{subnet}.2"}
+    self.addresses = {"a": f"10.213.{pid % 256}.1", "b": f"10.213.{pid % 256}.2"}
     self._made: list[str] = []
     self._previous_handlers: dict[int, Any] = {}
 
   def __enter__(self) -> Link:
     if (reason := unavailable()) is not None:
       raise Unavailable(reason)
-    self._catch_signals()
+
+    def leave(signum, frame):  # SIGTERM and SIGHUP leave the ``with`` block, which cleans up
+      raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+      with contextlib.suppress(ValueError):  # not the main thread
+        self._previous_handlers[signum] = signal.signal(signum, leave)
     try:
       self._create()
     except BaseException:
@@ -244,16 +248,6 @@ class Link:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
-
-  def _catch_signals(self) -> None:
-    """SIGTERM and SIGHUP raise ``SystemExit``, so that the ``with`` block's exit still runs."""
-
-    def leave(signum, frame):
-      raise SystemExit(128 + signum)
-
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-      with contextlib.suppress(ValueError):  # not the main thread
-        self._previous_handlers[signum] = signal.signal(signum, leave)
 
   def _create(self) -> None:
     host = socket.gethostname()
@@ -325,18 +319,14 @@ class Link:
           p.kill()
           p.wait()
     if [p.returncode for p in procs] != [0] * len(argvs):
-      tails = []
-      for i, (p, path) in enumerate(zip(procs, paths)):
-        with open(path) as f:
-          tails.append(f"process {i} (exit {p.returncode}): "
-                       + " / ".join(f.read().strip().splitlines()[-3:]))
+      tails = [f"process {i} (exit {p.returncode}): "
+               + " / ".join(pathlib.Path(path).read_text().strip().splitlines()[-3:])
+               for i, (p, path) in enumerate(zip(procs, paths))]
       raise RuntimeError(f"{what} at {self.rate}: " + "; ".join(tails))
 
   def counters(self) -> dict[str, dict[str, int]]:
-    """``{side: {"tx_bytes", "rx_bytes", "tx_packets"}}`` of each veth
-    (``/sys/class/net/DEV/statistics``)."""
-    out = {}
-    keys = ("tx_bytes", "rx_bytes", "tx_packets")
+    """``{side: {"tx_bytes", "rx_bytes", "tx_packets"}}`` of each veth (``/sys/class/net``)."""
+    keys, out = ("tx_bytes", "rx_bytes", "tx_packets"), {}
     for side in "ab":
       stats = f"/sys/class/net/{self.devices[side]}/statistics"
       values = self.run(side, ["cat", *(f"{stats}/{k}" for k in keys)]).split()

@@ -1,43 +1,39 @@
 """What a cross-process all-reduce over gloo puts on the veth, byte for byte.
 
-The network study compares the bytes each veth sent, less :data:`netns.FRAME_OVERHEAD` bytes
-of headers per transmitted packet, with the bytes its model of the compiled collectives predicts
-(a two-rank all-reduce sends its operand's bytes once each way). This probe measures, in isolation,
-what that comparison rests on, with two ``jax.distributed`` processes (gloo CPU collectives,
-:data:`DEVICES` emulated CPU devices each) in two network namespaces joined by a veth pair
-(:mod:`netns`), process 0 and the coordinator in ``a``, process 1 in ``b``:
+The network study compares each veth's bytes, less :data:`netns.FRAME_OVERHEAD` bytes of headers
+per packet, with the bytes it predicts from the compiled collectives (a two-rank all-reduce sends
+its operand's bytes once each way). This probe measures what that rests on, in isolation: two
+``jax.distributed`` processes (gloo, :data:`DEVICES` emulated CPU devices each) over a
+:class:`netns.Link`, process 0 and the coordinator in ``a``, process 1 in ``b``:
 
-* ``tcp``: a plain TCP transfer of a known number of bytes from ``b`` to ``a``
-  (:meth:`netns.Link.measure_rate`): the veth's bytes less that payload, over its packets, is the
-  per-packet header overhead the counters actually show;
+* ``tcp``: a TCP transfer of known bytes from ``b`` to ``a`` (:meth:`netns.Link.measure_rate`):
+  the veth's bytes less that payload, over its packets, is the header overhead the counters show;
 * ``pair``: ``--repeats`` all-reduces (``psum``) of ``S`` bytes of float32 per process over a
   2-device mesh, one device per process, each waited for;
 * ``wide``: the same ``S`` bytes per process split over a 2 x :data:`DEVICES` mesh, each device
   all-reducing its ``S / DEVICES`` across the processes only (the trainer's ``replica`` axis);
-* ``wide trainer``: one all-reduce over the replicas of 38 operands per device, the shapes XLA
-  leaves in the lm task's exchange (:data:`TRAINER_OPERANDS`, 279424 bytes per device);
+* ``wide trainer``: one all-reduce over the replicas of the 38 operands per device XLA leaves in
+  the lm task's exchange (:data:`TRAINER_OPERANDS`, 279424 bytes per device);
 * ``pair small``: one all-reduce of 38 operands of 96 bytes on the 2-device mesh: what an
   operand costs beyond its bytes;
 * ``idle``: nothing for about a second (the coordination service's background traffic).
 
-Each all-reduce's results are checked against the sum of both processes' inputs, and the number
-of all-reduce instructions in its compiled program is recorded (XLA combines a tuple into one).
+Each all-reduce's results are checked against the sum of both processes' inputs; the number of
+all-reduce instructions in its compiled program is recorded (XLA combines a tuple into one).
 
-Around each measurement (between barriers, so only the measured work falls inside) each process
-reads, in its own namespace: its veth's ``tx_bytes``, ``tx_packets``, ``rx_bytes`` and
-``rx_packets``; ``/proc/net/snmp``'s ``Tcp`` ``OutSegs`` and ``RetransSegs``; and ``ss -tin``'s
-per-connection ``bytes_sent`` and ``data_segs_out``, split into the connections to the
-coordination service (:data:`PORT`) and the others (gloo's). Reported per all-reduce and direction:
-the veth's bytes over ``S``, the veth's bytes less ``FRAME_OVERHEAD`` per packet over ``S``
-(the network study's payload), gloo's TCP bytes over ``S``, packets, mean bytes per packet and
-retransmitted segments; and ``payload_per_S - 1`` explained by the headers
-(``packets * header`` against the measured header size).
+Around each measurement, between barriers, each process reads in its namespace its veth's
+``tx_bytes``, ``tx_packets``, ``rx_bytes`` and ``rx_packets``; ``/proc/net/snmp``'s ``Tcp``
+``OutSegs`` and ``RetransSegs``; and ``ss -tin``'s ``bytes_sent`` and ``data_segs_out`` of the
+connections to the coordination service (:data:`PORT`) and of the others (gloo's). Reported per
+all-reduce and direction, over ``S``: the veth's bytes, those less ``FRAME_OVERHEAD`` per packet
+(the network study's payload) and gloo's TCP bytes; packets, mean bytes per packet, retransmitted
+segments; and ``payload_per_S - 1`` explained by the headers (``packets * header``).
 
 Measured (unshaped, ``benchmarks/results/probe_link_bytes.json``): 66.0 bytes of headers per
 counted (GSO) packet, and gloo's :data:`benchmarks.studies.network.GLOO_OPERAND_BYTES` per operand.
 
-Needs root and iproute2; says why and exits with 0 otherwise. ``python -m
-benchmarks.network.probe_link_bytes [--sizes 1000000 4000000] [--repeats 20] [--rate unshaped]``.
+Needs root and iproute2 (``python -m benchmarks.network.probe_link_bytes --help``); says why and
+exits with 0 otherwise.
 """
 
 from __future__ import annotations
@@ -76,17 +72,13 @@ SMALL_OPERANDS = (24,) * 38
 """As many operands as :data:`TRAINER_OPERANDS`, each of its smallest size (96 bytes)."""
 
 
-# --- Counters, in the namespace this process runs in ---------------------------------------------
-
-
 def read_counters(device: str) -> dict[str, Any]:
   """This namespace's veth counters, ``Tcp`` counters, and TCP bytes sent per kind of connection
   (``coordination``: to or from :data:`PORT`; ``gloo``: the others)."""
   stats = pathlib.Path(f"/sys/class/net/{device}/statistics")
-  out: dict[str, Any] = {key: int((stats / key).read_text())
-                         for key in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")}
-  return out | tcp_counters(pathlib.Path("/proc/net/snmp").read_text()) | {
-    "connections": connections()}
+  return {key: int((stats / key).read_text())
+          for key in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")} | tcp_counters(
+    pathlib.Path("/proc/net/snmp").read_text()) | {"connections": connections()}
 
 
 def tcp_counters(snmp: str) -> dict[str, int]:
@@ -128,9 +120,6 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-# --- In each process ----------------------------------------------------------------------------
-
-
 def worker(args: argparse.Namespace) -> dict[str, Any]:
   """Process ``--worker``'s counter differences per measurement."""
   process_id, device = args.worker, args.device
@@ -146,8 +135,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                                  in_specs=(spec,) * count, out_specs=(spec,) * count))
 
   def operand(mesh, elements):
-    """A global array of ``elements`` float32 per device of ``mesh``'s process, and the sum
-    of both processes' values."""
+    """``elements`` float32 per device of ``mesh`` in this process, and both processes' sum."""
     per_process = elements * (1 if mesh == "pair" else DEVICES)
     base = np.arange(per_process, dtype=np.float32) % 7
     values = (process_id + 1) * base
@@ -201,9 +189,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
   return {"process": process_id, "results": results}
 
 
-# --- The driver ---------------------------------------------------------------------------------
-
-
 def plain_tcp(link: netns.Link, nbytes: int) -> dict[str, Any]:
   """A TCP transfer of ``nbytes`` from ``b`` to ``a``: the sender's veth and ``Tcp`` counters,
   and the header bytes per packet they imply."""
@@ -214,11 +199,9 @@ def plain_tcp(link: netns.Link, nbytes: int) -> dict[str, Any]:
   link.measure_rate("b", nbytes)
   after, segs_after = link.counters()["b"], snmp()
   d = {k: after[k] - before[k] for k in ("tx_bytes", "tx_packets")}
-  d |= {k: segs_after[k] - segs[k] for k in segs}
-  d["nbytes"] = nbytes
-  d["header_per_packet"] = (d["tx_bytes"] - nbytes) / d["tx_packets"]
-  d["header_per_segment"] = (d["tx_bytes"] - nbytes) / d["OutSegs"]
-  return d
+  d |= {k: segs_after[k] - segs[k] for k in segs} | {"nbytes": nbytes}
+  return d | {"header_per_packet": (d["tx_bytes"] - nbytes) / d["tx_packets"],
+              "header_per_segment": (d["tx_bytes"] - nbytes) / d["OutSegs"]}
 
 
 def rows(results: list[dict[str, Any]], repeats: int, header: float) -> list[dict[str, Any]]:
@@ -249,21 +232,18 @@ def report(tcp: dict[str, Any], table: list[dict[str, Any]], load: list[float]) 
            f" {tcp['tx_packets']} packets ({tcp['OutSegs']} TCP segments,"
            f" {tcp['RetransSegs']} retransmitted): {tcp['header_per_packet']:.1f} B of headers"
            f" per packet, {tcp['header_per_segment']:.1f} per segment",
-           "", "per all-reduce and direction (idle: per measurement of "
-           f"{IDLE_SECONDS:.0f} s):",
+           "", f"per all-reduce and direction (idle: per measurement of {IDLE_SECONDS:.0f} s):",
            f"{'measurement':<15} {'ops':>3} {'S':>8} {'dir':<5} {'tx/S':>7} {'gloo/S':>7}"
-           f" {'pay66/S':>8}"
-           f" {'paymeas/S':>9} {'packets':>8} {'B/pkt':>7} {'segs':>8} {'retr':>5}"
-           f" {'coord B':>8} {'ok':>3}"]
-  fmt = lambda v, w, p: f"{v:{w}.{p}f}" if v is not None else " " * (w - 1) + "-"  # noqa: E731
+           f" {'pay66/S':>8} {'paymeas/S':>9} {'packets':>8} {'B/pkt':>7} {'segs':>8}"
+           f" {'retr':>5} {'coord B':>8} {'ok':>3}"]
+  fmt = lambda v, w: f"{v:{w}.4f}" if v is not None else " " * (w - 1) + "-"  # noqa: E731
   for r in table:
     ok = {True: "yes", False: "NO", None: "-"}[r["correct"]]
     lines.append(f"{r['name']:<15} {r['operands']:>3} {r['size']:>8} {r['direction']:<5}"
-                 f" {fmt(r['tx_bytes/S'], 7, 4)}"
-                 f" {fmt(r['gloo_bytes/S'], 7, 4)} {fmt(r['payload_66/S'], 8, 4)}"
-                 f" {fmt(r['payload_measured/S'], 9, 4)} {r['tx_packets']:8.1f}"
-                 f" {r['bytes_per_packet']:7.0f} {r['out_segs']:8.1f} {r['retrans']:5d}"
-                 f" {r['coordination_bytes']:8.0f} {ok:>3}")
+                 f" {fmt(r['tx_bytes/S'], 7)} {fmt(r['gloo_bytes/S'], 7)}"
+                 f" {fmt(r['payload_66/S'], 8)} {fmt(r['payload_measured/S'], 9)}"
+                 f" {r['tx_packets']:8.1f} {r['bytes_per_packet']:7.0f} {r['out_segs']:8.1f}"
+                 f" {r['retrans']:5d} {r['coordination_bytes']:8.0f} {ok:>3}")
   return "\n".join(lines)
 
 

@@ -1,43 +1,36 @@
 """Can a cross-process exchange run while local steps compute, on XLA CPU?
 
-Streaming DiLoCo with an overlap τ dispatches an exchange and consumes its result only τ steps
-later; that hides the communication only if the runtime runs the exchange concurrently with the
-steps dispatched after it. This probe measures whether it does, with two ``jax.distributed``
-processes (gloo CPU collectives, :data:`DEVICES` emulated CPU devices each) in two network
-namespaces joined by a shaped veth pair (:mod:`netns`), process 0 (and the coordinator) in ``a``,
-process 1 in ``b``.
+Streaming DiLoCo with an overlap τ dispatches an exchange and consumes its result τ steps later,
+which hides the communication only if the runtime runs the exchange beside the steps dispatched
+after it. Measured with two ``jax.distributed`` processes (gloo, :data:`DEVICES` emulated CPU
+devices each) over a shaped :class:`netns.Link`, process 0 and the coordinator in ``a``.
 
-The local step is a jitted function over the first :data:`TRAINING` devices of a process (a
-data-parallel tower: a few matmuls on each device's shard and a ``psum`` of a gradient over the
-process's devices); the exchange is an all-reduce (``psum``) across the two processes of ``--size``
-bytes of float32 per process. Each process times, per repeat, with a barrier between measurements:
+A local step is a jitted data-parallel tower over a process's first :data:`TRAINING` devices (a
+few matmuls per shard, a ``psum`` of a gradient over them); the exchange, a ``psum`` across the
+processes of ``--size`` bytes of float32 each. Each process times per repeat, with barriers:
 
-* ``compute``: ``--steps`` local steps, dispatched one after the other, waited for at the end;
-* ``exchange``: the exchange alone, on the dedicated device, waited for;
+* ``compute``: ``--steps`` local steps dispatched back to back, waited for at the end;
+* ``exchange``: the exchange alone on the dedicated device, waited for;
 * ``blocking``: the exchange, then the steps, each waited for before the next is dispatched;
-* ``overlap_same_devices``: the exchange as its own computation over the training devices of
-  both processes (a 2 x 4 mesh, each device all-reducing a quarter of the bytes), dispatched
-  without waiting, then the steps, then a wait for everything;
+* ``overlap_same_devices``: the exchange over both processes' training devices (a 2 x 4 mesh, a
+  quarter of the bytes each) dispatched without waiting, then the steps, then a wait for all;
 * ``overlap_own_device``: the same with the exchange on a dedicated device per process (the last
-  one: a 2-device mesh across the processes), its input moved there from the training devices
-  with ``jax.device_put``;
-* ``overlap_thread``: as ``overlap_own_device`` with the exchange dispatched and waited for in a
+  one, a 2-device mesh across the processes), its input moved there with ``jax.device_put``;
+* ``overlap_thread``: as ``overlap_own_device``, the exchange dispatched and waited for in a
   Python thread while the main thread dispatches the steps.
 
-XLA's CPU client runs every computation with more than one device of a process in a gang and
-starts a gang only when the previous one has finished, so ``overlap_same_devices`` is expected
-to serialise; a computation with one device of the process waits only for that device's previous
-computation and its inputs. Overlap efficiency is ``(compute + exchange - overlapped) /
-min(compute, exchange)`` from the medians: 1 when the shorter one is fully hidden, 0 when the
-two run one after the other (left out when the exchange is too short to tell, as unshaped).
-Also recorded, for each overlap: the seconds until the exchange's dispatch returned (near 0 when
-dispatch is asynchronous) and until the steps were done (about ``compute`` when they ran beside
-the exchange, ``exchange + compute`` when behind it); whether the exchanges' results equal the
-sum of both processes' inputs; and the load average before and after each rate.
+XLA's CPU client runs a computation over several devices of a process as a gang, started only
+when the previous gang has finished, so ``overlap_same_devices`` should serialise; a one-device
+computation waits only for that device's previous work and its inputs. Overlap efficiency is
+``(compute + exchange - overlapped) / min(compute, exchange)`` of the medians: 1 when the shorter
+is fully hidden, 0 when they run one after the other (left out when the exchange is too short to
+tell, as unshaped). Also recorded per overlap: the seconds until the exchange's dispatch returned
+(near 0 when asynchronous) and until the steps were done (about ``compute`` beside the exchange,
+``exchange + compute`` behind it); whether the results equal the sum of both processes' inputs;
+the load average before and after each rate.
 
-Needs root and iproute2; says why and exits with 0 otherwise. ``python -m
-benchmarks.network.probe_overlap [--rates 10mbit unshaped] [--out
-benchmarks/results/probe_overlap.json]``.
+Needs root and iproute2 (``python -m benchmarks.network.probe_overlap --help``); says why and exits
+with 0 otherwise.
 """
 
 from __future__ import annotations
@@ -76,9 +69,6 @@ VARIANTS = ("compute", "exchange", "blocking", "overlap_same_devices", "overlap_
 OVERLAPPED = VARIANTS[3:]
 
 
-# --- In each process ----------------------------------------------------------------------------
-
-
 def worker(args: argparse.Namespace) -> dict[str, Any]:
   """Process ``--worker``'s measurements (it joins the other at ``--coordinator``)."""
   process_id = args.worker
@@ -88,7 +78,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
   wide_mesh = Mesh(np.array([devs[:TRAINING] for devs in both]), ("replica", "data"))
   own_mesh = Mesh(np.array([devs[TRAINING] for devs in both]), ("replica",))
   own_device = local[TRAINING]
-
   width, layers, rows = args.width, args.layers, args.rows
 
   def tower(x, w):
@@ -149,8 +138,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if variant == "compute":
       steps(w0, wait=False).block_until_ready()
     elif variant == "exchange":
-      out = exchange_own(own_input())
-      out.block_until_ready()
+      out = exchange_own(own_input()).block_until_ready()
     elif variant == "blocking":
       exchange_own(own_input()).block_until_ready()
       steps(w0, wait=True)
@@ -170,7 +158,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
       out = box["out"]
     else:
       same = variant == "overlap_same_devices"
-      out = (exchange_wide(wide_input()) if same else exchange_own(own_input()))
+      out = exchange_wide(wide_input()) if same else exchange_own(own_input())
       marks["dispatch"] = time.perf_counter() - start
       steps(w0, wait=False).block_until_ready()
       marks["steps_done"] = time.perf_counter() - start
@@ -196,9 +184,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
   sync_global_devices("done")
   return {"process": process_id, "times": times, "marks": marks,
           "correct": {v: all(oks) for v, oks in right.items()}}
-
-
-# --- The driver ---------------------------------------------------------------------------------
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:

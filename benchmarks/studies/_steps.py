@@ -138,8 +138,7 @@ class Problem:
 
 
 class Runner:
-  """Calls one compiled step on its own params and state, as a training loop would; ``counter``:
-  the state field set to ``value`` before each call (the step wanted)."""
+  """Calls one compiled step on its own params and state, ``counter`` set to ``value`` first."""
 
   def __init__(self, problem: Problem, step: Any, state: Any, counter: str | None = None,
                value: int | None = None):
@@ -195,8 +194,7 @@ _COPY = re.compile(r"=\s*([a-z][a-z0-9]*)\[([\d,]*)\]\S*\s+copy\(")
 
 
 def memory(compiled: Any) -> dict[str, int]:
-  """XLA's temp bytes of ``compiled`` and the bytes its ``copy`` instructions write (in every
-  computation of its program)."""
+  """XLA's temp bytes of ``compiled`` and the bytes written by ``copy`` in all its computations."""
   copies = 0
   for dtype, dims in _COPY.findall(compiled.as_text()):
     size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1

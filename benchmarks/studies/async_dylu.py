@@ -96,8 +96,7 @@ QUICK = {"rounds": 2, "sync_period": 6, "seeds": (0,)}
 
 
 def recipe(steps: int, setting: Config) -> tuple[Any, int]:
-  """The inner optimizer of ``optax-dist train --task TASK --steps STEPS RECIPE`` and its batch
-  size per worker."""
+  """The inner optimizer and batch size of ``optax-dist train --task TASK --steps STEPS RECIPE``."""
   s = kit.settings(shlex.split(setting.recipe), task=setting.task, steps=steps).resolved()
   return inner_optimizer(s), s.batch_size
 
@@ -117,12 +116,10 @@ def task_of(setting: Config) -> Any:
 def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, batch: int,
                 seed: int, outer: tuple[float, float]) -> np.ndarray:
   """The anchor's metric after each round of synchronous DiLoCo (round 0 first)."""
-  data = problem["data"]
+  data, loss_fn = problem["data"], problem["loss_fn"]
   n, m = jax.tree.leaves(data)[0].shape[:2]
   tx = optax_dist.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h, axis_name="w")
-  rng = np.random.default_rng((seed, 7))
-  index = jnp.asarray(rng.integers(0, m, size=(rounds, h, n, batch)))
-  loss_fn = problem["loss_fn"]
+  index = jnp.asarray(np.random.default_rng((seed, 7)).integers(0, m, size=(rounds, h, n, batch)))
 
   def worker(params, state, shard, idx):
     def step(carry, i):
@@ -183,10 +180,9 @@ def shuffled(data: Any, seed: int) -> Any:
 
 def measure(st: Config, prefix: str) -> dict[str, Any]:
   """Every protocol and synchronous DiLoCo on each seed of ``st``, at equal inner steps."""
-  n, h, rounds = len(st.speeds), st.sync_period, st.rounds
+  n, h, rounds, runs = len(st.speeds), st.sync_period, st.rounds, []
   total = n * rounds * h
   inner, batch = recipe(rounds * h, st)
-  runs = []
   with kit.Timed() as timed:
     for seed in st.seeds:
       problem = async_run.setup(task_of(st), n, seed)
@@ -250,15 +246,13 @@ def summary(result: dict[str, Any]) -> str:
 
 
 def targets(result: dict[str, Any]) -> list[str]:
-  by_name = finals(result)
-  sync, dylu, plain = (by_name.get(k, {}) for k in (
+  sync, dylu, plain = (finals(result).get(k, {}) for k in (
     "sync diloco", "async + delayed nesterov + dylu", "async diloco"))
   seeds = sorted(set(sync) & set(dylu) & set(plain))
   if not seeds:
     return ["- not measured"]
-  gap = float(np.mean([dylu[s] / sync[s] - 1 for s in seeds]))
+  gap, plain_gap = (float(np.mean([x[s] / sync[s] - 1 for s in seeds])) for x in (dylu, plain))
   worse = [plain[s] > sync[s] for s in seeds]
-  plain_gap = float(np.mean([plain[s] / sync[s] - 1 for s in seeds]))
   return [
     f"- delayed Nesterov + DyLU within {TOLERANCE:.0%} of synchronous DiLoCo at equal inner"
     f" steps: {gap:+.2%}: **{'met' if gap <= TOLERANCE else 'missed'}**.",

@@ -288,8 +288,7 @@ def _timeline(lines: list[dict[str, Any]], t0: float, points: int = 400) -> list
 
 
 def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
-  """Both runs' accounting over the span both ran (the shorter one, from each run's first
-  commit to its last line), and the goodput."""
+  """Both runs' accounting over the span both ran (the shorter's, first commit to last line)."""
   span = min(max(x["time"] for x in run["lines"]) - run["t0"] for run in (control, faulted))
   a, b = accounting(control, span), accounting(faulted, span)
   return {"span_s": span, "control": a, "faulted": b,

@@ -68,8 +68,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     step, args = problem.jitted(tx), problem.arguments(tx)
     compiled = optax_dist.communication_report(step, *args)
     lowered = optax_dist.communication_report(step, *args, stage="lowered")
-    comm = compiled.communication_step
-    rounds = STEPS // every
+    comm, rounds = compiled.communication_step, STEPS // every
 
     def per_steps(report, rounds=rounds):
       c, q = report.communication_step.bytes, report.non_communication_step.bytes
@@ -88,7 +87,12 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  return kit.blocks("## MLP: communication", _communication_intro(result), table(result),
+  intro = (f"The training step of the ≈1M MLP ({result['num_params']:,} params,"
+           f" {result['params_bytes']:,} B in float32, hidden"
+           f" {'-'.join(map(str, result['hidden']))}) under `jax.shard_map` over {kit.DEVICES}"
+           " emulated CPU devices, compiled (not run) from `jax.ShapeDtypeStruct`s, and read by"
+           " `optax_dist.communication_report`. " + kit.doc_markdown(__doc__, 2, 2))
+  return kit.blocks("## MLP: communication", intro, table(result),
                     f"![bytes sent per {STEPS} steps]({figure})")
 
 
@@ -105,15 +109,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   ax.set(yscale="log", ylabel=f"MiB sent per device per {STEPS} steps")
   ax.legend(fontsize=8)
   kit.save_figure(fig, path)
-
-
-def _communication_intro(result) -> str:
-  """The step measured, then what is counted (the module's docstring)."""
-  return (f"The training step of the ≈1M MLP ({result['num_params']:,} params,"
-          f" {result['params_bytes']:,} B in float32, hidden"
-          f" {'-'.join(map(str, result['hidden']))}) under `jax.shard_map` over {kit.DEVICES}"
-          " emulated CPU devices, compiled (not run) from `jax.ShapeDtypeStruct`s, and read by"
-          " `optax_dist.communication_report`. " + kit.doc_markdown(__doc__, 2, 2))
 
 
 def table(result: dict[str, Any]) -> str:

@@ -150,8 +150,7 @@ class Spec:
 
 
 def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
-  """The runs that depend on no other: the momentum runs, data parallel, the sweeps, the M not
-  swept."""
+  """The runs that depend on no other: momentum runs, data parallel, sweeps, the M not swept."""
   runs = [Spec(m, SWEEP_SEED, grid.period, lr, mom) for m, lr, mom in grid.momentum_runs]
   runs += [Spec(None, s) for s in seeds]
   for m in grid.replicas:
@@ -221,9 +220,8 @@ def plan_text(grid: Grid, seeds: Sequence[int], steps: int,
   if len(cached) == len(first):  # the best outer learning rates are known
     second = second_runs(grid, seeds, best_lrs(grid, [records[s.key(steps)] for s in cached]))
     cached += [s for s in second if s.key(steps) in records]
-  total = run_count(grid, seeds)
+  total, step, start = run_count(grid, seeds), SECONDS_PER_STEP, SECONDS_PER_RUN
   todo = total - len(cached)
-  step, start = SECONDS_PER_STEP, SECONDS_PER_RUN
   if records:
     step = statistics.median(r["step_s"] for r in records.values())
     start = statistics.median(r["wall_s"] - r["train_s"] for r in records.values())
@@ -313,15 +311,15 @@ def comparison_table(s: dict[str, Any]) -> str:
   """Data parallel and each M: final loss, gap to data parallel, the paper's gap."""
   dp = s["dp"]
   table = [["data parallel", "—", ", ".join(map(str, dp["seeds"])), _mean_sd(dp["loss"]), "—", "—"]]
-  for r in s["rows"]:
-    paper = "slightly below 0" if r["replicas"] == 1 else kit.fmt(r["paper"], "+.1%")
-    table.append([f"DiLoCo M = {r['replicas']}",
-                  kit.fmt(r["outer_lr"], "g") + (" (swept)" if r["swept"] else ""),
-                  ", ".join(map(str, r["seeds"])) or "—", _mean_sd(r["loss"]),
-                  _mean_sd(r["gap"], "+.2%"), paper])
+  table += [[f"DiLoCo M = {r['replicas']}",
+             kit.fmt(r["outer_lr"], "g") + (" (swept)" if r["swept"] else ""),
+             ", ".join(map(str, r["seeds"])) or "—", _mean_sd(r["loss"]),
+             _mean_sd(r["gap"], "+.2%"),
+             "slightly below 0" if r["replicas"] == 1 else kit.fmt(r["paper"], "+.1%")]
+            for r in s["rows"]]
   return kit.table(["", "outer lr", "seeds", "val bits/byte (mean ± sd)",
-                      "vs data parallel (mean ± sd over seeds)", "paper, Table 4 (35M)"],
-                     table, "llrrrr")
+                    "vs data parallel (mean ± sd over seeds)", "paper, Table 4 (35M)"], table,
+                   "llrrrr")
 
 
 def target_lines(s: dict[str, Any]) -> list[str]:
@@ -403,20 +401,17 @@ def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
 
 def runs_table(records: Sequence[dict[str, Any]]) -> str:
   """Every cached run: its final loss, wall-clock, median step and the load around it."""
+  ordered = sorted(records, key=lambda r: (r["replicas"] or 0, r["sync_period"] or 0,
+                                           r["outer_lr"] or 0, -_momentum(r), r["seed"]))
   rows = [[r["label"], str(r["seed"]), f"{r['devices']} × {r['batch_size']}", f"{r['final']:.4f}",
            f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}", kit.loads(r["load_before"], r["load_after"])]
-          for r in sorted(records, key=_order)]
+          for r in ordered]
   return kit.table(["run", "seed", "devices × batch", "val bits/byte", "wall s",
                       "s / step (median)", "load (1 min)"], rows, "lrrrrrr")
 
 
-def _order(r: dict[str, Any]) -> tuple:
-  return (r["replicas"] or 0, r["sync_period"] or 0, r["outer_lr"] or 0, -_momentum(r), r["seed"])
-
-
 def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any], path: str) -> None:
-  """Final validation loss against M (beside Table 4's gaps applied to data parallel's loss) and
-  against H at M = ``grid.period_replicas``."""
+  """Final validation loss against M (beside Table 4's gaps over data parallel) and against H."""
   s = summary(grid, records)
   fig, (by_m, by_h) = kit.plt.subplots(1, 2, figsize=(11, 4.2))
   for ax in (by_m, by_h):
@@ -451,8 +446,7 @@ def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any], 
 
 
 def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> int:
-  """Trains every planned run not yet cached under ``runs_dir``, caching each run's record; the
-  number trained."""
+  """Trains and caches every planned run not cached under ``runs_dir``; the number trained."""
   os.makedirs(runs_dir, exist_ok=True)
   task = TASKS["lm"]
   data = task.load(0)

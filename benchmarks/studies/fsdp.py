@@ -35,9 +35,8 @@ QUICK = {"steps": 6, "rounds": 1}
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
-  task = TASKS["lm"]
+  task, rows = TASKS["lm"], []
   data = task.load(0)
-  rows = []
   for _ in range(config.rounds):
     for name, fsdp in CONFIGS.items():
       s = kit.settings(algorithm="diloco", devices=kit.DEVICES, replicas=2, fsdp=fsdp,
@@ -71,10 +70,9 @@ def plot(result: dict[str, Any], path: str) -> None:
   """The median step time of each run, with its interquartile range."""
   rows = result["rows"]
   fig, ax = kit.plt.subplots(figsize=(7, 3))
-  median = [r["step ms"][1] for r in rows]
-  err = [[m - r["step ms"][0] for m, r in zip(median, rows)],
-         [r["step ms"][2] - m for m, r in zip(median, rows)]]
-  ax.barh(range(len(rows)), median, xerr=err)
+  q1, median, q3 = zip(*(r["step ms"] for r in rows))
+  ax.barh(range(len(rows)), median, xerr=[[m - a for m, a in zip(median, q1)],
+                                          [b - m for m, b in zip(median, q3)]])
   ax.set_yticks(range(len(rows)), [r["run"] for r in rows], fontsize=7)
   ax.set_xlabel("step ms (median, IQR)")
   kit.save_figure(fig, path)

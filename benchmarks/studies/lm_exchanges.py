@@ -100,10 +100,9 @@ def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, An
                    seed=0).resolved()
   with kit.Timed() as timed:
     result = trainer.train(TASKS["lm"], data, s)
-  cumulative = kit.run_bytes(result, s)
+  cumulative, history = kit.run_bytes(result, s), result["history"]
   exchange = (kit.step_bytes(result["collective_bytes"], "communication_step")
               - kit.step_bytes(result["collective_bytes"], "non_communication_step"))
-  history = result["history"]
   out = {
     **row, "steps": s.steps, "sync_period": s.sync_period,
     "final": result["test_bits_per_byte_eval_params"],
@@ -137,7 +136,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     return {"steps": config.steps, "period": config.period, "fragments": FRAGMENTS,
             "block": BLOCK, "devices": kit.DEVICES, "runs": trained, "leaf_sizes": sizes,
             "defaults": dict(TASKS["lm"].defaults), "machine": kit.machine(), **timed.record()}
-  by_label = {r["label"]: r for r in result["runs"]} | {r["label"]: r for r in trained}
+  by_label = _by_label(result) | {r["label"]: r for r in trained}
   order = [r["label"] for r in grid()]
   return {**result, "runs": sorted(by_label.values(), key=lambda r: order.index(r["label"])),
           "added": [*result.get("added", []), {
@@ -155,12 +154,10 @@ def _gap(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 def bytes_targets(result: dict[str, Any]) -> list[str]:
   """int8 at 1/4 and the 4-bit formats at 1/8 of float32's bytes per value, plus the scales."""
-  runs, sizes = _by_label(result), result["leaf_sizes"]
+  runs, sizes, lines = _by_label(result), result["leaf_sizes"], []
   base = runs.get("diloco float32")
-  lines = []
   for fmt in QUANTIZED:
-    r = runs.get(f"diloco {fmt}")
-    if r is None or base is None:
+    if (r := runs.get(f"diloco {fmt}")) is None or base is None:
       continue
     expected = float(wire_bytes(sum(sizes), fmt, BLOCK))  # codes and scales, leaves end to end
     ideal = CODE_BYTES[fmt] / 4 + 1 / BLOCK
@@ -177,8 +174,7 @@ def bytes_targets(result: dict[str, Any]) -> list[str]:
 def quality_targets(result: dict[str, Any]) -> list[str]:
   """4-bit with error feedback within 1% of float32 DiLoCo (and streaming within 1% of float32
   streaming, reported), and what error feedback recovers; int8's recovery reported too."""
-  runs = _by_label(result)
-  lines = []
+  runs, lines = _by_label(result), []
   for family, fmt in itertools.product(("diloco", "streaming"), QUANTIZED):
     base = runs.get(f"{family} float32")
     plain, fed = runs.get(f"{family} {fmt}"), runs.get(f"{family} {fmt} + EF")
@@ -190,8 +186,7 @@ def quality_targets(result: dict[str, Any]) -> list[str]:
             f" {family}'s final loss ({base['final']:.4f}; {kind}): {fed['final']:.4f},"
             f" {gap:+.2%}: **{'met' if gap <= EF_TOLERANCE else 'missed'}**.")
     if plain is not None:
-      lost = plain["final"] - base["final"]
-      recovered = plain["final"] - fed["final"]
+      lost, recovered = plain["final"] - base["final"], plain["final"] - fed["final"]
       share = (f", {recovered / lost:.0%} of what quantization lost" if lost > 0 and recovered > 0
                else "")
       effect = (f"recovers {recovered:.4f} bits/byte{share}" if recovered > 0
@@ -204,9 +199,8 @@ def quality_targets(result: dict[str, Any]) -> list[str]:
 
 def overlap_targets(result: dict[str, Any]) -> list[str]:
   """Overlap τ = 1 within 0.5% of τ = 0; eager at τ = 1 (and 5) no worse than plain delay."""
-  runs = _by_label(result)
+  runs, lines = _by_label(result), []
   zero, one = runs.get("streaming float32"), runs.get("streaming τ=1")
-  lines = []
   if zero is not None and one is not None:
     gap = _gap(one, zero)
     lines.append(f"- overlap τ=1 within {OVERLAP_TOLERANCE:.1%} of τ=0 ({zero['final']:.4f}):"
@@ -224,8 +218,7 @@ def overlap_targets(result: dict[str, Any]) -> list[str]:
 
 
 def runs_table(result: dict[str, Any]) -> str:
-  runs = _by_label(result)
-  base = runs.get("diloco float32")
+  base = _by_label(result).get("diloco float32")
   header = ["run", "format", "error feedback", "τ", "eager", "val bits/byte (eval_params)",
             "vs diloco float32", "exchanges", "B per exchange", "sent per worker",
             "median step s", "wall s", "load before → after"]
@@ -272,7 +265,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     if r["family"] == "streaming overlap" or r["label"] == "streaming float32":
       by_step.plot(r["curve"]["step"], r["curve"]["bits_per_byte"], "--" if r["eager"] else "-",
                    marker=".", label=r["label"])
-  for fmt, marker in MARKERS.items():
+  for fmt, marker in MARKERS.items():  # the legend's entries
     by_bytes.plot([], [], marker, color="grey", label=fmt)
   for family, color in COLORS.items():
     by_bytes.plot([], [], "-", lw=5, color=color, label=family)

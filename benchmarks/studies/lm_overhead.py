@@ -139,10 +139,8 @@ def variants() -> list[Variant]:
 
 
 def lm_problem(bound: bool, seed: int = 0) -> Problem:
-  """The LM's params (one worker's) and a minibatch of :data:`BATCH` windows per worker, over
-  :data:`kit.DEVICES` workers if ``bound``, else one."""
-  n = kit.DEVICES if bound else 1
-  task = TASKS["lm"]
+  """The LM's params and :data:`BATCH` windows per worker, :data:`kit.DEVICES` workers or one."""
+  n, task = kit.DEVICES if bound else 1, TASKS["lm"]
   data = task.load(seed).train
   params = kit.initial_params(task, data, seed)
   rows = np.random.default_rng(seed).choice(len(data["x"]), n * BATCH, replace=False)
@@ -290,10 +288,8 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
             f"{kit.mib(r['temp'])} / {kit.mib(r['copies'])}"] for r in o["rows"]]
   slow = [r for r in o["rows"] if r["bound_ms"] is not None
           and r["ratio"] > 1.25 * r["bound_ratio"]]
-  ruled = [r for r in slow if r.get("hint") is None]
-  hinted = [r for r in slow if r.get("hint") is not None]
   notes = []
-  if ruled:
+  if ruled := [r for r in slow if r.get("hint") is None]:
     notes.append(
       "Beyond their bound (time over bare adam's more than 1.25× the bound's ratio), with the"
       " counter rule: " + _slow_list(ruled) + ". Each of these steps has a `lax.cond` whose"
@@ -304,7 +300,7 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
       " non-communication steps have no conditional and bare adam's temp and copy bytes. On"
       " the LM step, where forward and backward dominate, the same cost is the few percent of"
       " the table above.")
-  if hinted:
+  if hinted := [r for r in slow if r.get("hint") is not None]:
     notes.append(
       "Beyond their bound with the hint: " + _slow_list(hinted) + ". The exchange runs"
       " unconditionally there, but XLA does not fuse it into one pass over the params (the"

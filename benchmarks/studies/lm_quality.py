@@ -83,13 +83,11 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
 
 
 def exchange_bytes(result: dict[str, Any]) -> dict[str, Any]:
-  """The bytes each worker sends on every step and in each exchange, from the trainer's
-  ``collective_bytes``."""
-  steps = result["collective_bytes"]
+  """The bytes each worker sends on every step and in each exchange (``collective_bytes``)."""
+  steps, params_bytes = result["collective_bytes"], result["bytes_per_device"]["params"]
   quiet = steps.get("every_step") or steps["non_communication_step"]
   loud = steps.get("every_step") or steps["communication_step"]
   exchanges = [sum(c.values()) for c in loud["conditional"]]
-  params_bytes = result["bytes_per_device"]["params"]
   return {"params_bytes": params_bytes, "num_params": params_bytes // 4,
           "every_step": sum(quiet["unconditional"].values()),
           "every_step_text": ", ".join(f"{k}: {v:,} B" for k, v in quiet["unconditional"].items()),
@@ -215,9 +213,9 @@ def _why(result: dict[str, Any]) -> list[str]:
   sync = rows["sync"]
   i = next(k for k, st in enumerate(sync["step"]) if st >= sync["step"][-1] - 100)
   drop = sync["curve"][i] - sync["curve"][-1]
-  others = [r for r in result["rows"] if r is not sync and sync_to(r, sync)]
-  steps = [sync_to(r, sync)[0] for r in others]
-  ratios = [sync_to(r, sync)[1] / r["total_bytes"] for r in others]
+  matches = [(r, m) for r in result["rows"] if r is not sync and (m := sync_to(r, sync))]
+  steps = [m[0] for _, m in matches]
+  ratios = [m[1] / r["total_bytes"] for r, m in matches]
   pairs = [(f"diloco H={h}", f"diloco H={h}, outer SGD 1.0, momentum 0 (extra)") for h in (50, 100)]
   compare = "; ".join(f"H={a.split('=')[1]}: {rows[a]['final']:.3f} with Nesterov,"
                       f" {rows[b]['final']:.3f} averaging" for a, b in pairs if b in rows)
@@ -246,8 +244,7 @@ def plot(result: dict[str, Any], path: str) -> None:
   fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5))
   threshold = rows[0]["final"] * (1 + TOLERANCE)
   for r in rows:
-    style = "--" if r["extra"] else "-"
-    mean, sd = np.array(r["curve"]), np.array(r["curve_sd"])
+    style, mean, sd = "--" if r["extra"] else "-", np.array(r["curve"]), np.array(r["curve_sd"])
     by_step.plot(r["step"], mean, style, label=r["label"])
     by_step.fill_between(r["step"], mean - sd, mean + sd, alpha=0.15)
     sent = np.array(r["bytes"]) / 2**20

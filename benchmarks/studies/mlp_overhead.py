@@ -13,8 +13,6 @@ of those two; the table gives the median ratio over the rounds with its interqua
 median of the same ratio in process CPU time (steadier on a loaded machine), and the median wall
 time. Target: ≤ 1.05× on non-communication steps. *copies MiB*: bytes written by ``copy``
 instructions in the compiled ≈10M step (all branches), a deterministic hint of extra memory traffic.
-
-The memory section's own paragraph (:func:`_memory_intro`) describes its analysis.
 """
 
 from __future__ import annotations
@@ -152,10 +150,25 @@ def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
+  mem = result["memory"]
+  memory_intro = (
+    f"The {mem['size']} MLP ({mem['num_params']:,} params,"
+    f" {mem['params_bytes'] / 2**20:.1f} MiB in float32). *state*: the sum of the optimizer"
+    f" state's leaves' `nbytes`; *needed*: what the algorithm itself must store, in params'"
+    f" bytes; *excess bytes*: state − needed (the scalar counters). *peak*: from"
+    f" `jax.jit(step).lower(...).compile().memory_analysis()`, argument + output − alias +"
+    f" temp bytes (alias: the outputs written into donated inputs, so counted once), with the"
+    f" params and state donated and not; *arg + out + temp*: the same without subtracting the"
+    f" aliased bytes; *temp*: XLA's temporary buffers.")
+  rows = {r["label"].split("(")[0]: r for r in mem["rows"]}
+  base = rows["adam "]["donated"]["peak"]
+  memory_notes = "Peak over bare adam's, donated: " + ", ".join(
+    f"`{label.strip()}` {r['donated']['peak'] / base:.2f}×" for label, r in rows.items()
+    if label != "adam ") + "."
   return kit.blocks(
     "## MLP: overhead and memory", kit.doc_markdown(__doc__, 1, 1), overhead_markdown(result),
-    _overhead_verdicts(result), "### Memory", _memory_intro(result), memory_markdown(result),
-    _memory_notes(result), f"![MLP step time over bare adam's]({figure})")
+    _overhead_verdicts(result), "### Memory", memory_intro, memory_markdown(result),
+    memory_notes, f"![MLP step time over bare adam's]({figure})")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -165,18 +178,18 @@ def plot(result: dict[str, Any], path: str) -> None:
              f"Overhead on the MLP step (dashed: {TARGET}×)", path)
 
 
-def _overhead_verdicts(result, target=TARGET) -> str:
+def _overhead_verdicts(result) -> str:
   missed = {}
   for s in result["sizes"]:
     for r in s["rows"]:
-      if not r["communicates"] and (r["ratio"] > target or r["cpu_ratio"] > target):
+      if not r["communicates"] and (r["ratio"] > TARGET or r["cpu_ratio"] > TARGET):
         missed.setdefault((r["name"], r["label"], r["phase"]), []).append(
           f"{s['size']} {r['ratio']:.2f}× wall / {r['cpu_ratio']:.2f}× CPU")
   if not missed:
-    return f"Every non-communication step is within {target}× of bare adam, wall and CPU."
+    return f"Every non-communication step is within {TARGET}× of bare adam, wall and CPU."
   why = {v.name: v.why for v in variants()}
   return kit.blocks(
-    f"Targets missed (> {target}× on a non-communication step, wall or CPU), and why:",
+    f"Targets missed (> {TARGET}× on a non-communication step, wall or CPU), and why:",
     "\n".join(f"- `{label}`, {phase} ({'; '.join(where)}): {why.get(name) or 'noise?'}."
               for (name, label, phase), where in missed.items()),
     "A row missed on wall time only, with its CPU ratio within the target and an interquartile"
@@ -187,28 +200,6 @@ def _overhead_verdicts(result, target=TARGET) -> str:
     " minibatch than this one makes every ratio smaller, a smaller one larger. Ratios below 1 on"
     " a non-communication step are real for `accumulate_then_reduce` (no adam update on an"
     " accumulating micro-step) and noise elsewhere.")
-
-
-def _memory_intro(result) -> str:
-  mem = result["memory"]
-  return (
-    f"The {mem['size']} MLP ({mem['num_params']:,} params,"
-    f" {mem['params_bytes'] / 2**20:.1f} MiB in float32). *state*: the sum of the optimizer"
-    f" state's leaves' `nbytes`; *needed*: what the algorithm itself must store, in params'"
-    f" bytes; *excess bytes*: state − needed (the scalar counters). *peak*: from"
-    f" `jax.jit(step).lower(...).compile().memory_analysis()`, argument + output − alias +"
-    f" temp bytes (alias: the outputs written into donated inputs, so counted once), with the"
-    f" params and state donated and not; *arg + out + temp*: the same without subtracting the"
-    f" aliased bytes; *temp*: XLA's temporary buffers."
-  )
-
-
-def _memory_notes(result) -> str:
-  rows = {r["label"].split("(")[0]: r for r in result["memory"]["rows"]}
-  base = rows["adam "]["donated"]["peak"]
-  return "Peak over bare adam's, donated: " + ", ".join(
-    f"`{label.strip()}` {r['donated']['peak'] / base:.2f}×" for label, r in rows.items()
-    if label != "adam ") + "."
 
 
 def _verdict(ratios: list[float]) -> str:

@@ -134,13 +134,10 @@ def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
 
 
 def predicted_bytes(result: dict[str, Any], framing: int = GLOO_OPERAND_BYTES) -> float:
-  """Bytes one process sends the other over the run's steps, from the compiled steps'
-  collectives (:func:`cross_bytes` with ``framing``, summed by :func:`benchmarks.kit.run_bytes`:
-  one exchange program per exchanging step of ``--exchange-device`` between one device pair)."""
-  def cost(by_axes, operands, exchange):
-    return cross_bytes(by_axes, operands, framing, pairs=1 if exchange else DEVICES)
-
-  return kit.run_bytes(result, settings_of(result), cost)[-1]
+  """Bytes one process sends the other over the run (:func:`cross_bytes` summed by
+  :func:`benchmarks.kit.run_bytes`; an exchange program of ``--exchange-device``: one pair)."""
+  return kit.run_bytes(result, settings_of(result), lambda by_axes, operands, exchange: cross_bytes(
+    by_axes, operands, framing, pairs=1 if exchange else DEVICES))[-1]
 
 
 def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: int, period: int,
@@ -155,8 +152,8 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
   wall, after = time.perf_counter() - start, link.counters()
   with open(os.path.join(out, f"results_{algorithm}.json")) as f:
     result = json.load(f)["algorithms"][algorithm]
-  times, flags = result["step_times"], kit.exchanges(settings_of(result))
-  history = result["history"]
+  times, history = result["step_times"], result["history"]
+  flags = kit.exchanges(settings_of(result))
   # Step 1 is left out of the medians: its first calls set up the collectives.
   exchange, local = ([t for t, f in zip(times[1:], flags[1:]) if f is k] for k in (True, False))
   counted = {f"{kind}_{x}_to_{y}": after[x][f"tx_{kind}"] - before[x][f"tx_{kind}"]
@@ -231,8 +228,7 @@ def _runs(result: dict[str, Any], rate: str, method: str) -> list[dict]:
 
 
 def _median_of(runs: list, fn: Any = lambda x: x) -> float | None:
-  """The median of ``fn`` (a function, or a key) over ``runs``, ``None`` values left out (``None``
-  if none is left)."""
+  """The median of ``fn`` (a function, or a key) over ``runs``, ``None`` values left out."""
   values = [v for v in map(itemgetter(fn) if isinstance(fn, str) else fn, runs) if v is not None]
   return kit.median(values) if values else None
 
@@ -350,10 +346,9 @@ def targets(result: dict[str, Any]) -> list[str]:
             f" gloo's framing, start-up and evaluations included, {measured:.3f}×; target ≤"
             f" {bound}×)")
   for method, (_, flags) in result["methods"].items():
-    if "--comm-dtype" not in flags or not _runs(result, slow, "diloco"):
+    if "--comm-dtype" not in flags or not (base := _runs(result, slow, "diloco")):
       continue
-    fmt = flags[list(flags).index("--comm-dtype") + 1]
-    base, runs = _runs(result, slow, "diloco"), _runs(result, slow, method)
+    fmt, runs = flags[list(flags).index("--comm-dtype") + 1], _runs(result, slow, method)
     wire = _median_of(runs, payload) / _median_of(base, payload)
     operands = _median_of(runs, "operand_bytes") / _median_of(base, "operand_bytes")
     bound = {"int8": 0.26, "e3m0": 0.135, "float4_e2m1fn": 0.135}.get(fmt)
@@ -371,8 +366,7 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
   """The results as a Markdown section: the method, the tables, the targets, the figure."""
-  p = result["param_bytes"]
-  machine = kit.machine()
+  p, machine = result["param_bytes"], kit.machine()
   extra = f" Arguments: `{' '.join(result['extra_args'])}`." if result["extra_args"] else ""
   return kit.blocks(
     "## Training over a bandwidth-limited link (two network namespaces)",
@@ -481,9 +475,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
         for rate in config.rates:
           link.shape(rate)
           if rate not in result["achieved_mbit"]:
-            achieved = {"b_to_a": link.measure_rate("b") / 1e6,
-                        "a_to_b": link.measure_rate("a") / 1e6}
-            result["achieved_mbit"][rate] = achieved
+            achieved = result["achieved_mbit"][rate] = {"b_to_a": link.measure_rate("b") / 1e6,
+                                                         "a_to_b": link.measure_rate("a") / 1e6}
             print(f"[network] {rate}: achieved {achieved['b_to_a']:.1f} Mbit/s b->a,"
                   f" {achieved['a_to_b']:.1f} a->b", flush=True)
           for method in config.methods:
@@ -501,10 +494,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   except netns.Unavailable as e:
     print(f"[network] skipped: {e}")
     return None
-  result["load_after"] = _load()
-  result["seconds"] = time.perf_counter() - start
-  result["namespaces_left"] = [n for n in netns.namespaces() if n in link.names.values()]
-  return result
+  return result | {"load_after": _load(), "seconds": time.perf_counter() - start,
+                   "namespaces_left": [n for n in netns.namespaces() if n in link.names.values()]}
 
 
 def load(prefix: str, config: Config) -> dict[str, Any]:
