@@ -1,7 +1,8 @@
 """The chaos study (``benchmarks/studies/chaos.py``): its fault schedule, its accounting on
-hand-written replica logs, and one small faulted run of ``optax-dist train --fault-tolerant``
-(3 replicas, a scripted ``SIGSTOP`` and ``kill -9``) whose numbers are checked against a count
-of its own logs, with every process of the run gone afterwards.
+hand-written replica logs, its per-replica CPU caps (cgroups, as root), and one small faulted
+run of ``optax-dist train --fault-tolerant`` (3 replicas, a scripted ``SIGSTOP`` and ``kill -9``)
+whose numbers are checked against a count of its own logs, with every process of the run gone
+afterwards.
 
 The run needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing
 extra fails it instead of skipping it.
@@ -13,6 +14,9 @@ import importlib.util
 import math
 import os
 import pathlib
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -112,6 +116,30 @@ def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_pa
   assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups)")
+def test_cpu_shares_cap_each_replica_and_leave_no_group():
+  """Replica 1's group allows a quarter of a CPU (1 CPU over 4 replicas): a busy process moved
+  there is throttled; on exit the groups are gone and the process, moved back, still runs."""
+  assert chaos.CpuShares(4, 0).groups == []  # no caps
+  busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+  try:
+    with chaos.CpuShares(4, 1.0) as shares:
+      group = shares.groups[1]
+      quota = (group / ("cpu.max" if shares.v2 else "cpu.cfs_quota_us")).read_text()
+      assert quota.split()[0] == "25000"
+      shares.add(1, busy.pid)
+      assert group.name in pathlib.Path(f"/proc/{busy.pid}/cgroup").read_text()
+      time.sleep(0.5)
+      stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+      assert int(stat["nr_throttled"]) > 0
+    assert not any(g.exists() for g in shares.groups)
+    assert group.name not in pathlib.Path(f"/proc/{busy.pid}/cgroup").read_text()
+    assert busy.poll() is None
+  finally:
+    busy.kill()
+    busy.wait()
+
+
 needs_ft = pytest.mark.skipif(
   importlib.util.find_spec("torchft") is None and os.environ.get("OPTAX_DIST_REQUIRE_FT") != "1",
   reason="needs the ft extra (torch, torchft)")
@@ -122,8 +150,10 @@ needs_ft = pytest.mark.skipif(
 def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   # A quorum of all 3: the others wait for the killed replica's restart, which then must heal
   # (with a smaller quorum the others may finish first on a loaded machine).
+  # Uncapped (cpus=0): capped at 2/3 of a CPU on a loaded machine, a replica could miss the 2 s
+  # exchange timeout; the caps are tested above.
   config = chaos.Config(replicas=3, min_replicas=3, steps=500, sync_period=5, restart_delay=0.5,
-                        exchange_timeout=2.0, timeout=150.0)
+                        exchange_timeout=2.0, timeout=150.0, cpus=0)
   faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2)]
   out = str(tmp_path / "run")
   run = chaos.drive(config, out, faults)

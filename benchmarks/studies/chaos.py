@@ -25,6 +25,11 @@ Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
 Every process of a run (launcher, Lighthouse, replicas: found by the run's directory in their
 command lines) is killed when it ends, also on an exception or Ctrl-C. Needs root (``make
 bench-chaos``); says so and exits with 0 otherwise.
+
+Each replica process runs in a cgroup of its own capped at ``--cpus / R`` CPUs
+(:class:`CpuShares`; ``--cpus 0`` leaves them uncapped), so that a stopped or restarting
+replica's share stays idle rather than speeding up the others; the groups are removed at the
+end, also after an error.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class Config:
   finish_grace: float = kit.option(2.0, "--finish-grace: seconds the others have to finish")
   seed: int = kit.option(0, "seed of the fault schedule (the runs' --seed stays 0)")
   timeout: float = kit.option(900.0, "seconds after which a run is stopped")
+  cpus: float = kit.option(float(os.cpu_count() or 1),
+                           "CPUs the replicas share, each capped at cpus / R (cgroups); 0: none")
 
 
 QUICK = {"steps": 4000, "fault_rate": 1 / 8}
@@ -161,6 +168,61 @@ def read_lines(out: str) -> list[dict[str, Any]]:
   return sorted(lines, key=lambda line: line["time"])
 
 
+class CpuShares:
+  """Equal CPU caps: one cgroup per replica, each allowed ``cpus / replicas`` CPUs (``cpu.max``
+  on cgroup v2, the CFS quota of v1's ``cpu`` controller), so that a stopped or restarting
+  replica's share stays idle instead of speeding up the others. :meth:`add` moves a replica's
+  process (all its threads) into its group; the groups are removed on exit, their processes
+  moved back first. ``cpus`` 0: no caps, :meth:`add` does nothing.
+
+  Raises:
+    RuntimeError: caps asked for, and no cgroup ``cpu`` controller is mounted.
+  """
+
+  PERIOD_US = 100_000
+
+  def __init__(self, replicas: int, cpus: float):
+    self.quota_us = int(self.PERIOD_US * cpus / replicas) if cpus else 0
+    self.root, self.v2 = self._controller() if self.quota_us else (None, False)
+    name = f"optax_dist_chaos_{os.getpid()}"
+    self.groups = [self.root / f"{name}_{i}" for i in range(replicas)] if self.root else []
+
+  @staticmethod
+  def _controller() -> tuple[pathlib.Path, bool]:
+    controllers = pathlib.Path("/sys/fs/cgroup/cgroup.controllers")
+    if controllers.exists() and "cpu" in controllers.read_text().split():
+      return controllers.parent, True
+    v1 = pathlib.Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").exists():
+      return v1, False
+    raise RuntimeError("chaos: no cgroup cpu controller under /sys/fs/cgroup (or --cpus 0)")
+
+  def __enter__(self) -> CpuShares:
+    if self.v2:
+      (self.root / "cgroup.subtree_control").write_text("+cpu")
+    for group in self.groups:
+      group.mkdir()
+      if self.v2:
+        (group / "cpu.max").write_text(f"{self.quota_us} {self.PERIOD_US}")
+      else:
+        (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+    return self
+
+  def add(self, replica: int, pid: int) -> None:
+    if self.groups:
+      with contextlib.suppress(ProcessLookupError, OSError):  # it may have died meanwhile
+        (self.groups[replica] / "cgroup.procs").write_text(str(pid))
+
+  def __exit__(self, *exc: Any) -> None:
+    for group in self.groups:
+      with contextlib.suppress(FileNotFoundError):
+        for pid in (group / "cgroup.procs").read_text().split():
+          with contextlib.suppress(ProcessLookupError, OSError):
+            (self.root / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
 def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
   """Runs the command into ``out`` and applies ``faults`` on the clock of its first commit.
 
@@ -171,11 +233,12 @@ def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
   gone when it returns or raises.
   """
   os.makedirs(out, exist_ok=True)
-  with kit.Timed() as timed, open(os.path.join(out, "command.log"), "w") as log:
+  with (kit.Timed() as timed, open(os.path.join(out, "command.log"), "w") as log,
+        CpuShares(config.replicas, config.cpus) as shares):
     proc = subprocess.Popen(command(config, out), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-      t0, events = _inject(proc, out, faults, time.monotonic() + config.timeout)
+      t0, events = _inject(proc, out, faults, time.monotonic() + config.timeout, shares)
     finally:
       kill_all(out)
       proc.wait()
@@ -185,11 +248,11 @@ def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
           "status": proc.returncode, **timed.record()}
 
 
-def _inject(proc: subprocess.Popen, out: str, faults: list[Fault], deadline: float
-            ) -> tuple[float | None, list[list[Any]]]:
-  """Until ``proc`` ends: notes each new replica process, applies the due faults and the due
-  ``SIGCONT``s (see :func:`drive`), no fault once a replica has finished; returns ``t0`` and
-  the events."""
+def _inject(proc: subprocess.Popen, out: str, faults: list[Fault], deadline: float,
+            shares: CpuShares) -> tuple[float | None, list[list[Any]]]:
+  """Until ``proc`` ends: notes each new replica process (and moves it into its CPU share, at
+  most 0.1 s after it appears), applies the due faults and the due ``SIGCONT``s (see
+  :func:`drive`), no fault once a replica has finished; returns ``t0`` and the events."""
   events, seen, pending, t0 = [], {}, sorted(faults, key=lambda f: f.at), None
   conts: list[tuple[float, int, int]] = []
   while proc.poll() is None:
@@ -201,6 +264,7 @@ def _inject(proc: subprocess.Popen, out: str, faults: list[Fault], deadline: flo
     for i, pid in pids.items():
       if seen.get(i) != pid:
         seen[i] = pid
+        shares.add(i, pid)
         events.append([now, "start", i, pid])
     for cont in [c for c in conts if c[0] <= now]:
       conts.remove(cont)
@@ -344,7 +408,8 @@ def markdown(result: dict[str, Any], figure: str) -> str:
           for label, cell in ROWS]
   return "\n\n".join([
     "# Chaos: fault-tolerant DiLoCo under faults", kit.doc_markdown(__doc__, 0, 3),
-    (f"Settings: `{' '.join(command(Config(**cfg), 'OUT')[2:])}`; faults: rate"
+    (f"Settings: `{' '.join(command(Config(**cfg), 'OUT')[2:])}`;"
+     f"{_caps(cfg)} faults: rate"
      f" {cfg['fault_rate']:.3f}/s, seed {cfg['seed']}, over the control's span of"
      f" {result['horizon_s']:.1f} s; within the span counted: {kinds.count('kill')} kills,"
      f" {kinds.count('stop')} stops, {kinds.count('skipped')} skipped (the plot shows all)."),
@@ -352,13 +417,29 @@ def markdown(result: dict[str, Any], figure: str) -> str:
      f" control's, over the first {result['span_s']:.1f} s after each run's first commit, the"
      " span both ran)."),
     kit.table(["", "control", "faults"], rows), f"![committed tokens]({figure})",
-    ("Not built here: synchronous data parallelism with checkpoint-restart on the same"
-     " schedule, link-down faults (network namespaces), a lighthouse kill, an equal CPU share"
-     " per replica (cgroup `cpu.max`), the lm task and a 10-minute schedule of 15 faults. The"
-     " replicas share 2 cores with whatever else runs: a stopped replica frees CPU for the"
-     " others, and a restarted one spends its first seconds importing JAX and torch."),
+    _not_built(cfg),
     (f"Run {result['run']['date']}: `{result['run']['command']}`,"
      f" {result['run']['seconds']:.0f} s.")])
+
+
+def _caps(cfg: dict[str, Any]) -> str:
+  """The CPU caps in the settings' line (none in results measured before they existed)."""
+  cpus = cfg.get("cpus", 0)
+  return f" each replica capped at {cpus / cfg['replicas']:.2f} CPU (cgroups);" if cpus else ""
+
+
+def _not_built(cfg: dict[str, Any]) -> str:
+  missing = ("synchronous data parallelism with checkpoint-restart on the same schedule,"
+             " link-down faults (network namespaces), a lighthouse kill,")
+  if cfg.get("cpus", 0):
+    return (f"Not built here: {missing} the lm task and a 10-minute schedule of 15 faults. The"
+            " replicas' caps leave a stopped replica's share idle; a restarted one spends its"
+            " first seconds importing JAX and torch within its share (it runs uncapped for at"
+            " most 0.1 s after it starts, until the study moves it into its group).")
+  return (f"Not built here: {missing} an equal CPU share per replica (cgroup `cpu.max`), the lm"
+          " task and a 10-minute schedule of 15 faults. The replicas share 2 cores with whatever"
+          " else runs: a stopped replica frees CPU for the others, and a restarted one spends its"
+          " first seconds importing JAX and torch.")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
