@@ -34,8 +34,9 @@ class Settings:
       replicas (:mod:`optax_dist.cli.algorithms`); 1: the algorithm runs across the workers.
     fsdp: K, train on the global view (one ``jax.jit`` of ``jax.vmap`` over the replicas) with
       each replica's params and optimizer state sharded over K of its devices (FSDP; the state
-      over all ``devices / replicas`` where they divide it), its minibatch over all of them; K must divide ``devices / replicas``. ``None``: one
-      ``jax.shard_map`` step, every worker holding whole params (:mod:`optax_dist.cli.runs`).
+      over all ``devices / replicas`` where they divide it), its minibatch over all of them; K
+      must divide ``devices / replicas``. ``None``: one ``jax.shard_map`` step, every worker
+      holding whole params (:mod:`optax_dist.cli.runs`).
     steps: training steps per worker.
     batch_size: minibatch size per worker, in examples.
     learning_rate: the inner optimizer's (peak) learning rate.
