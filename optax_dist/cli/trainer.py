@@ -100,8 +100,8 @@ def train(
     also ``exchange``, the exchange programs', per device of the exchange mesh,
     ``conditional`` holding one per fragment, and the steps' own have none across replicas),
     ``step_times`` (the seconds of each step this call ran, from the step's start until its
-    loss and params are ready on this process: evaluations and checkpoints excluded; after ``resume``, the
-    steps after the checkpoint's) and ``bytes_per_device`` (``params``, ``opt_state``: one
+    loss and params are ready on this process: evaluations and checkpoints excluded; after
+    ``resume``, the steps after the checkpoint's) and ``bytes_per_device`` (``params``, ``opt_state``: one
     device's shards; ``step_arguments``: the compiled step's arguments on one device, from its
     ``memory_analysis``, the device's shard of the training set included); with ``keep_state``,
     ``final_state``: the final ``params`` and ``opt_state`` as NumPy arrays with a leading worker
@@ -174,8 +174,8 @@ def _loop(run: Run, state: State, record: dict[str, list], first: int, *, save: 
           on_step: Callable | None, bar: Steps, step_times: list[float]) -> State:
   """Trains from step ``first`` to the end: evaluates, saves, reports progress; the last state.
 
-  Appends each step's seconds (the step until its loss and params are ready) to ``step_times``. ``bar``
-  counts each step as it ends and says when the run evaluates.
+  Appends each step's seconds (the step until its loss and params are ready) to
+  ``step_times``. ``bar`` counts each step as it ends and says when the run evaluates.
   """
   settings = run.settings
   for s in range(first, settings.steps + 1):
