@@ -192,7 +192,9 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
   launcher's restart and the heal happen whatever the machine's speed (with 2, the other two
   may finish the short run before the restarted replica has imported JAX)."""
   _require_ft()
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+  # Without the tests' compilation cache: the run's own, under OUT, which the replicas share.
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith("TORCHFT_") and k != "JAX_COMPILATION_CACHE_DIR"}
   env["PYTHONPATH"] = str(ROOT)
   command = [sys.executable, "-m", "optax_dist.cli", *_without(EXAMPLE, "--min-replicas"),
              "--min-replicas", "3", "--restart-delay", "0.2", "--out", str(tmp_path)]
@@ -226,3 +228,4 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
   assert len({(f["test_accuracy"], f["step"]) for f in finals}) == 1
   summary = json.loads((tmp_path / "fault_tolerant_diloco.json").read_text())
   assert summary["restarts"] == 1 and summary["hashes_agree"] and summary["heals"] >= 1
+  assert any((tmp_path / "compilation_cache").iterdir())  # the replicas' programs, shared
