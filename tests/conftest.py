@@ -36,12 +36,3 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-def pytest_collection_modifyitems(config, items):
-  """The files with ``slow`` tests (end-to-end runs of tens of seconds) first, the others after
-  in their order. pytest-xdist, told ``--no-loadscope-reorder`` (the Makefile), hands the files
-  to its workers in this order: the long runs start early and short files fill the end, so the
-  workers finish together rather than one running a long file alone."""
-  slow = {item.path for item in items if item.get_closest_marker("slow")}
-  items.sort(key=lambda item: item.path not in slow)  # stable: each group keeps its order
