@@ -299,11 +299,9 @@ class GlobalRun(Run):
     ``stacked`` for the params stacked over the replicas (:data:`REPLICA` first); with ``state``,
     the layout of the optimizer state's param-shaped leaves, split over the replica's data groups
     too."""
-    s, lead = self.settings, (REPLICA,) if stacked else ()
-    groups = s.devices // s.replicas // s.fsdp if state else 1
-    return jax.tree.map(
-      lambda p: NamedSharding(self.mesh, P(*lead, *fsdp_spec(np.shape(p), s.fsdp, groups))),
-      params)
+    lead, groups = (REPLICA,) if stacked else (), self.mesh.shape[DATA] if state else 1
+    return jax.tree.map(lambda p: NamedSharding(
+      self.mesh, P(*lead, *fsdp_spec(np.shape(p), self.settings.fsdp, groups))), params)
 
   def _compile(self, params, loss_fn) -> None:
     s = self.settings
