@@ -51,6 +51,7 @@ import numpy as np
 from benchmarks import kit
 
 KINDS = ("kill", "stop")
+TARGET_GOODPUT = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,10 +417,16 @@ def markdown(result: dict[str, Any], figure: str) -> str:
     (f"**Goodput {result['goodput']:.3f}** (committed tokens of the faulted run over the"
      f" control's, over the first {result['span_s']:.1f} s after each run's first commit, the"
      " span both ran)."),
+    (f"Target: goodput ≥ {TARGET_GOODPUT} (Decoupled DiLoCo reports 0.88) and no state-hash"
+     f" mismatch: {'met' if _met(result) else 'missed'}."),
     kit.table(["", "control", "faults"], rows), f"![committed tokens]({figure})",
     _not_built(cfg),
     (f"Run {result['run']['date']}: `{result['run']['command']}`,"
      f" {result['run']['seconds']:.0f} s.")])
+
+
+def _met(result: dict[str, Any]) -> bool:
+  return result["goodput"] >= TARGET_GOODPUT and result["faulted"]["hash_mismatches"] == 0
 
 
 def _caps(cfg: dict[str, Any]) -> str:
