@@ -109,6 +109,18 @@ def test_heal_from_a_sigcont_and_a_hash_mismatch():
   assert got["hash_mismatches"] == 1
 
 
+def test_sync_accounting_counts_checkpointed_steps():
+  """Checkpoints at 0, 10, 25 and 40 s after t0 = 100 s (steps 100 to 400), the command exiting
+  at 12 s and 50 s: over 30 s, 200 steps are durable and one restart falls in the span."""
+  run = {"t0": 100.0, "saved": [[100.0, 100], [110.0, 200], [125.0, 300], [140.0, 400]],
+         "events": [[0.0, "start", 0, 7], [12.0, "exit", -1, 1], [50.0, "exit", -1, 1]]}
+  got = chaos.sync_accounting(run, span=30.0, tokens_per_step=64.0)
+  assert got["committed_tokens"] == 200 * 64
+  assert got["restarts"] == 1
+  assert got["longest_stall_s"] == pytest.approx(15.0)  # from 10 s to 25 s
+  assert got["timeline"] == [[0.0, 0.0], [10.0, 6400.0], [25.0, 12800.0]]
+
+
 def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_path):
   monkeypatch.setattr(chaos.os, "geteuid", lambda: 1000)
   assert chaos.measure(chaos.Config(), str(tmp_path / "chaos")) is None
@@ -174,3 +186,23 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   restarted = [pid for _, kind, replica, pid in run["events"] if kind == "start" and replica == 2]
   assert any(x["healed"] and x["pid"] in restarted for x in committed)
   assert len(got["heal_s"]) == 2  # the stopped replica's and the restarted one's
+
+
+@pytest.mark.slow
+def test_the_synchronous_arm_restarts_from_its_checkpoint_and_leaves_no_process(tmp_path):
+  """2 processes checkpointing every 20 steps; process 1 killed 1 s after the first checkpoint:
+  the command ends, is started again with --resume, and its checkpoints go on past the ones
+  saved before the kill, until the horizon."""
+  config = chaos.Config(replicas=2, steps=100_000, restart_delay=0.5, timeout=150.0, cpus=0,
+                        sync_checkpoint_every=20)
+  out = str(tmp_path / "sync")
+  run = chaos.drive_sync(config, out, [chaos.Fault(1.0, "kill", 1)], horizon=25.0)
+  assert chaos.processes(out) == {}
+  kinds = [kind for _, kind, _, _ in run["events"]]
+  assert kinds.count("kill") == 1 and kinds.count("exit") == kinds.count("resume") >= 1
+  kill = next(at for at, kind, _, _ in run["events"] if kind == "kill")
+  before = [step for t, step in run["saved"] if t - run["t0"] <= kill]
+  after = [step for t, step in run["saved"] if t - run["t0"] > kill]
+  assert after and after[0] > before[-1]  # resumed, not started over
+  starts = [pid for _, kind, i, pid in run["events"] if kind == "start" and i == 1]
+  assert len(set(starts)) >= 2  # process 1 ran again
