@@ -66,9 +66,11 @@ TARGET_GOODPUT = 0.9
 class Config:
   replicas: int = kit.option(4, "R, replica processes")
   min_replicas: int = kit.option(2, "the smallest quorum that commits")
+  algorithm: str = kit.option("diloco", "the command's --algorithm (diloco, streaming_diloco,"
+                              " local_sgd)")
   task: str = kit.option("digits", "the command's --task")
   sync_period: int = kit.option(20, "H, inner steps per round")
-  steps: int = kit.option(100_000, "committed inner steps of each run (--steps)")
+  steps: int = kit.option(120_000, "committed inner steps of each run (--steps)")
   fault_rate: float = kit.option(1 / 30, "faults per second (Poisson)")
   stop_seconds: tuple[float, float] = kit.option((3.0, 10.0), "a SIGSTOP's length, uniform")
   restart_delay: float = kit.option(2.0, "seconds before the launcher restarts a dead replica")
@@ -125,7 +127,7 @@ def schedule(seed: int, rate: float, horizon: float, replicas: int,
 
 def command(config: Config, out: str) -> list[str]:
   """``optax-dist train --fault-tolerant`` of the study's settings, writing to ``out``."""
-  return [sys.executable, "-m", "optax_dist.cli", "train", "--algorithm", "diloco",
+  return [sys.executable, "-m", "optax_dist.cli", "train", "--algorithm", config.algorithm,
           "--fault-tolerant", "--replicas", str(config.replicas), "--min-replicas",
           str(config.min_replicas), "--devices", "1", "--task", config.task, "--steps",
           str(config.steps), "--sync-period", str(config.sync_period),
@@ -448,6 +450,10 @@ def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
           "goodput": b["committed_tokens"] / a["committed_tokens"]}
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+  raise KeyboardInterrupt(f"chaos: stopped by signal {signum}")
+
+
 def sync_accounting(run: dict[str, Any], span: float, tokens_per_step: float) -> dict[str, Any]:
   """The synchronous arm's numbers over its first ``span`` seconds. Its progress survives a
   fault only once checkpointed: committed tokens are the steps of the newest checkpoint past the
@@ -463,10 +469,12 @@ def sync_accounting(run: dict[str, Any], span: float, tokens_per_step: float) ->
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   """The control run, the schedule over its span, the faulted run (their directories, logs
-  included, in ``PREFIX_runs/``); their comparison."""
+  included, in ``PREFIX_runs/``); their comparison. A ``SIGTERM`` ends the study as Ctrl-C
+  does: every process and CPU group of the run in progress is removed first."""
   if os.geteuid() != 0:
     print("[chaos] skipped: needs root (make bench-chaos)", file=sys.stderr)
     return None
+  signal.signal(signal.SIGTERM, _interrupted)
   control = drive(config, f"{prefix}_runs/control", [])
   span = max(line["time"] for line in control["lines"]) - control["t0"]
   faults = schedule(config.seed, config.fault_rate, span, config.replicas,
@@ -528,7 +536,7 @@ def _sync_markdown(result: dict[str, Any]) -> str:
      f" the command, which is started again with `--resume` {cfg['restart_delay']} s later; its"
      f" tokens count once checkpointed ({sync['tokens_per_step']:.0f} per step). **Goodput"
      f" {sync['goodput']:.3f}** against its own control over the same {result['span_s']:.1f} s;"
-     f" its control committed {ratio:.3f} of DiLoCo's control's tokens."),
+     f" its control committed {ratio:.3f} of the fault-tolerant control's tokens."),
     kit.table(["", "control", "faults"], rows))
 
 
@@ -593,8 +601,8 @@ def _not_built(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str) -> None:
   fig, ax = kit.plt.subplots(figsize=(8, 4.5))
-  arms = [(result, "DiLoCo ", "-")] + ([(result["sync"], "sync ", "--")] if "sync" in result
-                                      else [])
+  arms = [(result, result["config"].get("algorithm", "diloco") + " ", "-")]
+  arms += [(result["sync"], "sync ", "--")] if "sync" in result else []
   for arm, prefix, style in arms:
     for name in ("control", "faulted"):
       t = np.array(arm[name]["timeline"] or [[0, 0]])
