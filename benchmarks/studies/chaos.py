@@ -18,7 +18,8 @@ Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
   unfinished round is not logged: an upper bound);
 * heal time: from a restarted replica's first appearance in the process tree, or a stopped
   one's ``SIGCONT``, to its next committed round; a restarted replica's first ``quorum_seconds``
-  (quorum request to quorum, heal included);
+  (quorum request to quorum, heal included), and the rounds from its first round to its first
+  commit (a heal within one round: 0 or 1);
 * longest stall (gap between commits), aborted rounds, the rounds whose committed lines hold
   more than one ``state_hash`` (must be 0), and the final held-out metric (``final_<i>.json``).
 
@@ -417,6 +418,7 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
   restarts = [e for e in run["events"] if e[1] == "start" and e[0] > 0]
   first = [next((x["quorum_seconds"] for x in lines if x["pid"] == pid), None)
            for _, _, _, pid in restarts]
+  own = [[x for x in lines if x["pid"] == pid] for _, _, _, pid in restarts]
   heals = heal_times(lines, t0, run["events"])
   return {
     "committed_tokens": committed_tokens(lines, t0, span),
@@ -430,6 +432,10 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
     "heal_p50_s": float(np.percentile(heals, 50)) if heals else None,
     "heal_p95_s": float(np.percentile(heals, 95)) if heals else None,
     "first_quorum_s": [q for q in first if q is not None], "timeline": _timeline(lines, t0),
+    # rounds from a restarted process's first round to its first commit (0: healed and committed
+    # in the round of its first quorum)
+    "heal_rounds": [next((x["round"] - got[0]["round"] for x in got if x["committed"]), None)
+                    for got in own if got],
   }
 
 
@@ -506,6 +512,9 @@ ROWS = (
   ("longest stall (s)", lambda a, r: f"{a['longest_stall_s']:.2f}"),
   ("heal p50 / p95 (s)", lambda a, r: " / ".join(
     kit.fmt(a[k], ".2f") for k in ("heal_p50_s", "heal_p95_s")) + f" (n = {len(a['heal_s'])})"),
+  ("restarts committed within one round of their first quorum",
+   lambda a, r: f"{sum(n is not None and n <= 1 for n in a['heal_rounds'])} of"
+                f" {len(a['heal_rounds'])}" if "heal_rounds" in a else "—"),
   ("restarted replica's first quorum (s)",
    lambda a, r: ", ".join(f"{q:.2f}" for q in a["first_quorum_s"]) or "—"),
   ("final held-out metric (mean of replicas)", lambda a, r: _metric(r["final"])),
@@ -546,6 +555,14 @@ def _metric(final: list[dict[str, Any]]) -> str:
   return f"{', '.join(names)} {np.mean([v for _, v in items]):.4f}" if items else "—"
 
 
+def _metric_gap(runs: dict[str, Any]) -> float | None:
+  """The faulted run's mean held-out metric relative to the control's, minus 1 (both end at the
+  same committed steps); ``None`` without both."""
+  means = [[v for line in runs[k]["final"] for key, v in line.items() if key.startswith("test_")]
+           for k in ("control", "faulted")]
+  return float(np.mean(means[1]) / np.mean(means[0]) - 1) if all(means) else None
+
+
 def markdown(result: dict[str, Any], figure: str) -> str:
   cfg, runs = result["config"], result["runs"]
   kinds = [e[1] for e in runs["faulted"]["events"] if 0 < e[0] <= result["span_s"]]
@@ -562,7 +579,9 @@ def markdown(result: dict[str, Any], figure: str) -> str:
      f" control's, over the first {result['span_s']:.1f} s after each run's first commit, the"
      " span both ran)."),
     (f"Target: goodput ≥ {TARGET_GOODPUT} (Decoupled DiLoCo reports 0.88) and no state-hash"
-     f" mismatch: {'met' if _met(result) else 'missed'}."),
+     f" mismatch: {'met' if _met(result) else 'missed'}. The final held-out metric (same"
+     f" committed steps) is {kit.fmt(_metric_gap(runs), '+.2%')} off the control's (target:"
+     " within 1%)."),
     kit.table(["", "control", "faults"], rows),
     *([_sync_markdown(result)] if "sync" in result else []), f"![committed tokens]({figure})",
     _not_built(result),
