@@ -80,6 +80,8 @@ class Config:
     1.0, "--lighthouse-heartbeat-timeout: seconds of silence before a replica is dropped")
   finish_grace: float = kit.option(2.0, "--finish-grace: seconds the others have to finish")
   seed: int = kit.option(0, "seed of the fault schedule (the runs' --seed stays 0)")
+  reuse: bool = kit.option(False, "read back the runs a study with the same settings finished"
+                                  " under PREFIX_runs/ (NAME.json) instead of running them again")
   timeout: float = kit.option(1800.0, "seconds after which a run is stopped")
   cpus: float = kit.option(float(os.cpu_count() or 1),
                            "CPUs the replicas share, each capped at cpus / R (cgroups); 0: none")
@@ -231,11 +233,19 @@ class CpuShares:
 
   def __exit__(self, *exc: Any) -> None:
     for group in self.groups:
-      with contextlib.suppress(FileNotFoundError):
-        for pid in (group / "cgroup.procs").read_text().split():
-          with contextlib.suppress(ProcessLookupError, OSError):
-            (self.root / "cgroup.procs").write_text(pid)
-        group.rmdir()
+      for attempt in range(50):  # a killed process leaves its group only once it has exited
+        try:
+          for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError, OSError):
+              (self.root / "cgroup.procs").write_text(pid)
+          group.rmdir()
+          break
+        except FileNotFoundError:
+          break
+        except OSError:  # EBUSY
+          if attempt == 49:
+            raise
+          time.sleep(0.1)
 
 
 def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
@@ -456,6 +466,23 @@ def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
           "goodput": b["committed_tokens"] / a["committed_tokens"]}
 
 
+def _record(config: Config, prefix: str, name: str, run: Any) -> dict[str, Any]:
+  """``run(PREFIX_runs/NAME)``'s record, also written to ``PREFIX_runs/NAME.json`` with the
+  settings; with ``--reuse``, read back from there when the settings are the same."""
+  path, settings = f"{prefix}_runs/{name}.json", _settings(config)
+  if config.reuse and os.path.exists(path) and kit.read_json(path)["config"] == settings:
+    return kit.read_json(path)["record"]
+  record = run(f"{prefix}_runs/{name}")
+  kit.write_json(path, {"config": settings, "record": record})
+  return record
+
+
+def _settings(config: Config) -> dict[str, Any]:
+  """The settings a run's record depends on (not ``reuse``, ``timeout``)."""
+  return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(config))).items()
+          if k not in ("reuse", "timeout")}
+
+
 def _interrupted(signum: int, frame: Any) -> None:
   raise KeyboardInterrupt(f"chaos: stopped by signal {signum}")
 
@@ -481,11 +508,11 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
     print("[chaos] skipped: needs root (make bench-chaos)", file=sys.stderr)
     return None
   signal.signal(signal.SIGTERM, _interrupted)
-  control = drive(config, f"{prefix}_runs/control", [])
+  control = _record(config, prefix, "control", lambda out: drive(config, out, []))
   span = max(line["time"] for line in control["lines"]) - control["t0"]
   faults = schedule(config.seed, config.fault_rate, span, config.replicas,
                     tuple(config.stop_seconds))
-  faulted = drive(config, f"{prefix}_runs/faulted", faults)
+  faulted = _record(config, prefix, "faulted", lambda out: drive(config, out, faults))
   keys = ("events", "final", "status", "wall_s", "load_before", "load_after")
   runs = {"control": control, "faulted": faulted}
   result = {"config": dataclasses.asdict(config), "faults": [dataclasses.asdict(f) for f in faults],
@@ -493,8 +520,9 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   if config.sync_checkpoint_every:
     # a synchronous step takes every replica's batch: R times a replica's share of a round / H
     per_step = config.replicas * max(x["tokens"] for x in control["lines"]) / config.sync_period
-    runs |= {f"sync_{k}": drive_sync(config, f"{prefix}_runs/sync_{k}", schedule_, span)
-             for k, schedule_ in (("control", []), ("faulted", faults))}
+    for k, schedule_ in (("control", []), ("faulted", faults)):
+      runs[f"sync_{k}"] = _record(config, prefix, f"sync_{k}",
+                                  lambda out: drive_sync(config, out, schedule_, span))
     sync = {k: sync_accounting(runs[f"sync_{k}"], span, per_step) for k in ("control", "faulted")}
     result["sync"] = {**sync, "tokens_per_step": per_step, "goodput": sync["faulted"][
       "committed_tokens"] / sync["control"]["committed_tokens"]}
