@@ -122,6 +122,21 @@ def test_sync_accounting_counts_checkpointed_steps():
   assert got["timeline"] == [[0.0, 0.0], [10.0, 6400.0], [25.0, 12800.0]]
 
 
+def test_a_run_s_record_is_saved_and_read_back_with_reuse_and_the_same_settings(tmp_path):
+  calls = []
+
+  def run(out):
+    os.makedirs(out, exist_ok=True)
+    calls.append(out)
+    return {"n": len(calls)}
+
+  prefix = str(tmp_path / "chaos")
+  assert chaos._record(chaos.Config(), prefix, "control", run) == {"n": 1}
+  assert chaos._record(chaos.Config(timeout=5.0, reuse=True), prefix, "control", run) == {"n": 1}
+  assert chaos._record(chaos.Config(steps=40, reuse=True), prefix, "control", run) == {"n": 2}
+  assert len(calls) == 2
+
+
 def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_path):
   monkeypatch.setattr(chaos.os, "geteuid", lambda: 1000)
   assert chaos.measure(chaos.Config(), str(tmp_path / "chaos")) is None
