@@ -90,6 +90,7 @@ def test_accounting_of_a_hand_written_log():
   assert got["heal_s"] == [pytest.approx(0.5)]  # restarted at 2.5 s, first commit at 3 s
   assert got["first_quorum_s"] == [0.2]
   assert got["heal_rounds"] == [0]  # healed and committed in round 3, its first
+  assert got["full_round_s"] == pytest.approx(1.0)  # rounds 1, 3 and 4 (2 aborted, 3 after it)
   assert got["hash_mismatches"] == 0
   assert got["timeline"][-1] == [pytest.approx(4.0), 50.0]
 

@@ -425,6 +425,9 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
     rounds.setdefault(line["round"], []).append(line)
   commits = sorted({max(x["time"] for x in group if x["committed"]) - t0
                     for group in rounds.values() if any(x["committed"] for x in group)})
+  ends = {r: max(x["time"] for x in g) for r, g in rounds.items()}
+  size = {r: sum(x["committed"] for x in g) for r, g in rounds.items()}
+  full = [ends[r] - ends[r - 1] for r in ends if r - 1 in ends and size[r] == max(size.values())]
   restarts = [e for e in run["events"] if e[1] == "start" and e[0] > 0]
   first = [next((x["quorum_seconds"] for x in lines if x["pid"] == pid), None)
            for _, _, _, pid in restarts]
@@ -439,6 +442,8 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
     "hash_mismatches": sum(len({x["state_hash"] for x in g if x["committed"]}) > 1
                            for g in rounds.values()),
     "longest_stall_s": float(max(np.diff(commits), default=0.0)), "heal_s": heals,
+    # the pace of a round that every replica committed: a drift between the runs shows here
+    "full_round_s": float(np.median(full)) if full else None,
     "heal_p50_s": float(np.percentile(heals, 50)) if heals else None,
     "heal_p95_s": float(np.percentile(heals, 95)) if heals else None,
     "first_quorum_s": [q for q in first if q is not None], "timeline": _timeline(lines, t0),
@@ -538,6 +543,8 @@ ROWS = (
    lambda a, r: f"{a['rounds_aborted']} / {a['abort_lines']}"),
   ("state-hash mismatches", lambda a, r: a["hash_mismatches"]),
   ("longest stall (s)", lambda a, r: f"{a['longest_stall_s']:.2f}"),
+  ("median seconds of a round all replicas committed",
+   lambda a, r: kit.fmt(a.get("full_round_s"), ".4f")),
   ("heal p50 / p95 (s)", lambda a, r: " / ".join(
     kit.fmt(a[k], ".2f") for k in ("heal_p50_s", "heal_p95_s")) + f" (n = {len(a['heal_s'])})"),
   ("restarts committed within one round of their first quorum",
