@@ -528,7 +528,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
     for k, schedule_ in (("control", []), ("faulted", faults)):
       runs[f"sync_{k}"] = _record(config, prefix, f"sync_{k}",
                                   lambda out: drive_sync(config, out, schedule_, span))
-    sync = {k: sync_accounting(runs[f"sync_{k}"], span, per_step) for k in ("control", "faulted")}
+    sync = {k: sync_accounting(runs[f"sync_{k}"], result["span_s"], per_step)
+            for k in ("control", "faulted")}
     result["sync"] = {**sync, "tokens_per_step": per_step, "goodput": sync["faulted"][
       "committed_tokens"] / sync["control"]["committed_tokens"]}
   return result | {"runs": {k: {key: run[key] for key in keys + ("saved",) if key in run}
