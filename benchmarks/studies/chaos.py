@@ -295,8 +295,9 @@ def drive_sync(config: Config, out: str, faults: list[Fault], horizon: float) ->
   checkpoint: a fault that ends the command (the launcher stops every process when one dies)
   is followed, ``--restart-delay`` s later, by the same command with ``--resume``, which goes
   on from the newest checkpoint; its processes share a persistent compilation cache under
-  ``out/compilation_cache`` (unless ``JAX_COMPILATION_CACHE_DIR`` is set). ``faults`` are applied to the processes (``kill -9`` of one
-  process, ``SIGSTOP``) on the clock of the first checkpoint.
+  ``out/compilation_cache`` (unless ``JAX_COMPILATION_CACHE_DIR`` is set). ``faults`` are
+  applied to the processes (``kill -9`` of one process, ``SIGSTOP``) on the clock of the first
+  checkpoint.
 
   Returns the record of :func:`drive` with ``t0`` the first checkpoint's time, ``saved``
   (``[Unix time, step]`` of each new checkpoint as it appears) and ``events`` also holding
