@@ -34,8 +34,9 @@ LOWEST := .venv-lowest
 # fault_tolerance: its bitwise comparisons with the in-program route for 3 replicas hold on the
 # JAX that `make test` installs; JAX 0.10.0 compiles the in-program sum or outer step otherwise
 # (1 or 2 units in the last place apart).
-LOWEST_SKIP := cli docs exchange_device fault_tolerance lm_task multiprocess notebooks readme \
-  torchft
+# chaos: the study's runs are the command in subprocesses.
+LOWEST_SKIP := chaos cli docs exchange_device fault_tolerance lm_task multiprocess notebooks \
+  readme torchft
 
 $(LOWEST)/.installed: pyproject.toml
 	rm -rf $(LOWEST)

@@ -213,7 +213,7 @@ def test_the_synchronous_arm_restarts_from_its_checkpoint_and_leaves_no_process(
   config = chaos.Config(replicas=2, steps=100_000, restart_delay=0.5, timeout=150.0, cpus=0,
                         sync_checkpoint_every=20)
   out = str(tmp_path / "sync")
-  run = chaos.drive_sync(config, out, [chaos.Fault(1.0, "kill", 1)], horizon=25.0)
+  run = chaos.drive_sync(config, out, [chaos.Fault(1.0, "kill", 1)], horizon=40.0)
   assert chaos.processes(out) == {}
   kinds = [kind for _, kind, _, _ in run["events"]]
   assert kinds.count("kill") == 1 and kinds.count("exit") == kinds.count("resume") >= 1
