@@ -87,8 +87,9 @@ bench-async-dylu: $(VENV)/.bench
 # Fault-tolerant DiLoCo (4 replica processes over torchft, the digits task) under a fixed-seed
 # Poisson schedule of kill -9 and SIGSTOP faults, against a control run without faults: goodput,
 # heal times, stalls, state-hash mismatches; beside it synchronous data parallelism with
-# checkpoint-restart under the same schedule (about 50 min in all); in benchmarks/results/chaos/. Needs root and the ft
-# extra; says why and does nothing without root. BENCH_CHAOS_ARGS=--quick checks the program.
+# checkpoint-restart under the same schedule (about 48 min in all); in benchmarks/results/chaos/.
+# Needs root and the ft extra; says why and does nothing without root. BENCH_CHAOS_ARGS=--quick
+# checks the program.
 bench-chaos: $(VENV)/.bench,ft
 	@if [ "$$(id -u)" != 0 ]; then echo "bench-chaos: skipped: needs root"; exit 0; fi; \
 	mkdir -p benchmarks/results/chaos; \
