@@ -476,8 +476,9 @@ def _record(config: Config, prefix: str, name: str, run: Any) -> dict[str, Any]:
   """``run(PREFIX_runs/NAME)``'s record, also written to ``PREFIX_runs/NAME.json`` with the
   settings; with ``--reuse``, read back from there when the settings are the same."""
   path, settings = f"{prefix}_runs/{name}.json", _settings(config)
-  if config.reuse and os.path.exists(path) and kit.read_json(path)["config"] == settings:
-    return kit.read_json(path)["record"]
+  saved = kit.read_json(path) if config.reuse and os.path.exists(path) else None
+  if saved is not None and saved["config"] == settings:
+    return saved["record"]
   record = run(f"{prefix}_runs/{name}")
   kit.write_json(path, {"config": settings, "record": record})
   return record
