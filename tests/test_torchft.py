@@ -1,6 +1,7 @@
 """The torchft engine end to end: the launcher (a Lighthouse and 3 replica processes on
-127.0.0.1), a `kill -9` and the restart under the same id (it heals), a `SIGSTOP`/`SIGCONT`, the
-launcher's death (its replicas follow); every committed round's global state hash is equal on
+127.0.0.1), a `kill -9` and the restart under the same id (it heals), a `SIGSTOP`/`SIGCONT`, a
+`kill -9` of the Lighthouse (restarted on its address), the launcher's death (its processes
+follow); every committed round's global state hash is equal on
 every replica that committed it. Then the heal transport and bad input.
 
 Needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing extra fails
@@ -13,6 +14,7 @@ import pathlib
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +72,12 @@ class Run:
                           for path in sorted(self.out.glob("*.log")))
         pytest.fail(f"waiting for {what}: the launcher exited or the time ran out\n{tails}")
       time.sleep(0.02)
+
+  def lighthouse(self) -> int:
+    """The pid of the launcher's Lighthouse process."""
+    children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+    return next(int(pid) for pid in children.split()
+                if b"fault_tolerance/lighthouse.py" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes())
 
   def close(self) -> None:
     """Kills the launcher; its replicas die with it (parent-death signal)."""
@@ -142,12 +150,20 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
     run.wait("a committed round of the three after the foreign replica left", lambda: _committed(
       run.lines(0), left, [0, 1, 2]))
 
-    replicas = [run.pid(i) for i in range(3)]
-    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: its replicas must follow
+    lighthouse, lost = run.lighthouse(), time.time()
+    os.kill(lighthouse, signal.SIGKILL)
+    run.wait("a committed round of the three after the Lighthouse's restart", lambda: _committed(
+      run.lines(0), lost + 0.5, [0, 1, 2]))
+    stall = _committed(run.lines(0), lost + 0.5, [0, 1, 2])[0]["time"] - lost
+    assert f"restarting it on {url}" in (tmp_path / "launcher.log").read_text()
+    assert run.lighthouse() != lighthouse
+
+    processes = [run.pid(i) for i in range(3)] + [run.lighthouse()]
+    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: its processes must follow
     deadline = time.monotonic() + 10
-    while any(map(_alive, replicas)) and time.monotonic() < deadline:
+    while any(map(_alive, processes)) and time.monotonic() < deadline:
       time.sleep(0.05)
-    assert not any(map(_alive, replicas))
+    assert not any(map(_alive, processes))
   finally:
     run.close()
 
@@ -157,7 +173,8 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
   assert heal["healed"] and heal["weight"] == 0 and heal["committed"]
   assert any(line["healed"] for line in run.lines(1) if line["time"] > resumed)
   print(f"quorum without the killed replica committed {dropped:.2f} s after the kill;"
-        f" the restarted replica's quorum with its heal took {heal['quorum_seconds']:.3f} s")
+        f" the restarted replica's quorum with its heal took {heal['quorum_seconds']:.3f} s;"
+        f" a commit of the three {stall:.2f} s after the Lighthouse's kill")
 
 
 @pytest.mark.slow
@@ -299,6 +316,14 @@ def test_bad_input(tmp_path, capsys):
     assert launcher.main([*flags, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(said, err), err
+  with socket.socket() as taken:  # the Lighthouse's port in use: its own words, in one line
+    taken.bind(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    assert launcher.main(["--replicas", "1", "--port", str(port), "--out", str(tmp_path)]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith(
+    f"optax_dist launcher: error: the Lighthouse did not start on http://127.0.0.1:{port}: "
+  ) and err.endswith("Address already in use (os error 98)\n"), err
 
 
 @pytest.mark.parametrize("status,restarts", [(2, 0), (1, 2)])

@@ -306,7 +306,10 @@ def run_train(args: argparse.Namespace) -> int:
   # torchft's Rust logs (every quorum, in this process and the replicas'): errors only.
   os.environ.setdefault("RUST_LOG", "error")
   _share_compilations(pathlib.Path(args.out))
-  run = ft_launcher.Launcher(spec, REPLICA_COMMAND)
+  try:
+    run = ft_launcher.Launcher(spec, REPLICA_COMMAND)
+  except RuntimeError as e:
+    raise CommandError(str(e)) from None
   if not args.no_progress:
     sys.stderr.write(f"{PROG}: fault-tolerant {args.algorithm}: lighthouse {run.url},"
                      f" {args.replicas} replica processes (logs: {args.out}/replica_<i>.log)\n")
@@ -335,9 +338,9 @@ def _share_compilations(out: pathlib.Path) -> None:
 
 
 def _clear(out: pathlib.Path) -> None:
-  """Removes an earlier run's replica files under ``out`` (their logs, lines, evaluations and
-  start marks): a new run starts them afresh, and its replicas append to them."""
-  for pattern in ("replica_*.log", "replicas/replica_*.jsonl", "replicas/final_*.json",
+  """Removes an earlier run's Lighthouse log and replica files under ``out`` (their logs, lines,
+  evaluations and start marks): a new run starts them afresh, and its processes append to them."""
+  for pattern in ("lighthouse.log", "replica_*.log", "replicas/replica_*.jsonl", "replicas/final_*.json",
                   "replicas/ready_*"):
     for path in out.glob(pattern):
       path.unlink()

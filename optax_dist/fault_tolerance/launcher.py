@@ -1,10 +1,18 @@
 r"""A fault-tolerant run on one host: a Lighthouse and R replica processes, dead ones restarted.
 
 ``python -m optax_dist.fault_tolerance.launcher --replicas R --out DIR [flags] [-- replica
-flags]`` starts torchft's Lighthouse in this process, bound to ``--host`` (never a wildcard), and
-R processes of :mod:`optax_dist.fault_tolerance.replica`, ids 0 to R-1, each in its own process
-group and with ``--parent-death`` (they die with the launcher). The flags after ``--`` go to
-every replica (e.g. ``--steps``, ``--sync-period``).
+flags]`` starts torchft's Lighthouse as a child process (:mod:`optax_dist.fault_tolerance.lighthouse`)
+bound to ``--host`` (never a wildcard), its output appended to ``DIR/lighthouse.log``, and R
+processes of :mod:`optax_dist.fault_tolerance.replica`, ids 0 to R-1, each in its own process
+group and with ``--parent-death``. The Lighthouse and the replicas die with the launcher (Linux
+``prctl(PR_SET_PDEATHSIG)``). The flags after ``--`` go to every replica (e.g. ``--steps``,
+``--sync-period``).
+
+A Lighthouse that exits (killed) is started again at once on the same address, at most
+``--max-restarts`` times; meanwhile the replicas' quorum requests time out and are retried
+(:class:`~optax_dist.fault_tolerance.torchft_engine.TorchftReplica`, up to their
+``--quorum-timeout``), so the run stalls for the Lighthouse's downtime plus at most one
+request's timeout and goes on.
 
 A replica that exits with a nonzero status (killed, or an error) while no replica has finished
 is started again under the same id after ``--restart-delay`` seconds, at most
@@ -27,12 +35,20 @@ import dataclasses
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 REFUSED = 2
 """A replica's exit status when it refuses its flags or settings: it is not restarted."""
+
+LIGHTHOUSE_START_S = 10.0
+"""Seconds the Lighthouse's process has to accept connections after it is started."""
+
+LIGHTHOUSE_COMMAND = (str(pathlib.Path(__file__).with_name("lighthouse.py")),)
+"""What follows the Python interpreter in the Lighthouse's command line: the script's path (not
+``-m``: torchft's program reads the process's arguments after the interpreter's first)."""
 
 REPLICA_COMMAND = ("-m", "optax_dist.fault_tolerance.replica")
 """What follows the Python interpreter in a replica's command line by default: the synthetic
@@ -106,17 +122,38 @@ class Launcher:
   """
 
   def __init__(self, args: argparse.Namespace, command: tuple[str, ...] = REPLICA_COMMAND):
-    from torchft.coordination import LighthouseServer
-
     self.args, self.command = args, tuple(command)
-    self.lighthouse = LighthouseServer(
-      bind=f"{args.host}:{args.port}", min_replicas=args.min_replicas,
-      join_timeout_ms=int(args.join_timeout * 1000), quorum_tick_ms=20,
-      heartbeat_timeout_ms=int(args.lighthouse_heartbeat_timeout * 1000))
-    port = self.lighthouse.address().rsplit(":", 1)[1]
-    self.url = f"http://{args.host}:{port}"
-    self.slots = [_Slot() for _ in range(args.replicas)]
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    self.port = args.port or _free_port(args.host)
+    self.url = f"http://{args.host}:{self.port}"
+    self.lighthouse = _Slot()
+    self.start_lighthouse()
+    self.slots = [_Slot() for _ in range(args.replicas)]
+
+  def start_lighthouse(self) -> None:
+    """Starts the Lighthouse on ``self.url`` and waits until it accepts connections.
+
+    Raises:
+      RuntimeError: its process exited, or did not accept connections within
+        ``LIGHTHOUSE_START_S`` seconds (e.g. the port is in use); the message has its log's end.
+    """
+    a = self.args
+    command = [sys.executable, *LIGHTHOUSE_COMMAND, "--bind", f"{a.host}:{self.port}",
+               "--min_replicas", str(a.min_replicas), "--quorum_tick_ms", "20",
+               "--join_timeout_ms", str(int(a.join_timeout * 1000)),
+               "--heartbeat_timeout_ms", str(int(a.lighthouse_heartbeat_timeout * 1000))]
+    path = pathlib.Path(a.out) / "lighthouse.log"
+    with open(path, "a") as log:
+      self.lighthouse.proc = subprocess.Popen(command, stdout=log, stderr=log)
+    deadline = time.monotonic() + LIGHTHOUSE_START_S
+    while self.lighthouse.proc.poll() is None and time.monotonic() < deadline:
+      try:
+        socket.create_connection((a.host, self.port), timeout=0.5).close()
+        return
+      except OSError:
+        time.sleep(0.05)
+    raise RuntimeError(f"the Lighthouse did not start on {self.url}: "
+                       + " | ".join(path.read_text().strip().splitlines()[-3:]))
 
   def start(self, i: int) -> None:
     """Starts replica ``i`` (its stdout and stderr appended to ``OUT/replica_<i>.log``)."""
@@ -136,6 +173,7 @@ class Launcher:
     finish_by = None
     while any(s.proc is not None or s.restart_at is not None for s in self.slots):
       now = time.monotonic()
+      self._tend_lighthouse()
       for i, slot in enumerate(self.slots):
         self._tend(i, slot, now, finish_by is None)
       if finish_by is None and any(s.finished for s in self.slots):
@@ -162,6 +200,19 @@ class Launcher:
       slot.restarts += 1
       slot.restart_at = now + self.args.restart_delay
 
+  def _tend_lighthouse(self) -> None:
+    """Starts the Lighthouse again on the same address if it exited, at most ``--max-restarts``
+    times (then the replicas' quorum requests time out and they end)."""
+    slot = self.lighthouse
+    if slot.proc is None or slot.proc.poll() is None:
+      return
+    status, slot.proc = slot.proc.returncode, None
+    if slot.restarts < self.args.max_restarts:
+      slot.restarts += 1
+      sys.stderr.write(f"optax_dist launcher: the Lighthouse exited (status {status});"
+                       f" restarting it on {self.url}\n")
+      self.start_lighthouse()
+
   def stop(self) -> None:
     """Kills every replica still running (its process group) and cancels pending restarts."""
     for slot in self.slots:
@@ -175,7 +226,9 @@ class Launcher:
   def close(self) -> None:
     """Stops the replicas and the Lighthouse."""
     self.stop()
-    self.lighthouse.shutdown()
+    if self.lighthouse.proc is not None:
+      self.lighthouse.proc.kill()
+      self.lighthouse.proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,12 +240,23 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, ModuleNotFoundError) as e:
     sys.stderr.write(f"optax_dist launcher: error: {e}\n")
     return 2
-  launcher = Launcher(args)
+  try:
+    launcher = Launcher(args)
+  except RuntimeError as e:
+    sys.stderr.write(f"optax_dist launcher: error: {e}\n")
+    return 2
   print(f"lighthouse {launcher.url}", flush=True)  # where a replica started by hand joins
   try:
     return launcher.run()
   finally:
     launcher.close()
+
+
+def _free_port(host: str) -> int:
+  """A port free on ``host`` now (the OS's pick), for a Lighthouse that restarts on it."""
+  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ replicas through torchft:
 1. **Quorum**: ``Manager.start_quorum()`` with ``use_async_quorum=False``; the Lighthouse forms
    the quorum, and a replica behind the most advanced (torchft's step: committed rounds) heals
    inside the call from a live peer over :class:`HealTransport` (:func:`encode_heal` bytes over
-   HTTP, checked by :func:`decode_heal`; never a pickle).
+   HTTP, checked by :func:`decode_heal`; never a pickle). A request that gets no answer within
+   ``QUORUM_ATTEMPT_S`` seconds (a Lighthouse that died loses the requests it held) is sent
+   again, until ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same
+   address answers the next one.
 2. **Exchange**: two all-gathers over torchft's ``ProcessGroupGloo``: every member's header
    (slot, weight, whether its quorum and heal went without error, the fingerprint of its
    settings: :func:`settings_fingerprint`), then, if every fingerprint is the run's, every
@@ -77,6 +80,10 @@ FRAME_MAGIC = b"optax_dist-torchft-heal/1\n"
 big-endian length and JSON, then one :func:`encode_heal` payload."""
 
 _LENGTH = 8
+QUORUM_ATTEMPT_S = 5.0
+"""Seconds one quorum request waits for the Lighthouse's answer before it is sent again (at most
+``quorum_timeout`` in all): longer than a quorum's usual wait (the Lighthouse's join timeout, a
+stopped member's heartbeat timeout), shorter than a Lighthouse's restart plus this."""
 _HEADER = ("slot", "weight", "ok", "fingerprint")
 """The int64 header each member sends before its payload (``ok``: 1 unless its quorum or heal
 failed)."""
@@ -272,7 +279,8 @@ class TorchftReplica:
     seed: the data seed.
     tokens_per_step: the tokens of one batch: a round's weight is its inner steps times it.
     min_replicas: the smallest quorum that commits (torchft's ``min_replica_size``).
-    quorum_timeout: seconds to wait for a quorum before ``TimeoutError``.
+    quorum_timeout: seconds to wait for a quorum before ``TimeoutError``, over requests of at
+      most ``QUORUM_ATTEMPT_S`` seconds each (a restarted Lighthouse answers the next one).
     timeout: seconds for a collective, a heal and the vote.
     on_ready: called once the replica has compiled its round (on a scratch copy of its state)
       and its manager heartbeats to the Lighthouse, before its first quorum: e.g. a barrier
@@ -318,6 +326,7 @@ class TorchftReplica:
     path.mkdir(parents=True, exist_ok=True)
     self.log_path = path / f"replica_{replica_id}.jsonl"
     self._warm_up()
+    self.quorum_timeout = quorum_timeout
     self._manager = self._make_manager(
       lighthouse, host, min_replicas, quorum_timeout, timeout)
     if on_ready is not None:
@@ -391,7 +400,7 @@ class TorchftReplica:
     self.state, sent = self.protocol.run_round(self.state, self._grads)
     self.healed = False
     start = time.monotonic()
-    self._manager.start_quorum()
+    self._quorum()
     info = _Round(tokens=sent.steps * self.tokens_per_step,
                   quorum_seconds=time.monotonic() - start)
     info.weight = 0 if self.healed else info.tokens
@@ -408,6 +417,26 @@ class TorchftReplica:
         " run's: algorithm, sync period, wire format, params' shapes, seed and tokens per step"
         " must be every replica's")
     return line
+
+  def _quorum(self) -> None:
+    """``start_quorum`` in requests of at most ``QUORUM_ATTEMPT_S`` seconds, until one is
+    answered or ``quorum_timeout`` seconds have passed.
+
+    Raises:
+      TimeoutError: no request answered within ``quorum_timeout`` seconds.
+    """
+    deadline = time.monotonic() + self.quorum_timeout
+    while True:
+      attempt = min(QUORUM_ATTEMPT_S, deadline - time.monotonic())
+      try:
+        self._manager.start_quorum(timeout=timedelta(seconds=max(attempt, 0.001)))
+        return
+      except TimeoutError:
+        if time.monotonic() >= deadline:
+          raise
+        # torchft 0.2.0 raises a failed request's error again from every later start_quorum
+        # unless the request is forgotten.
+        self._manager._quorum_future = None
 
   def _vote(self) -> bool:
     """``should_commit()``; a vote that cannot be cast in time (the process was stopped while
