@@ -184,7 +184,8 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   # exchange timeout; the caps are tested above.
   config = chaos.Config(replicas=3, min_replicas=3, steps=500, sync_period=5, restart_delay=0.5,
                         exchange_timeout=2.0, timeout=150.0, cpus=0)
-  faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2)]
+  faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2),
+            chaos.Fault(5.0, "lighthouse", -1)]
   out = str(tmp_path / "run")
   run = chaos.drive(config, out, faults)
   assert chaos.processes(out) == {}
@@ -193,6 +194,8 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
       f"/proc/{pid}/cmdline").read_text()
   kinds = [kind for _, kind, _, _ in run["events"]]
   assert kinds.count("stop") == kinds.count("cont") == kinds.count("kill") == 1
+  assert kinds.count("lighthouse") == 1 and "the Lighthouse exited (status -9); restarting it" in (
+    tmp_path / "run" / "command.log").read_text()
   assert run["status"] == 0 and len(run["final"]) >= 2
   got = chaos.accounting(run, span=math.inf)
   assert got["hash_mismatches"] == 0

@@ -7,7 +7,9 @@ control without faults, then the faulted run. Each run's clock starts at its fir
 (imports and compilation untimed). The faults are drawn with ``--seed`` over the control's span:
 exponential gaps of mean ``1 / --fault-rate`` s, each a ``kill -9`` of a replica's process group
 or a ``SIGSTOP`` for ``--stop-seconds`` (uniform) then ``SIGCONT``, on a uniform replica; one
-on a replica that is not running (or already stopped) is recorded as skipped.
+on a replica that is not running (or already stopped) is recorded as skipped. The faulted run
+also has its Lighthouse killed once (``kill -9``), at ``--lighthouse-kill`` of the span; the
+launcher starts it again on its address.
 
 Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
 
@@ -87,6 +89,8 @@ class Config:
                            "CPUs the replicas share, each capped at cpus / R (cgroups); 0: none")
   sync_checkpoint_every: int = kit.option(
     100, "the synchronous arm's --checkpoint-every (steps); 0: no synchronous arm")
+  lighthouse_kill: float = kit.option(
+    0.5, "when the faulted run's Lighthouse is killed, a fraction of the span; 0: never")
 
 
 QUICK = {"steps": 4000, "fault_rate": 1 / 8, "sync_checkpoint_every": 20}
@@ -151,6 +155,17 @@ def processes(out: str) -> dict[int, str]:
     if any(a == b"--out" and b == out.encode() for a, b in itertools.pairwise(args)):
       found[int(entry.name)] = " ".join(a.decode() for a in args)
   return found
+
+
+def lighthouse_pid(out: str) -> int | None:
+  """The pid of the Lighthouse of the run ``out``: the launcher's child running
+  ``optax_dist/fault_tolerance/lighthouse.py``."""
+  for pid in processes(out):
+    with contextlib.suppress(OSError):
+      for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        if b"fault_tolerance/lighthouse.py" in pathlib.Path(f"/proc/{child}/cmdline").read_bytes():
+          return int(child)
+  return None
 
 
 def process_ids(out: str, flag: str) -> dict[int, int]:
@@ -348,7 +363,8 @@ class Injector:
   holds ``flag INDEX``, e.g. ``--replica-id 2``), on the clock of the run's first progress
   ``t0``: each new process is recorded (``start``) and moved into its CPU share; a due fault is
   a ``kill -9`` (of the process group with ``group``) or a ``SIGSTOP`` followed by ``SIGCONT``
-  ``seconds`` later, or ``skipped`` when its process is not running or already stopped."""
+  ``seconds`` later, or a ``kill -9`` of the run's Lighthouse (kind ``lighthouse``, replica -1),
+  or ``skipped`` when its process is not running or already stopped."""
 
   def __init__(self, out: str, faults: list[Fault], shares: CpuShares, flag: str, *,
                group: bool):
@@ -380,9 +396,11 @@ class Injector:
       self.pending = []
     while self.t0 is not None and self.pending and self.pending[0].at <= now:
       fault = self.pending.pop(0)
-      pid = pids.get(fault.replica)
+      pid = lighthouse_pid(self.out) if fault.kind == "lighthouse" else pids.get(fault.replica)
       if pid is None or any(c[1] == fault.replica for c in self.conts):
         self.events.append([now, "skipped", fault.replica, pid])
+      elif fault.kind == "lighthouse":
+        self._signal(pid, signal.SIGKILL, now, "lighthouse", fault.replica)
       elif fault.kind == "kill":
         self._signal(-pid if self.group else pid, signal.SIGKILL, now, "kill", fault.replica)
       else:
@@ -519,10 +537,14 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   span = max(line["time"] for line in control["lines"]) - control["t0"]
   faults = schedule(config.seed, config.fault_rate, span, config.replicas,
                     tuple(config.stop_seconds))
-  faulted = _record(config, prefix, "faulted", lambda out: drive(config, out, faults))
+  # the synchronous arm has no Lighthouse: its schedule is the replicas' faults only
+  faults_ft = faults + [Fault(round(config.lighthouse_kill * span, 3), "lighthouse", -1)] * (
+    config.lighthouse_kill > 0)
+  faulted = _record(config, prefix, "faulted", lambda out: drive(config, out, faults_ft))
   keys = ("events", "final", "status", "wall_s", "load_before", "load_after")
   runs = {"control": control, "faulted": faulted}
-  result = {"config": dataclasses.asdict(config), "faults": [dataclasses.asdict(f) for f in faults],
+  result = {"config": dataclasses.asdict(config),
+            "faults": [dataclasses.asdict(f) for f in faults_ft],
             "horizon_s": span, **compare(control, faulted)}
   if config.sync_checkpoint_every:
     # a synchronous step takes every replica's batch: R times a replica's share of a round / H
@@ -612,7 +634,8 @@ def markdown(result: dict[str, Any], figure: str) -> str:
      f"{_caps(cfg)} faults: rate"
      f" {cfg['fault_rate']:.3f}/s, seed {cfg['seed']}, over the control's span of"
      f" {result['horizon_s']:.1f} s; within the span counted: {kinds.count('kill')} kills,"
-     f" {kinds.count('stop')} stops, {kinds.count('skipped')} skipped (the plot shows all)."),
+     f" {kinds.count('stop')} stops, {kinds.count('lighthouse')} Lighthouse kills,"
+     f" {kinds.count('skipped')} skipped (the plot shows all)."),
     (f"**Goodput {result['goodput']:.3f}** (committed tokens of the faulted run over the"
      f" control's, over the first {result['span_s']:.1f} s after each run's first commit, the"
      " span both ran)."),
@@ -643,7 +666,9 @@ def _not_built(result: dict[str, Any]) -> str:
   capped = bool(cfg.get("cpus", 0))
   missing = [*([] if "sync" in result else [
     "synchronous data parallelism with checkpoint-restart on the same schedule"]),
-    "link-down faults (network namespaces)", "a lighthouse kill", "the lm task",
+    "link-down faults (network namespaces)",
+    *([] if any(f["kind"] == "lighthouse" for f in counted) else ["a lighthouse kill"]),
+    "the lm task",
     *([] if result["span_s"] >= 600 and len(counted) >= 15 else [
       "a schedule of at least 10 minutes and 15 faults"]),
     *([] if capped else ["an equal CPU share per replica (cgroup `cpu.max`)"])]
@@ -664,7 +689,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     for name in ("control", "faulted"):
       t = np.array(arm[name]["timeline"] or [[0, 0]])
       ax.plot(t[:, 0], t[:, 1], ls=style, label=prefix + name, drawstyle="steps-post")
-  colors = {"kill": "red", "stop": "orange", "cont": "green", "start": "grey"}
+  colors = {"kill": "red", "stop": "orange", "cont": "green", "start": "grey",
+            "lighthouse": "purple"}
   for at, kind, replica, _ in result["runs"]["faulted"]["events"]:
     if at > 0 and kind in colors:
       ax.axvline(at, color=colors[kind], lw=0.8, ls=":" if kind == "start" else "-")
@@ -673,6 +699,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   ax.set_xlabel("seconds after the first commit")
   ax.set_ylabel("committed tokens")
   ax.set_title(f"goodput {result['goodput']:.3f}: kill (red), stop (orange), cont (green),"
-               " restart (grey)", fontsize=9)
+               " restart (grey), Lighthouse kill (purple)", fontsize=9)
   ax.legend()
   kit.save_figure(fig, path)
