@@ -135,7 +135,12 @@ def test_a_run_s_record_is_saved_and_read_back_with_reuse_and_the_same_settings(
   assert chaos._record(chaos.Config(), prefix, "control", run) == {"n": 1}
   assert chaos._record(chaos.Config(timeout=5.0, reuse=True), prefix, "control", run) == {"n": 1}
   assert chaos._record(chaos.Config(steps=40, reuse=True), prefix, "control", run) == {"n": 2}
-  assert len(calls) == 2
+  # the Lighthouse is killed in the faulted run only: the other runs' records stay valid
+  again = chaos.Config(steps=40, reuse=True, lighthouse_kill=0.3)
+  assert chaos._record(again, prefix, "control", run) == {"n": 2}
+  assert chaos._record(chaos.Config(steps=40), prefix, "faulted", run) == {"n": 3}
+  assert chaos._record(again, prefix, "faulted", run) == {"n": 4}
+  assert len(calls) == 4
 
 
 def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_path):

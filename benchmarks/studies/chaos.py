@@ -493,7 +493,7 @@ def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
 def _record(config: Config, prefix: str, name: str, run: Any) -> dict[str, Any]:
   """``run(PREFIX_runs/NAME)``'s record, also written to ``PREFIX_runs/NAME.json`` with the
   settings; with ``--reuse``, read back from there when the settings are the same."""
-  path, settings = f"{prefix}_runs/{name}.json", _settings(config)
+  path, settings = f"{prefix}_runs/{name}.json", _settings(config, name)
   saved = kit.read_json(path) if config.reuse and os.path.exists(path) else None
   if saved is not None and saved["config"] == settings:
     return saved["record"]
@@ -502,10 +502,12 @@ def _record(config: Config, prefix: str, name: str, run: Any) -> dict[str, Any]:
   return record
 
 
-def _settings(config: Config) -> dict[str, Any]:
-  """The settings a run's record depends on (not ``reuse``, ``timeout``)."""
+def _settings(config: Config, name: str) -> dict[str, Any]:
+  """The settings the record of the run ``name`` depends on (not ``reuse``, ``timeout``; nor
+  ``lighthouse_kill`` but for the faulted run)."""
+  ignored = ("reuse", "timeout") + (() if name == "faulted" else ("lighthouse_kill",))
   return {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(config))).items()
-          if k not in ("reuse", "timeout")}
+          if k not in ignored}
 
 
 def _interrupted(signum: int, frame: Any) -> None:
