@@ -50,6 +50,7 @@ import itertools
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -270,9 +271,10 @@ def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
   replica, pid]``, ``t`` in seconds after ``t0``: ``start`` of a replica process, ``kill``,
   ``stop``, ``cont``, ``skipped``), ``lines`` (the JSONL lines), ``final`` (the replicas'
   ``final_<i>.json``), ``status``, ``wall_s`` and the load averages. Every process of the run is
-  gone when it returns or raises.
+  gone when it returns or raises. An earlier run's files in ``out`` are removed first (their
+  lines would set the clock).
   """
-  os.makedirs(out, exist_ok=True)
+  _fresh(out)
   deadline = time.monotonic() + config.timeout
   with (kit.Timed() as timed, open(os.path.join(out, "command.log"), "w") as log,
         CpuShares(config.replicas, config.cpus) as shares):
@@ -317,9 +319,10 @@ def drive_sync(config: Config, out: str, faults: list[Fault], horizon: float) ->
   Returns the record of :func:`drive` with ``t0`` the first checkpoint's time, ``saved``
   (``[Unix time, step]`` of each new checkpoint as it appears) and ``events`` also holding
   ``exit`` (``[t, "exit", -1, status]``) and ``resume`` (``[t, "resume", -1, pid]``); no
-  ``lines``. Every process is gone when it returns.
+  ``lines``. Every process is gone when it returns. ``out`` is emptied first, as by
+  :func:`drive` (an earlier run's checkpoints would be resumed).
   """
-  os.makedirs(out, exist_ok=True)
+  _fresh(out)
   directory, saved = os.path.join(out, "checkpoints", "sync"), []
   deadline = time.monotonic() + config.timeout
   with (kit.Timed() as timed, open(os.path.join(out, "command.log"), "w") as log,
@@ -351,6 +354,12 @@ def drive_sync(config: Config, out: str, faults: list[Fault], horizon: float) ->
       proc.wait()
   return {"t0": inject.t0, "events": inject.events, "saved": saved, "final": [],
           "status": proc.returncode, **timed.record()}
+
+
+def _fresh(out: str) -> None:
+  """``out`` made empty: the run starts without an earlier run's files."""
+  shutil.rmtree(out, ignore_errors=True)
+  os.makedirs(out)
 
 
 def _check_deadline(deadline: float, out: str) -> None:

@@ -9,8 +9,9 @@ replicas through torchft:
    inside the call from a live peer over :class:`HealTransport` (:func:`encode_heal` bytes over
    HTTP, checked by :func:`decode_heal`; never a pickle). A request that gets no answer within
    ``QUORUM_ATTEMPT_S`` seconds (a Lighthouse that died loses the requests it held) is sent
-   again, until ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same
-   address answers the next one.
+   again, from a new ``Manager`` (its store fresh, torchft's step kept), until
+   ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same address answers
+   the next one.
 2. **Exchange**: two all-gathers over torchft's ``ProcessGroupGloo``: every member's header
    (slot, weight, whether its quorum and heal went without error, the fingerprint of its
    settings: :func:`settings_fingerprint`), then, if every fingerprint is the run's, every
@@ -327,12 +328,13 @@ class TorchftReplica:
     self.log_path = path / f"replica_{replica_id}.jsonl"
     self._warm_up()
     self.quorum_timeout = quorum_timeout
-    self._manager = self._make_manager(
-      lighthouse, host, min_replicas, quorum_timeout, timeout)
+    self._manager_args = (lighthouse, host, min_replicas, quorum_timeout, timeout)
+    self._manager = self._make_manager(*self._manager_args)
     if on_ready is not None:
       on_ready()
 
   def _make_manager(self, lighthouse, host, min_replicas, quorum_timeout, timeout) -> Manager:
+    """A ``Manager`` over a new ``TCPStore``, process group and :class:`HealTransport`."""
     self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     self._pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout))
     self.transport = HealTransport(host, timeout)
@@ -434,9 +436,18 @@ class TorchftReplica:
       except TimeoutError:
         if time.monotonic() >= deadline:
           raise
-        # torchft 0.2.0 raises a failed request's error again from every later start_quorum
-        # unless the request is forgotten.
-        self._manager._quorum_future = None
+        self._renew_manager()
+
+  def _renew_manager(self) -> None:
+    """Replaces the manager (and its store, process group and heal server) by a new one with
+    torchft's step kept. A Lighthouse that restarted counts its quorum ids from 0 again, and
+    torchft keys a process group's rendezvous in the quorum's store by quorum id: in the old
+    store the new quorums would read the old ones' addresses. (torchft 0.2.0's manager also
+    raises a failed request's error again from every later ``start_quorum``.)"""
+    steps = self._manager.state_dict()
+    self._manager.shutdown(wait=False)
+    self._manager = self._make_manager(*self._manager_args)
+    self._manager.load_state_dict(steps)
 
   def _vote(self) -> bool:
     """``should_commit()``; a vote that cannot be cast in time (the process was stopped while
