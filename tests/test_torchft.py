@@ -76,8 +76,8 @@ class Run:
   def lighthouse(self) -> int:
     """The pid of the launcher's Lighthouse process."""
     children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-    return next(int(pid) for pid in children.split()
-                if b"fault_tolerance/lighthouse.py" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes())
+    return next(int(pid) for pid in children.split() if b"fault_tolerance/lighthouse.py"
+                in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes())
 
   def close(self) -> None:
     """Kills the launcher; its replicas die with it (parent-death signal)."""

@@ -164,7 +164,8 @@ def lighthouse_pid(out: str) -> int | None:
   for pid in processes(out):
     with contextlib.suppress(OSError):
       for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        if b"fault_tolerance/lighthouse.py" in pathlib.Path(f"/proc/{child}/cmdline").read_bytes():
+        cmdline = pathlib.Path(f"/proc/{child}/cmdline").read_bytes()
+        if b"fault_tolerance/lighthouse.py" in cmdline:
           return int(child)
   return None
 

@@ -340,8 +340,8 @@ def _share_compilations(out: pathlib.Path) -> None:
 def _clear(out: pathlib.Path) -> None:
   """Removes an earlier run's Lighthouse log and replica files under ``out`` (their logs, lines,
   evaluations and start marks): a new run starts them afresh, and its processes append to them."""
-  for pattern in ("lighthouse.log", "replica_*.log", "replicas/replica_*.jsonl", "replicas/final_*.json",
-                  "replicas/ready_*"):
+  for pattern in ("lighthouse.log", "replica_*.log", "replicas/replica_*.jsonl",
+                  "replicas/final_*.json", "replicas/ready_*"):
     for path in out.glob(pattern):
       path.unlink()
 

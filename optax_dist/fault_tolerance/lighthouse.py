@@ -1,8 +1,8 @@
 """torchft's Lighthouse as a process that dies with its parent.
 
 ``python .../optax_dist/fault_tolerance/lighthouse.py [torchft_lighthouse flags]`` (the script's
-path: torchft's program reads the process's arguments after the interpreter's first) asks Linux to send
-it ``SIGKILL`` when its parent dies (``prctl(PR_SET_PDEATHSIG)``), then runs torchft's
+path: torchft's program reads the process's arguments after the interpreter's first) asks Linux
+to send it ``SIGKILL`` when its parent dies (``prctl(PR_SET_PDEATHSIG)``), then runs torchft's
 ``torchft_lighthouse`` program with the flags given (``--bind HOST:PORT``, ``--min_replicas``,
 ``--join_timeout_ms``, ``--heartbeat_timeout_ms``, ``--quorum_tick_ms``). The launcher
 (:mod:`optax_dist.fault_tolerance.launcher`) starts it, and starts it again on the same address
