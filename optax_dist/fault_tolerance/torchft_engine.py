@@ -9,9 +9,10 @@ replicas through torchft:
    inside the call from a live peer over :class:`HealTransport` (:func:`encode_heal` bytes over
    HTTP, checked by :func:`decode_heal`; never a pickle). A request that gets no answer within
    ``QUORUM_ATTEMPT_S`` seconds (a Lighthouse that died loses the requests it held) is sent
-   again, from a new ``Manager`` (its store fresh, torchft's step kept), until
-   ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same address answers
-   the next one.
+   again, until ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same
+   address answers the next one. A restarted Lighthouse counts its quorum ids from 0 again;
+   when a quorum's id is below the last one's, the replica makes a new ``Manager`` (its store
+   fresh, torchft's step kept) before its next round.
 2. **Exchange**: two all-gathers over torchft's ``ProcessGroupGloo``: every member's header
    (slot, weight, whether its quorum and heal went without error, the fingerprint of its
    settings: :func:`settings_fingerprint`), then, if every fingerprint is the run's, every
@@ -330,6 +331,7 @@ class TorchftReplica:
     self.quorum_timeout = quorum_timeout
     self._manager_args = (lighthouse, host, min_replicas, quorum_timeout, timeout)
     self._manager = self._make_manager(*self._manager_args)
+    self._torchft_quorum_id, self._renew = -1, False
     if on_ready is not None:
       on_ready()
 
@@ -427,23 +429,31 @@ class TorchftReplica:
     Raises:
       TimeoutError: no request answered within ``quorum_timeout`` seconds.
     """
+    if self._renew:
+      self._renew_manager()
     deadline = time.monotonic() + self.quorum_timeout
     while True:
       attempt = min(QUORUM_ATTEMPT_S, deadline - time.monotonic())
       try:
         self._manager.start_quorum(timeout=timedelta(seconds=max(attempt, 0.001)))
-        return
+        break
       except TimeoutError:
         if time.monotonic() >= deadline:
           raise
-        self._renew_manager()
+        # torchft 0.2.0 raises a failed request's error again from every later start_quorum
+        # unless the request is forgotten.
+        self._manager._quorum_future = None
+    # torchft 0.2.0 has no public getter for the quorum id.
+    quorum_id = self._manager._quorum_id
+    self._renew = quorum_id < self._torchft_quorum_id
+    self._torchft_quorum_id = quorum_id
 
   def _renew_manager(self) -> None:
     """Replaces the manager (and its store, process group and heal server) by a new one with
-    torchft's step kept. A Lighthouse that restarted counts its quorum ids from 0 again, and
-    torchft keys a process group's rendezvous in the quorum's store by quorum id: in the old
-    store the new quorums would read the old ones' addresses. (torchft 0.2.0's manager also
-    raises a failed request's error again from every later ``start_quorum``.)"""
+    torchft's step kept, between two rounds. A Lighthouse that restarted counts its quorum ids
+    from 0 again, and torchft keys a process group's rendezvous in the quorum's store by quorum
+    id: in the old store the new quorums would read the old ones' addresses."""
+    self._renew, self._torchft_quorum_id = False, -1
     steps = self._manager.state_dict()
     self._manager.shutdown(wait=False)
     self._manager = self._make_manager(*self._manager_args)
