@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+from benchmarks.network import netns  # noqa: E402
 from benchmarks.studies import chaos  # noqa: E402
 
 
@@ -35,20 +36,22 @@ def test_schedule_is_fixed_by_its_seed_and_extends_with_the_horizon():
 
 def test_schedule_draws_a_poisson_process_of_its_rate():
   rate, horizon = 0.1, 100_000.0
-  faults = chaos.schedule(0, rate, horizon, 4, (3.0, 10.0))
+  faults = chaos.schedule(0, rate, horizon, 4, (3.0, 10.0), (5.0, 15.0))
   expected = rate * horizon  # 10,000 faults; a Poisson count's standard deviation is 100
   assert abs(len(faults) - expected) < 4 * math.sqrt(expected)
   assert all(0 < f.at < horizon for f in faults)
   assert [f.at for f in faults] == sorted(f.at for f in faults)
-  kills = sum(f.kind == "kill" for f in faults)
-  assert abs(kills - len(faults) / 2) < 4 * math.sqrt(len(faults) / 4)
+  for kind in chaos.KINDS:  # binomial(n, 1/3): standard deviation sqrt(n * 2/9)
+    count = sum(f.kind == kind for f in faults)
+    assert abs(count - len(faults) / 3) < 4 * math.sqrt(len(faults) * 2 / 9)
   assert {f.replica for f in faults} == {0, 1, 2, 3}
   assert all(3.0 <= f.seconds <= 10.0 for f in faults if f.kind == "stop")
+  assert all(5.0 <= f.seconds <= 15.0 for f in faults if f.kind == "link")
   assert all(f.seconds == 0.0 for f in faults if f.kind == "kill")
 
 
 @pytest.mark.parametrize("kwargs", [{"rate": 0.0}, {"horizon": -1.0}, {"replicas": 0},
-                                    {"stop_seconds": (5.0, 3.0)}])
+                                    {"stop_seconds": (5.0, 3.0)}, {"link_seconds": (0.0, 1.0)}])
 def test_schedule_refuses_bad_input(kwargs):
   args = {"seed": 0, "rate": 0.1, "horizon": 10.0, "replicas": 2} | kwargs
   with pytest.raises(ValueError, match="chaos.schedule"):
@@ -191,15 +194,17 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   config = chaos.Config(replicas=3, min_replicas=3, steps=500, sync_period=5, restart_delay=0.5,
                         exchange_timeout=2.0, timeout=150.0, cpus=0)
   faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2),
-            chaos.Fault(5.0, "lighthouse", -1)]
+            chaos.Fault(5.0, "lighthouse", -1), chaos.Fault(8.0, "link", 0, 3.0)]
   out = str(tmp_path / "run")
   run = chaos.drive(config, out, faults)
   assert chaos.processes(out) == {}
+  assert not [n for n in netns.namespaces() if n.endswith(f"-{os.getpid()}")]
   for _, _, _, pid in run["events"]:
     assert not os.path.exists(f"/proc/{pid}") or out not in pathlib.Path(
       f"/proc/{pid}/cmdline").read_text()
   kinds = [kind for _, kind, _, _ in run["events"]]
   assert kinds.count("stop") == kinds.count("cont") == kinds.count("kill") == 1
+  assert kinds.count("link") == kinds.count("up") == 1
   assert kinds.count("lighthouse") == 1 and "the Lighthouse exited (status -9); restarting it" in (
     tmp_path / "run" / "command.log").read_text()
   assert run["status"] == 0 and len(run["final"]) >= 2
@@ -211,7 +216,10 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   assert got["committed_tokens"] == hand > 0
   restarted = [pid for _, kind, replica, pid in run["events"] if kind == "start" and replica == 2]
   assert any(x["healed"] and x["pid"] in restarted for x in committed)
-  assert len(got["heal_s"]) == 2  # the stopped replica's and the restarted one's
+  # the stopped replica's, the restarted one's and the cut-off one's, which the others waited for
+  assert len(got["heal_s"]) == 3
+  up = next(at for at, kind, _, _ in run["events"] if kind == "up")
+  assert any(x["replica"] == 0 and x["committed"] and x["time"] - run["t0"] > up for x in committed)
 
 
 @pytest.mark.slow

@@ -312,7 +312,12 @@ def test_bad_input(tmp_path, capsys):
                       (["--replicas", "2", "--host", "0.0.0.0"],
                        "--host must be a specific address, got '0.0.0.0'"),
                       (["--replicas", "2", "--restart-delay", "-1"],
-                       "--restart-delay must be >= 0 seconds, got -1.0")):
+                       "--restart-delay must be >= 0 seconds, got -1.0"),
+                      (["--replicas", "2", "--replica-netns", "chaos"],
+                       r"--replica-netns must hold \{i\} \(one namespace per replica\), got"
+                       " 'chaos'"),
+                      (["--replicas", "2", "--replica-netns", "no-such-netns-{i}"],
+                       r"--replica-netns: no network namespace no-such-netns-0 \(ip netns")):
     assert launcher.main([*flags, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(said, err), err

@@ -10,6 +10,10 @@ directions at rate R), or left unshaped; :meth:`Link.shape` changes the rate in 
 ``with`` block, on any exit, kills what still runs in the namespaces and removes the veth pair,
 the namespaces and their ``/etc/netns`` directories.
 
+:class:`Star` joins a hub namespace to several leaf namespaces, each by a veth pair on a bridge
+in the hub (one private /24), and takes a leaf's link down and up: the chaos study's replicas cut
+off from the Lighthouse and from each other.
+
 Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable` says why not, before any change::
 
   with Link(rate="10mbit") as link:
@@ -32,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Self
 
 PREFIX = "odist"
 """The first part of the namespaces' names (``odist-a-PID``)."""
@@ -141,7 +145,7 @@ def namespaces() -> list[str]:
 def remove_stale() -> None:
   """Removes the namespaces of :data:`PREFIX` whose creating process has exited."""
   for name in namespaces():
-    match = re.fullmatch(rf"{PREFIX}-[ab]-(\d+)", name)
+    match = re.fullmatch(rf"{PREFIX}-(?:[ab]|hub|\d+)-(\d+)", name)
     if match and not os.path.exists(f"/proc/{match[1]}"):
       _remove_namespace(name)
 
@@ -213,23 +217,20 @@ def join(args: argparse.Namespace, devices: int) -> list[list[Any]]:
           for i in range(2)]
 
 
-class Link:
-  """Namespaces ``a`` and ``b`` and a veth pair between them shaped at ``rate`` each way.
+class _Namespaces:
+  """The namespaces a subclass's ``_create`` adds with :meth:`_add`. Leaving the ``with`` block,
+  on any exit (``SIGTERM`` and ``SIGHUP`` leave it too), kills what runs in them and removes them
+  with their veths and ``/etc/netns`` directories. Entering raises :class:`Unavailable` (see
+  :func:`unavailable`, or ``ip netns add`` failed)."""
 
-  ``rate``: tc's, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc. ``names``,
-  ``devices`` and ``addresses``: the namespaces, veths and addresses by side. Entering raises
-  :class:`Unavailable` (see :func:`unavailable`, or ``ip netns add`` failed).
-  """
-
-  def __init__(self, rate: str | None = None):
-    pid, self.rate = os.getpid(), rate
-    self.names = {side: f"{PREFIX}-{side}-{pid}" for side in "ab"}
-    self.devices = {side: f"od{pid}{side}" for side in "ab"}
-    self.addresses = {"a": f"10.213.{pid % 256}.1", "b": f"10.213.{pid % 256}.2"}
+  def __init__(self):
     self._made: list[str] = []
     self._previous_handlers: dict[int, Any] = {}
 
-  def __enter__(self) -> Link:
+  def _create(self) -> None:
+    raise NotImplementedError
+
+  def __enter__(self) -> Self:
     if (reason := unavailable()) is not None:
       raise Unavailable(reason)
 
@@ -249,24 +250,92 @@ class Link:
   def __exit__(self, *exc: Any) -> None:
     self.close()
 
+  def _add(self, name: str, address: str) -> None:
+    """Adds namespace ``name`` with ``lo`` up, and its ``/etc/netns/NAME/hosts`` mapping this
+    machine's host name to ``address`` (``ip netns exec`` bind-mounts it over ``/etc/hosts``)."""
+    try:
+      _run("ip", "netns", "add", name)
+    except RuntimeError as e:
+      raise Unavailable(f"cannot create a network namespace: {e}") from None
+    self._made.append(name)
+    os.makedirs(os.path.join("/etc/netns", name), exist_ok=True)
+    with open(os.path.join("/etc/netns", name, "hosts"), "w") as f:
+      f.write(f"127.0.0.1\tlocalhost\n{address}\t{socket.gethostname()}\n")
+    _run("ip", "-n", name, "link", "set", "lo", "up")
+
+  def close(self) -> None:
+    """Removes the namespaces (killing what runs in them), their veths and ``/etc/netns``."""
+    while self._made:
+      _remove_namespace(self._made.pop())
+    for signum, handler in self._previous_handlers.items():
+      signal.signal(signum, handler)
+    self._previous_handlers.clear()
+
+
+class Star(_Namespaces):
+  """A hub namespace with a bridge, and ``leaves`` namespaces each joined to it by a veth pair.
+
+  Namespaces ``PREFIX-hub-PID`` (:attr:`hub`) and ``PREFIX-I-PID`` (:attr:`names`, the pattern
+  :attr:`pattern` with ``{i}``); addresses ``10.213.X.1`` for the hub's bridge (:attr:`address`)
+  and ``10.213.X.(I+2)`` for leaf ``I`` (:attr:`addresses`), of one /24 with ``X`` = PID mod 256
+  + 128 (a :class:`Link`'s ``X`` is below 128). Unshaped.
+  """
+
+  def __init__(self, leaves: int):
+    super().__init__()
+    pid = os.getpid()
+    self.hub, self.pattern = f"{PREFIX}-hub-{pid}", f"{PREFIX}-{{i}}-{pid}"
+    self.names = [self.pattern.format(i=i) for i in range(leaves)]
+    net = f"10.213.{128 + pid % 128}"
+    self.address, self.addresses = f"{net}.1", [f"{net}.{i + 2}" for i in range(leaves)]
+    self.ports = [f"os{pid}p{i}" for i in range(leaves)]  # the hub's ends, on the bridge
+
   def _create(self) -> None:
-    host = socket.gethostname()
+    self._add(self.hub, self.address)
+    _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+    _run("ip", "-n", self.hub, "addr", "add", f"{self.address}/24", "dev", "br0")
+    _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+    for name, address, port in zip(self.names, self.addresses, self.ports, strict=True):
+      self._add(name, address)
+      _run("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", name)
+      _run("ip", "link", "set", port, "netns", self.hub)
+      _run("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
+      _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
+      _run("ip", "-n", name, "link", "set", "eth0", "up")
+
+  def set_link(self, leaf: int, up: bool) -> None:
+    """Takes leaf ``leaf``'s link down (its bridge port: nothing passes either way) or up."""
+    _run("ip", "-n", self.hub, "link", "set", self.ports[leaf], "up" if up else "down")
+
+  def exec_prefix(self, leaf: int | None = None) -> list[str]:
+    """The command line's start that runs a program in the hub (``None``) or in leaf ``leaf``."""
+    return ["ip", "netns", "exec", self.hub if leaf is None else self.names[leaf]]
+
+
+class Link(_Namespaces):
+  """Namespaces ``a`` and ``b`` and a veth pair between them shaped at ``rate`` each way.
+
+  ``rate``: tc's, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc. ``names``,
+  ``devices`` and ``addresses``: the namespaces, veths and addresses by side. Entering raises
+  :class:`Unavailable` (see :func:`unavailable`, or ``ip netns add`` failed).
+  """
+
+  def __init__(self, rate: str | None = None):
+    super().__init__()
+    pid, self.rate = os.getpid(), rate
+    self.names = {side: f"{PREFIX}-{side}-{pid}" for side in "ab"}
+    self.devices = {side: f"od{pid}{side}" for side in "ab"}
+    self.addresses = {"a": f"10.213.{pid % 128}.1", "b": f"10.213.{pid % 128}.2"}
+
+  def _create(self) -> None:
     for side, name in self.names.items():
-      try:
-        _run("ip", "netns", "add", name)
-      except RuntimeError as e:
-        raise Unavailable(f"cannot create a network namespace: {e}") from None
-      self._made.append(name)
-      os.makedirs(os.path.join("/etc/netns", name), exist_ok=True)
-      with open(os.path.join("/etc/netns", name, "hosts"), "w") as f:
-        f.write(f"127.0.0.1\tlocalhost\n{self.addresses[side]}\t{host}\n")
+      self._add(name, self.addresses[side])
     a, b = self.devices["a"], self.devices["b"]
     _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
     for side in "ab":
       _run("ip", "link", "set", self.devices[side], "netns", self.names[side])
       self.run(side, ["ip", "addr", "add", f"{self.addresses[side]}/30", "dev", self.devices[side]])
       self.run(side, ["ip", "link", "set", self.devices[side], "up"])
-      self.run(side, ["ip", "link", "set", "lo", "up"])
     self.shape(self.rate)
 
   def shape(self, rate: str | None) -> None:
@@ -279,14 +348,6 @@ class Link:
       if bits_per_second(rate) is not None:
         self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
                         str(burst(rate)), "latency", LATENCY])
-
-  def close(self) -> None:
-    """Removes the namespaces (killing what runs in them), the veth pair and ``/etc/netns``."""
-    while self._made:
-      _remove_namespace(self._made.pop())
-    for signum, handler in self._previous_handlers.items():
-      signal.signal(signum, handler)
-    self._previous_handlers.clear()
 
   def run(self, side: str, argv: list[str]) -> str:
     """Runs ``argv`` in namespace ``side``; its stdout (raises ``RuntimeError`` on failure)."""

@@ -1,13 +1,16 @@
 """Training through failures: fault-tolerant DiLoCo under a fixed-seed Poisson schedule of faults.
 
-Two runs of ``optax-dist train --fault-tolerant`` (a torchft Lighthouse and R replica processes
-on 127.0.0.1, ``--devices 1`` each; the launcher restarts a dead replica after
-``--restart-delay`` s and it heals at its first quorum) with the same settings and seed: a
-control without faults, then the faulted run. Each run's clock starts at its first commit
-(imports and compilation untimed). The faults are drawn with ``--seed`` over the control's span:
-exponential gaps of mean ``1 / --fault-rate`` s, each a ``kill -9`` of a replica's process group
-or a ``SIGSTOP`` for ``--stop-seconds`` (uniform) then ``SIGCONT``, on a uniform replica; one
-on a replica that is not running (or already stopped) is recorded as skipped. The faulted run
+Two runs of ``optax-dist train --fault-tolerant`` (a torchft Lighthouse and R replica processes,
+``--devices 1`` each; the launcher restarts a dead replica after ``--restart-delay`` s and it
+heals at its first quorum) with the same settings and seed: a control without faults, then the
+faulted run. The launcher and the Lighthouse run in a hub network namespace, each replica in
+one of its own joined to the hub's bridge by a veth pair (:class:`netns.Star`, unshaped). Each
+run's clock starts at its first commit (imports and compilation untimed). The faults are drawn
+with ``--seed`` over the control's span: exponential gaps of mean ``1 / --fault-rate`` s, each
+on a uniform replica and of a uniform kind: a ``kill -9`` of the replica's process group, a
+``SIGSTOP`` for ``--stop-seconds`` (uniform) then ``SIGCONT``, or its link down (its bridge
+port: nothing passes either way) for ``--link-seconds`` (uniform) then up; one on a replica that
+is not running (or already stopped, or cut off) is recorded as skipped. The faulted run
 also has its Lighthouse killed once (``kill -9``), at ``--lighthouse-kill`` of the span; the
 launcher starts it again on its address.
 
@@ -18,8 +21,8 @@ Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
   from each run's first commit);
 * useful-work ratio: committed tokens over the tokens of the logged rounds (a killed replica's
   unfinished round is not logged: an upper bound);
-* heal time: from a restarted replica's first appearance in the process tree, or a stopped
-  one's ``SIGCONT``, to its next committed round; a restarted replica's first ``quorum_seconds``
+* heal time: from a restarted replica's first appearance in the process tree, a stopped
+  one's ``SIGCONT`` or a cut-off one's link up, to its next committed round; a restarted replica's first ``quorum_seconds``
   (quorum request to quorum, heal included), and the rounds from its first round to its first
   commit (a heal within one round: 0 or 1);
 * longest stall (gap between commits), aborted rounds, the rounds whose committed lines hold
@@ -29,10 +32,12 @@ Beside them (``--sync-checkpoint-every`` > 0), synchronous data parallelism with
 under the same schedule, and its own control: ``optax-dist train --algorithm sync`` over R
 ``jax.distributed`` processes checkpointing every ``--sync-checkpoint-every`` steps, started again
 with ``--resume`` ``--restart-delay`` s after a fault ends it (:func:`drive_sync`); its tokens
-count once checkpointed, from its first checkpoint, for the DiLoCo control's span.
+count once checkpointed, from its first checkpoint, for the DiLoCo control's span. Its processes
+share this machine's network: its schedule is the kills and stops only.
 
 Every process of a run (launcher, Lighthouse, replicas: found by the run's directory in their
-command lines) is killed when it ends, also on an exception or Ctrl-C. Needs root (``make
+command lines) is killed when it ends, and its namespaces removed, also on an exception or
+Ctrl-C. Needs root (``make
 bench-chaos``); says so and exits with 0 otherwise.
 
 Each replica process runs in a cgroup of its own capped at ``--cpus / R`` CPUs
@@ -60,9 +65,10 @@ from typing import Any
 import numpy as np
 
 from benchmarks import kit
+from benchmarks.network import netns
 from optax_dist.cli import checkpoints
 
-KINDS = ("kill", "stop")
+KINDS = ("kill", "stop", "link")
 TARGET_GOODPUT = 0.9
 
 
@@ -77,6 +83,7 @@ class Config:
   steps: int = kit.option(120_000, "committed inner steps of each run (--steps)")
   fault_rate: float = kit.option(1 / 30, "faults per second (Poisson)")
   stop_seconds: tuple[float, float] = kit.option((3.0, 10.0), "a SIGSTOP's length, uniform")
+  link_seconds: tuple[float, float] = kit.option((5.0, 15.0), "a link down's length, uniform")
   restart_delay: float = kit.option(2.0, "seconds before the launcher restarts a dead replica")
   exchange_timeout: float = kit.option(2.0, "--exchange-timeout of the replicas, seconds")
   heartbeat_timeout: float = kit.option(
@@ -99,7 +106,8 @@ QUICK = {"steps": 4000, "fault_rate": 1 / 8, "sync_checkpoint_every": 20}
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-  """At ``at`` seconds after the first commit: ``kind`` on ``replica``, for ``seconds`` (stop)."""
+  """At ``at`` seconds after the first commit: ``kind`` on ``replica``, for ``seconds`` (stop,
+  link)."""
 
   at: float
   kind: str
@@ -108,41 +116,50 @@ class Fault:
 
 
 def schedule(seed: int, rate: float, horizon: float, replicas: int,
-             stop_seconds: tuple[float, float] = (3.0, 10.0)) -> list[Fault]:
+             stop_seconds: tuple[float, float] = (3.0, 10.0),
+             link_seconds: tuple[float, float] = (5.0, 15.0)) -> list[Fault]:
   """The faults of a Poisson process of ``rate`` per second over ``[0, horizon)`` seconds.
 
-  Gaps are exponential with mean ``1 / rate``; each fault's kind (``kill``, ``stop``) and
-  replica are uniform, a stop's length uniform in ``stop_seconds``. The draws are sequential from
-  ``numpy.random.default_rng(seed)``: a longer horizon extends the same list.
+  Gaps are exponential with mean ``1 / rate``; each fault's kind (:data:`KINDS`: ``kill``,
+  ``stop``, ``link``) and replica are uniform, a stop's length uniform in ``stop_seconds``, a
+  link's in ``link_seconds``. The draws are sequential from ``numpy.random.default_rng(seed)``:
+  a longer horizon extends the same list.
 
   Raises:
-    ValueError: ``rate`` or ``horizon`` not positive, ``replicas < 1``, ``stop_seconds`` not an
-      interval of positive seconds.
+    ValueError: ``rate`` or ``horizon`` not positive, ``replicas < 1``, ``stop_seconds`` or
+      ``link_seconds`` not an interval of positive seconds.
   """
-  if not (rate > 0 and horizon > 0 and replicas >= 1 and 0 < stop_seconds[0] <= stop_seconds[1]):
+  lengths = {"kill": (0.0, 0.0), "stop": stop_seconds, "link": link_seconds}
+  if not (rate > 0 and horizon > 0 and replicas >= 1 and
+          all(0 < lengths[k][0] <= lengths[k][1] for k in ("stop", "link"))):
     raise ValueError(f"chaos.schedule: need rate > 0, horizon > 0, replicas >= 1 and"
-                     f" 0 < stop_seconds[0] <= stop_seconds[1], got rate={rate},"
-                     f" horizon={horizon}, replicas={replicas}, stop_seconds={stop_seconds}")
+                     f" intervals 0 < a <= b of stop_seconds and link_seconds, got rate={rate},"
+                     f" horizon={horizon}, replicas={replicas}, stop_seconds={stop_seconds},"
+                     f" link_seconds={link_seconds}")
   rng, t, faults = np.random.default_rng(seed), 0.0, []
   while True:
     t += rng.exponential(1 / rate)
-    kind, replica, seconds = KINDS[rng.integers(2)], int(rng.integers(replicas)), \
-      float(rng.uniform(*stop_seconds))
+    kind = KINDS[rng.integers(len(KINDS))]
+    replica, seconds = int(rng.integers(replicas)), float(rng.uniform(*lengths[kind]))
     if t >= horizon:
       return faults
-    faults.append(Fault(round(t, 3), kind, replica, round(seconds, 3) if kind == "stop" else 0.0))
+    faults.append(Fault(round(t, 3), kind, replica, round(seconds, 3)))
 
 
-def command(config: Config, out: str) -> list[str]:
-  """``optax-dist train --fault-tolerant`` of the study's settings, writing to ``out``."""
-  return [sys.executable, "-m", "optax_dist.cli", "train", "--algorithm", config.algorithm,
+def command(config: Config, out: str, star: netns.Star | None = None) -> list[str]:
+  """``optax-dist train --fault-tolerant`` of the study's settings, writing to ``out``; with
+  ``star``, run in its hub (the Lighthouse on the hub's address) and each replica in its own
+  namespace (``--replica-netns``)."""
+  where = [] if star is None else star.exec_prefix()
+  hosts = [] if star is None else ["--host", star.address, "--replica-netns", star.pattern]
+  return where + [sys.executable, "-m", "optax_dist.cli", "train", "--algorithm", config.algorithm,
           "--fault-tolerant", "--replicas", str(config.replicas), "--min-replicas",
           str(config.min_replicas), "--devices", "1", "--task", config.task, "--steps",
           str(config.steps), "--sync-period", str(config.sync_period),
           "--restart-delay", str(config.restart_delay), "--max-restarts", "1000",
           "--exchange-timeout", str(config.exchange_timeout), "--finish-grace",
           str(config.finish_grace), "--lighthouse-heartbeat-timeout",
-          str(config.heartbeat_timeout), "--no-progress", "--out", out]
+          str(config.heartbeat_timeout), "--no-progress", "--out", out] + hosts
 
 
 def processes(out: str) -> dict[int, str]:
@@ -268,20 +285,22 @@ class CpuShares:
 def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
   """Runs the command into ``out`` and applies ``faults`` on the clock of its first commit.
 
+  The command runs in a :class:`netns.Star`'s hub, each replica in a namespace of its own.
   Returns the run's record: ``t0`` (Unix time of the first commit), ``events`` (``[t, kind,
   replica, pid]``, ``t`` in seconds after ``t0``: ``start`` of a replica process, ``kill``,
-  ``stop``, ``cont``, ``skipped``), ``lines`` (the JSONL lines), ``final`` (the replicas'
-  ``final_<i>.json``), ``status``, ``wall_s`` and the load averages. Every process of the run is
-  gone when it returns or raises. An earlier run's files in ``out`` are removed first (their
-  lines would set the clock).
+  ``stop``, ``cont``, ``link`` (down), ``up``, ``skipped``), ``lines`` (the JSONL lines),
+  ``final`` (the replicas' ``final_<i>.json``), ``status``, ``wall_s`` and the load averages.
+  Every process and namespace of the run is gone when it returns or raises. An earlier run's
+  files in ``out`` are removed first (their lines would set the clock).
   """
   _fresh(out)
+  netns.remove_stale()
   deadline = time.monotonic() + config.timeout
   with (kit.Timed() as timed, open(os.path.join(out, "command.log"), "w") as log,
-        CpuShares(config.replicas, config.cpus) as shares):
-    proc = subprocess.Popen(command(config, out), stdout=log, stderr=subprocess.STDOUT,
+        CpuShares(config.replicas, config.cpus) as shares, netns.Star(config.replicas) as star):
+    proc = subprocess.Popen(command(config, out, star), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    inject = Injector(out, faults, shares, "--replica-id", group=True)
+    inject = Injector(out, faults, shares, "--replica-id", group=True, star=star)
     try:
       while proc.poll() is None:
         _check_deadline(deadline, out)
@@ -333,7 +352,8 @@ def drive_sync(config: Config, out: str, faults: list[Fault], horizon: float) ->
     start = functools.partial(subprocess.Popen, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True, env=env | os.environ)
     proc, restart_at = start(sync_command(config, out, resume=False)), None
-    inject = Injector(out, faults, shares, "--process-id", group=False)
+    inject = Injector(out, [f for f in faults if f.kind != "link"], shares, "--process-id",
+                      group=False)
     try:
       while inject.t0 is None or inject.now() <= horizon:
         _check_deadline(deadline, out)
@@ -373,16 +393,17 @@ class Injector:
   holds ``flag INDEX``, e.g. ``--replica-id 2``), on the clock of the run's first progress
   ``t0``: each new process is recorded (``start``) and moved into its CPU share; a due fault is
   a ``kill -9`` (of the process group with ``group``) or a ``SIGSTOP`` followed by ``SIGCONT``
-  ``seconds`` later, or a ``kill -9`` of the run's Lighthouse (kind ``lighthouse``, replica -1),
-  or ``skipped`` when its process is not running or already stopped."""
+  ``seconds`` later, a link down (``star``'s) then up ``seconds`` later, or a ``kill -9`` of the
+  run's Lighthouse (kind ``lighthouse``, replica -1), or ``skipped`` when its process is not
+  running or already stopped or cut off."""
 
   def __init__(self, out: str, faults: list[Fault], shares: CpuShares, flag: str, *,
-               group: bool):
-    self.out, self.shares, self.flag, self.group = out, shares, flag, group
+               group: bool, star: netns.Star | None = None):
+    self.out, self.shares, self.flag, self.group, self.star = out, shares, flag, group, star
     self.pending = sorted(faults, key=lambda f: f.at)
     self.events: list[list[Any]] = []
     self.seen: dict[int, int] = {}
-    self.conts: list[tuple[float, int, int]] = []
+    self.undo: list[tuple[float, int, int, str]] = []  # (when, replica, pid, cont or up)
     self.t0: float | None = None
 
   def now(self) -> float:
@@ -399,23 +420,32 @@ class Injector:
         self.seen[i] = pid
         self.shares.add(i, pid)
         self.events.append([now, "start", i, pid])
-    for cont in [c for c in self.conts if c[0] <= now]:
-      self.conts.remove(cont)
-      self._signal(cont[2], signal.SIGCONT, now, "cont", cont[1])
+    for undo in [u for u in self.undo if u[0] <= now]:
+      self.undo.remove(undo)
+      self._apply(undo[3], undo[1], undo[2], now)
     if ending:
       self.pending = []
     while self.t0 is not None and self.pending and self.pending[0].at <= now:
       fault = self.pending.pop(0)
       pid = lighthouse_pid(self.out) if fault.kind == "lighthouse" else pids.get(fault.replica)
-      if pid is None or any(c[1] == fault.replica for c in self.conts):
+      if pid is None or any(u[1] == fault.replica for u in self.undo):
         self.events.append([now, "skipped", fault.replica, pid])
-      elif fault.kind == "lighthouse":
-        self._signal(pid, signal.SIGKILL, now, "lighthouse", fault.replica)
-      elif fault.kind == "kill":
-        self._signal(-pid if self.group else pid, signal.SIGKILL, now, "kill", fault.replica)
-      else:
-        self._signal(pid, signal.SIGSTOP, now, "stop", fault.replica)
-        self.conts.append((now + fault.seconds, fault.replica, pid))
+        continue
+      self._apply(fault.kind, fault.replica, pid, now)
+      if fault.kind in ("stop", "link"):
+        self.undo.append((now + fault.seconds, fault.replica, pid,
+                          "cont" if fault.kind == "stop" else "up"))
+
+  def _apply(self, kind: str, replica: int, pid: int, now: float) -> None:
+    """Applies ``kind`` to ``replica`` (its process ``pid``) and records it."""
+    if kind in ("link", "up"):
+      self.star.set_link(replica, up=kind == "up")
+      self.events.append([now, kind, replica, pid])
+    else:
+      target = -pid if kind == "kill" and self.group else pid
+      sig = {"kill": signal.SIGKILL, "lighthouse": signal.SIGKILL, "stop": signal.SIGSTOP,
+             "cont": signal.SIGCONT}[kind]
+      self._signal(target, sig, now, kind, replica)
 
   def _signal(self, pid: int, sig: int, now: float, kind: str, replica: int) -> None:
     """Sends ``sig`` to ``pid`` (a group if negative) and records it, or a ``skipped``."""
@@ -434,11 +464,11 @@ def committed_tokens(lines: list[dict[str, Any]], t0: float, span: float) -> int
 
 
 def heal_times(lines: list[dict[str, Any]], t0: float, events: list[list[Any]]) -> list[float]:
-  """Seconds from each ``start`` (after ``t0``) or ``cont`` event of a replica to that replica's
-  next committed line; an event not followed by a commit is left out."""
+  """Seconds from each ``start`` (after ``t0``), ``cont`` or ``up`` event of a replica to that
+  replica's next committed line; an event not followed by a commit is left out."""
   out = []
   for at, kind, replica, _ in events:
-    if kind == "cont" or (kind == "start" and at > 0):
+    if kind in ("cont", "up") or (kind == "start" and at > 0):
       after = [line["time"] - t0 for line in lines if line["replica"] == replica and
                line["committed"] and line["time"] - t0 > at]
       if after:
@@ -548,7 +578,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   control = _record(config, prefix, "control", lambda out: drive(config, out, []))
   span = max(line["time"] for line in control["lines"]) - control["t0"]
   faults = schedule(config.seed, config.fault_rate, span, config.replicas,
-                    tuple(config.stop_seconds))
+                    tuple(config.stop_seconds), tuple(config.link_seconds))
   # the synchronous arm has no Lighthouse: its schedule is the replicas' faults only
   faults_ft = faults + [Fault(round(config.lighthouse_kill * span, 3), "lighthouse", -1)] * (
     config.lighthouse_kill > 0)
@@ -646,7 +676,8 @@ def markdown(result: dict[str, Any], figure: str) -> str:
      f"{_caps(cfg)} faults: rate"
      f" {cfg['fault_rate']:.3f}/s, seed {cfg['seed']}, over the control's span of"
      f" {result['horizon_s']:.1f} s; within the span counted: {kinds.count('kill')} kills,"
-     f" {kinds.count('stop')} stops, {kinds.count('lighthouse')} Lighthouse kills,"
+     f" {kinds.count('stop')} stops, {kinds.count('link')} links down,"
+     f" {kinds.count('lighthouse')} Lighthouse kills,"
      f" {kinds.count('skipped')} skipped (the plot shows all)."),
     (f"**Goodput {result['goodput']:.3f}** (committed tokens of the faulted run over the"
      f" control's, over the first {result['span_s']:.1f} s after each run's first commit, the"
@@ -678,7 +709,8 @@ def _not_built(result: dict[str, Any]) -> str:
   capped = bool(cfg.get("cpus", 0))
   missing = [*([] if "sync" in result else [
     "synchronous data parallelism with checkpoint-restart on the same schedule"]),
-    "link-down faults (network namespaces)",
+    *([] if any(f["kind"] == "link" for f in counted) else [
+      "link-down faults (network namespaces)"]),
     *([] if any(f["kind"] == "lighthouse" for f in counted) else ["a lighthouse kill"]),
     "the lm task",
     *([] if result["span_s"] >= 600 and len(counted) >= 15 else [
@@ -702,7 +734,7 @@ def plot(result: dict[str, Any], path: str) -> None:
       t = np.array(arm[name]["timeline"] or [[0, 0]])
       ax.plot(t[:, 0], t[:, 1], ls=style, label=prefix + name, drawstyle="steps-post")
   colors = {"kill": "red", "stop": "orange", "cont": "green", "start": "grey",
-            "lighthouse": "purple"}
+            "lighthouse": "purple", "link": "blue", "up": "cyan"}
   for at, kind, replica, _ in result["runs"]["faulted"]["events"]:
     if at > 0 and kind in colors:
       ax.axvline(at, color=colors[kind], lw=0.8, ls=":" if kind == "start" else "-")
@@ -711,6 +743,7 @@ def plot(result: dict[str, Any], path: str) -> None:
   ax.set_xlabel("seconds after the first commit")
   ax.set_ylabel("committed tokens")
   ax.set_title(f"goodput {result['goodput']:.3f}: kill (red), stop (orange), cont (green),"
-               " restart (grey), Lighthouse kill (purple)", fontsize=9)
+               " restart (grey), link down (blue), up (cyan), Lighthouse kill (purple)",
+               fontsize=8)
   ax.legend()
   kit.save_figure(fig, path)

@@ -46,13 +46,14 @@ from optax_dist.cli.errors import PROG, CommandError
 from optax_dist.cli.tasks import TASKS, Data, Task
 from optax_dist.fault_tolerance import SUPPORTED, RoundProtocol
 from optax_dist.fault_tolerance import launcher as ft_launcher
+from optax_dist.fault_tolerance.lighthouse import die_with_parent
 from optax_dist.fault_tolerance import replica as ft_replica
 
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
 
 DEFAULTS = {"min_replicas": None, "host": "127.0.0.1", "quorum_timeout": 60.0,
             "exchange_timeout": 30.0, "join_timeout": 0.3, "lighthouse_heartbeat_timeout": 5.0,
-            "max_restarts": 3, "restart_delay": 1.0, "finish_grace": 10.0}
+            "max_restarts": 3, "restart_delay": 1.0, "finish_grace": 10.0, "replica_netns": None}
 """The fault-tolerance flags' defaults (``min_replicas``: ``R // 2 + 1``); each flag's parser
 default is ``None``, so that one given without ``--fault-tolerant`` is refused."""
 
@@ -90,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   for name, kind, what in floats:
     group.add_argument(algorithms.flag(name), type=kind, default=None, metavar="SECONDS",
                        help=f"seconds {what} (default: {d[name]:g})")
+  group.add_argument("--replica-netns", default=None, metavar="PATTERN",
+                     help="run replica I in the network namespace PATTERN with {i} replaced by I"
+                     " (ip netns exec, as root; made beforehand), binding the address the host"
+                     " name resolves to there; --host is then the Lighthouse's only"
+                     " (default: none)")
   group.add_argument("--max-restarts", type=integer_at_least_0, default=None, metavar="N",
                      help=f"restarts of each replica id (default: {d['max_restarts']})")
 
@@ -220,7 +226,7 @@ def run_replica(args: argparse.Namespace) -> int:
   errors.require_task(task)
   resolve(args)
   if args.parent_death:
-    ft_replica.die_with_parent()
+    die_with_parent()
   launcher.init_jax(args.devices)
   data = task.load(args.seed)
   s = settings(args, task, lambda: data)
@@ -294,7 +300,7 @@ def run_train(args: argparse.Namespace) -> int:
   _check_protocol(task, data, settings(args, task, lambda: data))
   spec = argparse.Namespace(
     replicas=args.replicas, min_replicas=args.min_replicas, out=args.out, host=args.host,
-    port=0, join_timeout=args.join_timeout,
+    port=0, replica_netns=args.replica_netns, join_timeout=args.join_timeout,
     lighthouse_heartbeat_timeout=args.lighthouse_heartbeat_timeout,
     max_restarts=args.max_restarts, restart_delay=args.restart_delay,
     finish_grace=args.finish_grace, replica_args=list(args.argv[1:]))

@@ -24,6 +24,9 @@ running then are stopped (they are behind: no quorum forms for them any more). T
 exits 0 if at least ``--min-replicas`` replicas finished, else 1; a mistake or a missing ``ft``
 extra is one line, status 2. Its first line on stdout is ``lighthouse <URL>``, the address
 another replica (``python -m optax_dist.fault_tolerance.replica --lighthouse URL``) joins.
+With ``--replica-netns``, each replica runs in a network namespace of its own (made beforehand,
+e.g. by the chaos study), with ``--host`` its host name, which it resolves there to that
+namespace's address.
 ``optax-dist train --fault-tolerant`` (:mod:`optax_dist.cli.fault_tolerant`) runs a
 :class:`Launcher` of ``optax-dist replica`` processes on the command's tasks.
 """
@@ -43,8 +46,9 @@ import time
 REFUSED = 2
 """A replica's exit status when it refuses its flags or settings: it is not restarted."""
 
-LIGHTHOUSE_START_S = 10.0
-"""Seconds the Lighthouse's process has to accept connections after it is started."""
+LIGHTHOUSE_START_S = 30.0
+"""Seconds the Lighthouse's process has to accept connections after the launcher's start (it
+imports torch: about 2 s on an idle machine, several times that on a loaded one)."""
 
 LIGHTHOUSE_COMMAND = (str(pathlib.Path(__file__).with_name("lighthouse.py")),)
 """What follows the Python interpreter in the Lighthouse's command line: the script's path (not
@@ -65,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", required=True, help="the run's directory")
   p.add_argument("--host", default="127.0.0.1", help="the address every server binds")
   p.add_argument("--port", type=int, default=0, help="the Lighthouse's port (0: any free one)")
+  p.add_argument("--replica-netns", default=None, metavar="PATTERN",
+                 help="run replica I in the network namespace PATTERN with {i} replaced by I"
+                 " (ip netns exec, root), binding the address this machine's host name resolves"
+                 " to there (default: this namespace, --host)")
   p.add_argument("--join-timeout", type=float, default=0.3,
                  help="seconds the Lighthouse waits for stragglers before a quorum")
   p.add_argument("--lighthouse-heartbeat-timeout", type=float, default=5.0,
@@ -96,6 +104,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     raise ValueError(f"--max-restarts must be an int >= 0, got {args.max_restarts}")
   if args.host in ("", "0.0.0.0", "::", "[::]"):
     raise ValueError(f"--host must be a specific address, got {args.host!r}")
+  if args.replica_netns is not None:
+    names = {args.replica_netns.format(i=i) for i in range(args.replicas)}
+    if len(names) != args.replicas:
+      raise ValueError(f"--replica-netns must hold {{i}} (one namespace per replica), got"
+                       f" {args.replica_netns!r}")
+    if missing := sorted(n for n in names if not os.path.exists(f"/run/netns/{n}")):
+      raise ValueError(f"--replica-netns: no network namespace {missing[0]} (ip netns list)")
   if args.replica_args[:1] == ["--"]:
     args.replica_args = args.replica_args[1:]
 
@@ -126,41 +141,50 @@ class Launcher:
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     self.port = args.port or _free_port(args.host)
     self.url = f"http://{args.host}:{self.port}"
-    self.lighthouse = _Slot()
+    self.lighthouse, self.lighthouse_log = _Slot(), pathlib.Path(args.out) / "lighthouse.log"
     self.start_lighthouse()
+    self._wait_for_lighthouse()
     self.slots = [_Slot() for _ in range(args.replicas)]
 
   def start_lighthouse(self) -> None:
-    """Starts the Lighthouse on ``self.url`` and waits until it accepts connections.
-
-    Raises:
-      RuntimeError: its process exited, or did not accept connections within
-        ``LIGHTHOUSE_START_S`` seconds (e.g. the port is in use); the message has its log's end.
-    """
+    """Starts the Lighthouse's process on ``self.url`` (its output appended to
+    ``OUT/lighthouse.log``)."""
     a = self.args
     command = [sys.executable, *LIGHTHOUSE_COMMAND, "--bind", f"{a.host}:{self.port}",
                "--min_replicas", str(a.min_replicas), "--quorum_tick_ms", "20",
                "--join_timeout_ms", str(int(a.join_timeout * 1000)),
                "--heartbeat_timeout_ms", str(int(a.lighthouse_heartbeat_timeout * 1000))]
-    path = pathlib.Path(a.out) / "lighthouse.log"
-    with open(path, "a") as log:
+    with open(self.lighthouse_log, "a") as log:
       self.lighthouse.proc = subprocess.Popen(command, stdout=log, stderr=log)
+
+  def _wait_for_lighthouse(self) -> None:
+    """Waits until the Lighthouse accepts connections.
+
+    Raises:
+      RuntimeError: its process exited, or did not accept connections within
+        ``LIGHTHOUSE_START_S`` seconds (e.g. the port is in use); the message has its log's end.
+    """
     deadline = time.monotonic() + LIGHTHOUSE_START_S
     while self.lighthouse.proc.poll() is None and time.monotonic() < deadline:
       try:
-        socket.create_connection((a.host, self.port), timeout=0.5).close()
+        socket.create_connection((self.args.host, self.port), timeout=0.5).close()
         return
       except OSError:
         time.sleep(0.05)
     raise RuntimeError(f"the Lighthouse did not start on {self.url}: "
-                       + " | ".join(path.read_text().strip().splitlines()[-3:]))
+                       + " | ".join(self.lighthouse_log.read_text().strip().splitlines()[-3:]))
 
   def start(self, i: int) -> None:
-    """Starts replica ``i`` (its stdout and stderr appended to ``OUT/replica_<i>.log``)."""
-    log = open(pathlib.Path(self.args.out) / f"replica_{i}.log", "a")
-    command = [sys.executable, *self.command, "--lighthouse", self.url, "--replica-id", str(i),
-               "--out", self.args.out, "--host", self.args.host, "--min-replicas",
-               str(self.args.min_replicas), "--parent-death", *self.args.replica_args]
+    """Starts replica ``i`` (its stdout and stderr appended to ``OUT/replica_<i>.log``), in its
+    network namespace with ``--replica-netns`` (``ip netns exec`` runs it in its own process)."""
+    a = self.args
+    log = open(pathlib.Path(a.out) / f"replica_{i}.log", "a")
+    netns = ["ip", "netns", "exec", a.replica_netns.format(i=i)] if a.replica_netns else []
+    # the launcher's flags last: they win over the same flags in --replica-args
+    command = [*netns, sys.executable, *self.command, *a.replica_args, "--lighthouse", self.url,
+               "--replica-id", str(i), "--out", a.out, "--host",
+               socket.gethostname() if netns else a.host, "--min-replicas",
+               str(a.min_replicas), "--parent-death"]
     self.slots[i].proc = subprocess.Popen(command, stdout=log, stderr=log,
                                           start_new_session=True)
     self.slots[i].restart_at = None
@@ -202,7 +226,9 @@ class Launcher:
 
   def _tend_lighthouse(self) -> None:
     """Starts the Lighthouse again on the same address if it exited, at most ``--max-restarts``
-    times (then the replicas' quorum requests time out and they end)."""
+    times (then the replicas' quorum requests time out and they end). It does not wait for the
+    new process: meanwhile the replicas go on retrying their quorum requests, and one that
+    exits at once (its port taken) is started again at the next look."""
     slot = self.lighthouse
     if slot.proc is None or slot.proc.poll() is None:
       return

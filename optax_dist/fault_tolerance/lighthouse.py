@@ -2,16 +2,26 @@
 
 ``python .../optax_dist/fault_tolerance/lighthouse.py [torchft_lighthouse flags]`` (the script's
 path: torchft's program reads the process's arguments after the interpreter's first) asks Linux
-to send it ``SIGKILL`` when its parent dies (``prctl(PR_SET_PDEATHSIG)``), then runs torchft's
+to send it ``SIGKILL`` when its parent dies (:func:`die_with_parent`), then runs torchft's
 ``torchft_lighthouse`` program with the flags given (``--bind HOST:PORT``, ``--min_replicas``,
 ``--join_timeout_ms``, ``--heartbeat_timeout_ms``, ``--quorum_tick_ms``). The launcher
 (:mod:`optax_dist.fault_tolerance.launcher`) starts it, and starts it again on the same address
-when it dies. Needs the ``ft`` extra.
+when it dies. Needs the ``ft`` extra. As a script it imports neither JAX nor the rest of
+optax_dist (its start after a kill is the run's stall): torch and torchft only, about 2 s.
 """
 
+import ctypes
+import signal
 import sys
 
-from optax_dist.fault_tolerance.replica import die_with_parent
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+  """Asks Linux to send this process ``SIGKILL`` when its parent dies
+  (``prctl(PR_SET_PDEATHSIG)``): the Lighthouse's and the replicas' tie to their launcher."""
+  ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
 
 if __name__ == "__main__":
   die_with_parent()

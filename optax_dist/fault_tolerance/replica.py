@@ -18,14 +18,12 @@ the command's tasks with it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
+from optax_dist.fault_tolerance.lighthouse import die_with_parent
 
 
 class ReplicaError(Exception):
@@ -78,12 +76,6 @@ def linear_task(dim: int, batch: int):
     return jax.grad(lambda w: jnp.sum((x @ w - y) ** 2) / batch)(w)
 
   return jnp.zeros(dim, jnp.float32), grad_fn, batch_fn
-
-
-def die_with_parent() -> None:
-  """Asks Linux to send this process ``SIGKILL`` when its parent dies
-  (``prctl(PR_SET_PDEATHSIG)``)."""
-  ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def load_engine() -> Any:

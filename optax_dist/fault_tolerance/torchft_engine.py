@@ -42,6 +42,7 @@ import http.server
 import json
 import os
 import pathlib
+import socket
 import threading
 import time
 import urllib.request
@@ -277,7 +278,8 @@ class TorchftReplica:
     lighthouse: the Lighthouse's URL, ``http://host:port``.
     replica_id: this replica's id and data slot, an int >= 0.
     out: the run's directory; the log goes to ``out/replicas/replica_<i>.jsonl`` (appended).
-    host: the address this replica's servers advertise (and its heal server binds).
+    host: the address this replica's servers bind and advertise, or a name resolved to it once
+      here (its host name in a network namespace of its own: that namespace's address).
     seed: the data seed.
     tokens_per_step: the tokens of one batch: a round's weight is its inner steps times it.
     min_replicas: the smallest quorum that commits (torchft's ``min_replica_size``).
@@ -329,6 +331,9 @@ class TorchftReplica:
     self.log_path = path / f"replica_{replica_id}.jsonl"
     self._warm_up()
     self.quorum_timeout = quorum_timeout
+    # a name is resolved once, here (in a network namespace, by its /etc/hosts): peers are sent
+    # the address
+    host = socket.getaddrinfo(host, None)[0][4][0]
     self._manager_args = (lighthouse, host, min_replicas, quorum_timeout, timeout)
     self._manager = self._make_manager(*self._manager_args)
     self._torchft_quorum_id, self._renew = -1, False
