@@ -21,10 +21,10 @@ Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
   from each run's first commit);
 * useful-work ratio: committed tokens over the tokens of the logged rounds (a killed replica's
   unfinished round is not logged: an upper bound);
-* heal time: from a restarted replica's first appearance in the process tree, a stopped
-  one's ``SIGCONT`` or a cut-off one's link up, to its next committed round; a restarted replica's first ``quorum_seconds``
-  (quorum request to quorum, heal included), and the rounds from its first round to its first
-  commit (a heal within one round: 0 or 1);
+* heal time: from a restarted replica's first appearance in the process tree, a stopped one's
+  ``SIGCONT`` or a cut-off one's link up, to its next committed round; a restarted replica's
+  first ``quorum_seconds`` (quorum request to quorum, heal included), and the rounds from its
+  first round to its first commit (a heal within one round: 0 or 1);
 * longest stall (gap between commits), aborted rounds, the rounds whose committed lines hold
   more than one ``state_hash`` (must be 0), and the final held-out metric (``final_<i>.json``).
 
@@ -37,8 +37,7 @@ share this machine's network: its schedule is the kills and stops only.
 
 Every process of a run (launcher, Lighthouse, replicas: found by the run's directory in their
 command lines) is killed when it ends, and its namespaces removed, also on an exception or
-Ctrl-C. Needs root (``make
-bench-chaos``); says so and exits with 0 otherwise.
+Ctrl-C. Needs root (``make bench-chaos``); says so and exits with 0 otherwise.
 
 Each replica process runs in a cgroup of its own capped at ``--cpus / R`` CPUs
 (:class:`CpuShares`; ``--cpus 0`` leaves them uncapped), so that a stopped or restarting
@@ -642,7 +641,8 @@ def _sync_markdown(result: dict[str, Any]) -> str:
   ratio = sync["control"]["committed_tokens"] / result["control"]["committed_tokens"]
   return kit.blocks(
     "## Synchronous data parallelism with checkpoint and restart",
-    (f"The same schedule applied to `{' '.join(sync_command(Config(**cfg), 'OUT', False)[2:])}`"
+    (f"The schedule's kills and stops (its processes share the machine's network: no link"
+     f" faults) applied to `{' '.join(sync_command(Config(**cfg), 'OUT', False)[2:])}`"
      f" (one `jax.distributed` process per replica, the same CPU caps): a killed process ends"
      f" the command, which is started again with `--resume` {cfg['restart_delay']} s later; its"
      f" tokens count once checkpointed ({sync['tokens_per_step']:.0f} per step). **Goodput"
@@ -686,11 +686,24 @@ def markdown(result: dict[str, Any], figure: str) -> str:
      f" mismatch: {'met' if _met(result) else 'missed'}. The final held-out metric (same"
      f" committed steps) is {kit.fmt(_metric_gap(runs), '+.2%')} off the control's (target:"
      " within 1%)."),
-    kit.table(["", "control", "faults"], rows),
+    _pace(result), kit.table(["", "control", "faults"], rows),
     *([_sync_markdown(result)] if "sync" in result else []), f"![committed tokens]({figure})",
     _not_built(result),
     (f"Run {result['run']['date']}: `{result['run']['command']}`,"
      f" {result['run']['seconds']:.0f} s.")])
+
+
+def _pace(result: dict[str, Any]) -> str:
+  """How far the runs' pace apart from the faults drifted: their median full rounds, and the
+  goodput at the control's pace (an estimate)."""
+  control, faulted = (result[k].get("full_round_s") for k in ("control", "faulted"))
+  if not (control and faulted):
+    return "The runs have no round every replica committed to compare their pace."
+  return (f"The machine's pace is not the same in both runs: a round every replica committed"
+          f" took a median of {faulted:.4f} s in the faulted run and {control:.4f} s in the"
+          f" control ({faulted / control - 1:+.1%}). At the control's pace the faulted run would"
+          f" have committed {faulted / control:.3f} times its tokens: a goodput of about"
+          f" {result['goodput'] * faulted / control:.3f} (an estimate, not a measurement).")
 
 
 def _met(result: dict[str, Any]) -> bool:
