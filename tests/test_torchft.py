@@ -306,6 +306,9 @@ def test_bad_input(tmp_path, capsys):
   with pytest.raises(ValueError, match=r"TorchftReplica\(timeout=...\)` must be a positive"
                      r" number of seconds, got 0"):
     te.TorchftReplica(*args, **kwargs, timeout=0)
+  with pytest.raises(ValueError, match=r"TorchftReplica\(host=...\)` must be an address or a"
+                     r" name that resolves, got 'no-such-host.invalid'"):
+    te.TorchftReplica(*args, **dict(kwargs, host="no-such-host.invalid"))
   for flags, said in ((["--replicas", "0"], "--replicas must be a positive int, got 0"),
                       (["--replicas", "2", "--min-replicas", "3"],
                        r"--min-replicas must be in \[1, --replicas=2\], got 3"),

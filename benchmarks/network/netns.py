@@ -277,8 +277,8 @@ class Star(_Namespaces):
 
   Namespaces ``PREFIX-hub-PID`` (:attr:`hub`) and ``PREFIX-I-PID`` (:attr:`names`, the pattern
   :attr:`pattern` with ``{i}``); addresses ``10.213.X.1`` for the hub's bridge (:attr:`address`)
-  and ``10.213.X.(I+2)`` for leaf ``I`` (:attr:`addresses`), of one /24 with ``X`` = PID mod 256
-  + 128 (a :class:`Link`'s ``X`` is below 128). Unshaped.
+  and ``10.213.X.(I+2)`` for leaf ``I`` (:attr:`addresses`), of one /24 with ``X`` = 128 + PID
+  mod 128 (a :class:`Link`'s ``X`` is PID mod 128). Unshaped.
   """
 
   def __init__(self, leaves: int):

@@ -46,8 +46,8 @@ from optax_dist.cli.errors import PROG, CommandError
 from optax_dist.cli.tasks import TASKS, Data, Task
 from optax_dist.fault_tolerance import SUPPORTED, RoundProtocol
 from optax_dist.fault_tolerance import launcher as ft_launcher
-from optax_dist.fault_tolerance.lighthouse import die_with_parent
 from optax_dist.fault_tolerance import replica as ft_replica
+from optax_dist.fault_tolerance.lighthouse import die_with_parent
 
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
 

@@ -318,6 +318,13 @@ class TorchftReplica:
     for name, value in (("quorum_timeout", quorum_timeout), ("timeout", timeout)):
       if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"`{fn}({name}=...)` must be a positive number of seconds, got {value!r}.")
+    # a name is resolved once, here (in a network namespace, by its /etc/hosts): peers are sent
+    # the address
+    try:
+      host = socket.getaddrinfo(host, None)[0][4][0]
+    except OSError as e:
+      raise ValueError(f"`{fn}(host=...)` must be an address or a name that resolves, got"
+                       f" {host!r} ({e}).") from None
     self.protocol, self.params0, self.slot, self.seed = protocol, params, replica_id, seed
     self.grad_fn, self.batch_fn = jax.jit(grad_fn), batch_fn
     self.tokens_per_step = tokens_per_step
@@ -331,9 +338,6 @@ class TorchftReplica:
     self.log_path = path / f"replica_{replica_id}.jsonl"
     self._warm_up()
     self.quorum_timeout = quorum_timeout
-    # a name is resolved once, here (in a network namespace, by its /etc/hosts): peers are sent
-    # the address
-    host = socket.getaddrinfo(host, None)[0][4][0]
     self._manager_args = (lighthouse, host, min_replicas, quorum_timeout, timeout)
     self._manager = self._make_manager(*self._manager_args)
     self._torchft_quorum_id, self._renew = -1, False
