@@ -3,6 +3,7 @@ initialises."""
 
 import os
 import pathlib
+import platform
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent compilation cache shared by the tests and the subprocesses they start (which inherit
@@ -19,10 +20,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # XLA CPU aborts the process when the threads of the emulated devices have not all joined a
 # collective within 40 s; on a loaded 2-core machine one step can take longer. The subprocesses
 # the tests start (the command, the docs' code) inherit this.
+# XLA's CPU code generator uses the widest vector instructions the machine has (AVX-512 where
+# present), which can change how a sum is rounded. Capped at AVX2 on x86-64, every x86-64 machine
+# of the last decade compiles the same code, and the golden hashes (tests/golden/) hold there.
+X86 = platform.machine().lower() in ("x86_64", "amd64")
 os.environ["XLA_FLAGS"] = " ".join([
   os.environ.get("XLA_FLAGS", ""),
   "--xla_cpu_collective_call_terminate_timeout_seconds=600",
   "--xla_cpu_collective_timeout_seconds=600",
+  *(["--xla_cpu_max_isa=AVX2"] if X86 else []),
 ]).strip()
 
 import jax  # noqa: E402
