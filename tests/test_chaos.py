@@ -127,24 +127,29 @@ def test_sync_accounting_counts_checkpointed_steps():
   assert got["timeline"] == [[0.0, 0.0], [10.0, 6400.0], [25.0, 12800.0]]
 
 
-def test_a_run_s_record_is_saved_and_read_back_with_reuse_and_the_same_settings(tmp_path):
+def test_records_are_saved_and_read_back_with_reuse_and_the_same_settings(tmp_path):
   calls = []
 
-  def run(out):
-    os.makedirs(out, exist_ok=True)
-    calls.append(out)
-    return {"n": len(calls)}
+  def run(outs):
+    for out in outs:  # as a run does
+      os.makedirs(out, exist_ok=True)
+    calls.append(outs)
+    return [{"n": len(calls), "out": os.path.basename(out)} for out in outs]
 
-  prefix = str(tmp_path / "chaos")
-  assert chaos._record(chaos.Config(), prefix, "control", run) == {"n": 1}
-  assert chaos._record(chaos.Config(timeout=5.0, reuse=True), prefix, "control", run) == {"n": 1}
-  assert chaos._record(chaos.Config(steps=40, reuse=True), prefix, "control", run) == {"n": 2}
-  # the Lighthouse is killed in the faulted run only: the other runs' records stay valid
-  again = chaos.Config(steps=40, reuse=True, lighthouse_kill=0.3)
-  assert chaos._record(again, prefix, "control", run) == {"n": 2}
-  assert chaos._record(chaos.Config(steps=40), prefix, "faulted", run) == {"n": 3}
-  assert chaos._record(again, prefix, "faulted", run) == {"n": 4}
-  assert len(calls) == 4
+  prefix, pair = str(tmp_path / "chaos"), ("control", "faulted")
+  first = chaos._records(chaos.Config(), prefix, pair, run)
+  assert first == [{"n": 1, "out": "control"}, {"n": 1, "out": "faulted"}]
+  assert chaos._records(chaos.Config(timeout=5.0, reuse=True), prefix, pair, run) == first
+  assert chaos._records(chaos.Config(steps=40, reuse=True), prefix, pair, run)[1]["n"] == 2
+  # a setting of the faulted run only: the pair runs again, as it runs together
+  again = chaos.Config(steps=40, reuse=True, lighthouse_kill=9.0)
+  assert chaos._records(again, prefix, pair, run)[0]["n"] == 3
+  # the Lighthouse is killed in the faulted run only: the synchronous pair's records stay valid
+  sync = ("sync_control", "sync_faulted")
+  assert chaos._records(chaos.Config(steps=40), prefix, sync, run)[0]["n"] == 4
+  assert chaos._records(again, prefix, sync, run)[1]["n"] == 4
+  assert chaos._records(chaos.Config(steps=40), prefix, pair, run)[0]["n"] == 5  # no --reuse
+  assert len(calls) == 5
 
 
 def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_path):
@@ -152,6 +157,46 @@ def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_pa
   assert chaos.measure(chaos.Config(), str(tmp_path / "chaos")) is None
   assert "needs root" in capsys.readouterr().err
   assert list(tmp_path.iterdir()) == []
+
+
+class FakeRun:
+  """A run of :func:`chaos.together` that goes on for ``ticks`` looks."""
+
+  def __init__(self, ticks: int):
+    self.ticks, self.endings, self.out, self.left = ticks, [], f"fake{ticks}", False
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.left = True
+
+  def tick(self, ending: bool) -> bool:
+    self.endings.append(ending)
+    return len(self.endings) < self.ticks
+
+  def record(self):
+    return {"endings": self.endings}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ip netns)")
+def test_runs_together_get_no_fault_once_one_has_ended_and_are_all_left():
+  short, long = FakeRun(2), FakeRun(4)
+  assert chaos.together([short, long], timeout=60.0) == [
+    {"endings": [False, False]}, {"endings": [False, False, True, True]}]
+  assert short.left and long.left
+  endless = FakeRun(10**9)
+  with pytest.raises(TimeoutError, match="fake1000000000"):
+    chaos.together([FakeRun(1), endless], timeout=0.3)
+  assert endless.left
+
+
+def test_a_star_s_tag_is_one_letter_and_names_its_namespaces():
+  star = netns.Star(2, tag="f")
+  assert star.hub == f"odist-hubf-{os.getpid()}" and star.names[1] == f"odist-f1-{os.getpid()}"
+  assert netns.Star(2).names[0] == f"odist-0-{os.getpid()}"
+  with pytest.raises(ValueError, match="Star.tag='F1'"):
+    netns.Star(2, tag="F1")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups)")
@@ -192,11 +237,12 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   # Uncapped (cpus=0): capped at 2/3 of a CPU on a loaded machine, a replica could miss the 2 s
   # exchange timeout; the caps are tested above.
   config = chaos.Config(replicas=3, min_replicas=3, steps=500, sync_period=5, restart_delay=0.5,
-                        exchange_timeout=2.0, timeout=150.0, cpus=0)
+                        exchange_timeout=2.0, timeout=150.0)
   faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2),
             chaos.Fault(5.0, "lighthouse", -1), chaos.Fault(8.0, "link", 0, 3.0)]
   out = str(tmp_path / "run")
-  run = chaos.drive(config, out, faults)
+  faulted = chaos.FaultTolerantRun(config, out, faults, cpus=0, tag="x")
+  (run,) = chaos.together([faulted], config.timeout)
   assert chaos.processes(out) == {}
   assert not [n for n in netns.namespaces() if n.endswith(f"-{os.getpid()}")]
   for _, _, _, pid in run["events"]:
@@ -228,10 +274,12 @@ def test_the_synchronous_arm_restarts_from_its_checkpoint_and_leaves_no_process(
   checkpoint (about 30 steps in): the command ends, is started again with --resume, and its
   checkpoints go on past the ones saved before the kill, until it ends with its last step.
   No horizon: how long a restart takes depends on the machine's load."""
-  config = chaos.Config(replicas=2, steps=200, restart_delay=0.5, timeout=300.0, cpus=0,
+  config = chaos.Config(replicas=2, steps=200, restart_delay=0.5, timeout=300.0,
                         sync_checkpoint_every=20)
   out = str(tmp_path / "sync")
-  run = chaos.drive_sync(config, out, [chaos.Fault(1.0, "kill", 1)], horizon=math.inf)
+  sync = chaos.SyncRun(config, out, [chaos.Fault(1.0, "kill", 1)], cpus=0, tag="",
+                       horizon=math.inf)
+  (run,) = chaos.together([sync], config.timeout)
   assert run["status"] == 0
   assert chaos.processes(out) == {}
   kinds = [kind for _, kind, _, _ in run["events"]]

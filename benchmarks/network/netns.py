@@ -145,7 +145,7 @@ def namespaces() -> list[str]:
 def remove_stale() -> None:
   """Removes the namespaces of :data:`PREFIX` whose creating process has exited."""
   for name in namespaces():
-    match = re.fullmatch(rf"{PREFIX}-(?:[ab]|hub|\d+)-(\d+)", name)
+    match = re.fullmatch(rf"{PREFIX}-(?:[ab]|hub[a-z]?|[a-z]?\d+)-(\d+)", name)
     if match and not os.path.exists(f"/proc/{match[1]}"):
       _remove_namespace(name)
 
@@ -275,20 +275,27 @@ class _Namespaces:
 class Star(_Namespaces):
   """A hub namespace with a bridge, and ``leaves`` namespaces each joined to it by a veth pair.
 
-  Namespaces ``PREFIX-hub-PID`` (:attr:`hub`) and ``PREFIX-I-PID`` (:attr:`names`, the pattern
-  :attr:`pattern` with ``{i}``); addresses ``10.213.X.1`` for the hub's bridge (:attr:`address`)
-  and ``10.213.X.(I+2)`` for leaf ``I`` (:attr:`addresses`), of one /24 with ``X`` = 128 + PID
-  mod 128 (a :class:`Link`'s ``X`` is PID mod 128). Unshaped.
+  Namespaces ``PREFIX-hubTAG-PID`` (:attr:`hub`) and ``PREFIX-TAGI-PID`` (:attr:`names`, the
+  pattern :attr:`pattern` with ``{i}``); ``tag``, one lower-case letter or none, tells apart the
+  stars of one process. Addresses ``10.213.X.1`` for the hub's bridge (:attr:`address`) and
+  ``10.213.X.(I+2)`` for leaf ``I`` (:attr:`addresses`), of one /24 with ``X`` = 128 + PID mod
+  128 (a :class:`Link`'s ``X`` is PID mod 128): each star's hub is a network of its own, so the
+  stars of one process share the addresses. Unshaped.
+
+  Raises:
+    ValueError: ``tag`` not one lower-case letter or empty.
   """
 
-  def __init__(self, leaves: int):
+  def __init__(self, leaves: int, tag: str = ""):
     super().__init__()
+    if not re.fullmatch("[a-z]?", tag):
+      raise ValueError(f"Star(tag={tag!r}): a tag is one lower-case letter or empty")
     pid = os.getpid()
-    self.hub, self.pattern = f"{PREFIX}-hub-{pid}", f"{PREFIX}-{{i}}-{pid}"
+    self.hub, self.pattern = f"{PREFIX}-hub{tag}-{pid}", f"{PREFIX}-{tag}{{i}}-{pid}"
     self.names = [self.pattern.format(i=i) for i in range(leaves)]
     net = f"10.213.{128 + pid % 128}"
     self.address, self.addresses = f"{net}.1", [f"{net}.{i + 2}" for i in range(leaves)]
-    self.ports = [f"os{pid}p{i}" for i in range(leaves)]  # the hub's ends, on the bridge
+    self.ports = [f"os{pid}{tag}p{i}" for i in range(leaves)]  # the hub's ends, on the bridge
 
   def _create(self) -> None:
     self._add(self.hub, self.address)

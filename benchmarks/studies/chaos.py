@@ -2,17 +2,18 @@
 
 Two runs of ``optax-dist train --fault-tolerant`` (a torchft Lighthouse and R replica processes,
 ``--devices 1`` each; the launcher restarts a dead replica after ``--restart-delay`` s and it
-heals at its first quorum) with the same settings and seed: a control without faults, then the
-faulted run. The launcher and the Lighthouse run in a hub network namespace, each replica in
-one of its own joined to the hub's bridge by a veth pair (:class:`netns.Star`, unshaped). Each
-run's clock starts at its first commit (imports and compilation untimed). The faults are drawn
-with ``--seed`` over the control's span: exponential gaps of mean ``1 / --fault-rate`` s, each
-on a uniform replica and of a uniform kind: a ``kill -9`` of the replica's process group, a
-``SIGSTOP`` for ``--stop-seconds`` (uniform) then ``SIGCONT``, or its link down (its bridge
-port: nothing passes either way) for ``--link-seconds`` (uniform) then up; one on a replica that
-is not running (or already stopped, or cut off) is recorded as skipped. The faulted run
-also has its Lighthouse killed once (``kill -9``), at ``--lighthouse-kill`` of the span; the
-launcher starts it again on its address.
+heals at its first quorum) with the same settings and seed, started together and sharing the
+machine: a control without faults, and the faulted run. Each run's launcher and Lighthouse run
+in a hub network namespace of its own, each replica in one of its own joined to its hub's
+bridge by a veth pair (:class:`netns.Star`, unshaped). Each run's clock starts at its first
+commit (imports and compilation untimed). The faults are drawn with ``--seed``: exponential
+gaps of mean ``1 / --fault-rate`` s, each on a uniform replica and of a uniform kind: a ``kill
+-9`` of the replica's process group, a ``SIGSTOP`` for ``--stop-seconds`` (uniform) then
+``SIGCONT``, or its link down (its bridge port: nothing passes either way) for
+``--link-seconds`` (uniform) then up; one on a replica that is not running (or already
+stopped, or cut off) is recorded as skipped. They are applied while the control runs. The
+faulted run also has its Lighthouse killed once (``kill -9``), ``--lighthouse-kill`` s after
+its first commit; the launcher starts it again on its address.
 
 Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
 
@@ -31,25 +32,27 @@ Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
 Beside them (``--sync-checkpoint-every`` > 0), synchronous data parallelism with today's remedy
 under the same schedule, and its own control: ``optax-dist train --algorithm sync`` over R
 ``jax.distributed`` processes checkpointing every ``--sync-checkpoint-every`` steps, started again
-with ``--resume`` ``--restart-delay`` s after a fault ends it (:func:`drive_sync`); its tokens
-count once checkpointed, from its first checkpoint, for the DiLoCo control's span. Its processes
-share this machine's network: its schedule is the kills and stops only.
+with ``--resume`` ``--restart-delay`` s after a fault ends it (:class:`SyncRun`); its tokens
+count once checkpointed, from its first checkpoint, for the DiLoCo control's span; the two are
+started together too, after the first pair. Its processes share this machine's network: its
+schedule is the kills and stops only.
 
 Every process of a run (launcher, Lighthouse, replicas: found by the run's directory in their
 command lines) is killed when it ends, and its namespaces removed, also on an exception or
 Ctrl-C. Needs root (``make bench-chaos``); says so and exits with 0 otherwise.
 
-Each replica process runs in a cgroup of its own capped at ``--cpus / R`` CPUs
+Each replica process runs in a cgroup of its own capped at ``--cpus / 2R`` CPUs
 (:class:`CpuShares`; ``--cpus 0`` leaves them uncapped), so that a stopped or restarting
-replica's share stays idle rather than speeding up the others; the groups are removed at the
-end, also after an error.
+replica's share stays idle rather than speeding up the others, and the two runs of a pair keep
+one pace; the groups are removed at the end, also after an error. Run together, the control
+and the faulted run see the same machine: a drift of its pace (about ±10% between runs one
+after the other) touches both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import json
 import os
@@ -59,6 +62,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -79,7 +83,7 @@ class Config:
                               " local_sgd)")
   task: str = kit.option("digits", "the command's --task")
   sync_period: int = kit.option(20, "H, inner steps per round")
-  steps: int = kit.option(120_000, "committed inner steps of each run (--steps)")
+  steps: int = kit.option(60_000, "committed inner steps of each run (--steps)")
   fault_rate: float = kit.option(1 / 30, "faults per second (Poisson)")
   stop_seconds: tuple[float, float] = kit.option((3.0, 10.0), "a SIGSTOP's length, uniform")
   link_seconds: tuple[float, float] = kit.option((5.0, 15.0), "a link down's length, uniform")
@@ -91,16 +95,17 @@ class Config:
   seed: int = kit.option(0, "seed of the fault schedule (the runs' --seed stays 0)")
   reuse: bool = kit.option(False, "read back the runs a study with the same settings finished"
                                   " under PREFIX_runs/ (NAME.json) instead of running them again")
-  timeout: float = kit.option(1800.0, "seconds after which a run is stopped")
+  timeout: float = kit.option(1800.0, "seconds after which a pair of runs is stopped")
   cpus: float = kit.option(float(os.cpu_count() or 1),
-                           "CPUs the replicas share, each capped at cpus / R (cgroups); 0: none")
+                           "CPUs a pair of runs shares, each replica capped at cpus / 2R (cgroups);"
+                           " 0: none")
   sync_checkpoint_every: int = kit.option(
     100, "the synchronous arm's --checkpoint-every (steps); 0: no synchronous arm")
   lighthouse_kill: float = kit.option(
-    0.5, "when the faulted run's Lighthouse is killed, a fraction of the span; 0: never")
+    300.0, "when the faulted run's Lighthouse is killed, seconds after its first commit; 0: never")
 
 
-QUICK = {"steps": 4000, "fault_rate": 1 / 8, "sync_checkpoint_every": 20}
+QUICK = {"steps": 3000, "fault_rate": 1 / 8, "sync_checkpoint_every": 20, "lighthouse_kill": 15.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +228,8 @@ class CpuShares:
   on cgroup v2, the CFS quota of v1's ``cpu`` controller), so that a stopped or restarting
   replica's share stays idle instead of speeding up the others. :meth:`add` moves a replica's
   process (all its threads) into its group; the groups are removed on exit, their processes
-  moved back first. ``cpus`` 0: no caps, :meth:`add` does nothing.
+  moved back first. ``cpus`` 0: no caps, :meth:`add` does nothing. The groups are named
+  ``optax_dist_chaos_PIDTAG_I``: ``tag`` tells apart the runs of one process.
 
   Raises:
     RuntimeError: caps asked for, and no cgroup ``cpu`` controller is mounted.
@@ -231,10 +237,10 @@ class CpuShares:
 
   PERIOD_US = 100_000
 
-  def __init__(self, replicas: int, cpus: float):
+  def __init__(self, replicas: int, cpus: float, tag: str = ""):
     self.quota_us = int(self.PERIOD_US * cpus / replicas) if cpus else 0
     self.root, self.v2 = self._controller() if self.quota_us else (None, False)
-    name = f"optax_dist_chaos_{os.getpid()}"
+    name = f"optax_dist_chaos_{os.getpid()}{tag}"
     self.groups = [self.root / f"{name}_{i}" for i in range(replicas)] if self.root else []
 
   @staticmethod
@@ -281,40 +287,161 @@ class CpuShares:
           time.sleep(0.1)
 
 
-def drive(config: Config, out: str, faults: list[Fault]) -> dict[str, Any]:
-  """Runs the command into ``out`` and applies ``faults`` on the clock of its first commit.
+class Run:
+  """One command of the study under a fault schedule, as a ``with`` block that :func:`together`
+  drives: entering empties ``out`` (an earlier run's files would set the clock or be resumed),
+  makes the run's CPU groups (``cpus`` shared by its R processes) and starts the command;
+  :meth:`tick` looks at it once and applies due faults; leaving kills every process of the run
+  and removes its groups (and namespaces), also on an exception or Ctrl-C. ``tag``, one
+  lower-case letter, tells apart the groups and namespaces of runs that share the machine."""
 
-  The command runs in a :class:`netns.Star`'s hub, each replica in a namespace of its own.
-  Returns the run's record: ``t0`` (Unix time of the first commit), ``events`` (``[t, kind,
-  replica, pid]``, ``t`` in seconds after ``t0``: ``start`` of a replica process, ``kill``,
-  ``stop``, ``cont``, ``link`` (down), ``up``, ``skipped``), ``lines`` (the JSONL lines),
-  ``final`` (the replicas' ``final_<i>.json``), ``status``, ``wall_s`` and the load averages.
-  Every process and namespace of the run is gone when it returns or raises. An earlier run's
-  files in ``out`` are removed first (their lines would set the clock).
-  """
-  _fresh(out)
-  netns.remove_stale()
-  deadline = time.monotonic() + config.timeout
-  with (kit.Timed() as timed, open(os.path.join(out, "command.log"), "w") as log,
-        CpuShares(config.replicas, config.cpus) as shares, netns.Star(config.replicas) as star):
-    proc = subprocess.Popen(command(config, out, star), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    inject = Injector(out, faults, shares, "--replica-id", group=True, star=star)
+  flag, group = "", False
+  """The flag whose value is a process's index (``--replica-id``, ``--process-id``), and whether
+  a ``kill -9`` is of the process's group."""
+
+  def __init__(self, config: Config, out: str, faults: list[Fault], cpus: float, tag: str):
+    self.config, self.out, self.faults, self.cpus, self.tag = config, out, faults, cpus, tag
+    self.timed, self.stack = kit.Timed(), contextlib.ExitStack()
+
+  def __enter__(self) -> Run:
+    shutil.rmtree(self.out, ignore_errors=True)
+    os.makedirs(self.out)
     try:
-      while proc.poll() is None:
-        _check_deadline(deadline, out)
-        first = inject.t0 or min((x["time"] for x in read_lines(out) if x["committed"]),
-                                 default=None)
-        # no fault once a replica has finished: the run is ending
-        inject.tick(first, ending=any(pathlib.Path(out, "replicas").glob("final_*.json")))
-        time.sleep(0.1)
-    finally:
-      kill_all(out)
-      proc.wait()
-  final = [json.loads(p.read_text()) for p in sorted(pathlib.Path(out, "replicas").glob(
-    "final_*.json"))]
-  return {"t0": inject.t0, "events": inject.events, "lines": read_lines(out), "final": final,
-          "status": proc.returncode, **timed.record()}
+      self.stack.enter_context(self.timed)
+      self.log = self.stack.enter_context(open(os.path.join(self.out, "command.log"), "w"))
+      shares = self.stack.enter_context(CpuShares(self.config.replicas, self.cpus, self.tag))
+      self.star = self._network()
+      self.proc = self._start(resume=False)
+      self.stack.callback(self._end)
+    except BaseException:
+      self.stack.close()
+      raise
+    self.inject = Injector(self.out, self.faults, shares, self.flag, group=self.group,
+                           star=self.star)
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.stack.close()
+
+  def _end(self) -> None:
+    kill_all(self.out)
+    self.proc.wait()
+
+  def _start(self, resume: bool) -> subprocess.Popen:
+    return subprocess.Popen(self._command(resume), stdout=self.log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=self._env())
+
+  def _network(self) -> netns.Star | None:
+    return None
+
+  def _env(self) -> dict[str, str] | None:
+    return None
+
+
+class FaultTolerantRun(Run):
+  """``optax-dist train --fault-tolerant`` (:func:`command`) in a :class:`netns.Star`'s hub, each
+  replica in a namespace of its own, its faults on the clock of its first commit. Its record:
+  ``t0`` (Unix time of the first commit), ``events`` (``[t, kind, replica, pid]``, ``t`` in
+  seconds after ``t0``: ``start`` of a replica process, ``kill``, ``stop``, ``cont``, ``link``
+  (down), ``up``, ``lighthouse``, ``skipped``), ``lines`` (the JSONL lines), ``final`` (the
+  replicas' ``final_<i>.json``), ``status``, ``wall_s`` and the load averages."""
+
+  flag, group = "--replica-id", True
+
+  def _network(self) -> netns.Star:
+    return self.stack.enter_context(netns.Star(self.config.replicas, self.tag))
+
+  def _command(self, resume: bool) -> list[str]:
+    return command(self.config, self.out, self.star)
+
+  def tick(self, ending: bool) -> bool:
+    """One look; ``ending``: no fault any more (nor once a replica has finished: the run is
+    ending). Whether the command still runs."""
+    first = self.inject.t0 or min((x["time"] for x in read_lines(self.out) if x["committed"]),
+                                  default=None)
+    finished = any(pathlib.Path(self.out, "replicas").glob("final_*.json"))
+    self.inject.tick(first, ending=ending or finished)
+    return self.proc.poll() is None
+
+  def record(self) -> dict[str, Any]:
+    final = [json.loads(p.read_text()) for p in sorted(pathlib.Path(self.out, "replicas").glob(
+      "final_*.json"))]
+    return {"t0": self.inject.t0, "events": self.inject.events, "lines": read_lines(self.out),
+            "final": final, "status": self.proc.returncode, **self.timed.record()}
+
+
+class SyncRun(Run):
+  """Synchronous data parallelism with today's remedy (:func:`sync_command`), for ``horizon``
+  seconds after its first checkpoint: a fault that ends the command (the launcher stops every
+  process when one dies) is followed, ``--restart-delay`` s later, by the same command with
+  ``--resume``, which goes on from the newest checkpoint; its processes share a persistent
+  compilation cache under ``out/compilation_cache``. Its faults (``kill -9`` of one process,
+  ``SIGSTOP``; no link faults: its processes share the machine's network) are on the clock of
+  the first checkpoint. Its record is :class:`FaultTolerantRun`'s with ``t0`` the first
+  checkpoint's time, ``saved`` (``[Unix time, step]`` of each new checkpoint as it appears) and
+  ``events`` also holding ``exit`` (``[t, "exit", -1, status]``) and ``resume`` (``[t,
+  "resume", -1, pid]``); no ``lines``."""
+
+  flag = "--process-id"
+
+  def __init__(self, config: Config, out: str, faults: list[Fault], cpus: float, tag: str,
+               horizon: float):
+    super().__init__(config, out, [f for f in faults if f.kind != "link"], cpus, tag)
+    self.horizon, self.saved, self.restart_at = horizon, [], None
+    self.directory = os.path.join(out, "checkpoints", "sync")
+
+  def _command(self, resume: bool) -> list[str]:
+    return sync_command(self.config, self.out, resume)
+
+  def _env(self) -> dict[str, str]:
+    # a restart reads its programs back, as the fault-tolerant replicas do
+    cache = os.path.abspath(os.path.join(self.out, "compilation_cache"))
+    return {"JAX_COMPILATION_CACHE_DIR": cache} | os.environ
+
+  def tick(self, ending: bool) -> bool:
+    """One look (``ending`` has no effect: the run ends at its horizon); restarts the command
+    when it ended with an error. Whether the run goes on."""
+    inject = self.inject
+    if self.restart_at is None and self.proc.poll() is not None:
+      if self.proc.returncode == 0:
+        return False  # every step done before the horizon
+      inject.events.append([inject.now(), "exit", -1, self.proc.returncode])
+      self.restart_at = time.monotonic() + self.config.restart_delay
+    if self.restart_at is not None and time.monotonic() >= self.restart_at:
+      self.proc, self.restart_at = self._start(resume=True), None
+      inject.events.append([inject.now(), "resume", -1, self.proc.pid])
+    steps = checkpoints.saved_steps(self.directory)
+    if steps and (not self.saved or steps[-1] > self.saved[-1][1]):
+      self.saved.append([time.time(), steps[-1]])
+    inject.tick(self.saved[0][0] if self.saved else None, ending=False)
+    return inject.t0 is None or inject.now() <= self.horizon
+
+  def record(self) -> dict[str, Any]:
+    return {"t0": self.inject.t0, "events": self.inject.events, "saved": self.saved,
+            "final": [], "status": self.proc.returncode, **self.timed.record()}
+
+
+def together(runs: list[Run], timeout: float) -> list[dict[str, Any]]:
+  """Starts ``runs`` at once and looks at each every 0.1 s until none goes on; once one has
+  ended, the others get no more faults (a control's end ends the faulted run's schedule).
+  Returns their records. Every process, CPU group and namespace of the runs is gone when it
+  returns or raises.
+
+  Raises:
+    TimeoutError: a run still going on after ``timeout`` seconds.
+  """
+  netns.remove_stale()
+  deadline = time.monotonic() + timeout
+  with contextlib.ExitStack() as stack:
+    for run in runs:
+      stack.enter_context(run)
+    going = [True] * len(runs)
+    while any(going):
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"chaos: {[r.out for r, g in zip(runs, going) if g]} past --timeout")
+      going = [g and run.tick(ending=not all(going)) for run, g in zip(runs, going)]
+      time.sleep(0.1)
+  return [run.record() for run in runs]
 
 
 def sync_command(config: Config, out: str, resume: bool) -> list[str]:
@@ -324,67 +451,6 @@ def sync_command(config: Config, out: str, resume: bool) -> list[str]:
           str(config.replicas), "--devices", "1", "--task", config.task, "--steps",
           str(config.steps), "--checkpoint-every", str(config.sync_checkpoint_every),
           "--no-progress", "--out", out] + (["--resume"] if resume else [])
-
-
-def drive_sync(config: Config, out: str, faults: list[Fault], horizon: float) -> dict[str, Any]:
-  """Synchronous data parallelism with today's remedy, for ``horizon`` seconds after its first
-  checkpoint: a fault that ends the command (the launcher stops every process when one dies)
-  is followed, ``--restart-delay`` s later, by the same command with ``--resume``, which goes
-  on from the newest checkpoint; its processes share a persistent compilation cache under
-  ``out/compilation_cache`` (unless ``JAX_COMPILATION_CACHE_DIR`` is set). ``faults`` are
-  applied to the processes (``kill -9`` of one process, ``SIGSTOP``) on the clock of the first
-  checkpoint.
-
-  Returns the record of :func:`drive` with ``t0`` the first checkpoint's time, ``saved``
-  (``[Unix time, step]`` of each new checkpoint as it appears) and ``events`` also holding
-  ``exit`` (``[t, "exit", -1, status]``) and ``resume`` (``[t, "resume", -1, pid]``); no
-  ``lines``. Every process is gone when it returns. ``out`` is emptied first, as by
-  :func:`drive` (an earlier run's checkpoints would be resumed).
-  """
-  _fresh(out)
-  directory, saved = os.path.join(out, "checkpoints", "sync"), []
-  deadline = time.monotonic() + config.timeout
-  with (kit.Timed() as timed, open(os.path.join(out, "command.log"), "w") as log,
-        CpuShares(config.replicas, config.cpus) as shares):
-    # a restart reads its programs back, as the fault-tolerant replicas do
-    env = {"JAX_COMPILATION_CACHE_DIR": os.path.abspath(os.path.join(out, "compilation_cache"))}
-    start = functools.partial(subprocess.Popen, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True, env=env | os.environ)
-    proc, restart_at = start(sync_command(config, out, resume=False)), None
-    inject = Injector(out, [f for f in faults if f.kind != "link"], shares, "--process-id",
-                      group=False)
-    try:
-      while inject.t0 is None or inject.now() <= horizon:
-        _check_deadline(deadline, out)
-        if restart_at is None and proc.poll() is not None:
-          if proc.returncode == 0:
-            break  # every step done before the horizon
-          inject.events.append([inject.now(), "exit", -1, proc.returncode])
-          restart_at = time.monotonic() + config.restart_delay
-        if restart_at is not None and time.monotonic() >= restart_at:
-          proc, restart_at = start(sync_command(config, out, resume=True)), None
-          inject.events.append([inject.now(), "resume", -1, proc.pid])
-        steps = checkpoints.saved_steps(directory)
-        if steps and (not saved or steps[-1] > saved[-1][1]):
-          saved.append([time.time(), steps[-1]])
-        inject.tick(saved[0][0] if saved else None, ending=False)
-        time.sleep(0.1)
-    finally:
-      kill_all(out)
-      proc.wait()
-  return {"t0": inject.t0, "events": inject.events, "saved": saved, "final": [],
-          "status": proc.returncode, **timed.record()}
-
-
-def _fresh(out: str) -> None:
-  """``out`` made empty: the run starts without an earlier run's files."""
-  shutil.rmtree(out, ignore_errors=True)
-  os.makedirs(out)
-
-
-def _check_deadline(deadline: float, out: str) -> None:
-  if time.monotonic() > deadline:
-    raise TimeoutError(f"chaos: the run {out} is past its --timeout")
 
 
 class Injector:
@@ -529,16 +595,19 @@ def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
           "goodput": b["committed_tokens"] / a["committed_tokens"]}
 
 
-def _record(config: Config, prefix: str, name: str, run: Any) -> dict[str, Any]:
-  """``run(PREFIX_runs/NAME)``'s record, also written to ``PREFIX_runs/NAME.json`` with the
-  settings; with ``--reuse``, read back from there when the settings are the same."""
-  path, settings = f"{prefix}_runs/{name}.json", _settings(config, name)
-  saved = kit.read_json(path) if config.reuse and os.path.exists(path) else None
-  if saved is not None and saved["config"] == settings:
-    return saved["record"]
-  record = run(f"{prefix}_runs/{name}")
-  kit.write_json(path, {"config": settings, "record": record})
-  return record
+def _records(config: Config, prefix: str, names: tuple[str, ...],
+             run: Callable[[list[str]], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+  """``run([PREFIX_runs/NAME, ...])``'s records, also written to ``PREFIX_runs/NAME.json`` with
+  the settings; with ``--reuse``, read back from there when every one's settings are the same."""
+  paths, settings = [f"{prefix}_runs/{n}" for n in names], [_settings(config, n) for n in names]
+  saved = [kit.read_json(f"{p}.json") if config.reuse and os.path.exists(f"{p}.json") else None
+           for p in paths]
+  if all(s is not None and s["config"] == c for s, c in zip(saved, settings)):
+    return [s["record"] for s in saved]
+  records = run(paths)
+  for path, config_, record in zip(paths, settings, records, strict=True):
+    kit.write_json(f"{path}.json", {"config": config_, "record": record})
+  return records
 
 
 def _settings(config: Config, name: str) -> dict[str, Any]:
@@ -567,32 +636,39 @@ def sync_accounting(run: dict[str, Any], span: float, tokens_per_step: float) ->
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
-  """The control run, the schedule over its span, the faulted run (their directories, logs
-  included, in ``PREFIX_runs/``); their comparison. A ``SIGTERM`` ends the study as Ctrl-C
-  does: every process and CPU group of the run in progress is removed first."""
+  """The control and the faulted run together, then (``--sync-checkpoint-every``) the
+  synchronous arm's control and faulted run together for the first pair's span, each run's
+  replicas capped at ``--cpus / 2R`` (their directories, logs included, in ``PREFIX_runs/``);
+  their comparison. A ``SIGTERM`` ends the study as Ctrl-C does: every process, CPU group and
+  namespace of the runs in progress is removed first."""
   if os.geteuid() != 0:
     print("[chaos] skipped: needs root (make bench-chaos)", file=sys.stderr)
     return None
   signal.signal(signal.SIGTERM, _interrupted)
-  control = _record(config, prefix, "control", lambda out: drive(config, out, []))
-  span = max(line["time"] for line in control["lines"]) - control["t0"]
-  faults = schedule(config.seed, config.fault_rate, span, config.replicas,
+  # drawn over the longest a run may take; applied while the control runs
+  faults = schedule(config.seed, config.fault_rate, config.timeout, config.replicas,
                     tuple(config.stop_seconds), tuple(config.link_seconds))
   # the synchronous arm has no Lighthouse: its schedule is the replicas' faults only
-  faults_ft = faults + [Fault(round(config.lighthouse_kill * span, 3), "lighthouse", -1)] * (
-    config.lighthouse_kill > 0)
-  faulted = _record(config, prefix, "faulted", lambda out: drive(config, out, faults_ft))
+  faults_ft = sorted(faults + [Fault(config.lighthouse_kill, "lighthouse", -1)] * (
+    config.lighthouse_kill > 0), key=lambda f: f.at)
+  cpus = config.cpus / 2
+  control, faulted = _records(config, prefix, ("control", "faulted"), lambda out: together(
+    [FaultTolerantRun(config, out[0], [], cpus, "c"),
+     FaultTolerantRun(config, out[1], faults_ft, cpus, "f")], config.timeout))
+  span = max(line["time"] for line in control["lines"]) - control["t0"]
   keys = ("events", "final", "status", "wall_s", "load_before", "load_after")
   runs = {"control": control, "faulted": faulted}
   result = {"config": dataclasses.asdict(config),
-            "faults": [dataclasses.asdict(f) for f in faults_ft],
-            "horizon_s": span, **compare(control, faulted)}
+            "faults": [dataclasses.asdict(f) for f in faults_ft if f.at < span],
+            "horizon_s": span, "cpus_per_replica": cpus / config.replicas,
+            **compare(control, faulted)}
   if config.sync_checkpoint_every:
     # a synchronous step takes every replica's batch: R times a replica's share of a round / H
     per_step = config.replicas * max(x["tokens"] for x in control["lines"]) / config.sync_period
-    for k, schedule_ in (("control", []), ("faulted", faults)):
-      runs[f"sync_{k}"] = _record(config, prefix, f"sync_{k}",
-                                  lambda out: drive_sync(config, out, schedule_, span))
+    runs["sync_control"], runs["sync_faulted"] = _records(
+      config, prefix, ("sync_control", "sync_faulted"), lambda out: together(
+        [SyncRun(config, out[0], [], cpus, "s", span),
+         SyncRun(config, out[1], faults, cpus, "t", span)], config.timeout))
     sync = {k: sync_accounting(runs[f"sync_{k}"], result["span_s"], per_step)
             for k in ("control", "faulted")}
     result["sync"] = {**sync, "tokens_per_step": per_step, "goodput": sync["faulted"][
@@ -673,7 +749,7 @@ def markdown(result: dict[str, Any], figure: str) -> str:
   return "\n\n".join([
     "# Chaos: fault-tolerant DiLoCo under faults", kit.doc_markdown(__doc__, 0, 3),
     (f"Settings: `{' '.join(command(Config(**cfg), 'OUT')[2:])}`;"
-     f"{_caps(cfg)} faults: rate"
+     f"{_caps(result)} faults: rate"
      f" {cfg['fault_rate']:.3f}/s, seed {cfg['seed']}, over the control's span of"
      f" {result['horizon_s']:.1f} s; within the span counted: {kinds.count('kill')} kills,"
      f" {kinds.count('stop')} stops, {kinds.count('link')} links down,"
@@ -699,7 +775,7 @@ def _pace(result: dict[str, Any]) -> str:
   control, faulted = (result[k].get("full_round_s") for k in ("control", "faulted"))
   if not (control and faulted):
     return "The runs have no round every replica committed to compare their pace."
-  return (f"The machine's pace is not the same in both runs: a round every replica committed"
+  return (f"The runs' pace apart from the faults: a round every replica committed"
           f" took a median of {faulted:.4f} s in the faulted run and {control:.4f} s in the"
           f" control ({faulted / control - 1:+.1%}). At the control's pace the faulted run would"
           f" have committed {faulted / control:.3f} times its tokens: a goodput of about"
@@ -710,10 +786,16 @@ def _met(result: dict[str, Any]) -> bool:
   return result["goodput"] >= TARGET_GOODPUT and result["faulted"]["hash_mismatches"] == 0
 
 
-def _caps(cfg: dict[str, Any]) -> str:
-  """The CPU caps in the settings' line (none in results measured before they existed)."""
-  cpus = cfg.get("cpus", 0)
-  return f" each replica capped at {cpus / cfg['replicas']:.2f} CPU (cgroups);" if cpus else ""
+def _caps(result: dict[str, Any]) -> str:
+  """The CPU caps in the settings' line (none in results measured before they existed), and
+  whether the runs ran together (not in results measured before)."""
+  cfg = result["config"]
+  if not cfg.get("cpus", 0):
+    return ""
+  if "cpus_per_replica" not in result:
+    return f" each replica capped at {cfg['cpus'] / cfg['replicas']:.2f} CPU (cgroups);"
+  return (f" the control and the faulted run together, each replica capped at"
+          f" {result['cpus_per_replica']:.3f} CPU (cgroups);")
 
 
 def _not_built(result: dict[str, Any]) -> str:
