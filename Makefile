@@ -84,8 +84,8 @@ bench-lm-exchanges: $(VENV)/.bench
 bench-async-dylu: $(VENV)/.bench
 	$(BIN)/python -m benchmarks async_dylu $(BENCH_ASYNC_DYLU_ARGS)
 
-# Fault-tolerant DiLoCo (4 replica processes over torchft, the digits task) under a fixed-seed
-# Poisson schedule of kill -9 and SIGSTOP faults, against a control run without faults: goodput,
+# Fault-tolerant DiLoCo (4 replica processes over torchft, the lm task) under a fixed-seed
+# Poisson schedule of kill -9, SIGSTOP and link-down faults, against a control run beside it: goodput,
 # heal times, stalls, state-hash mismatches; beside it synchronous data parallelism with
 # checkpoint-restart under the same schedule (about 48 min in all); in benchmarks/results/chaos/.
 # Needs root and the ft extra; says why and does nothing without root. BENCH_CHAOS_ARGS=--quick
