@@ -15,6 +15,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -189,6 +190,22 @@ def test_runs_together_get_no_fault_once_one_has_ended_and_are_all_left():
   with pytest.raises(TimeoutError, match="fake1000000000"):
     chaos.together([FakeRun(1), endless], timeout=0.3)
   assert endless.left
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (/etc/netns)")
+def test_remove_stale_removes_an_etc_netns_directory_left_without_its_namespace():
+  done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  stale = pathlib.Path(f"/etc/netns/odist-f3-{done.stdout.strip()}")
+  mine = pathlib.Path(f"/etc/netns/odist-f3-{os.getpid()}")
+  for path in (stale, mine):
+    path.mkdir(parents=True)
+  try:
+    netns.remove_stale()
+    assert not stale.exists() and mine.exists()  # its process has exited; this one runs
+  finally:
+    for path in (stale, mine):
+      shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_star_s_tag_is_one_letter_and_names_its_namespaces():

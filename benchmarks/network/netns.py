@@ -143,8 +143,10 @@ def namespaces() -> list[str]:
 
 
 def remove_stale() -> None:
-  """Removes the namespaces of :data:`PREFIX` whose creating process has exited."""
-  for name in namespaces():
+  """Removes the namespaces of :data:`PREFIX` whose creating process has exited, and their
+  ``/etc/netns`` directories (also one left without its namespace)."""
+  etc = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
+  for name in set(namespaces()) | set(etc):
     match = re.fullmatch(rf"{PREFIX}-(?:[ab]|hub[a-z]?|[a-z]?\d+)-(\d+)", name)
     if match and not os.path.exists(f"/proc/{match[1]}"):
       _remove_namespace(name)
