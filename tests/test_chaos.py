@@ -253,8 +253,8 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   # (with a smaller quorum the others may finish first on a loaded machine).
   # Uncapped (cpus=0): capped at 2/3 of a CPU on a loaded machine, a replica could miss the 2 s
   # exchange timeout; the caps are tested above.
-  config = chaos.Config(replicas=3, min_replicas=3, steps=500, sync_period=5, restart_delay=0.5,
-                        exchange_timeout=2.0, timeout=150.0)
+  config = chaos.Config(replicas=3, min_replicas=3, task="digits", steps=500, sync_period=5,
+                        restart_delay=0.5, exchange_timeout=2.0, timeout=150.0)
   faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2),
             chaos.Fault(5.0, "lighthouse", -1), chaos.Fault(8.0, "link", 0, 3.0)]
   out = str(tmp_path / "run")
@@ -291,7 +291,7 @@ def test_the_synchronous_arm_restarts_from_its_checkpoint_and_leaves_no_process(
   checkpoint (about 30 steps in): the command ends, is started again with --resume, and its
   checkpoints go on past the ones saved before the kill, until it ends with its last step.
   No horizon: how long a restart takes depends on the machine's load."""
-  config = chaos.Config(replicas=2, steps=200, restart_delay=0.5, timeout=300.0,
+  config = chaos.Config(replicas=2, task="digits", steps=200, restart_delay=0.5, timeout=300.0,
                         sync_checkpoint_every=20)
   out = str(tmp_path / "sync")
   sync = chaos.SyncRun(config, out, [chaos.Fault(1.0, "kill", 1)], cpus=0, tag="",

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.error
 
 import pytest
@@ -280,6 +281,86 @@ def test_settings_fingerprint_tells_runs_apart():
   assert -2**63 <= base < 2**63
   assert te.run_fingerprint([5, 7, 7]) == 7  # the majority's
   assert te.run_fingerprint([7, 5]) == 7  # a tie: the lowest rank's
+
+
+class FakeGroup:
+  """A process group of two members, this replica at rank 1: each all-gather hands back
+  ``peer``'s next buffer at rank 0 and this replica's own at rank 1."""
+
+  def __init__(self, *peer):
+    self.peer = list(peer)
+
+  def allgather(self, outs, mine, options):
+    outs[0][0].copy_(self.peer.pop(0))
+    outs[0][1].copy_(mine[0])
+    return types.SimpleNamespace(wait=lambda: None)
+
+
+class FakeManager:
+  """torchft's ``Manager`` as a round uses it: a vote is yes unless an error was reported."""
+
+  def __init__(self):
+    self.errors = []
+
+  def errored(self):
+    return None
+
+  def num_participants(self):
+    return 2
+
+  def report_error(self, e):
+    self.errors.append(e)
+
+  def should_commit(self):
+    return not self.errors
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco"])
+def test_a_member_left_out_of_an_aborted_quorum_sends_nothing_and_takes_the_round_s_step(
+    tmp_path, algorithm):
+  """Replica 1 was left out of a quorum whose members aborted (torchft's step unchanged: no
+  heal) and went on to another round; in the next quorum replica 1 brings the earlier round's
+  payload. It must leave that payload out and end the round with the same global state as
+  replica 0, whose payload alone is merged; for streaming, whose payload is of the other
+  fragment, both vote no without the payloads' all-gather, and replica 1 ends aborted at
+  replica 0's step."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  import torch
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  kw = {"num_fragments": 2, "sync_period": 4} if algorithm == "streaming_diloco" else {
+    "sync_period": 2}
+  protocol = ft.RoundProtocol(algorithm, optax.sgd(0.1), optax.sgd(0.7, momentum=0.9), **kw)
+  params = {"a": jnp.arange(4.0), "b": jnp.ones((2, 2))}
+
+  def grads(p, step):  # the gradient of 0.5 |p - step|^2
+    return jax.tree.map(lambda x: x - step, p)
+
+  # replica 0: a round aborted without replica 1, then the next round's steps
+  ahead, _ = protocol.run_round(protocol.init(params), grads)
+  ahead, sent = protocol.run_round(protocol.abort(ahead), grads)
+  streaming = algorithm == "streaming_diloco"
+  end = protocol.abort(ahead) if streaming else protocol.commit(
+    ahead, protocol.merge([sent.payload], [1]), sent)
+
+  replica = object.__new__(te.TorchftReplica)
+  replica.protocol, replica.state, replica.slot, replica.fingerprint = (
+    protocol, protocol.init(params), 1, 7)
+  replica._grads, replica.tokens_per_step, replica.healed = grads, 8, False
+  replica.quorum_id, replica._last_members = 0, None
+  replica.log_path = tmp_path / "replica_1.jsonl"
+  replica._quorum, replica._manager = lambda: None, FakeManager()
+  header = [0, 8 * sent.steps, 1, 7, int(ahead.opt_state.local_step)]
+  replica._pg = FakeGroup(torch.tensor(header, dtype=torch.int64), te._pack(sent.payload))
+  line = replica.round()
+  assert line["committed"] != streaming and line["weight"] == 0 and line["members"] == (0, 1)
+  assert line["step"] == header[-1]
+  assert line["state_hash"] == ft.state_hash(ft.global_state(end))
+  assert len(replica._pg.peer) == streaming  # the payloads' all-gather left out
 
 
 # ------------------------------------------------------------------------------------------------

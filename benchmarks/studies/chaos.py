@@ -89,6 +89,9 @@ class Config:
   link_seconds: tuple[float, float] = kit.option((5.0, 15.0), "a link down's length, uniform")
   restart_delay: float = kit.option(2.0, "seconds before the launcher restarts a dead replica")
   exchange_timeout: float = kit.option(2.0, "--exchange-timeout of the replicas, seconds")
+  join_timeout: float = kit.option(
+    1.0, "--join-timeout: seconds the Lighthouse waits for stragglers before a quorum (the"
+    " command's default 0.3 s is shorter than the rounds' spread at a quarter of a CPU)")
   heartbeat_timeout: float = kit.option(
     1.0, "--lighthouse-heartbeat-timeout: seconds of silence before a replica is dropped")
   finish_grace: float = kit.option(2.0, "--finish-grace: seconds the others have to finish")
@@ -161,7 +164,8 @@ def command(config: Config, out: str, star: netns.Star | None = None) -> list[st
           str(config.min_replicas), "--devices", "1", "--task", config.task, "--steps",
           str(config.steps), "--sync-period", str(config.sync_period),
           "--restart-delay", str(config.restart_delay), "--max-restarts", "1000",
-          "--exchange-timeout", str(config.exchange_timeout), "--finish-grace",
+          "--exchange-timeout", str(config.exchange_timeout), "--join-timeout",
+          str(config.join_timeout), "--finish-grace",
           str(config.finish_grace), "--lighthouse-heartbeat-timeout",
           str(config.heartbeat_timeout), "--no-progress", "--out", out] + hosts
 

@@ -18,6 +18,13 @@ replicas through torchft:
    settings: :func:`settings_fingerprint`), then, if every fingerprint is the run's, every
    member's payload bytes (uint8). Every member merges the payloads of weight > 0 in rank
    order (:meth:`RoundProtocol.merge`), so every member gets the same bits. A member whose
+   ``local_step`` is behind the most advanced member's was left out of a quorum that aborted
+   (torchft's step unchanged, so it does not heal) while the others ran another round's inner
+   steps: its payload is of an earlier round, so it has weight 0, and it aborts that round and
+   takes the most advanced member's step before the vote, as the others' aborted round left
+   them. For ``streaming_diloco`` its payload is of another fragment, which the others could
+   not tell from theirs by its size: every member then votes no without the payloads'
+   all-gather. A member whose
    fingerprint is not the run's (the one most members hold) leaves the run with
    :class:`SettingsMismatch`.
 3. **Vote**: ``Manager.should_commit()``. A member reports an error, and so votes no, when its
@@ -87,9 +94,9 @@ QUORUM_ATTEMPT_S = 5.0
 """Seconds one quorum request waits for the Lighthouse's answer before it is sent again (at most
 ``quorum_timeout`` in all): longer than a quorum's usual wait (the Lighthouse's join timeout, a
 stopped member's heartbeat timeout), shorter than a Lighthouse's restart plus this."""
-_HEADER = ("slot", "weight", "ok", "fingerprint")
+_HEADER = ("slot", "weight", "ok", "fingerprint", "step")
 """The int64 header each member sends before its payload (``ok``: 1 unless its quorum or heal
-failed)."""
+failed; ``step``: its ``local_step`` after the round's inner steps)."""
 
 
 class SettingsMismatch(RuntimeError):
@@ -259,6 +266,7 @@ class _Round:
   tokens: int = 0
   quorum_seconds: float = 0.0
   foreign: bool = False
+  step: int = 0
 
 
 class TorchftReplica:
@@ -418,6 +426,9 @@ class TorchftReplica:
                   quorum_seconds=time.monotonic() - start)
     info.weight = 0 if self.healed else info.tokens
     merged = self._exchange(sent, info)
+    if info.step > int(self.state.opt_state.local_step):  # its round is void (see _exchange)
+      info.weight = 0
+      self.state = _at_step(self.protocol.abort(self.state), info.step)
     committed = self._vote()
     if committed:
       self.state = self.protocol.commit(self.state, merged, sent if info.weight else None)
@@ -490,24 +501,30 @@ class TorchftReplica:
   def _exchange(self, sent: Sent, info: _Round) -> Any:
     """The headers' all-gather, the payloads' and the merge; on failure reports the error (a
     no vote) and returns ``None``."""
-    ok = int(self._manager.errored() is None)
-    header = np.asarray([self.slot, info.weight, ok, self.fingerprint], np.int64)
+    ok, step = int(self._manager.errored() is None), int(self.state.opt_state.local_step)
+    header = np.asarray([self.slot, info.weight, ok, self.fingerprint, step], np.int64)
     outs = self._allgather(torch.from_numpy(header))
     if outs is None:
       return None
     heads = [dict(zip(_HEADER, out.tolist(), strict=True)) for out in outs]
     info.members = tuple(head["slot"] for head in heads)
+    info.step = max(head["step"] for head in heads)
     run = run_fingerprint([head["fingerprint"] for head in heads])
     info.foreign = self.fingerprint != run
     foreign = [head["slot"] for head in heads if head["fingerprint"] != run]
     if foreign:
       self._manager.report_error(ValueError(f"replicas {foreign}: settings differ from the run's"))
       return None
+    behind = [head["slot"] for head in heads if head["step"] < info.step]
+    if behind and self.protocol.algorithm == "streaming_diloco":
+      self._manager.report_error(ValueError(f"replicas {behind}: a round behind (on another"
+                                            " fragment)"))
+      return None
     outs = self._allgather(_pack(sent.payload))
     if outs is None:
       return None
-    voters = [(head["weight"], _unpack(out, sent.payload))
-              for head, out in zip(heads, outs, strict=True) if head["weight"] > 0]
+    voters = [(head["weight"], _unpack(out, sent.payload)) for head, out in zip(
+      heads, outs, strict=True) if head["weight"] > 0 and head["step"] == info.step]
     if not (voters and all(head["ok"] for head in heads)
             and all(self.protocol.votes(p) for _, p in voters)):
       self._manager.report_error(ValueError("a member's heal failed, no payload, or a"
@@ -531,6 +548,14 @@ class TorchftReplica:
   def shutdown(self) -> None:
     """Stops the manager, its servers and the heal server."""
     self._manager.shutdown(wait=False)
+
+
+def _at_step(state: ReplicaState, step: int) -> ReplicaState:
+  """``state`` with its ``local_step`` set to ``step`` (the round's most advanced member's),
+  placed as before."""
+  old = state.opt_state.local_step
+  new = jax.device_put(jnp.asarray(step, old.dtype), old.sharding)
+  return state._replace(opt_state=state.opt_state._replace(local_step=new))
 
 
 def _boundaries(protocol: RoundProtocol, steps: int) -> int:
