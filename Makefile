@@ -85,9 +85,9 @@ bench-async-dylu: $(VENV)/.bench
 	$(BIN)/python -m benchmarks async_dylu $(BENCH_ASYNC_DYLU_ARGS)
 
 # Fault-tolerant DiLoCo (4 replica processes over torchft, the lm task) under a fixed-seed
-# Poisson schedule of kill -9, SIGSTOP and link-down faults, against a control run beside it: goodput,
-# heal times, stalls, state-hash mismatches; beside it synchronous data parallelism with
-# checkpoint-restart under the same schedule (about 48 min in all); in benchmarks/results/chaos/.
+# Poisson schedule of kill -9, SIGSTOP and link-down faults, against a control run at the same
+# time: goodput, heal times, stalls, state-hash mismatches; then synchronous data parallelism with
+# checkpoint-restart under the same schedule (about 25 min in all); in benchmarks/results/chaos/.
 # Needs root and the ft extra; says why and does nothing without root. BENCH_CHAOS_ARGS=--quick
 # checks the program.
 bench-chaos: $(VENV)/.bench,ft

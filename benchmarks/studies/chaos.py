@@ -779,6 +779,11 @@ def _pace(result: dict[str, Any]) -> str:
   control, faulted = (result[k].get("full_round_s") for k in ("control", "faulted"))
   if not (control and faulted):
     return "The runs have no round every replica committed to compare their pace."
+  if "cpus_per_replica" in result:  # run together: one machine, one pace
+    return (f"A round every replica committed took a median of {faulted:.4f} s in the faulted"
+            f" run and {control:.4f} s in the control ({faulted / control - 1:+.1%}); the two"
+            " ran together, so the difference is the faulted run's own, not a drift of the"
+            " machine's pace.")
   return (f"The runs' pace apart from the faults: a round every replica committed"
           f" took a median of {faulted:.4f} s in the faulted run and {control:.4f} s in the"
           f" control ({faulted / control - 1:+.1%}). At the control's pace the faulted run would"
@@ -814,6 +819,7 @@ def _not_built(result: dict[str, Any]) -> str:
     *([] if cfg.get("task", "digits") == "lm" else ["the lm task"]),
     *([] if cfg.get("algorithm") == "streaming_diloco" else ["streaming (`--algorithm"
                                                               " streaming_diloco`)"]),
+    "the validation loss against wall clock (the plot shows committed tokens)",
     *([] if result["span_s"] >= 600 and len(counted) >= 15 else [
       "a schedule of at least 10 minutes and 15 faults"]),
     *([] if capped else ["an equal CPU share per replica (cgroup `cpu.max`)"])]
