@@ -46,7 +46,8 @@ def test_the_workers_params_are_scored_only_where_they_differ(move):
 
   want = (mean_metric(optax_dist.eval_params(opt_state, params)), mean_metric(params))
   np.testing.assert_array_equal(np.array(got), np.array(want))
-  if move is None:  # one bit apart, the metrics may round to the same float32 or not
+  # one bit apart, the two metrics may round to the same float32 or not: no claim
+  if move is None:
     assert want[0] == want[1]
   elif move == 0.5:
     assert want[0] != want[1]
