@@ -774,8 +774,8 @@ def markdown(result: dict[str, Any], figure: str) -> str:
 
 
 def _pace(result: dict[str, Any]) -> str:
-  """How far the runs' pace apart from the faults drifted: their median full rounds, and the
-  goodput at the control's pace (an estimate)."""
+  """The runs' median full rounds; for runs one after the other (which could drift apart in
+  pace), also the goodput at the control's pace (an estimate)."""
   control, faulted = (result[k].get("full_round_s") for k in ("control", "faulted"))
   if not (control and faulted):
     return "The runs have no round every replica committed to compare their pace."
