@@ -98,6 +98,7 @@ def test_accounting_of_a_hand_written_log():
   assert got["full_round_s"] == pytest.approx(1.0)  # rounds 1, 3 and 4 (2 aborted, 3 after it)
   assert got["hash_mismatches"] == 0
   assert got["timeline"][-1] == [pytest.approx(4.0), 50.0]
+  assert (got["heals"], got["unprovoked_heals"]) == (1, 0)  # killed 1.5 s before its heal
 
 
 def test_goodput_against_the_control():
@@ -105,6 +106,16 @@ def test_goodput_against_the_control():
   assert result["span_s"] == 4.0  # the faulted run's; the control ran 5 s
   assert result["control"]["committed_tokens"] == 80  # rounds 1 to 4, two replicas, 10 each
   assert result["goodput"] == pytest.approx(50 / 80)
+
+
+def test_a_heal_with_no_fault_of_its_own_within_20_s_is_unprovoked():
+  run = faulted_run()
+  run["events"].append([18.0, "lighthouse", -1, 7])  # a Lighthouse kill touches every replica
+  run["lines"] += [line(5, 0, 125.0, weight=0, healed=True),  # 7 s after it
+                   line(6, 1, 138.0, weight=0, healed=True),  # 20 s after it: the window's end
+                   line(7, 1, 138.5, weight=0, healed=True)]  # 20.5 s
+  got = chaos.accounting(run, span=40.0)
+  assert (got["heals"], got["unprovoked_heals"]) == (4, 1)
 
 
 def test_heal_from_a_sigcont_and_a_hash_mismatch():

@@ -430,3 +430,51 @@ def test_launcher_restarts_a_failed_replica_but_not_a_refusal(tmp_path, status, 
   finally:
     run.close()
   assert [slot.restarts for slot in run.slots] == [restarts, restarts]
+
+
+@pytest.mark.parametrize("join_timeout,left_out", [(None, set()), (0.3, {"replica_2"})])
+def test_a_replica_waiting_since_the_last_quorum_leaves_no_member_out_of_the_next(
+    join_timeout, left_out):
+  """torchft's Lighthouse counts the join timeout from the earliest request it holds. Replica 3,
+  left out of a quorum of 0, 1 and 2, asks for the next one at once; the others ask a round
+  (1 s) later, replica 2 last. With the launcher's default join timeout (longer than a round)
+  the next quorum waits for replica 2 and holds all four; with a join timeout shorter than the
+  round it forms as soon as a majority has asked, without replica 2: the heal cascade's step."""
+  import concurrent.futures
+  from datetime import timedelta
+
+  from torchft._torchft import LighthouseClient, LighthouseServer
+
+  from optax_dist.fault_tolerance import launcher
+
+  timeout_s = launcher.JOIN_TIMEOUT_S if join_timeout is None else join_timeout
+  server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, quorum_tick_ms=10,
+                            join_timeout_ms=int(timeout_s * 1000), heartbeat_timeout_ms=30_000)
+  ids = [f"replica_{i}" for i in range(4)]
+  clients = {i: LighthouseClient(server.address(), timedelta(seconds=5)) for i in ids}
+
+  def quorum(replica_id: str, wait: float = 0.0, timeout: float = 5.0) -> set:
+    time.sleep(wait)
+    got = clients[replica_id].quorum(replica_id, timedelta(seconds=timeout), step=0,
+                                     world_size=1)
+    return {member.replica_id for member in got.participants}
+
+  try:
+    for i in ids[:3]:
+      clients[i].heartbeat(i)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      first = [pool.submit(quorum, i) for i in ids[:3]]
+      assert [f.result() for f in first] == [set(ids[:3])] * 3
+      straggler = pool.submit(quorum, ids[3])  # asks at once for the next quorum
+      time.sleep(1.0)  # a round
+      others = [pool.submit(quorum, i, wait, timeout) for i, wait, timeout in zip(
+        ids[:3], (0.0, 0.0, 0.3), (5.0, 5.0, 1.0))]
+      members = straggler.result()
+      assert members == set(ids) - left_out
+      for i, f in zip(ids[:3], others):
+        if i in left_out:  # asked after the quorum formed: it waits for the next one, alone
+          assert not f.done()
+        else:
+          assert f.result() == members
+  finally:
+    server.shutdown()

@@ -26,6 +26,8 @@ Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
   ``SIGCONT`` or a cut-off one's link up, to its next committed round; a restarted replica's
   first ``quorum_seconds`` (quorum request to quorum, heal included), and the rounds from its
   first round to its first commit (a heal within one round: 0 or 1);
+* heals, and of them the unprovoked ones: to a replica without a fault of its own (nor a
+  Lighthouse kill) in the 20 s before (a heal cascade's mark);
 * longest stall (gap between commits), aborted rounds, the rounds whose committed lines hold
   more than one ``state_hash`` (must be 0), and the final held-out metric (``final_<i>.json``).
 
@@ -70,6 +72,7 @@ import numpy as np
 from benchmarks import kit
 from benchmarks.network import netns
 from optax_dist.cli import checkpoints
+from optax_dist.fault_tolerance import launcher
 
 KINDS = ("kill", "stop", "link")
 TARGET_GOODPUT = 0.9
@@ -90,8 +93,8 @@ class Config:
   restart_delay: float = kit.option(2.0, "seconds before the launcher restarts a dead replica")
   exchange_timeout: float = kit.option(2.0, "--exchange-timeout of the replicas, seconds")
   join_timeout: float = kit.option(
-    1.0, "--join-timeout: seconds the Lighthouse waits for stragglers before a quorum (the"
-    " command's default 0.3 s is shorter than the rounds' spread at a quarter of a CPU)")
+    launcher.JOIN_TIMEOUT_S, "--join-timeout: seconds the Lighthouse waits for a heartbeating"
+    " replica that has not asked for the quorum (the command's default)")
   heartbeat_timeout: float = kit.option(
     1.0, "--lighthouse-heartbeat-timeout: seconds of silence before a replica is dropped")
   finish_grace: float = kit.option(2.0, "--finish-grace: seconds the others have to finish")
@@ -545,6 +548,19 @@ def heal_times(lines: list[dict[str, Any]], t0: float, events: list[list[Any]]) 
   return out
 
 
+UNPROVOKED_S = 20.0
+"""A heal is *unprovoked* when its replica had no fault of its own (nor a Lighthouse kill) in
+the seconds before it: it was left out of a quorum by another's fault, a heal cascade's mark."""
+
+
+def unprovoked_heals(lines: list[dict[str, Any]], t0: float, events: list[list[Any]]) -> int:
+  """The healed lines of a replica with no event of its own or of the Lighthouse (replica -1)
+  in the ``UNPROVOKED_S`` seconds before."""
+  return sum(line["healed"] and not any(
+    replica in (line["replica"], -1) and 0 <= line["time"] - t0 - at <= UNPROVOKED_S
+    for at, _, replica, _ in events) for line in lines)
+
+
 def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
   """A run's numbers over its first ``span`` seconds (see the module's docstring)."""
   lines, t0 = run["lines"], run["t0"]
@@ -570,6 +586,8 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
     "hash_mismatches": sum(len({x["state_hash"] for x in g if x["committed"]}) > 1
                            for g in rounds.values()),
     "longest_stall_s": float(max(np.diff(commits), default=0.0)), "heal_s": heals,
+    "heals": sum(x["healed"] for x in lines),
+    "unprovoked_heals": unprovoked_heals(lines, t0, run["events"]),
     # the pace of a round that every replica committed: a drift between the runs shows here
     "full_round_s": float(np.median(full)) if full else None,
     "heal_p50_s": float(np.percentile(heals, 50)) if heals else None,
@@ -691,6 +709,8 @@ ROWS = (
   ("longest stall (s)", lambda a, r: f"{a['longest_stall_s']:.2f}"),
   ("median seconds of a round all replicas committed",
    lambda a, r: kit.fmt(a.get("full_round_s"), ".4f")),
+  ("heals / of them unprovoked (no fault of the replica's own in the 20 s before)",
+   lambda a, r: f"{a['heals']} / {a['unprovoked_heals']}" if "heals" in a else "—"),
   ("heal p50 / p95 (s)", lambda a, r: " / ".join(
     kit.fmt(a[k], ".2f") for k in ("heal_p50_s", "heal_p95_s")) + f" (n = {len(a['heal_s'])})"),
   ("restarts committed within one round of their first quorum",

@@ -52,7 +52,7 @@ from optax_dist.fault_tolerance.lighthouse import die_with_parent
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
 
 DEFAULTS = {"min_replicas": None, "host": "127.0.0.1", "quorum_timeout": 60.0,
-            "exchange_timeout": 30.0, "join_timeout": 0.3, "lighthouse_heartbeat_timeout": 5.0,
+            "exchange_timeout": 30.0, "join_timeout": ft_launcher.JOIN_TIMEOUT_S, "lighthouse_heartbeat_timeout": 5.0,
             "max_restarts": 3, "restart_delay": 1.0, "finish_grace": 10.0, "replica_netns": None}
 """The fault-tolerance flags' defaults (``min_replicas``: ``R // 2 + 1``); each flag's parser
 default is ``None``, so that one given without ``--fault-tolerant`` is refused."""
@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ("quorum_timeout", positive_float, "a replica waits for a quorum before it gives up"),
     ("exchange_timeout", positive_float, "for a collective, a heal and the vote"),
     ("join_timeout", non_negative_float,
-     "the Lighthouse waits for stragglers before a quorum without them"),
+     "the Lighthouse waits for a heartbeating replica that has not asked for the quorum;"
+     " longer than a round, or one member is left out of every round"),
     ("lighthouse_heartbeat_timeout", positive_float,
      "without a heartbeat before the Lighthouse drops a replica (not --heartbeat-timeout,"
      " jax.distributed's)"),

@@ -50,6 +50,18 @@ LIGHTHOUSE_START_S = 30.0
 """Seconds the Lighthouse's process has to accept connections after the launcher's start (it
 imports torch: about 2 s on an idle machine, several times that on a loaded one)."""
 
+JOIN_TIMEOUT_S = 60.0
+"""``--join-timeout``'s default: seconds the Lighthouse waits for a replica that heartbeats but
+has not asked for the quorum (torchft's own default). It must be longer than a round (H inner
+steps and the exchange). A replica left out of a quorum asks for the next one at once, and the
+Lighthouse counts the join timeout from the earliest request it holds. With a shorter timeout,
+the next quorum forms as soon as a majority has asked and leaves out the member that asks
+last, and that member then waits through a round in its turn: one member left out in every
+round (a heal cascade). A long timeout costs nothing in the usual rounds. A quorum forms at once
+when every member of the last one has asked, or when every heartbeating replica has. A dead,
+stopped or cut-off replica stops heartbeating and is no longer waited for after
+``--lighthouse-heartbeat-timeout``."""
+
 LIGHTHOUSE_COMMAND = (str(pathlib.Path(__file__).with_name("lighthouse.py")),)
 """What follows the Python interpreter in the Lighthouse's command line: the script's path (not
 ``-m``: torchft's program reads the process's arguments after the interpreter's first)."""
@@ -73,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="run replica I in the network namespace PATTERN with {i} replaced by I"
                  " (ip netns exec, root), binding the address this machine's host name resolves"
                  " to there (default: this namespace, --host)")
-  p.add_argument("--join-timeout", type=float, default=0.3,
-                 help="seconds the Lighthouse waits for stragglers before a quorum")
+  p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S,
+                 help="seconds the Lighthouse waits for a heartbeating replica that has not asked"
+                 " for the quorum; longer than a round")
   p.add_argument("--lighthouse-heartbeat-timeout", type=float, default=5.0,
                  help="seconds without a heartbeat before the Lighthouse drops a replica")
   p.add_argument("--max-restarts", type=int, default=3, help="restarts per replica id")
