@@ -16,32 +16,8 @@ from optax_dist import _axis, _checks, _state
 _FN = "resize_state"
 _MODES = ("mean", "reset", "copy")
 
-# ----------------------------------------------------------------------------------------------
-# Walking a state tree one level at a time.
-
-
-def _holds(node: Any, predicate: Any) -> bool:
-  """Whether ``node`` or a node below it satisfies ``predicate``."""
-  if predicate(node):
-    return True
-  return not _state.is_leaf(node) and any(_holds(c, predicate) for c in _state.children(node)[0])
-
-
 def _is_state(node: Any) -> bool:
   return _state.is_library_state(node)
-
-
-def _is_leafy_record(node: Any) -> bool:
-  """A ``NamedTuple`` holding arrays (``MaskedNode`` and ``EmptyState`` hold none)."""
-  return isinstance(node, tuple) and hasattr(node, "_fields") and bool(jax.tree.leaves(node))
-
-
-def _is_record(node: Any) -> bool:
-  """One optax state (``ScaleByAdamState``, ``TraceState``, ...): a ``NamedTuple`` of arrays
-  with no other state inside, reset or kept as a whole (adam's count with its moments)."""
-  if not _is_leafy_record(node) or _is_state(node):
-    return False
-  return not any(_holds(c, _is_leafy_record) for c in _state.children(node)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,7 +60,7 @@ def _inner(old: Any, template: Any, m: int, mode: str) -> Any:
     return jax.tree.map(lambda x: _broadcast(_agreed_mean(x), m), old)
   if mode == "copy":
     return jax.tree.map(lambda x: _broadcast(x[0], m), old)
-  if _is_record(old) or _state.is_leaf(old):  # "reset", unless identical on every worker (global)
+  if _state.is_record(old) or _state.is_leaf(old):  # "reset", unless identical on every worker (global)
     same = _same_on_every_worker(old)
     return jax.tree.map(
       lambda x, t: jnp.where(same, _broadcast(x[0], m), t.astype(x.dtype)), old, template
@@ -108,7 +84,7 @@ def _walk(old: Any, template: Any, m: int, mode: str) -> Any:
       else:
         fields[name] = _walk(value, getattr(template, name), m, mode)
     return type(old)(**fields)
-  if not _holds(old, _is_state):
+  if not _state.holds(old, _is_state):
     return _inner(old, template, m, mode)
   children, treedef = _state.children(old)
   new = [_walk(c, t, m, mode) for c, t in zip(children, _state.children(template)[0], strict=True)]

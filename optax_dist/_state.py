@@ -43,6 +43,26 @@ def is_leaf(node: Any) -> bool:
   return jax.tree_util.all_leaves([node])
 
 
+def holds(node: Any, predicate: Any) -> bool:
+  """Whether ``node`` or a node below it satisfies ``predicate``."""
+  if predicate(node):
+    return True
+  return not is_leaf(node) and any(holds(c, predicate) for c in children(node)[0])
+
+
+def _is_leafy_record(node: Any) -> bool:
+  """A ``NamedTuple`` holding arrays (``MaskedNode`` and ``EmptyState`` hold none)."""
+  return isinstance(node, tuple) and hasattr(node, "_fields") and bool(jax.tree.leaves(node))
+
+
+def is_record(node: Any) -> bool:
+  """One optax state (``ScaleByAdamState``, ``TraceState``, ...): a ``NamedTuple`` of arrays
+  with no other state inside, reset or kept as a whole (adam's count with its moments)."""
+  if not _is_leafy_record(node) or is_library_state(node):
+    return False
+  return not any(holds(c, _is_leafy_record) for c in children(node)[0])
+
+
 def declared(node: Any, attribute: str) -> Any:
   """The field that the first library state in a depth-first walk of ``node`` names by its
   ``attribute`` (``"AVERAGE"`` or ``"RESTART"``), skipping states that declare ``None``; or

@@ -359,6 +359,35 @@ def test_local_state_rebuilds_a_joiner():
   assert ft.global_state(donor).opt_state.inner_state is None  # local: never sent
 
 
+def test_a_joiner_takes_its_donor_s_schedule_count_and_restarts_adam():
+  """Replica 1 dies in round 0 and joins in round 2: its learning-rate schedule goes on at the
+  run's count (sent with the heal, as resize_state's "reset" keeps a state identical on every
+  worker), while adam's count and moments restart (a state with floating arrays)."""
+  def parts(replica, kind):
+    tree = replica.opt_state.inner_state
+    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+            if isinstance(x, kind)]
+
+  protocol = ft.RoundProtocol("diloco", optax.adam(optax.linear_schedule(0.1, 0.01, 100)),
+                              _outer(), sync_period=H)
+  engine = ft.InProcessEngine(protocol, _params(), _grad, _batch, num_replicas=2,
+                              faults=[ft.Fault(0, 1, "die_inner"), ft.Fault(2, 1, "join")])
+  engine.run(3)
+  assert [line.healed for line in engine.log if line.replica == 1] == [True]
+  donor, joiner = engine.replicas[0], engine.replicas[1]
+  (schedule,) = parts(joiner, optax.ScaleByScheduleState)
+  (adam,) = parts(joiner, optax.ScaleByAdamState)
+  assert int(schedule.count) == int(parts(donor, optax.ScaleByScheduleState)[0].count) == 3 * H
+  assert int(adam.count) == 0 and int(parts(donor, optax.ScaleByAdamState)[0].count) == 3 * H
+  _assert_trees_equal((adam.mu, adam.nu), jax.tree.map(jnp.zeros_like, (adam.mu, adam.nu)))
+  # the counters are sent, not global: the hash of a committed round does not hold them
+  assert ft.counters(donor).inner_state[1] == parts(donor, optax.ScaleByScheduleState)[0]
+  assert ft.global_state(donor).opt_state.inner_state is None
+  engine.run(1)
+  assert [int(parts(engine.replicas[i], optax.ScaleByScheduleState)[0].count)
+          for i in (0, 1)] == [4 * H, 4 * H]
+
+
 def test_state_hash_sees_every_bit_dtype_shape_and_structure():
   tree = {"x": jnp.arange(4.0), "n": jnp.int32(3)}
   h = ft.state_hash(tree)

@@ -8,10 +8,12 @@ subpackage's modules:
 * :mod:`~optax_dist.fault_tolerance.protocol`: the round rules of one replica
   (:class:`RoundProtocol`: the jitted inner step, local half and outer half, a replica's
   round and what it :class:`Sent`, the merge, the vote, commit and abort), the state split
-  (:class:`ReplicaState`, :class:`GlobalState`, :func:`global_state`, :func:`local_state`) and
+  (:class:`ReplicaState`, :class:`GlobalState`, :func:`global_state`, :func:`counters`, what
+  a donor sends: :class:`HealState` and :func:`heal_state`, :func:`local_state`) and
   :func:`state_hash`;
 * :mod:`~optax_dist.fault_tolerance.heal`: the heal payload (:func:`encode_heal`,
-  :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle;
+  :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle; :func:`heal_replica`
+  rebuilds a joiner from one;
 * :mod:`~optax_dist.fault_tolerance.engine`: :class:`InProcessEngine`, R replicas in one
   process with a scripted :class:`Fault` schedule, its :class:`RoundLog` lines, and
   :func:`replay` of a log;
@@ -51,14 +53,17 @@ from optax_dist.fault_tolerance.engine import (
   RoundPlan,
   replay,
 )
-from optax_dist.fault_tolerance.heal import MAGIC, decode_heal, encode_heal
+from optax_dist.fault_tolerance.heal import MAGIC, decode_heal, encode_heal, heal_replica
 from optax_dist.fault_tolerance.protocol import (
   SUPPORTED,
   GlobalState,
+  HealState,
   ReplicaState,
   RoundProtocol,
   Sent,
+  counters,
   global_state,
+  heal_state,
   local_state,
   state_hash,
 )
@@ -69,15 +74,19 @@ __all__ = (
   "SUPPORTED",
   "Fault",
   "GlobalState",
+  "HealState",
   "InProcessEngine",
   "ReplicaState",
   "RoundLog",
   "RoundPlan",
   "RoundProtocol",
   "Sent",
+  "counters",
   "decode_heal",
   "encode_heal",
   "global_state",
+  "heal_replica",
+  "heal_state",
   "local_state",
   "replay",
   "state_hash",

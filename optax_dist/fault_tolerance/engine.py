@@ -24,7 +24,7 @@ from optax_dist.fault_tolerance.protocol import (
   RoundProtocol,
   Sent,
   global_state,
-  local_state,
+  heal_state,
   state_hash,
 )
 
@@ -313,9 +313,9 @@ class InProcessEngine:
 
   def _heal_from(self, r: int, joiner: int, donor: int) -> None:
     donor_global = global_state(self.replicas[donor])
-    expected = global_state(self.replicas[joiner])
-    received = heal.decode_heal(heal.encode_heal(donor_global), expected, replica=str(donor))
-    self.replicas[joiner] = local_state(self.protocol, received, self.params0)
+    payload = heal.encode_heal(heal_state(self.replicas[donor]))
+    self.replicas[joiner] = heal.heal_replica(self.protocol, payload, self.replicas[joiner],
+                                              self.params0, replica=str(donor))
     self.heals.append(
       (r, joiner, donor, global_state(self.replicas[joiner]), donor_global))
 

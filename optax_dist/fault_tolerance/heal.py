@@ -1,4 +1,5 @@
-"""The heal payload: a global state as a JSON manifest and raw bytes, never a pickle.
+"""The heal payload: a donor's :class:`~optax_dist.fault_tolerance.HealState` (its global state
+and counters) as a JSON manifest and raw bytes, never a pickle.
 
 Layout of one payload (the exact bytes a transport sends)::
 
@@ -32,11 +33,12 @@ def _leaves(tree: Any) -> list[tuple[str, np.ndarray]]:
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def encode_heal(state: protocol.GlobalState) -> bytes:
-  """A global state as one heal payload: the magic, the manifest and the leaves' raw bytes.
+def encode_heal(state: protocol.HealState) -> bytes:
+  """A state as one heal payload: the magic, the manifest and the leaves' raw bytes.
 
   Args:
-    state: the donor's :class:`GlobalState` (:func:`global_state`).
+    state: the donor's :class:`HealState` (:func:`heal_state`), or any tree of arrays (a
+      :class:`GlobalState`).
 
   Returns:
     ``bytes``: the payload, of ``len(MAGIC) + 8 + len(manifest) + Σ nbytes`` bytes.
@@ -51,8 +53,8 @@ def encode_heal(state: protocol.GlobalState) -> bytes:
   return b"".join([MAGIC, len(head).to_bytes(_LENGTH, "big"), head, *data])
 
 
-def decode_heal(payload: Any, expected: protocol.GlobalState, *, replica: str
-                ) -> protocol.GlobalState:
+def decode_heal(payload: Any, expected: protocol.HealState, *, replica: str
+                ) -> protocol.HealState:
   """A received heal payload checked against the expected tree, then rebuilt.
 
   The checks, in order, before any array is built: ``payload`` is ``bytes`` starting with
@@ -63,13 +65,13 @@ def decode_heal(payload: Any, expected: protocol.GlobalState, *, replica: str
 
   Args:
     payload: the received bytes.
-    expected: a :class:`GlobalState` of the run's tree, dtypes and shapes (e.g. the
-      receiver's own, or of its fresh ``init``); only its structure, paths, dtypes and shapes
-      are read.
+    expected: a state of the tree the payload must hold, the run's dtypes and shapes (e.g. the
+      receiver's own :func:`heal_state`, or of its fresh ``init``); only its structure, paths,
+      dtypes and shapes are read.
     replica: the sending replica's id, named in every error.
 
   Returns:
-    The :class:`GlobalState`, leaves as ``jax.Array`` of ``expected``'s dtypes.
+    ``expected``'s tree (a :class:`HealState`), leaves as ``jax.Array`` of its dtypes.
 
   Raises:
     TypeError: ``payload`` not ``bytes``.
@@ -98,6 +100,21 @@ def decode_heal(payload: Any, expected: protocol.GlobalState, *, replica: str
       f"heal payload from replica {replica!r}: the rebuilt state's hash is not the manifest's"
       f" {head['hash']!r} (corrupted bytes).")
   return state
+
+
+def heal_replica(round_protocol: protocol.RoundProtocol, payload: Any,
+                 joiner: protocol.ReplicaState, params_like: Any, *, replica: str
+                 ) -> protocol.ReplicaState:
+  """A joiner rebuilt from a donor's payload (:func:`encode_heal` of its :func:`heal_state`):
+  :func:`decode_heal` against the joiner's own :func:`heal_state`, then :func:`local_state`
+  with the donor's counters.
+
+  Raises:
+    TypeError, ValueError: as :func:`decode_heal`, naming ``replica`` (the donor).
+  """
+  received = decode_heal(payload, protocol.heal_state(joiner), replica=replica)
+  return protocol.local_state(round_protocol, received.global_state, params_like,
+                              received.counters)
 
 
 def _split(payload: bytes, replica: str) -> tuple[dict, bytes]:

@@ -89,6 +89,19 @@ class GlobalState(NamedTuple):
   average: Any
 
 
+class HealState(NamedTuple):
+  """What a donor sends a joiner (:func:`heal_state`): its global state and its counters.
+
+  Attributes:
+    global_state: the donor's :class:`GlobalState`.
+    counters: the donor's optimizer state with the counters of its inner state kept and
+      ``None`` elsewhere (:func:`counters`).
+  """
+
+  global_state: GlobalState
+  counters: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundProtocol:
   r"""One run's round rules for the DiLoCo family, with the exchange outside the program.
@@ -407,16 +420,47 @@ def _global_parts(node: Any) -> Any:
       for name, rule in node.RESIZE.items()
     }
     return type(node)(**fields)
-  if _state.is_leaf(node) or not _holds_state(node):
+  if _state.is_leaf(node) or not _state.holds(node, _state.is_library_state):
     return None
   children, treedef = _state.children(node)
   return treedef.unflatten([_global_parts(c) for c in children])
 
 
-def _holds_state(node: Any) -> bool:
+def _counter_parts(node: Any) -> Any:
+  """``node`` outside its ``KEEP`` fields with each counter kept and ``None`` elsewhere; a
+  counter is one optax state (``ScaleByScheduleState``, ...) or loose leaf holding no floating
+  array."""
   if _state.is_library_state(node):
-    return True
-  return not _state.is_leaf(node) and any(_holds_state(c) for c in _state.children(node)[0])
+    return type(node)(**{
+      name: None if rule == _state.KEEP else _counter_parts(getattr(node, name))
+      for name, rule in node.RESIZE.items()})
+  if _state.is_record(node) or _state.is_leaf(node):
+    leaves = jax.tree.leaves(node)
+    floating = any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)
+    return None if floating or not leaves else node
+  children, treedef = _state.children(node)
+  return treedef.unflatten([_counter_parts(c) for c in children])
+
+
+def counters(replica: ReplicaState) -> Any:
+  r"""A replica's counters: the parts of its inner optimizer state that hold no floating array
+  (a learning-rate schedule's count, ``inject_hyperparams``' count), in its optimizer state's
+  tree with ``None`` elsewhere (the global fields, moments, traces, the residual).
+
+  Every member of a round takes the round's inner steps, so a counter that advances once per
+  inner step is the same on every replica; :func:`optax_dist.resize_state`'s ``"reset"`` rule
+  keeps such a state. A joiner takes its donor's (:func:`local_state`), so its learning-rate
+  schedule goes on where the run's is. An optax state with a floating array restarts whole
+  (adam's count with its moments). Not in :func:`global_state` nor its hash: a member that was
+  left out of an aborted quorum takes the others' ``local_step`` but keeps its counters, a
+  round's steps behind.
+  """
+  return _counter_parts(replica.opt_state)
+
+
+def heal_state(replica: ReplicaState) -> HealState:
+  """What a donor sends a joiner: :func:`global_state` and :func:`counters`."""
+  return HealState(global_state(replica), counters(replica))
 
 
 def global_state(replica: ReplicaState) -> GlobalState:
@@ -436,29 +480,38 @@ def global_state(replica: ReplicaState) -> GlobalState:
   return GlobalState(replica.rounds, _global_parts(replica.opt_state), replica.average)
 
 
-def local_state(protocol: RoundProtocol, received: GlobalState, params_like: Any
-                ) -> ReplicaState:
+def local_state(protocol: RoundProtocol, received: GlobalState, params_like: Any,
+                counts: Any = None) -> ReplicaState:
   r"""A joiner's ``(params, opt_state)`` rebuilt from a received :class:`GlobalState`.
 
-  The global fields are taken bit for bit; the rest comes from ``tx.init`` at the restart
-  point, as :func:`optax_dist.resize_state`'s ``"reset"`` rule restarts a worker's inner
-  state: params = the anchor (``local_sgd``: the average) in ``params_like``'s dtypes, the
-  inner optimizer state at its ``init`` (moments zero, counts 0: a schedule's count restarts
-  too), the error-feedback residual zero.
+  The global fields are taken bit for bit, and so are ``counts`` (the donor's
+  :func:`counters`) where given; the rest comes from ``tx.init`` at the restart point, as
+  :func:`optax_dist.resize_state`'s ``"reset"`` rule restarts a worker's inner state: params =
+  the anchor (``local_sgd``: the average) in ``params_like``'s dtypes, the inner optimizer
+  state at its ``init`` (moments zero, adam's count 0), the error-feedback residual zero.
 
   Args:
     protocol: the run's :class:`RoundProtocol`.
     received: the donor's global state (decoded by :func:`decode_heal`).
     params_like: params of the run's tree, shapes and dtypes (e.g. the initial params).
+    counts: the donor's :func:`counters`, or ``None``: every counter from ``init`` too (a
+      learning-rate schedule back at its count 0).
 
   Returns:
-    A :class:`ReplicaState` whose :func:`global_state` is ``received``.
+    A :class:`ReplicaState` whose :func:`global_state` is ``received`` (and whose
+    :func:`counters` are ``counts``, if given).
   """
   params = protocol.restart(params_like, received.opt_state, received.average)
-  opt_state = jax.tree.map(
-    lambda g, t: t if g is None else g, received.opt_state, protocol.tx.init(params),
-    is_leaf=lambda x: x is None)
+  init = protocol.tx.init(params)
+  if counts is not None:
+    init = jax.tree.map(_taken, counts, init, is_leaf=lambda x: x is None)
+  opt_state = jax.tree.map(_taken, received.opt_state, init, is_leaf=lambda x: x is None)
   return ReplicaState(params, opt_state, received.rounds, received.average)
+
+
+def _taken(received: Any, init: Any) -> Any:
+  """``received`` where it is not ``None``, else ``init``."""
+  return init if received is None else received
 
 
 def state_hash(tree: Any) -> str:

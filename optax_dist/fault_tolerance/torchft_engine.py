@@ -69,7 +69,7 @@ from optax_dist.fault_tolerance.protocol import (
   RoundProtocol,
   Sent,
   global_state,
-  local_state,
+  heal_state,
   state_hash,
 )
 
@@ -380,9 +380,9 @@ class TorchftReplica:
     merged = self.protocol.merge([payload] * 2, [1, 1])
     self.protocol.commit(state, merged, sent)
     self.protocol.abort(state)
-    received = heal.decode_heal(heal.encode_heal(global_state(state)), global_state(state),
-                                replica="self")
-    healed = self.protocol.commit(local_state(self.protocol, received, self.params0), merged)
+    payload = heal.encode_heal(heal_state(state))
+    healed = self.protocol.commit(
+      heal.heal_replica(self.protocol, payload, state, self.params0, replica="self"), merged)
     state_hash(global_state(healed))
     self.protocol.run_round(healed, self._grads)  # its arrays may be placed otherwise
 
@@ -393,11 +393,11 @@ class TorchftReplica:
   # The state torchft moves on a heal.
 
   def _heal_bytes(self) -> bytes:
-    return heal.encode_heal(global_state(self.state))
+    return heal.encode_heal(heal_state(self.state))
 
   def _load(self, payload: bytes) -> None:
-    received = heal.decode_heal(payload, global_state(self.state), replica="donor")
-    self.state = local_state(self.protocol, received, self.params0)
+    self.state = heal.heal_replica(self.protocol, payload, self.state, self.params0,
+                                   replica="donor")
     self.healed = True
 
   # The rounds.
