@@ -38,6 +38,7 @@ def gone(names) -> bool:
   return not left & set(names) and not any(os.path.exists(f"/etc/netns/{n}") for n in names)
 
 
+@pytest.mark.slow
 def test_diloco_and_sync_over_a_shaped_link(tmp_path):
   net = link()
   names = list(net.names.values())

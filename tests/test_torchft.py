@@ -75,10 +75,12 @@ class Run:
       time.sleep(0.02)
 
   def lighthouse(self) -> int:
-    """The pid of the launcher's Lighthouse process."""
+    """The pid of the launcher's Lighthouse process (which it writes in OUT/lighthouse.pid),
+    checked to be its child."""
+    pid = int((self.out / "lighthouse.pid").read_text())
     children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-    return next(int(pid) for pid in children.split() if b"fault_tolerance/lighthouse.py"
-                in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes())
+    assert str(pid) in children.split(), (pid, children)
+    return pid
 
   def close(self) -> None:
     """Kills the launcher; its replicas die with it (parent-death signal)."""
@@ -433,7 +435,7 @@ def test_launcher_restarts_a_failed_replica_but_not_a_refusal(tmp_path, status, 
 
 
 @pytest.mark.parametrize("join_timeout,left_out", [(None, set()), (0.3, {"replica_2"})])
-def test_a_replica_waiting_since_the_last_quorum_leaves_no_member_out_of_the_next(
+def test_the_join_timeout_against_a_replica_waiting_since_the_last_quorum(
     join_timeout, left_out):
   """torchft's Lighthouse counts the join timeout from the earliest request it holds. Replica 3,
   left out of a quorum of 0, 1 and 2, asks for the next one at once; the others ask a round

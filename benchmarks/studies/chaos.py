@@ -187,14 +187,10 @@ def processes(out: str) -> dict[int, str]:
 
 
 def lighthouse_pid(out: str) -> int | None:
-  """The pid of the Lighthouse of the run ``out``: the launcher's child running
-  ``optax_dist/fault_tolerance/lighthouse.py``."""
-  for pid in processes(out):
-    with contextlib.suppress(OSError):
-      for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        cmdline = pathlib.Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"fault_tolerance/lighthouse.py" in cmdline:
-          return int(child)
+  """The pid of the Lighthouse of the run ``out`` (its launcher's ``OUT/lighthouse.pid``), or
+  ``None`` before the launcher has started one."""
+  with contextlib.suppress(OSError, ValueError):
+    return int(pathlib.Path(out, "lighthouse.pid").read_text())
   return None
 
 

@@ -3,7 +3,7 @@ r"""A fault-tolerant run on one host: a Lighthouse and R replica processes, dead
 ``python -m optax_dist.fault_tolerance.launcher --replicas R --out DIR [flags] [-- replica
 flags]`` starts torchft's Lighthouse as a child process
 (:mod:`optax_dist.fault_tolerance.lighthouse`) bound to ``--host`` (never a wildcard), its output
-appended to ``DIR/lighthouse.log``, and R processes of :mod:`optax_dist.fault_tolerance.replica`,
+appended to ``DIR/lighthouse.log`` and its pid in ``DIR/lighthouse.pid``, and R processes of :mod:`optax_dist.fault_tolerance.replica`,
 ids 0 to R-1, each in its own process group and with ``--parent-death``. The Lighthouse and the
 replicas die with the launcher (Linux ``prctl(PR_SET_PDEATHSIG)``). The flags after ``--`` go to
 every replica (e.g. ``--steps``, ``--sync-period``).
@@ -161,7 +161,7 @@ class Launcher:
 
   def start_lighthouse(self) -> None:
     """Starts the Lighthouse's process on ``self.url`` (its output appended to
-    ``OUT/lighthouse.log``)."""
+    ``OUT/lighthouse.log``, its pid written to ``OUT/lighthouse.pid``)."""
     a = self.args
     command = [sys.executable, *LIGHTHOUSE_COMMAND, "--bind", f"{a.host}:{self.port}",
                "--min_replicas", str(a.min_replicas), "--quorum_tick_ms", "20",
@@ -169,6 +169,7 @@ class Launcher:
                "--heartbeat_timeout_ms", str(int(a.lighthouse_heartbeat_timeout * 1000))]
     with open(self.lighthouse_log, "a") as log:
       self.lighthouse.proc = subprocess.Popen(command, stdout=log, stderr=log)
+    (pathlib.Path(a.out) / "lighthouse.pid").write_text(f"{self.lighthouse.proc.pid}\n")
 
   def _wait_for_lighthouse(self) -> None:
     """Waits until the Lighthouse accepts connections.
