@@ -60,7 +60,8 @@ def _inner(old: Any, template: Any, m: int, mode: str) -> Any:
     return jax.tree.map(lambda x: _broadcast(_agreed_mean(x), m), old)
   if mode == "copy":
     return jax.tree.map(lambda x: _broadcast(x[0], m), old)
-  if _state.is_record(old) or _state.is_leaf(old):  # "reset", unless identical on every worker (global)
+  # "reset", unless identical on every worker (global)
+  if _state.is_record(old) or _state.is_leaf(old):
     same = _same_on_every_worker(old)
     return jax.tree.map(
       lambda x, t: jnp.where(same, _broadcast(x[0], m), t.astype(x.dtype)), old, template

@@ -52,7 +52,8 @@ from optax_dist.fault_tolerance.lighthouse import die_with_parent
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
 
 DEFAULTS = {"min_replicas": None, "host": "127.0.0.1", "quorum_timeout": 60.0,
-            "exchange_timeout": 30.0, "join_timeout": ft_launcher.JOIN_TIMEOUT_S, "lighthouse_heartbeat_timeout": 5.0,
+            "exchange_timeout": 30.0, "join_timeout": ft_launcher.JOIN_TIMEOUT_S,
+            "lighthouse_heartbeat_timeout": 5.0,
             "max_restarts": 3, "restart_delay": 1.0, "finish_grace": 10.0, "replica_netns": None}
 """The fault-tolerance flags' defaults (``min_replicas``: ``R // 2 + 1``); each flag's parser
 default is ``None``, so that one given without ``--fault-tolerant`` is refused."""

@@ -3,10 +3,11 @@ r"""A fault-tolerant run on one host: a Lighthouse and R replica processes, dead
 ``python -m optax_dist.fault_tolerance.launcher --replicas R --out DIR [flags] [-- replica
 flags]`` starts torchft's Lighthouse as a child process
 (:mod:`optax_dist.fault_tolerance.lighthouse`) bound to ``--host`` (never a wildcard), its output
-appended to ``DIR/lighthouse.log`` and its pid in ``DIR/lighthouse.pid``, and R processes of :mod:`optax_dist.fault_tolerance.replica`,
-ids 0 to R-1, each in its own process group and with ``--parent-death``. The Lighthouse and the
-replicas die with the launcher (Linux ``prctl(PR_SET_PDEATHSIG)``). The flags after ``--`` go to
-every replica (e.g. ``--steps``, ``--sync-period``).
+appended to ``DIR/lighthouse.log`` and its pid in ``DIR/lighthouse.pid``, and R processes of
+:mod:`optax_dist.fault_tolerance.replica`, ids 0 to R-1, each in its own process group and with
+``--parent-death``. The Lighthouse and the replicas die with the launcher (Linux
+``prctl(PR_SET_PDEATHSIG)``). The flags after ``--`` go to every replica (e.g. ``--steps``,
+``--sync-period``).
 
 A Lighthouse that exits (killed) is started again at once on the same address, at most
 ``--max-restarts`` times; meanwhile the replicas' quorum requests time out and are retried
