@@ -312,12 +312,12 @@ class InProcessEngine:
     return healed
 
   def _heal_from(self, r: int, joiner: int, donor: int) -> None:
-    donor_global = global_state(self.replicas[donor])
-    payload = heal.encode_heal(heal_state(self.replicas[donor]))
-    self.replicas[joiner] = heal.heal_replica(self.protocol, payload, self.replicas[joiner],
-                                              self.params0, replica=str(donor))
+    sent = heal_state(self.replicas[donor])
+    self.replicas[joiner] = heal.heal_replica(self.protocol, heal.encode_heal(sent),
+                                              self.replicas[joiner], self.params0,
+                                              replica=str(donor))
     self.heals.append(
-      (r, joiner, donor, global_state(self.replicas[joiner]), donor_global))
+      (r, joiner, donor, global_state(self.replicas[joiner]), sent.global_state))
 
   def _vote(self, plan: RoundPlan, members: list, sent: dict, weights: dict) -> Any:
     """The merged payload if the round commits, else ``None``."""
