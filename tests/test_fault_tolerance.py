@@ -25,6 +25,7 @@ from _helpers import PicklePayload
 
 import optax_dist
 from optax_dist import fault_tolerance as ft
+from optax_dist.fault_tolerance import checkpoints
 
 AXIS = "w"
 SHAPES = {"a": (4, 3), "b": (5,)}  # b: 5 values, not a multiple of the blocks
@@ -386,6 +387,48 @@ def test_a_joiner_takes_its_donor_s_schedule_count_and_restarts_adam():
   engine.run(1)
   assert [int(parts(engine.replicas[i], optax.ScaleByScheduleState)[0].count)
           for i in (0, 1)] == [4 * H, 4 * H]
+
+
+def test_a_checkpoint_restores_as_a_heal_newest_finished_first(tmp_path):
+  """A replica restored from a checkpoint holds the writer's global state and counters bit for
+  bit (params = anchor, adam restarted), from the newest checkpoint whose JSON was written; a
+  checkpoint of other settings or with a flipped byte is refused naming its path."""
+  protocol = ft.RoundProtocol("diloco", optax.adam(optax.linear_schedule(0.1, 0.01, 100)),
+                              _outer(), sync_period=H)
+  engine = ft.InProcessEngine(protocol, _params(), _grad, _batch, num_replicas=2)
+  fresh = protocol.init(_params())
+  assert checkpoints.restore(tmp_path, protocol, fresh, _params(), 7) is None
+  writer = checkpoints.CheckpointWriter(tmp_path, 3, fingerprint=7)
+  assert [writer.due(step, H) for step in (2, 4, 6, 8)] == [False, True, True, False]
+  assert writer.due(8, H, last=True)
+  written = {}
+  for _ in range(2):
+    engine.run(1)
+    replica = engine.replicas[0]
+    step = int(replica.opt_state.local_step)
+    writer.write(replica, step=step, time=float(step))
+    written[step] = replica
+  writer.close()
+  (tmp_path / "step_6.heal").write_bytes(b"unfinished: no step_6.json beside it")
+  assert [(m["step"], m["rounds"], m["fingerprint"]) for m in checkpoints.saved(tmp_path)] == [
+    (2, 1, 7), (4, 2, 7)]
+  restored, meta = checkpoints.restore(tmp_path, protocol, fresh, _params(), 7)
+  assert meta["step"] == 4
+  _assert_trees_equal(ft.heal_state(restored), ft.heal_state(written[4]))
+  _assert_trees_equal(restored.params, written[4].opt_state.anchor)
+  (adam,) = [x for x in jax.tree.leaves(restored.opt_state.inner_state,
+                                        is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+             if isinstance(x, optax.ScaleByAdamState)]
+  assert int(adam.count) == 0
+  with pytest.raises(ValueError, match=r"step_4.heal: written by a run of other settings"):
+    checkpoints.restore(tmp_path, protocol, fresh, _params(), 8)
+  payload = bytearray((tmp_path / "step_4.heal").read_bytes())
+  payload[-1] ^= 1
+  (tmp_path / "step_4.heal").write_bytes(bytes(payload))
+  with pytest.raises(ValueError, match=r"step_4.heal.*hash is not the manifest's"):
+    checkpoints.restore(tmp_path, protocol, fresh, _params(), 7)
+  with pytest.raises(ValueError, match=r"`CheckpointWriter\(every=...\)`.*got 0"):
+    checkpoints.CheckpointWriter(tmp_path, 0, fingerprint=7)
 
 
 def test_state_hash_sees_every_bit_dtype_shape_and_structure():

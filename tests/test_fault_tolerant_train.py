@@ -24,6 +24,7 @@ pytest.importorskip("sklearn")
 
 from optax_dist.cli import fault_tolerant, pipeline  # noqa: E402
 from optax_dist.cli.main import build_parser, main  # noqa: E402
+from optax_dist.fault_tolerance import checkpoints  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "3",
@@ -57,7 +58,7 @@ def _without(example: list[str], flag: str) -> list[str]:
    "argument --algorithm: --fault-tolerant runs diloco, local_sgd, streaming_diloco only, got"
    " sync"),
   (EXAMPLE + ["--fsdp", "1"], "argument --fsdp: not with --fault-tolerant"),
-  (EXAMPLE + ["--checkpoint-every", "10"], "argument --checkpoint-every: not with"),
+  (EXAMPLE + ["--resume"], "argument --resume: not with --fault-tolerant"),
   (_without(EXAMPLE, "--min-replicas") + ["--min-replicas", "4"],
    "argument --min-replicas: must be at most --replicas (3), got 4"),
   (["train", "--min-replicas", "2"], "argument --min-replicas: needs --fault-tolerant"),
@@ -197,7 +198,8 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
          if not k.startswith("TORCHFT_") and k != "JAX_COMPILATION_CACHE_DIR"}
   env["PYTHONPATH"] = str(ROOT)
   command = [sys.executable, "-m", "optax_dist.cli", *_without(EXAMPLE, "--min-replicas"),
-             "--min-replicas", "3", "--restart-delay", "0.2", "--out", str(tmp_path)]
+             "--min-replicas", "3", "--restart-delay", "0.2", "--checkpoint-every", "40",
+             "--out", str(tmp_path)]
   proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True)
   try:
@@ -229,3 +231,7 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
   summary = json.loads((tmp_path / "fault_tolerant_diloco.json").read_text())
   assert summary["restarts"] == 1 and summary["hashes_agree"] and summary["heals"] >= 1
   assert any((tmp_path / "compilation_cache").iterdir())  # the replicas' programs, shared
+  saved = checkpoints.saved(tmp_path / "replicas" / "checkpoints")
+  # every 40 steps (an aborted round's steps count) and at the end, after 16 committed rounds
+  assert [meta["step"] for meta in saved if meta["step"] % 40 == 0] == [40, 80]
+  assert (saved[-1]["step"], saved[-1]["rounds"]) == (finals[0]["step"], 16)

@@ -1,6 +1,7 @@
 """The torchft engine end to end: the launcher (a Lighthouse and 3 replica processes on
 127.0.0.1), a `kill -9` and the restart under the same id (it heals), a `SIGSTOP`/`SIGCONT`, a
-`kill -9` of the Lighthouse (restarted on its address), the launcher's death (its processes
+`kill -9` of the Lighthouse (restarted on its address), a `kill -9` of every replica at once
+(restarted, they go on from the newest checkpoint), the launcher's death (its processes
 follow); every committed round's global state hash is equal on
 every replica that committed it. Then the heal transport and bad input.
 
@@ -34,6 +35,8 @@ except ModuleNotFoundError as e:
 
 from _helpers import PicklePayload  # noqa: E402
 
+from optax_dist.fault_tolerance import checkpoints  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEARTBEAT_S = 1.0
 TIMEOUT_S = 3.0  # a collective, a heal, the vote
@@ -53,7 +56,8 @@ class Run:
         [sys.executable, "-m", "optax_dist.fault_tolerance.launcher", "--replicas", "3",
          "--min-replicas", str(min_replicas), "--out", str(out), "--restart-delay", "0.5",
          "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), "--", "--steps", str(steps),
-         "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60"],
+         "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60",
+         "--checkpoint-every", "10"],
         env=env, stdout=log, stderr=log, start_new_session=True)
 
   def lines(self, i: int) -> list[dict]:
@@ -161,6 +165,16 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
     assert f"restarting it on {url}" in (tmp_path / "launcher.log").read_text()
     assert run.lighthouse() != lighthouse
 
+    # Every replica at once: restarted, they go on from the newest checkpoint.
+    dead, all_dead = [run.pid(i) for i in range(3)], time.time()
+    for pid in dead:
+      os.kill(pid, signal.SIGKILL)
+    run.wait("a committed round of the three after they all died", lambda: all(_committed(
+      [line for line in run.lines(i) if line["pid"] != dead[i]], all_dead) for i in range(3)))
+    restored = max(meta["step"] for meta in checkpoints.saved(tmp_path / "replicas/checkpoints")
+                   if meta["time"] < all_dead)
+    firsts = [next(line for line in run.lines(i) if line["pid"] == run.pid(i)) for i in range(3)]
+
     processes = [run.pid(i) for i in range(3)] + [run.lighthouse()]
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: its processes must follow
     deadline = time.monotonic() + 10
@@ -174,6 +188,11 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
   assert all(len(states) == 1 for states in by_round.values()), {
     r: s for r, s in by_round.items() if len(s) > 1}
   assert heal["healed"] and heal["weight"] == 0 and heal["committed"]
+  # Restored, a replica's first round ends H after the checkpoint (one that started late heals
+  # from one restored); the rounds committed again from it equal the lost ones bit for bit
+  # (by_round: one hash per round), as sgd's inner state has nothing to reset.
+  assert all(line["healed"] or line["step"] == restored + 5 for line in firsts), firsts
+  assert not all(line["healed"] for line in firsts), firsts
   assert any(line["healed"] for line in run.lines(1) if line["time"] > resumed)
   print(f"quorum without the killed replica committed {dropped:.2f} s after the kill;"
         f" the restarted replica's quorum with its heal took {heal['quorum_seconds']:.3f} s;"

@@ -90,7 +90,11 @@ faults and resuming:
   minibatches and delays are functions of --seed and the step) with Orbax under
   OUT/checkpoints/ALGORITHM every N steps and at the end; rerunning the same command with
   --resume continues from the last checkpoint and ends with the params of an uninterrupted run.
-  A run without --resume replaces those checkpoints.
+  A run without --resume replaces those checkpoints. With --fault-tolerant, --checkpoint-every
+  N has the quorum's rank 0 write the global state (a heal payload) under
+  OUT/replicas/checkpoints after each committed round that crosses a multiple of N steps, and
+  a replica that starts or is restarted begins from the newest one, so the run survives the
+  death of every replica at once; --resume is refused there.
 """
 
 
@@ -275,7 +279,8 @@ def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:
                      " and the others abort (default: 10)")
   multi.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
                      help="save an Orbax checkpoint under OUT/checkpoints every N steps and at"
-                     " the end (default: no checkpoints)")
+                     " the end; with --fault-tolerant, the global state under"
+                     " OUT/replicas/checkpoints (default: no checkpoints)")
   multi.add_argument("--resume", action="store_true",
                      help="continue from the last checkpoint under OUT/checkpoints")
   # For tests: write the final params and optimizer state (npz); exit process P-1 after a step.

@@ -133,9 +133,9 @@ def _refuse(args: argparse.Namespace) -> None:
     raise CommandError(
       f"argument --algorithm: --fault-tolerant runs {', '.join(SUPPORTED)} only, got"
       f" {args.algorithm}")
-  refused = (("fsdp", args.fsdp is not None), ("checkpoint_every", args.checkpoint_every),
-             ("resume", args.resume), ("exchange_device", args.exchange_device),
-             ("overlap", args.overlap), ("eager", args.eager),
+  refused = (("fsdp", args.fsdp is not None), ("resume", args.resume),
+             ("exchange_device", args.exchange_device), ("overlap", args.overlap),
+             ("eager", args.eager),
              ("warmup_steps", args.warmup_steps), ("param_dtype", args.param_dtype != "float32"))
   for name, given in refused:
     if given:
@@ -240,7 +240,7 @@ def run_replica(args: argparse.Namespace) -> int:
       out=args.out, host=args.host, min_replicas=args.min_replicas,
       quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
       on_ready=lambda: _meet(pathlib.Path(args.out), args.replica_id, args.replicas,
-                             args.quorum_timeout))
+                             args.quorum_timeout), checkpoint_every=args.checkpoint_every)
   except ft_replica.ReplicaError as e:
     raise CommandError(str(e)) from None
   final = {"replica": args.replica_id, "step": int(state.opt_state.local_step),
@@ -347,9 +347,10 @@ def _share_compilations(out: pathlib.Path) -> None:
 
 def _clear(out: pathlib.Path) -> None:
   """Removes an earlier run's Lighthouse log and replica files under ``out`` (their logs, lines,
-  evaluations and start marks): a new run starts them afresh, and its processes append to them."""
+  evaluations, start marks and checkpoints): a new run starts them afresh, and its processes
+  append to them."""
   for pattern in ("lighthouse.log", "replica_*.log", "replicas/replica_*.jsonl",
-                  "replicas/final_*.json", "replicas/ready_*"):
+                  "replicas/final_*.json", "replicas/ready_*", "replicas/checkpoints/step_*"):
     for path in out.glob(pattern):
       path.unlink()
 

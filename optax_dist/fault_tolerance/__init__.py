@@ -14,6 +14,8 @@ subpackage's modules:
 * :mod:`~optax_dist.fault_tolerance.heal`: the heal payload (:func:`encode_heal`,
   :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle; :func:`heal_replica`
   rebuilds a joiner from one;
+* :mod:`~optax_dist.fault_tolerance.checkpoints`: a run's checkpoints, heal payloads written
+  by the quorum's rank 0, from which a replica that starts restores as a joiner heals;
 * :mod:`~optax_dist.fault_tolerance.engine`: :class:`InProcessEngine`, R replicas in one
   process with a scripted :class:`Fault` schedule, its :class:`RoundLog` lines, and
   :func:`replay` of a log;

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds")
   p.add_argument("--timeout", type=float, default=30.0,
                  help="seconds for a collective, a heal and the vote")
+  p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                 help="inner steps between checkpoints under OUT/replicas/checkpoints, where"
+                 " the replica starts from the newest (default: none)")
   p.add_argument("--parent-death", action="store_true",
                  help="die (SIGKILL) when the parent process dies")
 
@@ -96,7 +99,8 @@ def load_engine() -> Any:
 def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, steps: int,
           seed: int, tokens_per_step: int, lighthouse: str, replica_id: int, out: str,
           host: str, min_replicas: int, quorum_timeout: float, timeout: float,
-          on_ready: Callable[[], None] | None = None) -> Any:
+          on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None
+          ) -> Any:
   """Runs one ``TorchftReplica`` of ``protocol`` on ``(params, grad_fn, batch_fn)`` until the
   run has committed ``steps`` inner steps; returns its final ``ReplicaState``.
 
@@ -112,7 +116,7 @@ def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, 
       protocol, params, grad_fn, batch_fn, lighthouse=lighthouse, replica_id=replica_id,
       out=out, host=host, seed=seed, tokens_per_step=tokens_per_step,
       min_replicas=min_replicas, quorum_timeout=quorum_timeout, timeout=timeout,
-      on_ready=on_ready)
+      on_ready=on_ready, checkpoint_every=checkpoint_every)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
   try:
@@ -150,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
   serve(protocol, params, grad_fn, batch_fn, steps=args.steps, seed=args.seed,
         tokens_per_step=args.batch, lighthouse=args.lighthouse, replica_id=args.replica_id,
         out=args.out, host=args.host, min_replicas=args.min_replicas,
-        quorum_timeout=args.quorum_timeout, timeout=args.timeout)
+        quorum_timeout=args.quorum_timeout, timeout=args.timeout,
+        checkpoint_every=args.checkpoint_every)
   return 0
 
 

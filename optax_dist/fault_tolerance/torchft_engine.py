@@ -62,7 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_dist import _checks
-from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance import checkpoints, heal
+from optax_dist.fault_tolerance.checkpoints import CheckpointWriter
 from optax_dist.fault_tolerance.engine import RoundLog
 from optax_dist.fault_tolerance.protocol import (
   ReplicaState,
@@ -297,11 +298,15 @@ class TorchftReplica:
     on_ready: called once the replica has compiled its round (on a scratch copy of its state)
       and its manager heartbeats to the Lighthouse, before its first quorum: e.g. a barrier
       that lets R replicas starting together meet in their first quorum.
+    checkpoint_every: inner steps between checkpoints in ``out/replicas/checkpoints``
+      (:mod:`~optax_dist.fault_tolerance.checkpoints`), written by the quorum's rank 0 after a
+      committed round that crosses a multiple of it and after the run's last; the replica
+      starts from the newest one there. ``None``: no checkpoints, none read.
 
   Raises:
     ValueError: ``lighthouse`` not an ``http://`` URL; ``replica_id`` not an int >= 0;
       ``tokens_per_step`` or ``min_replicas`` not a positive int; a timeout not a positive
-      number.
+      number; the newest checkpoint written by other settings, or damaged.
 
   References:
     torchft 0.2.0 (``Manager``, ``LighthouseServer``, ``ProcessGroupGloo``,
@@ -313,7 +318,7 @@ class TorchftReplica:
     lighthouse: str, replica_id: int, out: str | os.PathLike, host: str = "127.0.0.1",
     seed: int = 0, tokens_per_step: int = 1, min_replicas: int = 1,
     quorum_timeout: float = 60.0, timeout: float = 30.0,
-    on_ready: Callable[[], None] | None = None,
+    on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
   ):
     fn = "TorchftReplica"
     if not str(lighthouse).startswith("http://"):
@@ -344,11 +349,17 @@ class TorchftReplica:
     path = pathlib.Path(out) / "replicas"
     path.mkdir(parents=True, exist_ok=True)
     self.log_path = path / f"replica_{replica_id}.jsonl"
+    self.checkpointer = None
+    if checkpoint_every is not None:
+      folder = path / "checkpoints"
+      self.checkpointer = CheckpointWriter(folder, checkpoint_every, self.fingerprint)
+      restored = checkpoints.restore(folder, protocol, self.state, params, self.fingerprint)
+      self.state = self.state if restored is None else restored[0]
     self._warm_up()
     self.quorum_timeout = quorum_timeout
     self._manager_args = (lighthouse, host, min_replicas, quorum_timeout, timeout)
     self._manager = self._make_manager(*self._manager_args)
-    self._torchft_quorum_id, self._renew = -1, False
+    self._torchft_quorum_id, self._renew, self._target = -1, False, None
     if on_ready is not None:
       on_ready()
 
@@ -366,14 +377,14 @@ class TorchftReplica:
       replica_id=f"replica_{self.slot}", hostname=host, checkpoint_transport=self.transport)
 
   def _warm_up(self) -> None:
-    """Runs a round's computations once on a scratch copy of the initial state, before the
-    manager starts (so before the Lighthouse knows this replica): the inner steps, the local
-    half, the vote's check, both merges (of payloads placed as a peer's arrive), a commit, an
-    abort, a heal's decoding and rebuild, a healer's commit and its next round. Their
-    compilation then delays neither this replica's first quorum nor the round after a heal,
-    and a round costs the same from the first. The data order is untouched (``batch_fn`` is
-    stateless)."""
-    state, sent = self.protocol.run_round(self.state, self._grads)
+    """Runs a round's computations once, before the manager starts (so before the Lighthouse
+    knows this replica): the inner steps and the local half of its first round (kept: that
+    round is then done), and on scratch copies the vote's check, both merges (of payloads
+    placed as a peer's arrive), a commit, an abort, a heal's decoding and rebuild, a healer's
+    commit and its next round. Their compilation then delays neither this replica's first
+    quorum nor the round after a heal, and a round costs the same from the first. The data
+    order is untouched (``batch_fn`` is stateless)."""
+    state, sent = self._first_round = self.protocol.run_round(self.state, self._grads)
     payload = _unpack(_pack(sent.payload), sent.payload)  # placed as a peer's arrives
     self.protocol.votes(payload)
     self.protocol.merge([payload] * 2, [1, 2])  # the weighted merge of a round with a heal
@@ -406,7 +417,7 @@ class TorchftReplica:
     """Runs rounds until the run has committed ``steps`` inner steps' worth of rounds (the
     round boundaries up to step ``steps``), healing on the way if behind."""
     _checks.check_positive_int("TorchftReplica.run", "steps", steps)
-    target = _boundaries(self.protocol, steps)
+    self._target = target = _boundaries(self.protocol, steps)
     while int(self.state.rounds) < target:
       self.round()
 
@@ -418,7 +429,10 @@ class TorchftReplica:
       SettingsMismatch: after the line (an abort), if this replica's settings fingerprint is
         not the run's.
     """
-    self.state, sent = self.protocol.run_round(self.state, self._grads)
+    if self._first_round is None:
+      self.state, sent = self.protocol.run_round(self.state, self._grads)
+    else:  # the warm-up ran it from this same state
+      (self.state, sent), self._first_round = self._first_round, None
     self.healed = False
     start = time.monotonic()
     self._quorum()
@@ -435,6 +449,10 @@ class TorchftReplica:
     else:
       self.state = self.protocol.abort(self.state)
     line = self._write(info, committed)
+    last = int(self.state.rounds) == self._target
+    if (committed and self.checkpointer and info.members[:1] == (self.slot,)
+        and self.checkpointer.due(line["step"], sent.steps, last)):
+      self.checkpointer.write(self.state, step=line["step"], time=line["time"])
     if info.foreign:
       raise SettingsMismatch(
         f"replica {self.slot}: its settings (fingerprint {self.fingerprint}) differ from the"
@@ -546,8 +564,10 @@ class TorchftReplica:
     return line
 
   def shutdown(self) -> None:
-    """Stops the manager, its servers and the heal server."""
+    """Stops the manager, its servers and the heal server; waits for the checkpoints queued."""
     self._manager.shutdown(wait=False)
+    if self.checkpointer is not None:
+      self.checkpointer.close()
 
 
 def _at_step(state: ReplicaState, step: int) -> ReplicaState:

@@ -1,0 +1,121 @@
+"""Checkpoints of a fault-tolerant run: its global state, written by the quorum's rank 0.
+
+A checkpoint is what a donor sends a joiner: one heal payload (:func:`encode_heal` of
+:func:`heal_state`: the global state and the counters, a JSON manifest and raw bytes, never a
+pickle) in ``DIR/step_<step>.heal``, and beside it ``DIR/step_<step>.json`` (``step``,
+``rounds`` committed, ``time`` in Unix seconds, ``fingerprint`` of the run's settings), written
+second: a
+payload without its JSON is unfinished and never read. Both are written to a temporary name and
+renamed, so a reader sees a whole file or none.
+
+A replica that starts (or is restarted) restores the newest checkpoint as a joiner heals
+(:func:`heal_replica`: the global state taken bit for bit, params = the anchor, the inner state
+reset with the counters taken): when every replica died, the run goes on from it. With a live
+peer ahead, the restored replica is still behind and heals from the peer at its first quorum.
+Nothing here deletes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pathlib
+from typing import Any
+
+from optax_dist import _checks
+from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol, heal_state
+
+
+def _write_atomically(path: pathlib.Path, data: bytes) -> None:
+  partial = path.with_name(path.name + ".partial")
+  partial.write_bytes(data)
+  os.replace(partial, path)
+
+
+class CheckpointWriter:
+  """Writes a replica's committed state every ``every`` inner steps, in a thread of its own
+  (off the quorum's path: the next round's inner steps run meanwhile).
+
+  Args:
+    directory: where the checkpoints go (made if missing).
+    every: inner steps between checkpoints: a round whose steps cross a multiple of ``every``
+      is written.
+    fingerprint: the run's settings fingerprint (an int), recorded in each checkpoint's JSON.
+
+  Raises:
+    ValueError: ``every`` not a positive int.
+  """
+
+  def __init__(self, directory: str | os.PathLike, every: int, fingerprint: int):
+    _checks.check_positive_int("CheckpointWriter", "every", every)
+    self.directory, self.every, self.fingerprint = pathlib.Path(directory), every, fingerprint
+    self.directory.mkdir(parents=True, exist_ok=True)
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._pending: list[concurrent.futures.Future] = []
+
+  def due(self, step: int, round_steps: int, last: bool = False) -> bool:
+    """Whether a round of ``round_steps`` inner steps ending at ``step`` is written: it crosses
+    a multiple of ``every``, or it is the run's ``last``."""
+    return last or step // self.every > (step - round_steps) // self.every
+
+  def write(self, state: ReplicaState, *, step: int, time: float) -> None:
+    """Queues ``state``'s checkpoint (its arrays are immutable: the thread reads them later)."""
+    meta = {"step": step, "rounds": int(state.rounds), "time": time,
+            "fingerprint": self.fingerprint}
+    self._pending.append(self._pool.submit(self._write, state, meta))
+
+  def _write(self, state: ReplicaState, meta: dict) -> None:
+    stem = self.directory / f"step_{meta['step']}"
+    _write_atomically(stem.with_suffix(".heal"), heal.encode_heal(heal_state(state)))
+    _write_atomically(stem.with_suffix(".json"), json.dumps(meta).encode())
+
+  def close(self) -> None:
+    """Waits for the queued writes; raises the first one's error, if any."""
+    self._pool.shutdown(wait=True)
+    for future in self._pending:
+      future.result()
+
+
+def saved(directory: str | os.PathLike) -> list[dict]:
+  """The finished checkpoints under ``directory``, oldest first: their JSON, with ``path`` (the
+  payload's) added; ``[]`` if there is none."""
+  found = []
+  for meta_path in pathlib.Path(directory).glob("step_*.json"):
+    meta = json.loads(meta_path.read_text())
+    found.append({**meta, "path": str(meta_path.with_suffix(".heal"))})
+  return sorted(found, key=lambda meta: meta["step"])
+
+
+def restore(directory: str | os.PathLike, protocol: RoundProtocol, state: ReplicaState,
+            params_like: Any, fingerprint: int, meta: dict | None = None
+            ) -> tuple[ReplicaState, dict] | None:
+  """The replica rebuilt from a checkpoint under ``directory`` (the newest, or the one
+  ``meta`` names: an entry of :func:`saved`) and that checkpoint's JSON; ``None`` if there is
+  none.
+
+  Args:
+    directory: the checkpoints' directory.
+    protocol: the run's :class:`RoundProtocol`.
+    state: a state of the run's tree (e.g. ``protocol.init(params)``): the payload is checked
+      against it.
+    params_like: params of the run's tree, shapes and dtypes.
+    fingerprint: the run's settings fingerprint.
+    meta: which checkpoint; ``None``: the newest.
+
+  Raises:
+    ValueError: the checkpoint's fingerprint is not ``fingerprint`` (a run of other settings
+      wrote it), or its payload fails :func:`decode_heal`'s checks (naming its path).
+  """
+  if meta is None:
+    found = saved(directory)
+    if not found:
+      return None
+    meta = found[-1]
+  if meta["fingerprint"] != fingerprint:
+    raise ValueError(
+      f"checkpoint {meta['path']}: written by a run of other settings (fingerprint"
+      f" {meta['fingerprint']}, this run's {fingerprint}); give another output directory.")
+  payload = pathlib.Path(meta["path"]).read_bytes()
+  return heal.heal_replica(protocol, payload, state, params_like, replica=meta["path"]), meta
