@@ -62,6 +62,7 @@ def test_schedule_refuses_bad_input(kwargs):
 def line(round, replica, time, committed=True, weight=10, tokens=10, healed=False, pid=None,
          state_hash="h", quorum_seconds=0.01):
   return {"round": round, "replica": replica, "time": time, "committed": committed,
+          "step": 10 * (round + 1),
           "weight": weight, "tokens": tokens, "healed": healed, "pid": pid or 100 + replica,
           "state_hash": f"{state_hash}{round}", "quorum_seconds": quorum_seconds}
 
@@ -106,6 +107,21 @@ def test_goodput_against_the_control():
   assert result["span_s"] == 4.0  # the faulted run's; the control ran 5 s
   assert result["control"]["committed_tokens"] == 80  # rounds 1 to 4, two replicas, 10 each
   assert result["goodput"] == pytest.approx(50 / 80)
+
+
+def test_the_validation_curve_and_the_metric_at_equal_committed_tokens():
+  run = faulted_run()
+  run["curve"] = [{"step": 20, "rounds": 2, "time": 101.0, "test_x": 2.0},
+                  {"step": 50, "rounds": 4, "time": 104.0, "test_x": 1.5}]
+  # up to step 20: rounds 0 and 1 (40 tokens); up to 50: and round 3 (10, the healer 0) and 4
+  faulted = chaos.validation_curve(run)
+  assert faulted == [[1.0, 40, 2.0], [4.0, 70, 1.5]]
+  control = [[1.0, 40, 2.2], [3.0, 80, 1.6]]
+  at = chaos.equal_tokens(control, faulted)
+  # the control at 70 tokens: 2.2 + (70 - 40) / (80 - 40) * (1.6 - 2.2) = 1.75
+  assert at == {"tokens": 70, "faulted": 1.5, "control": pytest.approx(1.75),
+                "gap": pytest.approx(1.5 / 1.75 - 1)}
+  assert chaos.equal_tokens([], faulted) is None
 
 
 def test_a_heal_with_no_fault_of_its_own_within_20_s_is_unprovoked():
@@ -281,6 +297,9 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   assert kinds.count("lighthouse") == 1 and "the Lighthouse exited (status -9); restarting it" in (
     tmp_path / "run" / "command.log").read_text()
   assert run["status"] == 0 and len(run["final"]) >= 2
+  # checkpoints every 200 steps and at the end: the last one is the final state
+  assert [point["step"] for point in run["curve"]][:2] == [200, 400]
+  assert run["curve"][-1]["test_accuracy"] == run["final"][0]["test_accuracy"]
   got = chaos.accounting(run, span=math.inf)
   assert got["hash_mismatches"] == 0
   committed = [x for x in run["lines"] if x["committed"]]

@@ -71,7 +71,8 @@ import numpy as np
 
 from benchmarks import kit
 from benchmarks.network import netns
-from optax_dist.cli import checkpoints
+from optax_dist.cli import checkpoints, fault_tolerant
+from optax_dist.cli.main import build_parser
 from optax_dist.fault_tolerance import launcher
 
 KINDS = ("kill", "stop", "link")
@@ -109,9 +110,13 @@ class Config:
     100, "the synchronous arm's --checkpoint-every (steps); 0: no synchronous arm")
   lighthouse_kill: float = kit.option(
     300.0, "when the faulted run's Lighthouse is killed, seconds after its first commit; 0: never")
+  checkpoint_every: int = kit.option(
+    200, "the fault-tolerant runs' --checkpoint-every (steps): their validation curves' points;"
+    " 0: none")
 
 
-QUICK = {"steps": 400, "fault_rate": 1 / 8, "sync_checkpoint_every": 20, "lighthouse_kill": 15.0}
+QUICK = {"steps": 400, "fault_rate": 1 / 8, "sync_checkpoint_every": 20, "lighthouse_kill": 15.0,
+         "checkpoint_every": 100}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +175,8 @@ def command(config: Config, out: str, star: netns.Star | None = None) -> list[st
           "--exchange-timeout", str(config.exchange_timeout), "--join-timeout",
           str(config.join_timeout), "--finish-grace",
           str(config.finish_grace), "--lighthouse-heartbeat-timeout",
-          str(config.heartbeat_timeout), "--no-progress", "--out", out] + hosts
+          str(config.heartbeat_timeout), "--no-progress", "--out", out] + hosts + (
+          ["--checkpoint-every", str(config.checkpoint_every)] if config.checkpoint_every else [])
 
 
 def processes(out: str) -> dict[int, str]:
@@ -347,7 +353,9 @@ class FaultTolerantRun(Run):
   ``t0`` (Unix time of the first commit), ``events`` (``[t, kind, replica, pid]``, ``t`` in
   seconds after ``t0``: ``start`` of a replica process, ``kill``, ``stop``, ``cont``, ``link``
   (down), ``up``, ``lighthouse``, ``skipped``), ``lines`` (the JSONL lines), ``final`` (the
-  replicas' ``final_<i>.json``), ``status``, ``wall_s`` and the load averages."""
+  replicas' ``final_<i>.json``), ``curve`` (the held-out metric of each checkpoint:
+  :func:`optax_dist.cli.fault_tolerant.checkpoint_metrics`, evaluated here after the run),
+  ``status``, ``wall_s`` and the load averages."""
 
   flag, group = "--replica-id", True
 
@@ -369,8 +377,10 @@ class FaultTolerantRun(Run):
   def record(self) -> dict[str, Any]:
     final = [json.loads(p.read_text()) for p in sorted(pathlib.Path(self.out, "replicas").glob(
       "final_*.json"))]
+    args = build_parser().parse_args(command(self.config, self.out)[3:])
     return {"t0": self.inject.t0, "events": self.inject.events, "lines": read_lines(self.out),
-            "final": final, "status": self.proc.returncode, **self.timed.record()}
+            "final": final, "curve": fault_tolerant.checkpoint_metrics(args),
+            "status": self.proc.returncode, **self.timed.record()}
 
 
 class SyncRun(Run):
@@ -589,11 +599,34 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
     "heal_p50_s": float(np.percentile(heals, 50)) if heals else None,
     "heal_p95_s": float(np.percentile(heals, 95)) if heals else None,
     "first_quorum_s": [q for q in first if q is not None], "timeline": _timeline(lines, t0),
+    "curve": validation_curve(run),
     # rounds from a restarted process's first round to its first commit (0: healed and committed
     # in the round of its first quorum)
     "heal_rounds": [next((x["round"] - got[0]["round"] for x in got if x["committed"]), None)
                     for got in own if got],
   }
+
+
+def validation_curve(run: dict[str, Any]) -> list[list[float]]:
+  """``[seconds after t0, committed tokens up to its step (the whole run's), held-out metric]``
+  of each checkpoint of the run (its record's ``curve``; none in results measured before)."""
+  lines, out = run["lines"], []
+  for point in run.get("curve", []):
+    tokens = sum(x["weight"] for x in lines if x["committed"] and x["step"] <= point["step"])
+    metric = next(v for k, v in point.items() if k.startswith("test_"))
+    out.append([point["time"] - run["t0"], tokens, metric])
+  return out
+
+
+def equal_tokens(control: list[list[float]], faulted: list[list[float]]) -> dict | None:
+  """The faulted run's last checkpoint (its final state) against the control's curve
+  interpolated linearly in committed tokens at as many tokens; ``None`` without both curves."""
+  if not (control and faulted):
+    return None
+  _, tokens, metric = faulted[-1]
+  curve = np.array(control)
+  at = float(np.interp(tokens, curve[:, 1], curve[:, 2]))
+  return {"tokens": tokens, "faulted": metric, "control": at, "gap": metric / at - 1}
 
 
 def _timeline(lines: list[dict[str, Any]], t0: float, points: int = 400) -> list[list[float]]:
@@ -610,7 +643,8 @@ def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
   span = min(max(x["time"] for x in run["lines"]) - run["t0"] for run in (control, faulted))
   a, b = accounting(control, span), accounting(faulted, span)
   return {"span_s": span, "control": a, "faulted": b,
-          "goodput": b["committed_tokens"] / a["committed_tokens"]}
+          "goodput": b["committed_tokens"] / a["committed_tokens"],
+          "equal_tokens": equal_tokens(a["curve"], b["curve"])}
 
 
 def _records(config: Config, prefix: str, names: tuple[str, ...],
@@ -781,12 +815,20 @@ def markdown(result: dict[str, Any], figure: str) -> str:
     (f"Target: goodput ≥ {TARGET_GOODPUT} (Decoupled DiLoCo reports 0.88) and no state-hash"
      f" mismatch: {'met' if _met(result) else 'missed'}. The final held-out metric (same"
      f" committed steps) is {kit.fmt(_metric_gap(runs), '+.2%')} off the control's (target:"
-     " within 1%)."),
+     f" within 1%).{_equal_tokens(result.get('equal_tokens'))}"),
     _pace(result), kit.table(["", "control", "faults"], rows),
     *([_sync_markdown(result)] if "sync" in result else []), f"![committed tokens]({figure})",
     _not_built(result),
     (f"Run {result['run']['date']}: `{result['run']['command']}`,"
      f" {result['run']['seconds']:.0f} s.")])
+
+
+def _equal_tokens(at: dict | None) -> str:
+  if at is None:
+    return ""
+  return (f" At equal committed tokens ({at['tokens']:.0f}, the faulted run's at its end; the"
+          f" control's checkpoints interpolated linearly) it is {at['faulted']:.4f} against"
+          f" {at['control']:.4f}: **{at['gap']:+.2%}** (target: within 1%).")
 
 
 def _pace(result: dict[str, Any]) -> str:
@@ -835,7 +877,8 @@ def _not_built(result: dict[str, Any]) -> str:
     *([] if cfg.get("task", "digits") == "lm" else ["the lm task"]),
     *([] if cfg.get("algorithm") == "streaming_diloco" else ["streaming (`--algorithm"
                                                               " streaming_diloco`)"]),
-    "the validation loss against wall clock (the plot shows committed tokens)",
+    *([] if result["faulted"].get("curve") else [
+      "the validation loss against wall clock (the plot shows committed tokens)"]),
     *([] if result["span_s"] >= 600 and len(counted) >= 15 else [
       "a schedule of at least 10 minutes and 15 faults"]),
     *([] if capped else ["an equal CPU share per replica (cgroup `cpu.max`)"])]
@@ -848,25 +891,45 @@ def _not_built(result: dict[str, Any]) -> str:
   return f"Not built here: {', '.join(missing)}. {sharing}"
 
 
+COLORS = {"kill": "red", "stop": "orange", "cont": "green", "start": "grey",
+          "lighthouse": "purple", "link": "blue", "up": "cyan"}
+"""The plot's colour of each event of the faulted run."""
+
+
+def _mark_faults(ax: Any, events: list[list[Any]], named: bool) -> None:
+  for at, kind, replica, _ in events:
+    if at > 0 and kind in COLORS:
+      ax.axvline(at, color=COLORS[kind], lw=0.8, ls=":" if kind == "start" else "-")
+      if named:
+        ax.text(at, ax.get_ylim()[1], f"{kind} {replica}", rotation=90, fontsize=6, va="top")
+
+
 def plot(result: dict[str, Any], path: str) -> None:
-  fig, ax = kit.plt.subplots(figsize=(8, 4.5))
+  """Committed tokens against wall clock (both arms), and below, with the checkpoints' curves,
+  the held-out metric against wall clock; the faulted run's events marked on both."""
+  curves = [result[k].get("curve") for k in ("control", "faulted")]
+  fig, axes = kit.plt.subplots(1 + all(curves), 1, figsize=(8, 4.5 + 3.5 * all(curves)),
+                               sharex=True, squeeze=False)
+  ax, events = axes[0, 0], result["runs"]["faulted"]["events"]
   arms = [(result, result["config"].get("algorithm", "diloco") + " ", "-")]
   arms += [(result["sync"], "sync ", "--")] if "sync" in result else []
   for arm, prefix, style in arms:
     for name in ("control", "faulted"):
       t = np.array(arm[name]["timeline"] or [[0, 0]])
       ax.plot(t[:, 0], t[:, 1], ls=style, label=prefix + name, drawstyle="steps-post")
-  colors = {"kill": "red", "stop": "orange", "cont": "green", "start": "grey",
-            "lighthouse": "purple", "link": "blue", "up": "cyan"}
-  for at, kind, replica, _ in result["runs"]["faulted"]["events"]:
-    if at > 0 and kind in colors:
-      ax.axvline(at, color=colors[kind], lw=0.8, ls=":" if kind == "start" else "-")
-      ax.text(at, ax.get_ylim()[1], f"{kind} {replica}", rotation=90, fontsize=6, va="top")
+  _mark_faults(ax, events, named=True)
   ax.axvline(result["span_s"], color="black", lw=0.8, ls="--", label="the span counted")
-  ax.set_xlabel("seconds after the first commit")
   ax.set_ylabel("committed tokens")
   ax.set_title(f"goodput {result['goodput']:.3f}: kill (red), stop (orange), cont (green),"
                " restart (grey), link down (blue), up (cyan), Lighthouse kill (purple)",
                fontsize=8)
   ax.legend()
+  if all(curves):
+    low = axes[1, 0]
+    for name, curve in zip(("control", "faulted"), curves, strict=True):
+      low.plot(*np.array(curve)[:, [0, 2]].T, marker=".", label=name)
+    _mark_faults(low, events, named=False)
+    low.set_ylabel("held-out metric at each checkpoint")
+    low.legend()
+  axes[-1, 0].set_xlabel("seconds after the first commit")
   kit.save_figure(fig, path)

@@ -45,6 +45,7 @@ from optax_dist.cli.config import Settings, settings_of
 from optax_dist.cli.errors import PROG, CommandError
 from optax_dist.cli.tasks import TASKS, Data, Task
 from optax_dist.fault_tolerance import SUPPORTED, RoundProtocol
+from optax_dist.fault_tolerance import checkpoints as ft_checkpoints
 from optax_dist.fault_tolerance import launcher as ft_launcher
 from optax_dist.fault_tolerance import replica as ft_replica
 from optax_dist.fault_tolerance.lighthouse import die_with_parent
@@ -248,6 +249,35 @@ def run_replica(args: argparse.Namespace) -> int:
   path = pathlib.Path(args.out) / "replicas" / f"final_{args.replica_id}.json"
   path.write_text(json.dumps(final) + "\n")
   return 0
+
+
+def checkpoint_metrics(args: argparse.Namespace) -> list[dict[str, Any]]:
+  """The task's held-out metric of each checkpoint the run ``args`` describe wrote (under
+  ``OUT/replicas/checkpoints``, with ``--checkpoint-every``): one dict per checkpoint, oldest
+  first, with its ``step``, ``rounds``, ``time`` and ``test_<metric>`` (of the params a replica
+  restored from it evaluates: the anchor; ``local_sgd``: the last average). Run in this process,
+  after the run (e.g. for a validation curve); JAX must have a device.
+
+  Raises:
+    CommandError: as the command's checks; the ``ft`` extra missing.
+    ValueError: a checkpoint written with other settings, or damaged.
+  """
+  args.fault_tolerant = True
+  resolve(args)
+  task = TASKS[args.task]
+  data = task.load(args.seed)
+  s = settings(args, task, lambda: data)
+  params, _, _, tokens, evaluate = task_engine(task, data, s, args.replicas)
+  rounds = protocol(s)
+  fingerprint = ft_replica.load_engine().settings_fingerprint(
+    rounds, params, seed=s.seed, tokens_per_step=tokens)
+  folder, start = pathlib.Path(args.out) / "replicas" / "checkpoints", rounds.init(params)
+  metrics = []
+  for meta in ft_checkpoints.saved(folder):
+    state, _ = ft_checkpoints.restore(folder, rounds, start, params, fingerprint, meta)
+    metrics.append({**{k: meta[k] for k in ("step", "rounds", "time")},
+                    f"test_{task.metric_key}": evaluate(_evaluated(state))})
+  return metrics
 
 
 def _check_protocol(task: Task, data: Data, s: Settings) -> None:
