@@ -101,11 +101,11 @@ def train(
     ``conditional`` holding one per fragment, and the steps' own have none across replicas),
     ``step_times`` (the seconds of each step this call ran, from the step's start until its
     loss and params are ready on this process: evaluations and checkpoints excluded; after
-    ``resume``, the steps after the checkpoint's) and ``bytes_per_device`` (``params``, ``opt_state``: one
-    device's shards; ``step_arguments``: the compiled step's arguments on one device, from its
-    ``memory_analysis``, the device's shard of the training set included); with ``keep_state``,
-    ``final_state``: the final ``params`` and ``opt_state`` as NumPy arrays with a leading worker
-    axis (with ``fsdp``, replica axis), gathered from every process.
+    ``resume``, the steps after the checkpoint's) and ``bytes_per_device`` (``params``,
+    ``opt_state``: one device's shards; ``step_arguments``: the compiled step's arguments on one
+    device, from its ``memory_analysis``, the device's shard of the training set included); with
+    ``keep_state``, ``final_state``: the final ``params`` and ``opt_state`` as NumPy arrays with
+    a leading worker axis (with ``fsdp``, replica axis), gathered from every process.
 
   Raises:
     ValueError: settings that :func:`optax_dist.cli.checks.check_settings` refuses (its
