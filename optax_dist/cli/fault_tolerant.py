@@ -136,8 +136,8 @@ def _refuse(args: argparse.Namespace) -> None:
       f" {args.algorithm}")
   refused = (("fsdp", args.fsdp is not None), ("resume", args.resume),
              ("exchange_device", args.exchange_device), ("overlap", args.overlap),
-             ("eager", args.eager),
-             ("warmup_steps", args.warmup_steps), ("param_dtype", args.param_dtype != "float32"))
+             ("eager", args.eager), ("warmup_steps", args.warmup_steps),
+             ("param_dtype", args.param_dtype != "float32"))
   for name, given in refused:
     if given:
       raise CommandError(

@@ -4,9 +4,8 @@ A checkpoint is what a donor sends a joiner: one heal payload (:func:`encode_hea
 :func:`heal_state`: the global state and the counters, a JSON manifest and raw bytes, never a
 pickle) in ``DIR/step_<step>.heal``, and beside it ``DIR/step_<step>.json`` (``step``,
 ``rounds`` committed, ``time`` in Unix seconds, ``fingerprint`` of the run's settings), written
-second: a
-payload without its JSON is unfinished and never read. Both are written to a temporary name and
-renamed, so a reader sees a whole file or none.
+second: a payload without its JSON is unfinished and never read. Both are written to a
+temporary name and renamed, so a reader sees a whole file or none.
 
 A replica that starts (or is restarted) restores the newest checkpoint as a joiner heals
 (:func:`heal_replica`: the global state taken bit for bit, params = the anchor, the inner state
