@@ -82,7 +82,9 @@ TARGET_GOODPUT = 0.9
 @dataclasses.dataclass(frozen=True)
 class Config:
   replicas: int = kit.option(4, "R, replica processes")
-  min_replicas: int = kit.option(2, "the smallest quorum that commits")
+  min_replicas: int = kit.option(
+    3, "the smallest quorum that commits; a majority of the replicas (the command's default)"
+    " keeps two quorums without a common member from committing the same round")
   algorithm: str = kit.option("diloco", "the command's --algorithm (diloco, streaming_diloco,"
                               " local_sgd)")
   task: str = kit.option("lm", "the command's --task")
