@@ -57,7 +57,7 @@ class Run:
          "--min-replicas", str(min_replicas), "--out", str(out), "--restart-delay", "0.5",
          "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), "--", "--steps", str(steps),
          "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60",
-         "--checkpoint-every", "10"],
+         "--checkpoint-every", "50"],
         env=env, stdout=log, stderr=log, start_new_session=True)
 
   def lines(self, i: int) -> list[dict]:
@@ -106,11 +106,14 @@ def _committed(lines: list[dict], after: float = 0.0, members=None) -> list[dict
           and (members is None or sorted(line["members"]) == members)]
 
 
-def _states_by_round(run: Run) -> dict[int, set]:
+def _states_by_round(run: Run, since: float = 0.0, until: float = float("inf")
+                     ) -> dict[int, set]:
+  """Round -> the ``(state_hash, step)`` pairs of its committed lines between two times."""
   by_round: dict[int, set] = {}
   for i in range(3):
-    for line in _committed(run.lines(i)):
-      by_round.setdefault(line["round"], set()).add((line["state_hash"], line["step"]))
+    for line in _committed(run.lines(i), since):
+      if line["time"] < until:
+        by_round.setdefault(line["round"], set()).add((line["state_hash"], line["step"]))
   return by_round
 
 
@@ -173,7 +176,8 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
       [line for line in run.lines(i) if line["pid"] != dead[i]], all_dead) for i in range(3)))
     restored = max(meta["step"] for meta in checkpoints.saved(tmp_path / "replicas/checkpoints")
                    if meta["time"] < all_dead)
-    firsts = [next(line for line in run.lines(i) if line["pid"] == run.pid(i)) for i in range(3)]
+    pids = [run.pid(i) for i in range(3)]
+    firsts = [next(line for line in run.lines(i) if line["pid"] == pids[i]) for i in range(3)]
 
     processes = [run.pid(i) for i in range(3)] + [run.lighthouse()]
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: its processes must follow
@@ -184,13 +188,16 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
   finally:
     run.close()
 
-  by_round = _states_by_round(run)
-  assert all(len(states) == 1 for states in by_round.values()), {
-    r: s for r, s in by_round.items() if len(s) > 1}
+  # One state per committed round before every replica died, and one after: the rounds after
+  # the checkpoint are committed again, from it, by the quorums of then (other members, so
+  # other states).
+  for since, until in ((0.0, all_dead), (all_dead, float("inf"))):
+    by_round = _states_by_round(run, since, until)
+    assert all(len(states) == 1 for states in by_round.values()), {
+      r: s for r, s in by_round.items() if len(s) > 1}
   assert heal["healed"] and heal["weight"] == 0 and heal["committed"]
   # Restored, a replica's first round ends H after the checkpoint (one that started late heals
-  # from one restored); the rounds committed again from it equal the lost ones bit for bit
-  # (by_round: one hash per round), as sgd's inner state has nothing to reset.
+  # from one restored).
   assert all(line["healed"] or line["step"] == restored + 5 for line in firsts), firsts
   assert not all(line["healed"] for line in firsts), firsts
   assert any(line["healed"] for line in run.lines(1) if line["time"] > resumed)
