@@ -380,6 +380,7 @@ def test_a_member_left_out_of_an_aborted_quorum_sends_nothing_and_takes_the_roun
     protocol, protocol.init(params), 1, 7)
   replica._grads, replica.tokens_per_step, replica.healed = grads, 8, False
   replica.quorum_id, replica._last_members = 0, None
+  replica._first_round, replica.checkpointer, replica._target = None, None, None
   replica.log_path = tmp_path / "replica_1.jsonl"
   replica._quorum, replica._manager = lambda: None, FakeManager()
   header = [0, 8 * sent.steps, 1, 7, int(ahead.opt_state.local_step)]
