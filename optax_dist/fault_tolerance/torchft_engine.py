@@ -449,9 +449,9 @@ class TorchftReplica:
     else:
       self.state = self.protocol.abort(self.state)
     line = self._write(info, committed)
-    last = int(self.state.rounds) == self._target
     if (committed and self.checkpointer and info.members[:1] == (self.slot,)
-        and self.checkpointer.due(line["step"], sent.steps, last)):
+        and self.checkpointer.due(line["step"], sent.steps,
+                                  last=int(self.state.rounds) == self._target)):
       self.checkpointer.write(self.state, step=line["step"], time=line["time"])
     if info.foreign:
       raise SettingsMismatch(
