@@ -47,7 +47,7 @@ class Run:
   """The launcher as a process of its own session: its Lighthouse and 3 replica processes
   (which die with it). A replica's pid is in its log lines."""
 
-  def __init__(self, out: pathlib.Path, *, min_replicas: int, steps: int):
+  def __init__(self, out: pathlib.Path, *, min_replicas: int, steps: int, standby=False):
     self.out = out
     self.env = env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
     env["PYTHONPATH"] = str(ROOT)
@@ -55,7 +55,8 @@ class Run:
       self.proc = subprocess.Popen(
         [sys.executable, "-m", "optax_dist.fault_tolerance.launcher", "--replicas", "3",
          "--min-replicas", str(min_replicas), "--out", str(out), "--restart-delay", "0.5",
-         "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), "--", "--steps", str(steps),
+         "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), *["--standby"] * standby,
+         "--", "--steps", str(steps),
          "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60",
          "--checkpoint-every", "50"],
         env=env, stdout=log, stderr=log, start_new_session=True)
@@ -206,23 +207,45 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
         f" a commit of the three {stall:.2f} s after the Lighthouse's kill")
 
 
+def _standbys(out: pathlib.Path) -> dict[int, int]:
+  """Replica id -> the pid of its waiting standby (``--wait-for-takeover``), of the run ``out``."""
+  found = {}
+  for entry in pathlib.Path("/proc").glob("[0-9]*"):
+    try:
+      args = (entry / "cmdline").read_bytes().decode().split("\0")
+    except OSError:
+      continue
+    if "--wait-for-takeover" in args and str(out) in args:
+      found[int(args[args.index("--replica-id") + 1])] = int(entry.name)
+  return found
+
+
 @pytest.mark.slow
-def test_launcher_restarts_a_killed_replica_which_heals_and_the_run_ends(tmp_path):
+def test_launcher_s_standby_takes_over_a_killed_replica_which_heals_and_the_run_ends(tmp_path):
   # min_replicas = R: no quorum forms while a replica is dead, so the run waits for the
-  # restart whatever the machine's speed.
+  # takeover whatever the machine's speed.
   rounds = 100
-  run = Run(tmp_path, min_replicas=3, steps=5 * rounds)
+  run = Run(tmp_path, min_replicas=3, steps=5 * rounds, standby=True)
   try:
-    run.wait("3 committed rounds of replica 2", lambda: len(_committed(run.lines(2))) >= 3,
-             timeout=90)
-    first = run.pid(2)
+    run.wait("3 committed rounds of replica 2 and its standby",
+             lambda: len(_committed(run.lines(2))) >= 3 and 2 in _standbys(tmp_path), timeout=90)
+    first, standby = run.pid(2), _standbys(tmp_path)[2]
+    assert int((tmp_path / "replica_2.pid").read_text()) == first
+    killed = time.time()
     os.kill(first, signal.SIGKILL)
+    run.wait("the standby's takeover", lambda: _committed(run.lines(2), killed))
+    assert int((tmp_path / "replica_2.pid").read_text()) == standby
+    run.wait("a new standby for replica 2", lambda: _standbys(tmp_path).get(2, standby) != standby)
+    standbys = _standbys(tmp_path).values()
     assert run.proc.wait(timeout=100) == 0
   finally:
     run.close()
 
+  assert not any(map(_alive, standbys))  # the launcher ends its standbys
   restarted = [line for line in run.lines(2) if line["pid"] != first]
-  assert restarted and restarted[0]["healed"] and restarted[0]["committed"]
+  assert restarted and restarted[0]["pid"] == standby
+  assert restarted[0]["healed"] and restarted[0]["committed"]
+  print(f"the standby's first commit {restarted[0]['time'] - killed:.2f} s after the kill")
   by_round = _states_by_round(run)
   # The round indices count the aborted rounds (the one in flight at the kill) too.
   assert len(by_round) == rounds

@@ -55,7 +55,8 @@ FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
 DEFAULTS = {"min_replicas": None, "host": "127.0.0.1", "quorum_timeout": 60.0,
             "exchange_timeout": 30.0, "join_timeout": ft_launcher.JOIN_TIMEOUT_S,
             "lighthouse_heartbeat_timeout": 5.0,
-            "max_restarts": 3, "restart_delay": 1.0, "finish_grace": 10.0, "replica_netns": None}
+            "max_restarts": 3, "restart_delay": 1.0, "finish_grace": 10.0, "replica_netns": None,
+            "standby": False}
 """The fault-tolerance flags' defaults (``min_replicas``: ``R // 2 + 1``); each flag's parser
 default is ``None``, so that one given without ``--fault-tolerant`` is refused."""
 
@@ -101,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      " (default: none)")
   group.add_argument("--max-restarts", type=integer_at_least_0, default=None, metavar="N",
                      help=f"restarts of each replica id (default: {d['max_restarts']})")
+  group.add_argument("--standby", action="store_const", const=True, default=None,
+                     help="keep a warm standby process per replica id (imported, compiled,"
+                     " waiting), which takes over a dead replica's id after --restart-delay and"
+                     " joins within a round; a process and its memory more per replica"
+                     " (default: off)")
 
 
 def resolve(args: argparse.Namespace) -> None:
@@ -241,7 +247,8 @@ def run_replica(args: argparse.Namespace) -> int:
       out=args.out, host=args.host, min_replicas=args.min_replicas,
       quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
       on_ready=lambda: _meet(pathlib.Path(args.out), args.replica_id, args.replicas,
-                             args.quorum_timeout), checkpoint_every=args.checkpoint_every)
+                             args.quorum_timeout), checkpoint_every=args.checkpoint_every,
+      standby=args.wait_for_takeover)
   except ft_replica.ReplicaError as e:
     raise CommandError(str(e)) from None
   final = {"replica": args.replica_id, "step": int(state.opt_state.local_step),
@@ -335,7 +342,7 @@ def run_train(args: argparse.Namespace) -> int:
     port=0, replica_netns=args.replica_netns, join_timeout=args.join_timeout,
     lighthouse_heartbeat_timeout=args.lighthouse_heartbeat_timeout,
     max_restarts=args.max_restarts, restart_delay=args.restart_delay,
-    finish_grace=args.finish_grace, replica_args=list(args.argv[1:]))
+    finish_grace=args.finish_grace, standby=args.standby, replica_args=list(args.argv[1:]))
   try:
     ft_launcher.check_arguments(spec)
   except ValueError as e:
@@ -379,7 +386,7 @@ def _clear(out: pathlib.Path) -> None:
   """Removes an earlier run's Lighthouse log and replica files under ``out`` (their logs, lines,
   evaluations, start marks and checkpoints): a new run starts them afresh, and its processes
   append to them."""
-  for pattern in ("lighthouse.log", "replica_*.log", "replicas/replica_*.jsonl",
+  for pattern in ("lighthouse.log", "replica_*.log", "replica_*.pid", "replicas/replica_*.jsonl",
                   "replicas/final_*.json", "replicas/ready_*", "replicas/checkpoints/step_*"):
     for path in out.glob(pattern):
       path.unlink()

@@ -20,6 +20,7 @@ from typing import Any
 from optax_dist.cli import fault_tolerant
 from optax_dist.cli.arguments import Formatter, integer_at_least_0, training_parser
 from optax_dist.fault_tolerance import SUPPORTED
+from optax_dist.fault_tolerance import replica as ft_replica
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -36,8 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
   parser.add_argument("--lighthouse", required=True, help="the Lighthouse's URL, http://host:port")
   parser.add_argument("--replica-id", type=integer_at_least_0, required=True,
                       help="the replica's id and data slot, 0 to R-1")
-  parser.add_argument("--parent-death", action="store_true",
-                      help="die (SIGKILL) when the parent process dies")
+  ft_replica.add_process_flags(parser)
   fault_tolerant.add_arguments(parser)
   return parser
 

@@ -25,16 +25,25 @@ running then are stopped (they are behind: no quorum forms for them any more). T
 exits 0 if at least ``--min-replicas`` replicas finished, else 1; a mistake or a missing ``ft``
 extra is one line, status 2. Its first line on stdout is ``lighthouse <URL>``, the address
 another replica (``python -m optax_dist.fault_tolerance.replica --lighthouse URL``) joins.
-With ``--replica-netns``, each replica runs in a network namespace of its own (made beforehand,
-e.g. by the chaos study), with ``--host`` its host name, which it resolves there to that
-namespace's address.
-``optax-dist train --fault-tolerant`` (:mod:`optax_dist.cli.fault_tolerant`) runs a
-:class:`Launcher` of ``optax-dist replica`` processes on the command's tasks.
+
+With ``--standby``, each replica id also has a warm standby: a process of the same command with
+``--wait-for-takeover``, started beside it, that imports and compiles, then waits. A restart is
+then the standby's takeover (a line on its stdin): it reads the newest checkpoint and joins at
+once, and a new standby for the id starts. A standby that died (or never started) is replaced by
+a fresh start. The pid of replica ``i``'s process (a standby once it took over) is in
+``DIR/replica_<i>.pid``.
+
+With ``--replica-netns``, each replica (and its standby) runs in a network namespace of its own
+(made beforehand, e.g. by the chaos study), with ``--host`` its host name, which it resolves
+there to that namespace's address. ``optax-dist train --fault-tolerant``
+(:mod:`optax_dist.cli.fault_tolerant`) runs a :class:`Launcher` of ``optax-dist replica``
+processes on the command's tasks.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -93,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="seconds without a heartbeat before the Lighthouse drops a replica")
   p.add_argument("--max-restarts", type=int, default=3, help="restarts per replica id")
   p.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a restart")
+  p.add_argument("--standby", action="store_true",
+                 help="keep a warm standby process per replica id, which takes over a dead"
+                 " replica's id after --restart-delay (a process and its memory more per id)")
   p.add_argument("--finish-grace", type=float, default=10.0,
                  help="seconds the others have to finish once one replica has")
   p.add_argument("replica_args", nargs=argparse.REMAINDER,
@@ -134,6 +146,7 @@ class _Slot:
   """One replica id's process and its history."""
 
   proc: subprocess.Popen | None = None
+  standby: subprocess.Popen | None = None
   restarts: int = 0
   restart_at: float | None = None
   finished: bool = False
@@ -190,20 +203,35 @@ class Launcher:
                        + " | ".join(self.lighthouse_log.read_text().strip().splitlines()[-3:]))
 
   def start(self, i: int) -> None:
-    """Starts replica ``i`` (its stdout and stderr appended to ``OUT/replica_<i>.log``), in its
-    network namespace with ``--replica-netns`` (``ip netns exec`` runs it in its own process)."""
+    """Starts replica ``i``: its standby takes over if it has a live one, else a new process;
+    with ``--standby``, then a new standby for ``i``. Writes ``OUT/replica_<i>.pid``."""
+    slot = self.slots[i]
+    if slot.standby is not None and slot.standby.poll() is None:
+      slot.proc, slot.standby = slot.standby, None
+      with contextlib.suppress(OSError):  # it may die meanwhile: then it is restarted
+        slot.proc.stdin.write(b"take over\n")
+        slot.proc.stdin.close()
+    else:
+      slot.proc = self._spawn(i, standby=False)
+    slot.restart_at = None
+    (pathlib.Path(self.args.out) / f"replica_{i}.pid").write_text(f"{slot.proc.pid}\n")
+    if self.args.standby:
+      slot.standby = self._spawn(i, standby=True)
+
+  def _spawn(self, i: int, standby: bool) -> subprocess.Popen:
+    """A process of replica ``i`` (its stdout and stderr appended to ``OUT/replica_<i>.log``)
+    in its own process group, in its network namespace with ``--replica-netns`` (``ip netns
+    exec`` runs it in its own process); a ``standby`` waits for a line on its stdin."""
     a = self.args
-    log = open(pathlib.Path(a.out) / f"replica_{i}.log", "a")
     netns = ["ip", "netns", "exec", a.replica_netns.format(i=i)] if a.replica_netns else []
     # the launcher's flags last: they win over the same flags in --replica-args
     command = [*netns, sys.executable, *self.command, *a.replica_args, "--lighthouse", self.url,
                "--replica-id", str(i), "--out", a.out, "--host",
                socket.gethostname() if netns else a.host, "--min-replicas",
-               str(a.min_replicas), "--parent-death"]
-    self.slots[i].proc = subprocess.Popen(command, stdout=log, stderr=log,
-                                          start_new_session=True)
-    self.slots[i].restart_at = None
-    log.close()
+               str(a.min_replicas), "--parent-death", *["--wait-for-takeover"] * standby]
+    with open(pathlib.Path(a.out) / f"replica_{i}.log", "a") as log:
+      return subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True,
+                              stdin=subprocess.PIPE if standby else subprocess.DEVNULL)
 
   def run(self) -> int:
     """Runs the replicas to the end; returns the exit status."""
@@ -255,14 +283,16 @@ class Launcher:
       self.start_lighthouse()
 
   def stop(self) -> None:
-    """Kills every replica still running (its process group) and cancels pending restarts."""
+    """Kills every replica and standby still running (its process group) and cancels pending
+    restarts."""
     for slot in self.slots:
       slot.restart_at = None
-      if slot.proc is not None:
-        if slot.proc.poll() is None:
-          os.killpg(slot.proc.pid, signal.SIGKILL)
-        slot.proc.wait()
-        slot.proc = None
+      for proc in (slot.proc, slot.standby):
+        if proc is not None:
+          if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+          proc.wait()
+      slot.proc = slot.standby = None
 
   def close(self) -> None:
     """Stops the replicas and the Lighthouse."""

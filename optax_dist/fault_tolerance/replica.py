@@ -9,10 +9,12 @@ linear regression: :math:`y = X w^\star` with :math:`X` of shape ``[batch, dim]`
 the outer Nesterov of the DiLoCo paper.
 
 With ``--parent-death`` the process gets ``SIGKILL`` when its parent dies (Linux
-``prctl(PR_SET_PDEATHSIG)``). A mistake, a missing ``ft`` extra or a quorum that never forms is
-one line on stderr, exit status 2. :func:`serve` runs a replica of any task: ``optax-dist
-replica`` and ``optax-dist train --fault-tolerant`` (:mod:`optax_dist.cli.fault_tolerant`) run
-the command's tasks with it.
+``prctl(PR_SET_PDEATHSIG)``). With ``--wait-for-takeover`` it is a warm standby: it imports,
+compiles and runs its warm-up, then waits for a line on stdin (:func:`wait_for_takeover`: the
+launcher's ``--standby``) before it reads the newest checkpoint and joins. A mistake, a missing
+``ft`` extra or a quorum that never forms is one line on stderr, exit status 2. :func:`serve`
+runs a replica of any task: ``optax-dist replica`` and ``optax-dist train --fault-tolerant``
+(:mod:`optax_dist.cli.fault_tolerant`) run the command's tasks with it.
 """
 
 from __future__ import annotations
@@ -49,8 +51,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                  help="inner steps between checkpoints under OUT/replicas/checkpoints, where"
                  " the replica starts from the newest (default: none)")
+  add_process_flags(p)
+
+
+def add_process_flags(p: argparse.ArgumentParser) -> None:
+  """Adds the flags a launcher gives a replica's process (``--parent-death``,
+  ``--wait-for-takeover``) to ``p``."""
   p.add_argument("--parent-death", action="store_true",
                  help="die (SIGKILL) when the parent process dies")
+  p.add_argument("--wait-for-takeover", action="store_true",
+                 help="a warm standby: compile, then wait for a line on stdin before joining"
+                 " under --replica-id (the launcher's --standby)")
+
+
+def wait_for_takeover() -> None:
+  """A warm standby's wait (``TorchftReplica(standby=...)``): blocks until a line arrives on
+  stdin, the launcher's word that this process takes over its replica id.
+
+  Raises:
+    ReplicaError: stdin ended first (the launcher is gone).
+  """
+  if not sys.stdin.readline():
+    raise ReplicaError("a standby's stdin ended before its takeover (the launcher is gone)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,12 +121,13 @@ def load_engine() -> Any:
 def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, steps: int,
           seed: int, tokens_per_step: int, lighthouse: str, replica_id: int, out: str,
           host: str, min_replicas: int, quorum_timeout: float, timeout: float,
-          on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None
-          ) -> Any:
+          on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
+          standby: bool = False) -> Any:
   """Runs one ``TorchftReplica`` of ``protocol`` on ``(params, grad_fn, batch_fn)`` until the
   run has committed ``steps`` inner steps; returns its final ``ReplicaState``.
 
-  The arguments are ``TorchftReplica``'s and ``TorchftReplica.run``'s.
+  The arguments are ``TorchftReplica``'s and ``TorchftReplica.run``'s; ``standby``: the
+  replica is a warm standby that waits in :func:`wait_for_takeover` once compiled.
 
   Raises:
     ReplicaError: the ``ft`` extra missing, a bad value, a replica whose settings are not the
@@ -116,7 +139,8 @@ def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, 
       protocol, params, grad_fn, batch_fn, lighthouse=lighthouse, replica_id=replica_id,
       out=out, host=host, seed=seed, tokens_per_step=tokens_per_step,
       min_replicas=min_replicas, quorum_timeout=quorum_timeout, timeout=timeout,
-      on_ready=on_ready, checkpoint_every=checkpoint_every)
+      on_ready=on_ready, checkpoint_every=checkpoint_every,
+      standby=wait_for_takeover if standby else None)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
   try:
@@ -155,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         tokens_per_step=args.batch, lighthouse=args.lighthouse, replica_id=args.replica_id,
         out=args.out, host=args.host, min_replicas=args.min_replicas,
         quorum_timeout=args.quorum_timeout, timeout=args.timeout,
-        checkpoint_every=args.checkpoint_every)
+        checkpoint_every=args.checkpoint_every, standby=args.wait_for_takeover)
   return 0
 
 

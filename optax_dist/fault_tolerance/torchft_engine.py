@@ -302,6 +302,11 @@ class TorchftReplica:
       (:mod:`~optax_dist.fault_tolerance.checkpoints`), written by the quorum's rank 0 after a
       committed round that crosses a multiple of it and after the run's last; the replica
       starts from the newest one there. ``None``: no checkpoints, none read.
+    standby: a warm standby's wait for its takeover (e.g.
+      :func:`optax_dist.fault_tolerance.replica.wait_for_takeover`): called once the replica
+      has compiled its round, before it reads the newest checkpoint and before its manager
+      starts, so that it takes over a dead replica's id within a round instead of after its
+      imports and compilations. ``None``: none (a replica starting or restarted).
 
   Raises:
     ValueError: ``lighthouse`` not an ``http://`` URL; ``replica_id`` not an int >= 0;
@@ -319,6 +324,7 @@ class TorchftReplica:
     seed: int = 0, tokens_per_step: int = 1, min_replicas: int = 1,
     quorum_timeout: float = 60.0, timeout: float = 30.0,
     on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
+    standby: Callable[[], None] | None = None,
   ):
     fn = "TorchftReplica"
     if not str(lighthouse).startswith("http://"):
@@ -351,17 +357,32 @@ class TorchftReplica:
     self.log_path = path / f"replica_{replica_id}.jsonl"
     self.checkpointer = None
     if checkpoint_every is not None:
-      folder = path / "checkpoints"
-      self.checkpointer = CheckpointWriter(folder, checkpoint_every, self.fingerprint)
-      restored = checkpoints.restore(folder, protocol, self.state, params, self.fingerprint)
-      self.state = self.state if restored is None else restored[0]
+      self.checkpointer = CheckpointWriter(path / "checkpoints", checkpoint_every,
+                                           self.fingerprint)
+    if standby is None:
+      self._restore()
     self._warm_up()
+    if standby is not None:
+      standby()
+      if self._restore():  # the warm-up's first round started elsewhere
+        self._first_round = None
     self.quorum_timeout = quorum_timeout
     self._manager_args = (lighthouse, host, min_replicas, quorum_timeout, timeout)
     self._manager = self._make_manager(*self._manager_args)
     self._torchft_quorum_id, self._renew, self._target = -1, False, None
     if on_ready is not None:
       on_ready()
+
+  def _restore(self) -> bool:
+    """Takes the newest checkpoint's state, if checkpoints are on and one is there; returns
+    whether it did."""
+    if self.checkpointer is None:
+      return False
+    restored = checkpoints.restore(self.checkpointer.directory, self.protocol, self.state,
+                                   self.params0, self.fingerprint)
+    if restored is not None:
+      self.state = restored[0]
+    return restored is not None
 
   def _make_manager(self, lighthouse, host, min_replicas, quorum_timeout, timeout) -> Manager:
     """A ``Manager`` over a new ``TCPStore``, process group and :class:`HealTransport`."""
