@@ -220,6 +220,11 @@ def _standbys(out: pathlib.Path) -> dict[int, int]:
   return found
 
 
+def _policies(pid: int) -> set[int]:
+  """The scheduling policies of the threads of process ``pid``."""
+  return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 @pytest.mark.slow
 def test_launcher_s_standby_takes_over_a_killed_replica_which_heals_and_the_run_ends(tmp_path):
   # min_replicas = R: no quorum forms while a replica is dead, so the run waits for the
@@ -231,10 +236,12 @@ def test_launcher_s_standby_takes_over_a_killed_replica_which_heals_and_the_run_
              lambda: len(_committed(run.lines(2))) >= 3 and 2 in _standbys(tmp_path), timeout=90)
     first, standby = run.pid(2), _standbys(tmp_path)[2]
     assert int((tmp_path / "replica_2.pid").read_text()) == first
+    assert _policies(standby) == {os.SCHED_IDLE}  # waiting, it takes only idle CPU
     killed = time.time()
     os.kill(first, signal.SIGKILL)
     run.wait("the standby's takeover", lambda: _committed(run.lines(2), killed))
     assert int((tmp_path / "replica_2.pid").read_text()) == standby
+    assert _policies(standby) == {os.SCHED_OTHER}
     run.wait("a new standby for replica 2", lambda: _standbys(tmp_path).get(2, standby) != standby)
     standbys = _standbys(tmp_path).values()
     assert run.proc.wait(timeout=100) == 0

@@ -89,7 +89,7 @@ class Config:
                               " local_sgd)")
   task: str = kit.option("lm", "the command's --task")
   sync_period: int = kit.option(20, "H, inner steps per round")
-  steps: int = kit.option(6_000, "committed inner steps of each run (--steps): at least 10"
+  steps: int = kit.option(5_600, "committed inner steps of each run (--steps): at least 10"
                           " minutes of the control")
   fault_rate: float = kit.option(1 / 30, "faults per second (Poisson)")
   stop_seconds: tuple[float, float] = kit.option((3.0, 10.0), "a SIGSTOP's length, uniform")
@@ -114,8 +114,8 @@ class Config:
   lighthouse_kill: float = kit.option(
     300.0, "when the faulted run's Lighthouse is killed, seconds after its first commit; 0: never")
   standby: bool = kit.option(
-    True, "the command's --standby: a warm standby process per replica id takes over a dead"
-    " replica's id (each run's standbys share one more CPU group once the run has started)")
+    True, "the command's --standby: a warm standby process per replica id, outside the CPU groups"
+    " at the lowest priority until it takes over a dead replica's id (and its group)")
   checkpoint_every: int = kit.option(
     200, "the fault-tolerant runs' --checkpoint-every (steps): their validation curves' points;"
     " 0: none")
@@ -207,20 +207,22 @@ def lighthouse_pid(out: str) -> int | None:
   return None
 
 
-def process_ids(out: str, flag: str) -> tuple[dict[int, int], dict[int, int]]:
+def process_ids(out: str, flag: str) -> dict[int, int]:
   """``INDEX -> pid`` of the run's live processes whose command line holds ``flag INDEX``
-  (``--replica-id`` for the replicas, ``--process-id`` for ``jax.distributed`` processes), and
-  of the waiting standbys among them (``--wait-for-takeover``, not yet named by the launcher's
+  (``--replica-id`` for the replicas, ``--process-id`` for ``jax.distributed`` processes), but
+  a waiting standby's (``--wait-for-takeover``, not yet named by the launcher's
   ``OUT/replica_<INDEX>.pid``)."""
-  active, standby = {}, {}
+  pids = {}
   for pid, line in processes(out).items():
     args = line.split()
     if flag in args:
       index = int(args[args.index(flag) + 1])
       pid_file = pathlib.Path(out, f"replica_{index}.pid")
-      taken_over = pid_file.exists() and pid_file.read_text().strip() == str(pid)
-      (standby if "--wait-for-takeover" in args and not taken_over else active)[index] = pid
-  return active, standby
+      waiting = "--wait-for-takeover" in args and not (
+        pid_file.exists() and pid_file.read_text().strip() == str(pid))
+      if not waiting:
+        pids[index] = pid
+  return pids
 
 
 def kill_all(out: str) -> None:
@@ -247,9 +249,8 @@ def read_lines(out: str) -> list[dict[str, Any]]:
 class CpuShares:
   """Equal CPU caps: one cgroup per replica, each allowed ``cpus / replicas`` CPUs (``cpu.max``
   on cgroup v2, the CFS quota of v1's ``cpu`` controller), so that a stopped or restarting
-  replica's share stays idle instead of speeding up the others, and one more group of the same
-  cap (index ``replicas``, :attr:`spare`) for the run's warm standbys. :meth:`add` moves a
-  process (all its threads) into a group; the groups are removed on exit, their processes
+  replica's share stays idle instead of speeding up the others. :meth:`add` moves a replica's
+  process (all its threads) into its group; the groups are removed on exit, their processes
   moved back first. ``cpus`` 0: no caps, :meth:`add` does nothing. The groups are named
   ``optax_dist_chaos_PIDTAG_I``: ``tag`` tells apart the runs of one process.
 
@@ -263,8 +264,7 @@ class CpuShares:
     self.quota_us = int(self.PERIOD_US * cpus / replicas) if cpus else 0
     self.root, self.v2 = self._controller() if self.quota_us else (None, False)
     name = f"optax_dist_chaos_{os.getpid()}{tag}"
-    self.spare = replicas
-    self.groups = [self.root / f"{name}_{i}" for i in range(replicas + 1)] if self.root else []
+    self.groups = [self.root / f"{name}_{i}" for i in range(replicas)] if self.root else []
 
   @staticmethod
   def _controller() -> tuple[pathlib.Path, bool]:
@@ -484,8 +484,7 @@ class Injector:
   """Applies a fault schedule to the processes of the run ``out`` (those whose command line
   holds ``flag INDEX``, e.g. ``--replica-id 2``), on the clock of the run's first progress
   ``t0``: each new process is recorded (``start``; a standby when it takes over) and moved into
-  its CPU share (a waiting standby: its replica's before ``t0``, where it compiles beside it,
-  the standbys' group after); a due fault is
+  its CPU share (a waiting standby stays outside, at the lowest priority); a due fault is
   a ``kill -9`` (of the process group with ``group``) or a ``SIGSTOP`` followed by ``SIGCONT``
   ``seconds`` later, a link down (``star``'s) then up ``seconds`` later, or a ``kill -9`` of the
   run's Lighthouse (kind ``lighthouse``, replica -1), or ``skipped`` when its process is not
@@ -497,7 +496,6 @@ class Injector:
     self.pending = sorted(faults, key=lambda f: f.at)
     self.events: list[list[Any]] = []
     self.seen: dict[int, int] = {}
-    self.standbys: set[int] = set()
     self.undo: list[tuple[float, int, int, str]] = []  # (when, replica, pid, cont or up)
     self.t0: float | None = None
 
@@ -507,13 +505,9 @@ class Injector:
 
   def tick(self, t0: float | None, *, ending: bool) -> None:
     """One look at the run: ``t0`` once known; with ``ending``, no fault any more."""
-    pids, standbys = process_ids(self.out, self.flag)
+    pids = process_ids(self.out, self.flag)
     self.t0 = self.t0 or t0
     now = self.now()
-    for i, pid in standbys.items():
-      if pid not in self.standbys:
-        self.standbys.add(pid)
-        self.shares.add(i if self.t0 is None else self.shares.spare, pid)
     for i, pid in pids.items():
       if self.seen.get(i) != pid:
         self.seen[i] = pid
@@ -904,9 +898,10 @@ def _not_built(result: dict[str, Any]) -> str:
       "a schedule of at least 10 minutes and 15 faults"]),
     *([] if capped else ["an equal CPU share per replica (cgroup `cpu.max`)"])]
   restart = (
-    "A dead replica's warm standby takes over its id and share; a new standby then compiles in"
-    " the run's standbys' group, one more share of the same cap (on a machine the caps fill, it"
-    " slows both runs a little while it compiles)." if cfg.get("standby") else
+    "A replica's warm standby waits outside the groups at the lowest priority (`SCHED_IDLE`):"
+    " it compiles in CPU time no capped replica can use (a group's quota spent or left idle by"
+    " a replica waiting for its peers), and it takes over a dead replica's id and group."
+    if cfg.get("standby") else
     "A restarted replica spends its first seconds importing JAX and torch within its share.")
   sharing = (
     "The replicas' caps leave a stopped replica's share idle. " + restart + " A new process"

@@ -48,7 +48,6 @@ from optax_dist.fault_tolerance import SUPPORTED, RoundProtocol
 from optax_dist.fault_tolerance import checkpoints as ft_checkpoints
 from optax_dist.fault_tolerance import launcher as ft_launcher
 from optax_dist.fault_tolerance import replica as ft_replica
-from optax_dist.fault_tolerance.lighthouse import die_with_parent
 
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
 
@@ -234,8 +233,7 @@ def run_replica(args: argparse.Namespace) -> int:
   task = TASKS[args.task]
   errors.require_task(task)
   resolve(args)
-  if args.parent_death:
-    die_with_parent()
+  ft_replica.start_process(args)
   launcher.init_jax(args.devices)
   data = task.load(args.seed)
   s = settings(args, task, lambda: data)

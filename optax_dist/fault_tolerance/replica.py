@@ -9,9 +9,11 @@ linear regression: :math:`y = X w^\star` with :math:`X` of shape ``[batch, dim]`
 the outer Nesterov of the DiLoCo paper.
 
 With ``--parent-death`` the process gets ``SIGKILL`` when its parent dies (Linux
-``prctl(PR_SET_PDEATHSIG)``). With ``--wait-for-takeover`` it is a warm standby: it imports,
-compiles and runs its warm-up, then waits for a line on stdin (:func:`wait_for_takeover`: the
-launcher's ``--standby``) before it reads the newest checkpoint and joins. A mistake, a missing
+``prctl(PR_SET_PDEATHSIG)``). With ``--wait-for-takeover`` it is a warm standby: at the lowest
+CPU priority (``SCHED_IDLE``: it runs when nothing else on its CPUs, or in its cgroup, wants to),
+it imports, compiles and runs its warm-up, then waits for a line on stdin
+(:func:`wait_for_takeover`: the launcher's ``--standby``); then, at the usual priority, it reads
+the newest checkpoint and joins. A mistake, a missing
 ``ft`` extra or a quorum that never forms is one line on stderr, exit status 2. :func:`serve`
 runs a replica of any task: ``optax-dist replica`` and ``optax-dist train --fault-tolerant``
 (:mod:`optax_dist.cli.fault_tolerant`) run the command's tasks with it.
@@ -20,7 +22,9 @@ runs a replica of any task: ``optax-dist replica`` and ``optax-dist train --faul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -64,15 +68,35 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                  " under --replica-id (the launcher's --standby)")
 
 
+def start_process(args: argparse.Namespace) -> None:
+  """What the process flags ask of a replica's process, first thing: with ``--parent-death``,
+  :func:`die_with_parent`; with ``--wait-for-takeover``, the lowest CPU priority
+  (``SCHED_IDLE``) for its threads and those they start, until :func:`wait_for_takeover`."""
+  if args.parent_death:
+    die_with_parent()
+  if args.wait_for_takeover:
+    _schedule(os.SCHED_IDLE)
+
+
+def _schedule(policy: int) -> None:
+  """Sets every thread of this process to the scheduling ``policy``."""
+  for tid in os.listdir("/proc/self/task"):
+    with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+      os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+
+
 def wait_for_takeover() -> None:
   """A warm standby's wait (``TorchftReplica(standby=...)``): blocks until a line arrives on
-  stdin, the launcher's word that this process takes over its replica id.
+  stdin, the launcher's word that this process takes over its replica id; then puts every
+  thread of the process back at the usual priority (``SCHED_OTHER``, allowed without
+  privileges).
 
   Raises:
     ReplicaError: stdin ended first (the launcher is gone).
   """
   if not sys.stdin.readline():
     raise ReplicaError("a standby's stdin ended before its takeover (the launcher is gone)")
+  _schedule(os.SCHED_OTHER)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,8 +186,7 @@ def run(args: argparse.Namespace) -> int:
   Raises:
     ReplicaError: the ``ft`` extra missing, a bad flag value, or a quorum that never formed.
   """
-  if args.parent_death:
-    die_with_parent()
+  start_process(args)
   load_engine()
   import optax
 
