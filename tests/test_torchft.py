@@ -474,6 +474,40 @@ def test_bad_input(tmp_path, capsys):
   ) and err.endswith("Address already in use (os error 98)\n"), err
 
 
+STANDBY = """
+import os, pathlib, sys
+out, replica = sys.argv[sys.argv.index("--out") + 1], sys.argv[sys.argv.index("--replica-id") + 1]
+if "--wait-for-takeover" in sys.argv:
+  if replica == "1":
+    sys.exit(3)  # replica 1's standbys die before any takeover
+  sys.stdin.readline()
+  pathlib.Path(out, f"took_over_{os.getpid()}").touch()
+sys.exit(1)
+"""
+
+
+def test_launcher_restarts_through_a_live_standby_else_a_fresh_process(tmp_path):
+  """With --standby, a restart is the standby's takeover (a line on its stdin) when it lives,
+  else a fresh start; every restart counts, and no standby outlives the launcher."""
+  from optax_dist.fault_tolerance import launcher
+
+  args = launcher.build_parser().parse_args(
+    ["--replicas", "2", "--out", str(tmp_path), "--restart-delay", "0.2", "--max-restarts", "2",
+     "--standby"])
+  launcher.check_arguments(args)
+  run = launcher.Launcher(args, command=("-c", STANDBY))
+  try:
+    assert run.run() == 1  # no replica finished
+    standbys = [slot.standby for slot in run.slots]
+  finally:
+    run.close()
+  took_over = {int(p.name.split("_")[-1]) for p in tmp_path.glob("took_over_*")}
+  assert [slot.restarts for slot in run.slots] == [2, 2]
+  assert len(took_over) == 2  # replica 0's two restarts; replica 1's were fresh starts
+  assert int((tmp_path / "replica_0.pid").read_text()) in took_over
+  assert all(p.poll() is not None for p in standbys)
+
+
 @pytest.mark.parametrize("status,restarts", [(2, 0), (1, 2)])
 def test_launcher_restarts_a_failed_replica_but_not_a_refusal(tmp_path, status, restarts):
   """A replica that exits with status 2 refused its flags and would refuse again: it is not

@@ -89,7 +89,7 @@ class Config:
                               " local_sgd)")
   task: str = kit.option("lm", "the command's --task")
   sync_period: int = kit.option(20, "H, inner steps per round")
-  steps: int = kit.option(5_600, "committed inner steps of each run (--steps): at least 10"
+  steps: int = kit.option(6_000, "committed inner steps of each run (--steps): at least 10"
                           " minutes of the control")
   fault_rate: float = kit.option(1 / 30, "faults per second (Poisson)")
   stop_seconds: tuple[float, float] = kit.option((3.0, 10.0), "a SIGSTOP's length, uniform")
