@@ -12,7 +12,8 @@ load average before and after, machine, versions: the result's ``run``), writes
 ``PREFIX.json``, then draws ``PREFIX.png`` (``plot``) and writes ``PREFIX.md`` (``markdown``).
 ``--report`` measures nothing and renders the report again from the saved result. ``PREFIX``
 defaults to ``benchmarks/results/STUDY`` (with ``--quick``, a temporary directory); a report
-written there also rewrites ``benchmarks/RESULTS.md``, which gathers every report.
+written under ``benchmarks/results/`` also rewrites ``benchmarks/RESULTS.md``, which gathers
+the reports of :data:`SECTIONS`.
 
 ``bench`` runs the studies of :data:`BENCH` one after the other (``make bench``).
 """
@@ -59,6 +60,8 @@ SECTIONS = (
   ("lm_overhead", None, "python -m benchmarks lm_overhead"),
   ("mlp_overhead", None, "python -m benchmarks mlp_overhead"),
   ("communication", None, "python -m benchmarks communication"),
+  ("chaos/chaos", "Training through failures: fault-tolerant DiLoCo under faults",
+   "make bench-chaos"),
 )
 
 INTRO = (
@@ -103,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     f.write(text.rstrip("\n") + "\n")
   print(text)
   print(f"[benchmarks] wrote {prefix}.json, .md and .png", file=sys.stderr)
-  if os.path.dirname(os.path.abspath(prefix)) == kit.RESULTS:
+  if os.path.commonpath([os.path.abspath(prefix), kit.RESULTS]) == kit.RESULTS:
     write_results(os.path.join(kit.ROOT, "RESULTS.md"))
   return 0
 
@@ -111,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argparse.Namespace]:
   """The study's ``Config`` (its defaults, then ``QUICK``'s with ``--quick``, then the flags
   ``argv`` gives: one ``--field-name`` per field, a tuple taking several values, text ones also
-  comma-separated, a bool a switch) and the driver's own flags."""
+  comma-separated, a bool ``--name`` or ``--no-name``) and the driver's own flags."""
   name = study.__name__.split(".")[-1]
   parser = argparse.ArgumentParser(prog=f"python -m benchmarks {name}",
                                    description=study.__doc__.split("\n\n")[0])
@@ -129,7 +132,7 @@ def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argpars
     if type(None) in typing.get_args(kind):  # X | None: X
       (kind,) = set(typing.get_args(kind)) - {type(None)}
     if kind is bool:
-      kwargs["action"] = "store_true"
+      kwargs["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(kind) is tuple:
       items = typing.get_args(kind)
       kwargs |= {"nargs": "+" if items[-1] is Ellipsis else len(items), "type": items[0]}
@@ -168,7 +171,8 @@ def section(name: str, title: str | None, how: str) -> list[str]:
   lines = text.splitlines()
   if text.startswith("# "):
     lines = [("#" + line if line.startswith("#") else line) for line in lines]
-  return [line.replace("](", "](results/") if line.startswith("![") else line
+  folder = os.path.join("results", os.path.dirname(name), "")
+  return [line.replace("](", "](" + folder) if line.startswith("![") else line
           for line in lines] + [""]
 
 
