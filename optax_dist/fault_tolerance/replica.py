@@ -13,10 +13,10 @@ With ``--parent-death`` the process gets ``SIGKILL`` when its parent dies (Linux
 CPU priority (``SCHED_IDLE``: it runs when nothing else on its CPUs, or in its cgroup, wants to),
 it imports, compiles and runs its warm-up, then waits for a line on stdin
 (:func:`wait_for_takeover`: the launcher's ``--standby``); then, at the usual priority, it reads
-the newest checkpoint and joins. A mistake, a missing
-``ft`` extra or a quorum that never forms is one line on stderr, exit status 2. :func:`serve`
-runs a replica of any task: ``optax-dist replica`` and ``optax-dist train --fault-tolerant``
-(:mod:`optax_dist.cli.fault_tolerant`) run the command's tasks with it.
+the newest checkpoint and joins. A mistake, a missing ``ft`` extra or a quorum that never forms
+is one line on stderr, exit status 2. :func:`serve` runs a replica of any task: ``optax-dist
+replica`` and ``optax-dist train --fault-tolerant`` (:mod:`optax_dist.cli.fault_tolerant`) run
+the command's tasks with it.
 """
 
 from __future__ import annotations
