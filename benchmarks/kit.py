@@ -121,12 +121,6 @@ def run_bytes(result: Mapping[str, Any], s: Settings, cost: Callable = total) ->
   return cumulative
 
 
-def exchanges(s: Settings) -> list[bool]:
-  """For each step of a run with settings ``s``, whether it exchanges across workers."""
-  algorithm = ALGORITHMS[s.algorithm]
-  return [algorithm.communicates(s, t) in (None, True) for t in range(1, s.steps + 1)]
-
-
 def initial_params(task: Any, train: Mapping[str, Any], seed: int = 0) -> Any:
   """``task``'s initial params (one worker's, NumPy) for its training arrays ``train``."""
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in train.items())
@@ -182,13 +176,6 @@ def now() -> str:
 
 
 median = statistics.median
-
-
-def time_call(fn: Callable[[], Any]) -> float:
-  """Seconds of one call of ``fn``, waiting for its results to be ready."""
-  start = time.perf_counter()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - start
 
 
 class Timed:

@@ -60,6 +60,14 @@ def check_int(fn: str, name: str, value: Any) -> None:
     raise TypeError(f"`{fn}({name}=...)` must be an int, got {value!r}.")
 
 
+def check_non_negative_int(fn: str, name: str, value: Any) -> None:
+  """Raise unless ``value`` is an int >= 0 (skipped for traced values)."""
+  check_int(fn, name, value)
+  v = concrete(value)
+  if v is not None and v < 0:
+    raise ValueError(f"`{fn}({name}=...)` must be an int >= 0, got {v}.")
+
+
 def check_number(
   fn: str,
   name: str,

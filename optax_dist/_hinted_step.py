@@ -99,7 +99,5 @@ def hinted_step(
   for name, fn in (("step_fn", step_fn), ("communicates", communicates)):
     if not callable(fn):
       raise TypeError(f"`hinted_step({name}=...)` must be callable, got {type(fn).__name__}.")
-  _checks.check_int("hinted_step", "start", start)
-  if start < 0:
-    raise ValueError(f"`hinted_step(start=...)` must be an int >= 0, got {start}.")
+  _checks.check_non_negative_int("hinted_step", "start", start)
   return HintedStep(step_fn, communicates, start, jit_kwargs)

@@ -30,10 +30,7 @@ class LocalSGDState(NamedTuple):
 
 def check_warmup_steps(fn: str, warmup_steps: Any) -> None:
   """Raise unless ``warmup_steps`` is an int >= 0."""
-  _checks.check_int(fn, "warmup_steps", warmup_steps)
-  value = _checks.concrete(warmup_steps)
-  if value is not None and value < 0:
-    raise ValueError(f"`{fn}(warmup_steps=...)` must be an int >= 0, got {value}.")
+  _checks.check_non_negative_int(fn, "warmup_steps", warmup_steps)
 
 
 def local_sgd_warming_up(step: Any, *, warmup_steps: int = 0) -> Any:

@@ -60,8 +60,8 @@ def test_schedule_refuses_bad_input(kwargs):
 
 
 def line(round, replica, time, committed=True, weight=10, tokens=10, healed=False, pid=None,
-         state_hash="h", quorum_seconds=0.01):
-  return {"round": round, "replica": replica, "time": time, "committed": committed,
+         state_hash="h", quorum_seconds=0.01, attempts=1):
+  return {"attempts": attempts, "round": round, "replica": replica, "time": time, "committed": committed,
           "step": 10 * (round + 1),
           "weight": weight, "tokens": tokens, "healed": healed, "pid": pid or 100 + replica,
           "state_hash": f"{state_hash}{round}", "quorum_seconds": quorum_seconds}
@@ -69,12 +69,13 @@ def line(round, replica, time, committed=True, weight=10, tokens=10, healed=Fals
 
 def faulted_run():
   """Two replicas from t0 = 100 s: replica 1 is killed at 1.5 s, replica 0 aborts round 2
-  alone, replica 1 restarts at 2.5 s (pid 201) and heals in round 3 (weight 0)."""
+  alone, replica 1 restarts at 2.5 s (pid 201) and heals in round 3 (weight 0); round 4 commits
+  after a retried exchange."""
   lines = [line(0, 0, 100.0), line(0, 1, 100.0), line(1, 0, 101.0), line(1, 1, 101.0),
            line(2, 0, 102.0, committed=False),
            line(3, 0, 103.0), line(3, 1, 103.0, weight=0, healed=True, pid=201,
                                    quorum_seconds=0.2),
-           line(4, 0, 104.0), line(4, 1, 104.0, pid=201)]
+           line(4, 0, 104.0, attempts=2), line(4, 1, 104.0, pid=201, attempts=2)]
   events = [[0.0, "start", 0, 100], [0.0, "start", 1, 101], [1.5, "kill", 1, 101],
             [2.5, "start", 1, 201]]
   return {"t0": 100.0, "lines": lines, "events": events}
@@ -92,6 +93,7 @@ def test_accounting_of_a_hand_written_log():
   assert chaos.accounting(faulted_run(), span=3.5)["committed_tokens"] == 30
   assert got["useful_work"] == pytest.approx(70 / 90)  # round 0's 20 counted; 9 lines of 10
   assert (got["rounds_committed"], got["rounds_aborted"], got["abort_lines"]) == (4, 1, 1)
+  assert got["rounds_retried"] == 1
   assert got["longest_stall_s"] == pytest.approx(2.0)  # round 1 at 1 s, round 3 at 3 s
   assert got["heal_s"] == [pytest.approx(0.5)]  # restarted at 2.5 s, first commit at 3 s
   assert got["first_quorum_s"] == [0.2]

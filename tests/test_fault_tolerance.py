@@ -288,6 +288,21 @@ def test_data_position_is_the_local_step(faulty_run):
   assert {slot: [t for s, t in calls if s == slot] for slot in range(4)} == want
 
 
+def test_a_retried_exchange_commits_the_round_of_the_members_left():
+  """With ``exchange_retries``, the round replica 1 dies in the exchange of commits on the
+  others in a new quorum: their global state is the one of a round replica 1 died before (in
+  its inner steps), and the log replays (E3)."""
+  retried = _engine(num_replicas=4, faults=SCHEDULE[:3], exchange_retries=1)
+  died_before = _engine(num_replicas=4, faults=[*SCHEDULE[:2], ft.Fault(2, 1, "die_inner")])
+  lines, want = retried.run(3)[-3:], died_before.run(3)[-3:]
+  assert [(line.replica, line.members, line.committed) for line in lines] == [
+    (i, (0, 2, 3), True) for i in (0, 2, 3)]
+  assert [line.state_hash for line in lines] == [line.state_hash for line in want]
+  assert retried.replicas[1] is None
+  fresh = _engine(num_replicas=4)
+  assert ft.replay(fresh, retried.log) == retried.log
+
+
 # ------------------------------------------------------------------------------------------------
 # Abort, weights, quorum.
 

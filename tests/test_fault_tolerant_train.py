@@ -64,6 +64,8 @@ def _without(example: list[str], flag: str) -> list[str]:
   (["train", "--min-replicas", "2"], "argument --min-replicas: needs --fault-tolerant"),
   (["train", "--restart-delay", "0.5"], "argument --restart-delay: needs --fault-tolerant"),
   (["train", "--standby"], "argument --standby: needs --fault-tolerant"),
+  (["train", "--exchange-retries", "2"], "argument --exchange-retries: needs --fault-tolerant"),
+  (EXAMPLE + ["--exchange-retries", "-1"], "argument --exchange-retries: must be an integer >= 0"),
   (EXAMPLE + ["--join-timeout", "-1"], "argument --join-timeout: must be a number >= 0"),
   (["replica", "--lighthouse", "http://127.0.0.1:1", "--replica-id", "3", "--replicas", "3"],
    "argument --replica-id: must be in 0..2 (--replicas 3), got 3"),

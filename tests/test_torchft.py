@@ -343,13 +343,17 @@ def test_settings_fingerprint_tells_runs_apart():
 
 class FakeGroup:
   """A process group of two members, this replica at rank 1: each all-gather hands back
-  ``peer``'s next buffer at rank 0 and this replica's own at rank 1."""
+  ``peer``'s next buffer at rank 0 and this replica's own at rank 1, or raises the next one if
+  it is an exception."""
 
   def __init__(self, *peer):
     self.peer = list(peer)
 
   def allgather(self, outs, mine, options):
-    outs[0][0].copy_(self.peer.pop(0))
+    peer = self.peer.pop(0)
+    if isinstance(peer, Exception):
+      raise peer
+    outs[0][0].copy_(peer)
     outs[0][1].copy_(mine[0])
     return types.SimpleNamespace(wait=lambda: None)
 
@@ -371,6 +375,24 @@ class FakeManager:
 
   def should_commit(self):
     return not self.errors
+
+
+def _fake_replica(tmp_path, protocol, params, grads, peer, exchange_retries=0):
+  """A ``TorchftReplica`` (slot 1, fingerprint 7, 8 tokens per step) over a ``FakeGroup`` of
+  ``peer``'s buffers and a ``FakeManager`` whose errors a quorum clears; ``quorums`` counts
+  the quorums asked for."""
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  replica = object.__new__(te.TorchftReplica)
+  replica.protocol, replica.state, replica.slot, replica.fingerprint = (
+    protocol, protocol.init(params), 1, 7)
+  replica._grads, replica.tokens_per_step, replica.healed = grads, 8, False
+  replica.quorum_id, replica._last_members = 0, None
+  replica._first_round, replica.checkpointer, replica._target = None, None, None
+  replica.exchange_retries, replica.log_path = exchange_retries, tmp_path / "replica_1.jsonl"
+  replica._manager, replica._pg, replica.quorums = FakeManager(), FakeGroup(*peer), []
+  replica._quorum = lambda: (replica.quorums.append(1), replica._manager.errors.clear())
+  return replica
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco"])
@@ -405,21 +427,58 @@ def test_a_member_left_out_of_an_aborted_quorum_sends_nothing_and_takes_the_roun
   end = protocol.abort(ahead) if streaming else protocol.commit(
     ahead, protocol.merge([sent.payload], [1]), sent)
 
-  replica = object.__new__(te.TorchftReplica)
-  replica.protocol, replica.state, replica.slot, replica.fingerprint = (
-    protocol, protocol.init(params), 1, 7)
-  replica._grads, replica.tokens_per_step, replica.healed = grads, 8, False
-  replica.quorum_id, replica._last_members = 0, None
-  replica._first_round, replica.checkpointer, replica._target = None, None, None
-  replica.log_path = tmp_path / "replica_1.jsonl"
-  replica._quorum, replica._manager = lambda: None, FakeManager()
   header = [0, 8 * sent.steps, 1, 7, int(ahead.opt_state.local_step)]
-  replica._pg = FakeGroup(torch.tensor(header, dtype=torch.int64), te._pack(sent.payload))
+  peer = (torch.tensor(header, dtype=torch.int64), te._pack(sent.payload),
+          torch.ones(1, dtype=torch.int64))
+  replica = _fake_replica(tmp_path, protocol, params, grads, peer, exchange_retries=1)
   line = replica.round()
   assert line["committed"] != streaming and line["weight"] == 0 and line["members"] == (0, 1)
-  assert line["step"] == header[-1]
+  assert line["step"] == header[-1] and line["attempts"] == 1  # a void round is not retried
   assert line["state_hash"] == ft.state_hash(ft.global_state(end))
-  assert len(replica._pg.peer) == streaming  # the payloads' all-gather left out
+  assert len(replica._pg.peer) == 2 * streaming  # the payloads' and the ack's left out
+
+
+@pytest.mark.parametrize("failed, retries, committed", [
+  (0, 1, True),  # the headers' all-gather failed: a new quorum, the same payload, a commit
+  (1, 2, True),  # the payloads'
+  (0, 0, False),  # no retry asked for
+  (2, 1, False),  # the acknowledgement's: a peer may have committed, so it aborts at once
+])
+def test_an_exchange_failed_before_the_acknowledgement_is_tried_again_in_a_new_quorum(
+    tmp_path, failed, retries, committed):
+  """Replica 1's exchange fails at the all-gather ``failed`` (a peer stopped in it): with
+  retries it asks for a new quorum and exchanges the same payload with the peer that remains
+  (committed as the merge of both), unless the failure was the acknowledgement's; then it
+  aborts."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  import torch
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(0.7, momentum=0.9),
+                              sync_period=2)
+  params = {"a": jnp.arange(4.0), "b": jnp.ones((2, 2))}
+
+  def grads(p, step):  # the gradient of 0.5 |p - step|^2, every slot's alike
+    return jax.tree.map(lambda x: x - step, p)
+
+  state, sent = protocol.run_round(protocol.init(params), grads)
+  weight = 8 * sent.steps
+  ok = [torch.tensor([0, weight, 1, 7, sent.steps], dtype=torch.int64), te._pack(sent.payload),
+        torch.ones(1, dtype=torch.int64)]
+  first = [*ok[:failed], RuntimeError("Connection reset by peer")]
+  replica = _fake_replica(tmp_path, protocol, params, grads, first + ok, retries)
+  line = replica.round()
+  end = protocol.commit(state, protocol.merge([sent.payload] * 2, [weight] * 2), sent)
+  assert line["committed"] == committed
+  assert line["attempts"] == len(replica.quorums) == 1 + committed
+  assert line["members"] == ((0, 1) if committed or failed == 2 else ())
+  assert line["state_hash"] == ft.state_hash(ft.global_state(
+    end if committed else protocol.abort(state)))
+  assert line["weight"] == weight
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ Measured from the replicas' logs (``OUT/replicas/replica_<i>.jsonl``):
   first round to its first commit (a heal within one round: 0 or 1);
 * heals, and of them the unprovoked ones: to a replica without a fault of its own (nor a
   Lighthouse kill) in the 20 s before (a heal cascade's mark);
-* longest stall (gap between commits), aborted rounds, the rounds whose committed lines hold
-  more than one ``state_hash`` (must be 0), and the final held-out metric (``final_<i>.json``).
+* longest stall (gap between commits), aborted rounds, rounds committed after a retry (a line
+  with ``attempts`` > 1), the rounds whose committed lines hold more than one ``state_hash``
+  (must be 0), and the final held-out metric (``final_<i>.json``).
 
 Beside them (``--sync-checkpoint-every`` > 0), synchronous data parallelism with today's remedy
 under the same schedule, and its own control: ``optax-dist train --algorithm sync`` over R
@@ -96,6 +97,8 @@ class Config:
   link_seconds: tuple[float, float] = kit.option((5.0, 15.0), "a link down's length, uniform")
   restart_delay: float = kit.option(2.0, "seconds before the launcher restarts a dead replica")
   exchange_timeout: float = kit.option(2.0, "--exchange-timeout of the replicas, seconds")
+  exchange_retries: int = kit.option(
+    1, "--exchange-retries: new quorums for a round whose exchange failed (the command's default)")
   join_timeout: float = kit.option(
     launcher.JOIN_TIMEOUT_S, "--join-timeout: seconds the Lighthouse waits for a heartbeating"
     " replica that has not asked for the quorum (the command's default)")
@@ -178,7 +181,8 @@ def command(config: Config, out: str, star: netns.Star | None = None) -> list[st
           str(config.min_replicas), "--devices", "1", "--task", config.task, "--steps",
           str(config.steps), "--sync-period", str(config.sync_period),
           "--restart-delay", str(config.restart_delay), "--max-restarts", "1000",
-          "--exchange-timeout", str(config.exchange_timeout), "--join-timeout",
+          "--exchange-timeout", str(config.exchange_timeout), "--exchange-retries",
+          str(config.exchange_retries), "--join-timeout",
           str(config.join_timeout), "--finish-grace",
           str(config.finish_grace), "--lighthouse-heartbeat-timeout",
           str(config.heartbeat_timeout), "--no-progress", "--out", out] + hosts + (
@@ -604,6 +608,8 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
       x["tokens"] for x in lines), "rounds_committed": len(commits),
     "rounds_aborted": sum(not any(x["committed"] for x in g) for g in rounds.values()),
     "abort_lines": sum(not x["committed"] for x in lines),
+    "rounds_retried": sum(any(x["committed"] and x.get("attempts", 1) > 1 for x in g)
+                          for g in rounds.values()),
     "hash_mismatches": sum(len({x["state_hash"] for x in g if x["committed"]}) > 1
                            for g in rounds.values()),
     "longest_stall_s": float(max(np.diff(commits), default=0.0)), "heal_s": heals,
@@ -750,6 +756,7 @@ ROWS = (
   ("rounds committed (whole run)", lambda a, r: a["rounds_committed"]),
   ("rounds aborted everywhere / abort lines",
    lambda a, r: f"{a['rounds_aborted']} / {a['abort_lines']}"),
+  ("rounds committed after a retried exchange", lambda a, r: a.get("rounds_retried", "—")),
   ("state-hash mismatches", lambda a, r: a["hash_mismatches"]),
   ("longest stall (s)", lambda a, r: f"{a['longest_stall_s']:.2f}"),
   ("median seconds of a round all replicas committed",

@@ -55,7 +55,7 @@ DEFAULTS = {"min_replicas": None, "host": "127.0.0.1", "quorum_timeout": 60.0,
             "exchange_timeout": 30.0, "join_timeout": ft_launcher.JOIN_TIMEOUT_S,
             "lighthouse_heartbeat_timeout": 5.0,
             "max_restarts": 3, "restart_delay": 1.0, "finish_grace": 10.0, "replica_netns": None,
-            "standby": False}
+            "standby": False, "exchange_retries": 1}
 """The fault-tolerance flags' defaults (``min_replicas``: ``R // 2 + 1``); each flag's parser
 default is ``None``, so that one given without ``--fault-tolerant`` is refused."""
 
@@ -101,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      " (default: none)")
   group.add_argument("--max-restarts", type=integer_at_least_0, default=None, metavar="N",
                      help=f"restarts of each replica id (default: {d['max_restarts']})")
+  group.add_argument("--exchange-retries", type=integer_at_least_0, default=None, metavar="N",
+                     help="times a round whose exchange failed (a member stopped, killed or cut"
+                     " off in it) is tried again in a new quorum without that member before it"
+                     f" aborts (default: {d['exchange_retries']})")
   group.add_argument("--standby", action="store_const", const=True, default=None,
                      help="keep a warm standby process per replica id (imported, compiled,"
                      " waiting), which takes over a dead replica's id after --restart-delay and"
@@ -246,7 +250,7 @@ def run_replica(args: argparse.Namespace) -> int:
       quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
       on_ready=lambda: _meet(pathlib.Path(args.out), args.replica_id, args.replicas,
                              args.quorum_timeout), checkpoint_every=args.checkpoint_every,
-      standby=args.wait_for_takeover)
+      standby=args.wait_for_takeover, exchange_retries=args.exchange_retries)
   except ft_replica.ReplicaError as e:
     raise CommandError(str(e)) from None
   final = {"replica": args.replica_id, "step": int(state.opt_state.local_step),

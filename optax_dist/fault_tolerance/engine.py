@@ -40,7 +40,7 @@ class Fault:
     replica: the replica id (its data slot), an int in ``[0, R)``.
     kind: ``"die_inner"`` (dies during the round's inner steps: not in its quorum),
       ``"die_exchange"`` (in the quorum, dies during the exchange: the round aborts on every
-      member), ``"join"`` (a dead replica restarts under the same id: it runs no inner step
+      member, or with ``exchange_retries`` the others try it again in a new quorum), ``"join"`` (a dead replica restarts under the same id: it runs no inner step
       that round, joins the quorum and heals if behind; weight 0), ``"straggle"`` (misses the
       join timeout: left out of that quorum, it reverts as on an abort), ``"die_heal"`` (dies
       if asked to donate a heal that round: the joiner takes the next up-to-date member),
@@ -56,9 +56,7 @@ class Fault:
 
   def __post_init__(self):
     for name in ("round", "replica"):
-      _checks.check_int("Fault", name, getattr(self, name))
-      if getattr(self, name) < 0:
-        raise ValueError(f"`Fault({name}=...)` must be an int >= 0, got {getattr(self, name)}.")
+      _checks.check_non_negative_int("Fault", name, getattr(self, name))
     _checks.check_choice("Fault", "kind", self.kind, KINDS)
 
 
@@ -134,11 +132,14 @@ class InProcessEngine:
      up-to-date member (the heal payload's bytes, :func:`encode_heal` then
      :func:`decode_heal`); a donor that dies is dropped and the next is asked; with none left
      the joiner is left out;
-  4. the members with weight > 0 (tokens processed from a current state) are merged in rank
+  4. with ``exchange_retries`` > 0, the members that die in the exchange leave the quorum and the
+     others exchange the same payloads again in a new quorum (one retry models the torchft
+     engine's, which needs a new quorum from the Lighthouse per attempt);
+  5. the members with weight > 0 (tokens processed from a current state) are merged in rank
      order (:meth:`RoundProtocol.merge`); the round commits iff the quorum has at least
      ``min_replicas`` members, none died in the exchange, there is a payload and every one
      votes yes;
-  5. every surviving member commits or aborts; stragglers abort; each writes a
+  6. every surviving member commits or aborts; stragglers abort; each writes a
      :class:`RoundLog` line.
 
   Args:
@@ -153,11 +154,13 @@ class InProcessEngine:
       times it.
     min_replicas: the smallest quorum that commits; default :math:`\lfloor R/2 \rfloor + 1`.
     faults: a sequence of :class:`Fault`.
+    exchange_retries: as the torchft engine's: whether (> 0) a round whose members died in
+      the exchange is tried again without them; an int >= 0.
 
   Raises:
     TypeError: ``protocol`` not a :class:`RoundProtocol`; a fault not a :class:`Fault`.
     ValueError: ``num_replicas``, ``tokens_per_step`` (each) or ``min_replicas`` not a positive
-      int, or ``min_replicas > num_replicas``; ``tokens_per_step`` not of R ints; a fault's
+      int, or ``min_replicas > num_replicas``; ``exchange_retries`` not an int >= 0; ``tokens_per_step`` not of R ints; a fault's
       replica >= R. In :meth:`run`: a join of a live replica.
 
   References:
@@ -169,7 +172,7 @@ class InProcessEngine:
   def __init__(
     self, protocol: RoundProtocol, params: Any, grad_fn: Callable, batch_fn: Callable,
     *, num_replicas: int, seed: int = 0, tokens_per_step: int | Sequence[int] = 1,
-    min_replicas: int | None = None, faults: Sequence[Fault] = (),
+    min_replicas: int | None = None, faults: Sequence[Fault] = (), exchange_retries: int = 0,
   ):
     fn = "InProcessEngine"
     if not isinstance(protocol, RoundProtocol):
@@ -189,6 +192,7 @@ class InProcessEngine:
       raise ValueError(
         f"`{fn}(min_replicas=...)` must be at most num_replicas={num_replicas}, got"
         f" {min_replicas}.")
+    _checks.check_non_negative_int(fn, "exchange_retries", exchange_retries)
     for fault in faults:
       if not isinstance(fault, Fault):
         raise TypeError(f"`{fn}(faults=...)` must hold Fault events, got {fault!r}.")
@@ -200,7 +204,7 @@ class InProcessEngine:
     self.grad_fn, self.batch_fn = jax.jit(grad_fn), batch_fn
     self.num_replicas, self.min_replicas = num_replicas, min_replicas
     self.tokens_per_step = per_slot
-    self.faults = tuple(faults)
+    self.faults, self.exchange_retries = tuple(faults), exchange_retries
     self.replicas: dict[int, ReplicaState | None] = {
       i: protocol.init(params) for i in range(num_replicas)}
     self.log: list[RoundLog] = []
@@ -249,6 +253,8 @@ class InProcessEngine:
     sent = {i: self._inner_steps(i) for i in plan.runners}
     members, stragglers = list(plan.members), list(plan.stragglers)
     healed = self._heal(plan, members, stragglers)
+    if plan.lost and self.exchange_retries:
+      members = self._retry(plan, members)
     if tuple(members) != self._last_members:
       self.quorum_id, self._last_members = self.quorum_id + 1, tuple(members)
     tokens = {i: self.tokens_per_step[i] * sent[i].steps for i in sent}
@@ -261,6 +267,13 @@ class InProcessEngine:
     self.log.extend(lines)
     self.rounds_run = plan.round + 1
     return lines
+
+  def _retry(self, plan: RoundPlan, members: list) -> list:
+    """The members that did not die in the exchange, in the new quorum of its retry; the lost
+    die now."""
+    for i in plan.lost:
+      self.replicas[i] = None
+    return [i for i in members if i not in plan.lost]
 
   def _settle(self, plan: RoundPlan, members: list, stragglers: list, merged: Any, sent: dict
               ) -> None:

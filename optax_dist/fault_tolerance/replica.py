@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds")
   p.add_argument("--timeout", type=float, default=30.0,
                  help="seconds for a collective, a heal and the vote")
+  p.add_argument("--exchange-retries", type=int, default=1, metavar="N",
+                 help="times a round whose exchange failed is tried again in a new quorum")
   p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                  help="inner steps between checkpoints under OUT/replicas/checkpoints, where"
                  " the replica starts from the newest (default: none)")
@@ -146,7 +148,7 @@ def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, 
           seed: int, tokens_per_step: int, lighthouse: str, replica_id: int, out: str,
           host: str, min_replicas: int, quorum_timeout: float, timeout: float,
           on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
-          standby: bool = False) -> Any:
+          standby: bool = False, exchange_retries: int = 0) -> Any:
   """Runs one ``TorchftReplica`` of ``protocol`` on ``(params, grad_fn, batch_fn)`` until the
   run has committed ``steps`` inner steps; returns its final ``ReplicaState``.
 
@@ -164,7 +166,7 @@ def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, 
       out=out, host=host, seed=seed, tokens_per_step=tokens_per_step,
       min_replicas=min_replicas, quorum_timeout=quorum_timeout, timeout=timeout,
       on_ready=on_ready, checkpoint_every=checkpoint_every,
-      standby=wait_for_takeover if standby else None)
+      standby=wait_for_takeover if standby else None, exchange_retries=exchange_retries)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
   try:
@@ -202,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         tokens_per_step=args.batch, lighthouse=args.lighthouse, replica_id=args.replica_id,
         out=args.out, host=args.host, min_replicas=args.min_replicas,
         quorum_timeout=args.quorum_timeout, timeout=args.timeout,
-        checkpoint_every=args.checkpoint_every, standby=args.wait_for_takeover)
+        checkpoint_every=args.checkpoint_every, standby=args.wait_for_takeover,
+        exchange_retries=args.exchange_retries)
   return 0
 
 

@@ -13,10 +13,11 @@ replicas through torchft:
    address answers the next one. A restarted Lighthouse counts its quorum ids from 0 again;
    when a quorum's id is below the last one's, the replica makes a new ``Manager`` (its store
    fresh, torchft's step kept) before its next round.
-2. **Exchange**: two all-gathers over torchft's ``ProcessGroupGloo``: every member's header
+2. **Exchange**: three all-gathers over torchft's ``ProcessGroupGloo``: every member's header
    (slot, weight, whether its quorum and heal went without error, the fingerprint of its
    settings: :func:`settings_fingerprint`), then, if every fingerprint is the run's, every
-   member's payload bytes (uint8). Every member merges the payloads of weight > 0 in rank
+   member's payload bytes (uint8), then an acknowledgement (one int64 each: its payloads'
+   all-gather completed). Every member merges the payloads of weight > 0 in rank
    order (:meth:`RoundProtocol.merge`), so every member gets the same bits. A member whose
    ``local_step`` is behind the most advanced member's was left out of a quorum that aborted
    (torchft's step unchanged, so it does not heal) while the others ran another round's inner
@@ -33,8 +34,15 @@ replicas through torchft:
    all-gather completed decides alike; torchft's vote is within one replica group only, so a
    member whose all-gather failed while the others' completed aborts alone, is one committed
    round behind at the next quorum, and heals there.
-4. **Commit or abort** (:meth:`RoundProtocol.commit`, :meth:`RoundProtocol.abort`), then one
-   JSON line in ``OUT/replicas/replica_<i>.jsonl``.
+4. **Retry** (``exchange_retries`` > 0): a member whose headers' or payloads' all-gather failed
+   (a member stopped, killed or cut off in the exchange) does not abort yet: it asks for a new
+   quorum, in which the Lighthouse leaves out a member it no longer hears, and exchanges the
+   same payload again, up to ``exchange_retries`` more times. No member can have committed the
+   round meanwhile: a commit needs every member's acknowledgement, which a member sends only
+   after its payloads' all-gather completed. A member whose acknowledgement failed aborts (it
+   heals at its next quorum, as before).
+5. **Commit or abort** (:meth:`RoundProtocol.commit`, :meth:`RoundProtocol.abort`), then one
+   JSON line in ``OUT/replicas/replica_<i>.jsonl`` (with ``attempts``: the round's quorums).
 
 Needs the ``ft`` extra (``torch`` and ``torchft``); the rest of optax_dist does not import
 torch.
@@ -260,7 +268,8 @@ def run_fingerprint(fingerprints: list[int]) -> int:
 
 @dataclasses.dataclass
 class _Round:
-  """What one round left for its log line."""
+  """What one round left for its log line (``retryable``: its last attempt's exchange failed
+  before the acknowledgement)."""
 
   members: tuple = ()
   weight: int = 0
@@ -268,6 +277,8 @@ class _Round:
   quorum_seconds: float = 0.0
   foreign: bool = False
   step: int = 0
+  attempts: int = 0
+  retryable: bool = False
 
 
 class TorchftReplica:
@@ -307,11 +318,15 @@ class TorchftReplica:
       has compiled its round, before it reads the newest checkpoint and before its manager
       starts, so that it takes over a dead replica's id within a round instead of after its
       imports and compilations. ``None``: none (a replica starting or restarted).
+    exchange_retries: how many times a round whose exchange failed before the acknowledgement
+      is tried again in a new quorum (step 4 of the module's docstring) before it aborts, an
+      int >= 0; 0: it aborts at once.
 
   Raises:
     ValueError: ``lighthouse`` not an ``http://`` URL; ``replica_id`` not an int >= 0;
-      ``tokens_per_step`` or ``min_replicas`` not a positive int; a timeout not a positive
-      number; the newest checkpoint written by other settings, or damaged.
+      ``tokens_per_step`` or ``min_replicas`` not a positive int; ``exchange_retries`` not an
+      int >= 0; a timeout not a positive number; the newest checkpoint written by other
+      settings, or damaged.
 
   References:
     torchft 0.2.0 (``Manager``, ``LighthouseServer``, ``ProcessGroupGloo``,
@@ -324,16 +339,15 @@ class TorchftReplica:
     seed: int = 0, tokens_per_step: int = 1, min_replicas: int = 1,
     quorum_timeout: float = 60.0, timeout: float = 30.0,
     on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
-    standby: Callable[[], None] | None = None,
+    standby: Callable[[], None] | None = None, exchange_retries: int = 0,
   ):
     fn = "TorchftReplica"
     if not str(lighthouse).startswith("http://"):
       raise ValueError(f"`{fn}(lighthouse=...)` must be an http:// URL, got {lighthouse!r}.")
-    _checks.check_int(fn, "replica_id", replica_id)
-    if replica_id < 0:
-      raise ValueError(f"`{fn}(replica_id=...)` must be an int >= 0, got {replica_id}.")
+    _checks.check_non_negative_int(fn, "replica_id", replica_id)
     _checks.check_positive_int(fn, "tokens_per_step", tokens_per_step)
     _checks.check_positive_int(fn, "min_replicas", min_replicas)
+    _checks.check_non_negative_int(fn, "exchange_retries", exchange_retries)
     for name, value in (("quorum_timeout", quorum_timeout), ("timeout", timeout)):
       if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"`{fn}({name}=...)` must be a positive number of seconds, got {value!r}.")
@@ -346,7 +360,7 @@ class TorchftReplica:
                        f" {host!r} ({e}).") from None
     self.protocol, self.params0, self.slot, self.seed = protocol, params, replica_id, seed
     self.grad_fn, self.batch_fn = jax.jit(grad_fn), batch_fn
-    self.tokens_per_step = tokens_per_step
+    self.tokens_per_step, self.exchange_retries = tokens_per_step, exchange_retries
     self.fingerprint = settings_fingerprint(
       protocol, params, seed=seed, tokens_per_step=tokens_per_step)
     self.state: ReplicaState = protocol.init(params)
@@ -443,8 +457,9 @@ class TorchftReplica:
       self.round()
 
   def round(self) -> dict:
-    """One round: inner steps, quorum (and heal), exchange, vote, commit or abort; returns the
-    log line written.
+    """One round: inner steps; quorum (and heal), exchange and vote, again in a new quorum up
+    to ``exchange_retries`` times while the exchange fails before its acknowledgement; commit
+    or abort. Returns the log line written.
 
     Raises:
       SettingsMismatch: after the line (an abort), if this replica's settings fingerprint is
@@ -455,16 +470,10 @@ class TorchftReplica:
     else:  # the warm-up ran it from this same state
       (self.state, sent), self._first_round = self._first_round, None
     self.healed = False
-    start = time.monotonic()
-    self._quorum()
-    info = _Round(tokens=sent.steps * self.tokens_per_step,
-                  quorum_seconds=time.monotonic() - start)
-    info.weight = 0 if self.healed else info.tokens
-    merged = self._exchange(sent, info)
-    if info.step > int(self.state.opt_state.local_step):  # its round is void (see _exchange)
-      info.weight = 0
-      self.state = _at_step(self.protocol.abort(self.state), info.step)
-    committed = self._vote()
+    info = _Round(tokens=sent.steps * self.tokens_per_step)
+    merged, committed = self._attempt(sent, info)
+    while not committed and info.retryable and info.attempts <= self.exchange_retries:
+      merged, committed = self._attempt(sent, info)
     if committed:
       self.state = self.protocol.commit(self.state, merged, sent if info.weight else None)
     else:
@@ -480,6 +489,21 @@ class TorchftReplica:
         " run's: algorithm, sync period, wire format, params' shapes, seed and tokens per step"
         " must be every replica's")
     return line
+
+  def _attempt(self, sent: Sent, info: _Round) -> tuple[Any, bool]:
+    """One attempt at the round: quorum (and heal), exchange, vote; returns the merged payload
+    (``None`` on failure) and the vote."""
+    start = time.monotonic()
+    self._quorum()
+    info.quorum_seconds += time.monotonic() - start
+    info.attempts, info.retryable = info.attempts + 1, False
+    info.members, info.step, info.foreign = (), 0, False
+    info.weight = 0 if self.healed else info.tokens
+    merged = self._exchange(sent, info)
+    if info.step > int(self.state.opt_state.local_step):  # its round is void (see _exchange)
+      info.weight, info.retryable = 0, False
+      self.state = _at_step(self.protocol.abort(self.state), info.step)
+    return merged, self._vote()
 
   def _quorum(self) -> None:
     """``start_quorum`` in requests of at most ``QUORUM_ATTEMPT_S`` seconds, until one is
@@ -538,12 +562,14 @@ class TorchftReplica:
     return outs
 
   def _exchange(self, sent: Sent, info: _Round) -> Any:
-    """The headers' all-gather, the payloads' and the merge; on failure reports the error (a
-    no vote) and returns ``None``."""
+    """The headers' all-gather, the payloads', the acknowledgement's and the merge; on failure
+    reports the error (a no vote) and returns ``None``, with ``info.retryable`` set if the
+    headers' or the payloads' all-gather failed."""
     ok, step = int(self._manager.errored() is None), int(self.state.opt_state.local_step)
     header = np.asarray([self.slot, info.weight, ok, self.fingerprint, step], np.int64)
     outs = self._allgather(torch.from_numpy(header))
     if outs is None:
+      info.retryable = True
       return None
     heads = [dict(zip(_HEADER, out.tolist(), strict=True)) for out in outs]
     info.members = tuple(head["slot"] for head in heads)
@@ -561,6 +587,12 @@ class TorchftReplica:
       return None
     outs = self._allgather(_pack(sent.payload))
     if outs is None:
+      info.retryable = True
+      return None
+    # The acknowledgement: a member's chunk of it says that its payloads' all-gather completed.
+    # A member commits only once it holds every member's, so no member commits a round whose
+    # exchange failed on another before the acknowledgement: that one may retry the round.
+    if self._allgather(torch.ones(1, dtype=torch.int64)) is None:
       return None
     voters = [(head["weight"], _unpack(out, sent.payload)) for head, out in zip(
       heads, outs, strict=True) if head["weight"] > 0 and head["step"] == info.step]
@@ -579,7 +611,8 @@ class TorchftReplica:
       round=_boundaries(self.protocol, step) - 1, replica=self.slot, step=step,
       quorum_id=self.quorum_id, members=info.members, committed=committed, weight=info.weight,
       healed=self.healed, state_hash=state_hash(global_state(self.state)), tokens=info.tokens))
-    line.update(time=time.time(), pid=os.getpid(), quorum_seconds=info.quorum_seconds)
+    line.update(time=time.time(), pid=os.getpid(), quorum_seconds=info.quorum_seconds,
+                attempts=info.attempts)
     with open(self.log_path, "a") as f:
       f.write(json.dumps(line) + "\n")
     return line
