@@ -281,8 +281,10 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   # (with a smaller quorum the others may finish first on a loaded machine).
   # Uncapped (cpus=0): capped at 2/3 of a CPU on a loaded machine, a replica could miss the 2 s
   # exchange timeout; the caps are tested above.
+  # Without standbys (3 more processes compiling beside the run): the launcher's takeover is
+  # tested in test_torchft.py, and the study's view of a waiting standby below.
   config = chaos.Config(replicas=3, min_replicas=3, task="digits", steps=500, sync_period=5,
-                        restart_delay=0.5, exchange_timeout=2.0, timeout=150.0)
+                        restart_delay=0.5, exchange_timeout=2.0, timeout=150.0, standby=False)
   faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2),
             chaos.Fault(5.0, "lighthouse", -1), chaos.Fault(8.0, "link", 0, 3.0)]
   out = str(tmp_path / "run")
@@ -317,6 +319,21 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   assert len(got["heal_s"]) == 3
   up = next(at for at, kind, _, _ in run["events"] if kind == "up")
   assert any(x["replica"] == 0 and x["committed"] and x["time"] - run["t0"] > up for x in committed)
+
+
+def test_a_waiting_standby_is_no_replica_until_the_launcher_names_it(tmp_path, monkeypatch):
+  """``process_ids`` leaves out a standby (``--wait-for-takeover``) until the launcher's
+  ``OUT/replica_<i>.pid`` names it: then it is replica i's process, to fault and to cap."""
+  out = str(tmp_path)
+  replica = f"python -m optax_dist.cli replica --out {out} --replica-id"
+  procs = {10: f"{replica} 0", 11: f"{replica} 0 --wait-for-takeover",
+           12: f"{replica} 1 --wait-for-takeover", 13: f"{replica} 1"}
+  monkeypatch.setattr(chaos, "processes", lambda o: procs if o == out else {})
+  (tmp_path / "replica_1.pid").write_text("13\n")
+  assert chaos.process_ids(out, "--replica-id") == {0: 10, 1: 13}
+  del procs[10]  # replica 0 killed; its standby takes over
+  (tmp_path / "replica_0.pid").write_text("11\n")
+  assert chaos.process_ids(out, "--replica-id") == {0: 11, 1: 13}
 
 
 @pytest.mark.slow

@@ -818,7 +818,8 @@ def _metric_gap(runs: dict[str, Any]) -> float | None:
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  cfg, runs = result["config"], result["runs"]
+  # a record without exchange_retries predates the retry: its rounds aborted at once
+  cfg, runs = {"exchange_retries": 0} | result["config"], result["runs"]
   kinds = [e[1] for e in runs["faulted"]["events"] if 0 < e[0] <= result["span_s"]]
   rows = [[label] + [cell(result[k], runs[k]) for k in ("control", "faulted")]
           for label, cell in ROWS]

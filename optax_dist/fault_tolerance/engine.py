@@ -253,7 +253,7 @@ class InProcessEngine:
     sent = {i: self._inner_steps(i) for i in plan.runners}
     members, stragglers = list(plan.members), list(plan.stragglers)
     healed = self._heal(plan, members, stragglers)
-    if plan.lost and self.exchange_retries:
+    if plan.lost and self.exchange_retries and not plan.force_abort:
       members = self._retry(plan, members)
     if tuple(members) != self._last_members:
       self.quorum_id, self._last_members = self.quorum_id + 1, tuple(members)
