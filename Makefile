@@ -18,9 +18,8 @@ demo: $(VENV)/.examples
 	$(BIN)/optax-dist compare
 
 # One pytest worker per core (pytest-xdist), each file on one worker: a file's module fixtures
-# (runs started together) run once. Files in collection order (not by their test counts), which
-# tests/conftest.py makes the files with end-to-end runs first: the workers end on small files.
-PYTEST_PARALLEL := -n auto --dist loadfile --no-loadscope-reorder
+# (runs started together) run once.
+PYTEST_PARALLEL := -n auto --dist loadfile
 
 # With the ft extra (torch==2.13.0, torchft): OPTAX_DIST_REQUIRE_FT=1 makes a missing torchft
 # fail tests/test_torchft.py instead of skipping it.

@@ -42,11 +42,3 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-def pytest_collection_modifyitems(items):
-  """The files with end-to-end runs (a test marked ``slow``) first, each file's tests in their
-  order: under ``--dist loadfile`` the workers then end on small files, instead of one waiting
-  idle while the other runs a long file alone."""
-  slow = {item.path for item in items if item.get_closest_marker("slow")}
-  items.sort(key=lambda item: item.path not in slow)
