@@ -61,8 +61,8 @@ def test_schedule_refuses_bad_input(kwargs):
 
 def line(round, replica, time, committed=True, weight=10, tokens=10, healed=False, pid=None,
          state_hash="h", quorum_seconds=0.01, attempts=1):
-  return {"attempts": attempts, "round": round, "replica": replica, "time": time, "committed": committed,
-          "step": 10 * (round + 1),
+  return {"attempts": attempts, "round": round, "replica": replica, "time": time,
+          "committed": committed, "step": 10 * (round + 1),
           "weight": weight, "tokens": tokens, "healed": healed, "pid": pid or 100 + replica,
           "state_hash": f"{state_hash}{round}", "quorum_seconds": quorum_seconds}
 

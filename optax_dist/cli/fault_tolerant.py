@@ -19,8 +19,9 @@ replica restarted under its id continues its slot's stream from the healed step.
 
 Each replica writes ``OUT/replicas/replica_<i>.jsonl`` (one line per round: ``round``, ``step``,
 ``quorum_id``, ``members``, ``committed``, ``weight``, ``healed``, ``state_hash``, ``tokens``,
-``time``, ``pid``, ``quorum_seconds``, ``attempts``) and, once finished, ``OUT/replicas/final_<i>.json`` with
-the test metric of its final evaluated params (the anchor; ``local_sgd``: the last average).
+``time``, ``pid``, ``quorum_seconds``, ``attempts``) and, once finished,
+``OUT/replicas/final_<i>.json`` with the test metric of its final evaluated params (the anchor;
+``local_sgd``: the last average).
 The command then prints :func:`summary` and writes it to ``OUT/fault_tolerant_<algorithm>.json``.
 """
 

@@ -40,11 +40,12 @@ class Fault:
     replica: the replica id (its data slot), an int in ``[0, R)``.
     kind: ``"die_inner"`` (dies during the round's inner steps: not in its quorum),
       ``"die_exchange"`` (in the quorum, dies during the exchange: the round aborts on every
-      member, or with ``exchange_retries`` the others try it again in a new quorum), ``"join"`` (a dead replica restarts under the same id: it runs no inner step
-      that round, joins the quorum and heals if behind; weight 0), ``"straggle"`` (misses the
-      join timeout: left out of that quorum, it reverts as on an abort), ``"die_heal"`` (dies
-      if asked to donate a heal that round: the joiner takes the next up-to-date member),
-      ``"nonfinite"`` (its payload holds a NaN: it votes no).
+      member, or with ``exchange_retries`` the others try it again in a new quorum),
+      ``"join"`` (a dead replica restarts under the same id: it runs no inner step that round,
+      joins the quorum and heals if behind; weight 0), ``"straggle"`` (misses the join timeout:
+      left out of that quorum, it reverts as on an abort), ``"die_heal"`` (dies if asked to
+      donate a heal that round: the joiner takes the next up-to-date member), ``"nonfinite"``
+      (its payload holds a NaN: it votes no).
 
   Raises:
     ValueError: a ``round`` or ``replica`` not an int >= 0, or ``kind`` not one of ``KINDS``.
@@ -160,8 +161,9 @@ class InProcessEngine:
   Raises:
     TypeError: ``protocol`` not a :class:`RoundProtocol`; a fault not a :class:`Fault`.
     ValueError: ``num_replicas``, ``tokens_per_step`` (each) or ``min_replicas`` not a positive
-      int, or ``min_replicas > num_replicas``; ``exchange_retries`` not an int >= 0; ``tokens_per_step`` not of R ints; a fault's
-      replica >= R. In :meth:`run`: a join of a live replica.
+      int, or ``min_replicas > num_replicas``; ``exchange_retries`` not an int >= 0;
+      ``tokens_per_step`` not of R ints; a fault's replica >= R. In :meth:`run`: a join of a
+      live replica.
 
   References:
     torchft (``Lighthouse`` quorums, ``Manager.should_commit``, healing from a live peer;
