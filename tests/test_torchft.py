@@ -481,6 +481,59 @@ def test_an_exchange_failed_before_the_acknowledgement_is_tried_again_in_a_new_q
   assert line["weight"] == weight
 
 
+class ScriptedManager:
+  """torchft's ``Manager`` as a quorum request uses it: ``start_quorum`` raises the script's
+  next entry if it is an exception, else takes it as the quorum's id."""
+
+  def __init__(self, script, made):
+    self.script, self.steps, self.shut = script, None, False
+    made.append(self)
+
+  def start_quorum(self, timeout):
+    entry = self.script.pop(0)
+    if isinstance(entry, Exception):
+      raise entry
+    self._quorum_id = entry
+
+  def state_dict(self):
+    return {"step": 9}
+
+  def load_state_dict(self, steps):
+    self.steps = steps
+
+  def shutdown(self, wait):
+    self.shut = True
+
+
+@pytest.mark.parametrize("script, managers, renew", [
+  ([12], 1, False),  # the next quorum
+  ([TimeoutError(), 12], 2, False),  # a request left unanswered: sent again by a new manager
+  ([TimeoutError(), 1], 2, False),  # ... to a restarted Lighthouse: the new store holds no key
+  ([1], 1, True),  # a restarted Lighthouse answered at once: a new manager for the next round
+])
+def test_a_request_lost_or_answered_by_a_restarted_lighthouse_gets_a_new_manager(
+    script, managers, renew):
+  """After a quorum of id 11, replica 1's next request meets ``script``. A request that timed
+  out is sent again by a new manager (a fresh store, torchft's step kept); a quorum whose id
+  is below the last one's (a restarted Lighthouse's) through a manager of before has the next
+  round's request sent by a new one. So no process group's rendezvous reads the addresses an
+  earlier Lighthouse's quorum of the same id left in a store."""
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  replica, made = object.__new__(te.TorchftReplica), []
+  replica._make_manager = lambda: ScriptedManager(script, made)
+  replica._manager_args, replica.quorum_timeout, replica._renew = (), 60.0, False
+  replica._manager, replica._torchft_quorum_id = replica._make_manager(), 11
+  replica._quorum()
+  assert len(made) == managers and not script and replica._renew == renew
+  assert [m.shut for m in made] == [True] * (managers - 1) + [False]
+  assert [m.steps for m in made[1:]] == [{"step": 9}] * (managers - 1)
+  script.append(made[-1]._quorum_id + 1)  # the next quorum
+  replica._quorum()
+  assert len(made) == managers + renew and not replica._renew
+  assert [m.steps for m in made[1:]] == [{"step": 9}] * (managers + renew - 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input.
 

@@ -9,10 +9,13 @@ replicas through torchft:
    inside the call from a live peer over :class:`HealTransport` (:func:`encode_heal` bytes over
    HTTP, checked by :func:`decode_heal`; never a pickle). A request that gets no answer within
    ``QUORUM_ATTEMPT_S`` seconds (a Lighthouse that died loses the requests it held) is sent
-   again, until ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same
-   address answers the next one. A restarted Lighthouse counts its quorum ids from 0 again;
-   when a quorum's id is below the last one's, the replica makes a new ``Manager`` (its store
-   fresh, torchft's step kept) before its next round.
+   again through a new ``Manager`` (its store fresh, torchft's step kept), until
+   ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same address answers
+   the next one. A restarted Lighthouse counts its quorum ids from 0 again, and torchft keys a
+   process group's rendezvous in the quorum's store by quorum id: in a store of before the
+   restart, the new quorums would read the old ones' addresses (and wait for them up to the
+   connect timeout). A replica whose request was answered by a restarted Lighthouse (a quorum
+   id below the last one's) without timing out makes a new ``Manager`` before its next round.
 2. **Exchange**: three all-gathers over torchft's ``ProcessGroupGloo``: every member's header
    (slot, weight, whether its quorum and heal went without error, the fingerprint of its
    settings: :func:`settings_fingerprint`), then, if every fingerprint is the run's, every
@@ -523,9 +526,7 @@ class TorchftReplica:
       except TimeoutError:
         if time.monotonic() >= deadline:
           raise
-        # torchft 0.2.0 raises a failed request's error again from every later start_quorum
-        # unless the request is forgotten.
-        self._manager._quorum_future = None
+        self._renew_manager()  # the Lighthouse may have died with the request
     # torchft 0.2.0 has no public getter for the quorum id.
     quorum_id = self._manager._quorum_id
     self._renew = quorum_id < self._torchft_quorum_id
@@ -533,9 +534,7 @@ class TorchftReplica:
 
   def _renew_manager(self) -> None:
     """Replaces the manager (and its store, process group and heal server) by a new one with
-    torchft's step kept, between two rounds. A Lighthouse that restarted counts its quorum ids
-    from 0 again, and torchft keys a process group's rendezvous in the quorum's store by quorum
-    id: in the old store the new quorums would read the old ones' addresses."""
+    torchft's step kept (step 1 of the module's docstring)."""
     self._renew, self._torchft_quorum_id = False, -1
     steps = self._manager.state_dict()
     self._manager.shutdown(wait=False)
