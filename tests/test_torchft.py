@@ -482,10 +482,13 @@ def test_an_exchange_failed_before_the_acknowledgement_is_tried_again_in_a_new_q
 
 
 class ScriptedManager:
-  """torchft's ``Manager`` as a quorum request uses it: ``start_quorum`` raises the script's
-  next entry if it is an exception, else takes it as the quorum's id."""
+  """torchft's ``Manager`` as a quorum request uses it: made unless the script's next entry
+  is a ``RuntimeError`` (the Lighthouse unreachable), which it raises; ``start_quorum`` raises
+  the script's next entry if it is an exception, else takes it as the quorum's id."""
 
   def __init__(self, script, made):
+    if isinstance(script[0], RuntimeError):
+      raise script.pop(0)
     self.script, self.steps, self.shut = script, None, False
     made.append(self)
 
@@ -509,6 +512,7 @@ class ScriptedManager:
   ([12], 1, False),  # the next quorum
   ([TimeoutError(), 12], 2, False),  # a request left unanswered: sent again by a new manager
   ([TimeoutError(), 1], 2, False),  # ... to a restarted Lighthouse: the new store holds no key
+  ([TimeoutError(), RuntimeError("failed to connect"), 1], 2, False),  # ... not yet up
   ([1], 1, True),  # a restarted Lighthouse answered at once: a new manager for the next round
 ])
 def test_a_request_lost_or_answered_by_a_restarted_lighthouse_gets_a_new_manager(

@@ -406,13 +406,17 @@ class TorchftReplica:
     self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     self._pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout))
     self.transport = HealTransport(host, timeout)
-    return Manager(
-      pg=self._pg, load_state_dict=self._load, state_dict=self._heal_bytes,
-      min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
-      timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
-      connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1, store_addr=host,
-      store_port=self._store.port, lighthouse_addr=lighthouse,
-      replica_id=f"replica_{self.slot}", hostname=host, checkpoint_transport=self.transport)
+    try:
+      return Manager(
+        pg=self._pg, load_state_dict=self._load, state_dict=self._heal_bytes,
+        min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
+        timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
+        connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1, store_addr=host,
+        store_port=self._store.port, lighthouse_addr=lighthouse,
+        replica_id=f"replica_{self.slot}", hostname=host, checkpoint_transport=self.transport)
+    except BaseException:
+      self.transport.shutdown()
+      raise
 
   def _warm_up(self) -> None:
     """Runs a round's computations once, before the manager starts (so before the Lighthouse
@@ -515,9 +519,9 @@ class TorchftReplica:
     Raises:
       TimeoutError: no request answered within ``quorum_timeout`` seconds.
     """
-    if self._renew:
-      self._renew_manager()
     deadline = time.monotonic() + self.quorum_timeout
+    if self._renew:
+      self._renew_manager(deadline)
     while True:
       attempt = min(QUORUM_ATTEMPT_S, deadline - time.monotonic())
       try:
@@ -526,19 +530,30 @@ class TorchftReplica:
       except TimeoutError:
         if time.monotonic() >= deadline:
           raise
-        self._renew_manager()  # the Lighthouse may have died with the request
+        self._renew_manager(deadline)  # the Lighthouse may have died with the request
     # torchft 0.2.0 has no public getter for the quorum id.
     quorum_id = self._manager._quorum_id
     self._renew = quorum_id < self._torchft_quorum_id
     self._torchft_quorum_id = quorum_id
 
-  def _renew_manager(self) -> None:
+  def _renew_manager(self, deadline: float) -> None:
     """Replaces the manager (and its store, process group and heal server) by a new one with
-    torchft's step kept (step 1 of the module's docstring)."""
+    torchft's step kept (step 1 of the module's docstring), trying again until ``deadline``
+    (``time.monotonic()``) while the Lighthouse cannot be reached (it is being restarted).
+
+    Raises:
+      RuntimeError: torchft's, the Lighthouse still unreachable at ``deadline``.
+    """
     self._renew, self._torchft_quorum_id = False, -1
     steps = self._manager.state_dict()
     self._manager.shutdown(wait=False)
-    self._manager = self._make_manager(*self._manager_args)
+    while True:
+      try:
+        self._manager = self._make_manager(*self._manager_args)
+        break
+      except RuntimeError:  # torchft's: no connection to the Lighthouse within the timeout
+        if time.monotonic() >= deadline:
+          raise
     self._manager.load_state_dict(steps)
 
   def _vote(self) -> bool:
