@@ -508,24 +508,28 @@ class ScriptedManager:
     self.shut = True
 
 
-@pytest.mark.parametrize("script, managers, renew", [
-  ([12], 1, False),  # the next quorum
-  ([TimeoutError(), 12], 2, False),  # a request left unanswered: sent again by a new manager
-  ([TimeoutError(), 1], 2, False),  # ... to a restarted Lighthouse: the new store holds no key
-  ([TimeoutError(), RuntimeError("failed to connect"), 1], 2, False),  # ... not yet up
-  ([1], 1, True),  # a restarted Lighthouse answered at once: a new manager for the next round
+@pytest.mark.parametrize("script, restarted, managers, renew", [
+  ([12], None, 1, False),  # the next quorum
+  ([TimeoutError(), 12], False, 1, False),  # the Lighthouse holds the request: the same manager
+  ([TimeoutError(), 12], True, 2, False),  # it lost it: sent again by a new manager
+  ([TimeoutError(), 1], True, 2, False),  # ... to a restarted Lighthouse: the new store is empty
+  ([TimeoutError(), RuntimeError("failed to connect"), 1], True, 2, False),  # ... not yet up
+  ([1], None, 1, True),  # a restarted Lighthouse answered at once: a new manager for the next round
 ])
 def test_a_request_lost_or_answered_by_a_restarted_lighthouse_gets_a_new_manager(
-    script, managers, renew):
+    script, restarted, managers, renew):
   """After a quorum of id 11, replica 1's next request meets ``script``. A request that timed
-  out is sent again by a new manager (a fresh store, torchft's step kept); a quorum whose id
-  is below the last one's (a restarted Lighthouse's) through a manager of before has the next
-  round's request sent by a new one. So no process group's rendezvous reads the addresses an
-  earlier Lighthouse's quorum of the same id left in a store."""
+  out is sent again by a new manager (a fresh store, torchft's step kept) if the Lighthouse has
+  lost it (``restarted``), else by the same one, whose store a quorum forming from the held
+  request may name; a quorum whose id is below the last one's (a restarted Lighthouse's)
+  through a manager of before has the next round's request sent by a new one. So no process
+  group's rendezvous reads the addresses an earlier Lighthouse's quorum of the same id left in
+  a store."""
   from optax_dist.fault_tolerance import torchft_engine as te
 
   replica, made = object.__new__(te.TorchftReplica), []
   replica._make_manager = lambda: ScriptedManager(script, made)
+  replica._lighthouse_restarted = lambda: restarted
   replica._manager_args, replica.quorum_timeout, replica._renew = (), 60.0, False
   replica._manager, replica._torchft_quorum_id = replica._make_manager(), 11
   replica._quorum()
@@ -536,6 +540,47 @@ def test_a_request_lost_or_answered_by_a_restarted_lighthouse_gets_a_new_manager
   replica._quorum()
   assert len(made) == managers + renew and not replica._renew
   assert [m.steps for m in made[1:]] == [{"step": 9}] * (managers + renew - 1)
+
+
+@pytest.mark.parametrize("page, last, restarted", [
+  (b"Current quorum_id: 5 <br>", 11, True),  # restarted: it counts from 0 again
+  (b"Current quorum_id: 11 <br>", 11, False),
+  (b"Current quorum_id: 12 <br>", 11, False),
+  (b"another Lighthouse's page", 11, False),  # not understood: taken for the same one
+  (None, 11, True),  # no answer: down, or being restarted
+])
+def test_a_restarted_lighthouse_is_told_by_its_status_page(page, last, restarted):
+  """``_lighthouse_restarted`` reads torchft's ``/status`` page (here a server of the test's
+  serving ``page``; ``None``: a port nothing listens on)."""
+  import http.server
+  import threading
+
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  class Status(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+      assert self.path == "/status"
+      self.send_response(200)
+      self.end_headers()
+      self.wfile.write(page)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.HTTPServer(("127.0.0.1", 0), Status)
+  port = server.server_address[1]
+  if page is None:
+    server.server_close()
+  else:
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    replica = object.__new__(te.TorchftReplica)
+    replica._manager_args, replica._torchft_quorum_id = (f"http://127.0.0.1:{port}",), last
+    assert replica._lighthouse_restarted() == restarted
+  finally:
+    if page is not None:
+      server.shutdown()
+      server.server_close()
 
 
 # ------------------------------------------------------------------------------------------------

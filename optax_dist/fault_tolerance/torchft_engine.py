@@ -9,9 +9,12 @@ replicas through torchft:
    inside the call from a live peer over :class:`HealTransport` (:func:`encode_heal` bytes over
    HTTP, checked by :func:`decode_heal`; never a pickle). A request that gets no answer within
    ``QUORUM_ATTEMPT_S`` seconds (a Lighthouse that died loses the requests it held) is sent
-   again through a new ``Manager`` (its store fresh, torchft's step kept), until
-   ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same address answers
-   the next one. A restarted Lighthouse counts its quorum ids from 0 again, and torchft keys a
+   again, until ``quorum_timeout`` seconds have passed: a Lighthouse restarted on the same
+   address answers the next one. When the Lighthouse's status page (``/status``) does not
+   answer, or shows a quorum id below the last one this replica joined, the request is sent
+   again through a new ``Manager`` (its store fresh, torchft's step kept); otherwise through
+   the same one, since a new one would close the store a quorum forming from the held request
+   may name. A restarted Lighthouse counts its quorum ids from 0 again, and torchft keys a
    process group's rendezvous in the quorum's store by quorum id: in a store of before the
    restart, the new quorums would read the old ones' addresses (and wait for them up to the
    connect timeout). A replica whose request was answered by a restarted Lighthouse (a quorum
@@ -60,6 +63,7 @@ import http.server
 import json
 import os
 import pathlib
+import re
 import socket
 import threading
 import time
@@ -530,11 +534,28 @@ class TorchftReplica:
       except TimeoutError:
         if time.monotonic() >= deadline:
           raise
-        self._renew_manager(deadline)  # the Lighthouse may have died with the request
+        if self._lighthouse_restarted():
+          self._renew_manager(deadline)
+        else:  # the Lighthouse holds the request: torchft 0.2.0 raises a failed request's
+          # error again from every later start_quorum unless the request is forgotten
+          self._manager._quorum_future = None
     # torchft 0.2.0 has no public getter for the quorum id.
     quorum_id = self._manager._quorum_id
     self._renew = quorum_id < self._torchft_quorum_id
     self._torchft_quorum_id = quorum_id
+
+  def _lighthouse_restarted(self) -> bool:
+    """Whether the Lighthouse may have lost this replica's request: it does not answer (it is
+    down, or being restarted), or its current quorum id is below the last one this replica
+    joined (it was restarted)."""
+    try:
+      with urllib.request.urlopen(f"{self._manager_args[0]}/status", timeout=1.0) as response:
+        status = response.read().decode(errors="replace")
+    except OSError:
+      return True
+    # torchft 0.2.0's status page; another's, not understood, is taken for the same Lighthouse
+    found = re.search(r"Current quorum_id: (\d+)", status)
+    return found is not None and int(found.group(1)) < self._torchft_quorum_id
 
   def _renew_manager(self, deadline: float) -> None:
     """Replaces the manager (and its store, process group and heal server) by a new one with
