@@ -31,6 +31,12 @@ STEPS, PERIOD, FAIL_AT, CHECKPOINT_EVERY = 20, 5, 10, 4
 ARGS = ["--steps", str(STEPS), "--communication-period", str(PERIOD), "--seed", "1",
         "--no-progress"]
 MULTI = ["--processes", "2", "--devices", "2"]
+# The killed and resized runs: elastic_average (``fault``, resumed on 2 processes and on 1) and
+# diloco (``grow``, resumed on 2).
+EASGD = ["train", "--algorithm", "elastic_average", *ARGS, "--checkpoint-every",
+         str(CHECKPOINT_EVERY)]
+RESIZE = ["train", "--algorithm", "diloco", *ARGS, "--sync-period", str(PERIOD),
+          "--checkpoint-every", str(CHECKPOINT_EVERY)]
 COMPARED = ("sync", "elastic_average", "agn", "moving_average", "local_sgd", "diloco")
 # With local processes the launcher polls every 0.05 s, kills the others at once, waits for them
 # and reports: about a second; the bounds leave room for a loaded machine.
@@ -100,9 +106,8 @@ def runs(root):
                   "--save-params", root / "single.npz"),
     "multi": Run("compare", *ARGS, *MULTI, "--out", root / "multi",
                  "--save-params", root / "multi.npz"),
-    "fault": Run("train", "--algorithm", "elastic_average", *ARGS, *MULTI,
-                 "--out", root / "fault", "--checkpoint-every", str(CHECKPOINT_EVERY),
-                 "--fail-at-step", str(FAIL_AT)),
+    "fault": Run(*EASGD, *MULTI, "--out", root / "fault", "--fail-at-step", str(FAIL_AT)),
+    "grow": Run(*RESIZE, "--devices", "2", "--out", root / "grow", "--fail-at-step", str(FAIL_AT)),
     # Started one by one, as on a cluster: no parent watches them.
     "cluster0": Run(*cluster, "--process-id", "0"),
     "cluster1": Run(*cluster, "--process-id", "1"),
@@ -164,10 +169,19 @@ def test_two_processes_give_the_params_of_one(single, multi, root):
   assert (config["processes"], config["devices"], config["workers"]) == (2, 2, 4)
 
 
+@pytest.fixture(scope="module")
+def fault(runs, root):
+  """The ``fault`` run (2 processes, process 1 exits at step ``FAIL_AT``): its result, its output
+  copied to ``shrink`` before any resume (resumed there on 1 process, on 2 in ``fault``)."""
+  result = runs["fault"].result()
+  shutil.copytree(root / "fault", root / "shrink")
+  return result
+
+
 @pytest.mark.slow
-def test_killed_process_stops_the_run_and_resume_is_exact(runs, multi, root):
+def test_killed_process_stops_the_run_and_resume_is_exact(runs, fault, multi, root):
+  returncode, stdout, stderr = fault
   fault = runs["fault"]
-  returncode, stdout, stderr = fault.result()
   assert returncode == 1, stderr
   assert "optax-dist: error: process 1 exited with code 1" in stderr
   died = fault.time_of(f"exiting at step {FAIL_AT}")
@@ -181,8 +195,7 @@ def test_killed_process_stops_the_run_and_resume_is_exact(runs, multi, root):
   assert sorted(int(p) for p in os.listdir(checkpoints) if p.isdigit()) == [4, 8]
 
   # Resumes from step 8, in the middle of a communication period (5).
-  resumed = Run("train", "--algorithm", "elastic_average", *ARGS, *MULTI, "--out", root / "fault",
-                "--checkpoint-every", str(CHECKPOINT_EVERY), "--resume",
+  resumed = Run(*EASGD, *MULTI, "--out", root / "fault", "--resume",
                 "--save-params", root / "resumed.npz")
   returncode, stdout, stderr = resumed.result()
   assert returncode == 0, stderr
@@ -289,21 +302,20 @@ def test_only_process_zero_says_what_every_process_finds(monkeypatch, capsys, tm
   assert lines == (expected if said else []), lines
 
 
-RESIZE = ["train", "--algorithm", "diloco", *ARGS, "--sync-period", str(PERIOD),
-          "--checkpoint-every", str(CHECKPOINT_EVERY)]
-LAYOUTS = {"shrink": (MULTI, ["--devices", "2"]), "grow": (["--devices", "2"], MULTI)}
+# name: (algorithm, the resumed run's arguments, workers before and after).
+LAYOUTS = {"shrink": ("elastic_average", [*EASGD, "--devices", "2"], 4, 2),
+           "grow": ("diloco", [*RESIZE, *MULTI], 2, 4)}
 
 
 @pytest.fixture(scope="module")
-def resized(root):
-  """A 2-process run (4 workers) crashed at step ``FAIL_AT`` and resumed on 1 process (2
-  workers), ``shrink``, and a 1-process run resumed on 2, ``grow``: ``{name: (crashed, resumed)}``,
-  each a ``(returncode, stdout, stderr)``."""
-  crashed = {name: Run(*RESIZE, *first, "--out", root / name, "--fail-at-step", str(FAIL_AT))
-             for name, (first, _) in LAYOUTS.items()}
-  crashed = {name: run_.result() for name, run_ in crashed.items()}
-  resumed = {name: Run(*RESIZE, *second, "--out", root / name, "--resume")
-             for name, (_, second) in LAYOUTS.items()}
+def resized(runs, root, fault):
+  """The ``fault`` run's copy (elastic_average, 2 processes and 4 workers, crashed at step
+  ``FAIL_AT``) resumed on 1 process (2 workers), ``shrink``; and the ``grow`` run (diloco, 1
+  process, crashed at the same step) resumed on 2: ``{name: (crashed, resumed)}``, each a
+  ``(returncode, stdout, stderr)``."""
+  crashed = {"shrink": fault, "grow": runs["grow"].result()}
+  resumed = {name: Run(*args, "--out", root / name, "--resume")
+             for name, (_, args, _, _) in LAYOUTS.items()}
   return {name: (crashed[name], resumed[name].result()) for name in LAYOUTS}
 
 
@@ -312,12 +324,13 @@ def test_resume_on_another_number_of_processes_resizes(root, resized):
   """A 2-process run (4 workers) resumes on 1 process (2 workers), and a 1-process run on 2."""
   for name, ((returncode, _, stderr), _) in resized.items():
     assert returncode == 1 and f"exiting at step {FAIL_AT}" in stderr, (name, stderr)
-  for name, (before, after) in {"shrink": (4, 2), "grow": (2, 4)}.items():
+  for name, (algorithm, _, before, after) in LAYOUTS.items():
     returncode, stdout, stderr = resized[name][1]
     assert returncode == 0, stderr
-    line = f"diloco: resized from {before} to {after} workers at step 8"
+    line = f"{algorithm}: resized from {before} to {after} workers at step 8"
     assert line in stdout
-    result = json.loads((root / name / "results_diloco.json").read_text())["algorithms"]["diloco"]
+    results = json.loads((root / name / f"results_{algorithm}.json").read_text())
+    result = results["algorithms"][algorithm]
     assert result["resized"] == {"step": 8, "from_workers": before, "to_workers": after}
     assert result["devices"] == after
     assert result["history"]["step"] == [0, 10, 20]  # the evaluations of the checkpoint kept
