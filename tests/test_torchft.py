@@ -435,6 +435,15 @@ def test_a_member_left_out_of_an_aborted_quorum_sends_nothing_and_takes_the_roun
   assert line["step"] == header[-1] and line["attempts"] == 1  # a void round is not retried
   assert line["state_hash"] == ft.state_hash(ft.global_state(end))
   assert len(replica._pg.peer) == 2 * streaming  # the payloads' and the ack's left out
+  # The step taken is placed as the state's other leaves (uncommitted): the next round runs the
+  # programs replica 0's rounds compiled, none compiled again.
+  assert not replica.state.opt_state.local_step.committed
+  compiled = protocol.inner_step._cache_size(), protocol.local_half._cache_size()
+  protocol.run_round(replica.state, grads)
+  assert (protocol.inner_step._cache_size(), protocol.local_half._cache_size()) == compiled
+  placed = te._at_step(jax.device_put(replica.state, jax.devices()[1]), 3)  # committed: kept
+  assert placed.opt_state.local_step.committed and int(placed.opt_state.local_step) == 3
+  assert placed.opt_state.local_step.devices() == {jax.devices()[1]}
 
 
 @pytest.mark.parametrize("failed, retries, committed", [

@@ -661,9 +661,12 @@ class TorchftReplica:
 
 def _at_step(state: ReplicaState, step: int) -> ReplicaState:
   """``state`` with its ``local_step`` set to ``step`` (the round's most advanced member's),
-  placed as before."""
+  placed as before, committed to its device only if it was: a jitted program is compiled per
+  placement of its arguments, so the next round runs the programs already compiled."""
   old = state.opt_state.local_step
-  new = jax.device_put(jnp.asarray(step, old.dtype), old.sharding)
+  new = jnp.asarray(step, old.dtype)
+  if old.committed:
+    new = jax.device_put(new, old.sharding)
   return state._replace(opt_state=state.opt_state._replace(local_step=new))
 
 
