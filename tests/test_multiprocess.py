@@ -181,15 +181,15 @@ def fault(runs, root):
 @pytest.mark.slow
 def test_killed_process_stops_the_run_and_resume_is_exact(runs, fault, multi, root):
   returncode, stdout, stderr = fault
-  fault = runs["fault"]
+  killed = runs["fault"]
   assert returncode == 1, stderr
   assert "optax-dist: error: process 1 exited with code 1" in stderr
-  died = fault.time_of(f"exiting at step {FAIL_AT}")
-  stopped = fault.time_of("exited with code") - died  # reported after the others were killed
+  died = killed.time_of(f"exiting at step {FAIL_AT}")
+  stopped = killed.time_of("exited with code") - died  # reported after the others were killed
   print(f"\nlocal processes stopped {stopped:.2f} s and the command exited"
-        f" {fault.ended - died:.2f} s after process 1 died")
+        f" {killed.ended - died:.2f} s after process 1 died")
   assert stopped < LOCAL_FAULT_BOUND_S
-  assert fault.ended - died < LOCAL_EXIT_BOUND_S
+  assert killed.ended - died < LOCAL_EXIT_BOUND_S
   assert not (root / "fault" / "results_elastic_average.json").exists()
   checkpoints = root / "fault" / "checkpoints" / "elastic_average"
   assert sorted(int(p) for p in os.listdir(checkpoints) if p.isdigit()) == [4, 8]
