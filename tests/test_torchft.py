@@ -340,6 +340,10 @@ def test_settings_fingerprint_tells_runs_apart():
   assert te.run_fingerprint([7, 5]) == 7  # a tie: the lowest rank's
 
 
+class GlooAbort(BaseException):
+  """gloo's abort of the process on an all-gather of buffers of different sizes."""
+
+
 class FakeGroup:
   """A process group of two members, this replica at rank 1: each all-gather hands back
   ``peer``'s next buffer at rank 0 and this replica's own at rank 1, or raises the next one if
@@ -352,6 +356,8 @@ class FakeGroup:
     peer = self.peer.pop(0)
     if isinstance(peer, Exception):
       raise peer
+    if peer.shape != mine[0].shape:  # gloo terminates the process: no exception to catch
+      raise GlooAbort(f"buffers of {tuple(peer.shape)} and {tuple(mine[0].shape)}")
     outs[0][0].copy_(peer)
     outs[0][1].copy_(mine[0])
     return types.SimpleNamespace(wait=lambda: None)
@@ -444,6 +450,43 @@ def test_a_member_left_out_of_an_aborted_quorum_sends_nothing_and_takes_the_roun
   placed = te._at_step(jax.device_put(replica.state, jax.devices()[1]), 3)  # committed: kept
   assert placed.opt_state.local_step.committed and int(placed.opt_state.local_step) == 3
   assert placed.opt_state.local_step.devices() == {jax.devices()[1]}
+
+
+def test_a_streaming_replica_healed_in_its_round_sends_the_round_s_fragment_s_size(tmp_path):
+  """Replica 1, a round behind on the other fragment, heals at its quorum from replica 0: it
+  sends zeros of the size of the round's fragment's payload (weight 0), not its own payload of
+  the other fragment, and commits replica 0's round."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  import torch
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import heal
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  protocol = ft.RoundProtocol("streaming_diloco", optax.sgd(0.1), optax.sgd(0.7, momentum=0.9),
+                              num_fragments=2, sync_period=4)
+  params = {"a": jnp.ones((3, 3)), "b": jnp.arange(4.0)}  # fragments of 36 and 16 bytes
+
+  def grads(p, step):  # the gradient of 0.5 |p - step|^2
+    return jax.tree.map(lambda x: x - step, p)
+
+  donor, sent = protocol.run_round(protocol.init(params), grads)
+  donor, sent = protocol.run_round(protocol.commit(donor, protocol.merge([sent.payload], [1]),
+                                                   sent), grads)
+  merged = protocol.merge([sent.payload], [1])
+  end = protocol.commit(donor, merged, sent)
+  header = [0, 8 * sent.steps, 1, 7, int(donor.opt_state.local_step)]
+  peer = (torch.tensor(header, dtype=torch.int64), te._pack(sent.payload),
+          torch.ones(1, dtype=torch.int64))
+  replica = _fake_replica(tmp_path, protocol, params, grads, peer)
+  replica.params0 = params
+  replica._quorum = lambda: replica._load(heal.encode_heal(ft.heal_state(donor)))
+  line = replica.round()
+  assert line["committed"] and line["healed"] and line["weight"] == 0
+  assert line["step"] == header[-1] and line["members"] == (0, 1)
+  assert line["state_hash"] == ft.state_hash(ft.global_state(end))
 
 
 @pytest.mark.parametrize("failed, retries, committed", [

@@ -620,7 +620,8 @@ class TorchftReplica:
       self._manager.report_error(ValueError(f"replicas {behind}: a round behind (on another"
                                             " fragment)"))
       return None
-    outs = self._allgather(_pack(sent.payload))
+    payload = self._payload(sent, info.step)
+    outs = self._allgather(_pack(payload))
     if outs is None:
       info.retryable = True
       return None
@@ -629,7 +630,7 @@ class TorchftReplica:
     # exchange failed on another before the acknowledgement: that one may retry the round.
     if self._allgather(torch.ones(1, dtype=torch.int64)) is None:
       return None
-    voters = [(head["weight"], _unpack(out, sent.payload)) for head, out in zip(
+    voters = [(head["weight"], _unpack(out, payload)) for head, out in zip(
       heads, outs, strict=True) if head["weight"] > 0 and head["step"] == info.step]
     if not (voters and all(head["ok"] for head in heads)
             and all(self.protocol.votes(p) for _, p in voters)):
@@ -637,6 +638,19 @@ class TorchftReplica:
                                             " non-finite one"))
       return None
     return self.protocol.merge([p for _, p in voters], [w for w, _ in voters])
+
+  def _payload(self, sent: Sent, step: int) -> Any:
+    """What this replica sends in the round ending at ``step``: its payload; healed in this
+    round (its weight 0: left out of the merge) under ``streaming_diloco``, zeros of the
+    payload of the round's fragment. Its own payload is of the fragment of its step before the
+    heal, of another size, and gloo aborts the process on an all-gather of buffers of
+    different sizes."""
+    if not self.healed or self.protocol.algorithm != "streaming_diloco":
+      return sent.payload
+    fragment = self.protocol.fragment(step)
+    shapes = jax.eval_shape(lambda p, o: self.protocol.local_half(p, o, p, fragment)[3],
+                            self.state.params, self.state.opt_state)
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
   def _write(self, info: _Round, committed: bool) -> dict:
     if info.members != self._last_members:
