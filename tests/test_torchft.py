@@ -475,8 +475,7 @@ def test_a_streaming_replica_healed_in_its_round_sends_the_round_s_fragment_s_si
   donor, sent = protocol.run_round(protocol.init(params), grads)
   donor, sent = protocol.run_round(protocol.commit(donor, protocol.merge([sent.payload], [1]),
                                                    sent), grads)
-  merged = protocol.merge([sent.payload], [1])
-  end = protocol.commit(donor, merged, sent)
+  end = protocol.commit(donor, protocol.merge([sent.payload], [1]), sent)
   header = [0, 8 * sent.steps, 1, 7, int(donor.opt_state.local_step)]
   peer = (torch.tensor(header, dtype=torch.int64), te._pack(sent.payload),
           torch.ones(1, dtype=torch.int64))

@@ -31,8 +31,9 @@ replicas through torchft:
    takes the most advanced member's step before the vote, as the others' aborted round left
    them. For ``streaming_diloco`` its payload is of another fragment, which the others could
    not tell from theirs by its size: every member then votes no without the payloads'
-   all-gather. A member whose
-   fingerprint is not the run's (the one most members hold) leaves the run with
+   all-gather. A member that healed at this quorum (weight 0) holds the donor's step, and
+   sends zeros of the round's fragment's payload: its own is of its step before the heal. A
+   member whose fingerprint is not the run's (the one most members hold) leaves the run with
    :class:`SettingsMismatch`.
 3. **Vote**: ``Manager.should_commit()``. A member reports an error, and so votes no, when its
    all-gather failed or when the gathered headers and payloads show a failed heal, no payload
