@@ -55,6 +55,8 @@ from optax_dist.fault_tolerance.engine import (
   RoundPlan,
   replay,
 )
+from optax_dist.fault_tolerance.in_process import LOOP_KINDS, InProcess
+from optax_dist.fault_tolerance.loop import Replica, RoundResult, step_key
 from optax_dist.fault_tolerance.heal import MAGIC, decode_heal, encode_heal, heal_replica
 from optax_dist.fault_tolerance.protocol import (
   SUPPORTED,
@@ -72,16 +74,20 @@ from optax_dist.fault_tolerance.protocol import (
 
 __all__ = (
   "KINDS",
+  "LOOP_KINDS",
   "MAGIC",
   "SUPPORTED",
   "Fault",
   "GlobalState",
   "HealState",
+  "InProcess",
   "InProcessEngine",
+  "Replica",
   "ReplicaState",
   "RoundLog",
   "RoundPlan",
   "RoundProtocol",
+  "RoundResult",
   "Sent",
   "counters",
   "decode_heal",
@@ -92,4 +98,5 @@ __all__ = (
   "local_state",
   "replay",
   "state_hash",
+  "step_key",
 )

@@ -1,0 +1,139 @@
+"""The round's decision, pure: the members' headers and payloads in, the merged payload or an
+abort out.
+
+Every engine (the in-process ones and the torchft one) gathers the same things from a round's
+members, in rank order: a :class:`Header` each, then each member's payload; every member then
+calls :func:`decide` on the same inputs and so reaches the same outcome with the same bits.
+:func:`check_headers` is the part that needs the headers only: an engine whose transport
+cannot gather payloads of different sizes calls it before the payloads' all-gather.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+HEADER = ("slot", "weight", "ok", "fingerprint", "step")
+"""The fields of :class:`Header`, in the order an engine sends them as int64s."""
+
+
+class Header(NamedTuple):
+  """What a member says of itself before its payload (int64s on the wire).
+
+  Attributes:
+    slot: its replica id (its data slot).
+    weight: its merge weight: the tokens it processed in the round from the current global
+      state, 0 if it healed or joined in the round.
+    ok: 1 unless its quorum or its heal failed (a member with ``ok == 0`` makes the round
+      abort).
+    fingerprint: its :func:`settings_fingerprint`.
+    step: its ``local_step`` after the round's inner steps (its data position).
+  """
+
+  slot: int
+  weight: int
+  ok: int
+  fingerprint: int
+  step: int
+
+
+class Decision(NamedTuple):
+  """A round's outcome, the same on every member that decided on the same inputs.
+
+  Attributes:
+    merged: the merged payload (:meth:`RoundProtocol.merge` of the voters' payloads in rank
+      order), or ``None``: the round aborts.
+    voters: the slots whose payloads were merged, in rank order (``()`` on an abort).
+    step: the round's step: the most advanced member's ``local_step``. A member behind it was
+      left out of an aborted quorum; its round is void (it aborts and takes this step).
+    reason: why the round aborts (``""`` when it commits).
+  """
+
+  merged: Any
+  voters: tuple
+  step: int
+  reason: str
+
+
+def settings_fingerprint(protocol: Any, params: Any, *, seed: int, tokens_per_step: int) -> int:
+  """A signed 64-bit int (the first 8 bytes of a sha256) of what every replica of a run must
+  share: the protocol's algorithm, H, wire format, error feedback, fragments and mixing; the
+  params' tree, dtypes and shapes; the data seed; the tokens per step. Not covered: the
+  optimizers' hyperparameters (optax transformations are closures)."""
+  fields = [protocol.algorithm, protocol.sync_period, str(protocol.comm_dtype),
+            protocol.comm_block_size, protocol.error_feedback, protocol.num_fragments,
+            protocol.mixing, seed, tokens_per_step]
+  fields += [[jax.tree_util.keystr(path), str(np.asarray(x).dtype), list(np.shape(x))]
+             for path, x in jax.tree_util.tree_leaves_with_path(params)]
+  digest = hashlib.sha256(json.dumps(fields, default=str).encode()).digest()
+  return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def run_fingerprint(fingerprints: Sequence[int]) -> int:
+  """The run's fingerprint among the members' (rank order): the one most of them hold, the
+  lowest rank's among equally many."""
+  return collections.Counter(fingerprints).most_common(1)[0][0]
+
+
+def check_headers(protocol: Any, heads: Sequence[Header], *, min_replicas: int) -> str:
+  """Why the round aborts from its headers alone, or ``""``.
+
+  In this order: fewer than ``min_replicas`` members; a member whose fingerprint is not the
+  run's (:func:`run_fingerprint`); a member that reported a failed quorum or heal
+  (``ok == 0``); a member a round behind when the protocol's payloads differ in size from
+  round to round (``streaming_diloco``'s fragments: a transport cannot gather them together);
+  no member with weight > 0 at the round's step (no payload to merge).
+  """
+  if len(heads) < min_replicas:
+    return f"{len(heads)} members, fewer than min_replicas={min_replicas}"
+  run = run_fingerprint([h.fingerprint for h in heads])
+  foreign = [h.slot for h in heads if h.fingerprint != run]
+  if foreign:
+    return f"replicas {foreign}: settings differ from the run's"
+  failed = [h.slot for h in heads if not h.ok]
+  if failed:
+    return f"replicas {failed}: quorum or heal failed"
+  step = max(h.step for h in heads)
+  behind = [h.slot for h in heads if h.step < step]
+  if behind and protocol.algorithm == "streaming_diloco":
+    return f"replicas {behind}: a round behind (a payload of another fragment)"
+  if not any(h.weight > 0 and h.step == step for h in heads):
+    return "no payload"
+  return ""
+
+
+def decide(protocol: Any, heads: Sequence[Header], payloads: Sequence[Any], *,
+           min_replicas: int) -> Decision:
+  """The round's outcome from its members' headers and payloads (rank order).
+
+  The round commits iff :func:`check_headers` finds nothing and every voter's payload votes
+  yes (:meth:`RoundProtocol.votes`: every value finite). The voters are the members with
+  weight > 0 at the round's step; their payloads are merged in rank order, token-weighted when
+  the weights differ (:meth:`RoundProtocol.merge`).
+
+  Args:
+    protocol: the run's :class:`RoundProtocol`.
+    heads: the members' :class:`Header`\\ s, in rank order (non-empty).
+    payloads: one per member, in rank order; a non-voter's is not read (``None`` allowed).
+    min_replicas: the smallest quorum that commits.
+
+  Returns:
+    A :class:`Decision`.
+  """
+  step = max(h.step for h in heads)
+  reason = check_headers(protocol, heads, min_replicas=min_replicas)
+  if reason:
+    return Decision(None, (), step, reason)
+  voters = [(h, p) for h, p in zip(heads, payloads, strict=True)
+            if h.weight > 0 and h.step == step]
+  bad = [h.slot for h, p in voters if not protocol.votes(p)]
+  if bad:
+    return Decision(None, (), step, f"replicas {bad}: a non-finite payload")
+  merged = protocol.merge([p for _, p in voters], [h.weight for h, _ in voters])
+  return Decision(merged, tuple(h.slot for h, _ in voters), step, "")

@@ -1,0 +1,239 @@
+r"""R user loops in one process, one thread each, faults injected by script.
+
+:class:`InProcess` is the engine for tests and notebooks (no torch): it runs the user's
+training function once per replica, each in a thread of its own with its own
+:class:`~optax_dist.fault_tolerance.Replica`, and stands in for the quorum and the transport.
+A round forms when every live replica has reached its boundary; it is decided once, in rank
+order, with the same function every engine uses
+(:func:`~optax_dist.fault_tolerance.decision.decide`), so the outcome does not depend on how
+the threads interleave.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_dist import _checks, _exchange
+from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance.decision import decide
+from optax_dist.fault_tolerance.engine import Fault, RoundLog
+from optax_dist.fault_tolerance.loop import Received, Replica, Sent
+from optax_dist.fault_tolerance.protocol import RoundProtocol
+
+LOOP_KINDS = ("die_inner", "join", "straggle", "nonfinite")
+"""The :class:`Fault` kinds :class:`InProcess` injects."""
+
+
+class _Killed(BaseException):
+  """Raised in a replica's thread at the boundary of the round it dies in (a ``BaseException``:
+  the user's ``except Exception`` does not catch it)."""
+
+
+class InProcess:
+  r"""The in-process engine: R user loops in one process, faults injected by script.
+
+  :meth:`run` calls ``train(replica)`` for each replica id :math:`i \in [0, R)` in a thread of
+  its own, with a :class:`~optax_dist.fault_tolerance.Replica` of slot :math:`i`. Rounds are
+  counted as they close (from 0). A round closes once every live replica has brought its
+  :meth:`Replica.after_step` to its boundary; then, in rank order (by id):
+
+  1. a replica with a ``"die_inner"`` fault in this round dies at its boundary (its round's
+     steps are lost; its thread ends); one with ``"straggle"`` is left out of the quorum and
+     aborts;
+  2. the quorum is the others; a member behind the most advanced (by committed rounds, then
+     ``local_step``) heals from the first up-to-date member (the heal's bytes:
+     :func:`encode_heal` then :func:`decode_heal`) and its weight is 0;
+  3. :func:`~optax_dist.fault_tolerance.decision.decide` merges the voters' payloads (a
+     ``"nonfinite"`` member's payload is replaced by NaNs) and votes; the model collections
+     are averaged over the voters in rank order;
+  4. a ``"join"`` fault of the next round starts ``train`` again for its (dead) replica id,
+     from the loop's own beginning: it runs its first round's inner steps, then heals at its
+     first boundary.
+
+  Args:
+    protocol: the run's :class:`RoundProtocol`.
+    num_replicas: R, a positive int.
+    faults: :class:`Fault` events of the kinds in :data:`LOOP_KINDS`.
+    min_replicas: the smallest quorum that commits; default :math:`\lfloor R/2 \rfloor + 1`.
+    seed: the data seed the replicas are given (:attr:`Replica.seed`).
+    tokens_per_step: the tokens of one batch (a round's weight is its steps times it).
+
+  Attributes:
+    log: every replica's :class:`RoundLog` lines, in the order they were written.
+    heals: ``(round, joiner, donor)`` of each heal.
+
+  Raises:
+    TypeError: ``protocol`` not a :class:`RoundProtocol`; a fault not a :class:`Fault`.
+    ValueError: ``num_replicas`` or ``min_replicas`` not a positive int, or ``min_replicas >
+      num_replicas``; a fault's kind not in :data:`LOOP_KINDS` or its replica >= R.
+  """
+
+  def __init__(self, protocol: RoundProtocol, *, num_replicas: int, faults: Sequence[Fault] = (),
+               min_replicas: int | None = None, seed: int = 0, tokens_per_step: int = 1):
+    fn = "InProcess"
+    if not isinstance(protocol, RoundProtocol):
+      raise TypeError(f"`{fn}(protocol=...)` must be a RoundProtocol, got {protocol!r}.")
+    _checks.check_positive_int(fn, "num_replicas", num_replicas)
+    min_replicas = num_replicas // 2 + 1 if min_replicas is None else min_replicas
+    _checks.check_positive_int(fn, "min_replicas", min_replicas)
+    if min_replicas > num_replicas:
+      raise ValueError(f"`{fn}(min_replicas=...)` must be at most num_replicas={num_replicas},"
+                       f" got {min_replicas}.")
+    _checks.check_positive_int(fn, "tokens_per_step", tokens_per_step)
+    for fault in faults:
+      if not isinstance(fault, Fault):
+        raise TypeError(f"`{fn}(faults=...)` must hold Fault events, got {fault!r}.")
+      if fault.kind not in LOOP_KINDS or fault.replica >= num_replicas:
+        raise ValueError(
+          f"`{fn}(faults=...)`: {fault!r} must be of a kind in {LOOP_KINDS} and name a replica"
+          f" below {num_replicas}.")
+    self.protocol, self.num_replicas, self.min_replicas = protocol, num_replicas, min_replicas
+    self.seed, self.tokens_per_step, self.faults = seed, tokens_per_step, tuple(faults)
+    self.log: list[RoundLog] = []
+    self.heals: list[tuple[int, int, int]] = []
+
+  def _events(self, r: int, kind: str) -> set:
+    return {f.replica for f in self.faults if f.round == r and f.kind == kind}
+
+  # --------------------------------------------------------------------------------------------
+
+  def run(self, train: Callable[[Replica], Any]) -> dict[int, Any]:
+    """Runs ``train(replica)`` for every replica (and again for each join) until each returns
+    or dies; returns each replica id's last return value (ids whose last run died are
+    missing).
+
+    Raises:
+      Exception: the first exception a replica's ``train`` raised (the others are let finish).
+      ValueError: a ``"join"`` of a live replica.
+    """
+    self._train, self._cv = train, threading.Condition()
+    self._round, self._arrived, self._results = 0, {}, {}
+    self._live, self._threads, self._errors, self._returned = set(), [], [], {}
+    self._quorum_id, self._last_members = 0, None
+    with self._cv:
+      for i in range(self.num_replicas):
+        self._start(i)
+    while True:
+      with self._cv:
+        threads = list(self._threads)
+      for t in threads:
+        t.join()
+      with self._cv:
+        if len(self._threads) == len(threads):
+          break
+    if self._errors:
+      raise self._errors[0]
+    return self._returned
+
+  def _start(self, i: int) -> None:
+    """Starts replica ``i``'s thread (the lock held)."""
+    if i in self._live:
+      raise ValueError(f"`Fault(round={self._round}, replica={i}, kind='join')`: replica {i} is"
+                       " alive.")
+    self._live.add(i)
+    replica = Replica(self.protocol, _Port(self, i), slot=i, seed=self.seed,
+                      tokens_per_step=self.tokens_per_step)
+    thread = threading.Thread(target=self._main, args=(i, replica), daemon=True)
+    self._threads.append(thread)
+    thread.start()
+
+  def _main(self, i: int, replica: Replica) -> None:
+    try:
+      self._returned[i] = self._train(replica)
+    except _Killed:
+      self._returned.pop(i, None)
+    except Exception as e:  # noqa: BLE001 (re-raised by run, after the others)
+      self._errors.append(e)
+    finally:
+      with self._cv:
+        self._live.discard(i)
+        self._arrived.pop(i, None)
+        self._close_if_complete()
+
+  # --------------------------------------------------------------------------------------------
+
+  def exchange(self, i: int, sent: Sent) -> Received:
+    """Replica ``i``'s round: waits until the round closes; returns its outcome.
+
+    Raises:
+      _Killed: ``i`` dies in this round.
+    """
+    with self._cv:
+      r = self._round
+      if i in self._events(r, "die_inner"):
+        raise _Killed
+      self._arrived[i] = sent
+      self._close_if_complete()
+      self._cv.wait_for(lambda: (r, i) in self._results)
+      return self._results.pop((r, i))
+
+  def _close_if_complete(self) -> None:
+    """Closes the round once every live replica has arrived (the lock held)."""
+    if not self._arrived or set(self._arrived) != self._live:
+      return
+    r, arrived = self._round, dict(sorted(self._arrived.items()))
+    stragglers = [i for i in arrived if i in self._events(r, "straggle")]
+    members = [i for i in arrived if i not in stragglers]
+    results = self._decide(r, {i: arrived[i] for i in members})
+    for i in stragglers:
+      results[i] = Received((), self._quorum_id, None, None, arrived[i].header.step,
+                            "left out of the quorum")
+    self._results.update({(r, i): got for i, got in results.items()})
+    self._round, self._arrived = r + 1, {}
+    for i in sorted(self._events(r + 1, "join")):
+      self._start(i)
+    self._cv.notify_all()
+
+  def _decide(self, r: int, members: dict[int, Sent]) -> dict[int, Received]:
+    if not members:
+      return {}
+    if tuple(members) != self._last_members:
+      self._quorum_id, self._last_members = self._quorum_id + 1, tuple(members)
+    healed = self._heal(r, members)
+    heads = [s.header._replace(weight=0) if i in healed else s.header for i, s in members.items()]
+    payloads = [_nan(s.payload[0]) if i in self._events(r, "nonfinite") else s.payload[0]
+                for i, s in members.items()]
+    d = decide(self.protocol, heads, payloads, min_replicas=self.min_replicas)
+    merged = None
+    if d.merged is not None:
+      collections = [members[i].payload[1] for i in d.voters]
+      merged = (d.merged, None if collections[0] is None
+                else _exchange.merge_payloads(collections))
+    return {i: Received(tuple(members), self._quorum_id, healed.get(i), merged, d.step, d.reason)
+            for i in members}
+
+  def _heal(self, r: int, members: dict[int, Sent]) -> dict:
+    """Each member behind the most advanced (by committed rounds, then step), healed from the
+    first up-to-date member: its decoded donation, sent as bytes (:func:`encode_heal`)."""
+    key = {i: (s.rounds, s.header.step) for i, s in members.items()}
+    best = max(key.values())
+    donor = next(i for i in members if key[i] == best)
+    healed = {}
+    for j in (i for i in members if key[i] < best):
+      payload = heal.encode_heal(members[donor].donation)
+      healed[j] = heal.decode_heal(payload, members[j].donation, replica=str(donor))
+      self.heals.append((r, j, donor))
+    return healed
+
+
+class _Port:
+  """A replica's end of :class:`InProcess` (the driver's engine)."""
+
+  def __init__(self, engine: InProcess, slot: int):
+    self._engine, self._slot = engine, slot
+
+  def exchange(self, sent: Sent) -> Received:
+    return self._engine.exchange(self._slot, sent)
+
+  def record(self, line: RoundLog) -> None:
+    with self._engine._cv:
+      self._engine.log.append(line)
+
+
+def _nan(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)

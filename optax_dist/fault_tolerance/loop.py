@@ -1,0 +1,438 @@
+r"""Fault tolerance in your own training loop: the round at the boundary, driven by your loop.
+
+Your loop keeps its jitted step (Flax Linen's ``TrainState``, an ``nnx.Optimizer`` with its
+model, or plain optax ``(params, opt_state)``), its metrics and its logging. It builds its
+optimizer as :attr:`RoundProtocol.tx <optax_dist.fault_tolerance.RoundProtocol.tx>` (the
+inner steps only: the transformation never exchanges in the program), takes its batch and its
+keys at :attr:`Replica.step` (the data position), and hands its state to
+:meth:`Replica.after_step` after every step::
+
+  state = replica.start(state)
+  while replica.step < steps:
+    batch = batch_fn(seed, replica.slot, replica.step)
+    state, metrics = train_step(state, batch, ft.step_key(seed, replica.slot, replica.step))
+    state = replica.after_step(state)
+
+The library owns the round at the boundary (the step on which the transformation's schedule
+syncs: :meth:`RoundProtocol.round_steps`). There the round has two points:
+
+* **send**, after the round's last inner step: the local half gives this replica's payload
+  :math:`p_i` from its params :math:`x'_i` (and its residual candidate), and the engine runs
+  the quorum (a member behind heals from an up-to-date one), gathers the members' headers and
+  payloads and decides (:func:`~optax_dist.fault_tolerance.decision.decide`: the merge and the
+  vote, one pure function for every engine);
+* **land**, :math:`\tau` inner steps later (:math:`\tau = 0` here: on the same call): a commit
+  lands the params on the new anchor from the params before the round's last inner step (kept
+  by the driver: a copy made after the step before it), exactly as the in-program update lands
+  them, and an abort puts them back on the anchor.
+
+:meth:`Replica.after_step` returns the state to continue from and says what changed
+(:attr:`Replica.last`: the round's :class:`RoundResult`, whether this replica healed, and the
+data position to continue at, :attr:`Replica.step`). Model collections that are not params
+(BatchNorm statistics: a ``TrainState``'s ``batch_stats`` field, an NNX model's
+``nnx.BatchStat`` variables) are averaged over the round's voters at commit, in rank order, and
+are part of the global state (hashed, healed, checkpointed).
+
+Randomness: take dropout and other keys from :func:`step_key` (``fold_in(seed, slot, step)``):
+a key carried in the state cannot be healed, a key of ``(seed, slot, step)`` needs none.
+Data: the batch of a step is a stateless function of ``(seed, slot, step)``, so a replica that
+healed continues its slot's stream at :attr:`Replica.step`. A loader with state (an iterator)
+must be able to start at a step: give :meth:`Replica.start` ``seek=`` (called with the new data
+position whenever it jumps: after a heal or a void round).
+
+Invariants of the user-loop path (the contract's "Fault-tolerant rounds"): E1 (one global-state
+hash per committed round) and E2 (a healed joiner equals its donor) hold bit for bit; E3 (a run
+equals the replay of its log) holds for the in-process engine's scripted runs; E4 (no fault:
+the in-program transformation) holds as it does for the library's own loop: the payloads are
+computed from the same :math:`x'_i`, merged in rank order, and the commit lands from the
+params before the last inner step, so bitwise for gathered formats and two replicas, within
+one ulp otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optax_dist import _checks
+from optax_dist.fault_tolerance.decision import Header, settings_fingerprint
+from optax_dist.fault_tolerance.engine import RoundLog
+from optax_dist.fault_tolerance.protocol import (
+  ReplicaState,
+  RoundProtocol,
+  global_state,
+  heal_state,
+  local_state,
+  state_hash,
+)
+
+
+def step_key(seed: int, slot: int, step: int) -> jax.Array:
+  """The random key of replica ``slot``'s inner step ``step`` in a run of ``seed``:
+  ``fold_in(fold_in(key(seed), slot), step)``.
+
+  Dropout and other randomness taken from it is a stateless function of (seed, slot, step),
+  as the data is: a replica that heals to step ``t`` draws what it would have drawn there.
+  Jittable (``seed``, ``slot``, ``step`` may be traced ints).
+  """
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), slot), step)
+
+
+# ----------------------------------------------------------------------------------------------
+# The user's state: where its params, optimizer state and collections are.
+
+
+class Parts(NamedTuple):
+  """A user state's parts the round reads and writes.
+
+  Attributes:
+    params: the params (the optimizer's ``params`` tree).
+    opt_state: the state of :attr:`RoundProtocol.tx`.
+    collections: the model's collections that are not params (BatchNorm statistics), or
+      ``None``.
+  """
+
+  params: Any
+  opt_state: Any
+  collections: Any = None
+
+
+def _nnx():
+  try:
+    from flax import nnx
+  except ModuleNotFoundError:
+    return None
+  return nnx
+
+
+def _is_nnx(state: Any) -> bool:
+  nnx = _nnx()
+  return (nnx is not None and isinstance(state, tuple) and len(state) == 2
+          and isinstance(state[0], nnx.Module) and isinstance(state[1], nnx.Optimizer))
+
+
+def get_parts(state: Any) -> Parts:
+  """The :class:`Parts` of a user state: a Linen ``TrainState`` (its ``batch_stats``, if it has
+  that field, are the collections), a ``(model, optimizer)`` pair of NNX (the model's
+  ``nnx.BatchStat`` variables are the collections), or a ``(params, opt_state)`` pair.
+
+  Raises:
+    TypeError: none of these.
+  """
+  if _is_nnx(state):
+    nnx = _nnx()
+    model, optimizer = state
+    stats = nnx.as_pure(nnx.state(model, nnx.BatchStat))
+    return Parts(nnx.as_pure(nnx.state(model, optimizer.wrt)), nnx.as_pure(optimizer.opt_state),
+                 stats if jax.tree.leaves(stats) else None)
+  if hasattr(state, "params") and hasattr(state, "opt_state") and hasattr(state, "replace"):
+    return Parts(state.params, state.opt_state, getattr(state, "batch_stats", None))
+  if isinstance(state, tuple) and len(state) == 2:
+    return Parts(*state)
+  raise TypeError(
+    "the loop's state must be a flax TrainState, a (model, nnx.Optimizer) pair or a (params,"
+    f" opt_state) pair, got {type(state).__name__}.")
+
+
+def put_parts(state: Any, parts: Parts, step: int | None = None) -> Any:
+  """``state`` with ``parts`` in place (an NNX pair is updated in place and returned); with
+  ``step``, its step counter (``TrainState.step``, ``nnx.Optimizer.step``) set to it."""
+  if _is_nnx(state):
+    nnx = _nnx()
+    model, optimizer = state
+    nnx.update(model, parts.params)
+    nnx.update(optimizer.opt_state, nnx.state(parts.opt_state))
+    if parts.collections is not None:
+      nnx.update(model, parts.collections)
+    if step is not None:
+      optimizer.step[...] = _placed_like(step, optimizer.step[...])
+    return state
+  if hasattr(state, "params") and hasattr(state, "opt_state") and hasattr(state, "replace"):
+    new = dict(params=parts.params, opt_state=parts.opt_state)
+    if parts.collections is not None:
+      new["batch_stats"] = parts.collections
+    if step is not None:
+      new["step"] = _placed_like(step, state.step)
+    return state.replace(**new)
+  return parts.params, parts.opt_state
+
+
+def _placed_like(value: int, old: Any) -> Any:
+  """``value`` as an array of ``old``'s dtype, committed to ``old``'s device only if ``old``
+  was (a jitted program is compiled per placement of its arguments)."""
+  new = jnp.asarray(value, jnp.result_type(old))
+  old_committed = getattr(old, "committed", False)
+  return jax.device_put(new, old.sharding) if old_committed else new
+
+
+# ----------------------------------------------------------------------------------------------
+# The round driver.
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+  """What a member brings to its round's exchange (the engine's input).
+
+  Attributes:
+    header: its :class:`~optax_dist.fault_tolerance.decision.Header`.
+    payload: ``(payload, collections)``: its payload and its model collections (``None``).
+    rounds: its committed rounds (with ``header.step``, how far it is).
+    donation: what it sends a member that heals from it: ``(heal_state, collections)`` of
+      its state before the round's outcome (:func:`heal_state`).
+  """
+
+  header: Header
+  payload: Any
+  rounds: int
+  donation: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+  """What an engine hands back to a member after its round's exchange.
+
+  Attributes:
+    members: the quorum's slots in rank order (``()``: left out of it).
+    quorum_id: the engine's quorum counter.
+    healed: the donor's decoded donation if this member healed, else ``None``.
+    merged: ``(merged payload, merged collections)`` on a commit, ``None`` on an abort.
+    step: the round's step (the most advanced member's ``local_step``).
+    reason: why the round aborted (``""`` on a commit).
+  """
+
+  members: tuple
+  quorum_id: int
+  healed: Any
+  merged: Any
+  step: int
+  reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+  """What a round changed, as :meth:`Replica.after_step` reports it.
+
+  Attributes:
+    committed: whether the round committed on this replica.
+    healed: whether this replica healed from a donor in the round (its inner state was
+      rebuilt and :attr:`Replica.step` jumped to the donor's).
+    step: the data position to continue at (:attr:`Replica.step`).
+    line: the round's :class:`RoundLog` line.
+  """
+
+  committed: bool
+  healed: bool
+  step: int
+  line: RoundLog
+
+
+class Replica:
+  r"""One replica of a fault-tolerant run, in the user's loop: the round driver.
+
+  Made by an engine (:class:`~optax_dist.fault_tolerance.InProcess` or
+  :class:`~optax_dist.fault_tolerance.Torchft`) and handed to the user's training function;
+  see the module's docstring for the loop.
+
+  Args:
+    protocol: the run's :class:`RoundProtocol`.
+    engine: the transport (an engine's per-replica end): ``exchange(sent) -> Received`` and
+      ``record(line)``; optionally ``restore(replica) -> (ReplicaState, collections)`` or
+      ``None`` (a checkpoint to start from).
+    slot: this replica's id and data slot.
+    seed: the data seed.
+    tokens_per_step: the tokens of one batch (a round's weight is its inner steps times it).
+
+  Attributes:
+    step: the data position: the inner steps this replica has taken (its ``local_step``).
+    rounds: the committed rounds it holds.
+    last: the last round's :class:`RoundResult` (``None`` before the first).
+    fingerprint: its settings fingerprint (set by :meth:`start`).
+
+  Raises:
+    ValueError: ``slot`` not an int >= 0, ``tokens_per_step`` not a positive int.
+  """
+
+  def __init__(self, protocol: RoundProtocol, engine: Any, *, slot: int, seed: int,
+               tokens_per_step: int):
+    _checks.check_non_negative_int("Replica", "slot", slot)
+    _checks.check_positive_int("Replica", "tokens_per_step", tokens_per_step)
+    self.protocol, self.engine, self.slot, self.seed = protocol, engine, slot, seed
+    self.tokens_per_step, self.fingerprint = tokens_per_step, None
+    self.step, self.rounds, self.last = 0, 0, None
+    self._replica: ReplicaState | None = None
+    self._collections = self._origin = self._seek = self._params_like = None
+    self._round_start = self._boundary = 0
+
+  @property
+  def healed(self) -> bool:
+    """Whether this replica healed in its last round."""
+    return self.last is not None and self.last.healed
+
+  def start(self, state: Any, *, seek: Callable[[int], None] | None = None) -> Any:
+    """Takes the loop's initial state (every replica's alike, ``tx.init``'s, ``local_step``
+    0) and returns the state to start from: the newest checkpoint's, if the engine restores
+    one, else ``state``. ``seek(step)``, if given, is called whenever the data position jumps
+    (:attr:`step`: after a restore, a heal or a void round).
+
+    Raises:
+      TypeError: ``state`` not a kind :func:`get_parts` reads.
+      ValueError: ``state``'s optimizer state is not :attr:`RoundProtocol.tx`'s.
+    """
+    parts = get_parts(state)
+    if not hasattr(parts.opt_state, "local_step"):
+      raise ValueError(
+        "`Replica.start(state=...)`: the optimizer state must be RoundProtocol.tx's (a state"
+        f" with local_step), got {type(parts.opt_state).__name__}; build the loop's optimizer"
+        " as protocol.tx.")
+    self._params_like, self._seek = parts.params, seek
+    self.fingerprint = settings_fingerprint(self.protocol, parts.params, seed=self.seed,
+                                            tokens_per_step=self.tokens_per_step)
+    self._replica = self.protocol.init(parts.params)._replace(opt_state=parts.opt_state)
+    self._collections = parts.collections
+    restore = getattr(self.engine, "restore", None)
+    restored = restore(self) if restore is not None else None
+    if restored is not None:
+      state = self._take(state, *restored, jumped=True)
+    self._keep_origin(state)
+    return state
+
+  def after_step(self, state: Any) -> Any:
+    """Call after every inner step with the step's new state; returns the state to continue
+    from (``state`` itself between round boundaries).
+
+    On the round's boundary step it runs the round (send, exchange, decision, land) and sets
+    :attr:`last`; on the step before, it keeps a copy of the params (the commit lands from
+    them). Between boundaries it reads nothing from the device.
+
+    Raises:
+      RuntimeError: called before :meth:`start`.
+    """
+    if self._replica is None:
+      raise RuntimeError("`Replica.after_step` before `Replica.start`: call start first.")
+    self.step += 1
+    if self.step == self._boundary:
+      state = self._round(state)
+    self._keep_origin(state)
+    return state
+
+  def donation(self, replica: ReplicaState | None = None, collections: Any = None) -> Any:
+    """What this replica sends a joiner (and writes in a checkpoint): ``(heal_state,
+    collections)`` of ``replica`` (default: its state after its last round)."""
+    if replica is None:
+      replica, collections = self._replica, self._collections
+    return heal_state(replica), collections
+
+  def receive(self, donation: Any) -> tuple[ReplicaState, Any]:
+    """A received (decoded) donation as this replica's ``(ReplicaState, collections)``: the
+    global state taken bit for bit, the params at the restart point, the inner state rebuilt
+    with the donor's counters (:func:`local_state`)."""
+    heal, collections = donation
+    replica = local_state(self.protocol, heal.global_state, self._params_like, heal.counters)
+    return replica, collections
+
+  # ---------------------------------------------------------------------------------------------
+
+  def _keep_origin(self, state: Any) -> None:
+    """Sets the next round boundary; on the step before it, copies the params (the landing's
+    origin: the loop's step may donate them)."""
+    if self.step >= self._boundary:
+      self._boundary = self.step + self.protocol.round_steps(self.step)
+    if self.step == self._boundary - 1:
+      self._origin = jax.tree.map(jnp.copy, get_parts(state).params)
+
+  def _round(self, state: Any) -> Any:
+    """The round at the boundary: send, exchange and decision (the engine's), land."""
+    parts = get_parts(state)
+    fragment = self.protocol.fragment(self.step)
+    payload, residual = _send_half(self.protocol, parts.opt_state, parts.params, fragment)
+    mine = self._replica._replace(params=parts.params, opt_state=parts.opt_state)
+    tokens = (self.step - self._round_start) * self.tokens_per_step
+    header = Header(self.slot, tokens, 1, self.fingerprint, self.step)
+    got = self.engine.exchange(Sent(header, (payload, parts.collections), int(mine.rounds),
+                                    self.donation(mine, parts.collections)))
+    replica, collections = mine, parts.collections
+    if got.healed is not None:
+      replica, collections = self.receive(got.healed)
+    if got.merged is None:
+      replica = self.protocol.abort(replica)
+    elif got.healed is not None:  # it sent nothing of its own: it lands from the healed params
+      replica, collections = self.protocol.commit(replica, got.merged[0]), got.merged[1]
+    else:
+      params, opt_state, average = _land_half(
+        self.protocol, self._origin, parts.params, parts.opt_state, mine.average, got.merged[0],
+        residual, fragment)
+      replica = ReplicaState(params, opt_state, mine.rounds + 1, average)
+      collections = got.merged[1]
+    jumped = got.healed is not None or got.step > self.step
+    if jumped:
+      replica = replica._replace(opt_state=_at_step(replica.opt_state, got.step))
+    state = self._take(state, replica, collections, jumped)
+    line = RoundLog(
+      round=_rounds_until(self.protocol, self.step) - 1, replica=self.slot, step=self.step,
+      quorum_id=got.quorum_id, members=got.members, committed=got.merged is not None,
+      weight=0 if jumped else tokens, healed=got.healed is not None,
+      state_hash=self.state_hash(), tokens=tokens)
+    self.engine.record(line)
+    self.last = RoundResult(line.committed, line.healed, self.step, line)
+    return state
+
+  def state_hash(self) -> str:
+    """:func:`state_hash` of this replica's global state (with its collections, if any)."""
+    tree = global_state(self._replica)
+    return state_hash(tree if self._collections is None else (tree, self._collections))
+
+  def _take(self, state: Any, replica: ReplicaState, collections: Any, jumped: bool) -> Any:
+    """Keeps ``replica`` and ``collections`` as this replica's and puts them into the loop's
+    ``state``; on a jump of the data position, sets :attr:`step` (and the state's step
+    counter) and calls ``seek``."""
+    self._replica, self._collections = replica, collections
+    self.rounds = int(replica.rounds)
+    if jumped:
+      self.step = int(replica.opt_state.local_step)
+      self._boundary = 0
+      if self._seek is not None:
+        self._seek(self.step)
+    self._round_start = self.step
+    parts = Parts(replica.params, replica.opt_state, collections)
+    return put_parts(state, parts, self.step if jumped else None)
+
+
+def _at_step(opt_state: Any, step: int) -> Any:
+  """``opt_state`` with its ``local_step`` at least ``step``, placed as before."""
+  if int(opt_state.local_step) >= step:
+    return opt_state
+  return opt_state._replace(local_step=_placed_like(step, opt_state.local_step))
+
+
+def _send_half(protocol, opt_state, new_params, fragment):
+  from optax_dist import _diloco, _local_sgd, _streaming_diloco
+  if protocol.algorithm == "local_sgd":
+    return _local_sgd.local_sgd_payload(protocol.exchange, new_params), None
+  if protocol.algorithm == "streaming_diloco":
+    return _streaming_diloco.streaming_diloco_payload(
+      protocol.exchange, opt_state.anchor, new_params, opt_state.error_feedback,
+      fragments=protocol._ids(new_params), fragment=fragment)
+  return _diloco.diloco_payload(protocol.exchange, opt_state.anchor, new_params,
+                                opt_state.error_feedback)
+
+
+def _land_half(protocol, origin, new_params, opt_state, average, merged, residual, fragment):
+  zeros = jax.tree.map(jnp.zeros_like, origin)
+  params, opt_state, average = protocol.outer_half(origin, zeros, opt_state, average, merged,
+                                                   residual, fragment)
+  if fragment is not None:
+    ids = protocol._ids(origin)
+    leaves, treedef = jax.tree.flatten(params)
+    params = treedef.unflatten([p if i == fragment else x for p, x, i in zip(
+      leaves, jax.tree.leaves(new_params), ids, strict=True)])
+  return params, opt_state, average
+
+
+def _rounds_until(protocol, steps):
+  if protocol.algorithm != "streaming_diloco":
+    return steps // protocol.sync_period
+  return sum(protocol.fragment(s) is not None for s in range(1, steps + 1))
