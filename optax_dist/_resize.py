@@ -28,10 +28,6 @@ def _broadcast(x: jax.Array, m: int) -> jax.Array:
   return jnp.broadcast_to(x, (m, *jnp.shape(x)))
 
 
-def _first(x: jax.Array) -> jax.Array:
-  return x[0]
-
-
 def _agreed_mean(x: jax.Array) -> jax.Array:
   """The mean over axis 0, and exactly ``x[0]`` wherever every row agrees; non-floating: ``x[0]``.
 

@@ -38,10 +38,9 @@ import os
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
-from optax_dist import _axis
+from optax_dist import _axis, _checks
 from optax_dist._eval_params import eval_params
 
 
@@ -63,11 +62,6 @@ def _absolute(directory: str | os.PathLike) -> str | os.PathLike:
     if "://" not in path:
       return os.path.abspath(path)
   return directory
-
-
-def _check_int(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"`save_eval_params({name}=...)` must be an int or None, got {value!r}.")
 
 
 def _workers_axis_size(params: Any, opt_state: Any, worker: int, num_workers: int | None) -> int:
@@ -97,11 +91,7 @@ def _worker_copy(
 ) -> Any:
   """``tree`` with axis 0 indexed at ``worker``, after checking the trees are stacked."""
   if num_workers is not None:
-    _check_int("num_workers", num_workers)
-    if num_workers < 1:
-      raise ValueError(
-        f"`save_eval_params(num_workers=...)` must be a positive int, got {num_workers}."
-      )
+    _checks.check_positive_int("save_eval_params", "num_workers", num_workers)
     if worker is None:
       raise ValueError(
         f"`save_eval_params(num_workers={num_workers})` is only meaningful with `worker=`: pass"
@@ -109,7 +99,7 @@ def _worker_copy(
       )
   if worker is None:
     return tree
-  _check_int("worker", worker)
+  _checks.check_int("save_eval_params", "worker", worker)
   _workers_axis_size(params, opt_state, worker, num_workers)
   return jax.tree.map(lambda leaf: leaf[worker], tree)
 
