@@ -302,7 +302,7 @@ def test_heal_transport_sends_heal_bytes_over_http_on_the_address_given():
 
 
 def test_heal_frame_of_a_pickle_is_refused_and_runs_nothing():
-  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as te
 
   blob = pickle.dumps({"user": PicklePayload()})
   with pytest.raises(ValueError, match="does not start with"):

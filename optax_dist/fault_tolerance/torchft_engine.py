@@ -57,20 +57,13 @@ torch.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import hashlib
-import http.server
 import json
 import os
 import pathlib
-import re
 import socket
-import threading
 import time
-import urllib.request
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import jax
@@ -80,6 +73,7 @@ import numpy as np
 from optax_dist import _checks
 from optax_dist.fault_tolerance import checkpoints, heal
 from optax_dist.fault_tolerance.checkpoints import CheckpointWriter
+from optax_dist.fault_tolerance.decision import run_fingerprint, settings_fingerprint
 from optax_dist.fault_tolerance.engine import RoundLog
 from optax_dist.fault_tolerance.protocol import (
   ReplicaState,
@@ -89,185 +83,20 @@ from optax_dist.fault_tolerance.protocol import (
   heal_state,
   state_hash,
 )
+from optax_dist.fault_tolerance.torchft_session import (  # noqa: F401 (re-exported)
+  FRAME_MAGIC,
+  INSTALL_HINT,
+  QUORUM_ATTEMPT_S,
+  HealTransport,
+  Session,
+  _pack,
+  _unpack,
+  torch,
+)
 
-INSTALL_HINT = 'the torchft engine needs the "ft" extra: pip install "optax-dist[ft]"'
-
-try:
-  import torch
-  import torch.distributed as dist
-  from torch.distributed.distributed_c10d import AllgatherOptions
-  from torchft.checkpointing.transport import CheckpointTransport
-  from torchft.manager import Manager
-  from torchft.process_group import ProcessGroupGloo
-except ModuleNotFoundError as e:
-  raise ModuleNotFoundError(f"no module named {e.name!r}; {INSTALL_HINT}", name=e.name) from None
-
-FRAME_MAGIC = b"optax_dist-torchft-heal/1\n"
-"""The first bytes of what :class:`HealTransport` sends: then the torchft counters as 8-byte
-big-endian length and JSON, then one :func:`encode_heal` payload."""
-
-_LENGTH = 8
-QUORUM_ATTEMPT_S = 5.0
-"""Seconds one quorum request waits for the Lighthouse's answer before it is sent again (at most
-``quorum_timeout`` in all): longer than a quorum's usual wait (the Lighthouse's join timeout, a
-stopped member's heartbeat timeout), shorter than a Lighthouse's restart plus this."""
 _HEADER = ("slot", "weight", "ok", "fingerprint", "step")
 """The int64 header each member sends before its payload (``ok``: 1 unless its quorum or heal
 failed; ``step``: its ``local_step`` after the round's inner steps)."""
-
-
-class SettingsMismatch(RuntimeError):
-  """A replica's settings differ from the run's: it leaves the run."""
-
-
-def settings_fingerprint(protocol: RoundProtocol, params: Any, *, seed: int,
-                         tokens_per_step: int) -> int:
-  """A signed 64-bit int (the first 8 bytes of a sha256) of what every replica of a run must
-  share: the protocol's algorithm, H, wire format, error feedback, fragments and mixing; the
-  params' tree, dtypes and shapes; the data seed; the tokens per step. Not covered: the
-  optimizers' hyperparameters (optax transformations are closures)."""
-  fields = [protocol.algorithm, protocol.sync_period, str(protocol.comm_dtype),
-            protocol.comm_block_size, protocol.error_feedback, protocol.num_fragments,
-            protocol.mixing, seed, tokens_per_step]
-  fields += [[jax.tree_util.keystr(path), str(np.asarray(x).dtype), list(np.shape(x))]
-             for path, x in jax.tree_util.tree_leaves_with_path(params)]
-  digest = hashlib.sha256(json.dumps(fields, default=str).encode()).digest()
-  return int.from_bytes(digest[:8], "big", signed=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# The heal transport.
-
-
-def _frame(state_dict: dict) -> bytes:
-  """torchft's heal state ``{"user": {"default": bytes}, "torchft": {str: int}}`` as bytes."""
-  counters = state_dict["torchft"]
-  head = json.dumps({k: int(v) for k, v in counters.items()}).encode()
-  return b"".join([FRAME_MAGIC, len(head).to_bytes(_LENGTH, "big"), head,
-                   state_dict["user"]["default"]])
-
-
-def _unframe(data: bytes, source: str) -> dict:
-  """The inverse of :func:`_frame`, reading JSON integers and raw bytes only."""
-  if not data.startswith(FRAME_MAGIC):
-    raise ValueError(f"heal frame from {source} does not start with {FRAME_MAGIC!r}: refused.")
-  start = len(FRAME_MAGIC) + _LENGTH
-  length = int.from_bytes(data[len(FRAME_MAGIC):start], "big")
-  try:
-    counters = json.loads(data[start:start + length].decode())
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"heal frame from {source}: the counters are not JSON ({e}).") from None
-  if not (isinstance(counters, dict)
-          and all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values())):
-    raise ValueError(f"heal frame from {source}: the counters must be a JSON object of ints.")
-  return {"user": {"default": data[start + length:]}, "torchft": counters}
-
-
-class HealTransport(CheckpointTransport):
-  """torchft's ``CheckpointTransport`` carrying heal payloads over HTTP, never a pickle.
-
-  A donor's ``send_checkpoint`` stages the frame (:data:`FRAME_MAGIC`, torchft's step counters
-  as JSON, the user state: one :func:`encode_heal` payload); a joiner's ``recv_checkpoint`` GETs
-  ``/heal/<step>`` from the donor's :meth:`metadata` address and returns the same dict, whose
-  heal bytes the replica's ``load_state_dict`` passes to :func:`decode_heal`.
-
-  Args:
-    host: the address the server binds and advertises (never a wildcard).
-    timeout: seconds the server holds a GET until its frame is staged (then a 404); a
-      joiner's GET waits twice that.
-
-  Raises:
-    ValueError: ``host`` empty or a wildcard (``0.0.0.0``, ``::``).
-  """
-
-  def __init__(self, host: str, timeout: float):
-    if host in ("", "0.0.0.0", "::", "[::]"):
-      raise ValueError(f"`HealTransport(host=...)` must be a specific address, got {host!r}.")
-    self._staged = threading.Condition()
-    self._step_bytes: tuple[int, bytes] | None = None
-    self._timeout = timeout
-    transport = self
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-      def do_GET(self):  # noqa: N802 (http.server's name)
-        data = transport._wait_for(self.path)
-        if data is None:
-          self.send_error(404)
-          return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-      def log_message(self, *args):
-        pass
-
-    self._server = http.server.ThreadingHTTPServer((host, 0), Handler)
-    self._server.daemon_threads = True
-    self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-    self._thread.start()
-    self.address = f"http://{host}:{self._server.server_address[1]}"
-
-  def metadata(self) -> str:
-    return self.address
-
-  def _wait_for(self, path: str) -> bytes | None:
-    """The staged frame once ``path`` is ``/heal/<its step>`` (a joiner may ask before its donor
-    stages), or ``None`` after the timeout."""
-    with self._staged:
-      self._staged.wait_for(
-        lambda: self._step_bytes is not None and path == f"/heal/{self._step_bytes[0]}",
-        self._timeout)
-      staged = self._step_bytes
-    return staged[1] if staged is not None and path == f"/heal/{staged[0]}" else None
-
-  def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
-    del dst_ranks, timeout
-    with self._staged:
-      self._step_bytes = (step, _frame(state_dict))
-      self._staged.notify_all()
-
-  def disallow_checkpoint(self) -> None:
-    with self._staged:
-      self._step_bytes = None
-
-  def recv_checkpoint(self, src_rank, metadata, step, timeout) -> dict:
-    url = f"{metadata}/heal/{step}"
-    # Twice the server's wait, so that a frame never staged comes back as a 404.
-    with urllib.request.urlopen(url, timeout=2 * self._timeout) as response:
-      return _unframe(response.read(), f"rank {src_rank} ({metadata})")
-
-  def shutdown(self, wait: bool = True) -> None:
-    self._server.shutdown()
-    self._server.server_close()
-
-
-# ----------------------------------------------------------------------------------------------
-# The exchange.
-
-
-def _pack(payload: Any) -> torch.Tensor:
-  """A member's payload as an all-gather buffer: the leaves' bytes end to end (uint8)."""
-  data = b"".join(np.asarray(x, order="C").tobytes() for x in jax.tree.leaves(payload))
-  # gloo writes into its buffers: a writable copy, never a view of a JAX array.
-  return torch.from_numpy(np.frombuffer(data, np.uint8).copy())
-
-
-def _unpack(buffer: torch.Tensor, like: Any) -> Any:
-  """A member's payload (``like``'s tree, dtypes and shapes) from its buffer."""
-  data = buffer.numpy().tobytes()
-  offset, leaves = 0, []
-  for x in jax.tree.leaves(like):
-    x = np.asarray(x)
-    leaves.append(jnp.asarray(np.frombuffer(data, x.dtype, x.size, offset).reshape(x.shape)))
-    offset += x.nbytes
-  return jax.tree.unflatten(jax.tree.structure(like), leaves)
-
-
-def run_fingerprint(fingerprints: list[int]) -> int:
-  """The run's fingerprint among the members' (rank order): the one most of them hold, the
-  lowest rank's among equally many."""
-  return collections.Counter(fingerprints).most_common(1)[0][0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,7 +118,11 @@ class _Round:
   retryable: bool = False
 
 
-class TorchftReplica:
+class SettingsMismatch(RuntimeError):
+  """A replica's settings differ from the run's: it leaves the run."""
+
+
+class TorchftReplica(Session):
   r"""One replica of a fault-tolerant run over torchft (see the module's docstring).
 
   Replica ``i`` uses data slot ``i``: its batch at step :math:`t` (its ``local_step`` before
@@ -389,9 +222,8 @@ class TorchftReplica:
       if self._restore():  # the warm-up's first round started elsewhere
         self._first_round = None
     self.quorum_timeout = quorum_timeout
-    self._manager_args = (lighthouse, host, min_replicas, quorum_timeout, timeout)
-    self._manager = self._make_manager(*self._manager_args)
-    self._torchft_quorum_id, self._renew, self._target = -1, False, None
+    self._target = None
+    self._open(lighthouse, host, min_replicas, quorum_timeout, timeout)
     if on_ready is not None:
       on_ready()
 
@@ -405,23 +237,6 @@ class TorchftReplica:
     if restored is not None:
       self.state = restored[0]
     return restored is not None
-
-  def _make_manager(self, lighthouse, host, min_replicas, quorum_timeout, timeout) -> Manager:
-    """A ``Manager`` over a new ``TCPStore``, process group and :class:`HealTransport`."""
-    self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    self._pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout))
-    self.transport = HealTransport(host, timeout)
-    try:
-      return Manager(
-        pg=self._pg, load_state_dict=self._load, state_dict=self._heal_bytes,
-        min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
-        timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
-        connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1, store_addr=host,
-        store_port=self._store.port, lighthouse_addr=lighthouse,
-        replica_id=f"replica_{self.slot}", hostname=host, checkpoint_transport=self.transport)
-    except BaseException:
-      self.transport.shutdown()
-      raise
 
   def _warm_up(self) -> None:
     """Runs a round's computations once, before the manager starts (so before the Lighthouse
@@ -516,86 +331,6 @@ class TorchftReplica:
       info.weight, info.retryable = 0, False
       self.state = _at_step(self.protocol.abort(self.state), info.step)
     return merged, self._vote()
-
-  def _quorum(self) -> None:
-    """``start_quorum`` in requests of at most ``QUORUM_ATTEMPT_S`` seconds, until one is
-    answered or ``quorum_timeout`` seconds have passed.
-
-    Raises:
-      TimeoutError: no request answered within ``quorum_timeout`` seconds.
-    """
-    deadline = time.monotonic() + self.quorum_timeout
-    if self._renew:
-      self._renew_manager(deadline)
-    while True:
-      attempt = min(QUORUM_ATTEMPT_S, deadline - time.monotonic())
-      try:
-        self._manager.start_quorum(timeout=timedelta(seconds=max(attempt, 0.001)))
-        break
-      except TimeoutError:
-        if time.monotonic() >= deadline:
-          raise
-        if self._lighthouse_restarted():
-          self._renew_manager(deadline)
-        else:  # the Lighthouse holds the request: torchft 0.2.0 raises a failed request's
-          # error again from every later start_quorum unless the request is forgotten
-          self._manager._quorum_future = None
-    # torchft 0.2.0 has no public getter for the quorum id.
-    quorum_id = self._manager._quorum_id
-    self._renew = quorum_id < self._torchft_quorum_id
-    self._torchft_quorum_id = quorum_id
-
-  def _lighthouse_restarted(self) -> bool:
-    """Whether the Lighthouse may have lost this replica's request: it does not answer (it is
-    down, or being restarted), or its current quorum id is below the last one this replica
-    joined (it was restarted)."""
-    try:
-      with urllib.request.urlopen(f"{self._manager_args[0]}/status", timeout=1.0) as response:
-        status = response.read().decode(errors="replace")
-    except OSError:
-      return True
-    # torchft 0.2.0's status page; another's, not understood, is taken for the same Lighthouse
-    found = re.search(r"Current quorum_id: (\d+)", status)
-    return found is not None and int(found.group(1)) < self._torchft_quorum_id
-
-  def _renew_manager(self, deadline: float) -> None:
-    """Replaces the manager (and its store, process group and heal server) by a new one with
-    torchft's step kept (step 1 of the module's docstring), trying again until ``deadline``
-    (``time.monotonic()``) while the Lighthouse cannot be reached (it is being restarted).
-
-    Raises:
-      RuntimeError: torchft's, the Lighthouse still unreachable at ``deadline``.
-    """
-    self._renew, self._torchft_quorum_id = False, -1
-    steps = self._manager.state_dict()
-    self._manager.shutdown(wait=False)
-    while True:
-      try:
-        self._manager = self._make_manager(*self._manager_args)
-        break
-      except RuntimeError:  # torchft's: no connection to the Lighthouse within the timeout
-        if time.monotonic() >= deadline:
-          raise
-    self._manager.load_state_dict(steps)
-
-  def _vote(self) -> bool:
-    """``should_commit()``; a vote that cannot be cast in time (the process was stopped while
-    the request was in flight) is a no."""
-    try:
-      return self._manager.should_commit()
-    except TimeoutError as e:
-      self._manager.report_error(e)
-      return False
-
-  def _allgather(self, mine: torch.Tensor) -> list[torch.Tensor] | None:
-    """Every member's ``mine`` in rank order, or ``None`` (the error reported: a no vote)."""
-    outs = [torch.empty_like(mine) for _ in range(self._manager.num_participants())]
-    try:
-      self._pg.allgather([outs], [mine], AllgatherOptions()).wait()
-    except Exception as e:  # noqa: BLE001 (any failure of the collective is a no vote)
-      self._manager.report_error(e)
-      return None
-    return outs
 
   def _exchange(self, sent: Sent, info: _Round) -> Any:
     """The headers' all-gather, the payloads', the acknowledgement's and the merge; on failure
