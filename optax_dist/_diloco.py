@@ -137,7 +137,7 @@ def diloco_payload(
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the
     outer gradient of each worker).
   """
-  check_exchange("diloco_payload", exchange)
+  _exchange.check_exchange("diloco_payload", exchange)
   return _outer.payload(exchange, anchor, new_params, residual)
 
 
@@ -247,15 +247,10 @@ def diloco_synchronize(
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the
     outer step on the averaged outer gradient).
   """
-  check_exchange("diloco_synchronize", exchange)
+  _exchange.check_exchange("diloco_synchronize", exchange)
   exchange.bind()
   delta, residual = _outer.pseudo_gradient(exchange, anchor, new_params, residual)
   return (*diloco_outer_step(outer, anchor, outer_state, delta), residual)
-
-
-def check_exchange(fn: str, exchange: Any) -> None:
-  if not isinstance(exchange, _exchange.Exchange):
-    raise TypeError(f"`{fn}(exchange=...)` must be an optax_dist.Exchange, got {exchange!r}.")
 
 
 # ----------------------------------------------------------------------------------------------

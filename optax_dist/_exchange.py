@@ -266,6 +266,20 @@ def gradient_exchange(
   return Exchange(axis_name, comm_dtype=comm_dtype, hierarchical=hierarchical, call=fn)
 
 
+def check_exchange(fn: str, exchange: Any) -> None:
+  """Raises unless ``exchange`` is an :class:`Exchange` (the halves' ``exchange`` argument).
+
+  Args:
+    fn: the calling function's name, for the message.
+    exchange: the value given as ``fn``'s ``exchange``.
+
+  Raises:
+    TypeError: ``exchange`` not an :class:`Exchange`.
+  """
+  if not isinstance(exchange, Exchange):
+    raise TypeError(f"`{fn}(exchange=...)` must be an optax_dist.Exchange, got {exchange!r}.")
+
+
 def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None) -> Any:
   r"""The workers' mean of their :meth:`Exchange.payload`\ s, merged where they arrive.
 

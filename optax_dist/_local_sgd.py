@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_dist import _axis, _checks, _diloco, _exchange, _state
+from optax_dist import _axis, _checks, _exchange, _state
 
 
 class LocalSGDState(NamedTuple):
@@ -136,7 +136,7 @@ def local_sgd_payload(exchange: _exchange.Exchange, new_params: Any) -> Any:
     Lin, Stich, Patel & Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
     <https://arxiv.org/abs/1808.07217>`_, ICLR 2020 (the model average).
   """
-  _diloco.check_exchange("local_sgd_payload", exchange)
+  _exchange.check_exchange("local_sgd_payload", exchange)
   return exchange.payload(new_params)[0]
 
 

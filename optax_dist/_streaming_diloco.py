@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import _axis, _checks, _diloco, _exchange, _fragments, _outer, _state
+from optax_dist import _axis, _checks, _exchange, _fragments, _outer, _state
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -182,7 +182,7 @@ def streaming_diloco_payload(
     <https://arxiv.org/abs/2501.18512>`_, 2025 (each fragment's outer gradient).
   """
   fn = "streaming_diloco_payload"
-  _diloco.check_exchange(fn, exchange)
+  _exchange.check_exchange(fn, exchange)
   parts, treedef = _split_fragments(fn, anchor, fragments, fragment)
   leaves = jax.tree.leaves
   payload_f, residual_f = _outer.payload(
