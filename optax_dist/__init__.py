@@ -30,8 +30,9 @@
   :func:`diloco_payload`, :func:`streaming_diloco_payload` and :func:`local_sgd_payload` (each
   worker's term of the mean), :func:`merge_payloads` (the mean, in rank order) and
   :func:`diloco_outer_step`, :func:`streaming_diloco_outer_step` and
-  :func:`local_sgd_outer_step` (the step on the merged mean); :func:`diloco_synchronize`, the
-  mean and the outer step in the program, apart from the inner step.
+  :func:`local_sgd_outer_step` (the step on the merged mean), :func:`streaming_diloco_land`
+  (a worker's landing on a fragment's new anchor); :func:`diloco_synchronize`, the mean and
+  the outer step in the program, apart from the inner step.
 
 Workers and towers are the positions along a named mapped axis (``axis_name``), so one code path
 runs under ``jax.shard_map``, ``jax.vmap(..., axis_name=...)``, ``jax.jit`` of
@@ -80,6 +81,7 @@ from optax_dist._sharding import state_shardings
 from optax_dist._streaming_diloco import (
   StreamingDiLoCoState,
   streaming_diloco,
+  streaming_diloco_land,
   streaming_diloco_outer_step,
   streaming_diloco_payload,
   streaming_diloco_syncs,
@@ -132,6 +134,7 @@ __all__ = (
   "state_shardings",
   "streaming_diloco",
   "streaming_diloco_fragments",
+  "streaming_diloco_land",
   "streaming_diloco_outer_step",
   "streaming_diloco_payload",
   "streaming_diloco_syncs",

@@ -249,6 +249,76 @@ def streaming_diloco_outer_step(
   return treedef.unflatten(parts.put(leaves, anchor_f, fragment)), outer_state
 
 
+def streaming_diloco_land(
+  due: Any, target: Any, params: Any, updates: Any, mixing: Any = 0.0
+) -> Any:
+  r"""The landing of a fragment's sync in :func:`streaming_diloco`: the worker's new updates.
+
+  With :math:`x` the worker's params before its inner step (``params``), :math:`u` its inner
+  updates and :math:`x' = x + u`, a landing moves the worker's leaves of the fragment from
+  :math:`x` to the mix of :math:`x'` and the fragment's new anchor :math:`\theta` (``target``):
+
+  .. math::
+
+    \tilde\theta = \alpha\, x' + (1 - \alpha)\, \theta, \qquad
+    \text{update} = \begin{cases} \tilde\theta - x & \text{if due} \\
+      u & \text{otherwise} \end{cases}
+
+  :math:`\tilde\theta` in ``target``'s dtypes and the update in ``updates``'; so
+  ``optax.apply_updates(params, update)`` lands on :math:`\tilde\theta` up to one rounding.
+  With :math:`\alpha` a Python 0 (the default) :math:`\tilde\theta = \theta` is taken as it
+  is, with no arithmetic on it. This is the last step of :func:`streaming_diloco`'s ``update``
+  on a fragment's landing (its sync step, or with ``overlap`` :math:`\tau` steps later), after
+  :func:`streaming_diloco_outer_step` gave :math:`\theta`.
+
+  Args:
+    due: whether the fragment lands: a Python bool (the one branch is returned) or a bool
+      array (``jnp.where``), one for every leaf given.
+    target: :math:`\theta`, the fragment's new anchor (``params``' tree and shapes; the
+      anchor's dtypes).
+    params: :math:`x`, the worker's params before its inner step.
+    updates: :math:`u`, its inner updates (``params``' tree and shapes).
+    mixing: :math:`\alpha` in [0, 1], :func:`streaming_diloco`'s ``mixing``: the weight of
+      the worker's own params.
+
+  Returns:
+    The worker's updates: ``updates``' tree, shapes and dtypes.
+
+  Shapes:
+    ``target``, ``params`` and ``updates`` of one tree and shapes (a fragment's leaves, or
+    one leaf); ``due`` and ``mixing`` scalars.
+
+  Collectives:
+    None.
+
+  Raises:
+    ValueError: ``target``, ``params`` and ``updates`` not of one tree structure (raised by
+      ``jax.tree.map``).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_dist
+    >>> params, updates, anchor = jnp.zeros(2), jnp.array([0.5, 0.5]), jnp.ones(2)
+    >>> optax_dist.streaming_diloco_land(True, anchor, params, updates, mixing=0.5)
+    Array([0.75, 0.75], dtype=float32)
+    >>> optax_dist.streaming_diloco_land(False, anchor, params, updates, mixing=0.5)
+    Array([0.5, 0.5], dtype=float32)
+
+  References:
+    Douillard et al., `Streaming DiLoCo with overlapping communication
+    <https://arxiv.org/abs/2501.18512>`_, 2025 (the merge of the local and the global
+    params, their :math:`\alpha`).
+  """
+  mixed = not (isinstance(mixing, numbers.Real) and mixing == 0)
+
+  def land(t, p, u):
+    if mixed:
+      x = optax.apply_updates(p, u)
+      t = mixing * x.astype(t.dtype) + (1 - mixing) * t
+    return _axis.select(due, (t - p).astype(u.dtype), u)
+
+  return jax.tree.map(land, target, params, updates)
+
+
 def _split_fragments(fn: str, anchor: Any, fragments: Any, fragment: Any):
   """The :class:`_fragments.Fragments` of ``anchor`` and its treedef, checking that
   ``fragments`` holds one id per leaf and ``fragment`` is one of them."""
@@ -561,7 +631,7 @@ def streaming_diloco(
       carry = _synced(r, carry, sends)
       landings, targets = sends, carry.anchor
     local_updates = treedef.unflatten([
-      _landed(landings[f], t, p, u, mixing)
+      streaming_diloco_land(landings[f], t, p, u, mixing)
       for t, p, u, f in zip(targets, r.params, r.updates, ids, strict=True)
     ])
     tree = lambda leaves: None if leaves is None else treedef.unflatten(leaves)  # noqa: E731
@@ -736,12 +806,3 @@ def _land(r: _Round, f: int, landing: Any, anchor: list, outer_state_f: Any, in_
     landing, apply, stay, part(anchor), outer_state_f, part(in_flight), part(own),
     part(r.updates))
   return r.fragments.put(anchor, anchor_f, f), outer_state_f, target_f
-
-
-def _landed(due: Any, target: jax.Array, p: jax.Array, u: jax.Array, mixing: Any) -> jax.Array:
-  """A leaf's update: on a landing of its fragment, to mixing x' + (1 - mixing) target
-  (:math:`x' = p + u`), else ``u``."""
-  if not (isinstance(mixing, numbers.Real) and mixing == 0):
-    x = optax.apply_updates(p, u)
-    target = mixing * x.astype(target.dtype) + (1 - mixing) * target
-  return _axis.select(due, (target - p).astype(u.dtype), u)

@@ -314,8 +314,9 @@ class RoundProtocol:
     opt_state = opt_state._replace(
       anchor=anchor, outer_state=outer_state, error_feedback=residual)
     leaves, treedef = jax.tree.flatten(origin)
+    land = _streaming_diloco.streaming_diloco_land
     params = [
-      optax.apply_updates(p, _streaming_diloco._landed(i == f, a, p, u, self.mixing))
+      optax.apply_updates(p, land(i == f, a, p, u, self.mixing))
       for p, a, u, i in zip(leaves, jax.tree.leaves(anchor), jax.tree.leaves(updates), ids,
                             strict=True)
     ]
