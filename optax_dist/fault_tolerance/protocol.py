@@ -194,7 +194,15 @@ class RoundProtocol:
 
   @functools.cached_property
   def tx(self) -> optax.GradientTransformationExtraArgs:
-    """The transformation for one worker (``axis_name=None``), run with ``communicate=False``."""
+    """The transformation for one worker (``axis_name=None``) whose ``update`` always runs
+    with ``communicate=False``: the inner steps only (``local_step`` advances; the round
+    boundary's exchange is the engine's, outside the program). A user's loop builds its
+    optimizer as this (``TrainState.create(..., tx=protocol.tx)``, ``nnx.Optimizer(model,
+    protocol.tx, wrt=nnx.Param)``)."""
+    return _inner_steps_only(self._tx)
+
+  @functools.cached_property
+  def _tx(self) -> optax.GradientTransformationExtraArgs:
     wire = dict(comm_dtype=self.comm_dtype, comm_block_size=self.comm_block_size)
     if self.algorithm == "local_sgd":
       return _local_sgd.local_sgd(self.inner, sync_period=self.sync_period, **wire)
@@ -396,6 +404,16 @@ class RoundProtocol:
   def votes(payload: Any) -> bool:
     """A member's vote: yes iff every value of its payload is finite."""
     return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(payload))
+
+
+def _inner_steps_only(tx: optax.GradientTransformationExtraArgs
+                      ) -> optax.GradientTransformationExtraArgs:
+  """``tx`` with ``communicate=False`` forced on every ``update`` call."""
+
+  def update(updates, state, params=None, **extra_args):
+    return tx.update(updates, state, params, **{**extra_args, "communicate": False})
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def _step(opt_state: Any) -> int:
