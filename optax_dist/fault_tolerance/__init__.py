@@ -55,7 +55,7 @@ from optax_dist.fault_tolerance.engine import (
   RoundPlan,
   replay,
 )
-from optax_dist.fault_tolerance.in_process import LOOP_KINDS, InProcess
+from optax_dist.fault_tolerance.in_process import ENGINES, LOOP_KINDS, InProcess, engine
 from optax_dist.fault_tolerance.loop import Replica, RoundResult, step_key
 from optax_dist.fault_tolerance.heal import MAGIC, decode_heal, encode_heal, heal_replica
 from optax_dist.fault_tolerance.protocol import (
@@ -73,6 +73,7 @@ from optax_dist.fault_tolerance.protocol import (
 )
 
 __all__ = (
+  "ENGINES",
   "KINDS",
   "LOOP_KINDS",
   "MAGIC",
@@ -92,6 +93,7 @@ __all__ = (
   "counters",
   "decode_heal",
   "encode_heal",
+  "engine",
   "global_state",
   "heal_replica",
   "heal_state",

@@ -237,3 +237,39 @@ class _Port:
 
 def _nan(tree: Any) -> Any:
   return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)
+
+
+ENGINES = ("in_process", "torchft")
+"""The engines :func:`engine` makes."""
+
+
+def engine(kind: str, protocol: RoundProtocol, *, num_replicas: int,
+           faults: Sequence[Fault] = (), **options: Any) -> Any:
+  """The engine ``kind`` of a fault-tolerant run of ``protocol``: the one argument a script
+  switches on.
+
+  Args:
+    kind: ``"in_process"`` (:class:`InProcess`: ``num_replicas`` loops in this process, the
+      scripted ``faults`` injected) or ``"torchft"`` (:class:`~optax_dist.fault_tolerance.
+      torchft_loop.Torchft`: this process is one replica; its id, the Lighthouse and the run's
+      directory from the environment; faults are real, not scripted, so ``faults`` is not
+      read; ``min_replicas`` defaults to ``num_replicas // 2 + 1``).
+    protocol: the run's :class:`RoundProtocol`.
+    num_replicas: R, the run's replicas.
+    faults: the in-process engine's :class:`Fault` script.
+    **options: the engine's other keyword arguments.
+
+  Returns:
+    An engine: ``engine.run(train)`` returns ``{replica_id: train's return value}``.
+
+  Raises:
+    ValueError: ``kind`` not one of :data:`ENGINES`; the engine's own errors.
+    ModuleNotFoundError: ``"torchft"`` without the ``ft`` extra.
+  """
+  _checks.check_choice("engine", "kind", kind, ENGINES)
+  if kind == "in_process":
+    return InProcess(protocol, num_replicas=num_replicas, faults=faults, **options)
+  from optax_dist.fault_tolerance.torchft_loop import Torchft
+
+  options.setdefault("min_replicas", num_replicas // 2 + 1)
+  return Torchft(protocol, **options)

@@ -357,8 +357,9 @@ class Replica:
     replica, collections = mine, parts.collections
     if got.healed is not None:
       replica, collections = self.receive(got.healed)
-    if got.merged is None:
+    if got.merged is None:  # the params back on the anchor: copies (the loop donates them)
       replica = self.protocol.abort(replica)
+      replica = replica._replace(params=jax.tree.map(jnp.copy, replica.params))
     elif got.healed is not None:  # it sent nothing of its own: it lands from the healed params
       replica, collections = self.protocol.commit(replica, got.merged[0]), got.merged[1]
     else:
@@ -367,6 +368,8 @@ class Replica:
         residual, fragment)
       replica = ReplicaState(params, opt_state, mine.rounds + 1, average)
       collections = got.merged[1]
+    if got.merged is not None:  # the members' merged collections, a copy of this loop's own
+      collections = jax.tree.map(jnp.copy, collections)
     jumped = got.healed is not None or got.step > self.step
     if jumped:
       replica = replica._replace(opt_state=_at_step(replica.opt_state, got.step))
