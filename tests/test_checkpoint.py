@@ -500,7 +500,7 @@ def _empty(step_dir):
 ], ids=["corrupted", "emptied"])
 def test_resume_goes_back_past_a_damaged_checkpoint(digits_run, tmp_path, capsys, damage, reason):
   from optax_dist.cli import trainer
-  from optax_dist.cli.checkpoints import saved_steps
+  from optax_dist.cli.orbax_checkpoints import saved_steps
 
   task, data, checkpoints, uninterrupted = digits_run
   directory = tmp_path / "checkpoints"
@@ -568,7 +568,7 @@ def _streaming_settings(**changes):
 def test_resume_may_move_the_exchanges_to_or_from_the_exchange_device(tmp_path, saved, resumed):
   """A checkpoint holds no exchange in flight outside the state (saved after ``settle``): the
   in-step route and ``--exchange-device`` save the same state, and either resumes the other's."""
-  from optax_dist.cli.checkpoints import CheckpointMismatchError, Checkpoints
+  from optax_dist.cli.orbax_checkpoints import CheckpointMismatchError, Checkpoints
 
   state = {"w": jnp.arange(4.0).reshape(2, 2), "step": jnp.array([3, 3], jnp.int32)}
   writer = Checkpoints(str(tmp_path), _streaming_settings(exchange_device=saved), resume=False)

@@ -10,6 +10,7 @@ inexact product there would move an anchor by an ulp whatever the protocol does.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 import pickle
@@ -595,14 +596,79 @@ def test_core_does_not_import_torch():
   assert done.stdout.strip() == "[]"
 
 
-def test_replica_without_the_ft_extra_says_so_in_one_line(monkeypatch, capsys):
+def test_replica_without_the_ft_extra_says_so_in_one_line(monkeypatch):
   from optax_dist.fault_tolerance import replica
 
   monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ModuleNotFoundError
   monkeypatch.delitem(sys.modules, "optax_dist.fault_tolerance.torchft_engine", raising=False)
   monkeypatch.delattr(ft, "torchft_engine", raising=False)  # imported by another test
-  status = replica.main(["--lighthouse", "http://127.0.0.1:1", "--replica-id", "0", "--out", "x"])
-  err = capsys.readouterr().err
-  assert status == 2
-  assert err.count("\n") == 1 and "no module named 'torch'" in err
-  assert 'pip install "optax-dist[ft]"' in err
+  with pytest.raises(replica.ReplicaError) as info:
+    replica.load_engine()
+  said = str(info.value)
+  assert "\n" not in said and "no module named 'torch'" in said
+  assert 'pip install "optax-dist[ft]"' in said
+
+
+# ------------------------------------------------------------------------------------------------
+# A run's launch configuration and its directory read back.
+
+
+def test_launch_config_fills_in_the_majority_and_refuses_bad_values(tmp_path):
+  from optax_dist.fault_tolerance.launcher import JOIN_TIMEOUT_S, LaunchConfig
+
+  config = LaunchConfig(replicas=4, out=tmp_path, replica_command=["-m", "x"],
+                        replica_args=["--steps", "8"])
+  assert (config.min_replicas, config.out, config.replica_command) == (3, str(tmp_path),
+                                                                       ("-m", "x"))
+  assert config.replica_args == ("--steps", "8") and config.join_timeout == JOIN_TIMEOUT_S
+  base = {"replicas": 2, "out": str(tmp_path), "replica_command": ("-m", "x")}
+  for changed, error, said in (
+      ({"replicas": 0}, ValueError, r"`LaunchConfig\(replicas=...\)` must be a positive int,"
+       " got 0"),
+      ({"min_replicas": 3}, ValueError, r"`LaunchConfig\(min_replicas=...\)` must be in \[1,"
+       r" replicas=2\], got 3"),
+      ({"restart_delay": -1.0}, ValueError, r"`LaunchConfig\(restart_delay=...\)` must be a"
+       r" number of seconds >= 0, got -1.0"),
+      ({"exchange_timeout": 0}, ValueError, r"`LaunchConfig\(exchange_timeout=...\)` must be a"
+       " positive number of seconds, got 0"),
+      ({"max_restarts": 1.5}, TypeError, r"`LaunchConfig\(max_restarts=...\)` must be an int"),
+      ({"host": "0.0.0.0"}, ValueError, r"`LaunchConfig\(host=...\)` must be a specific"
+       " address, got '0.0.0.0'"),
+      ({"replica_netns": "chaos"}, ValueError, r"`LaunchConfig\(replica_netns=...\)` must hold"
+       r" \{i\} \(one namespace per replica\), got 'chaos'"),
+      ({"replica_netns": "no-such-netns-{i}"}, ValueError, r"`LaunchConfig\(replica_netns=...\)`"
+       " must name existing network namespaces .*: no no-such-netns-0"),
+      ({"replica_command": ()}, ValueError, r"`LaunchConfig\(replica_command=...\)`")):
+    with pytest.raises(error, match=said):
+      LaunchConfig(**base | changed)
+
+
+def test_run_dir_reads_the_lines_finals_pids_and_checkpoints_it_clears(tmp_path):
+  from optax_dist.fault_tolerance.rundir import RunDir
+
+  run = RunDir(tmp_path / "run")
+  assert (run.lines(), run.final(), run.first_commit(), run.lighthouse_pid()) == ([], {}, None,
+                                                                                   None)
+  run.replicas.mkdir(parents=True)
+  line = {"round": 0, "committed": True, "healed": False, "state_hash": "a",
+          "quorum_seconds": 0.1, "time": 12.0}
+  rows = {0: [line, {**line, "round": 1, "time": 14.0}],
+          1: [{**line, "time": 11.0, "committed": False},
+              {**line, "round": 1, "time": 13.0, "healed": True, "quorum_seconds": 0.5}],
+          2: [{**line, "round": 1, "time": 15.0, "state_hash": "b"}]}  # a foreign id
+  for i, lines in rows.items():
+    run.lines_file(i).write_text("".join(json.dumps(x) + "\n" for x in lines) + "\n")
+  run.final_file(1).write_text('{"test_accuracy": 0.5}')
+  run.lighthouse_pid_file.write_text("123\n")
+  run.pid_file(0).write_text("77\n")
+  assert [x["time"] for x in run.lines()] == [11.0, 12.0, 13.0, 14.0, 15.0]
+  assert run.lines(1) == rows[1] and run.first_commit() == 12.0
+  assert (run.lighthouse_pid(), run.replica_pid(0), run.replica_pid(1)) == (123, 77, None)
+  assert run.finished() and run.final() == {1: {"test_accuracy": 0.5}}
+  assert run.summary(2, restarts=1) == {
+    "rounds_committed": 2, "rounds_aborted": 0, "restarts": 1, "heals": 1, "heal_seconds": [0.5],
+    "hashes_agree": True, "finished": [1], "final": {1: {"test_accuracy": 0.5}}}
+  assert not run.summary(3, restarts=0)["hashes_agree"]  # replica 2 committed round 1 apart
+  assert run.checkpoints() == []
+  run.clear()
+  assert run.lines() == [] and not run.finished() and run.lighthouse_pid() == 123

@@ -22,9 +22,10 @@ import pytest
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
 
-from optax_dist.cli import fault_tolerant, pipeline  # noqa: E402
+from optax_dist.cli import ft_flags, ft_task, pipeline  # noqa: E402
 from optax_dist.cli.main import build_parser, main  # noqa: E402
 from optax_dist.fault_tolerance import checkpoints  # noqa: E402
+from optax_dist.fault_tolerance.rundir import RunDir  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "3",
@@ -59,6 +60,8 @@ def _without(example: list[str], flag: str) -> list[str]:
    " sync"),
   (EXAMPLE + ["--fsdp", "1"], "argument --fsdp: not with --fault-tolerant"),
   (EXAMPLE + ["--resume"], "argument --resume: not with --fault-tolerant"),
+  (EXAMPLE + ["--save-params", "x.npz"], "argument --save-params: not with --fault-tolerant"),
+  (EXAMPLE + ["--fail-at-step", "3"], "argument --fail-at-step: not with --fault-tolerant"),
   (_without(EXAMPLE, "--min-replicas") + ["--min-replicas", "4"],
    "argument --min-replicas: must be at most --replicas (3), got 4"),
   (["train", "--min-replicas", "2"], "argument --min-replicas: needs --fault-tolerant"),
@@ -95,6 +98,14 @@ def test_a_protocol_refusal_is_one_line_before_any_replica_starts(tmp_path, caps
   assert not (tmp_path / "replicas").exists() and not list(tmp_path.glob("replica_*.log"))
 
 
+def test_a_launch_refusal_names_its_flag_in_one_line(tmp_path, capsys):
+  _require_ft()
+  line = _one_line(capsys, *EXAMPLE, "--host", "0.0.0.0", "--out", str(tmp_path))
+  assert line == ("optax-dist: error: argument --host: `LaunchConfig(host=...)` must be a"
+                  " specific address, got '0.0.0.0'."), line
+  assert not list(tmp_path.glob("replica_*.log"))
+
+
 def test_timing_flags_are_float_seconds_beside_the_integer_heartbeat_timeout():
   args = build_parser().parse_args(
     [*EXAMPLE, "--quorum-timeout", "2.5", "--join-timeout", "0.25", "--restart-delay", "0.5",
@@ -105,13 +116,13 @@ def test_timing_flags_are_float_seconds_beside_the_integer_heartbeat_timeout():
 
 
 def test_min_replicas_defaults_to_a_majority(monkeypatch):
-  monkeypatch.setattr(fault_tolerant.errors, "require", lambda *a, **k: None)  # no extra needed
+  monkeypatch.setattr(ft_flags.errors, "require", lambda *a, **k: None)  # no extra needed
   for replicas, majority in ((1, 1), (2, 2), (3, 2), (4, 3), (5, 3)):
     args = build_parser().parse_args(
       [*_without(_without(EXAMPLE, "--replicas"), "--min-replicas"), "--replicas", str(replicas)])
-    fault_tolerant.resolve(args)
+    ft_flags.resolve(args)
     assert args.min_replicas == majority
-    assert args.quorum_timeout == fault_tolerant.DEFAULTS["quorum_timeout"]
+    assert args.quorum_timeout == ft_flags.DEFAULTS["quorum_timeout"]
 
 
 def test_replicas_draw_the_trainers_minibatches():
@@ -128,7 +139,7 @@ def test_replicas_draw_the_trainers_minibatches():
   replicas, per_replica, batch = 3, 2, 4
   s = Settings(algorithm="diloco", devices=replicas * per_replica, batch_size=batch,
                steps=20, sync_period=5).resolved()
-  params, grad_fn, batch_fn, tokens, evaluate = fault_tolerant.task_engine(
+  params, grad_fn, batch_fn, tokens, evaluate = ft_task.task_engine(
     task, data, s, replicas)
   assert tokens == per_replica * batch  # a digit's label is its one target
   shards = pipeline.shard_examples(data.train, s.devices)
@@ -149,7 +160,7 @@ def test_an_lm_example_weighs_its_context_in_tokens():
   """A window of the ``lm`` task predicts the next byte at each of its positions."""
   from optax_dist.cli.tasks import LM_CONTEXT, load_lm
 
-  assert fault_tolerant.tokens_per_example(load_lm(seed=0)) == LM_CONTEXT
+  assert ft_task.tokens_per_example(load_lm(seed=0)) == LM_CONTEXT
 
 
 def _write_lines(out: pathlib.Path, i: int, lines: list[tuple]) -> None:
@@ -166,12 +177,12 @@ def test_summary_counts_rounds_heals_and_hash_agreement(tmp_path):
   _write_lines(tmp_path, 0, [(0, True, False, "a"), (1, False, False, "a"), (2, True, False, "c")])
   _write_lines(tmp_path, 1, [(0, True, False, "a"), (1, False, False, "a"), (2, True, True, "c")])
   (tmp_path / "replicas" / "final_1.json").write_text('{"test_accuracy": 0.5}')
-  result = fault_tolerant.summary(tmp_path, 3, restarts=1)
+  result = RunDir(tmp_path).summary(3, restarts=1)
   assert (result["rounds_committed"], result["rounds_aborted"]) == (2, 1)
   assert (result["heals"], result["heal_seconds"], result["restarts"]) == (1, [0.5], 1)
   assert result["hashes_agree"] and result["finished"] == [1]
   _write_lines(tmp_path, 2, [(2, True, False, "d")])
-  assert not fault_tolerant.summary(tmp_path, 3, restarts=1)["hashes_agree"]
+  assert not RunDir(tmp_path).summary(3, restarts=1)["hashes_agree"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,8 +197,7 @@ def _require_ft() -> None:
 
 
 def _lines(out: pathlib.Path, i: int) -> list[dict]:
-  path = out / "replicas" / f"replica_{i}.jsonl"
-  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+  return RunDir(out).lines(i)
 
 
 @pytest.mark.slow

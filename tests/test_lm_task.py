@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("flax")
 
 from optax_dist.cli import tasks, text
-from optax_dist.cli.checkpoints import saved_steps
+from optax_dist.cli.orbax_checkpoints import saved_steps
 from optax_dist.cli.main import main
 
 # ----------------------------------------------------------------------------------------------

@@ -260,22 +260,22 @@ def _process(code: str) -> subprocess.Popen:
 def test_a_mistake_said_by_process_zero_is_its_one_line(capfd):
   """Process 1 exits with status 2 first, silently (the mistake is process 0's to say); the
   launcher lets process 0 say it and adds no line of its own."""
-  from optax_dist.cli import launcher
+  from optax_dist.cli import processes
 
   said = "optax-dist: error: argument --resume: no intact checkpoint to resume from: ..."
   procs = [_process(f"import sys, time; time.sleep(1.0); print({said!r}, file=sys.stderr);"
                     " sys.exit(2)"),
            _process("import sys; sys.exit(2)")]
-  assert launcher._watch(procs) == 2
+  assert processes._watch(procs) == 2
   assert capfd.readouterr().err.strip().splitlines() == [said]
 
 
 def test_a_crash_after_a_mistake_is_reported(capfd):
-  from optax_dist.cli import launcher
+  from optax_dist.cli import processes
 
   procs = [_process("import time, os; time.sleep(1.0); os._exit(1)"),
            _process("import sys; sys.exit(2)")]
-  assert launcher._watch(procs) == 1
+  assert processes._watch(procs) == 1
   lines = capfd.readouterr().err.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(
     "optax-dist: error: process 0 exited with code 1; process 1 exited with code 2;"), lines
@@ -285,14 +285,14 @@ def test_a_crash_after_a_mistake_is_reported(capfd):
   (True, 0, True), (True, 1, False), (False, 1, True)])
 def test_only_process_zero_says_what_every_process_finds(monkeypatch, capsys, tmp_path,
                                                          every_process, process, said):
-  from optax_dist.cli import checkpoints, train, trainer
+  from optax_dist.cli import orbax_checkpoints, train, trainer
 
   def refused(*args, **kwargs):
-    raise checkpoints.CheckpointMismatchError("it was written with other settings",
+    raise orbax_checkpoints.CheckpointMismatchError("it was written with other settings",
                                               every_process=every_process)
 
   monkeypatch.setattr(trainer, "train", refused)
-  monkeypatch.setattr(train.launcher, "init_jax", lambda *args: None)
+  monkeypatch.setattr(train.processes, "init_jax", lambda *args: None)
   argv = ["train", "--resume", "--processes", "2", "--process-id", str(process),
           "--coordinator", "127.0.0.1:1", "--out", str(tmp_path), "--no-progress"]
   (tmp_path / "checkpoints" / "sync" / "2").mkdir(parents=True)  # --resume finds a checkpoint

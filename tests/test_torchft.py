@@ -13,7 +13,6 @@ import json
 import os
 import pathlib
 import pickle
-import re
 import signal
 import socket
 import subprocess
@@ -38,6 +37,7 @@ from _helpers import PicklePayload  # noqa: E402
 from optax_dist.fault_tolerance import checkpoints  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+LINEAR = str(ROOT / "tests" / "_ft_linear.py")  # the toy run: its launcher and its replicas
 HEARTBEAT_S = 1.0
 TIMEOUT_S = 3.0  # a collective, a heal, the vote
 STOP_S = 5.0  # longer than the collective's timeout and the Lighthouse's heartbeat timeout
@@ -53,12 +53,11 @@ class Run:
     env["PYTHONPATH"] = str(ROOT)
     with open(out / "launcher.log", "w") as log:  # a file: a full pipe would stall the Lighthouse
       self.proc = subprocess.Popen(
-        [sys.executable, "-m", "optax_dist.fault_tolerance.launcher", "--replicas", "3",
+        [sys.executable, LINEAR, "launch", "--replicas", "3",
          "--min-replicas", str(min_replicas), "--out", str(out), "--restart-delay", "0.5",
          "--lighthouse-heartbeat-timeout", str(HEARTBEAT_S), *["--standby"] * standby,
-         "--", "--steps", str(steps),
-         "--sync-period", "5", "--timeout", str(TIMEOUT_S), "--quorum-timeout", "60",
-         "--checkpoint-every", "50"],
+         "--exchange-timeout", str(TIMEOUT_S), "--quorum-timeout", "60",
+         "--", "--steps", str(steps), "--sync-period", "5", "--checkpoint-every", "50"],
         env=env, stdout=log, stderr=log, start_new_session=True)
 
   def lines(self, i: int) -> list[dict]:
@@ -146,9 +145,9 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
     url = (tmp_path / "launcher.log").read_text().split("lighthouse ", 1)[1].split()[0]
     joined = time.time()
     foreign = subprocess.run(
-      [sys.executable, "-m", "optax_dist.fault_tolerance.replica", "--lighthouse", url,
+      [sys.executable, LINEAR, "replica", "--lighthouse", url,
        "--replica-id", "3", "--out", str(tmp_path), "--steps", str(10**7), "--sync-period", "5",
-       "--seed", "1", "--timeout", str(TIMEOUT_S), "--parent-death"],
+       "--seed", "1", "--exchange-timeout", str(TIMEOUT_S), "--parent-death"],
       env=run.env, capture_output=True, text=True, timeout=90, check=False)
     assert foreign.returncode == 2 and foreign.stderr.endswith(
       "differ from the run's: algorithm, sync period, wire format, params' shapes, seed and"
@@ -637,7 +636,7 @@ def test_a_restarted_lighthouse_is_told_by_its_status_page(page, last, restarted
 # Bad input.
 
 
-def test_bad_input(tmp_path, capsys):
+def test_bad_input(tmp_path):
   import jax.numpy as jnp
   import optax
 
@@ -660,29 +659,16 @@ def test_bad_input(tmp_path, capsys):
   with pytest.raises(ValueError, match=r"TorchftReplica\(host=...\)` must be an address or a"
                      r" name that resolves, got 'no-such-host.invalid'"):
     te.TorchftReplica(*args, **dict(kwargs, host="no-such-host.invalid"))
-  for flags, said in ((["--replicas", "0"], "--replicas must be a positive int, got 0"),
-                      (["--replicas", "2", "--min-replicas", "3"],
-                       r"--min-replicas must be in \[1, --replicas=2\], got 3"),
-                      (["--replicas", "2", "--host", "0.0.0.0"],
-                       "--host must be a specific address, got '0.0.0.0'"),
-                      (["--replicas", "2", "--restart-delay", "-1"],
-                       "--restart-delay must be >= 0 seconds, got -1.0"),
-                      (["--replicas", "2", "--replica-netns", "chaos"],
-                       r"--replica-netns must hold \{i\} \(one namespace per replica\), got"
-                       " 'chaos'"),
-                      (["--replicas", "2", "--replica-netns", "no-such-netns-{i}"],
-                       r"--replica-netns: no network namespace no-such-netns-0 \(ip netns")):
-    assert launcher.main([*flags, "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and re.search(said, err), err
   with socket.socket() as taken:  # the Lighthouse's port in use: its own words, in one line
     taken.bind(("127.0.0.1", 0))
     port = taken.getsockname()[1]
-    assert launcher.main(["--replicas", "1", "--port", str(port), "--out", str(tmp_path)]) == 2
-  err = capsys.readouterr().err
-  assert err.count("\n") == 1 and err.startswith(
-    f"optax_dist launcher: error: the Lighthouse did not start on http://127.0.0.1:{port}: "
-  ) and err.endswith("Address already in use (os error 98)\n"), err
+    with pytest.raises(RuntimeError) as info:
+      launcher.Launcher(launcher.LaunchConfig(replicas=1, port=port, out=str(tmp_path),
+                                              replica_command=("-c", "")))
+  said = str(info.value)
+  assert "\n" not in said and said.startswith(
+    f"the Lighthouse did not start on http://127.0.0.1:{port}: "
+  ) and said.endswith("Address already in use (os error 98)"), said
 
 
 STANDBY = """
@@ -702,11 +688,9 @@ def test_launcher_restarts_through_a_live_standby_else_a_fresh_process(tmp_path)
   else a fresh start; every restart counts, and no standby outlives the launcher."""
   from optax_dist.fault_tolerance import launcher
 
-  args = launcher.build_parser().parse_args(
-    ["--replicas", "2", "--out", str(tmp_path), "--restart-delay", "0.2", "--max-restarts", "2",
-     "--standby"])
-  launcher.check_arguments(args)
-  run = launcher.Launcher(args, command=("-c", STANDBY))
+  run = launcher.Launcher(launcher.LaunchConfig(
+    replicas=2, out=str(tmp_path), restart_delay=0.2, max_restarts=2, standby=True,
+    replica_command=("-c", STANDBY)))
   try:
     assert run.run() == 1  # no replica finished
     standbys = [slot.standby for slot in run.slots]
@@ -725,10 +709,9 @@ def test_launcher_restarts_a_failed_replica_but_not_a_refusal(tmp_path, status, 
   restarted; another failure is, up to --max-restarts times."""
   from optax_dist.fault_tolerance import launcher
 
-  args = launcher.build_parser().parse_args(
-    ["--replicas", "2", "--out", str(tmp_path), "--restart-delay", "0", "--max-restarts", "2"])
-  launcher.check_arguments(args)
-  run = launcher.Launcher(args, command=("-c", f"import sys; sys.exit({status})"))
+  run = launcher.Launcher(launcher.LaunchConfig(
+    replicas=2, out=str(tmp_path), restart_delay=0, max_restarts=2,
+    replica_command=("-c", f"import sys; sys.exit({status})")))
   try:
     assert run.run() == 1  # no replica finished
   finally:

@@ -212,7 +212,7 @@ def join(args: argparse.Namespace, devices: int) -> list[list[Any]]:
   two processes' devices, by id."""
   import jax  # only the probes' processes need JAX
 
-  from optax_dist.cli.launcher import init_jax
+  from optax_dist.cli.processes import init_jax
 
   init_jax(devices, 2, args.worker, args.coordinator)
   return [sorted((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)

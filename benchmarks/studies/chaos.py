@@ -72,7 +72,7 @@ import numpy as np
 
 from benchmarks import kit
 from benchmarks.network import netns
-from optax_dist.cli import checkpoints, fault_tolerant
+from optax_dist.cli import ft_task, orbax_checkpoints
 from optax_dist.cli.main import build_parser
 from optax_dist.fault_tolerance import launcher
 
@@ -372,7 +372,7 @@ class FaultTolerantRun(Run):
   seconds after ``t0``: ``start`` of a replica process, ``kill``, ``stop``, ``cont``, ``link``
   (down), ``up``, ``lighthouse``, ``skipped``), ``lines`` (the JSONL lines), ``final`` (the
   replicas' ``final_<i>.json``), ``curve`` (the held-out metric of each checkpoint:
-  :func:`optax_dist.cli.fault_tolerant.checkpoint_metrics`, evaluated here after the run),
+  :func:`optax_dist.cli.ft_task.checkpoint_metrics`, evaluated here after the run),
   ``status``, ``wall_s`` and the load averages."""
 
   flag, group = "--replica-id", True
@@ -397,7 +397,7 @@ class FaultTolerantRun(Run):
       "final_*.json"))]
     args = build_parser().parse_args(command(self.config, self.out)[3:])
     return {"t0": self.inject.t0, "events": self.inject.events, "lines": read_lines(self.out),
-            "final": final, "curve": fault_tolerant.checkpoint_metrics(args),
+            "final": final, "curve": ft_task.checkpoint_metrics(args),
             "status": self.proc.returncode, **self.timed.record()}
 
 
@@ -441,7 +441,7 @@ class SyncRun(Run):
     if self.restart_at is not None and time.monotonic() >= self.restart_at:
       self.proc, self.restart_at = self._start(resume=True), None
       inject.events.append([inject.now(), "resume", -1, self.proc.pid])
-    steps = checkpoints.saved_steps(self.directory)
+    steps = orbax_checkpoints.saved_steps(self.directory)
     if steps and (not self.saved or steps[-1] > self.saved[-1][1]):
       self.saved.append([time.time(), steps[-1]])
     inject.tick(self.saved[0][0] if self.saved else None, ending=False)

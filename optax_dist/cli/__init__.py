@@ -7,9 +7,12 @@ One concern per module:
   :mod:`~optax_dist.cli.train` (``train``), :mod:`~optax_dist.cli.compare` (``compare``),
   :mod:`~optax_dist.cli.async_run` (``async``: the emulated asynchronous protocols),
   :mod:`~optax_dist.cli.plan` (``plan``: each method's utilization over a link) and
-  :mod:`~optax_dist.cli.replica` (``replica``: one replica of a fault-tolerant run);
-* :mod:`~optax_dist.cli.fault_tolerant`: ``train --fault-tolerant``, the task in replica
-  processes over torchft (the launcher, a replica's engine, the summary);
+  :mod:`~optax_dist.cli.ft_replica` (``replica``: one replica of a fault-tolerant run);
+* :mod:`~optax_dist.cli.ft_train`: ``train --fault-tolerant``, the task in replica processes
+  over torchft (the launcher's configuration, the run, its summary);
+* :mod:`~optax_dist.cli.ft_flags`: the ``--fault-tolerant`` flags, their defaults and refusals;
+* :mod:`~optax_dist.cli.ft_task`: a task as the replicas train it (settings, round protocol, a
+  replica's share of the data, evaluation of its checkpoints);
 * :mod:`~optax_dist.cli.arguments`: the flags' types and the flags of ``train`` and ``compare``;
 * :mod:`~optax_dist.cli.config`: the settings of a training run, their defaults, and the settings
   a command line asks for;
@@ -25,8 +28,8 @@ One concern per module:
 * :mod:`~optax_dist.cli.steps`: the step and evaluation functions a run compiles;
 * :mod:`~optax_dist.cli.meshes`: the devices, the meshes and the global view's param shardings;
 * :mod:`~optax_dist.cli.exchange_device`: ``streaming_diloco``'s exchanges on an extra device;
-* :mod:`~optax_dist.cli.checkpoints`: Orbax checkpoints and exact resuming;
-* :mod:`~optax_dist.cli.launcher`: several ``jax.distributed`` processes and their watchdog;
+* :mod:`~optax_dist.cli.orbax_checkpoints`: the trainer's Orbax checkpoints and exact resuming;
+* :mod:`~optax_dist.cli.processes`: several ``jax.distributed`` processes and their watchdog;
 * :mod:`~optax_dist.cli.progress`: the phases and the steps a run shows on stderr as it goes;
 * :mod:`~optax_dist.cli.reports`: the tables, the JSON files and the plots;
 * :mod:`~optax_dist.cli.errors`: one-line errors and the check of the ``examples`` extra.

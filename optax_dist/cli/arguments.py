@@ -14,7 +14,7 @@ import math
 from optax_dist.cli import algorithms, config
 from optax_dist.cli.algorithms import ALGORITHMS
 from optax_dist.cli.errors import PROG
-from optax_dist.cli.launcher import parse_address
+from optax_dist.cli.processes import parse_address
 from optax_dist.cli.tasks import TASKS
 
 
@@ -283,9 +283,13 @@ def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:
                      " OUT/replicas/checkpoints (default: no checkpoints)")
   multi.add_argument("--resume", action="store_true",
                      help="continue from the last checkpoint under OUT/checkpoints")
-  # For tests: write the final params and optimizer state (npz); exit process P-1 after a step.
-  common.add_argument("--save-params", default=None, help=argparse.SUPPRESS)
-  common.add_argument("--fail-at-step", type=positive_int, default=None, help=argparse.SUPPRESS)
+  multi.add_argument("--fail-at-step", type=positive_int, default=None, metavar="N",
+                     help="a scripted fault: process P-1 exits with status 1 after step N, to"
+                     " try the watchdog and --resume (default: none)")
+  common.add_argument("--save-params", default=None, metavar="PATH",
+                      help="also write each algorithm's final params and optimizer state to PATH"
+                      " (npz: one array per leaf, keyed by the algorithm and the leaf's path;"
+                      " default: none)")
 
 
 def training_parser() -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ from typing import Any
 from optax_dist.cli.algorithms import (ALGORITHMS, EXCHANGE_OPTIONS, FLOAT_COMM_DTYPES,
                                        QUANTIZED_COMM_DTYPES, flag, make_optimizer, quantizing,
                                        takers)
-from optax_dist.cli.checkpoints import saved_steps
+from optax_dist.cli.orbax_checkpoints import saved_steps
 from optax_dist.cli.config import DEFAULTS, Settings
 from optax_dist.cli.errors import CommandError
 

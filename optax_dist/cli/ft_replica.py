@@ -3,11 +3,13 @@ that a Lighthouse coordinates (a first start, or a restart under the same id: it
 
 It takes ``train``'s flags (the task, the algorithm and its settings, ``--replicas R``,
 ``--devices``, the fault-tolerance flags) and trains replica ``--replica-id`` of the run those
-flags describe (:func:`optax_dist.cli.fault_tolerant.run_replica`): ``optax-dist train
---fault-tolerant`` starts its replicas this way, and a replica started by hand with the same
-flags joins the same run. One JSON line per round in ``OUT/replicas/replica_<I>.jsonl``. Needs
-the ``ft`` extra (torch, torchft); a mistake, the missing extra or a quorum that never forms is
-one line, exit status 2.
+flags describe (:func:`run`; the task as :mod:`optax_dist.cli.ft_task` shares it out):
+``optax-dist train --fault-tolerant`` (:mod:`optax_dist.cli.ft_train`) starts its replicas
+this way, and a replica started by hand with the same flags joins the same run. One JSON line
+per round in ``OUT/replicas/replica_<I>.jsonl``, and once finished ``OUT/replicas/final_<I>.json``
+with the test metric of its final evaluated params (the anchor; ``local_sgd``: the last
+average). Needs the ``ft`` extra (torch, torchft); a mistake, the missing extra or a quorum that
+never forms is one line, exit status 2.
 
 ``add_parser(subparsers)`` adds the subcommand to an ``argparse`` parser; ``run(args)`` runs it.
 """
@@ -15,12 +17,18 @@ one line, exit status 2.
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from typing import Any
 
-from optax_dist.cli import fault_tolerant
+from optax_dist.cli import errors, ft_flags, ft_task
 from optax_dist.cli.arguments import Formatter, integer_at_least_0, training_parser
+from optax_dist.cli.errors import CommandError
+from optax_dist.cli.processes import init_jax
+from optax_dist.cli.tasks import TASKS
 from optax_dist.fault_tolerance import SUPPORTED
 from optax_dist.fault_tolerance import replica as ft_replica
+from optax_dist.fault_tolerance.rundir import RunDir
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -37,11 +45,52 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
   parser.add_argument("--lighthouse", required=True, help="the Lighthouse's URL, http://host:port")
   parser.add_argument("--replica-id", type=integer_at_least_0, required=True,
                       help="the replica's id and data slot, 0 to R-1")
-  ft_replica.add_process_flags(parser)
-  fault_tolerant.add_arguments(parser)
+  parser.add_argument("--parent-death", action="store_true",
+                      help="die (SIGKILL) when the parent process dies")
+  parser.add_argument("--wait-for-takeover", action="store_true",
+                      help="a warm standby: compile, then wait for a line on stdin before joining"
+                      " under --replica-id (the launcher's --standby)")
+  ft_flags.add_arguments(parser)
   return parser
 
 
 def run(args: argparse.Namespace) -> int:
-  """Runs the replica; a mistake or a failure is a :class:`CommandError` (one line, status 2)."""
-  return fault_tolerant.run_replica(args)
+  """Runs the replica; returns 0. A mistake or a failure is a :class:`CommandError` (one line,
+  status 2)."""
+  args.fault_tolerant = True
+  task = TASKS[args.task]
+  errors.require_task(task)
+  ft_flags.resolve(args)
+  ft_replica.start_process(args.parent_death, args.wait_for_takeover)
+  init_jax(args.devices)
+  data = task.load(args.seed)
+  s = ft_task.settings(args, task, lambda: data)
+  params, grad_fn, batch_fn, tokens, evaluate = ft_task.task_engine(task, data, s, args.replicas)
+  run_dir = RunDir(args.out)
+  try:
+    state = ft_replica.serve(
+      ft_task.protocol(s), params, grad_fn, batch_fn, steps=s.steps, seed=s.seed,
+      tokens_per_step=tokens, lighthouse=args.lighthouse, replica_id=args.replica_id,
+      out=args.out, host=args.host, min_replicas=args.min_replicas,
+      quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
+      on_ready=lambda: _meet(run_dir, args.replica_id, args.replicas, args.quorum_timeout),
+      checkpoint_every=args.checkpoint_every, standby=args.wait_for_takeover,
+      exchange_retries=args.exchange_retries)
+  except ft_replica.ReplicaError as e:
+    raise CommandError(str(e)) from None
+  final = {"replica": args.replica_id, "step": int(state.opt_state.local_step),
+           f"test_{task.metric_key}": evaluate(ft_task.evaluated(state))}
+  run_dir.final_file(args.replica_id).write_text(json.dumps(final) + "\n")
+  return 0
+
+
+def _meet(run_dir: RunDir, replica_id: int, replicas: int, timeout: float) -> None:
+  """A start barrier: writes ``OUT/replicas/ready_<replica_id>``, then waits until every
+  replica's file exists, at most ``timeout`` seconds, so that replicas started together, whose
+  imports and compilations end seconds apart, meet in their first quorum. A replica restarted
+  later finds every file and goes on at once."""
+  run_dir.ready_file(replica_id).touch()
+  deadline = time.monotonic() + timeout
+  while (time.monotonic() < deadline
+         and not all(run_dir.ready_file(i).exists() for i in range(replicas))):
+    time.sleep(0.02)

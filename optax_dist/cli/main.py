@@ -6,7 +6,7 @@ Each subcommand is a module with ``add_parser(subparsers)`` and ``run(args)``:
 (:mod:`optax_dist.cli.compare`) with several side by side, ``async``
 (:mod:`optax_dist.cli.async_run`) compares asynchronous protocols, emulated, ``plan``
 (:mod:`optax_dist.cli.plan`) computes each method's utilization over a link, and ``replica``
-(:mod:`optax_dist.cli.replica`) runs one replica of a fault-tolerant run over torchft (the ``ft``
+(:mod:`optax_dist.cli.ft_replica`) runs one replica of a fault-tolerant run over torchft (the ``ft``
 extra), as ``train --fault-tolerant`` starts them. A mistake is one line,
 ``optax-dist: error: ...``, with exit status 2. Training needs the ``examples`` extra.
 """
@@ -17,12 +17,12 @@ import argparse
 import sys
 
 from optax_dist import __version__
-from optax_dist.cli import async_run, compare, errors, plan, replica, train
+from optax_dist.cli import async_run, compare, errors, ft_replica, plan, train
 from optax_dist.cli.arguments import EPILOG, Formatter, Parser
 from optax_dist.cli.errors import PROG, CommandError
 
 COMMANDS = {"train": train, "compare": compare, "async": async_run, "plan": plan,
-            "replica": replica}
+            "replica": ft_replica}
 """The module of each subcommand, in the order of the help."""
 
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
   """Runs ``optax-dist``; returns the exit status (2 for a mistake, said in one line).
 
   ``args.argv`` holds the command line, with which ``train`` and ``compare`` start the other
-  local processes (:func:`optax_dist.cli.launcher.launch`).
+  local processes (:func:`optax_dist.cli.processes.launch`).
   """
   argv = list(sys.argv[1:] if argv is None else argv)
   args = build_parser().parse_args(argv)

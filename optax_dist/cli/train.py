@@ -1,7 +1,7 @@
 """``optax-dist train``: data-parallel training with one algorithm.
 
 Trains ``--task`` with ``--algorithm`` over ``--devices`` emulated CPU devices (of each of
-``--processes`` processes, :mod:`optax_dist.cli.launcher`), one worker each; shows on stderr the
+``--processes`` processes, :mod:`optax_dist.cli.processes`), one worker each; shows on stderr the
 run in one line (:func:`optax_dist.cli.reports.training_summary`: the recipe and the exchange),
 then each phase and step as it runs (:mod:`optax_dist.cli.progress`; not with
 ``--no-progress``); prints that line and a table on stdout and writes ``results_<algorithm>.json``
@@ -24,10 +24,10 @@ import os
 import sys
 from typing import Any
 
-from optax_dist.cli import checks, errors, fault_tolerant, launcher, reports, trainer
+from optax_dist.cli import checks, errors, ft_flags, ft_train, processes, reports, trainer
 from optax_dist.cli.algorithms import ALGORITHMS
 from optax_dist.cli.arguments import EPILOG, Formatter, training_parser
-from optax_dist.cli.checkpoints import CheckpointMismatchError
+from optax_dist.cli.orbax_checkpoints import CheckpointMismatchError
 from optax_dist.cli.config import Settings, settings_of
 from optax_dist.cli.errors import PROG, CommandError
 from optax_dist.cli.progress import Progress
@@ -48,16 +48,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="the algorithm: " + "; ".join(
                         f"{a.name}: {a.summary}" for a in ALGORITHMS.values())
                       + " (default: sync)")
-  fault_tolerant.add_arguments(parser)
+  ft_flags.add_arguments(parser)
   return parser
 
 
 def run(args: argparse.Namespace) -> int:
   """Runs ``optax-dist train`` (with ``--fault-tolerant``,
-  :func:`optax_dist.cli.fault_tolerant.run_train`); returns the exit status."""
-  fault_tolerant.resolve(args)
+  :func:`optax_dist.cli.ft_train.run`); returns the exit status."""
+  ft_flags.resolve(args)
   if args.fault_tolerant:
-    return fault_tolerant.run_train(args)
+    return ft_train.run(args)
   return run_training(args, (args.algorithm,))
 
 
@@ -71,13 +71,13 @@ def run_training(args: argparse.Namespace, algorithms: tuple[str, ...]) -> int:
   checks.check_command(args, settings, algorithms,
                        train_examples=lambda: checks.num_examples(load().train))
   if args.processes > 1 and args.process_id is None:
-    return launcher.launch(args.argv, args.processes, args.coordinator)
+    return processes.launch(args.argv, args.processes, args.coordinator)
   progress = not args.no_progress and (args.process_id or 0) == 0
   if progress:  # the run, before its phases (stdout: only the results)
     sys.stderr.write(reports.training_summary(args, task, settings, algorithms) + "\n")
     sys.stderr.flush()
   # --exchange-device: one more CPU device per process, beside the training devices.
-  launcher.init_jax(args.devices + settings.exchange_device, args.processes, args.process_id,
+  processes.init_jax(args.devices + settings.exchange_device, args.processes, args.process_id,
                     args.coordinator, args.heartbeat_timeout)
   results, states = _train_all(args, task, load(), settings, algorithms, progress=progress)
   if (args.process_id or 0) == 0:  # process 0 prints and writes the results

@@ -7,7 +7,7 @@ anything compiles), builds the run (:class:`optax_dist.cli.runs.Run`,
 :class:`~optax_dist.cli.exchange_device.ExchangeDeviceRun` with an exchange device), restores that
 checkpoint, and trains step by step, evaluating and saving on the way.
 
-The mesh may span several ``jax.distributed`` processes (:mod:`optax_dist.cli.launcher`): every
+The mesh may span several ``jax.distributed`` processes (:mod:`optax_dist.cli.processes`): every
 process builds the same global arrays from the same host data, holding the shards of its own
 devices, and runs the same step. The caller must have made enough devices available
 (``jax.config.update("jax_num_cpu_devices", N)``) before JAX initialised.
@@ -25,7 +25,7 @@ import numpy as np
 import optax_dist
 from optax_dist.cli import checks
 from optax_dist.cli.algorithms import ALGORITHMS
-from optax_dist.cli.checkpoints import Checkpoints
+from optax_dist.cli.orbax_checkpoints import Checkpoints
 from optax_dist.cli.config import Settings
 from optax_dist.cli.exchange_device import ExchangeDeviceRun
 from optax_dist.cli.meshes import to_host

@@ -1,48 +1,43 @@
 r"""A fault-tolerant run on one host: a Lighthouse and R replica processes, dead ones restarted.
 
-``python -m optax_dist.fault_tolerance.launcher --replicas R --out DIR [flags] [-- replica
-flags]`` starts torchft's Lighthouse as a child process
-(:mod:`optax_dist.fault_tolerance.lighthouse`) bound to ``--host`` (never a wildcard), its output
-appended to ``DIR/lighthouse.log`` and its pid in ``DIR/lighthouse.pid``, and R processes of
-:mod:`optax_dist.fault_tolerance.replica`, ids 0 to R-1, each in its own process group and with
-``--parent-death``. The Lighthouse and the replicas die with the launcher (Linux
-``prctl(PR_SET_PDEATHSIG)``). The flags after ``--`` go to every replica (e.g. ``--steps``,
-``--sync-period``).
+A :class:`Launcher` of a :class:`LaunchConfig` starts torchft's Lighthouse as a child process
+(:mod:`optax_dist.fault_tolerance.lighthouse`) bound to ``host`` (never a wildcard), its output
+appended to ``OUT/lighthouse.log`` and its pid in ``OUT/lighthouse.pid``, and R replica
+processes (``replica_command`` with ``replica_args``), ids 0 to R-1, each in its own process
+group and with ``--parent-death``. The Lighthouse and the replicas die with the launcher (Linux
+``prctl(PR_SET_PDEATHSIG)``).
 
 A Lighthouse that exits (killed) is started again at once on the same address, at most
-``--max-restarts`` times; meanwhile the replicas' quorum requests time out and are retried
+``max_restarts`` times; meanwhile the replicas' quorum requests time out and are retried
 (:class:`~optax_dist.fault_tolerance.torchft_engine.TorchftReplica`, up to their
-``--quorum-timeout``), so the run stalls for the Lighthouse's downtime plus at most one
-request's timeout and goes on.
+``quorum_timeout``), so the run stalls for the Lighthouse's downtime plus at most one request's
+timeout and goes on.
 
 A replica that exits with a nonzero status (killed, or an error) while no replica has finished
-is started again under the same id after ``--restart-delay`` seconds, at most
-``--max-restarts`` times per id: it heals at its first quorum. Status 2 is a replica's refusal
-(a mistake in its flags or settings, said in one line in its log): it would refuse again, so
-it is not restarted. Once a replica has finished (its
-``--steps`` committed), the others have ``--finish-grace`` seconds to finish too; the ones still
-running then are stopped (they are behind: no quorum forms for them any more). The launcher
-exits 0 if at least ``--min-replicas`` replicas finished, else 1; a mistake or a missing ``ft``
-extra is one line, status 2. Its first line on stdout is ``lighthouse <URL>``, the address
-another replica (``python -m optax_dist.fault_tolerance.replica --lighthouse URL``) joins.
+is started again under the same id after ``restart_delay`` seconds, at most ``max_restarts``
+times per id: it heals at its first quorum. Status 2 is a replica's refusal (a mistake in its
+flags or settings, said in one line in its log): it would refuse again, so it is not restarted.
+Once a replica has finished (its steps committed), the others have ``finish_grace`` seconds to
+finish too; the ones still running then are stopped (they are behind: no quorum forms for them
+any more). :meth:`Launcher.run` returns 0 if at least ``min_replicas`` replicas finished, else 1.
 
-With ``--standby``, each replica id also has a warm standby: a process of the same command with
+With ``standby``, each replica id also has a warm standby: a process of the same command with
 ``--wait-for-takeover``, started beside it, that imports and compiles, then waits. A restart is
 then the standby's takeover (a line on its stdin): it reads the newest checkpoint and joins at
 once, and a new standby for the id starts. A standby that died (or never started) is replaced by
 a fresh start. The pid of replica ``i``'s process (a standby once it took over) is in
-``DIR/replica_<i>.pid``.
+``OUT/replica_<i>.pid``.
 
-With ``--replica-netns``, each replica (and its standby) runs in a network namespace of its own
+With ``replica_netns``, each replica (and its standby) runs in a network namespace of its own
 (made beforehand, e.g. by the chaos study), with ``--host`` its host name, which it resolves
 there to that namespace's address. ``optax-dist train --fault-tolerant``
-(:mod:`optax_dist.cli.fault_tolerant`) runs a :class:`Launcher` of ``optax-dist replica``
-processes on the command's tasks.
+(:mod:`optax_dist.cli.ft_train`) runs a :class:`Launcher` of ``optax-dist replica`` processes on
+the command's tasks; :class:`~optax_dist.fault_tolerance.rundir.RunDir` reads what the run
+wrote.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -53,6 +48,9 @@ import subprocess
 import sys
 import time
 
+from optax_dist import _checks
+from optax_dist.fault_tolerance.rundir import RunDir
+
 REFUSED = 2
 """A replica's exit status when it refuses its flags or settings: it is not restarted."""
 
@@ -61,7 +59,7 @@ LIGHTHOUSE_START_S = 30.0
 imports torch: about 2 s on an idle machine, several times that on a loaded one)."""
 
 JOIN_TIMEOUT_S = 60.0
-"""``--join-timeout``'s default: seconds the Lighthouse waits for a replica that heartbeats but
+"""``join_timeout``'s default: seconds the Lighthouse waits for a replica that heartbeats but
 has not asked for the quorum (torchft's own default). It must be longer than a round (H inner
 steps and the exchange). A replica left out of a quorum asks for the next one at once, and the
 Lighthouse counts the join timeout from the earliest request it holds. With a shorter timeout,
@@ -70,75 +68,114 @@ last, and that member then waits through a round in its turn: one member left ou
 round (a heal cascade). A long timeout costs nothing in the usual rounds. A quorum forms at once
 when every member of the last one has asked, or when every heartbeating replica has. A dead,
 stopped or cut-off replica stops heartbeating and is no longer waited for after
-``--lighthouse-heartbeat-timeout``."""
+``lighthouse_heartbeat_timeout``."""
 
 LIGHTHOUSE_COMMAND = (str(pathlib.Path(__file__).with_name("lighthouse.py")),)
 """What follows the Python interpreter in the Lighthouse's command line: the script's path (not
 ``-m``: torchft's program reads the process's arguments after the interpreter's first)."""
 
-REPLICA_COMMAND = ("-m", "optax_dist.fault_tolerance.replica")
-"""What follows the Python interpreter in a replica's command line by default: the synthetic
-task's replica (:mod:`optax_dist.fault_tolerance.replica`)."""
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+"""Addresses that bind every interface: refused as ``host``."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """The launcher's command line (timing flags in float seconds)."""
-  p = argparse.ArgumentParser(prog="python -m optax_dist.fault_tolerance.launcher",
-                              description=__doc__.split("\n\n")[0])
-  p.add_argument("--replicas", type=int, required=True, help="R, replica processes")
-  p.add_argument("--min-replicas", type=int, default=None,
-                 help="the smallest quorum that commits; default R // 2 + 1")
-  p.add_argument("--out", required=True, help="the run's directory")
-  p.add_argument("--host", default="127.0.0.1", help="the address every server binds")
-  p.add_argument("--port", type=int, default=0, help="the Lighthouse's port (0: any free one)")
-  p.add_argument("--replica-netns", default=None, metavar="PATTERN",
-                 help="run replica I in the network namespace PATTERN with {i} replaced by I"
-                 " (ip netns exec, root), binding the address this machine's host name resolves"
-                 " to there (default: this namespace, --host)")
-  p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S,
-                 help="seconds the Lighthouse waits for a heartbeating replica that has not asked"
-                 " for the quorum; longer than a round")
-  p.add_argument("--lighthouse-heartbeat-timeout", type=float, default=5.0,
-                 help="seconds without a heartbeat before the Lighthouse drops a replica")
-  p.add_argument("--max-restarts", type=int, default=3, help="restarts per replica id")
-  p.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a restart")
-  p.add_argument("--standby", action="store_true",
-                 help="keep a warm standby process per replica id, which takes over a dead"
-                 " replica's id after --restart-delay (a process and its memory more per id)")
-  p.add_argument("--finish-grace", type=float, default=10.0,
-                 help="seconds the others have to finish once one replica has")
-  p.add_argument("replica_args", nargs=argparse.REMAINDER,
-                 help="-- then the flags of every replica")
-  return p
+def majority(replicas: int) -> int:
+  """``min_replicas``' default, ``replicas // 2 + 1``: two quorums of a majority share a member,
+  so they cannot commit the same round apart."""
+  return replicas // 2 + 1
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-  """Raises ValueError naming the flag of a bad value; fills in ``--min-replicas``' default and
-  drops the ``--`` before the replicas' flags."""
-  if args.replicas < 1:
-    raise ValueError(f"--replicas must be a positive int, got {args.replicas}")
-  if args.min_replicas is None:
-    args.min_replicas = args.replicas // 2 + 1
-  if not 1 <= args.min_replicas <= args.replicas:
-    raise ValueError(
-      f"--min-replicas must be in [1, --replicas={args.replicas}], got {args.min_replicas}")
-  for flag in ("join_timeout", "lighthouse_heartbeat_timeout", "restart_delay", "finish_grace"):
-    if not getattr(args, flag) >= 0:
-      raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got"
-                       f" {getattr(args, flag)}")
-  if args.max_restarts < 0:
-    raise ValueError(f"--max-restarts must be an int >= 0, got {args.max_restarts}")
-  if args.host in ("", "0.0.0.0", "::", "[::]"):
-    raise ValueError(f"--host must be a specific address, got {args.host!r}")
-  if args.replica_netns is not None:
-    names = {args.replica_netns.format(i=i) for i in range(args.replicas)}
-    if len(names) != args.replicas:
-      raise ValueError(f"--replica-netns must hold {{i}} (one namespace per replica), got"
-                       f" {args.replica_netns!r}")
-    if missing := sorted(n for n in names if not os.path.exists(f"/run/netns/{n}")):
-      raise ValueError(f"--replica-netns: no network namespace {missing[0]} (ip netns list)")
-  if args.replica_args[:1] == ["--"]:
-    args.replica_args = args.replica_args[1:]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+  """Everything a :class:`Launcher` needs; the fault-tolerance defaults (the command's
+  ``--fault-tolerant`` flags take theirs from here). Checked once, when made.
+
+  Attributes:
+    replicas: R, the replica processes, ids 0 to R-1.
+    out: the run's directory (:class:`~optax_dist.fault_tolerance.rundir.RunDir`).
+    replica_command: what follows the Python interpreter in a replica's command line, before
+      ``replica_args`` and the flags the launcher adds (``--lighthouse``, ``--replica-id``,
+      ``--out``, ``--host``, ``--min-replicas``, ``--quorum-timeout``, ``--exchange-timeout``,
+      ``--exchange-retries``, ``--parent-death``, and a standby's ``--wait-for-takeover``); the
+      replica must take those flags.
+    replica_args: the flags of every replica, before the launcher's (which win).
+    min_replicas: the smallest quorum that commits (the Lighthouse's and each replica's);
+      ``None``: :func:`majority` of ``replicas``.
+    host: the address the Lighthouse binds and the replicas advertise, never a wildcard.
+    port: the Lighthouse's port; 0: a free one.
+    quorum_timeout: seconds a replica waits for a quorum before it gives up.
+    exchange_timeout: seconds for a collective, a heal and the vote.
+    exchange_retries: times a round whose exchange failed is tried again in a new quorum.
+    join_timeout: seconds the Lighthouse waits for a heartbeating replica that has not asked for
+      the quorum; longer than a round (:data:`JOIN_TIMEOUT_S`).
+    lighthouse_heartbeat_timeout: seconds without a heartbeat before the Lighthouse drops a
+      replica.
+    max_restarts: restarts of each replica id, and of the Lighthouse.
+    restart_delay: seconds before a dead replica is started again.
+    finish_grace: seconds the others have to finish once one replica has.
+    standby: keep a warm standby process per replica id.
+    replica_netns: run replica I in the network namespace this pattern names with ``{i}``
+      replaced by I (made beforehand); ``None``: this namespace.
+
+  Raises:
+    TypeError: a count not an int, a timing not a number.
+    ValueError: a value out of its range (naming the field, its constraint and the value), a
+      wildcard ``host``, a ``replica_netns`` without ``{i}`` or naming a missing namespace.
+  """
+
+  replicas: int
+  out: str
+  replica_command: tuple[str, ...]
+  replica_args: tuple[str, ...] = ()
+  min_replicas: int | None = None
+  host: str = "127.0.0.1"
+  port: int = 0
+  quorum_timeout: float = 60.0
+  exchange_timeout: float = 30.0
+  exchange_retries: int = 1
+  join_timeout: float = JOIN_TIMEOUT_S
+  lighthouse_heartbeat_timeout: float = 5.0
+  max_restarts: int = 3
+  restart_delay: float = 1.0
+  finish_grace: float = 10.0
+  standby: bool = False
+  replica_netns: str | None = None
+
+  def __post_init__(self):
+    fn = "LaunchConfig"
+    _checks.check_positive_int(fn, "replicas", self.replicas)
+    set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+    set_("out", os.fspath(self.out))
+    set_("replica_command", tuple(self.replica_command))
+    set_("replica_args", tuple(self.replica_args))
+    if not self.replica_command:
+      raise ValueError(f"`{fn}(replica_command=...)` must name what a replica runs, got ().")
+    if self.min_replicas is None:
+      set_("min_replicas", majority(self.replicas))
+    _checks.check_int(fn, "min_replicas", self.min_replicas)
+    if not 1 <= self.min_replicas <= self.replicas:
+      raise ValueError(f"`{fn}(min_replicas=...)` must be in [1, replicas={self.replicas}], got"
+                       f" {self.min_replicas}.")
+    for name in ("quorum_timeout", "exchange_timeout", "lighthouse_heartbeat_timeout"):
+      _checks.check_number(fn, name, getattr(self, name), lower=0.0, lower_open=True,
+                           constraint="a positive number of seconds")
+    for name in ("join_timeout", "restart_delay", "finish_grace"):
+      _checks.check_number(fn, name, getattr(self, name), lower=0.0,
+                           constraint="a number of seconds >= 0")
+    for name in ("exchange_retries", "max_restarts"):
+      _checks.check_non_negative_int(fn, name, getattr(self, name))
+    _checks.check_non_negative_int(fn, "port", self.port)
+    if self.port > 65535:
+      raise ValueError(f"`{fn}(port=...)` must be in [0, 65535], got {self.port}.")
+    if self.host in WILDCARDS:
+      raise ValueError(f"`{fn}(host=...)` must be a specific address, got {self.host!r}.")
+    if self.replica_netns is not None:
+      names = {self.replica_netns.format(i=i) for i in range(self.replicas)}
+      if len(names) != self.replicas:
+        raise ValueError(f"`{fn}(replica_netns=...)` must hold {{i}} (one namespace per"
+                         f" replica), got {self.replica_netns!r}.")
+      if missing := sorted(n for n in names if not os.path.exists(f"/run/netns/{n}")):
+        raise ValueError(f"`{fn}(replica_netns=...)` must name existing network namespaces"
+                         f" (ip netns list): no {missing[0]}, got {self.replica_netns!r}.")
 
 
 @dataclasses.dataclass
@@ -156,34 +193,33 @@ class Launcher:
   """The Lighthouse and the replica processes of one run (see the module's docstring).
 
   Args:
-    args: the launcher's flags (:func:`build_parser`), checked by :func:`check_arguments`.
-    command: what follows the Python interpreter in a replica's command line, before the flags
-      the launcher adds (``--lighthouse``, ``--replica-id``, ``--out``, ``--host``,
-      ``--min-replicas``, ``--parent-death``) and ``args.replica_args``; the replica must take
-      those flags.
+    config: the run's :class:`LaunchConfig`.
+
+  Raises:
+    RuntimeError: the Lighthouse did not start (its log's last lines said).
   """
 
-  def __init__(self, args: argparse.Namespace, command: tuple[str, ...] = REPLICA_COMMAND):
-    self.args, self.command = args, tuple(command)
-    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-    self.port = args.port or _free_port(args.host)
-    self.url = f"http://{args.host}:{self.port}"
-    self.lighthouse, self.lighthouse_log = _Slot(), pathlib.Path(args.out) / "lighthouse.log"
+  def __init__(self, config: LaunchConfig):
+    self.config, self.dir = config, RunDir(config.out)
+    self.dir.out.mkdir(parents=True, exist_ok=True)
+    self.port = config.port or _free_port(config.host)
+    self.url = f"http://{config.host}:{self.port}"
+    self.lighthouse = _Slot()
     self.start_lighthouse()
     self._wait_for_lighthouse()
-    self.slots = [_Slot() for _ in range(args.replicas)]
+    self.slots = [_Slot() for _ in range(config.replicas)]
 
   def start_lighthouse(self) -> None:
     """Starts the Lighthouse's process on ``self.url`` (its output appended to
     ``OUT/lighthouse.log``, its pid written to ``OUT/lighthouse.pid``)."""
-    a = self.args
-    command = [sys.executable, *LIGHTHOUSE_COMMAND, "--bind", f"{a.host}:{self.port}",
-               "--min_replicas", str(a.min_replicas), "--quorum_tick_ms", "20",
-               "--join_timeout_ms", str(int(a.join_timeout * 1000)),
-               "--heartbeat_timeout_ms", str(int(a.lighthouse_heartbeat_timeout * 1000))]
-    with open(self.lighthouse_log, "a") as log:
+    c = self.config
+    command = [sys.executable, *LIGHTHOUSE_COMMAND, "--bind", f"{c.host}:{self.port}",
+               "--min_replicas", str(c.min_replicas), "--quorum_tick_ms", "20",
+               "--join_timeout_ms", str(int(c.join_timeout * 1000)),
+               "--heartbeat_timeout_ms", str(int(c.lighthouse_heartbeat_timeout * 1000))]
+    with open(self.dir.lighthouse_log, "a") as log:
       self.lighthouse.proc = subprocess.Popen(command, stdout=log, stderr=log)
-    (pathlib.Path(a.out) / "lighthouse.pid").write_text(f"{self.lighthouse.proc.pid}\n")
+    self.dir.lighthouse_pid_file.write_text(f"{self.lighthouse.proc.pid}\n")
 
   def _wait_for_lighthouse(self) -> None:
     """Waits until the Lighthouse accepts connections.
@@ -195,16 +231,16 @@ class Launcher:
     deadline = time.monotonic() + LIGHTHOUSE_START_S
     while self.lighthouse.proc.poll() is None and time.monotonic() < deadline:
       try:
-        socket.create_connection((self.args.host, self.port), timeout=0.5).close()
+        socket.create_connection((self.config.host, self.port), timeout=0.5).close()
         return
       except OSError:
         time.sleep(0.05)
     raise RuntimeError(f"the Lighthouse did not start on {self.url}: "
-                       + " | ".join(self.lighthouse_log.read_text().strip().splitlines()[-3:]))
+                       + " | ".join(self.dir.lighthouse_log.read_text().strip().splitlines()[-3:]))
 
   def start(self, i: int) -> None:
     """Starts replica ``i``: its standby takes over if it has a live one, else a new process;
-    with ``--standby``, then a new standby for ``i``. Writes ``OUT/replica_<i>.pid``."""
+    with ``standby``, then a new standby for ``i``. Writes ``OUT/replica_<i>.pid``."""
     slot = self.slots[i]
     if slot.standby is not None and slot.standby.poll() is None:
       slot.proc, slot.standby = slot.standby, None
@@ -214,23 +250,29 @@ class Launcher:
     else:
       slot.proc = self._spawn(i, standby=False)
     slot.restart_at = None
-    (pathlib.Path(self.args.out) / f"replica_{i}.pid").write_text(f"{slot.proc.pid}\n")
-    if self.args.standby:
+    self.dir.pid_file(i).write_text(f"{slot.proc.pid}\n")
+    if self.config.standby:
       slot.standby = self._spawn(i, standby=True)
 
+  def replica_command(self, i: int, standby: bool = False) -> list[str]:
+    """The command line of replica ``i`` (a ``standby`` waits for a line on its stdin), in its
+    network namespace with ``replica_netns`` (``ip netns exec`` runs it in its own process)."""
+    c = self.config
+    netns = ["ip", "netns", "exec", c.replica_netns.format(i=i)] if c.replica_netns else []
+    # the launcher's flags last: they win over the same flags in replica_args
+    return [*netns, sys.executable, *c.replica_command, *c.replica_args, "--lighthouse", self.url,
+            "--replica-id", str(i), "--out", c.out, "--host",
+            socket.gethostname() if netns else c.host, "--min-replicas", str(c.min_replicas),
+            "--quorum-timeout", str(c.quorum_timeout), "--exchange-timeout",
+            str(c.exchange_timeout), "--exchange-retries", str(c.exchange_retries),
+            "--parent-death", *["--wait-for-takeover"] * standby]
+
   def _spawn(self, i: int, standby: bool) -> subprocess.Popen:
-    """A process of replica ``i`` (its stdout and stderr appended to ``OUT/replica_<i>.log``)
-    in its own process group, in its network namespace with ``--replica-netns`` (``ip netns
-    exec`` runs it in its own process); a ``standby`` waits for a line on its stdin."""
-    a = self.args
-    netns = ["ip", "netns", "exec", a.replica_netns.format(i=i)] if a.replica_netns else []
-    # the launcher's flags last: they win over the same flags in --replica-args
-    command = [*netns, sys.executable, *self.command, *a.replica_args, "--lighthouse", self.url,
-               "--replica-id", str(i), "--out", a.out, "--host",
-               socket.gethostname() if netns else a.host, "--min-replicas",
-               str(a.min_replicas), "--parent-death", *["--wait-for-takeover"] * standby]
-    with open(pathlib.Path(a.out) / f"replica_{i}.log", "a") as log:
-      return subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True,
+    """A process of replica ``i`` (:meth:`replica_command`; its stdout and stderr appended to
+    ``OUT/replica_<i>.log``) in its own process group."""
+    with open(self.dir.replica_log(i), "a") as log:
+      return subprocess.Popen(self.replica_command(i, standby), stdout=log, stderr=log,
+                              start_new_session=True,
                               stdin=subprocess.PIPE if standby else subprocess.DEVNULL)
 
   def run(self) -> int:
@@ -244,11 +286,11 @@ class Launcher:
       for i, slot in enumerate(self.slots):
         self._tend(i, slot, now, finish_by is None)
       if finish_by is None and any(s.finished for s in self.slots):
-        finish_by = now + self.args.finish_grace
+        finish_by = now + self.config.finish_grace
       if finish_by is not None and now > finish_by:
         self.stop()
       time.sleep(0.05)
-    return 0 if sum(s.finished for s in self.slots) >= self.args.min_replicas else 1
+    return 0 if sum(s.finished for s in self.slots) >= self.config.min_replicas else 1
 
   def _tend(self, i: int, slot: _Slot, now: float, may_restart: bool) -> None:
     """Notes replica ``i``'s exit, schedules its restart, or restarts it when due."""
@@ -263,12 +305,12 @@ class Launcher:
     status, slot.proc = slot.proc.returncode, None
     slot.finished = status == 0
     refused = status == REFUSED
-    if not (slot.finished or refused) and may_restart and slot.restarts < self.args.max_restarts:
+    if not (slot.finished or refused) and may_restart and slot.restarts < self.config.max_restarts:
       slot.restarts += 1
-      slot.restart_at = now + self.args.restart_delay
+      slot.restart_at = now + self.config.restart_delay
 
   def _tend_lighthouse(self) -> None:
-    """Starts the Lighthouse again on the same address if it exited, at most ``--max-restarts``
+    """Starts the Lighthouse again on the same address if it exited, at most ``max_restarts``
     times (then the replicas' quorum requests time out and they end). It does not wait for the
     new process: meanwhile the replicas go on retrying their quorum requests, and one that
     exits at once (its port taken) is started again at the next look."""
@@ -276,7 +318,7 @@ class Launcher:
     if slot.proc is None or slot.proc.poll() is None:
       return
     status, slot.proc = slot.proc.returncode, None
-    if slot.restarts < self.args.max_restarts:
+    if slot.restarts < self.config.max_restarts:
       slot.restarts += 1
       sys.stderr.write(f"optax_dist launcher: the Lighthouse exited (status {status});"
                        f" restarting it on {self.url}\n")
@@ -302,33 +344,8 @@ class Launcher:
       self.lighthouse.proc.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Runs the launcher; returns the exit status."""
-  args = build_parser().parse_args(argv)
-  try:
-    check_arguments(args)
-    from optax_dist.fault_tolerance import torchft_engine  # noqa: F401 (the ft extra)
-  except (ValueError, ModuleNotFoundError) as e:
-    sys.stderr.write(f"optax_dist launcher: error: {e}\n")
-    return 2
-  try:
-    launcher = Launcher(args)
-  except RuntimeError as e:
-    sys.stderr.write(f"optax_dist launcher: error: {e}\n")
-    return 2
-  print(f"lighthouse {launcher.url}", flush=True)  # where a replica started by hand joins
-  try:
-    return launcher.run()
-  finally:
-    launcher.close()
-
-
 def _free_port(host: str) -> int:
   """A port free on ``host`` now (the OS's pick), for a Lighthouse that restarts on it."""
   with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
     s.bind((host, 0))
     return s.getsockname()[1]
-
-
-if __name__ == "__main__":
-  sys.exit(main())

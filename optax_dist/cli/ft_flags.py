@@ -1,0 +1,147 @@
+"""The flags of ``--fault-tolerant`` (``train``'s and ``replica``'s): their parser group, their
+defaults (:class:`~optax_dist.fault_tolerance.launcher.LaunchConfig`'s, written there once),
+their resolution and the settings they refuse, and the launcher's configuration of a command
+line (:func:`launch_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from optax_dist.cli import algorithms, checks, errors
+from optax_dist.cli.arguments import (integer_at_least_0, non_negative_float, positive_float,
+                                      positive_int)
+from optax_dist.cli.errors import CommandError
+from optax_dist.fault_tolerance import SUPPORTED
+from optax_dist.fault_tolerance.launcher import LaunchConfig, majority
+
+FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
+
+_FIELDS = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
+DEFAULTS = {name: _FIELDS[name] for name in (
+  "min_replicas", "host", "quorum_timeout", "exchange_timeout", "join_timeout",
+  "lighthouse_heartbeat_timeout", "max_restarts", "restart_delay", "finish_grace",
+  "replica_netns", "standby", "exchange_retries")}
+"""The fault-tolerance flags' defaults, :class:`LaunchConfig`'s (``min_replicas``:
+:func:`~optax_dist.fault_tolerance.launcher.majority` of R); each flag's parser default is
+``None``, so that one given without ``--fault-tolerant`` is refused."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the flags of ``--fault-tolerant`` (``train``'s and ``replica``'s) to ``parser``."""
+  d = DEFAULTS
+  group = parser.add_argument_group(
+    "fault tolerance (--fault-tolerant; the ft extra: torch, torchft)")
+  group.add_argument(
+    "--fault-tolerant", action="store_true",
+    help=f"train with {', '.join(SUPPORTED)} in --replicas R processes, each its own JAX"
+    " program with --devices devices, that meet every sync period through torchft: a"
+    " replica that dies is restarted and heals from a live one while the others go on; each"
+    " writes OUT/replicas/replica_<i>.jsonl (default: off)")
+  group.add_argument("--min-replicas", type=positive_int, default=None, metavar="M",
+                     help="the smallest quorum that commits a round (default: R // 2 + 1)")
+  group.add_argument("--host", default=None,
+                     help=f"the address the Lighthouse and the replicas' servers bind and"
+                     f" advertise, never a wildcard (default: {d['host']})")
+  floats = (
+    ("quorum_timeout", positive_float, "a replica waits for a quorum before it gives up"),
+    ("exchange_timeout", positive_float, "for a collective, a heal and the vote"),
+    ("join_timeout", non_negative_float,
+     "the Lighthouse waits for a heartbeating replica that has not asked for the quorum;"
+     " longer than a round, or one member is left out of every round"),
+    ("lighthouse_heartbeat_timeout", positive_float,
+     "without a heartbeat before the Lighthouse drops a replica (not --heartbeat-timeout,"
+     " jax.distributed's)"),
+    ("restart_delay", non_negative_float, "before a dead replica is started again"),
+    ("finish_grace", non_negative_float,
+     "the others have to finish once one replica has; then they are stopped"))
+  for name, kind, what in floats:
+    group.add_argument(algorithms.flag(name), type=kind, default=None, metavar="SECONDS",
+                       help=f"seconds {what} (default: {d[name]:g})")
+  group.add_argument("--replica-netns", default=None, metavar="PATTERN",
+                     help="run replica I in the network namespace PATTERN with {i} replaced by I"
+                     " (ip netns exec, as root; made beforehand), binding the address the host"
+                     " name resolves to there; --host is then the Lighthouse's only"
+                     " (default: none)")
+  group.add_argument("--max-restarts", type=integer_at_least_0, default=None, metavar="N",
+                     help=f"restarts of each replica id (default: {d['max_restarts']})")
+  group.add_argument("--exchange-retries", type=integer_at_least_0, default=None, metavar="N",
+                     help="times a round whose exchange failed (a member stopped, killed or cut"
+                     " off in it) is tried again in a new quorum without that member before it"
+                     f" aborts (default: {d['exchange_retries']})")
+  group.add_argument("--standby", action="store_const", const=True, default=None,
+                     help="keep a warm standby process per replica id (imported, compiled,"
+                     " waiting), which takes over a dead replica's id after --restart-delay and"
+                     " joins within a round; a process and its memory more per replica"
+                     " (default: off)")
+
+
+def resolve(args: argparse.Namespace) -> None:
+  """Fills in the defaults of the fault-tolerance flags in ``args``.
+
+  Raises:
+    CommandError: a fault-tolerance flag without ``--fault-tolerant``; ``--processes`` with it;
+      an algorithm the protocol does not run; a setting it does not take; ``--min-replicas``
+      above ``--replicas``; ``--replica-id`` outside ``0..R-1``; the ``ft`` extra missing.
+  """
+  if not args.fault_tolerant:
+    given = [name for name in DEFAULTS if getattr(args, name, None) is not None]
+    if given:
+      raise CommandError(f"argument {algorithms.flag(given[0])}: needs --fault-tolerant")
+    return
+  for name, value in DEFAULTS.items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  if args.min_replicas is None:
+    args.min_replicas = majority(args.replicas)
+  _refuse(args)
+  errors.require(("torch", "torchft"), f"--fault-tolerant {FT_HINT}")
+
+
+def _refuse(args: argparse.Namespace) -> None:
+  if args.processes != 1 or args.process_id is not None or args.coordinator is not None:
+    raise CommandError(
+      "argument --processes: not with --fault-tolerant, whose --replicas R are R processes of"
+      " --devices devices each")
+  if args.algorithm not in SUPPORTED:
+    raise CommandError(
+      f"argument --algorithm: --fault-tolerant runs {', '.join(SUPPORTED)} only, got"
+      f" {args.algorithm}")
+  refused = (("fsdp", args.fsdp is not None), ("resume", args.resume),
+             ("exchange_device", args.exchange_device), ("overlap", args.overlap),
+             ("eager", args.eager), ("warmup_steps", args.warmup_steps),
+             ("param_dtype", args.param_dtype != "float32"),
+             ("save_params", args.save_params is not None),
+             ("fail_at_step", args.fail_at_step is not None))
+  for name, given in refused:
+    if given:
+      raise CommandError(
+        f"argument {algorithms.flag(name)}: not with --fault-tolerant, got"
+        f" {getattr(args, name)}")
+  if args.min_replicas > args.replicas:
+    raise CommandError(
+      f"argument --min-replicas: must be at most --replicas ({args.replicas}), got"
+      f" {args.min_replicas}")
+  replica_id = getattr(args, "replica_id", None)
+  if replica_id is not None and not 0 <= replica_id < args.replicas:
+    raise CommandError(
+      f"argument --replica-id: must be in 0..{args.replicas - 1} (--replicas"
+      f" {args.replicas}), got {replica_id}")
+
+
+def launch_config(args: argparse.Namespace, replica_command: tuple[str, ...]) -> LaunchConfig:
+  """The launcher's configuration of the resolved ``args``: their fault-tolerance flags, and
+  every replica started as ``replica_command`` with the command line's flags (``args.argv``
+  after the subcommand).
+
+  Raises:
+    CommandError: naming the flag of a value :class:`LaunchConfig` refuses (a wildcard
+      ``--host``, a ``--replica-netns`` without ``{i}`` or naming a missing namespace).
+  """
+  try:
+    return LaunchConfig(replicas=args.replicas, out=args.out, replica_command=replica_command,
+                        replica_args=tuple(args.argv[1:]),
+                        **{name: getattr(args, name) for name in DEFAULTS})
+  except (TypeError, ValueError) as e:
+    raise CommandError(f"argument {checks.library_flag(e) or '--replicas'}: {e}") from None

@@ -1,0 +1,154 @@
+"""A command's task as the replicas of a fault-tolerant run train it: the settings of the
+equivalent ``train --replicas R --devices R*D`` run (:func:`settings`), their round protocol
+(:func:`protocol`), one replica's share of the task (:func:`task_engine`), the params it
+evaluates (:func:`evaluated`), and the evaluation of a finished run's checkpoints
+(:func:`checkpoint_metrics`).
+
+Worker ``w`` of the ``R*D`` owns the ``w``-th shard of the training set, and replica ``i`` holds
+workers ``i*D`` to ``i*D + D - 1``: its batch at step ``t`` is a stateless function of
+``(seed, i, t)`` (:func:`optax_dist.cli.pipeline.minibatch`), so a replica restarted under its
+id continues its slot's stream from the healed step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from optax_dist.cli import algorithms, checks, ft_flags, pipeline
+from optax_dist.cli.config import Settings, settings_of
+from optax_dist.cli.errors import CommandError
+from optax_dist.cli.tasks import TASKS, Data, Task
+from optax_dist.fault_tolerance import RoundProtocol
+from optax_dist.fault_tolerance import checkpoints as ft_checkpoints
+from optax_dist.fault_tolerance import replica as ft_replica
+from optax_dist.fault_tolerance.rundir import RunDir
+
+
+def settings(args: argparse.Namespace, task: Task, load: Callable[[], Data]) -> Settings:
+  """The settings of the equivalent ``train --replicas R --devices R*D`` run, checked as that
+  command checks them (:func:`optax_dist.cli.checks.check_command`; ``load()`` gives the data
+  when the check needs it)."""
+  s = settings_of(args, task)
+  s = dataclasses.replace(s, devices=args.replicas * args.devices).resolved()
+  checks.check_command(args, s, (args.algorithm,),
+                       train_examples=lambda: checks.num_examples(load().train))
+  return s
+
+
+def protocol(s: Settings) -> RoundProtocol:
+  """The :class:`~optax_dist.fault_tolerance.RoundProtocol` of ``s``: the command's inner
+  optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`), outer optimizer and exchange."""
+  streaming = s.algorithm == "streaming_diloco"
+  outer = None if s.algorithm == "local_sgd" else algorithms.outer_optimizer(s)
+  return RoundProtocol(
+    s.algorithm, algorithms.inner_optimizer(s), outer, sync_period=s.sync_period,
+    error_feedback=s.error_feedback, num_fragments=s.num_fragments if streaming else None,
+    mixing=s.mixing, **algorithms.exchange_options(s))
+
+
+def check_protocol(task: Task, data: Data, s: Settings) -> None:
+  """Raises :class:`CommandError` naming the flag if :func:`protocol` refuses ``s`` or the
+  task's params (e.g. more fragments than the params' leaves fill), on abstract values: before
+  any replica starts, whose error would otherwise be restarted."""
+  import jax
+
+  model = task.model()
+  example = {key: jax.ShapeDtypeStruct((1,) + v.shape[1:], v.dtype)
+             for key, v in data.train.items()}
+  try:
+    params = jax.eval_shape(
+      lambda batch: task.init_params(model, jax.random.key(s.seed), batch), example)
+    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, s.param_dtype), params)
+    jax.eval_shape(protocol(s).init, params)
+  except ValueError as e:
+    raise CommandError(f"argument {checks.library_flag(e) or '--algorithm'}: {e}") from None
+
+
+def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any, ...]:
+  """``(params, grad_fn, batch_fn, tokens_per_step, evaluate)`` of ``task`` for one replica
+  of ``replicas`` (``s.devices`` workers in all, ``K = s.devices // replicas`` per replica).
+
+  * ``params``: :func:`optax_dist.cli.runs.initial_params` (``train``'s), replicated over the
+    replica's K devices;
+  * ``grad_fn(params, batch)``: the gradient of ``task``'s mean loss on the replica's batch of
+    ``K * batch_size`` examples, split over its K devices: the mean of its workers' gradients;
+  * ``batch_fn(seed, slot, step)``: the minibatches of workers ``slot * K`` to ``slot * K + K -
+    1`` for step ``step + 1`` (:func:`optax_dist.cli.pipeline.minibatch`), stateless;
+  * ``tokens_per_step``: the targets in the replica's batch of a step, ``K * batch_size`` times
+    :func:`tokens_per_example` (a round's merge weight is its inner steps times this);
+  * ``evaluate(params) -> float``: ``task``'s test metric.
+  """
+  import jax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from optax_dist.cli.runs import initial_params
+
+  k = s.devices // replicas
+  mesh = Mesh(np.array(jax.devices()[:k]), ("data",))
+  shards = pipeline.shard_examples(data.train, s.devices)
+  n_local = checks.num_examples(data.train) // s.devices
+  example = tuple((key, (1,) + v.shape[1:], str(v.dtype)) for key, v in data.train.items())
+  model = task.model()
+  params = jax.tree.map(lambda p: p.astype(s.param_dtype), initial_params(task, s.seed, example))
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+
+  def batch_fn(seed: int, slot: int, step: int) -> Any:
+    workers = np.arange(slot * k, slot * k + k)[:, None]
+    idx = pipeline.minibatch(seed, s.devices, n_local, s.batch_size, step)[workers[:, 0]]
+    batch = {key: v[workers, idx].reshape((-1,) + v.shape[2:]) for key, v in shards.items()}
+    return jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+  metric = jax.jit(task.metric_fn(model))
+  return (params, jax.grad(task.loss_fn(model)), batch_fn,
+          k * s.batch_size * tokens_per_example(data), lambda p: float(metric(p, data.test)))
+
+
+def tokens_per_example(data: Data) -> int:
+  """The targets an example of ``data`` holds: its label (1) for a classification task, one per
+  position (the next byte) for the ``lm`` task's windows."""
+  return int(np.prod(np.shape(data.train["y"])[1:], dtype=np.int64))
+
+
+def evaluated(state: Any) -> Any:
+  """The params to evaluate: ``local_sgd``'s last committed average, else
+  :func:`optax_dist.eval_params` (the anchor)."""
+  import optax_dist
+
+  if state.average is not None:
+    return state.average
+  return optax_dist.eval_params(state.opt_state, state.params)
+
+
+def checkpoint_metrics(args: argparse.Namespace) -> list[dict[str, Any]]:
+  """The task's held-out metric of each checkpoint the run ``args`` describe wrote (under
+  ``OUT/replicas/checkpoints``, with ``--checkpoint-every``): one dict per checkpoint, oldest
+  first, with its ``step``, ``rounds``, ``time`` and ``test_<metric>`` (of the params a replica
+  restored from it evaluates: the anchor; ``local_sgd``: the last average). Run in this process,
+  after the run (e.g. for a validation curve); JAX must have a device.
+
+  Raises:
+    CommandError: as the command's checks; the ``ft`` extra missing.
+    ValueError: a checkpoint written with other settings, or damaged.
+  """
+  args.fault_tolerant = True
+  ft_flags.resolve(args)
+  task = TASKS[args.task]
+  data = task.load(args.seed)
+  s = settings(args, task, lambda: data)
+  params, _, _, tokens, evaluate = task_engine(task, data, s, args.replicas)
+  rounds = protocol(s)
+  fingerprint = ft_replica.load_engine().settings_fingerprint(
+    rounds, params, seed=s.seed, tokens_per_step=tokens)
+  run, start = RunDir(args.out), rounds.init(params)
+  metrics = []
+  for meta in run.checkpoints():
+    state, _ = ft_checkpoints.restore(run.checkpoint_dir, rounds, start, params, fingerprint, meta)
+    metrics.append({**{k: meta[k] for k in ("step", "rounds", "time")},
+                    f"test_{task.metric_key}": evaluate(evaluated(state))})
+  return metrics

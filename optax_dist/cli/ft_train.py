@@ -1,0 +1,110 @@
+"""``optax-dist train --fault-tolerant``: the command's task trained by replica processes that
+die, come back and heal while the run goes on (the ``ft`` extra: torch and torchft).
+
+``--replicas R`` replica processes, each its own JAX program with ``--devices`` devices (its
+minibatch split over them, the gradients reduced within it on every step), meet once per round
+(every ``--sync-period`` H inner steps) through torchft: a quorum of at least
+``--min-replicas``, a heal for a replica that is behind, the exchange, a vote, then a commit or
+an abort on every member (:mod:`optax_dist.fault_tolerance.torchft_engine`). The
+:class:`~optax_dist.fault_tolerance.launcher.Launcher` of the command line's
+:class:`~optax_dist.fault_tolerance.launcher.LaunchConfig` (:func:`ft_flags.launch_config
+<optax_dist.cli.ft_flags.launch_config>`) runs the Lighthouse and restarts a replica that dies;
+each replica is ``optax-dist replica`` (:mod:`optax_dist.cli.ft_replica`) with this command's
+flags, so a replica started by hand with the same flags joins the same run.
+
+The replicas train ``--task`` as ``optax-dist train --replicas R --devices R*D`` would
+(:mod:`optax_dist.cli.ft_task`): the same model, initial params, loss, inner and outer
+optimizers, and the same minibatches. Each replica writes ``OUT/replicas/replica_<i>.jsonl``
+(one line per round) and, once finished, ``OUT/replicas/final_<i>.json``
+(:class:`~optax_dist.fault_tolerance.rundir.RunDir`). The command then prints the run's
+:meth:`~optax_dist.fault_tolerance.rundir.RunDir.summary` and writes it to
+``OUT/fault_tolerant_<algorithm>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from optax_dist.cli import errors, ft_flags, ft_task
+from optax_dist.cli.errors import PROG, CommandError
+from optax_dist.cli.tasks import TASKS, Task
+from optax_dist.fault_tolerance.launcher import Launcher
+from optax_dist.fault_tolerance.rundir import RunDir
+
+REPLICA_COMMAND = ("-m", "optax_dist.cli", "replica")
+"""A replica's command line after the Python interpreter: ``optax-dist replica``."""
+
+
+def run(args: argparse.Namespace) -> int:
+  """Runs ``optax-dist train --fault-tolerant`` (``args`` resolved by
+  :func:`optax_dist.cli.ft_flags.resolve`): checks, then the launcher (the Lighthouse and
+  ``--replicas`` processes of ``optax-dist replica`` with this command's flags); prints the
+  run's summary. Returns 0, or 1 if fewer than ``--min-replicas`` replicas finished or two
+  replicas committed one round with different state hashes."""
+  task = TASKS[args.task]
+  errors.require_task(task)
+  data = task.load(args.seed)
+  ft_task.check_protocol(task, data, ft_task.settings(args, task, lambda: data))
+  config = ft_flags.launch_config(args, REPLICA_COMMAND)
+  run_dir = RunDir(args.out)
+  run_dir.clear()
+  # torchft's Rust logs (every quorum, in this process and the replicas'): errors only.
+  os.environ.setdefault("RUST_LOG", "error")
+  _share_compilations(run_dir)
+  try:
+    launcher = Launcher(config)
+  except RuntimeError as e:
+    raise CommandError(str(e)) from None
+  if not args.no_progress:
+    sys.stderr.write(f"{PROG}: fault-tolerant {args.algorithm}: lighthouse {launcher.url},"
+                     f" {args.replicas} replica processes (logs: {args.out}/replica_<i>.log)\n")
+    sys.stderr.flush()
+  try:
+    status = launcher.run()
+  finally:
+    launcher.close()
+  result = run_dir.summary(args.replicas, sum(s.restarts for s in launcher.slots))
+  result.update(algorithm=args.algorithm, task=task.name, replicas=args.replicas,
+                min_replicas=args.min_replicas, launcher_status=status)
+  (run_dir.out / f"fault_tolerant_{args.algorithm}.json").write_text(
+    json.dumps(result, indent=1) + "\n")
+  print(_describe(result, task))
+  return 0 if status == 0 and result["hashes_agree"] else 1
+
+
+def _share_compilations(run_dir: RunDir) -> None:
+  """Gives the replicas (through the environment they inherit) a persistent JAX compilation
+  cache under ``OUT/compilation_cache``, unless ``JAX_COMPILATION_CACHE_DIR`` is set already,
+  every program cached: a restarted replica reads its programs back instead of compiling them
+  again, which is most of its time to heal. A hit runs the executable the miss compiled: the
+  results do not change."""
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                        str(run_dir.out.resolve() / "compilation_cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def _count(n: int, thing: str) -> str:
+  return f"{n} {thing}{'s' * (n != 1)}"
+
+
+def _describe(result: dict[str, Any], task: Task) -> str:
+  """Two lines: the rounds, restarts, heals and hashes; the final test metric."""
+  heals = result["heal_seconds"]
+  healed = f" ({max(heals):.2f} s at most)" if heals else ""
+  agree = ("the state hashes agree on every committed round" if result["hashes_agree"]
+           else "STATE HASHES DIFFER on a committed round")
+  first = (f"fault-tolerant {result['algorithm']} on {task.name}, {result['replicas']} replicas"
+           f" (quorum >= {result['min_replicas']}): {result['rounds_committed']} rounds"
+           f" committed, {result['rounds_aborted']} aborted,"
+           f" {_count(result['restarts'], 'restart')}, {_count(len(heals), 'heal')}{healed};"
+           f" {agree}")
+  if not result["final"]:
+    return first + "\nno replica finished"
+  values = {f"{v[f'test_{task.metric_key}']:.4f}" for v in result["final"].values()}
+  second = (f"final {task.metric_label} of the evaluated params: {', '.join(sorted(values))}"
+            f" (replicas {', '.join(map(str, result['finished']))} finished)")
+  return first + "\n" + second

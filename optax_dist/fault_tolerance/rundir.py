@@ -1,0 +1,152 @@
+"""The directory of a fault-tolerant run, read back: one reader for every file the run writes.
+
+A run's directory ``OUT`` holds, by writer:
+
+* the launcher (:mod:`optax_dist.fault_tolerance.launcher`): ``lighthouse.log`` and
+  ``lighthouse.pid`` (the Lighthouse's output and its live process), ``replica_<i>.log`` and
+  ``replica_<i>.pid`` (replica ``i``'s output, and its live process: a standby's once it took
+  over);
+* replica ``i``: ``replicas/replica_<i>.jsonl``, one JSON line per round (``round``, ``step``,
+  ``quorum_id``, ``members``, ``committed``, ``weight``, ``healed``, ``state_hash``,
+  ``tokens``, ``time``, ``pid``, ``quorum_seconds``, ``attempts``), opened for appending: a
+  restarted replica adds to its file; a replica of ``optax-dist replica`` also writes
+  ``replicas/ready_<i>`` at its start and ``replicas/final_<i>.json`` (its test metric) once
+  finished;
+* the quorum's rank 0: the checkpoints, ``replicas/checkpoints/step_<step>.{heal,json}``
+  (:mod:`optax_dist.fault_tolerance.checkpoints`).
+
+:class:`RunDir` names these paths, reads them (:meth:`RunDir.lines`, :meth:`RunDir.final`,
+:meth:`RunDir.checkpoints`, the pids), sums a run up (:meth:`RunDir.summary`) and clears an
+earlier run's files (:meth:`RunDir.clear`). ``optax-dist train --fault-tolerant`` and the
+chaos study (``benchmarks/studies/chaos.py``) read their runs with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+from typing import Any
+
+from optax_dist.fault_tolerance import checkpoints
+
+
+def by_round(lines: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+  """``lines`` grouped by their ``round``, in the order given."""
+  rounds: dict[int, list[dict[str, Any]]] = {}
+  for line in lines:
+    rounds.setdefault(line["round"], []).append(line)
+  return rounds
+
+
+class RunDir:
+  """The files of the fault-tolerant run under ``out`` (see the module's docstring).
+
+  Args:
+    out: the run's directory (it need not exist yet).
+  """
+
+  def __init__(self, out: str | os.PathLike):
+    self.out = pathlib.Path(out)
+    self.replicas = self.out / "replicas"
+    self.checkpoint_dir = self.replicas / "checkpoints"
+    self.lighthouse_log = self.out / "lighthouse.log"
+    self.lighthouse_pid_file = self.out / "lighthouse.pid"
+
+  def replica_log(self, i: int) -> pathlib.Path:
+    """Replica ``i``'s output, which the launcher appends to."""
+    return self.out / f"replica_{i}.log"
+
+  def pid_file(self, i: int) -> pathlib.Path:
+    """Where the launcher writes the pid of replica ``i``'s live process."""
+    return self.out / f"replica_{i}.pid"
+
+  def lines_file(self, i: int) -> pathlib.Path:
+    """Replica ``i``'s JSONL file: one line per round."""
+    return self.replicas / f"replica_{i}.jsonl"
+
+  def final_file(self, i: int) -> pathlib.Path:
+    """Replica ``i``'s evaluation once finished."""
+    return self.replicas / f"final_{i}.json"
+
+  def ready_file(self, i: int) -> pathlib.Path:
+    """The start mark of replica ``i`` (``optax-dist replica``'s start barrier)."""
+    return self.replicas / f"ready_{i}"
+
+  def lines(self, replica: int | None = None) -> list[dict[str, Any]]:
+    """Replica ``replica``'s lines in the order written; ``None``: every replica's (every
+    ``replica_<i>.jsonl`` found), by ``time``. ``[]`` before any line."""
+    if replica is not None:
+      path = self.lines_file(replica)
+      text = path.read_text() if path.exists() else ""
+      return [json.loads(line) for line in text.splitlines() if line.strip()]
+    lines = []
+    for path in self.replicas.glob("replica_*.jsonl"):
+      lines += self.lines(int(path.stem.split("_")[1]))
+    return sorted(lines, key=lambda line: line["time"])
+
+  def first_commit(self) -> float | None:
+    """The Unix time of the run's first committed line, or ``None`` before it."""
+    return min((line["time"] for line in self.lines() if line["committed"]), default=None)
+
+  def final(self) -> dict[int, dict[str, Any]]:
+    """The finished replicas' ``final_<i>.json``, by replica id in order."""
+    found = {int(path.stem.split("_")[1]): path for path in self.replicas.glob("final_*.json")}
+    return {i: json.loads(found[i].read_text()) for i in sorted(found)}
+
+  def finished(self) -> bool:
+    """Whether a replica has finished (written its ``final_<i>.json``)."""
+    return any(self.replicas.glob("final_*.json"))
+
+  def checkpoints(self) -> list[dict[str, Any]]:
+    """The finished checkpoints' JSON, oldest first (:func:`checkpoints.saved`)."""
+    return checkpoints.saved(self.checkpoint_dir)
+
+  def lighthouse_pid(self) -> int | None:
+    """The pid of the run's Lighthouse, or ``None`` before the launcher has started one."""
+    return _read_pid(self.lighthouse_pid_file)
+
+  def replica_pid(self, i: int) -> int | None:
+    """The pid of replica ``i``'s live process as the launcher last named it, or ``None``."""
+    return _read_pid(self.pid_file(i))
+
+  def summary(self, replicas: int, restarts: int) -> dict[str, Any]:
+    """What the files of replicas ``0`` to ``replicas - 1`` say about the run.
+
+    Args:
+      replicas: R, the run's replicas (the files of other ids are left out).
+      restarts: the launcher's count of restarts, reported as given.
+
+    Returns:
+      ``rounds_committed`` (round indices some replica committed), ``rounds_aborted`` (those
+      none committed), ``restarts``, ``heals`` (lines of a healed replica) and ``heal_seconds``
+      (their ``quorum_seconds``: the quorum with the heal), ``hashes_agree`` (every committed
+      round has one ``state_hash``), ``finished`` (the replicas that wrote their final
+      evaluation) and ``final`` (those evaluations, by replica).
+    """
+    lines = [line for i in range(replicas) for line in self.lines(i)]
+    hashes = {r: {x["state_hash"] for x in group if x["committed"]}
+              for r, group in by_round(lines).items()}
+    final = {i: v for i, v in self.final().items() if i < replicas}
+    heals = [line["quorum_seconds"] for line in lines if line["healed"]]
+    return {"rounds_committed": sum(bool(h) for h in hashes.values()),
+            "rounds_aborted": sum(not h for h in hashes.values()),
+            "restarts": restarts, "heals": len(heals), "heal_seconds": heals,
+            "hashes_agree": all(len(h) <= 1 for h in hashes.values()),
+            "finished": sorted(final), "final": final}
+
+  def clear(self) -> None:
+    """Removes an earlier run's Lighthouse log and replica files (their logs, pids, lines,
+    evaluations, start marks and checkpoints): a new run starts them afresh, and its processes
+    append to them."""
+    for pattern in ("lighthouse.log", "replica_*.log", "replica_*.pid", "replicas/replica_*.jsonl",
+                    "replicas/final_*.json", "replicas/ready_*", "replicas/checkpoints/step_*"):
+      for path in self.out.glob(pattern):
+        path.unlink()
+
+
+def _read_pid(path: pathlib.Path) -> int | None:
+  with contextlib.suppress(OSError, ValueError):
+    return int(path.read_text())
+  return None
