@@ -1,0 +1,227 @@
+"""Fault tolerance in the user's own loop: `Replica.start`/`after_step` driven by a plain optax
+loop, a Flax Linen `TrainState` loop and an NNX loop, through the in-process engine.
+
+The examples (`examples/*_fault_tolerant.py`) are run as users run them, with their scripted
+kill and rejoin; the plain optax loop is compared round by round with the library's own round
+(`InProcessEngine`), which `test_fault_tolerance` compares with the in-program transformation.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from optax_dist import fault_tolerance as ft
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+SHAPES = {"a": (4, 3), "b": (5,)}
+H = 2
+
+
+def _example(name: str):
+  spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_an_example_becomes_fault_tolerant_with_at_most_15_lines(flavour):
+  """Lines added or changed in the fault-tolerant example against the plain one, blank lines
+  aside: imports and the engine's choice included."""
+  plain = (EXAMPLES / f"{flavour}_plain.py").read_text().splitlines()
+  tolerant = (EXAMPLES / f"{flavour}_fault_tolerant.py").read_text().splitlines()
+  changed = [line for line in difflib.unified_diff(plain, tolerant, lineterm="", n=0)
+             if line.startswith("+") and not line.startswith("+++") and line[1:].strip()]
+  assert 0 < len(changed) <= 15, changed
+  assert not (EXAMPLES / "__init__.py").exists()  # no helper module beside the examples
+
+
+# ------------------------------------------------------------------------------------------------
+# The examples, through the in-process engine, with their scripted kill and rejoin.
+
+
+@functools.cache
+def _example_run(flavour: str):
+  module = _example(f"{flavour}_fault_tolerant")
+  engine = ft.engine("in_process", module.PROTOCOL, num_replicas=3, faults=module.FAULTS)
+  return module, engine, engine.run(module.train)
+
+
+def _by_round(log) -> dict[int, list]:
+  rounds: dict[int, list] = {}
+  for line in sorted(log, key=lambda line: (line.round, line.replica)):
+    rounds.setdefault(line.round, []).append(line)
+  return rounds
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_an_example_survives_its_kill_and_rejoin_with_one_state_per_round(flavour):
+  """E1: one global-state hash (BatchNorm statistics included) per committed round; replica 1
+  misses round 2, restarts in round 3, heals there from replica 0 (E2: its hash is the
+  donor's) and finishes with the others; the loss fell."""
+  module, engine, results = _example_run(flavour)
+  rounds = _by_round(engine.log)
+  assert sorted(rounds) == list(range(module.STEPS // module.PROTOCOL.sync_period))
+  for r, lines in rounds.items():
+    committed = {line.state_hash for line in lines if line.committed}
+    assert len(committed) == 1 and all(line.committed for line in lines), r
+    assert sorted(line.replica for line in lines) == ([0, 2] if r == 2 else [0, 1, 2])
+  assert engine.heals == [(3, 1, 0)]
+  healed = [line for line in rounds[3] if line.replica == 1][0]
+  assert healed.healed and healed.weight == 0 and healed.step == 4 * module.PROTOCOL.sync_period
+  for slot, (_, losses) in results.items():
+    assert losses[-1] < losses[0] / 2, slot
+
+
+def _collections(flavour: str, state):
+  if flavour == "linen":
+    return state.batch_stats
+  from flax import nnx
+
+  return nnx.as_pure(nnx.state(state, nnx.BatchStat))
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_batch_statistics_are_the_members_mean_at_commit(flavour):
+  """The BatchNorm statistics end equal on every replica (averaged at each commit) and are not
+  any single replica's own."""
+  _, _, results = _example_run(flavour)
+  stats = [_collections(flavour, results[i][0]) for i in range(3)]
+  for other in stats[1:]:
+    for a, b in zip(jax.tree.leaves(stats[0]), jax.tree.leaves(other), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(float(jnp.abs(x).sum()) > 0 for x in jax.tree.leaves(stats[0]))
+
+
+# ------------------------------------------------------------------------------------------------
+# A plain optax loop against the library's own round.
+
+
+def _params():
+  keys = jax.random.split(jax.random.key(0), len(SHAPES))
+  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items(), strict=True)}
+
+
+@jax.jit
+def _batch(seed, slot, step):
+  keys = jax.random.split(ft.step_key(seed, slot, step), len(SHAPES))
+  return {k: jax.random.normal(kk, s) for kk, (k, s) in zip(keys, SHAPES.items(), strict=True)}
+
+
+def _grad(params, batch):  # the gradient of 0.5 |params - batch|^2
+  return jax.tree.map(jnp.subtract, params, batch)
+
+
+def _loop(protocol, steps, log_steps=None):
+  """A user's loop: an eager init, then a jitted step that donates params and state."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, batch):
+    updates, opt_state = protocol.tx.update(_grad(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def train(replica):
+    params = _params()
+    state = replica.start((params, protocol.tx.init(params)))
+    while replica.step < steps:
+      state = train_step(*state, _batch(replica.seed, replica.slot, replica.step))
+      state = replica.after_step(state)
+    return state, train_step._cache_size()
+
+  return train
+
+
+CASES = {
+  "diloco": dict(algorithm="diloco", sync_period=H),
+  "diloco_int8_feedback": dict(algorithm="diloco", sync_period=H, comm_dtype="int8",
+                               comm_block_size=4, error_feedback=True),
+  "local_sgd": dict(algorithm="local_sgd", sync_period=H),
+  "streaming": dict(algorithm="streaming_diloco", sync_period=2 * H, num_fragments=2),
+  "streaming_mixing": dict(algorithm="streaming_diloco", sync_period=2 * H, num_fragments=2,
+                           mixing=0.5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_user_loop_lands_where_the_library_s_round_lands(case):
+  """No fault: the user's loop (its own last inner step, its donated jitted step) gives the
+  library round's global state after every round, bit for bit, and the same params; its step
+  is compiled once."""
+  kw = dict(CASES[case])
+  algorithm = kw.pop("algorithm")
+  outer = None if algorithm == "local_sgd" else optax.sgd(1.0, momentum=0.5, nesterov=True)
+  protocol = ft.RoundProtocol(algorithm, optax.sgd(0.5, momentum=0.5), outer, **kw)
+  rounds = 4
+  library = ft.InProcessEngine(protocol, _params(), _grad, _batch, num_replicas=3)
+  want = library.run(rounds)
+  engine = ft.InProcess(protocol, num_replicas=3)
+  steps = sum(line.step for line in want if line.replica == 0 and line.round == rounds - 1)
+  results = engine.run(_loop(protocol, steps))
+  got = {(line.round, line.replica): line.state_hash for line in engine.log}
+  assert got == {(line.round, line.replica): line.state_hash for line in want}
+  for i in range(3):
+    (params, _), compiled = results[i]
+    assert compiled == 1
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(library.replicas[i].params),
+                    strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_nonfinite_payload_aborts_the_round_on_every_member():
+  """A member whose payload holds a NaN votes no: every member aborts (params back on the
+  anchor, the global state unchanged) and the next round commits."""
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.5), optax.sgd(1.0), sync_period=H)
+  engine = ft.InProcess(protocol, num_replicas=3, faults=[ft.Fault(1, 2, "nonfinite")])
+  engine.run(_loop(protocol, 3 * H))
+  rounds = _by_round(engine.log)
+  assert [line.committed for line in rounds[1]] == [False] * 3
+  assert len({line.state_hash for line in rounds[1]}) == 1
+  assert all(line.committed for line in rounds[2]) and len({
+    line.state_hash for line in rounds[2]}) == 1
+
+
+def test_a_straggler_aborts_then_heals():
+  """Replica 2 left out of round 1's quorum aborts it; one round behind, it heals in round 2."""
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.5), optax.sgd(1.0), sync_period=H)
+  engine = ft.InProcess(protocol, num_replicas=3, faults=[ft.Fault(1, 2, "straggle")])
+  engine.run(_loop(protocol, 3 * H))
+  rounds = _by_round(engine.log)
+  assert sorted((line.replica, line.committed, line.members) for line in rounds[1]) == [
+    (0, True, (0, 1)), (1, True, (0, 1)), (2, False, ())]
+  assert engine.heals == [(2, 2, 0)]
+  assert len({line.state_hash for line in rounds[2]}) == 1
+
+
+def test_step_key_is_a_stateless_function_of_seed_slot_and_step():
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(3), 1), 7)
+  np.testing.assert_array_equal(jax.random.key_data(ft.step_key(3, 1, 7)),
+                                jax.random.key_data(key))
+  assert not np.array_equal(jax.random.key_data(ft.step_key(3, 1, 7)),
+                            jax.random.key_data(ft.step_key(3, 2, 7)))
+
+
+def test_bad_input():
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.5), sync_period=H)
+  params = _params()
+  replica = ft.Replica(protocol, None, slot=0, seed=0, tokens_per_step=1)
+  with pytest.raises(RuntimeError, match="before `Replica.start`"):
+    replica.after_step((params, protocol.tx.init(params)))
+  with pytest.raises(ValueError, match="must be RoundProtocol.tx's"):
+    replica.start((params, optax.adam(0.1).init(params)))
+  with pytest.raises(TypeError, match="TrainState, a \\(model, nnx.Optimizer\\) pair"):
+    replica.start(params)
+  with pytest.raises(ValueError, match=r"`engine\(kind=...\)` must be one of"):
+    ft.engine("threads", protocol, num_replicas=2)
+  with pytest.raises(ValueError, match="must be of a kind in"):
+    ft.InProcess(protocol, num_replicas=2, faults=[ft.Fault(0, 0, "die_exchange")])
+  with pytest.raises(ValueError, match="at most num_replicas=2"):
+    ft.InProcess(protocol, num_replicas=2, min_replicas=3)
