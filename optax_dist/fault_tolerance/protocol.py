@@ -21,18 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_dist import (
-  _checks,
-  _diloco,
-  _exchange,
-  _fragments,
-  _local_sgd,
-  _outer,
-  _state,
-  _streaming_diloco,
-)
+from optax_dist import _checks, _exchange, _outer, _state
+from optax_dist.fault_tolerance import halves as _halves
 
-SUPPORTED = ("diloco", "local_sgd", "streaming_diloco")
+SUPPORTED = tuple(_halves.HALVES)
+"""The algorithms :class:`RoundProtocol` runs: the rows of
+:data:`~optax_dist.fault_tolerance.halves.HALVES`."""
 
 
 class ReplicaState(NamedTuple):
@@ -42,8 +36,8 @@ class ReplicaState(NamedTuple):
     params: its params.
     opt_state: its state of :attr:`RoundProtocol.tx`.
     rounds: ``int32[]``, the committed rounds it has taken part in or healed to.
-    average: ``local_sgd`` only: the last committed model average (the params' tree, shapes
-      and dtypes); ``None`` for ``diloco``.
+    average: ``local_sgd`` only (its row's ``initial_average``): the last committed model
+      average (the params' tree, shapes and dtypes); ``None`` for ``diloco``.
   """
 
   params: Any
@@ -128,12 +122,17 @@ class RoundProtocol:
     ``streaming_diloco``: the fragment's leaves only), the inner state kept; ``local_step``
     (and so the data position) has advanced by the round's steps all the same.
 
+  What differs by algorithm is its row of :data:`~optax_dist.fault_tolerance.halves.HALVES`
+  (:attr:`halves`): the transformation, the settings it takes, the payload, the commit, the
+  restart point and the round boundaries.
+
   Attributes:
-    algorithm: ``"diloco"``, ``"local_sgd"`` or ``"streaming_diloco"`` (with ``overlap=0``:
-      each fragment's exchange lands on its send step, so a round is one fragment's).
+    algorithm: the name of a row of ``HALVES``: ``diloco``, ``local_sgd`` or
+      ``streaming_diloco`` (with ``overlap=0``: each fragment's exchange lands on its send
+      step, so a round is one fragment's).
     inner: the inner optimizer.
     outer: the outer optimizer (``None``: the transformation's default); must be ``None`` for
-      ``local_sgd``.
+      a row that takes none (``local_sgd``).
     sync_period: H, inner steps (``update`` calls) per round (``streaming_diloco``: per round
       of every fragment).
     comm_dtype: the wire format, as the transformation takes it.
@@ -141,13 +140,16 @@ class RoundProtocol:
     error_feedback: error feedback (``diloco``, ``streaming_diloco``; needs a quantized
       ``comm_dtype``).
     num_fragments: F, ``streaming_diloco``'s fragments (``None``: 4), at most H; must be
-      ``None`` otherwise. The leaves are assigned as ``fragments=None`` assigns them.
-    mixing: ``streaming_diloco``'s :math:`\alpha` in [0, 1]; must be 0 otherwise.
+      ``None`` for a row that takes none. The leaves are assigned as ``fragments=None`` assigns
+      them.
+    mixing: ``streaming_diloco``'s :math:`\alpha` in [0, 1]; must be 0 for a row that takes
+      none.
 
   Raises:
-    ValueError: ``algorithm`` not one of ``SUPPORTED``; ``outer`` given for ``local_sgd``;
-      ``num_fragments`` or ``mixing`` given for another algorithm, or F > H; and whatever the
-      transformation raises for its arguments.
+    ValueError: ``algorithm`` not a row of ``HALVES``; ``outer``, ``num_fragments`` or
+      ``mixing`` given for a row that takes none (``outer`` for ``local_sgd``; the others for
+      all but ``streaming_diloco``); F > H; and whatever the transformation raises for its
+      arguments.
 
   References:
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1);
@@ -167,16 +169,24 @@ class RoundProtocol:
 
   def __post_init__(self):
     fn = "RoundProtocol"
-    if self.algorithm not in SUPPORTED:
-      raise ValueError(f"`{fn}(algorithm=...)` must be one of {SUPPORTED}, got {self.algorithm!r}.")
-    if self.algorithm == "local_sgd" and self.outer is not None:
-      raise ValueError(f"`{fn}(outer=...)` must be None for local_sgd, got {self.outer!r}.")
-    _checks.check_positive_int(fn, "sync_period", self.sync_period)
-    if self.algorithm == "streaming_diloco":
-      self._check_fragments(fn)
-    elif self.num_fragments is not None or self.mixing != 0:
+    rows = _halves.HALVES
+    if self.algorithm not in rows:
       raise ValueError(
-        f"`{fn}(num_fragments=..., mixing=...)` are streaming_diloco's, got"
+        f"`{fn}(algorithm=...)` must be one of {tuple(rows)}, got {self.algorithm!r}.")
+    row = rows[self.algorithm]
+    if not row.takes_outer and self.outer is not None:
+      raise ValueError(
+        f"`{fn}(outer=...)` must be None for {self.algorithm} (it takes no outer optimizer),"
+        f" got {self.outer!r}.")
+    _checks.check_positive_int(fn, "sync_period", self.sync_period)
+    if row.takes_fragments:
+      self._check_fragments(fn)
+    if ((self.num_fragments is not None and not row.takes_fragments)
+        or (self.mixing != 0 and not row.takes_mixing)):
+      owners = " and ".join(
+        name for name, r in rows.items() if r.takes_fragments or r.takes_mixing)
+      raise ValueError(
+        f"`{fn}(num_fragments=..., mixing=...)` are {owners}'s, got"
         f" num_fragments={self.num_fragments!r}, mixing={self.mixing!r} for {self.algorithm}.")
     self.tx  # builds the transformation: its own checks raise here
 
@@ -203,17 +213,12 @@ class RoundProtocol:
 
   @functools.cached_property
   def _tx(self) -> optax.GradientTransformationExtraArgs:
-    wire = dict(comm_dtype=self.comm_dtype, comm_block_size=self.comm_block_size)
-    if self.algorithm == "local_sgd":
-      return _local_sgd.local_sgd(self.inner, sync_period=self.sync_period, **wire)
-    if self.algorithm == "streaming_diloco":
-      return _streaming_diloco.streaming_diloco(
-        self.inner, self.outer, sync_period=self.sync_period, num_fragments=self.num_fragments,
-        mixing=self.mixing, error_feedback=self.error_feedback, **wire)
-    return _diloco.diloco(
-      self.inner, self.outer, sync_period=self.sync_period, error_feedback=self.error_feedback,
-      **wire,
-    )
+    return self.halves.build(self)
+
+  @functools.cached_property
+  def halves(self) -> _halves.Halves:
+    """The algorithm's row of :data:`~optax_dist.fault_tolerance.halves.HALVES`."""
+    return _halves.HALVES[self.algorithm]
 
   @functools.cached_property
   def exchange(self) -> _exchange.Exchange:
@@ -232,27 +237,40 @@ class RoundProtocol:
   def fragment(self, step: int) -> int | None:
     """The fragment whose exchange is due on ``update`` call ``step`` (from 1), or ``None``
     (``diloco``, ``local_sgd``: the whole tree)."""
-    if self.algorithm != "streaming_diloco":
-      return None
-    due = [f for f in range(self.num_fragments) if _streaming_diloco.streaming_diloco_syncs(
-      step, sync_period=self.sync_period, num_fragments=self.num_fragments, fragment=f)]
-    return due[0] if due else None
+    return self.halves.fragment(self, step)
 
   def round_steps(self, local_step: int) -> int:
     """The inner steps from ``local_step`` to the next round boundary (H, or about
     :math:`H/F` for ``streaming_diloco``)."""
-    if self.algorithm != "streaming_diloco":
-      return self.sync_period - local_step % self.sync_period
-    return next(k for k in range(1, self.sync_period + 1)
-                if self.fragment(local_step + k) is not None)
+    return self.halves.round_steps(self, local_step)
+
+  def rounds_until(self, steps: int) -> int:
+    r"""The round boundaries in ``update`` calls 1 to ``steps``: the rounds a run of ``steps``
+    inner steps commits (:math:`\lfloor \mathrm{steps}/H \rfloor`, or for
+    ``streaming_diloco`` the calls on which a fragment is due)."""
+    return self.halves.rounds_until(self, steps)
+
+  @property
+  def payload_size_varies(self) -> bool:
+    """Whether a payload's size depends on its round (``streaming_diloco``: one fragment's
+    leaves): a member a round behind would send a payload of another size than the others'."""
+    return self.halves.payload_size_varies
+
+  def healed_payload(self, params: Any, opt_state: Any, step: int) -> Any:
+    """What a member healed in the round ending on ``update`` call ``step`` sends (its weight
+    0: left out of the merge) in place of its own payload, which is of its step before the
+    heal: zeros of the round's payload (its fragment's tree, shapes and dtypes), as NumPy
+    arrays; ``params`` and ``opt_state`` are its state after the heal (only their shapes and
+    dtypes are read)."""
+    return self.halves.healed_payload(self, params, opt_state, step)
 
   def _ids(self, params: Any) -> tuple[int, ...]:
-    return _fragments.streaming_diloco_fragments(params, self.num_fragments)
+    return _halves.leaf_fragments(self, params)
 
   def init(self, params: Any) -> ReplicaState:
     """A replica at step 0: ``tx.init(params)``, zero rounds (``local_sgd``: the average is
     ``params``)."""
-    average = params if self.algorithm == "local_sgd" else None
+    average = self.halves.initial_average(params)
     return ReplicaState(params, self.tx.init(params), jnp.zeros([], jnp.int32), average)
 
   @functools.cached_property
@@ -275,16 +293,7 @@ class RoundProtocol:
     def half(params, opt_state, grads, fragment):
       updates, opt_state = self.tx.update(grads, opt_state, params, communicate=False)
       new_params = optax.apply_updates(params, updates)
-      if self.algorithm == "local_sgd":
-        payload = _local_sgd.local_sgd_payload(self.exchange, new_params)
-        return new_params, opt_state, updates, payload, None
-      if self.algorithm == "streaming_diloco":
-        payload, residual = _streaming_diloco.streaming_diloco_payload(
-          self.exchange, opt_state.anchor, new_params, opt_state.error_feedback,
-          fragments=self._ids(params), fragment=fragment)
-      else:
-        payload, residual = _diloco.diloco_payload(
-          self.exchange, opt_state.anchor, new_params, opt_state.error_feedback)
+      payload, residual = self.halves.payload(self, opt_state, new_params, fragment)
       return new_params, opt_state, updates, payload, residual
 
     return jax.jit(half, static_argnums=3)
@@ -298,37 +307,10 @@ class RoundProtocol:
     fragment's leaves; the others take ``updates``)."""
 
     def half(origin, updates, opt_state, average, merged, residual, fragment):
-      if self.algorithm == "local_sgd":
-        average = _local_sgd.local_sgd_outer_step(merged, origin)
-        return _land(origin, average), opt_state, average
-      if self.algorithm == "streaming_diloco":
-        params, opt_state = self._streaming_commit(
-          origin, updates, opt_state, merged, residual, fragment)
-        return params, opt_state, average
-      anchor, outer_state = _diloco.diloco_outer_step(
-        self.outer_tx, opt_state.anchor, opt_state.outer_state, merged)
-      opt_state = opt_state._replace(
-        anchor=anchor, outer_state=outer_state, error_feedback=residual)
-      return _land(origin, anchor), opt_state, average
+      return self.halves.commit(
+        self, origin, updates, opt_state, average, merged, residual, fragment)
 
     return jax.jit(half, static_argnums=6)
-
-  def _streaming_commit(self, origin, updates, opt_state, merged, residual, f):
-    ids = self._ids(origin)
-    anchor, outer_f = _streaming_diloco.streaming_diloco_outer_step(
-      self.outer_tx, opt_state.anchor, opt_state.outer_state[f], merged, fragments=ids,
-      fragment=f)
-    outer_state = tuple(outer_f if g == f else o for g, o in enumerate(opt_state.outer_state))
-    opt_state = opt_state._replace(
-      anchor=anchor, outer_state=outer_state, error_feedback=residual)
-    leaves, treedef = jax.tree.flatten(origin)
-    land = _streaming_diloco.streaming_diloco_land
-    params = [
-      optax.apply_updates(p, land(i == f, a, p, u, self.mixing))
-      for p, a, u, i in zip(leaves, jax.tree.leaves(anchor), jax.tree.leaves(updates), ids,
-                            strict=True)
-    ]
-    return treedef.unflatten(params), opt_state
 
   # --------------------------------------------------------------------------------------------
   # The round's outcome.
@@ -338,7 +320,7 @@ class RoundProtocol:
     """The params of an abort or a heal: the anchor (``local_sgd``: the last committed
     average) exactly, in ``params_like``'s dtypes; with ``fragment``, that fragment's leaves
     only (the others are ``params_like``'s)."""
-    point = average if self.algorithm == "local_sgd" else opt_state.anchor
+    point = self.halves.restart_point(opt_state, average)
     leaves, treedef = jax.tree.flatten(params_like)
     ids = self._ids(params_like) if fragment is not None else [None] * len(leaves)
     return treedef.unflatten([
@@ -418,13 +400,6 @@ def _inner_steps_only(tx: optax.GradientTransformationExtraArgs
 
 def _step(opt_state: Any) -> int:
   return int(opt_state.local_step)
-
-
-def _land(params: Any, target: Any) -> Any:
-  """``params + (target - params)`` in the params' dtypes: where the transformation's update
-  lands a worker on a sync step (``target`` up to one rounding)."""
-  return jax.tree.map(
-    lambda p, t: optax.apply_updates(p, (t - p).astype(p.dtype)), params, target)
 
 
 # ----------------------------------------------------------------------------------------------
