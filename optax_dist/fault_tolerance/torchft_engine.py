@@ -279,7 +279,7 @@ class TorchftReplica(Session):
     """Runs rounds until the run has committed ``steps`` inner steps' worth of rounds (the
     round boundaries up to step ``steps``), healing on the way if behind."""
     _checks.check_positive_int("TorchftReplica.run", "steps", steps)
-    self._target = target = _boundaries(self.protocol, steps)
+    self._target = target = self.protocol.rounds_until(steps)
     while int(self.state.rounds) < target:
       self.round()
 
@@ -352,7 +352,7 @@ class TorchftReplica(Session):
       self._manager.report_error(ValueError(f"replicas {foreign}: settings differ from the run's"))
       return None
     behind = [head["slot"] for head in heads if head["step"] < info.step]
-    if behind and self.protocol.algorithm == "streaming_diloco":
+    if behind and self.protocol.payload_size_varies:
       self._manager.report_error(ValueError(f"replicas {behind}: a round behind (on another"
                                             " fragment)"))
       return None
@@ -377,23 +377,21 @@ class TorchftReplica(Session):
 
   def _payload(self, sent: Sent, step: int) -> Any:
     """What this replica sends in the round ending at ``step``: its payload; healed in this
-    round (its weight 0: left out of the merge) under ``streaming_diloco``, zeros of the
-    payload of the round's fragment. Its own payload is of the fragment of its step before the
-    heal, of another size, and gloo aborts the process on an all-gather of buffers of
-    different sizes."""
-    if not self.healed or self.protocol.algorithm != "streaming_diloco":
+    round (its weight 0: left out of the merge) when a payload's size varies with the round
+    (``streaming_diloco``), :meth:`RoundProtocol.healed_payload`, zeros of the payload of the
+    round's fragment. Its own payload is of the fragment of its step before the heal, of
+    another size, and gloo aborts the process on an all-gather of buffers of different
+    sizes."""
+    if not self.healed or not self.protocol.payload_size_varies:
       return sent.payload
-    fragment = self.protocol.fragment(step)
-    shapes = jax.eval_shape(lambda p, o: self.protocol.local_half(p, o, p, fragment)[3],
-                            self.state.params, self.state.opt_state)
-    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    return self.protocol.healed_payload(self.state.params, self.state.opt_state, step)
 
   def _write(self, info: _Round, committed: bool) -> dict:
     if info.members != self._last_members:
       self.quorum_id, self._last_members = self.quorum_id + 1, info.members
     step = int(self.state.opt_state.local_step)
     line = dataclasses.asdict(RoundLog(
-      round=_boundaries(self.protocol, step) - 1, replica=self.slot, step=step,
+      round=self.protocol.rounds_until(step) - 1, replica=self.slot, step=step,
       quorum_id=self.quorum_id, members=info.members, committed=committed, weight=info.weight,
       healed=self.healed, state_hash=state_hash(global_state(self.state)), tokens=info.tokens))
     line.update(time=time.time(), pid=os.getpid(), quorum_seconds=info.quorum_seconds,
@@ -418,10 +416,3 @@ def _at_step(state: ReplicaState, step: int) -> ReplicaState:
   if old.committed:
     new = jax.device_put(new, old.sharding)
   return state._replace(opt_state=state.opt_state._replace(local_step=new))
-
-
-def _boundaries(protocol: RoundProtocol, steps: int) -> int:
-  """The round boundaries in ``update`` calls 1 to ``steps``: the rounds up to that step."""
-  if protocol.algorithm != "streaming_diloco":
-    return steps // protocol.sync_period
-  return sum(protocol.fragment(s) is not None for s in range(1, steps + 1))
