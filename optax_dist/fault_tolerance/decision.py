@@ -101,7 +101,7 @@ def check_headers(protocol: Any, heads: Sequence[Header], *, min_replicas: int) 
     return f"replicas {failed}: quorum or heal failed"
   step = max(h.step for h in heads)
   behind = [h.slot for h in heads if h.step < step]
-  if behind and protocol.algorithm == "streaming_diloco":
+  if behind and protocol.payload_size_varies:
     return f"replicas {behind}: a round behind (a payload of another fragment)"
   if not any(h.weight > 0 and h.step == step for h in heads):
     return "no payload"

@@ -16,6 +16,7 @@ transformation computes, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -53,8 +54,8 @@ def zero_payload(protocol: RoundProtocol, params: Any, opt_state: Any, step: int
   """Zeros of the payload of the round ending on ``update`` call ``step``: its fragment's
   (``protocol.fragment(step)``) tree, shapes and dtypes, as NumPy arrays (nothing is run)."""
   fragment = protocol.fragment(step)
-  shapes = jax.eval_shape(lambda p, o: protocol.local_half(p, o, p, fragment)[3],
-                          params, opt_state)
+  shapes = jax.eval_shape(lambda o, p: protocol.send_half(o, p, fragment)[0], opt_state,
+                          params)
   return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
 
@@ -105,11 +106,11 @@ class Halves:
       the step), in the wire format's dtypes, and the residual candidate :math:`r'_i`
       (``None`` without error feedback); ``fragment`` (a Python int or ``None``) is the
       round's.
-    commit: ``(protocol, origin, updates, opt_state, average, merged, residual, fragment) ->
-      (params, opt_state, average)``: the outer half on ``merged``: the new anchor and outer
-      state (or the new average), the residual taken, and the params landed from ``origin``
-      (:math:`x_i`, the params before the last inner step, whose inner updates were
-      ``updates``), bit for bit as the transformation's sync step lands them.
+    commit: ``(protocol, origin, new_params, opt_state, average, merged, residual, fragment)
+      -> (params, opt_state, average)``: the outer half on ``merged``: the new anchor and
+      outer state (or the new average), the residual taken, and the params landed from
+      ``origin`` (:math:`x_i`, the params before the last inner step; ``new_params``:
+      :math:`x'_i`, after it), bit for bit as the transformation's sync step lands them.
     restart_point: ``(opt_state, average) -> tree``: where the params restart on an abort or a
       heal (the anchor, or the last committed average).
     initial_average: ``(params) -> average``: ``ReplicaState.average`` at ``init`` (``None``
@@ -164,9 +165,9 @@ def _diloco_payload(p: RoundProtocol, opt_state: Any, new_params: Any, fragment:
   return _diloco.diloco_payload(p.exchange, opt_state.anchor, new_params, opt_state.error_feedback)
 
 
-def _diloco_commit(p: RoundProtocol, origin, updates, opt_state, average, merged, residual,
+def _diloco_commit(p: RoundProtocol, origin, new_params, opt_state, average, merged, residual,
                    fragment):
-  del updates, fragment
+  del new_params, fragment
   anchor, outer_state = _diloco.diloco_outer_step(
     p.outer_tx, opt_state.anchor, opt_state.outer_state, merged)
   opt_state = opt_state._replace(anchor=anchor, outer_state=outer_state, error_feedback=residual)
@@ -187,9 +188,9 @@ def _local_sgd_payload(p: RoundProtocol, opt_state: Any, new_params: Any, fragme
   return _local_sgd.local_sgd_payload(p.exchange, new_params), None
 
 
-def _local_sgd_commit(p: RoundProtocol, origin, updates, opt_state, average, merged, residual,
-                      fragment):
-  del p, updates, residual, fragment
+def _local_sgd_commit(p: RoundProtocol, origin, new_params, opt_state, average, merged,
+                      residual, fragment):
+  del p, new_params, residual, fragment
   average = _local_sgd.local_sgd_outer_step(merged, origin)
   return land(origin, average), opt_state, average
 
@@ -222,23 +223,31 @@ def _streaming_payload(p: RoundProtocol, opt_state: Any, new_params: Any, fragme
     fragments=leaf_fragments(p, new_params), fragment=fragment)
 
 
-def _streaming_commit(p: RoundProtocol, origin, updates, opt_state, average, merged, residual,
-                      fragment):
-  """Fragment f's outer step, its outer state replaced in the tuple, and its leaves landed by
-  :func:`optax_dist.streaming_diloco_land` (the others take ``updates``)."""
+def _streaming_commit(p: RoundProtocol, origin, new_params, opt_state, average, merged,
+                      residual, fragment):
+  """Fragment f's outer step, its outer state replaced in the tuple, and its leaves landed as
+  :func:`optax_dist.streaming_diloco_land` lands them (the others keep ``new_params``)."""
   f, ids = fragment, leaf_fragments(p, origin)
   anchor, outer_f = _streaming_diloco.streaming_diloco_outer_step(
     p.outer_tx, opt_state.anchor, opt_state.outer_state[f], merged, fragments=ids, fragment=f)
   outer_state = tuple(outer_f if g == f else o for g, o in enumerate(opt_state.outer_state))
   opt_state = opt_state._replace(anchor=anchor, outer_state=outer_state, error_feedback=residual)
   leaves, treedef = jax.tree.flatten(origin)
-  land_f = _streaming_diloco.streaming_diloco_land
   params = [
-    optax.apply_updates(x, land_f(i == f, a, x, u, p.mixing))
-    for x, a, u, i in zip(leaves, jax.tree.leaves(anchor), jax.tree.leaves(updates), ids,
-                          strict=True)
+    _streaming_land(a, x, x_new, p.mixing) if i == f else x_new
+    for x, x_new, a, i in zip(leaves, jax.tree.leaves(new_params), jax.tree.leaves(anchor), ids,
+                              strict=True)
   ]
   return treedef.unflatten(params), opt_state, average
+
+
+def _streaming_land(target: Any, x: Any, x_new: Any, mixing: Any) -> Any:
+  r"""A leaf of the landing fragment: :math:`x + (	ilde	heta - x)`, :math:`	ilde	heta =
+  lpha x' + (1 - lpha) 	heta` (:func:`optax_dist.streaming_diloco_land`'s arithmetic, with
+  :math:`x'` given and the update in the params' dtype)."""
+  if not (isinstance(mixing, numbers.Real) and mixing == 0):
+    target = mixing * x_new.astype(target.dtype) + (1 - mixing) * target
+  return optax.apply_updates(x, (target - x).astype(x.dtype))
 
 
 def _streaming_fragment(p: RoundProtocol, step: int) -> int | None:

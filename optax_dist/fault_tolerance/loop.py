@@ -348,7 +348,7 @@ class Replica:
     """The round at the boundary: send, exchange and decision (the engine's), land."""
     parts = get_parts(state)
     fragment = self.protocol.fragment(self.step)
-    payload, residual = _send_half(self.protocol, parts.opt_state, parts.params, fragment)
+    payload, residual = self.protocol.send_half(parts.opt_state, parts.params, fragment)
     mine = self._replica._replace(params=parts.params, opt_state=parts.opt_state)
     tokens = (self.step - self._round_start) * self.tokens_per_step
     header = Header(self.slot, tokens, 1, self.fingerprint, self.step)
@@ -363,9 +363,9 @@ class Replica:
     elif got.healed is not None:  # it sent nothing of its own: it lands from the healed params
       replica, collections = self.protocol.commit(replica, got.merged[0]), got.merged[1]
     else:
-      params, opt_state, average = _land_half(
-        self.protocol, self._origin, parts.params, parts.opt_state, mine.average, got.merged[0],
-        residual, fragment)
+      params, opt_state, average = self.protocol.outer_half(
+        self._origin, parts.params, parts.opt_state, mine.average, got.merged[0], residual,
+        fragment)
       replica = ReplicaState(params, opt_state, mine.rounds + 1, average)
       collections = got.merged[1]
     if got.merged is not None:  # the members' merged collections, a copy of this loop's own
@@ -375,7 +375,7 @@ class Replica:
       replica = replica._replace(opt_state=_at_step(replica.opt_state, got.step))
     state = self._take(state, replica, collections, jumped)
     line = RoundLog(
-      round=_rounds_until(self.protocol, self.step) - 1, replica=self.slot, step=self.step,
+      round=self.protocol.rounds_until(self.step) - 1, replica=self.slot, step=self.step,
       quorum_id=got.quorum_id, members=got.members, committed=got.merged is not None,
       weight=0 if jumped else tokens, healed=got.healed is not None,
       state_hash=self.state_hash(), tokens=tokens)
@@ -410,32 +410,3 @@ def _at_step(opt_state: Any, step: int) -> Any:
     return opt_state
   return opt_state._replace(local_step=_placed_like(step, opt_state.local_step))
 
-
-def _send_half(protocol, opt_state, new_params, fragment):
-  from optax_dist import _diloco, _local_sgd, _streaming_diloco
-  if protocol.algorithm == "local_sgd":
-    return _local_sgd.local_sgd_payload(protocol.exchange, new_params), None
-  if protocol.algorithm == "streaming_diloco":
-    return _streaming_diloco.streaming_diloco_payload(
-      protocol.exchange, opt_state.anchor, new_params, opt_state.error_feedback,
-      fragments=protocol._ids(new_params), fragment=fragment)
-  return _diloco.diloco_payload(protocol.exchange, opt_state.anchor, new_params,
-                                opt_state.error_feedback)
-
-
-def _land_half(protocol, origin, new_params, opt_state, average, merged, residual, fragment):
-  zeros = jax.tree.map(jnp.zeros_like, origin)
-  params, opt_state, average = protocol.outer_half(origin, zeros, opt_state, average, merged,
-                                                   residual, fragment)
-  if fragment is not None:
-    ids = protocol._ids(origin)
-    leaves, treedef = jax.tree.flatten(params)
-    params = treedef.unflatten([p if i == fragment else x for p, x, i in zip(
-      leaves, jax.tree.leaves(new_params), ids, strict=True)])
-  return params, opt_state, average
-
-
-def _rounds_until(protocol, steps):
-  if protocol.algorithm != "streaming_diloco":
-    return steps // protocol.sync_period
-  return sum(protocol.fragment(s) is not None for s in range(1, steps + 1))

@@ -51,7 +51,6 @@ class Sent(NamedTuple):
 
   Attributes:
     origin: its params before the round's last inner step (where the commit lands from).
-    updates: that step's inner updates :math:`u_i` (the params' tree).
     payload: its payload :math:`p_i` (the params' tree, ``MaskedNode`` outside the round's
       fragment for ``streaming_diloco``; the wire format's dtypes).
     residual: its residual candidate :math:`r'_i` (``None`` without error feedback).
@@ -59,7 +58,6 @@ class Sent(NamedTuple):
   """
 
   origin: Any
-  updates: Any
   payload: Any
   residual: Any
   steps: int
@@ -278,37 +276,50 @@ class RoundProtocol:
     """Jitted ``(params, opt_state, grads) -> (params, opt_state)``: one inner step."""
 
     def step(params, opt_state, grads):
-      updates, opt_state = self.tx.update(grads, opt_state, params, communicate=False)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
     return jax.jit(step)
 
   @functools.cached_property
+  def send_half(self):
+    """Jitted ``(opt_state, new_params, fragment) -> (payload, residual)``: the local half at
+    the round boundary (**send**), no collective: this replica's payload :math:`p_i` of its
+    params :math:`x'_i` after the round's last inner step, and its residual candidate
+    :math:`r'_i` (``None`` without error feedback); ``fragment`` (static) is the round's, or
+    ``None``."""
+
+    def half(opt_state, new_params, fragment):
+      return self.halves.payload(self, opt_state, new_params, fragment)
+
+    return jax.jit(half, static_argnums=2)
+
+  @functools.cached_property
   def local_half(self):
-    """Jitted ``(params, opt_state, grads, fragment) -> (params, opt_state, updates, payload,
-    residual)``: the round's last inner step and this replica's payload :math:`p_i` and
-    residual candidate :math:`r'_i` (``None`` without error feedback); ``fragment`` (static)
-    is the round's, or ``None``."""
+    """Jitted ``(params, opt_state, grads, fragment) -> (params, opt_state, payload,
+    residual)``: the round's last inner step, then :attr:`send_half` on its params (in one
+    program); ``fragment`` (static) is the round's, or ``None``."""
 
     def half(params, opt_state, grads, fragment):
-      updates, opt_state = self.tx.update(grads, opt_state, params, communicate=False)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
       payload, residual = self.halves.payload(self, opt_state, new_params, fragment)
-      return new_params, opt_state, updates, payload, residual
+      return new_params, opt_state, payload, residual
 
     return jax.jit(half, static_argnums=3)
 
   @functools.cached_property
   def outer_half(self):
-    """Jitted ``(origin, updates, opt_state, average, merged, residual, fragment) -> (params,
-    opt_state, average)``: the commit's new anchor and outer state (``local_sgd``: the new
-    average), and the params landed on it from ``origin``, the params before the round's last
-    inner step, as the transformation's sync step lands them (``streaming_diloco``: the
-    fragment's leaves; the others take ``updates``)."""
+    """Jitted ``(origin, new_params, opt_state, average, merged, residual, fragment) ->
+    (params, opt_state, average)``: the commit (**land**): the new anchor and outer state
+    (``local_sgd``: the new average), and the params landed on it from ``origin``, the params
+    before the round's last inner step, as the transformation's sync step lands them
+    (``streaming_diloco``: the fragment's leaves, mixed with ``new_params`` by
+    :math:`\alpha`; the other leaves are ``new_params``, the params after that step)."""
 
-    def half(origin, updates, opt_state, average, merged, residual, fragment):
+    def half(origin, new_params, opt_state, average, merged, residual, fragment):
       return self.halves.commit(
-        self, origin, updates, opt_state, average, merged, residual, fragment)
+        self, origin, new_params, opt_state, average, merged, residual, fragment)
 
     return jax.jit(half, static_argnums=6)
 
@@ -345,9 +356,9 @@ class RoundProtocol:
     for _ in range(steps - 1):
       params, opt_state = self.inner_step(params, opt_state, grads(params, _step(opt_state)))
     origin, fragment = params, self.fragment(_step(opt_state) + 1)
-    params, opt_state, updates, payload, residual = self.local_half(
+    params, opt_state, payload, residual = self.local_half(
       params, opt_state, grads(params, _step(opt_state)), fragment)
-    sent = Sent(origin, updates, payload, residual, steps)
+    sent = Sent(origin, payload, residual, steps)
     return replica._replace(params=params, opt_state=opt_state), sent
 
   def commit(self, replica: ReplicaState, merged: Any, sent: Sent | None = None
@@ -357,11 +368,9 @@ class RoundProtocol:
     :attr:`outer_half`), its residual candidate taken, ``rounds + 1``. ``sent=None`` (it
     healed or joined this round and sent nothing): from its params, its residual kept."""
     if sent is None:
-      zeros = jax.tree.map(jnp.zeros_like, replica.params)
-      sent = Sent(replica.params, zeros, None,
-                  getattr(replica.opt_state, "error_feedback", None), 0)
+      sent = Sent(replica.params, None, getattr(replica.opt_state, "error_feedback", None), 0)
     params, opt_state, average = self.outer_half(
-      sent.origin, sent.updates, replica.opt_state, replica.average, merged, sent.residual,
+      sent.origin, replica.params, replica.opt_state, replica.average, merged, sent.residual,
       self.fragment(_step(replica.opt_state)))
     return ReplicaState(params, opt_state, replica.rounds + 1, average)
 

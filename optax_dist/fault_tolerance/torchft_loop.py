@@ -177,15 +177,11 @@ class _Port(Session):
     return Received(members, self.quorum_id, self._healed, merged, step)
 
   def _zeros(self, sent: Sent, step: int) -> Any:
-    """A healed member's payload: zeros of the shapes of the round's payload (its own may be
-    of another fragment's), and its healed collections."""
-    from optax_dist.fault_tolerance.loop import _send_half
-
-    fragment = self.protocol.fragment(step)
-    opt_state = sent.donation[0].global_state.opt_state
-    shapes = jax.eval_shape(lambda o, p: _send_half(self.protocol, o, p, fragment)[0],
-                            opt_state, self.replica._params_like)
-    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), self._healed[1]
+    """A healed member's payload: :meth:`RoundProtocol.healed_payload` (of the round's size;
+    its own may be of another fragment's), and its healed collections."""
+    zeros = self.protocol.healed_payload(self.replica._params_like,
+                                         sent.donation[0].global_state.opt_state, step)
+    return zeros, self._healed[1]
 
   def record(self, line: RoundLog) -> None:
     row = dict(dataclasses.asdict(line), time=time.time(), pid=os.getpid())
