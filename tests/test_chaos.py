@@ -285,8 +285,8 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   # tested in test_torchft.py, and the study's view of a waiting standby below.
   config = chaos.Config(replicas=3, min_replicas=3, task="digits", steps=500, sync_period=5,
                         restart_delay=0.5, exchange_timeout=2.0, timeout=150.0, standby=False)
-  faults = [chaos.Fault(1.0, "stop", 1, 2.0), chaos.Fault(4.0, "kill", 2),
-            chaos.Fault(5.0, "lighthouse", -1), chaos.Fault(8.0, "link", 0, 3.0)]
+  faults = [chaos.TimedFault(1.0, "stop", 1, 2.0), chaos.TimedFault(4.0, "kill", 2),
+            chaos.TimedFault(5.0, "lighthouse", -1), chaos.TimedFault(8.0, "link", 0, 3.0)]
   out = str(tmp_path / "run")
   faulted = chaos.FaultTolerantRun(config, out, faults, cpus=0, tag="x")
   (run,) = chaos.together([faulted], config.timeout)
@@ -345,7 +345,7 @@ def test_the_synchronous_arm_restarts_from_its_checkpoint_and_leaves_no_process(
   config = chaos.Config(replicas=2, task="digits", steps=200, restart_delay=0.5, timeout=300.0,
                         sync_checkpoint_every=20)
   out = str(tmp_path / "sync")
-  sync = chaos.SyncRun(config, out, [chaos.Fault(1.0, "kill", 1)], cpus=0, tag="",
+  sync = chaos.SyncRun(config, out, [chaos.TimedFault(1.0, "kill", 1)], cpus=0, tag="",
                        horizon=math.inf)
   (run,) = chaos.together([sync], config.timeout)
   assert run["status"] == 0

@@ -73,8 +73,9 @@ import numpy as np
 from benchmarks import kit
 from benchmarks.network import netns
 from optax_dist.cli import ft_task, orbax_checkpoints
+from optax_dist.cli.ft_flags import DEFAULTS
 from optax_dist.cli.main import build_parser
-from optax_dist.fault_tolerance import launcher
+from optax_dist.fault_tolerance.rundir import RunDir, by_round
 
 KINDS = ("kill", "stop", "link")
 TARGET_GOODPUT = 0.9
@@ -98,9 +99,10 @@ class Config:
   restart_delay: float = kit.option(2.0, "seconds before the launcher restarts a dead replica")
   exchange_timeout: float = kit.option(2.0, "--exchange-timeout of the replicas, seconds")
   exchange_retries: int = kit.option(
-    1, "--exchange-retries: new quorums for a round whose exchange failed (the command's default)")
+    DEFAULTS["exchange_retries"], "--exchange-retries: new quorums for a round whose exchange"
+    " failed (the command's default)")
   join_timeout: float = kit.option(
-    launcher.JOIN_TIMEOUT_S, "--join-timeout: seconds the Lighthouse waits for a heartbeating"
+    DEFAULTS["join_timeout"], "--join-timeout: seconds the Lighthouse waits for a heartbeating"
     " replica that has not asked for the quorum (the command's default)")
   heartbeat_timeout: float = kit.option(
     1.0, "--lighthouse-heartbeat-timeout: seconds of silence before a replica is dropped")
@@ -129,9 +131,9 @@ QUICK = {"steps": 400, "fault_rate": 1 / 8, "sync_checkpoint_every": 20, "lighth
 
 
 @dataclasses.dataclass(frozen=True)
-class Fault:
+class TimedFault:
   """At ``at`` seconds after the first commit: ``kind`` on ``replica``, for ``seconds`` (stop,
-  link)."""
+  link). (The in-process engine's :class:`optax_dist.fault_tolerance.Fault` is by round.)"""
 
   at: float
   kind: str
@@ -141,7 +143,7 @@ class Fault:
 
 def schedule(seed: int, rate: float, horizon: float, replicas: int,
              stop_seconds: tuple[float, float] = (3.0, 10.0),
-             link_seconds: tuple[float, float] = (5.0, 15.0)) -> list[Fault]:
+             link_seconds: tuple[float, float] = (5.0, 15.0)) -> list[TimedFault]:
   """The faults of a Poisson process of ``rate`` per second over ``[0, horizon)`` seconds.
 
   Gaps are exponential with mean ``1 / rate``; each fault's kind (:data:`KINDS`: ``kill``,
@@ -167,27 +169,32 @@ def schedule(seed: int, rate: float, horizon: float, replicas: int,
     replica, seconds = int(rng.integers(replicas)), float(rng.uniform(*lengths[kind]))
     if t >= horizon:
       return faults
-    faults.append(Fault(round(t, 3), kind, replica, round(seconds, 3)))
+    faults.append(TimedFault(round(t, 3), kind, replica, round(seconds, 3)))
 
 
 def command(config: Config, out: str, star: netns.Star | None = None) -> list[str]:
   """``optax-dist train --fault-tolerant`` of the study's settings, writing to ``out``; with
   ``star``, run in its hub (the Lighthouse on the hub's address) and each replica in its own
   namespace (``--replica-netns``)."""
-  where = [] if star is None else star.exec_prefix()
-  hosts = [] if star is None else ["--host", star.address, "--replica-netns", star.pattern]
-  return where + [sys.executable, "-m", "optax_dist.cli", "train", "--algorithm", config.algorithm,
-          "--fault-tolerant", "--replicas", str(config.replicas), "--min-replicas",
-          str(config.min_replicas), "--devices", "1", "--task", config.task, "--steps",
-          str(config.steps), "--sync-period", str(config.sync_period),
-          "--restart-delay", str(config.restart_delay), "--max-restarts", "1000",
-          "--exchange-timeout", str(config.exchange_timeout), "--exchange-retries",
-          str(config.exchange_retries), "--join-timeout",
-          str(config.join_timeout), "--finish-grace",
-          str(config.finish_grace), "--lighthouse-heartbeat-timeout",
-          str(config.heartbeat_timeout), "--no-progress", "--out", out] + hosts + (
-          ["--checkpoint-every", str(config.checkpoint_every)] if config.checkpoint_every else []
-          ) + (["--standby"] if config.standby else [])
+  c = config
+  flags = [("--algorithm", c.algorithm), ("--fault-tolerant",), ("--replicas", c.replicas),
+           ("--min-replicas", c.min_replicas), ("--devices", 1), ("--task", c.task),
+           ("--steps", c.steps), ("--sync-period", c.sync_period),
+           ("--restart-delay", c.restart_delay), ("--max-restarts", 1000),
+           ("--exchange-timeout", c.exchange_timeout), ("--exchange-retries", c.exchange_retries),
+           ("--join-timeout", c.join_timeout), ("--finish-grace", c.finish_grace),
+           ("--lighthouse-heartbeat-timeout", c.heartbeat_timeout), ("--no-progress",),
+           ("--out", out)]
+  flags += [] if star is None else [("--host", star.address), ("--replica-netns", star.pattern)]
+  flags += [("--checkpoint-every", c.checkpoint_every)] * bool(c.checkpoint_every)
+  flags += [("--standby",)] * c.standby
+  return ([] if star is None else star.exec_prefix()) + _train(flags)
+
+
+def _train(flags: list[tuple[Any, ...]]) -> list[str]:
+  """``optax-dist train`` (this interpreter, ``-m optax_dist.cli``) with ``flags``: ``(flag,
+  value)`` pairs and ``(flag,)`` switches."""
+  return [sys.executable, "-m", "optax_dist.cli", "train", *(str(x) for f in flags for x in f)]
 
 
 def processes(out: str) -> dict[int, str]:
@@ -203,28 +210,17 @@ def processes(out: str) -> dict[int, str]:
   return found
 
 
-def lighthouse_pid(out: str) -> int | None:
-  """The pid of the Lighthouse of the run ``out`` (its launcher's ``OUT/lighthouse.pid``), or
-  ``None`` before the launcher has started one."""
-  with contextlib.suppress(OSError, ValueError):
-    return int(pathlib.Path(out, "lighthouse.pid").read_text())
-  return None
-
-
 def process_ids(out: str, flag: str) -> dict[int, int]:
   """``INDEX -> pid`` of the run's live processes whose command line holds ``flag INDEX``
   (``--replica-id`` for the replicas, ``--process-id`` for ``jax.distributed`` processes), but
   a waiting standby's (``--wait-for-takeover``, not yet named by the launcher's
   ``OUT/replica_<INDEX>.pid``)."""
-  pids = {}
+  pids, run = {}, RunDir(out)
   for pid, line in processes(out).items():
     args = line.split()
     if flag in args:
       index = int(args[args.index(flag) + 1])
-      pid_file = pathlib.Path(out, f"replica_{index}.pid")
-      waiting = "--wait-for-takeover" in args and not (
-        pid_file.exists() and pid_file.read_text().strip() == str(pid))
-      if not waiting:
+      if "--wait-for-takeover" not in args or run.replica_pid(index) == pid:
         pids[index] = pid
   return pids
 
@@ -240,14 +236,6 @@ def kill_all(out: str) -> None:
         os.kill(pid, sig)
     time.sleep(0.1)
   raise RuntimeError(f"chaos: processes of {out} survive SIGKILL: {sorted(processes(out))}")
-
-
-def read_lines(out: str) -> list[dict[str, Any]]:
-  """Every replica's JSONL lines of the run ``out``, by time."""
-  lines = []
-  for path in sorted(pathlib.Path(out, "replicas").glob("replica_*.jsonl")):
-    lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-  return sorted(lines, key=lambda line: line["time"])
 
 
 class CpuShares:
@@ -318,17 +306,23 @@ class Run:
   """One command of the study under a fault schedule, as a ``with`` block that :func:`together`
   drives: entering empties ``out`` (an earlier run's files would set the clock or be resumed),
   makes the run's CPU groups (``cpus`` shared by its R processes) and starts the command;
-  :meth:`tick` looks at it once and applies due faults; leaving kills every process of the run
-  and removes its groups (and namespaces), also on an exception or Ctrl-C. ``tag``, one
-  lower-case letter, tells apart the groups and namespaces of runs that share the machine."""
+  :meth:`tick` looks at it once and applies due faults (:meth:`inject`); leaving kills every
+  process of the run and removes its groups (and namespaces), also on an exception or Ctrl-C.
+  ``tag``, one lower-case letter, tells apart the groups and namespaces of runs that share the
+  machine."""
 
   flag, group = "", False
   """The flag whose value is a process's index (``--replica-id``, ``--process-id``), and whether
   a ``kill -9`` is of the process's group."""
 
-  def __init__(self, config: Config, out: str, faults: list[Fault], cpus: float, tag: str):
-    self.config, self.out, self.faults, self.cpus, self.tag = config, out, faults, cpus, tag
-    self.timed, self.stack = kit.Timed(), contextlib.ExitStack()
+  def __init__(self, config: Config, out: str, faults: list[TimedFault], cpus: float, tag: str):
+    self.config, self.out, self.cpus, self.tag = config, out, cpus, tag
+    self.timed, self.stack, self.dir = kit.Timed(), contextlib.ExitStack(), RunDir(out)
+    self.pending = sorted(faults, key=lambda f: f.at)
+    self.events: list[list[Any]] = []  # [t, kind, replica, pid]
+    self.seen: dict[int, int] = {}
+    self.undo: list[tuple[float, int, int, str]] = []  # (when, replica, pid, cont or up)
+    self.t0: float | None = None
 
   def __enter__(self) -> Run:
     shutil.rmtree(self.out, ignore_errors=True)
@@ -336,15 +330,13 @@ class Run:
     try:
       self.stack.enter_context(self.timed)
       self.log = self.stack.enter_context(open(os.path.join(self.out, "command.log"), "w"))
-      shares = self.stack.enter_context(CpuShares(self.config.replicas, self.cpus, self.tag))
+      self.shares = self.stack.enter_context(CpuShares(self.config.replicas, self.cpus, self.tag))
       self.star = self._network()
       self.proc = self._start(resume=False)
       self.stack.callback(self._end)
     except BaseException:
       self.stack.close()
       raise
-    self.inject = Injector(self.out, self.faults, shares, self.flag, group=self.group,
-                           star=self.star)
     return self
 
   def __exit__(self, *exc: Any) -> None:
@@ -363,6 +355,61 @@ class Run:
 
   def _env(self) -> dict[str, str] | None:
     return None
+
+  def record(self) -> dict[str, Any]:
+    return {"t0": self.t0, "events": self.events, "status": self.proc.returncode,
+            **self.timed.record()}
+
+  def now(self) -> float:
+    """Seconds after ``t0`` (0 before it is known)."""
+    return time.time() - (self.t0 or time.time())
+
+  def inject(self, t0: float | None, *, ending: bool) -> None:
+    """One look at the run's processes (those whose command line holds ``flag INDEX``, e.g.
+    ``--replica-id 2``) on the clock of its first progress ``t0`` (once known): each new process
+    is recorded (``start``; a standby when it takes over) and moved into its CPU share (a
+    waiting standby stays outside, at the lowest priority); a due fault is a ``kill -9`` (of the
+    process group with ``group``) or a ``SIGSTOP`` followed by ``SIGCONT`` ``seconds`` later, a
+    link down (``star``'s) then up ``seconds`` later, or a ``kill -9`` of the run's Lighthouse
+    (kind ``lighthouse``, replica -1), or ``skipped`` when its process is not running or already
+    stopped or cut off. With ``ending``, no fault any more."""
+    pids = process_ids(self.out, self.flag)
+    self.t0 = self.t0 or t0
+    now = self.now()
+    for i, pid in pids.items():
+      if self.seen.get(i) != pid:
+        self.seen[i] = pid
+        self.shares.add(i, pid)
+        self.events.append([now, "start", i, pid])
+    for undo in [u for u in self.undo if u[0] <= now]:
+      self.undo.remove(undo)
+      self._apply(undo[3], undo[1], undo[2], now)
+    if ending:
+      self.pending = []
+    while self.t0 is not None and self.pending and self.pending[0].at <= now:
+      fault = self.pending.pop(0)
+      pid = self.dir.lighthouse_pid() if fault.kind == "lighthouse" else pids.get(fault.replica)
+      if pid is None or any(u[1] == fault.replica for u in self.undo):
+        self.events.append([now, "skipped", fault.replica, pid])
+        continue
+      self._apply(fault.kind, fault.replica, pid, now)
+      if fault.kind in ("stop", "link"):
+        self.undo.append((now + fault.seconds, fault.replica, pid,
+                          "cont" if fault.kind == "stop" else "up"))
+
+  def _apply(self, kind: str, replica: int, pid: int, now: float) -> None:
+    """Applies ``kind`` to ``replica`` (its process ``pid``) and records it, or a ``skipped``
+    when its process has gone."""
+    if kind in ("link", "up"):
+      self.star.set_link(replica, up=kind == "up")
+    else:
+      sig = {"kill": signal.SIGKILL, "lighthouse": signal.SIGKILL, "stop": signal.SIGSTOP,
+             "cont": signal.SIGCONT}[kind]
+      try:
+        os.kill(-pid if kind == "kill" and self.group else pid, sig)
+      except ProcessLookupError:
+        kind = "skipped"
+    self.events.append([now, kind, replica, pid])
 
 
 class FaultTolerantRun(Run):
@@ -386,19 +433,13 @@ class FaultTolerantRun(Run):
   def tick(self, ending: bool) -> bool:
     """One look; ``ending``: no fault any more (nor once a replica has finished: the run is
     ending). Whether the command still runs."""
-    first = self.inject.t0 or min((x["time"] for x in read_lines(self.out) if x["committed"]),
-                                  default=None)
-    finished = any(pathlib.Path(self.out, "replicas").glob("final_*.json"))
-    self.inject.tick(first, ending=ending or finished)
+    self.inject(self.t0 or self.dir.first_commit(), ending=ending or self.dir.finished())
     return self.proc.poll() is None
 
   def record(self) -> dict[str, Any]:
-    final = [json.loads(p.read_text()) for p in sorted(pathlib.Path(self.out, "replicas").glob(
-      "final_*.json"))]
     args = build_parser().parse_args(command(self.config, self.out)[3:])
-    return {"t0": self.inject.t0, "events": self.inject.events, "lines": read_lines(self.out),
-            "final": final, "curve": ft_task.checkpoint_metrics(args),
-            "status": self.proc.returncode, **self.timed.record()}
+    return {**super().record(), "lines": self.dir.lines(), "final": [*self.dir.final().values()],
+            "curve": ft_task.checkpoint_metrics(args)}
 
 
 class SyncRun(Run):
@@ -415,7 +456,7 @@ class SyncRun(Run):
 
   flag = "--process-id"
 
-  def __init__(self, config: Config, out: str, faults: list[Fault], cpus: float, tag: str,
+  def __init__(self, config: Config, out: str, faults: list[TimedFault], cpus: float, tag: str,
                horizon: float):
     super().__init__(config, out, [f for f in faults if f.kind != "link"], cpus, tag)
     self.horizon, self.saved, self.restart_at = horizon, [], None
@@ -432,24 +473,22 @@ class SyncRun(Run):
   def tick(self, ending: bool) -> bool:
     """One look (``ending`` has no effect: the run ends at its horizon); restarts the command
     when it ended with an error. Whether the run goes on."""
-    inject = self.inject
     if self.restart_at is None and self.proc.poll() is not None:
       if self.proc.returncode == 0:
         return False  # every step done before the horizon
-      inject.events.append([inject.now(), "exit", -1, self.proc.returncode])
+      self.events.append([self.now(), "exit", -1, self.proc.returncode])
       self.restart_at = time.monotonic() + self.config.restart_delay
     if self.restart_at is not None and time.monotonic() >= self.restart_at:
       self.proc, self.restart_at = self._start(resume=True), None
-      inject.events.append([inject.now(), "resume", -1, self.proc.pid])
+      self.events.append([self.now(), "resume", -1, self.proc.pid])
     steps = orbax_checkpoints.saved_steps(self.directory)
     if steps and (not self.saved or steps[-1] > self.saved[-1][1]):
       self.saved.append([time.time(), steps[-1]])
-    inject.tick(self.saved[0][0] if self.saved else None, ending=False)
-    return inject.t0 is None or inject.now() <= self.horizon
+    self.inject(self.saved[0][0] if self.saved else None, ending=False)
+    return self.t0 is None or self.now() <= self.horizon
 
   def record(self) -> dict[str, Any]:
-    return {"t0": self.inject.t0, "events": self.inject.events, "saved": self.saved,
-            "final": [], "status": self.proc.returncode, **self.timed.record()}
+    return {**super().record(), "saved": self.saved, "final": []}
 
 
 def together(runs: list[Run], timeout: float) -> list[dict[str, Any]]:
@@ -478,79 +517,10 @@ def together(runs: list[Run], timeout: float) -> list[dict[str, Any]]:
 def sync_command(config: Config, out: str, resume: bool) -> list[str]:
   """``optax-dist train --algorithm sync`` over R processes of one device, checkpointing every
   ``--sync-checkpoint-every`` steps (``--resume``: from the newest checkpoint)."""
-  return [sys.executable, "-m", "optax_dist.cli", "train", "--algorithm", "sync", "--processes",
-          str(config.replicas), "--devices", "1", "--task", config.task, "--steps",
-          str(config.steps), "--checkpoint-every", str(config.sync_checkpoint_every),
-          "--no-progress", "--out", out] + (["--resume"] if resume else [])
-
-
-class Injector:
-  """Applies a fault schedule to the processes of the run ``out`` (those whose command line
-  holds ``flag INDEX``, e.g. ``--replica-id 2``), on the clock of the run's first progress
-  ``t0``: each new process is recorded (``start``; a standby when it takes over) and moved into
-  its CPU share (a waiting standby stays outside, at the lowest priority); a due fault is
-  a ``kill -9`` (of the process group with ``group``) or a ``SIGSTOP`` followed by ``SIGCONT``
-  ``seconds`` later, a link down (``star``'s) then up ``seconds`` later, or a ``kill -9`` of the
-  run's Lighthouse (kind ``lighthouse``, replica -1), or ``skipped`` when its process is not
-  running or already stopped or cut off."""
-
-  def __init__(self, out: str, faults: list[Fault], shares: CpuShares, flag: str, *,
-               group: bool, star: netns.Star | None = None):
-    self.out, self.shares, self.flag, self.group, self.star = out, shares, flag, group, star
-    self.pending = sorted(faults, key=lambda f: f.at)
-    self.events: list[list[Any]] = []
-    self.seen: dict[int, int] = {}
-    self.undo: list[tuple[float, int, int, str]] = []  # (when, replica, pid, cont or up)
-    self.t0: float | None = None
-
-  def now(self) -> float:
-    """Seconds after ``t0`` (0 before it is known)."""
-    return time.time() - (self.t0 or time.time())
-
-  def tick(self, t0: float | None, *, ending: bool) -> None:
-    """One look at the run: ``t0`` once known; with ``ending``, no fault any more."""
-    pids = process_ids(self.out, self.flag)
-    self.t0 = self.t0 or t0
-    now = self.now()
-    for i, pid in pids.items():
-      if self.seen.get(i) != pid:
-        self.seen[i] = pid
-        self.shares.add(i, pid)
-        self.events.append([now, "start", i, pid])
-    for undo in [u for u in self.undo if u[0] <= now]:
-      self.undo.remove(undo)
-      self._apply(undo[3], undo[1], undo[2], now)
-    if ending:
-      self.pending = []
-    while self.t0 is not None and self.pending and self.pending[0].at <= now:
-      fault = self.pending.pop(0)
-      pid = lighthouse_pid(self.out) if fault.kind == "lighthouse" else pids.get(fault.replica)
-      if pid is None or any(u[1] == fault.replica for u in self.undo):
-        self.events.append([now, "skipped", fault.replica, pid])
-        continue
-      self._apply(fault.kind, fault.replica, pid, now)
-      if fault.kind in ("stop", "link"):
-        self.undo.append((now + fault.seconds, fault.replica, pid,
-                          "cont" if fault.kind == "stop" else "up"))
-
-  def _apply(self, kind: str, replica: int, pid: int, now: float) -> None:
-    """Applies ``kind`` to ``replica`` (its process ``pid``) and records it."""
-    if kind in ("link", "up"):
-      self.star.set_link(replica, up=kind == "up")
-      self.events.append([now, kind, replica, pid])
-    else:
-      target = -pid if kind == "kill" and self.group else pid
-      sig = {"kill": signal.SIGKILL, "lighthouse": signal.SIGKILL, "stop": signal.SIGSTOP,
-             "cont": signal.SIGCONT}[kind]
-      self._signal(target, sig, now, kind, replica)
-
-  def _signal(self, pid: int, sig: int, now: float, kind: str, replica: int) -> None:
-    """Sends ``sig`` to ``pid`` (a group if negative) and records it, or a ``skipped``."""
-    try:
-      os.kill(pid, sig)
-    except ProcessLookupError:
-      kind = "skipped"
-    self.events.append([now, kind, replica, abs(pid)])
+  return _train([("--algorithm", "sync"), ("--processes", config.replicas), ("--devices", 1),
+                 ("--task", config.task), ("--steps", config.steps),
+                 ("--checkpoint-every", config.sync_checkpoint_every), ("--no-progress",),
+                 ("--out", out)] + [("--resume",)] * resume)
 
 
 def committed_tokens(lines: list[dict[str, Any]], t0: float, span: float) -> int:
@@ -589,9 +559,7 @@ def unprovoked_heals(lines: list[dict[str, Any]], t0: float, events: list[list[A
 def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
   """A run's numbers over its first ``span`` seconds (see the module's docstring)."""
   lines, t0 = run["lines"], run["t0"]
-  rounds: dict[int, list[dict[str, Any]]] = {}
-  for line in lines:
-    rounds.setdefault(line["round"], []).append(line)
+  rounds = by_round(lines)
   commits = sorted({max(x["time"] for x in group if x["committed"]) - t0
                     for group in rounds.values() if any(x["committed"] for x in group)})
   ends = {r: max(x["time"] for x in g) for r, g in rounds.items()}
@@ -722,7 +690,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   faults = schedule(config.seed, config.fault_rate, config.timeout, config.replicas,
                     tuple(config.stop_seconds), tuple(config.link_seconds))
   # the synchronous arm has no Lighthouse: its schedule is the replicas' faults only
-  faults_ft = sorted(faults + [Fault(config.lighthouse_kill, "lighthouse", -1)] * (
+  faults_ft = sorted(faults + [TimedFault(config.lighthouse_kill, "lighthouse", -1)] * (
     config.lighthouse_kill > 0), key=lambda f: f.at)
   cpus = config.cpus / 2
   control, faulted = _records(config, prefix, ("control", "faulted"), lambda out: together(
@@ -786,10 +754,14 @@ SYNC_ROWS = (
 """The synchronous arm's table, as :data:`ROWS`."""
 
 
+def _table(rows: tuple, arms: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+  """``rows``' table of the control and the faulted run (``arms``: their accounting and record)."""
+  return kit.table(["", "control", "faults"],
+                   [[label] + [cell(a, r) for a, r in arms] for label, cell in rows])
+
+
 def _sync_markdown(result: dict[str, Any]) -> str:
   sync, runs, cfg = result["sync"], result["runs"], result["config"]
-  rows = [[label] + [cell(sync[k], runs[f"sync_{k}"]) for k in ("control", "faulted")]
-          for label, cell in SYNC_ROWS]
   ratio = sync["control"]["committed_tokens"] / result["control"]["committed_tokens"]
   return kit.blocks(
     "## Synchronous data parallelism with checkpoint and restart",
@@ -800,7 +772,7 @@ def _sync_markdown(result: dict[str, Any]) -> str:
      f" tokens count once checkpointed ({sync['tokens_per_step']:.0f} per step). **Goodput"
      f" {sync['goodput']:.3f}** against its own control over the same {result['span_s']:.1f} s;"
      f" its control committed {ratio:.3f} of the fault-tolerant control's tokens."),
-    kit.table(["", "control", "faults"], rows))
+    _table(SYNC_ROWS, [(sync[k], runs[f"sync_{k}"]) for k in ("control", "faulted")]))
 
 
 def _metric(final: list[dict[str, Any]]) -> str:
@@ -821,8 +793,6 @@ def markdown(result: dict[str, Any], figure: str) -> str:
   # a record without exchange_retries predates the retry: its rounds aborted at once
   cfg, runs = {"exchange_retries": 0} | result["config"], result["runs"]
   kinds = [e[1] for e in runs["faulted"]["events"] if 0 < e[0] <= result["span_s"]]
-  rows = [[label] + [cell(result[k], runs[k]) for k in ("control", "faulted")]
-          for label, cell in ROWS]
   return "\n\n".join([
     "# Chaos: fault-tolerant DiLoCo under faults", kit.doc_markdown(__doc__, 0, 3),
     (f"Settings: `{' '.join(command(Config(**cfg), 'OUT')[2:])}`;"
@@ -839,7 +809,7 @@ def markdown(result: dict[str, Any], figure: str) -> str:
      f" mismatch: {'met' if _met(result) else 'missed'}. The final held-out metric (same"
      f" committed steps) is {kit.fmt(_metric_gap(runs), '+.2%')} off the control's (target:"
      f" within 1%).{_equal_tokens(result.get('equal_tokens'))}"),
-    _pace(result), kit.table(["", "control", "faults"], rows),
+    _pace(result), _table(ROWS, [(result[k], runs[k]) for k in ("control", "faulted")]),
     *([_sync_markdown(result)] if "sync" in result else []), f"![committed tokens]({figure})",
     _not_built(result),
     (f"Run {result['run']['date']}: `{result['run']['command']}`,"
@@ -855,21 +825,14 @@ def _equal_tokens(at: dict | None) -> str:
 
 
 def _pace(result: dict[str, Any]) -> str:
-  """The runs' median full rounds; for runs one after the other (which could drift apart in
-  pace), also the goodput at the control's pace (an estimate)."""
+  """The runs' median full rounds (run together: one machine, one pace)."""
   control, faulted = (result[k].get("full_round_s") for k in ("control", "faulted"))
   if not (control and faulted):
     return "The runs have no round every replica committed to compare their pace."
-  if "cpus_per_replica" in result:  # run together: one machine, one pace
-    return (f"A round every replica committed took a median of {faulted:.4f} s in the faulted"
-            f" run and {control:.4f} s in the control ({faulted / control - 1:+.1%}); the two"
-            " ran together, so the difference is the faulted run's own, not a drift of the"
-            " machine's pace.")
-  return (f"The runs' pace apart from the faults: a round every replica committed"
-          f" took a median of {faulted:.4f} s in the faulted run and {control:.4f} s in the"
-          f" control ({faulted / control - 1:+.1%}). At the control's pace the faulted run would"
-          f" have committed {faulted / control:.3f} times its tokens: a goodput of about"
-          f" {result['goodput'] * faulted / control:.3f} (an estimate, not a measurement).")
+  return (f"A round every replica committed took a median of {faulted:.4f} s in the faulted"
+          f" run and {control:.4f} s in the control ({faulted / control - 1:+.1%}); the two"
+          " ran together, so the difference is the faulted run's own, not a drift of the"
+          " machine's pace.")
 
 
 def _met(result: dict[str, Any]) -> bool:
@@ -877,13 +840,9 @@ def _met(result: dict[str, Any]) -> bool:
 
 
 def _caps(result: dict[str, Any]) -> str:
-  """The CPU caps in the settings' line (none in results measured before they existed), and
-  whether the runs ran together (not in results measured before)."""
-  cfg = result["config"]
-  if not cfg.get("cpus", 0):
+  """The CPU caps in the settings' line (none with ``--cpus 0``)."""
+  if not result["config"]["cpus"]:
     return ""
-  if "cpus_per_replica" not in result:
-    return f" each replica capped at {cfg['cpus'] / cfg['replicas']:.2f} CPU (cgroups);"
   return (f" the control and the faulted run together, each replica capped at"
           f" {result['cpus_per_replica']:.3f} CPU (cgroups);")
 

@@ -81,10 +81,8 @@ class RunDir:
       path = self.lines_file(replica)
       text = path.read_text() if path.exists() else ""
       return [json.loads(line) for line in text.splitlines() if line.strip()]
-    lines = []
-    for path in self.replicas.glob("replica_*.jsonl"):
-      lines += self.lines(int(path.stem.split("_")[1]))
-    return sorted(lines, key=lambda line: line["time"])
+    ids = sorted(int(path.stem.split("_")[1]) for path in self.replicas.glob("replica_*.jsonl"))
+    return sorted((x for i in ids for x in self.lines(i)), key=lambda line: line["time"])
 
   def first_commit(self) -> float | None:
     """The Unix time of the run's first committed line, or ``None`` before it."""
