@@ -24,7 +24,7 @@ from typing import Any
 
 from optax_dist import _checks
 from optax_dist.fault_tolerance import heal
-from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol, heal_state
+from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol, heal_state, local_state
 
 
 def _write_atomically(path: pathlib.Path, data: bytes) -> None:
@@ -59,15 +59,17 @@ class CheckpointWriter:
     a multiple of ``every``, or it is the run's ``last``."""
     return last or step // self.every > (step - round_steps) // self.every
 
-  def write(self, state: ReplicaState, *, step: int, time: float) -> None:
-    """Queues ``state``'s checkpoint (its arrays are immutable: the thread reads them later)."""
-    meta = {"step": step, "rounds": int(state.rounds), "time": time,
-            "fingerprint": self.fingerprint}
-    self._pending.append(self._pool.submit(self._write, state, meta))
+  def write(self, donation: Any, *, step: int, rounds: int, time: float) -> None:
+    """Queues the checkpoint of a replica's ``donation`` (what it sends a joiner:
+    :meth:`Replica.donation <optax_dist.fault_tolerance.Replica.donation>`, or a
+    :func:`heal_state`) after ``rounds`` committed rounds at ``step``; its arrays are immutable:
+    the thread reads them later."""
+    meta = {"step": step, "rounds": rounds, "time": time, "fingerprint": self.fingerprint}
+    self._pending.append(self._pool.submit(self._write, donation, meta))
 
-  def _write(self, state: ReplicaState, meta: dict) -> None:
+  def _write(self, donation: Any, meta: dict) -> None:
     stem = self.directory / f"step_{meta['step']}"
-    _write_atomically(stem.with_suffix(".heal"), heal.encode_heal(heal_state(state)))
+    _write_atomically(stem.with_suffix(".heal"), heal.encode_heal(donation))
     _write_atomically(stem.with_suffix(".json"), json.dumps(meta).encode())
 
   def close(self) -> None:
@@ -87,21 +89,11 @@ def saved(directory: str | os.PathLike) -> list[dict]:
   return sorted(found, key=lambda meta: meta["step"])
 
 
-def restore(directory: str | os.PathLike, protocol: RoundProtocol, state: ReplicaState,
-            params_like: Any, fingerprint: int, meta: dict | None = None
-            ) -> tuple[ReplicaState, dict] | None:
-  """The replica rebuilt from a checkpoint under ``directory`` (the newest, or the one
-  ``meta`` names: an entry of :func:`saved`) and that checkpoint's JSON; ``None`` if there is
-  none.
-
-  Args:
-    directory: the checkpoints' directory.
-    protocol: the run's :class:`RoundProtocol`.
-    state: a state of the run's tree (e.g. ``protocol.init(params)``): the payload is checked
-      against it.
-    params_like: params of the run's tree, shapes and dtypes.
-    fingerprint: the run's settings fingerprint.
-    meta: which checkpoint; ``None``: the newest.
+def read(directory: str | os.PathLike, expected: Any, fingerprint: int,
+         meta: dict | None = None) -> tuple[Any, dict] | None:
+  """A checkpoint's donation under ``directory`` (the newest, or the one ``meta`` names: an
+  entry of :func:`saved`), decoded against ``expected`` (:func:`decode_heal`), and its JSON;
+  ``None`` if there is none.
 
   Raises:
     ValueError: the checkpoint's fingerprint is not ``fingerprint`` (a run of other settings
@@ -117,4 +109,29 @@ def restore(directory: str | os.PathLike, protocol: RoundProtocol, state: Replic
       f"checkpoint {meta['path']}: written by a run of other settings (fingerprint"
       f" {meta['fingerprint']}, this run's {fingerprint}); give another output directory.")
   payload = pathlib.Path(meta["path"]).read_bytes()
-  return heal.heal_replica(protocol, payload, state, params_like, replica=meta["path"]), meta
+  return heal.decode_heal(payload, expected, replica=meta["path"]), meta
+
+
+def restore(directory: str | os.PathLike, protocol: RoundProtocol, state: ReplicaState,
+            params_like: Any, fingerprint: int, meta: dict | None = None
+            ) -> tuple[ReplicaState, dict] | None:
+  """The replica rebuilt from a checkpoint (:func:`read` of a :func:`heal_state`) as a joiner
+  heals (:func:`local_state`), and that checkpoint's JSON; ``None`` if there is none.
+
+  Args:
+    directory: the checkpoints' directory.
+    protocol: the run's :class:`RoundProtocol`.
+    state: a state of the run's tree (e.g. ``protocol.init(params)``): the payload is checked
+      against it.
+    params_like: params of the run's tree, shapes and dtypes.
+    fingerprint: the run's settings fingerprint.
+    meta: which checkpoint; ``None``: the newest.
+
+  Raises:
+    ValueError: as :func:`read`.
+  """
+  found = read(directory, heal_state(state), fingerprint, meta)
+  if found is None:
+    return None
+  received, meta = found
+  return local_state(protocol, received.global_state, params_like, received.counters), meta

@@ -227,6 +227,10 @@ class _Port:
   def __init__(self, engine: InProcess, slot: int):
     self._engine, self._slot = engine, slot
 
+  def start(self, replica: Replica) -> None:
+    """Nothing to restore: a replica starts from the loop's initial state."""
+    del replica
+
   def exchange(self, sent: Sent) -> Received:
     return self._engine.exchange(self._slot, sent)
 

@@ -57,11 +57,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optax_dist import _checks
+from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.decision import Header, settings_fingerprint
 from optax_dist.fault_tolerance.engine import RoundLog
 from optax_dist.fault_tolerance.protocol import (
+  HealState,
   ReplicaState,
   RoundProtocol,
   global_state,
@@ -239,9 +242,9 @@ class Replica:
 
   Args:
     protocol: the run's :class:`RoundProtocol`.
-    engine: the transport (an engine's per-replica end): ``exchange(sent) -> Received`` and
-      ``record(line)``; optionally ``restore(replica) -> (ReplicaState, collections)`` or
-      ``None`` (a checkpoint to start from).
+    engine: the transport (an engine's per-replica end): ``start(replica)`` (joins the run;
+      returns a decoded donation to start from, e.g. a checkpoint's, or ``None``),
+      ``exchange(sent) -> Received`` and ``record(line)``.
     slot: this replica's id and data slot.
     seed: the data seed.
     tokens_per_step: the tokens of one batch (a round's weight is its inner steps times it).
@@ -278,6 +281,10 @@ class Replica:
     one, else ``state``. ``seek(step)``, if given, is called whenever the data position jumps
     (:attr:`step`: after a restore, a heal or a void round).
 
+    Before the engine's start (so before its peers know this replica), the round's programs
+    are compiled on scratch copies (the payload, both merges, a commit, an abort, a heal's
+    decoding and rebuild, the state hash): a round costs the same from the first.
+
     Raises:
       TypeError: ``state`` not a kind :func:`get_parts` reads.
       ValueError: ``state``'s optimizer state is not :attr:`RoundProtocol.tx`'s.
@@ -293,10 +300,10 @@ class Replica:
                                             tokens_per_step=self.tokens_per_step)
     self._replica = self.protocol.init(parts.params)._replace(opt_state=parts.opt_state)
     self._collections = parts.collections
-    restore = getattr(self.engine, "restore", None)
-    restored = restore(self) if restore is not None else None
+    self._warm_up(parts)
+    restored = self.engine.start(self)
     if restored is not None:
-      state = self._take(state, *restored, jumped=True)
+      state = self._take(state, *self.receive(restored), jumped=True)
     self._keep_origin(state)
     return state
 
@@ -319,22 +326,47 @@ class Replica:
     self._keep_origin(state)
     return state
 
+  @property
+  def replica_state(self) -> ReplicaState:
+    """This replica's :class:`ReplicaState` after its last round (or its start)."""
+    return self._replica
+
   def donation(self, replica: ReplicaState | None = None, collections: Any = None) -> Any:
-    """What this replica sends a joiner (and writes in a checkpoint): ``(heal_state,
-    collections)`` of ``replica`` (default: its state after its last round)."""
+    """What this replica sends a joiner (and writes in a checkpoint): the :func:`heal_state`
+    of ``replica`` (default: its state after its last round), paired with its collections
+    when it has any (:func:`split_donation` reads both)."""
     if replica is None:
       replica, collections = self._replica, self._collections
-    return heal_state(replica), collections
+    state = heal_state(replica)
+    return state if collections is None else (state, collections)
 
   def receive(self, donation: Any) -> tuple[ReplicaState, Any]:
     """A received (decoded) donation as this replica's ``(ReplicaState, collections)``: the
     global state taken bit for bit, the params at the restart point, the inner state rebuilt
     with the donor's counters (:func:`local_state`)."""
-    heal, collections = donation
-    replica = local_state(self.protocol, heal.global_state, self._params_like, heal.counters)
+    state, collections = split_donation(donation)
+    replica = local_state(self.protocol, state.global_state, self._params_like, state.counters)
     return replica, collections
 
   # ---------------------------------------------------------------------------------------------
+
+  def _warm_up(self, parts: Parts) -> None:
+    """Runs the round's computations once on scratch copies of the initial state."""
+    boundary = self.protocol.round_steps(0)
+    fragment = self.protocol.fragment(boundary)
+    payload, residual = self.protocol.send_half(parts.opt_state, parts.params, fragment)
+    payload = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), payload)  # as a peer's arrives
+    self.protocol.votes(payload)
+    self.protocol.merge([payload] * 2, [1, 2])  # the weighted merge of a round with a heal
+    merged = self.protocol.merge([payload] * 2, [1, 1])
+    self.protocol.outer_half(parts.params, parts.params, parts.opt_state, self._replica.average,
+                             merged, residual, fragment)
+    self.protocol.abort(self._replica)
+    donation = self.donation()
+    healed, _ = self.receive(heal.decode_heal(heal.encode_heal(donation), donation,
+                                              replica="self"))
+    self.protocol.commit(healed._replace(opt_state=_at_step(healed.opt_state, boundary)), merged)
+    self.state_hash()
 
   def _keep_origin(self, state: Any) -> None:
     """Sets the next round boundary; on the step before it, copies the params (the landing's
@@ -402,6 +434,12 @@ class Replica:
     self._round_start = self.step
     parts = Parts(replica.params, replica.opt_state, collections)
     return put_parts(state, parts, self.step if jumped else None)
+
+
+def split_donation(donation: Any) -> tuple[HealState, Any]:
+  """``(heal_state, collections)`` of a :meth:`Replica.donation` (collections ``None`` for a
+  model without any)."""
+  return (donation, None) if isinstance(donation, HealState) else donation
 
 
 def _at_step(opt_state: Any, step: int) -> Any:

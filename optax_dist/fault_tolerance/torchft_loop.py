@@ -29,21 +29,25 @@ import dataclasses
 import json
 import os
 import pathlib
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from optax_dist import _checks, _exchange
-from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance import checkpoints, heal
+from optax_dist.fault_tolerance.checkpoints import CheckpointWriter
 from optax_dist.fault_tolerance.decision import Header, check_headers, decide, run_fingerprint
 from optax_dist.fault_tolerance.engine import RoundLog
-from optax_dist.fault_tolerance.loop import Received, Replica, Sent
+from optax_dist.fault_tolerance.loop import Received, Replica, Sent, split_donation
 from optax_dist.fault_tolerance.protocol import RoundProtocol
-from optax_dist.fault_tolerance.torchft_engine import SettingsMismatch
 from optax_dist.fault_tolerance.torchft_session import Session, _pack, _unpack, torch
+
+
+class SettingsMismatch(RuntimeError):
+  """A replica's settings differ from the run's: it leaves the run."""
 
 
 class Torchft:
@@ -55,22 +59,43 @@ class Torchft:
     replica_id: this process's replica id and data slot; default ``$REPLICA_GROUP_ID``.
     out: the run's directory (the log goes to ``out/replicas/replica_<i>.jsonl``); default
       ``$OPTAX_DIST_OUT``, else ``runs/fault_tolerant``.
-    host: the address this replica's servers bind and advertise.
+    host: the address this replica's servers bind and advertise, or a name resolved to it once
+      here (its host name in a network namespace of its own: that namespace's address).
     seed: the data seed.
-    tokens_per_step: the tokens of one batch.
+    tokens_per_step: the tokens of one batch (a round's weight is its inner steps times it).
     min_replicas: the smallest quorum that commits (torchft's ``min_replica_size``).
-    quorum_timeout: seconds to wait for a quorum before ``TimeoutError``.
+    quorum_timeout: seconds to wait for a quorum before ``TimeoutError``, over requests of at
+      most ``QUORUM_ATTEMPT_S`` seconds each (a restarted Lighthouse answers the next one).
     timeout: seconds for a collective, a heal and the vote.
+    exchange_retries: how many times a round whose exchange failed before the
+      acknowledgement (a member stopped, killed or cut off in it) is tried again in a new
+      quorum, without that member, before it aborts; an int >= 0. No member can have
+      committed the round meanwhile: a commit needs every member's acknowledgement.
+    checkpoint_every: inner steps between checkpoints in ``out/replicas/checkpoints``
+      (:mod:`~optax_dist.fault_tolerance.checkpoints`: the replica's donation), written by the
+      quorum's rank 0 after a committed round that crosses a multiple of it; a replica starts
+      from the newest one there (as a joiner heals). ``None``: none written, none read.
+    last_round: the run's last round (committed rounds), after which a checkpoint is written
+      too; ``None``: none.
+    on_ready: called once the replica's session heartbeats to the Lighthouse, before its first
+      quorum (e.g. a barrier that lets replicas starting together meet in their first quorum).
+    standby: a warm standby's wait for its takeover, called once the replica has compiled its
+      round and before it reads the newest checkpoint and starts its session. ``None``: none.
 
   Raises:
     ValueError: no Lighthouse or replica id given nor in the environment; a lighthouse not an
-      ``http://`` URL; a replica id not an int >= 0.
+      ``http://`` URL; a replica id or ``exchange_retries`` not an int >= 0;
+      ``tokens_per_step``, ``min_replicas`` or ``checkpoint_every`` not a positive int; a
+      timeout not a positive number; a host that does not resolve.
   """
 
   def __init__(self, protocol: RoundProtocol, *, lighthouse: str | None = None,
                replica_id: int | None = None, out: str | os.PathLike | None = None,
                host: str = "127.0.0.1", seed: int = 0, tokens_per_step: int = 1,
-               min_replicas: int = 1, quorum_timeout: float = 60.0, timeout: float = 30.0):
+               min_replicas: int = 1, quorum_timeout: float = 60.0, timeout: float = 30.0,
+               exchange_retries: int = 0, checkpoint_every: int | None = None,
+               last_round: int | None = None, on_ready: Callable[[], None] | None = None,
+               standby: Callable[[], None] | None = None):
     fn = "Torchft"
     lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse.startswith("http://"):
@@ -79,19 +104,36 @@ class Torchft:
     if replica_id is None:
       replica_id = int(os.environ.get("REPLICA_GROUP_ID", "-1"))
     _checks.check_non_negative_int(fn, "replica_id", replica_id)
+    _checks.check_positive_int(fn, "tokens_per_step", tokens_per_step)
+    _checks.check_positive_int(fn, "min_replicas", min_replicas)
+    _checks.check_non_negative_int(fn, "exchange_retries", exchange_retries)
+    if checkpoint_every is not None:
+      _checks.check_positive_int(fn, "checkpoint_every", checkpoint_every)
+    for name, value in (("quorum_timeout", quorum_timeout), ("timeout", timeout)):
+      if not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"`{fn}({name}=...)` must be a positive number of seconds, got {value!r}.")
+    try:  # resolved once, here (in a network namespace, by its /etc/hosts): peers get the address
+      host = socket.getaddrinfo(host, None)[0][4][0]
+    except OSError as e:
+      raise ValueError(f"`{fn}(host=...)` must be an address or a name that resolves, got"
+                       f" {host!r} ({e}).") from None
     self.protocol, self.lighthouse, self.replica_id, self.host = (
       protocol, lighthouse, replica_id, host)
     self.out = pathlib.Path(out or os.environ.get("OPTAX_DIST_OUT", "runs/fault_tolerant"))
     self.seed, self.tokens_per_step, self.min_replicas = seed, tokens_per_step, min_replicas
-    self.quorum_timeout, self.timeout = quorum_timeout, timeout
+    self.quorum_timeout, self.timeout, self.exchange_retries = (
+      quorum_timeout, timeout, exchange_retries)
+    self.checkpoint_every, self.last_round = checkpoint_every, last_round
+    self.on_ready, self.standby = on_ready, standby
 
   def run(self, train: Callable[[Replica], Any]) -> dict[int, Any]:
     """Runs ``train(replica)`` as this process's replica; returns ``{replica_id: what it
     returns}``.
 
     Raises:
-      SettingsMismatch: this replica's settings are not the run's.
+      SettingsMismatch: this replica's settings are not the run's (after the round's line).
       TimeoutError: no quorum formed within ``quorum_timeout`` seconds.
+      ValueError: the newest checkpoint written by other settings, or damaged.
     """
     port = _Port(self)
     try:
@@ -100,23 +142,53 @@ class Torchft:
       port.shutdown()
 
 
+@dataclasses.dataclass
+class _Attempts:
+  """A round's attempts so far, for its log line."""
+
+  count: int = 0
+  quorum_seconds: float = 0.0
+
+
 class _Port(Session):
-  """A replica's end of the torchft engine: its session, the round's exchange, its log."""
+  """A replica's end of the torchft engine: its session, the round's exchange, its
+  checkpoints and its log."""
 
   def __init__(self, engine: Torchft):
     self.engine, self.protocol, self.slot = engine, engine.protocol, engine.replica_id
     self.replica = Replica(engine.protocol, self, slot=self.slot, seed=engine.seed,
                            tokens_per_step=engine.tokens_per_step)
-    path = engine.out / "replicas"
-    path.mkdir(parents=True, exist_ok=True)
-    self.log_path = path / f"replica_{self.slot}.jsonl"
+    self.run_dir = engine.out / "replicas"
+    self.run_dir.mkdir(parents=True, exist_ok=True)
+    self.log_path = self.run_dir / f"replica_{self.slot}.jsonl"
+    self.checkpointer = None
     self.quorum_id, self._last_members, self._sent, self._healed = 0, None, None, None
+    self._attempts, self._manager = _Attempts(), None
+
+  def start(self, replica: Replica) -> Any:
+    """After the replica compiled its round: the standby's wait, the newest checkpoint (a
+    decoded donation, returned), then the session (and ``on_ready``)."""
+    engine = self.engine
+    if engine.standby is not None:
+      engine.standby()
+    restored = None
+    if engine.checkpoint_every is not None:
+      self.checkpointer = CheckpointWriter(self.run_dir / "checkpoints", engine.checkpoint_every,
+                                           replica.fingerprint)
+      found = checkpoints.read(self.checkpointer.directory, replica.donation(),
+                               replica.fingerprint)
+      restored = None if found is None else found[0]
     self._open(engine.lighthouse, engine.host, engine.min_replicas, engine.quorum_timeout,
                engine.timeout)
+    if engine.on_ready is not None:
+      engine.on_ready()
+    return restored
 
-  # The state torchft moves on a heal.
+  # The state torchft moves on a heal: healed in this round, it gives what it received.
 
   def _donation(self) -> Any:
+    if self._healed is not None:
+      return self._healed
     return self.replica.donation() if self._sent is None else self._sent.donation
 
   def _heal_bytes(self) -> bytes:
@@ -128,65 +200,98 @@ class _Port(Session):
   # The round.
 
   def exchange(self, sent: Sent) -> Received:
-    self._sent, self._healed = sent, None
-    self._quorum()
-    head = sent.header._replace(ok=int(self._manager.errored() is None))
-    if self._healed is not None:
-      step = int(self._healed[0].global_state.opt_state.local_step)
-      head = head._replace(weight=0, step=step)
-    got = self._gather(sent, head)
+    """Quorum (and heal), exchange and decision, again in a new quorum up to
+    ``exchange_retries`` times while the exchange fails before its acknowledgement; then the
+    vote."""
+    self._sent, self._healed, self._attempts = sent, None, _Attempts()
+    got, retryable = self._attempt(sent)
+    while got.merged is None and retryable and self._attempts.count <= self.engine.exchange_retries:
+      got, retryable = self._attempt(sent)
     if got.merged is not None and not self._vote():
       got = dataclasses.replace(got, merged=None, reason="a member voted no")
     elif got.merged is None:
       self._manager.report_error(RuntimeError(got.reason))
       self._vote()
     self._sent = None
-    if got.reason.startswith("foreign"):
-      raise SettingsMismatch(f"replica {self.slot}: its settings differ from the run's")
     return got
 
-  def _gather(self, sent: Sent, head: Header) -> Received:
+  def _attempt(self, sent: Sent) -> tuple[Received, bool]:
+    """One quorum (and heal) and exchange; returns the outcome and whether a failure may be
+    retried (an all-gather failed before the acknowledgement)."""
+    start = time.monotonic()
+    self._quorum()
+    self._attempts.quorum_seconds += time.monotonic() - start
+    self._attempts.count += 1
+    head = sent.header._replace(ok=int(self._manager.errored() is None))
+    if self._healed is not None:
+      step = int(split_donation(self._healed)[0].global_state.opt_state.local_step)
+      head = head._replace(weight=0, step=step)
+    return self._gather(sent, head)
+
+  def _gather(self, sent: Sent, head: Header) -> tuple[Received, bool]:
     """The headers' all-gather, the payloads', the acknowledgement and the decision."""
-    def failed(reason, members=(), step=head.step):
-      return Received(members, self.quorum_id, self._healed, None, step, reason)
+    def failed(reason, retryable=False, members=(), step=head.step):
+      return Received(members, self.quorum_id, self._healed, None, step, reason), retryable
 
     outs = self._allgather(torch.from_numpy(np.asarray(head, np.int64)))
     if outs is None:
-      return failed("the headers' all-gather failed")
+      return failed("the headers' all-gather failed", True)
     heads = [Header(*out.tolist()) for out in outs]
     members, step = tuple(h.slot for h in heads), max(h.step for h in heads)
     if members != self._last_members:
       self.quorum_id, self._last_members = self.quorum_id + 1, members
     if head.fingerprint != run_fingerprint([h.fingerprint for h in heads]):
-      return failed("foreign settings", members, step)
+      raise SettingsMismatch(
+        f"replica {self.slot}: its settings (fingerprint {head.fingerprint}) differ from the"
+        " run's: algorithm, sync period, wire format, params' shapes, seed and tokens per step"
+        " must be every replica's")
     reason = check_headers(self.protocol, heads, min_replicas=self.engine.min_replicas)
     if reason:
-      return failed(reason, members, step)
-    mine = sent.payload if self._healed is None else self._zeros(sent, step)
+      return failed(reason, members=members, step=step)
+    mine = sent.payload if self._healed is None else self._zeros(step)
     outs = self._allgather(_pack(mine))
-    if outs is None or self._allgather(torch.ones(1, dtype=torch.int64)) is None:
-      return failed("the payloads' all-gather failed", members, step)
+    if outs is None:
+      return failed("the payloads' all-gather failed", True, members, step)
+    # The acknowledgement: a member's chunk of it says that its payloads' all-gather completed.
+    # A member commits only once it holds every member's, so no member commits a round whose
+    # exchange failed on another before the acknowledgement: that one may retry the round.
+    if self._allgather(torch.ones(1, dtype=torch.int64)) is None:
+      return failed("the acknowledgement's all-gather failed", False, members, step)
     payloads = [_unpack(out, mine) for out in outs]
     d = decide(self.protocol, heads, [p[0] for p in payloads],
                min_replicas=self.engine.min_replicas)
     if d.merged is None:
-      return failed(d.reason, members, step)
+      return failed(d.reason, members=members, step=step)
     collections = [payloads[members.index(i)][1] for i in d.voters]
     merged = (d.merged, None if collections[0] is None
               else _exchange.merge_payloads(collections))
-    return Received(members, self.quorum_id, self._healed, merged, step)
+    return Received(members, self.quorum_id, self._healed, merged, step), False
 
-  def _zeros(self, sent: Sent, step: int) -> Any:
+  def _zeros(self, step: int) -> Any:
     """A healed member's payload: :meth:`RoundProtocol.healed_payload` (of the round's size;
     its own may be of another fragment's), and its healed collections."""
+    state, collections = split_donation(self._healed)
     zeros = self.protocol.healed_payload(self.replica._params_like,
-                                         sent.donation[0].global_state.opt_state, step)
-    return zeros, self._healed[1]
+                                         state.global_state.opt_state, step)
+    return zeros, collections
 
   def record(self, line: RoundLog) -> None:
-    row = dict(dataclasses.asdict(line), time=time.time(), pid=os.getpid())
+    """Appends the round's line (with ``time``, ``pid``, ``quorum_seconds`` and ``attempts``)
+    and, on the quorum's rank 0 after a committed round that crosses a multiple of
+    ``checkpoint_every``, queues a checkpoint."""
+    row = dict(dataclasses.asdict(line), time=time.time(), pid=os.getpid(),
+               quorum_seconds=self._attempts.quorum_seconds, attempts=self._attempts.count)
     with open(self.log_path, "a") as f:
       f.write(json.dumps(row) + "\n")
+    if (line.committed and self.checkpointer is not None and line.members[:1] == (self.slot,)
+        and self.checkpointer.due(line.step, line.tokens // self.engine.tokens_per_step,
+                                  last=self.replica.rounds == self.engine.last_round)):
+      self.checkpointer.write(self.replica.donation(), step=line.step, rounds=self.replica.rounds,
+                              time=row["time"])
 
   def shutdown(self) -> None:
-    self._manager.shutdown(wait=False)
+    """Stops the session (its manager and servers); waits for the checkpoints queued."""
+    if self._manager is not None:
+      self._manager.shutdown(wait=False)
+    if self.checkpointer is not None:
+      self.checkpointer.close()
