@@ -373,7 +373,7 @@ def test_replica_mistakes_are_one_line(tmp_path, capsys, monkeypatch):
                    contains=("no module named 'torch'", 'pip install "optax-dist[ft]"'))
   if importlib.util.find_spec("torchft") is not None:
     one_line_error(capsys, *args, "--lighthouse", "127.0.0.1:1",
-                   contains=("`TorchftReplica(lighthouse=...)` must be an http:// URL",))
+                   contains=("`Torchft(lighthouse=...)` (or $TORCHFT_LIGHTHOUSE) must be an http:// URL",))
 
 
 def test_command_imports_without_the_extra(tmp_path):

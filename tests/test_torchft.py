@@ -275,7 +275,7 @@ def _heal_state():
 
 def test_heal_transport_sends_heal_bytes_over_http_on_the_address_given():
   from optax_dist import fault_tolerance as ft
-  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as te
 
   state = _heal_state()
   sent = {"user": {"default": ft.encode_heal(state)},
@@ -321,7 +321,7 @@ def test_settings_fingerprint_tells_runs_apart():
   import optax
 
   from optax_dist import fault_tolerance as ft
-  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import decision as te
 
   def fingerprint(sync_period=2, shape=(2, 3), seed=0, tokens=8, comm_dtype=None):
     protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=sync_period,
@@ -381,22 +381,38 @@ class FakeManager:
     return not self.errors
 
 
-def _fake_replica(tmp_path, protocol, params, grads, peer, exchange_retries=0):
-  """A ``TorchftReplica`` (slot 1, fingerprint 7, 8 tokens per step) over a ``FakeGroup`` of
-  ``peer``'s buffers and a ``FakeManager`` whose errors a quorum clears; ``quorums`` counts
-  the quorums asked for."""
+def _fake_replica(tmp_path, protocol, params, peer, exchange_retries=0, healed_from=None):
+  """The torchft engine's end of replica 1 (fingerprint 7 forced, 8 tokens per step) over a
+  ``FakeGroup`` of ``peer``'s buffers and a ``FakeManager`` whose errors a quorum clears, and
+  its loop: ``run(grads)`` takes the inner steps of one round and returns its log line;
+  ``quorums`` counts the quorums asked for. With ``healed_from`` (a donation), the first quorum
+  heals the replica from it."""
+  from optax_dist.fault_tolerance import heal
   from optax_dist.fault_tolerance import torchft_engine as te
 
-  replica = object.__new__(te.TorchftReplica)
-  replica.protocol, replica.state, replica.slot, replica.fingerprint = (
-    protocol, protocol.init(params), 1, 7)
-  replica._grads, replica.tokens_per_step, replica.healed = grads, 8, False
-  replica.quorum_id, replica._last_members = 0, None
-  replica._first_round, replica.checkpointer, replica._target = None, None, None
-  replica.exchange_retries, replica.log_path = exchange_retries, tmp_path / "replica_1.jsonl"
-  replica._manager, replica._pg, replica.quorums = FakeManager(), FakeGroup(*peer), []
-  replica._quorum = lambda: (replica.quorums.append(1), replica._manager.errors.clear())
-  return replica
+  engine = te.Torchft(protocol, lighthouse="http://127.0.0.1:1", replica_id=1, out=tmp_path,
+                      tokens_per_step=8, exchange_retries=exchange_retries, min_replicas=1)
+  port = te._Port(engine)
+  port.start = lambda replica: None  # no session: the fakes stand in for it
+  port._manager, port._pg, port.quorums = FakeManager(), FakeGroup(*peer), []
+
+  def quorum():
+    port.quorums.append(1)
+    port._manager.errors.clear()
+    if healed_from is not None and len(port.quorums) == 1:
+      port._load(heal.encode_heal(healed_from))
+
+  port._quorum = quorum
+  replica = port.replica
+
+  def run(grads):
+    state = replica.start((params, protocol.tx.init(params)))
+    replica.fingerprint = 7
+    while replica.last is None:
+      state = replica.after_step(protocol.inner_step(*state, grads(state[0], replica.step)))
+    return json.loads(port.log_path.read_text().splitlines()[-1])
+
+  return port, run
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco"])
@@ -414,7 +430,7 @@ def test_a_member_left_out_of_an_aborted_quorum_sends_nothing_and_takes_the_roun
   import torch
 
   from optax_dist import fault_tolerance as ft
-  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as ts
 
   kw = {"num_fragments": 2, "sync_period": 4} if algorithm == "streaming_diloco" else {
     "sync_period": 2}
@@ -432,23 +448,21 @@ def test_a_member_left_out_of_an_aborted_quorum_sends_nothing_and_takes_the_roun
     ahead, protocol.merge([sent.payload], [1]), sent)
 
   header = [0, 8 * sent.steps, 1, 7, int(ahead.opt_state.local_step)]
-  peer = (torch.tensor(header, dtype=torch.int64), te._pack(sent.payload),
+  peer = (torch.tensor(header, dtype=torch.int64), ts._pack((sent.payload, None)),
           torch.ones(1, dtype=torch.int64))
-  replica = _fake_replica(tmp_path, protocol, params, grads, peer, exchange_retries=1)
-  line = replica.round()
-  assert line["committed"] != streaming and line["weight"] == 0 and line["members"] == (0, 1)
+  port, run = _fake_replica(tmp_path, protocol, params, peer, exchange_retries=1)
+  line = run(grads)
+  assert line["committed"] != streaming and line["weight"] == 0 and line["members"] == [0, 1]
   assert line["step"] == header[-1] and line["attempts"] == 1  # a void round is not retried
   assert line["state_hash"] == ft.state_hash(ft.global_state(end))
-  assert len(replica._pg.peer) == 2 * streaming  # the payloads' and the ack's left out
+  assert len(port._pg.peer) == 2 * streaming  # the payloads' and the ack's left out
   # The step taken is placed as the state's other leaves (uncommitted): the next round runs the
   # programs replica 0's rounds compiled, none compiled again.
-  assert not replica.state.opt_state.local_step.committed
-  compiled = protocol.inner_step._cache_size(), protocol.local_half._cache_size()
-  protocol.run_round(replica.state, grads)
-  assert (protocol.inner_step._cache_size(), protocol.local_half._cache_size()) == compiled
-  placed = te._at_step(jax.device_put(replica.state, jax.devices()[1]), 3)  # committed: kept
-  assert placed.opt_state.local_step.committed and int(placed.opt_state.local_step) == 3
-  assert placed.opt_state.local_step.devices() == {jax.devices()[1]}
+  state = port.replica.replica_state
+  assert not state.opt_state.local_step.committed
+  compiled = protocol.inner_step._cache_size(), protocol.send_half._cache_size()
+  protocol.run_round(state, grads)
+  assert (protocol.inner_step._cache_size(), protocol.send_half._cache_size()) == compiled
 
 
 def test_a_streaming_replica_healed_in_its_round_sends_the_round_s_fragment_s_size(tmp_path):
@@ -461,8 +475,7 @@ def test_a_streaming_replica_healed_in_its_round_sends_the_round_s_fragment_s_si
   import torch
 
   from optax_dist import fault_tolerance as ft
-  from optax_dist.fault_tolerance import heal
-  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as ts
 
   protocol = ft.RoundProtocol("streaming_diloco", optax.sgd(0.1), optax.sgd(0.7, momentum=0.9),
                               num_fragments=2, sync_period=4)
@@ -476,14 +489,12 @@ def test_a_streaming_replica_healed_in_its_round_sends_the_round_s_fragment_s_si
                                                    sent), grads)
   end = protocol.commit(donor, protocol.merge([sent.payload], [1]), sent)
   header = [0, 8 * sent.steps, 1, 7, int(donor.opt_state.local_step)]
-  peer = (torch.tensor(header, dtype=torch.int64), te._pack(sent.payload),
+  peer = (torch.tensor(header, dtype=torch.int64), ts._pack((sent.payload, None)),
           torch.ones(1, dtype=torch.int64))
-  replica = _fake_replica(tmp_path, protocol, params, grads, peer)
-  replica.params0 = params
-  replica._quorum = lambda: replica._load(heal.encode_heal(ft.heal_state(donor)))
-  line = replica.round()
+  _, run = _fake_replica(tmp_path, protocol, params, peer, healed_from=ft.heal_state(donor))
+  line = run(grads)
   assert line["committed"] and line["healed"] and line["weight"] == 0
-  assert line["step"] == header[-1] and line["members"] == (0, 1)
+  assert line["step"] == header[-1] and line["members"] == [0, 1]
   assert line["state_hash"] == ft.state_hash(ft.global_state(end))
 
 
@@ -505,7 +516,7 @@ def test_an_exchange_failed_before_the_acknowledgement_is_tried_again_in_a_new_q
   import torch
 
   from optax_dist import fault_tolerance as ft
-  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as ts
 
   protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(0.7, momentum=0.9),
                               sync_period=2)
@@ -516,15 +527,15 @@ def test_an_exchange_failed_before_the_acknowledgement_is_tried_again_in_a_new_q
 
   state, sent = protocol.run_round(protocol.init(params), grads)
   weight = 8 * sent.steps
-  ok = [torch.tensor([0, weight, 1, 7, sent.steps], dtype=torch.int64), te._pack(sent.payload),
-        torch.ones(1, dtype=torch.int64)]
+  ok = [torch.tensor([0, weight, 1, 7, sent.steps], dtype=torch.int64),
+        ts._pack((sent.payload, None)), torch.ones(1, dtype=torch.int64)]
   first = [*ok[:failed], RuntimeError("Connection reset by peer")]
-  replica = _fake_replica(tmp_path, protocol, params, grads, first + ok, retries)
-  line = replica.round()
+  port, run = _fake_replica(tmp_path, protocol, params, first + ok, retries)
+  line = run(grads)
   end = protocol.commit(state, protocol.merge([sent.payload] * 2, [weight] * 2), sent)
   assert line["committed"] == committed
-  assert line["attempts"] == len(replica.quorums) == 1 + committed
-  assert line["members"] == ((0, 1) if committed or failed == 2 else ())
+  assert line["attempts"] == len(port.quorums) == 1 + committed
+  assert line["members"] == ([0, 1] if committed or failed == 2 else [])
   assert line["state_hash"] == ft.state_hash(ft.global_state(
     end if committed else protocol.abort(state)))
   assert line["weight"] == weight
@@ -574,9 +585,9 @@ def test_a_request_lost_or_answered_by_a_restarted_lighthouse_gets_a_new_manager
   through a manager of before has the next round's request sent by a new one. So no process
   group's rendezvous reads the addresses an earlier Lighthouse's quorum of the same id left in
   a store."""
-  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as te
 
-  replica, made = object.__new__(te.TorchftReplica), []
+  replica, made = object.__new__(te.Session), []
   replica._make_manager = lambda: ScriptedManager(script, made)
   replica._lighthouse_restarted = lambda: restarted
   replica._manager_args, replica.quorum_timeout, replica._renew = (), 60.0, False
@@ -623,7 +634,7 @@ def test_a_restarted_lighthouse_is_told_by_its_status_page(page, last, restarted
   else:
     threading.Thread(target=server.serve_forever, daemon=True).start()
   try:
-    replica = object.__new__(te.TorchftReplica)
+    replica = object.__new__(te.Session)
     replica._manager_args, replica._torchft_quorum_id = (f"http://127.0.0.1:{port}",), last
     assert replica._lighthouse_restarted() == restarted
   finally:
@@ -637,7 +648,6 @@ def test_a_restarted_lighthouse_is_told_by_its_status_page(page, last, restarted
 
 
 def test_bad_input(tmp_path):
-  import jax.numpy as jnp
   import optax
 
   from optax_dist import fault_tolerance as ft
@@ -645,20 +655,19 @@ def test_bad_input(tmp_path):
   from optax_dist.fault_tolerance import torchft_engine as te
 
   protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=2)
-  args = (protocol, jnp.zeros(2), lambda p, b: p, lambda seed, slot, step: 0)
   kwargs = dict(lighthouse="http://127.0.0.1:1", replica_id=0, out=tmp_path)
-  with pytest.raises(ValueError, match=r"TorchftReplica\(lighthouse=...\)` must be an http://"
-                     r" URL, got '127.0.0.1:1'"):
-    te.TorchftReplica(*args, **dict(kwargs, lighthouse="127.0.0.1:1"))
-  with pytest.raises(ValueError, match=r"TorchftReplica\(replica_id=...\)` must be an int >= 0,"
+  with pytest.raises(ValueError, match=r"Torchft\(lighthouse=...\)` \(or \$TORCHFT_LIGHTHOUSE\)"
+                     r" must be an http:// URL, got '127.0.0.1:1'"):
+    te.Torchft(protocol, **dict(kwargs, lighthouse="127.0.0.1:1"))
+  with pytest.raises(ValueError, match=r"Torchft\(replica_id=...\)` must be an int >= 0,"
                      r" got -1"):
-    te.TorchftReplica(*args, **dict(kwargs, replica_id=-1))
-  with pytest.raises(ValueError, match=r"TorchftReplica\(timeout=...\)` must be a positive"
+    te.Torchft(protocol, **dict(kwargs, replica_id=-1))
+  with pytest.raises(ValueError, match=r"Torchft\(timeout=...\)` must be a positive"
                      r" number of seconds, got 0"):
-    te.TorchftReplica(*args, **kwargs, timeout=0)
-  with pytest.raises(ValueError, match=r"TorchftReplica\(host=...\)` must be an address or a"
+    te.Torchft(protocol, **kwargs, timeout=0)
+  with pytest.raises(ValueError, match=r"Torchft\(host=...\)` must be an address or a"
                      r" name that resolves, got 'no-such-host.invalid'"):
-    te.TorchftReplica(*args, **dict(kwargs, host="no-such-host.invalid"))
+    te.Torchft(protocol, **dict(kwargs, host="no-such-host.invalid"))
   with socket.socket() as taken:  # the Lighthouse's port in use: its own words, in one line
     taken.bind(("127.0.0.1", 0))
     port = taken.getsockname()[1]

@@ -2,27 +2,34 @@ r"""Training through failures: DiLoCo-family rounds with the exchange outside th
 
 A fault-tolerant run is R replicas, each its own JAX program, that meet once per round (every
 H inner steps) to merge their payloads. Each round has a quorum, a vote and then a commit on
-every member or an abort on every member; a replica that is behind heals from a live one. The
+every member or an abort on every member; a replica that is behind heals from a live one. Your
+own training loop drives the round (:class:`Replica`: ``start``, then ``after_step`` after
+each step); an engine, chosen by one argument (:func:`engine`), runs the loops. The
 subpackage's modules:
 
-* :mod:`~optax_dist.fault_tolerance.protocol`: the round rules of one replica
-  (:class:`RoundProtocol`: the jitted inner step, local half and outer half, a replica's
-  round and what it :class:`Sent`, the merge, the vote, commit and abort), the state split
-  (:class:`ReplicaState`, :class:`GlobalState`, :func:`global_state`, :func:`counters`, what
-  a donor sends: :class:`HealState` and :func:`heal_state`, :func:`local_state`) and
-  :func:`state_hash`;
-* :mod:`~optax_dist.fault_tolerance.heal`: the heal payload (:func:`encode_heal`,
-  :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle; :func:`heal_replica`
-  rebuilds a joiner from one;
-* :mod:`~optax_dist.fault_tolerance.checkpoints`: a run's checkpoints, heal payloads written
-  by the quorum's rank 0, from which a replica that starts restores as a joiner heals;
-* :mod:`~optax_dist.fault_tolerance.engine`: :class:`InProcessEngine`, R replicas in one
-  process with a scripted :class:`Fault` schedule, its :class:`RoundLog` lines, and
-  :func:`replay` of a log;
+* :mod:`~optax_dist.fault_tolerance.loop`: the round a loop drives (:class:`Replica`, its
+  :class:`RoundResult`), :func:`step_key` for the loop's random keys;
+* :mod:`~optax_dist.fault_tolerance.in_process`: :class:`InProcess`, R user loops in one
+  process (threads) with scripted :class:`Fault`\ s, for tests and notebooks (no torch);
 * :mod:`~optax_dist.fault_tolerance.torchft_engine` (the ``ft`` extra: torch and torchft; not
-  imported here): ``TorchftReplica``, one replica per process over torchft's Lighthouse,
-  ``Manager`` and ``ProcessGroupGloo``, and ``HealTransport``;
-  :mod:`~optax_dist.fault_tolerance.replica` runs one as a process, and
+  imported here): ``Torchft``, one replica per process over torchft's Lighthouse;
+  :mod:`~optax_dist.fault_tolerance.torchft_session` holds what touches torchft's internals;
+* :mod:`~optax_dist.fault_tolerance.decision`: the round's decision, one pure function of the
+  members' headers and payloads that every engine calls;
+* :mod:`~optax_dist.fault_tolerance.protocol`: the round rules of one replica
+  (:class:`RoundProtocol`: the transformation, the send and land halves, the merge, the vote,
+  commit and abort), the state split (:class:`ReplicaState`, :class:`GlobalState`,
+  :func:`global_state`, :func:`counters`, what a donor sends: :class:`HealState` and
+  :func:`heal_state`, :func:`local_state`) and :func:`state_hash`;
+  :mod:`~optax_dist.fault_tolerance.halves` is its table, one row per algorithm;
+* :mod:`~optax_dist.fault_tolerance.heal`: the heal payload (:func:`encode_heal`,
+  :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle;
+* :mod:`~optax_dist.fault_tolerance.checkpoints`: a run's checkpoints, donations written by the
+  quorum's rank 0, from which a replica that starts restores as a joiner heals;
+* :mod:`~optax_dist.fault_tolerance.engine`: :class:`InProcessEngine`, the library's own loop
+  of R replicas with a scripted :class:`Fault` schedule, its :class:`RoundLog` lines, and
+  :func:`replay` of a log (the reference the invariants are tested on);
+* :mod:`~optax_dist.fault_tolerance.replica` runs the command's replica as a process, and
   :mod:`~optax_dist.fault_tolerance.launcher` runs a Lighthouse and R of them on one host,
   restarting the dead.
 

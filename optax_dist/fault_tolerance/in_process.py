@@ -255,7 +255,7 @@ def engine(kind: str, protocol: RoundProtocol, *, num_replicas: int,
   Args:
     kind: ``"in_process"`` (:class:`InProcess`: ``num_replicas`` loops in this process, the
       scripted ``faults`` injected) or ``"torchft"`` (:class:`~optax_dist.fault_tolerance.
-      torchft_loop.Torchft`: this process is one replica; its id, the Lighthouse and the run's
+      torchft_engine.Torchft`: this process is one replica; its id, the Lighthouse and the run's
       directory from the environment; faults are real, not scripted, so ``faults`` is not
       read; ``min_replicas`` defaults to ``num_replicas // 2 + 1``).
     protocol: the run's :class:`RoundProtocol`.
@@ -273,7 +273,7 @@ def engine(kind: str, protocol: RoundProtocol, *, num_replicas: int,
   _checks.check_choice("engine", "kind", kind, ENGINES)
   if kind == "in_process":
     return InProcess(protocol, num_replicas=num_replicas, faults=faults, **options)
-  from optax_dist.fault_tolerance.torchft_loop import Torchft
+  from optax_dist.fault_tolerance.torchft_engine import Torchft
 
   options.setdefault("min_replicas", num_replicas // 2 + 1)
   return Torchft(protocol, **options)

@@ -9,7 +9,7 @@ group and with ``--parent-death``. The Lighthouse and the replicas die with the 
 
 A Lighthouse that exits (killed) is started again at once on the same address, at most
 ``max_restarts`` times; meanwhile the replicas' quorum requests time out and are retried
-(:class:`~optax_dist.fault_tolerance.torchft_engine.TorchftReplica`, up to their
+(:class:`~optax_dist.fault_tolerance.torchft_engine.Torchft`, up to their
 ``quorum_timeout``), so the run stalls for the Lighthouse's downtime plus at most one request's
 timeout and goes on.
 

@@ -1,6 +1,7 @@
 """One replica of a fault-tolerant run over torchft, as a process.
 
-:func:`serve` runs one ``TorchftReplica`` of any task until the run has committed its steps;
+:func:`serve` runs one replica of any task (a loop over the torchft engine) until the run has
+committed its steps;
 :func:`start_process` does first what a launcher asks of a replica's process: with
 ``parent_death`` it gets ``SIGKILL`` when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``);
 as a ``standby`` (the launcher's warm standby) it runs at the lowest CPU priority
@@ -46,7 +47,7 @@ def _schedule(policy: int) -> None:
 
 
 def wait_for_takeover() -> None:
-  """A warm standby's wait (``TorchftReplica(standby=...)``): blocks until a line arrives on
+  """A warm standby's wait (``Torchft(standby=...)``): blocks until a line arrives on
   stdin, the launcher's word that this process takes over its replica id; then puts every
   thread of the process back at the usual priority (``SCHED_OTHER``, allowed without
   privileges).
@@ -79,34 +80,53 @@ def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, 
           host: str, min_replicas: int, quorum_timeout: float, timeout: float,
           on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
           standby: bool = False, exchange_retries: int = 0) -> Any:
-  """Runs one ``TorchftReplica`` of ``protocol`` on ``(params, grad_fn, batch_fn)`` until the
-  run has committed ``steps`` inner steps; returns its final ``ReplicaState``.
+  """Trains one replica of ``protocol`` on ``(params, grad_fn, batch_fn)`` over torchft until
+  the run has committed ``steps`` inner steps' worth of rounds; returns its final
+  :class:`~optax_dist.fault_tolerance.ReplicaState`.
 
-  The arguments are ``TorchftReplica``'s and ``TorchftReplica.run``'s; ``standby``: the
-  replica is a warm standby that waits in :func:`wait_for_takeover` once compiled.
+  The loop is a user's loop (:class:`~optax_dist.fault_tolerance.Replica`): the protocol's
+  jitted inner step on ``grad_fn(params, batch_fn(seed, slot, step))``, then
+  :meth:`~optax_dist.fault_tolerance.Replica.after_step`, over the
+  :class:`~optax_dist.fault_tolerance.torchft_engine.Torchft` engine, whose arguments the others
+  are; ``standby``: the replica is a warm standby that waits in :func:`wait_for_takeover` once
+  compiled.
 
   Raises:
     ReplicaError: the ``ft`` extra missing, a bad value, a replica whose settings are not the
       run's, or a quorum that never formed.
   """
-  engine = load_engine()
+  import jax
+
+  engine_module = load_engine()
+  target = protocol.rounds_until(steps)
   try:
-    replica = engine.TorchftReplica(
-      protocol, params, grad_fn, batch_fn, lighthouse=lighthouse, replica_id=replica_id,
-      out=out, host=host, seed=seed, tokens_per_step=tokens_per_step,
-      min_replicas=min_replicas, quorum_timeout=quorum_timeout, timeout=timeout,
-      on_ready=on_ready, checkpoint_every=checkpoint_every,
-      standby=wait_for_takeover if standby else None, exchange_retries=exchange_retries)
+    engine = engine_module.Torchft(
+      protocol, lighthouse=lighthouse, replica_id=replica_id, out=out, host=host, seed=seed,
+      tokens_per_step=tokens_per_step, min_replicas=min_replicas,
+      quorum_timeout=quorum_timeout, timeout=timeout, exchange_retries=exchange_retries,
+      checkpoint_every=checkpoint_every, last_round=target, on_ready=on_ready,
+      standby=wait_for_takeover if standby else None)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
+  grads = jax.jit(grad_fn)
+
+  def train(replica):
+    state = params, protocol.tx.init(params)
+    scratch = protocol.inner_step(*state, grads(params, batch_fn(seed, replica_id, 0)))
+    del scratch  # compiled before the replica joins: its first round costs what the others do
+    state = replica.start(state)
+    while replica.rounds < target:
+      batch = batch_fn(seed, replica_id, replica.step)
+      state = replica.after_step(protocol.inner_step(*state, grads(state[0], batch)))
+    return replica.replica_state
+
   try:
-    replica.run(steps)
-  except engine.SettingsMismatch as e:
+    return engine.run(train)[replica_id]
+  except engine_module.SettingsMismatch as e:
+    raise ReplicaError(str(e)) from None
+  except ValueError as e:  # a checkpoint of other settings, or damaged
     raise ReplicaError(str(e)) from None
   except TimeoutError as e:
     raise ReplicaError(
       f"replica {replica_id}: timed out ({e}); a quorum of at least {min_replicas} must form"
       f" within --quorum-timeout {quorum_timeout} s") from None
-  finally:
-    replica.shutdown()
-  return replica.state

@@ -5,9 +5,8 @@ internals.
 :class:`HealTransport`; it asks for quorums (again after a timeout, through a new ``Manager``
 when the Lighthouse lost the request or was restarted), all-gathers buffers over the quorum's
 process group and casts the vote. The round itself (what is gathered, the decision, commit or
-abort) is the engines': :class:`~optax_dist.fault_tolerance.torchft_engine.TorchftReplica`
-(the command's replicas) and :class:`~optax_dist.fault_tolerance.torchft_engine.Torchft` (a
-user's loop). torchft 0.2.0's private ``Manager._quorum_future`` and ``Manager._quorum_id`` and
+abort) is the engine's, :class:`~optax_dist.fault_tolerance.torchft_engine.Torchft`. torchft
+0.2.0's private ``Manager._quorum_future`` and ``Manager._quorum_id`` and
 the text of its Lighthouse's ``/status`` page are read here only.
 
 Needs the ``ft`` extra (``torch`` and ``torchft``).
