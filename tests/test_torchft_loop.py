@@ -40,7 +40,7 @@ def _lines(out: pathlib.Path, i: int) -> list[dict]:
 def killed_run(tmp_path_factory):
   """The 3 replicas of a run whose replica 1 is killed after its first round and started
   again: each process's exit status and every replica's log lines."""
-  out = tmp_path_factory.mktemp("torchft_loop")
+  out = tmp_path_factory.mktemp("torchft_engine")
   # min_replicas 3: the others wait in their quorum for the restarted replica, which heals
   lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=200,
                                 heartbeat_timeout_ms=2000)
