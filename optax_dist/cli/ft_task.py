@@ -25,7 +25,7 @@ from optax_dist.cli.errors import CommandError
 from optax_dist.cli.tasks import TASKS, Data, Task
 from optax_dist.fault_tolerance import RoundProtocol
 from optax_dist.fault_tolerance import checkpoints as ft_checkpoints
-from optax_dist.fault_tolerance import replica as ft_replica
+from optax_dist.fault_tolerance.decision import settings_fingerprint
 from optax_dist.fault_tolerance.rundir import RunDir
 
 
@@ -143,8 +143,7 @@ def checkpoint_metrics(args: argparse.Namespace) -> list[dict[str, Any]]:
   s = settings(args, task, lambda: data)
   params, _, _, tokens, evaluate = task_engine(task, data, s, args.replicas)
   rounds = protocol(s)
-  fingerprint = ft_replica.load_engine().settings_fingerprint(
-    rounds, params, seed=s.seed, tokens_per_step=tokens)
+  fingerprint = settings_fingerprint(rounds, params, seed=s.seed, tokens_per_step=tokens)
   run, start = RunDir(args.out), rounds.init(params)
   metrics = []
   for meta in run.checkpoints():
