@@ -9,6 +9,7 @@ for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from fractions import Fraction
 
 import jax
@@ -138,3 +139,79 @@ def test_streaming_rows_schedule_and_healed_payload():
 def _state(protocol):
   params = {"w": jnp.zeros(3)}
   return params, protocol.tx.init(params)
+
+
+# ------------------------------------------------------------------------------------------------
+# anchor_dtype: a float32 anchor beside bfloat16 params, as the in-program DiLoCo family keeps it.
+
+LOW = {"a": (4, 3), "b": (5,)}
+
+
+def _low_params():
+  keys = jax.random.split(jax.random.key(0), len(LOW))
+  return {k: jax.random.normal(key, s, jnp.bfloat16)
+          for key, (k, s) in zip(keys, LOW.items(), strict=True)}
+
+
+@jax.jit
+def _low_batch(seed, slot, step):
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), slot), step)
+  keys = jax.random.split(key, len(LOW))
+  return {k: jax.random.normal(kk, s, jnp.bfloat16)
+          for kk, (k, s) in zip(keys, LOW.items(), strict=True)}
+
+
+@pytest.mark.parametrize("algorithm, kw", [
+  ("diloco", {"sync_period": H}),
+  ("streaming_diloco", {"sync_period": 2 * H, "num_fragments": 2}),
+])
+def test_a_float32_anchor_of_bfloat16_params_equals_in_program(algorithm, kw):
+  """E4 with ``anchor_dtype=jnp.float32`` and bfloat16 params, 2 replicas: bit for bit the
+  in-program transformation under ``vmap(axis_name)`` after every round (a round every H
+  steps: diloco's, and one of streaming's 2 fragments with its H = 2H)."""
+  inner, outer = optax.sgd(0.5, momentum=0.5), optax.sgd(1.0, momentum=0.5, nesterov=True)
+  protocol = ft.RoundProtocol(algorithm, inner, outer, anchor_dtype=jnp.float32, **kw)
+  engine = ft.InProcessEngine(protocol, _low_params(), _grad, _low_batch, num_replicas=2)
+  tx = getattr(optax_dist, algorithm)(inner, outer, axis_name="w", anchor_dtype=jnp.float32,
+                                      **kw)
+
+  @jax.jit
+  @functools.partial(jax.vmap, axis_name="w")
+  def step(params, state, batch):
+    updates, state = tx.update(_grad(params, batch), state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = jax.tree.map(lambda p: jnp.broadcast_to(p, (2, *p.shape)), _low_params())
+  state = jax.vmap(tx.init, axis_name="w")(params)
+  for t in range(4 * H):
+    batches = [_low_batch(0, i, t) for i in range(2)]
+    params, state = step(params, state, jax.tree.map(lambda *b: jnp.stack(b), *batches))
+    if (t + 1) % H:
+      continue
+    assert all(line.committed for line in engine.run(1))
+    for i in range(2):
+      got = engine.replicas[i]
+      assert jax.tree.leaves(got.opt_state.anchor)[0].dtype == jnp.float32
+      assert jax.tree.leaves(got.params)[0].dtype == jnp.bfloat16
+      want = jax.tree.map(lambda x, i=i: x[i], (params, state))
+      for g, w in zip(jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves(want),
+                      strict=True):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_anchor_dtype_is_refused_for_local_sgd_and_fingerprinted():
+  from optax_dist.fault_tolerance.decision import settings_fingerprint
+
+  with pytest.raises(ValueError, match=r"`RoundProtocol\(anchor_dtype=...\)` must be None for"
+                     r" local_sgd \(it keeps no anchor\), got"):
+    ft.RoundProtocol("local_sgd", optax.sgd(0.5), sync_period=H, anchor_dtype=jnp.float32)
+
+  def fingerprint(anchor_dtype):
+    protocol = ft.RoundProtocol("diloco", optax.sgd(0.5), sync_period=H,
+                                anchor_dtype=anchor_dtype)
+    return settings_fingerprint(protocol, _low_params(), seed=0, tokens_per_step=1)
+
+  assert fingerprint(jnp.float32) == fingerprint("float32") != fingerprint(None)
+  # None adds no field: a run without anchor_dtype keeps its fingerprint (its checkpoints restore)
+  assert fingerprint(None) == 3427140245638494269  # the value before the field existed

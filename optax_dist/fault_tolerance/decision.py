@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 HEADER = ("slot", "weight", "ok", "fingerprint", "step")
@@ -63,12 +64,17 @@ class Decision(NamedTuple):
 
 def settings_fingerprint(protocol: Any, params: Any, *, seed: int, tokens_per_step: int) -> int:
   """A signed 64-bit int (the first 8 bytes of a sha256) of what every replica of a run must
-  share: the protocol's algorithm, H, wire format, error feedback, fragments and mixing; the
-  params' tree, dtypes and shapes; the data seed; the tokens per step. Not covered: the
-  optimizers' hyperparameters (optax transformations are closures)."""
+  share: the protocol's algorithm, H, wire format, error feedback, fragments and mixing, and its
+  anchor dtype when one is given; the params' tree, dtypes and shapes; the data seed; the tokens
+  per step. Not covered: the optimizers' hyperparameters (optax transformations are closures).
+
+  ``anchor_dtype=None`` adds nothing, so a run without it has the fingerprint it had before the
+  field existed (its checkpoints restore)."""
   fields = [protocol.algorithm, protocol.sync_period, str(protocol.comm_dtype),
             protocol.comm_block_size, protocol.error_feedback, protocol.num_fragments,
             protocol.mixing, seed, tokens_per_step]
+  if getattr(protocol, "anchor_dtype", None) is not None:
+    fields.append(["anchor_dtype", jnp.dtype(protocol.anchor_dtype).name])
   fields += [[jax.tree_util.keystr(path), str(np.asarray(x).dtype), list(np.shape(x))]
              for path, x in jax.tree_util.tree_leaves_with_path(params)]
   digest = hashlib.sha256(json.dumps(fields, default=str).encode()).digest()

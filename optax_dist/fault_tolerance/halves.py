@@ -157,7 +157,7 @@ class Halves:
 def _diloco_build(p: RoundProtocol) -> optax.GradientTransformationExtraArgs:
   return _diloco.diloco(
     p.inner, p.outer, sync_period=p.sync_period, error_feedback=p.error_feedback,
-    comm_dtype=p.comm_dtype, comm_block_size=p.comm_block_size)
+    comm_dtype=p.comm_dtype, comm_block_size=p.comm_block_size, anchor_dtype=p.anchor_dtype)
 
 
 def _diloco_payload(p: RoundProtocol, opt_state: Any, new_params: Any, fragment: None):
@@ -179,6 +179,10 @@ def _diloco_commit(p: RoundProtocol, origin, new_params, opt_state, average, mer
 
 
 def _local_sgd_build(p: RoundProtocol) -> optax.GradientTransformationExtraArgs:
+  if p.anchor_dtype is not None:
+    raise ValueError(
+      "`RoundProtocol(anchor_dtype=...)` must be None for local_sgd (it keeps no anchor), got"
+      f" {p.anchor_dtype!r}.")
   return _local_sgd.local_sgd(p.inner, sync_period=p.sync_period, comm_dtype=p.comm_dtype,
                               comm_block_size=p.comm_block_size)
 
@@ -214,7 +218,7 @@ def _streaming_build(p: RoundProtocol) -> optax.GradientTransformationExtraArgs:
   return _streaming_diloco.streaming_diloco(
     p.inner, p.outer, sync_period=p.sync_period, num_fragments=p.num_fragments,
     mixing=p.mixing, error_feedback=p.error_feedback, comm_dtype=p.comm_dtype,
-    comm_block_size=p.comm_block_size)
+    comm_block_size=p.comm_block_size, anchor_dtype=p.anchor_dtype)
 
 
 def _streaming_payload(p: RoundProtocol, opt_state: Any, new_params: Any, fragment: int):

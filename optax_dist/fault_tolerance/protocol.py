@@ -142,12 +142,18 @@ class RoundProtocol:
       them.
     mixing: ``streaming_diloco``'s :math:`\alpha` in [0, 1]; must be 0 for a row that takes
       none.
+    anchor_dtype: the floating dtype of the anchor, of the pseudo-gradients and of the outer
+      state, as the transformation takes it (``diloco``, ``streaming_diloco``); ``None`` (the
+      default): each param's own dtype. ``jnp.float32`` with low-precision (``bfloat16``)
+      params keeps the outer steps' small changes, as the in-program transformation does with
+      it; the params restart from the anchor cast to their own dtypes. Must be ``None`` for
+      ``local_sgd`` (no anchor). Part of the settings fingerprint when not ``None``.
 
   Raises:
     ValueError: ``algorithm`` not a row of ``HALVES``; ``outer``, ``num_fragments`` or
       ``mixing`` given for a row that takes none (``outer`` for ``local_sgd``; the others for
-      all but ``streaming_diloco``); F > H; and whatever the transformation raises for its
-      arguments.
+      all but ``streaming_diloco``); F > H; ``anchor_dtype`` for ``local_sgd`` (its row's
+      build raises); and whatever the transformation raises for its arguments.
 
   References:
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1);
@@ -164,6 +170,7 @@ class RoundProtocol:
   error_feedback: bool = False
   num_fragments: int | None = None
   mixing: float = 0.0
+  anchor_dtype: Any = None
 
   def __post_init__(self):
     fn = "RoundProtocol"
