@@ -34,26 +34,20 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 
 @dataclasses.dataclass
 class Variant:
-  """One transformation around adam, and its steps to time.
-
-  ``make(adam, axis_name)`` builds it; ``phases``: ``(name, value of ``counter`` before the call
-  or None, communicates, passes)``, ``passes`` the params-sized reads and writes the optimizer
-  step must make (``None``: no bound given); ``grad_step``: ``update`` takes the state's
-  ``global_step``; ``why``: why its step costs more than adam's; ``hinted_why``: the same for the
-  step compiled with the static ``communicate`` hint (``None``: not timed with the hint);
-  ``needed``: the state bytes the algorithm needs, in params' bytes (``need_note`` says which).
-  """
+  """One transformation around adam, and its steps to time. ``phases``: ``(name, value of
+  ``counter`` before the call or None, communicates, passes)``, ``passes`` the params-sized reads
+  and writes the optimizer step must make (``None``: no bound given)."""
 
   name: str
   label: str
-  make: Callable[[Any, str | None], Any]
+  make: Callable[[Any, str | None], Any]  # make(adam, axis_name)
   phases: tuple[tuple[str, int | None, bool, int | None], ...] = (
     ("every step", None, False, None),)
   counter: str = "local_step"
-  grad_step: bool = False
-  why: str = ""
-  hinted_why: str | None = None
-  needed: float = 0.0
+  grad_step: bool = False  # update takes the state's global_step
+  why: str = ""  # why its step costs more than adam's
+  hinted_why: str | None = None  # the same with the static communicate hint (None: not timed so)
+  needed: float = 0.0  # the state bytes the algorithm needs, in params' bytes (need_note: which)
   need_note: str = ""
 
   def timed(self) -> Iterator[tuple[str, int | None, bool, int | None, bool | None]]:
@@ -178,16 +172,14 @@ def interleaved(baseline: Runner, runners: Sequence[Runner], rounds: int,
       times[i].append(t)
       ratios[i].append(tuple(t[j] / (0.5 * (previous[j] + after[j])) for j in (0, 1)))
       previous = after
-  return {
-    "base_ms": 1e3 * kit.median([t[0] for t in base]),
-    "base_cpu_ms": 1e3 * kit.median([t[1] for t in base]),
-    "rows": [{"ms": 1e3 * kit.median([t[0] for t in ts]),
-              "cpu_ms": 1e3 * kit.median([t[1] for t in ts]),
-              "ratio": kit.median([r[0] for r in rs]),
-              "q1": float(np.percentile([r[0] for r in rs], 25)),
-              "q3": float(np.percentile([r[0] for r in rs], 75)),
-              "cpu_ratio": kit.median([r[1] for r in rs])} for ts, rs in zip(times, ratios)],
-  }
+  def ms(ts, j):
+    return 1e3 * kit.median([t[j] for t in ts])
+
+  return {"base_ms": ms(base, 0), "base_cpu_ms": ms(base, 1), "rows": [
+    {"ms": ms(ts, 0), "cpu_ms": ms(ts, 1), "ratio": kit.median([r[0] for r in rs]),
+     "q1": float(np.percentile([r[0] for r in rs], 25)),
+     "q3": float(np.percentile([r[0] for r in rs], 75)),
+     "cpu_ratio": kit.median([r[1] for r in rs])} for ts, rs in zip(times, ratios)]}
 
 
 _COPY = re.compile(r"=\s*([a-z][a-z0-9]*)\[([\d,]*)\]\S*\s+copy\(")

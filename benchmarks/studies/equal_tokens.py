@@ -77,25 +77,16 @@ QUICK_STEPS = 30
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-  """The runs of a study.
+  """The runs of a study: ``momentum_runs``, ``(M, outer lr, outer momentum)`` of the runs (seed
+  :data:`SWEEP_SEED`, H = ``period``) with another outer momentum than :data:`OUTER_MOMENTUM`,
+  are trained first."""
 
-  Attributes:
-    replicas: the M compared with data parallel, at H = ``period``.
-    swept: the M at which the outer learning rate is swept over ``outer_lrs``.
-    outer_lrs: the outer learning rates of the sweep.
-    fixed_lr: the outer learning rate of each M not swept.
-    period: H of the comparison.
-    periods: the H swept at M = ``period_replicas`` (one of ``swept``).
-    momentum_runs: ``(M, outer lr, outer momentum)`` of the runs (seed :data:`SWEEP_SEED`, H =
-      ``period``) with another outer momentum than :data:`OUTER_MOMENTUM`; trained first.
-  """
-
-  replicas: tuple[int, ...]
-  swept: tuple[int, ...]
+  replicas: tuple[int, ...]  # the M compared with data parallel, at H = period
+  swept: tuple[int, ...]  # the M whose outer learning rate is swept over outer_lrs
   outer_lrs: tuple[float, ...]
-  fixed_lr: Mapping[int, float]
-  period: int
-  periods: tuple[int, ...]
+  fixed_lr: Mapping[int, float]  # the outer learning rate of each M not swept
+  period: int  # H of the comparison
+  periods: tuple[int, ...]  # the H swept at M = period_replicas (one of swept)
   period_replicas: int = 2
   momentum_runs: tuple[tuple[int, float, float], ...] = ()
 
@@ -122,10 +113,9 @@ class Spec:
 
   @property
   def label(self) -> str:
-    if self.replicas is None:
-      return "data parallel"
-    return (f"diloco M={self.replicas} H={self.sync_period} lr={self.outer_lr:g}"
-            + self._momentum(" momentum="))
+    return "data parallel" if self.replicas is None else (
+      f"diloco M={self.replicas} H={self.sync_period} lr={self.outer_lr:g}"
+      + self._momentum(" momentum="))
 
   def _momentum(self, prefix: str) -> str:
     """The outer momentum after ``prefix``, or nothing for :data:`OUTER_MOMENTUM`."""
@@ -133,10 +123,9 @@ class Spec:
 
   def key(self, steps: int) -> str:
     """The name of the run's cached result."""
-    if self.replicas is None:
-      return f"dp_s{self.seed}_t{steps}"
-    return (f"diloco_m{self.replicas}_h{self.sync_period}_lr{self.outer_lr:g}"
-            f"{self._momentum('_mom')}_s{self.seed}_t{steps}")
+    return f"dp_s{self.seed}_t{steps}" if self.replicas is None else (
+      f"diloco_m{self.replicas}_h{self.sync_period}_lr{self.outer_lr:g}"
+      f"{self._momentum('_mom')}_s{self.seed}_t{steps}")
 
   def settings(self, steps: int) -> Any:
     """The trainer's :class:`~optax_dist.cli.config.Settings` of this run."""
