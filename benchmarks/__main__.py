@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import pathlib
 import sys
 import tempfile
 import types
@@ -102,8 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   kit.write_json(f"{prefix}.json", result)
   study.plot(result, f"{prefix}.png")
   text = study.markdown(result, os.path.basename(f"{prefix}.png"))
-  with open(f"{prefix}.md", "w") as f:
-    f.write(text.rstrip("\n") + "\n")
+  pathlib.Path(f"{prefix}.md").write_text(text.rstrip("\n") + "\n")
   print(text)
   print(f"[benchmarks] wrote {prefix}.json, .md and .png", file=sys.stderr)
   if os.path.commonpath([os.path.abspath(prefix), kit.RESULTS]) == kit.RESULTS:
@@ -154,8 +154,7 @@ def write_results(path: str) -> None:
   lines = ["# Benchmarks", "", INTRO, "", machine_table(), "", LOAD, ""]
   for name, title, how in SECTIONS:
     lines += section(name, title, how)
-  with open(path, "w") as f:
-    f.write("\n".join(lines))
+  pathlib.Path(path).write_text("\n".join(lines))
 
 
 def section(name: str, title: str | None, how: str) -> list[str]:
@@ -164,8 +163,7 @@ def section(name: str, title: str | None, how: str) -> list[str]:
   path = os.path.join(kit.RESULTS, f"{name}.md")
   if not os.path.exists(path):
     return [f"## {title or name}", "", f"Not measured yet (`{how}`).", ""]
-  with open(path) as f:
-    text = f.read()
+  text = pathlib.Path(path).read_text()
   if title is not None:
     text = f"## {title}\n" + text.split("\n", 1)[1]
   lines = text.splitlines()

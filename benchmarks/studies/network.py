@@ -104,7 +104,6 @@ def param_bytes() -> int:
 
 
 def settings_of(result: dict[str, Any]) -> Settings:
-  """The settings of a run of the command, from its results."""
   return kit.settings(**{f.name: result[f.name] for f in dataclasses.fields(Settings)
                          if f.name in result})
 
@@ -194,7 +193,6 @@ def outer_sweep(*, steps: int, period: int, extra: list[str]) -> list[dict[str, 
 
 
 def _load() -> list[float]:
-  """The 1-, 5- and 15-minute load averages, to 2 decimals."""
   return [round(x, 2) for x in os.getloadavg()]
 
 
@@ -230,6 +228,12 @@ def _runs(result: dict[str, Any], rate: str, method: str) -> list[dict]:
   return [r for r in result["runs"] if r["rate"] == rate and r["method"] == method]
 
 
+def _cells(result: dict[str, Any]) -> list[tuple[str, str, list[dict]]]:
+  """``(rate, method, its runs)`` of each rate and method that has runs."""
+  return [(rate, method, runs) for rate in result["rates"] for method in result["methods"]
+          if (runs := _runs(result, rate, method))]
+
+
 def _median_of(runs: list, fn: Any = lambda x: x) -> float | None:
   """The median of ``fn`` (a function, or a key) over ``runs``, ``None`` values left out."""
   values = [v for v in map(itemgetter(fn) if isinstance(fn, str) else fn, runs) if v is not None]
@@ -245,31 +249,31 @@ def target_loss(result: dict[str, Any]) -> float:
 
 def measurements_table(result: dict[str, Any]) -> str:
   """Every run's wall-clock, step times, bytes and final loss (medians over repeats)."""
-  p = result["param_bytes"]
-  rows = []
-  for rate in result["rates"]:
+  p, rows = result["param_bytes"], []
+  for rate, method, runs in _cells(result):
     achieved = min(result["achieved_mbit"][rate].values())
-    for method in result["methods"]:
-      runs = _runs(result, rate, method)
-      if not runs:
-        continue
-      rounds = max(runs[0]["communication_rounds"], 1)
-      med = functools.partial(_median_of, runs)
-      spread = max(r["train_s"] for r in runs) - min(r["train_s"] for r in runs)
-      rows.append([
-        rate, f"{achieved:.1f}", method, f"{med('wall_s'):.1f}",
-        f"{med('train_s'):.1f}" + (f" ± {spread / 2:.1f}" if len(runs) > 1 else ""),
-        _fmt(med("exchange_step_s"), ".3f"), _fmt(med("local_step_s"), ".3f"),
-        str(runs[0]["communication_rounds"]),
-        f"{med('predicted_bytes') / 1e6:.1f}", f"{med(payload) / 1e6:.1f}",
-        f"{med(payload) / med('predicted_bytes'):.3f}", f"{med('operand_bytes') / rounds / p:.3f}",
-        f"{med('bits_per_byte'):.3f}",
-        f"{runs[-1]['load_before'][0]:.1f} → {runs[-1]['load_after'][0]:.1f}"])
+    rounds = max(runs[0]["communication_rounds"], 1)
+    med = functools.partial(_median_of, runs)
+    spread = max(r["train_s"] for r in runs) - min(r["train_s"] for r in runs)
+    rows.append([
+      rate, f"{achieved:.1f}", method, f"{med('wall_s'):.1f}",
+      f"{med('train_s'):.1f}" + (f" ± {spread / 2:.1f}" if len(runs) > 1 else ""),
+      _fmt(med("exchange_step_s"), ".3f"), _fmt(med("local_step_s"), ".3f"),
+      str(runs[0]["communication_rounds"]), f"{med('predicted_bytes') / 1e6:.1f}",
+      f"{med(payload) / 1e6:.1f}", f"{med(payload) / med('predicted_bytes'):.3f}",
+      f"{med('operand_bytes') / rounds / p:.3f}", f"{med('bits_per_byte'):.3f}",
+      f"{runs[-1]['load_before'][0]:.1f} → {runs[-1]['load_after'][0]:.1f}"])
   header = ["rate", "achieved Mbit/s", "method", "whole run s", "training s",
             "exchange step s", "local step s", "exchanges", "predicted MB a→b",
             "payload MB a→b", "payload / predicted", "operands per exchange / params",
             "val bits/byte", "load (1 min)"]
   return kit.table(header, rows, "lrlrrrrrrrrrrr")
+
+
+def _own_unshaped(result: dict[str, Any], rate: str, method: str) -> float | None:
+  """``method``'s median training seconds at ``rate`` over its own unshaped ones."""
+  unshaped = _median_of(_runs(result, "unshaped", method), "train_s")
+  return _median_of(_runs(result, rate, method), "train_s") / unshaped if unshaped else None
 
 
 def _speedup(result: dict[str, Any], rate: str, method: str, target: float) -> float | None:
@@ -283,19 +287,13 @@ def summary_table(result: dict[str, Any]) -> str:
   """Per rate and method: time to the target loss, speed-up over sync, the loss at sync's
   training time, and the training time over the method's own unshaped time."""
   target, rows = target_loss(result), []
-  for rate in result["rates"]:
+  for rate, method, runs in _cells(result):
     budget = _median_of(_runs(result, rate, "sync"), "train_s")
-    for method in result["methods"]:
-      runs = _runs(result, rate, method)
-      if not runs:
-        continue
-      unshaped = _median_of(_runs(result, "unshaped", method), "train_s")
-      train = _median_of(runs, "train_s")
-      rows.append([
-        rate, method, _fmt(_median_of(runs, lambda r: time_to(r, target)), ".1f"),
-        _fmt(_speedup(result, rate, method, target), ".2f"),
-        _fmt(_median_of(runs, lambda r: loss_at(r, budget)) if budget else None, ".3f"),
-        _fmt(train / unshaped if unshaped else None, ".2f")])
+    rows.append([
+      rate, method, _fmt(_median_of(runs, lambda r: time_to(r, target)), ".1f"),
+      _fmt(_speedup(result, rate, method, target), ".2f"),
+      _fmt(_median_of(runs, lambda r: loss_at(r, budget)) if budget else None, ".3f"),
+      _fmt(_own_unshaped(result, rate, method), ".2f")])
   header = ["rate", "method", f"training s to {target:.3f} bits/byte", "speed-up over sync",
             "bits/byte at sync's training s", "training s / own unshaped"]
   return kit.table(header, rows, "llrrrr")
@@ -334,8 +332,7 @@ def targets(result: dict[str, Any]) -> list[str]:
     check(None if speedup is None else speedup >= 3,
           f"{method} reaches {target:.3f} bits/byte at 10 Mbit/s"
           f" {_fmt(speedup, '.2f')}× sooner than sync (target ≥ 3×)")
-    unshaped = _median_of(_runs(result, "unshaped", method), "train_s")
-    ratio = _median_of(runs, "train_s") / unshaped if unshaped else None
+    ratio = _own_unshaped(result, slow, method)
     check(None if ratio is None else ratio <= 1.3,
           f"{method}'s training time at 10 Mbit/s is {_fmt(ratio, '.2f')}× its unshaped"
           " time (target ≤ 1.3×)")
