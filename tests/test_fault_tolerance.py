@@ -465,7 +465,7 @@ def test_a_checkpoint_restores_as_a_heal_newest_finished_first(tmp_path):
     engine.run(1)
     replica = engine.replicas[0]
     step = int(replica.opt_state.local_step)
-    writer.write(replica, step=step, time=float(step))
+    writer.write(ft.heal_state(replica), step=step, rounds=int(replica.rounds), time=float(step))
     written[step] = replica
   writer.close()
   (tmp_path / "step_6.heal").write_bytes(b"unfinished: no step_6.json beside it")

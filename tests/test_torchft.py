@@ -774,3 +774,59 @@ def test_the_join_timeout_against_a_replica_waiting_since_the_last_quorum(
           assert f.result() == members
   finally:
     server.shutdown()
+
+
+def test_the_two_engines_decide_alike_on_the_same_inputs(tmp_path, monkeypatch):
+  """The in-process engine and the torchft engine's end both hand their round's gathered
+  headers and payloads to `decision.decide`, the one commit decision: with the same two
+  members (replica 0's payload and a NaN-free replica 1's) they call it with the same inputs and
+  land on the same global state."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import torch
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import decision, in_process
+  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as ts
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(0.7, momentum=0.9),
+                              sync_period=2)
+  params = {"a": jnp.arange(4.0), "b": jnp.ones((2, 2))}
+
+  def grads(p, step, slot):  # the gradient of 0.5 |p - step - slot|^2
+    return jax.tree.map(lambda x: x - step - slot, p)
+
+  calls = []
+
+  def spy(*args, **kwargs):
+    calls.append((args[1], args[2], decision.decide(*args, **kwargs)))
+    return calls[-1][2]
+
+  monkeypatch.setattr(in_process, "decide", spy)
+  monkeypatch.setattr(te, "decide", spy)
+
+  def train(replica):
+    state = replica.start((params, protocol.tx.init(params)))
+    replica.fingerprint = 7
+    while replica.last is None:
+      g = grads(state[0], replica.step, replica.slot)
+      state = replica.after_step(protocol.inner_step(*state, g))
+    return replica.state_hash()
+
+  hashes = ft.InProcess(protocol, num_replicas=2, tokens_per_step=8).run(train)
+  (heads, payloads, outcome), = calls
+  peer = (torch.tensor(list(heads[0]), dtype=torch.int64), ts._pack((payloads[0], None)),
+          torch.ones(1, dtype=torch.int64))
+  port, _ = _fake_replica(tmp_path, protocol, params, peer)
+  replica = port.replica
+  state = replica.start((params, protocol.tx.init(params)))
+  replica.fingerprint = 7
+  while replica.last is None:
+    state = replica.after_step(protocol.inner_step(*state, grads(state[0], replica.step, 1)))
+  assert len(calls) == 2 and calls[1][0] == heads and calls[1][2].voters == outcome.voters
+  for a, b in zip(jax.tree.leaves(calls[1][1]), jax.tree.leaves(payloads), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert replica.state_hash() == hashes[1] == hashes[0]

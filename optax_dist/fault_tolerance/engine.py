@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from optax_dist import _checks
 from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance.decision import Header, decide
 from optax_dist.fault_tolerance.protocol import (
   ReplicaState,
   RoundProtocol,
@@ -335,15 +336,15 @@ class InProcessEngine:
       (r, joiner, donor, global_state(self.replicas[joiner]), sent.global_state))
 
   def _vote(self, plan: RoundPlan, members: list, sent: dict, weights: dict) -> Any:
-    """The merged payload if the round commits, else ``None``."""
-    voters = [i for i in members if weights[i] > 0]
-    if (plan.force_abort or len(members) < self.min_replicas or not voters
-        or any(i in plan.lost for i in members)):
+    """The merged payload if the round commits, else ``None``: :func:`decide` on the members'
+    headers (a member that dies in the exchange, or every member of a replayed aborted round,
+    reports a failure) and payloads, as every engine decides."""
+    heads = [Header(i, weights[i], int(not (plan.force_abort or i in plan.lost)), 0,
+                    0 if self.replicas[i] is None else self._key(i)[1]) for i in members]
+    payloads = [self._payload(i, sent[i].payload, plan) if weights[i] else None for i in members]
+    if not heads:
       return None
-    payloads = [self._payload(i, sent[i].payload, plan) for i in voters]
-    if not all(self.protocol.votes(p) for p in payloads):
-      return None
-    return self.protocol.merge(payloads, [weights[i] for i in voters])
+    return decide(self.protocol, heads, payloads, min_replicas=self.min_replicas).merged
 
   @staticmethod
   def _payload(i: int, payload: Any, plan: RoundPlan) -> Any:
