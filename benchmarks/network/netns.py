@@ -63,17 +63,11 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 _RECEIVER = """
 import socket, sys, time
-server = socket.socket()
-server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind((sys.argv[1], int(sys.argv[2])))
-server.listen(1)
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))  # SO_REUSEADDR on POSIX
 print("ready", flush=True)
 conn, _ = server.accept()
 total, first, last = 0, None, None
-while True:
-  chunk = conn.recv(1 << 20)
-  if not chunk:
-    break
+while chunk := conn.recv(1 << 20):
   last = time.perf_counter()
   first = first or last
   total += len(chunk)
@@ -122,11 +116,9 @@ def bits_per_second(rate: str | None) -> float | None:
 
 
 def burst(rate: str) -> int:
-  """tbf's bucket for ``rate``, in bytes: 4 ms at the rate, and at least :data:`MIN_BURST`.
-
-  The bucket must hold what the rate allows between two timer ticks, or the link falls short of
-  its rate; a larger one lets longer bursts through at the link's full speed.
-  """
+  """tbf's bucket for ``rate``, in bytes: 4 ms at the rate, and at least :data:`MIN_BURST` (it
+  must hold what the rate allows between two timer ticks, or the link falls short of its rate; a
+  larger one lets longer bursts through at the link's full speed)."""
   return max(int(bits_per_second(rate) / 8 / 250), MIN_BURST)
 
 
@@ -283,9 +275,6 @@ class Star(_Namespaces):
   ``10.213.X.(I+2)`` for leaf ``I`` (:attr:`addresses`), of one /24 with ``X`` = 128 + PID mod
   128 (a :class:`Link`'s ``X`` is PID mod 128): each star's hub is a network of its own, so the
   stars of one process share the addresses. Unshaped.
-
-  Raises:
-    ValueError: ``tag`` not one lower-case letter or empty.
   """
 
   def __init__(self, leaves: int, tag: str = ""):
@@ -322,12 +311,9 @@ class Star(_Namespaces):
 
 
 class Link(_Namespaces):
-  """Namespaces ``a`` and ``b`` and a veth pair between them shaped at ``rate`` each way.
-
-  ``rate``: tc's, e.g. ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc. ``names``,
-  ``devices`` and ``addresses``: the namespaces, veths and addresses by side. Entering raises
-  :class:`Unavailable` (see :func:`unavailable`, or ``ip netns add`` failed).
-  """
+  """Namespaces ``a`` and ``b`` and a veth pair between them shaped at ``rate`` (tc's, e.g.
+  ``"10mbit"``; ``None`` or ``"unshaped"``: no qdisc) each way. ``names``, ``devices`` and
+  ``addresses``: the namespaces, veths and addresses by side."""
 
   def __init__(self, rate: str | None = None):
     super().__init__()
@@ -339,8 +325,7 @@ class Link(_Namespaces):
   def _create(self) -> None:
     for side, name in self.names.items():
       self._add(name, self.addresses[side])
-    a, b = self.devices["a"], self.devices["b"]
-    _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+    _run("ip", "link", "add", self.devices["a"], "type", "veth", "peer", "name", self.devices["b"])
     for side in "ab":
       _run("ip", "link", "set", self.devices[side], "netns", self.names[side])
       self.run(side, ["ip", "addr", "add", f"{self.addresses[side]}/30", "dev", self.devices[side]])
