@@ -150,7 +150,6 @@ def machine() -> dict[str, str]:
 
 
 def versions() -> dict[str, str]:
-  """The versions of Python and of the libraries the measurements depend on."""
   return {"python": platform.python_version(), "jax": jax.__version__,
           "jaxlib": jaxlib.__version__, "optax": optax.__version__, "flax": flax.__version__,
           "numpy": np.__version__}
@@ -207,12 +206,10 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | Non
 
 
 def blocks(*parts: str) -> str:
-  """Markdown blocks (paragraphs, tables, lists) one after the other, a blank line between."""
   return "\n\n".join(parts)
 
 
 def fmt(x: Any, spec: str = "", missing: str = "—") -> str:
-  """``x`` formatted by ``spec``, or ``missing`` for ``None``."""
   return missing if x is None else format(x, spec)
 
 
@@ -226,7 +223,6 @@ def mib(nbytes: float) -> str:
 
 
 def human_bytes(nbytes: float) -> str:
-  """``nbytes`` in B, KiB, MiB or GiB, one decimal."""
   for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if abs(nbytes) >= scale:
       return f"{nbytes / scale:,.1f} {unit}"

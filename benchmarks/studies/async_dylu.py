@@ -95,12 +95,6 @@ class Config:
 QUICK = {"rounds": 2, "sync_period": 6, "seeds": (0,)}
 
 
-def recipe(steps: int, setting: Config) -> tuple[Any, int]:
-  """The inner optimizer and batch size of ``optax-dist train --task TASK --steps STEPS RECIPE``."""
-  s = kit.settings(shlex.split(setting.recipe), task=setting.task, steps=steps).resolved()
-  return inner_optimizer(s), s.batch_size
-
-
 def task_of(setting: Config) -> Any:
   """The ``optax-dist`` task of ``setting``, with its transformer's width and depth."""
   task = tasks.TASKS[setting.task]
@@ -143,7 +137,6 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
 
 
 def protocols(inner: Any, setting: Config) -> dict[str, Any]:
-  """The emulator's three asynchronous protocols of :data:`PROTOCOLS` in ``setting``."""
   h, outer = setting.sync_period, setting.outer
   buffer = setting.buffer_size or len(setting.speeds)
   delayed = optax_dist.delayed_nesterov(*outer, buffer_size=buffer, activation=setting.activation)
@@ -179,10 +172,10 @@ def shuffled(data: Any, seed: int) -> Any:
 
 
 def measure(st: Config, prefix: str) -> dict[str, Any]:
-  """Every protocol and synchronous DiLoCo on each seed of ``st``, at equal inner steps."""
   n, h, rounds, runs = len(st.speeds), st.sync_period, st.rounds, []
   total = n * rounds * h
-  inner, batch = recipe(rounds * h, st)
+  s = kit.settings(shlex.split(st.recipe), task=st.task, steps=rounds * h).resolved()
+  inner, batch = inner_optimizer(s), s.batch_size  # those of optax-dist train with the recipe
   with kit.Timed() as timed:
     for seed in st.seeds:
       problem = async_run.setup(task_of(st), n, seed)
@@ -211,7 +204,6 @@ def measure(st: Config, prefix: str) -> dict[str, Any]:
 
 
 def finals(result: dict[str, Any]) -> dict[str, dict[int, float]]:
-  """Each run's final metric, by name and seed."""
   out: dict[str, dict[int, float]] = {}
   for r in result["runs"]:
     out.setdefault(r["name"], {})[r["seed"]] = r["metric"][-1]

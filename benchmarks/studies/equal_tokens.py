@@ -128,7 +128,6 @@ class Spec:
       f"{self._momentum('_mom')}_s{self.seed}_t{steps}")
 
   def settings(self, steps: int) -> Any:
-    """The trainer's :class:`~optax_dist.cli.config.Settings` of this run."""
     m = self.replicas or kit.DEVICES
     fields = {"steps": steps, "eval_every": min(EVAL_EVERY, steps), "seed": self.seed,
               "devices": m, "batch_size": GLOBAL_BATCH // m}
@@ -297,7 +296,6 @@ def _mean_sd(stats: tuple[float, float] | None, spec: str = ".4f") -> str:
 
 
 def comparison_table(s: dict[str, Any]) -> str:
-  """Data parallel and each M: final loss, gap to data parallel, the paper's gap."""
   dp = s["dp"]
   table = [["data parallel", "—", ", ".join(map(str, dp["seeds"])), _mean_sd(dp["loss"]), "—", "—"]]
   table += [[f"DiLoCo M = {r['replicas']}",
@@ -312,7 +310,6 @@ def comparison_table(s: dict[str, Any]) -> str:
 
 
 def target_lines(s: dict[str, Any]) -> list[str]:
-  """Each target of the summary ``s``, met, missed or not measured, with its gaps."""
   lines = []
   for t in s["targets"]:
     verdict = "not measured" if t["met"] is None else "met" if t["met"] else "MISSED"
@@ -322,19 +319,16 @@ def target_lines(s: dict[str, Any]) -> list[str]:
 
 
 def _cell(p: dict[str, Any] | None) -> str:
-  """A seed-0 run's final loss and its gap to data parallel."""
   return "not run" if p is None else f"{p['loss']:.4f} ({kit.fmt(p['gap'], '+.1%')})"
 
 
 def sweep_table(s: dict[str, Any]) -> str:
-  """The outer learning rate sweep: seed 0's final loss and gap at each swept M."""
   sweep = s["sweep"]
   rows = [[f"{lr:g}", *(_cell(sweep[m][lr]) for m in sweep)] for lr in next(iter(sweep.values()))]
   return kit.table(["outer lr"] + [f"M = {m}" for m in sweep], rows)
 
 
 def momentum_table(s: dict[str, Any]) -> str:
-  """The momentum runs beside each M's best run at :data:`OUTER_MOMENTUM` (seed 0)."""
   rows = [[f"M = {r['replicas']}", f"{r['outer_lr']:g}, {r['outer_momentum']:g}", _cell(r["run"]),
            f"{kit.fmt(r['default_lr'], 'g')}, {OUTER_MOMENTUM:g}", _cell(r["default"])]
           for r in s["momenta"]]
@@ -343,7 +337,6 @@ def momentum_table(s: dict[str, Any]) -> str:
 
 
 def periods_table(s: dict[str, Any]) -> str:
-  """The H sweep: outer steps, the anchor's final loss and gap, the workers' final loss."""
   rows = [[str(h), "not run", "", "", ""] if p is None else
           [str(h), str(p["rounds"]), f"{p['loss']:.4f}", kit.fmt(p["gap"], "+.1%"),
            f"{p['workers']:.4f}"] for h, p in s["periods"].items()]
@@ -353,7 +346,6 @@ def periods_table(s: dict[str, Any]) -> str:
 
 def document(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
              plot_name: str) -> str:
-  """The report: the setup, the comparison beside Table 4, the targets, the sweeps, the runs."""
   s = summary(grid, records)
   m, best = grid.period_replicas, best_lrs(grid, records)
   return kit.blocks(
@@ -389,7 +381,6 @@ def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
 
 
 def runs_table(records: Sequence[dict[str, Any]]) -> str:
-  """Every cached run: its final loss, wall-clock, median step and the load around it."""
   ordered = sorted(records, key=lambda r: (r["replicas"] or 0, r["sync_period"] or 0,
                                            r["outer_lr"] or 0, -_momentum(r), r["seed"]))
   rows = [[r["label"], str(r["seed"]), f"{r['devices']} × {r['batch_size']}", f"{r['final']:.4f}",

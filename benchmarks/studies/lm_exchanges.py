@@ -95,7 +95,6 @@ QUICK = {"steps": 36, "period": 12, "runs": (
 
 
 def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, Any]:
-  """Trains one row; its final loss, curve, bytes, times and load."""
   s = kit.settings(row["flags"], devices=kit.DEVICES, steps=steps, sync_period=period,
                    seed=0).resolved()
   with kit.Timed() as timed:
@@ -148,7 +147,6 @@ def _by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _gap(a: dict[str, Any], b: dict[str, Any]) -> float:
-  """``a``'s final loss relative to ``b``'s, minus 1."""
   return a["final"] / b["final"] - 1
 
 

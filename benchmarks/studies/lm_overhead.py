@@ -172,7 +172,6 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
-  """Times every variant's phases on the LM step in each configuration, then the optimizer."""
   configs = []
   for axis, donated in CONFIGS:
     bound = axis == "bound"
@@ -210,7 +209,6 @@ def _applies(row: dict[str, Any]) -> bool:
 
 
 def matrix_markdown(result: dict[str, Any]) -> str:
-  """One row per transformation and phase, one column group per configuration."""
   configs = result["configs"]
   header = ["transformation", "step",
             *[x for c in configs for x in (f"{_config_name(c)}: ratio (IQR)", "CPU")],
@@ -231,7 +229,6 @@ def matrix_markdown(result: dict[str, Any]) -> str:
 
 
 def memory_markdown(result: dict[str, Any]) -> str:
-  """Temp and copy bytes of each compiled LM step, against bare adam's, per configuration."""
   configs = result["configs"]
   header = ["transformation"] + [f"{_config_name(c)}: temp / copies KiB" for c in configs]
 
@@ -248,7 +245,6 @@ def memory_markdown(result: dict[str, Any]) -> str:
 
 
 def missed_markdown(result: dict[str, Any]) -> str:
-  """Which non-communication rows missed the target, where, and why."""
   whys = {(v.label, hinted): v.hinted_why if hinted else v.why
           for v in variants() for hinted in (False, True)}
   params_kib = result["configs"][0]["num_params"] * 4 / 1024

@@ -48,7 +48,6 @@ QUICK = {"seeds": 1, "steps": 60}
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
-  """Trains every row of :data:`RUNS` for every seed (and the extra rows where needed)."""
   task, seeds = TASKS["lm"], range(config.seeds)
   data = {seed: task.load(seed) for seed in seeds}
   bytes_of, rows = {}, []
@@ -138,7 +137,6 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def headline_table(result: dict[str, Any]) -> str:
-  """The quality table: final bits per byte, rounds, bytes, steps and bytes to sync + 2%."""
   rows = result["rows"]
   sync, threshold = rows[0], rows[0]["final"] * (1 + TOLERANCE)
   header = ["algorithm", "val bits/byte (eval_params) ± sd", "vs sync", "workers' bits/byte",

@@ -119,7 +119,6 @@ def problem(hidden: tuple[int, ...], seed: int = 0, devices: int = 1,
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
-  """Times every wrapper's steps against adam's and analyses their memory, for every size."""
   adam = optax.adam(LEARNING_RATE)
   rounds = {"≈1M": config.rounds_1m, "≈10M": config.rounds_10m}
   sizes = []

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import shlex
 import sys
@@ -88,7 +87,6 @@ XLA combines a tree's leaves into one all-reduce of many operands, and gloo redu
 
 def command(algorithm: str, process_id: int, coordinator: str, out: str, *, steps: int,
             period: int, extra: list[str]) -> list[str]:
-  """Process ``process_id``'s ``optax-dist train`` command line."""
   return [sys.executable, "-m", "optax_dist.cli", "train", "--task", "lm", "--algorithm",
           algorithm, "--processes", str(PROCESSES), "--process-id", str(process_id),
           "--coordinator", coordinator, "--devices", str(DEVICES), "--steps", str(steps),
@@ -150,8 +148,7 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
   link.run_pair([command(algorithm, i, coordinator, out, steps=steps, period=period, extra=extra)
                  for i in range(PROCESSES)], out, TIMEOUT, what=algorithm)
   wall, after = time.perf_counter() - start, link.counters()
-  with open(os.path.join(out, f"results_{algorithm}.json")) as f:
-    result = json.load(f)["algorithms"][algorithm]
+  result = kit.read_json(os.path.join(out, f"results_{algorithm}.json"))["algorithms"][algorithm]
   times, history = result["step_times"], result["history"]
   s = settings_of(result)  # whether each step exchanges across workers:
   flags = [ALGORITHMS[s.algorithm].communicates(s, t) in (None, True)
@@ -318,7 +315,6 @@ def sensitivity_table(result: dict[str, Any], levels: int = 5) -> str:
 
 
 def targets(result: dict[str, Any]) -> list[str]:
-  """Each target of the slow-link study, met or missed, with its number."""
   lines, target, p = [], target_loss(result), result["param_bytes"]
 
   def check(ok: bool | None, text: str) -> None:
@@ -365,7 +361,6 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
-  """The results as a Markdown section: the method, the tables, the targets, the figure."""
   p, machine = result["param_bytes"], kit.machine()
   extra = f" Arguments: `{' '.join(result['extra_args'])}`." if result["extra_args"] else ""
   return kit.blocks(
