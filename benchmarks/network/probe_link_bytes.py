@@ -136,16 +136,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
   def operand(mesh, elements):
     """``elements`` float32 per device of ``mesh`` in this process, and both processes' sum."""
-    per_process = elements * (1 if mesh == "pair" else DEVICES)
-    base = np.arange(per_process, dtype=np.float32) % 7
-    values = (process_id + 1) * base
-    sharding = NamedSharding(meshes[mesh], specs[mesh])
-    if mesh == "pair":
-      shards = [jax.device_put(values[None], local[0])]
-    else:
-      shards = [jax.device_put(values[None, i * elements:(i + 1) * elements], d)
-                for i, d in enumerate(local)]
-    return (jax.make_array_from_single_device_arrays((2, per_process), sharding, shards), 3 * base)
+    devices = local[:1] if mesh == "pair" else local
+    base = np.arange(elements * len(devices), dtype=np.float32) % 7
+    shards = [jax.device_put((process_id + 1) * base[None, i * elements:(i + 1) * elements], d)
+              for i, d in enumerate(devices)]
+    return (jax.make_array_from_single_device_arrays(
+      (2, base.size), NamedSharding(meshes[mesh], specs[mesh]), shards), 3 * base)
 
   results = []
 
