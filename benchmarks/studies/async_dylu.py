@@ -279,7 +279,6 @@ COLORS = dict(zip(("sync diloco", *PROTOCOLS), ("C0", "C3", "C1", "C2"), strict=
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-  """The anchor's metric against simulated time and against inner steps, a line per run."""
   fig, axes = kit.plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
   for r in result["runs"]:
     label = r["name"] if r["seed"] == result["seeds"][0] else None

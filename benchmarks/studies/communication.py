@@ -97,7 +97,6 @@ def markdown(result: dict[str, Any], figure: str) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-  """Bytes sent per 1,000 steps by each algorithm, compiled and lowered, log scale."""
   rows = result["rows"]
   fig, ax = kit.plt.subplots(figsize=(9, 4))
   x = range(len(rows))

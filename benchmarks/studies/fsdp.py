@@ -67,7 +67,6 @@ def markdown(result: dict[str, Any], figure: str) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-  """The median step time of each run, with its interquartile range."""
   rows = result["rows"]
   fig, ax = kit.plt.subplots(figsize=(7, 3))
   q1, median, q3 = zip(*(r["step ms"] for r in rows))

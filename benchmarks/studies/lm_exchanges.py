@@ -150,8 +150,11 @@ def _gap(a: dict[str, Any], b: dict[str, Any]) -> float:
   return a["final"] / b["final"] - 1
 
 
-def bytes_targets(result: dict[str, Any]) -> list[str]:
-  """int8 at 1/4 and the 4-bit formats at 1/8 of float32's bytes per value, plus the scales."""
+def targets(result: dict[str, Any]) -> list[str]:
+  """int8 at 1/4 and the 4-bit formats at 1/8 of float32's bytes per value, plus the scales;
+  4-bit with error feedback within 1% of float32 DiLoCo (and streaming within 1% of float32
+  streaming, reported), and what error feedback recovers, int8's reported too; overlap τ = 1
+  within 0.5% of τ = 0; eager at τ = 1 (and 5) no worse than plain delay."""
   runs, sizes, lines = _by_label(result), result["leaf_sizes"], []
   base = runs.get("diloco float32")
   for fmt in QUANTIZED:
@@ -166,13 +169,6 @@ def bytes_targets(result: dict[str, Any]) -> list[str]:
       f" {CODE_BYTES[fmt] / 4:g} + scales 1/{BLOCK} = {ideal:.4f}; the rest is the padding of the"
       f" last block); the codes and scales exactly ({expected:,.0f} B):"
       f" **{'met' if r['exchange_bytes'] == expected else 'missed'}**.")
-  return lines
-
-
-def quality_targets(result: dict[str, Any]) -> list[str]:
-  """4-bit with error feedback within 1% of float32 DiLoCo (and streaming within 1% of float32
-  streaming, reported), and what error feedback recovers; int8's recovery reported too."""
-  runs, lines = _by_label(result), []
   for family, fmt in itertools.product(("diloco", "streaming"), QUANTIZED):
     base = runs.get(f"{family} float32")
     plain, fed = runs.get(f"{family} {fmt}"), runs.get(f"{family} {fmt} + EF")
@@ -192,12 +188,6 @@ def quality_targets(result: dict[str, Any]) -> list[str]:
       text += (f" Without it {plain['final']:.4f} ({_gap(plain, base):+.2%}); error feedback"
                f" {effect}.")
     lines.append(text)
-  return lines
-
-
-def overlap_targets(result: dict[str, Any]) -> list[str]:
-  """Overlap τ = 1 within 0.5% of τ = 0; eager at τ = 1 (and 5) no worse than plain delay."""
-  runs, lines = _by_label(result), []
   zero, one = runs.get("streaming float32"), runs.get("streaming τ=1")
   if zero is not None and one is not None:
     gap = _gap(one, zero)
@@ -241,7 +231,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
                f" {', '.join(a['labels'])}; load average {a['load_before']} before,"
                f" {a['load_after']} after; {a['wall_s'] / 60:.1f} min."
                for a in result.get("added", []))), runs_table(result), "Targets:",
-    "\n".join([*bytes_targets(result), *quality_targets(result), *overlap_targets(result)]),
+    "\n".join(targets(result)),
     f"![validation bits per byte against MB sent per worker]({plot_name})")
 
 

@@ -171,7 +171,6 @@ def markdown(result: dict[str, Any], figure: str) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-  """The wall ratio of each wrapper's step over bare adam's, a bar per size."""
   ratio_plot([(s["size"], s["rows"]) for s in result["sizes"]], TARGET,
              "MLP step time / bare adam's (median, IQR)",
              f"Overhead on the MLP step (dashed: {TARGET}×)", path)

@@ -400,7 +400,6 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-  """Validation bits per byte against training seconds, one panel per rate."""
   rates = result["rates"]
   fig, axes = kit.plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.5), squeeze=False,
                            sharey=True)
