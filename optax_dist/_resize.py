@@ -69,23 +69,15 @@ def _inner(old: Any, template: Any, m: int, mode: str) -> Any:
 
 def _walk(old: Any, template: Any, m: int, mode: str) -> Any:
   """The state for ``m`` workers: library states field by field, the rest as inner states."""
-  if _is_state(old):
-    rules = old.RESIZE
-    fields = {}
-    for name in old._fields:
-      value, rule = getattr(old, name), rules[name]
-      if rule == _state.KEEP:
-        fields[name] = jax.tree.map(lambda x: _broadcast(x[0], m), value)
-      elif rule == _state.MEAN:
-        fields[name] = jax.tree.map(lambda x: _broadcast(_agreed_mean(x), m), value)
-      else:
-        fields[name] = _walk(value, getattr(template, name), m, mode)
-    return type(old)(**fields)
-  if not _state.holds(old, _is_state):
-    return _inner(old, template, m, mode)
-  children, treedef = _state.children(old)
-  new = [_walk(c, t, m, mode) for c, t in zip(children, _state.children(template)[0], strict=True)]
-  return treedef.unflatten(new)
+
+  def field(rule: str, value: Any, like: Any) -> Any:
+    if rule == _state.KEEP:
+      return jax.tree.map(lambda x: _broadcast(x[0], m), value)
+    if rule == _state.MEAN:
+      return jax.tree.map(lambda x: _broadcast(_agreed_mean(x), m), value)
+    return _walk(value, like, m, mode)
+
+  return _state.map_fields(field, lambda o, t: _inner(o, t, m, mode), old, template)
 
 
 def _resize(tx: Any, m: int, mode: str, opt_state: Any, params: Any) -> tuple[Any, Any]:

@@ -63,6 +63,24 @@ def is_record(node: Any) -> bool:
   return not any(holds(c, _is_leafy_record) for c in children(node)[0])
 
 
+def map_fields(field: Any, other: Any, node: Any, *like: Any) -> Any:
+  """``node`` rebuilt by its states' declared rules: each library state field by field, as
+  ``field(rule, value, *like_values)`` (``rule`` its ``RESIZE`` entry); each subtree holding no
+  library state as ``other(subtree, *like_subtrees)``; the containers between, child by child.
+  ``like``: trees of ``node``'s structure walked alongside it (e.g. a template). ``field``
+  walks an ``INNER`` field itself (by calling back into its own walk) if it wants to."""
+  if is_library_state(node):
+    return type(node)(**{
+      name: field(rule, getattr(node, name), *(getattr(t, name) for t in like))
+      for name, rule in node.RESIZE.items()})
+  if is_leaf(node) or not holds(node, is_library_state):
+    return other(node, *like)
+  kids, treedef = children(node)
+  likes = [children(t)[0] for t in like]
+  return treedef.unflatten(
+    [map_fields(field, other, c, *(kid[k] for kid in likes)) for k, c in enumerate(kids)])
+
+
 def declared(node: Any, attribute: str) -> Any:
   """The field that the first library state in a depth-first walk of ``node`` names by its
   ``attribute`` (``"AVERAGE"`` or ``"RESTART"``), skipping states that declare ``None``; or

@@ -64,20 +64,20 @@ from optax_dist.fault_tolerance.engine import (
 )
 from optax_dist.fault_tolerance.in_process import ENGINES, LOOP_KINDS, InProcess, engine
 from optax_dist.fault_tolerance.loop import Replica, RoundResult, step_key
-from optax_dist.fault_tolerance.heal import MAGIC, decode_heal, encode_heal, heal_replica
-from optax_dist.fault_tolerance.protocol import (
-  SUPPORTED,
+from optax_dist.fault_tolerance.heal import (
+  MAGIC,
   GlobalState,
   HealState,
-  ReplicaState,
-  RoundProtocol,
-  Sent,
   counters,
+  decode_heal,
+  encode_heal,
   global_state,
+  heal_replica,
   heal_state,
   local_state,
   state_hash,
 )
+from optax_dist.fault_tolerance.protocol import SUPPORTED, ReplicaState, RoundProtocol, Sent
 
 __all__ = (
   "ENGINES",

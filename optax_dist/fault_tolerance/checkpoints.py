@@ -24,7 +24,8 @@ from typing import Any
 
 from optax_dist import _checks
 from optax_dist.fault_tolerance import heal
-from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol, heal_state, local_state
+from optax_dist.fault_tolerance.heal import heal_state, local_state
+from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 
 def _write_atomically(path: pathlib.Path, data: bytes) -> None:

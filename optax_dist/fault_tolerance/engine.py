@@ -20,14 +20,8 @@ import jax.numpy as jnp
 from optax_dist import _checks
 from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.decision import Header, decide
-from optax_dist.fault_tolerance.protocol import (
-  ReplicaState,
-  RoundProtocol,
-  Sent,
-  global_state,
-  heal_state,
-  state_hash,
-)
+from optax_dist.fault_tolerance.heal import global_state, heal_state, state_hash
+from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol, Sent
 
 KINDS = ("die_inner", "die_exchange", "join", "straggle", "die_heal", "nonfinite")
 

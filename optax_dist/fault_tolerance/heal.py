@@ -1,7 +1,16 @@
-"""The heal payload: a donor's :class:`~optax_dist.fault_tolerance.HealState` (its global state
-and counters) as a JSON manifest and raw bytes, never a pickle.
+"""The heal room: the state split (what every committed member holds alike, what a donor sends
+a joiner), the state hash, and the one tree codec that heal payloads, checkpoints and gathered
+payloads use.
 
-Layout of one payload (the exact bytes a transport sends)::
+* :class:`GlobalState` (:func:`global_state`), :class:`HealState` (:func:`heal_state`: the
+  global state and :func:`counters`), :func:`local_state` (a joiner rebuilt from them) and
+  :func:`state_hash`;
+* :func:`tree_bytes` and :func:`tree_from_bytes`: a tree's leaves as bytes, end to end, and
+  back into a tree of the receiver's own structure, dtypes and shapes;
+* the heal payload (:func:`encode_heal`, :func:`decode_heal`): a JSON manifest and those bytes,
+  never a pickle.
+
+Layout of one heal payload (the exact bytes a transport sends and a checkpoint holds)::
 
   MAGIC (b"optax_dist-heal/1\\n") | manifest length (8 bytes, big-endian) | manifest (UTF-8 JSON)
   | the leaves' bytes, end to end, in the manifest's order
@@ -15,14 +24,16 @@ unpickled or evaluated.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_dist.fault_tolerance import protocol
+from optax_dist import _state
+from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 MAGIC = b"optax_dist-heal/1\n"
 _LENGTH = 8
@@ -33,7 +44,32 @@ def _leaves(tree: Any) -> list[tuple[str, np.ndarray]]:
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def encode_heal(state: protocol.HealState) -> bytes:
+def tree_bytes(tree: Any) -> bytes:
+  """The tree codec's data: every leaf's bytes (C order), end to end, in ``jax.tree`` order.
+  A heal payload's data (:func:`encode_heal`), a checkpoint's, and a payload an engine gathers
+  are these bytes."""
+  return b"".join(a.tobytes() for _, a in _leaves(tree))
+
+
+def tree_from_bytes(data: bytes, like: Any) -> Any:
+  """The inverse of :func:`tree_bytes`: ``like``'s tree, dtypes and shapes (arrays or
+  ``jax.ShapeDtypeStruct``\ s) rebuilt from ``data`` as ``jax.Array``\ s.
+
+  Raises:
+    ValueError: ``data`` is not exactly the bytes ``like``'s leaves hold.
+  """
+  leaves = [np.empty(np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(like)]
+  total = sum(x.nbytes for x in leaves)
+  if len(data) != total:
+    raise ValueError(f"{len(data)} bytes of data where the tree holds {total}.")
+  arrays, offset = [], 0
+  for x in leaves:
+    arrays.append(jnp.asarray(np.frombuffer(data, x.dtype, x.size, offset).reshape(x.shape)))
+    offset += x.nbytes
+  return jax.tree.unflatten(jax.tree.structure(like), arrays)
+
+
+def encode_heal(state: HealState) -> bytes:
   """A state as one heal payload: the magic, the manifest and the leaves' raw bytes.
 
   Args:
@@ -45,16 +81,15 @@ def encode_heal(state: protocol.HealState) -> bytes:
   """
   leaves = _leaves(state)
   manifest = {
-    "hash": protocol.state_hash(state),
+    "hash": state_hash(state),
     "leaves": [[path, str(a.dtype), list(a.shape), a.nbytes] for path, a in leaves],
   }
   head = json.dumps(manifest, separators=(",", ":")).encode()
-  data = (a.tobytes() for _, a in leaves)
-  return b"".join([MAGIC, len(head).to_bytes(_LENGTH, "big"), head, *data])
+  return b"".join([MAGIC, len(head).to_bytes(_LENGTH, "big"), head, tree_bytes(state)])
 
 
-def decode_heal(payload: Any, expected: protocol.HealState, *, replica: str
-                ) -> protocol.HealState:
+def decode_heal(payload: Any, expected: HealState, *, replica: str
+                ) -> HealState:
   """A received heal payload checked against the expected tree, then rebuilt.
 
   The checks, in order, before any array is built: ``payload`` is ``bytes`` starting with
@@ -90,21 +125,16 @@ def decode_heal(payload: Any, expected: protocol.HealState, *, replica: str
   if len(data) != total:
     raise ValueError(
       f"heal payload from replica {replica!r} holds {len(data)} bytes of data, expected {total}.")
-  arrays, offset = [], 0
-  for _, a in want:
-    arrays.append(jnp.asarray(np.frombuffer(data, a.dtype, a.size, offset).reshape(a.shape)))
-    offset += a.nbytes
-  state = jax.tree.unflatten(jax.tree.structure(expected), arrays)
-  if protocol.state_hash(state) != head["hash"]:
+  state = tree_from_bytes(data, expected)
+  if state_hash(state) != head["hash"]:
     raise ValueError(
       f"heal payload from replica {replica!r}: the rebuilt state's hash is not the manifest's"
       f" {head['hash']!r} (corrupted bytes).")
   return state
 
 
-def heal_replica(round_protocol: protocol.RoundProtocol, payload: Any,
-                 joiner: protocol.ReplicaState, params_like: Any, *, replica: str
-                 ) -> protocol.ReplicaState:
+def heal_replica(round_protocol: RoundProtocol, payload: Any, joiner: ReplicaState,
+                 params_like: Any, *, replica: str) -> ReplicaState:
   """A joiner rebuilt from a donor's payload (:func:`encode_heal` of its :func:`heal_state`):
   :func:`decode_heal` against the joiner's own :func:`heal_state`, then :func:`local_state`
   with the donor's counters.
@@ -112,8 +142,8 @@ def heal_replica(round_protocol: protocol.RoundProtocol, payload: Any,
   Raises:
     TypeError, ValueError: as :func:`decode_heal`, naming ``replica`` (the donor).
   """
-  received = decode_heal(payload, protocol.heal_state(joiner), replica=replica)
-  return protocol.local_state(round_protocol, received.global_state, params_like,
+  received = decode_heal(payload, heal_state(joiner), replica=replica)
+  return local_state(round_protocol, received.global_state, params_like,
                               received.counters)
 
 
@@ -160,3 +190,157 @@ def _check_manifest(head: dict, want: list, replica: str) -> None:
       raise ValueError(
         f"heal payload from replica {replica!r}: leaf {path} has {entry[3]!r} bytes, expected"
         f" {a.nbytes}.")
+
+
+class GlobalState(NamedTuple):
+  """What every committed replica holds identically after a round: what a joiner receives.
+
+  Attributes:
+    rounds: ``int32[]``, the run's committed rounds so far.
+    opt_state: the replica's optimizer state with the fields :func:`optax_dist.resize_state`
+      keeps (``RESIZE`` rule ``KEEP``: ``local_step``, ``anchor``, ``outer_state``) and
+      ``None`` in place of the rest (the inner state, the error-feedback residual).
+    average: ``local_sgd`` only: the last committed model average (the params' tree, shapes
+      and dtypes), where the params restart; ``None`` for ``diloco`` (they restart from the
+      anchor).
+  """
+
+  rounds: jax.Array
+  opt_state: Any
+  average: Any
+
+
+class HealState(NamedTuple):
+  """What a donor sends a joiner (:func:`heal_state`): its global state and its counters.
+
+  Attributes:
+    global_state: the donor's :class:`GlobalState`.
+    counters: the donor's optimizer state with the counters of its inner state kept and
+      ``None`` elsewhere (:func:`counters`).
+  """
+
+  global_state: GlobalState
+  counters: Any
+
+
+# ----------------------------------------------------------------------------------------------
+# The state split: what every committed member holds alike, what a donor sends.
+
+
+def _global_parts(node: Any) -> Any:
+  """``node`` with the fields ``resize_state`` keeps (``KEEP``) and ``None`` elsewhere."""
+  return _state.map_fields(
+    lambda rule, value: value if rule == _state.KEEP else _global_parts(value),
+    lambda _: None, node)
+
+
+def _counter_parts(node: Any) -> Any:
+  """``node`` outside its ``KEEP`` fields with each counter kept and ``None`` elsewhere."""
+  return _state.map_fields(
+    lambda rule, value: None if rule == _state.KEEP else _counter_parts(value), _counters, node)
+
+
+def _counters(node: Any) -> Any:
+  """A subtree holding no library state with each counter kept and ``None`` elsewhere: a
+  counter is one optax state (``ScaleByScheduleState``, ...) or loose leaf holding no floating
+  array."""
+  if _state.is_record(node) or _state.is_leaf(node):
+    leaves = jax.tree.leaves(node)
+    floating = any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)
+    return None if floating or not leaves else node
+  kids, treedef = _state.children(node)
+  return treedef.unflatten([_counters(c) for c in kids])
+
+
+def counters(replica: ReplicaState) -> Any:
+  r"""A replica's counters: the parts of its inner optimizer state that hold no floating array
+  (a learning-rate schedule's count, ``inject_hyperparams``' count), in its optimizer state's
+  tree with ``None`` elsewhere (the global fields, moments, traces, the residual).
+
+  Every member of a round takes the round's inner steps, so a counter that advances once per
+  inner step is the same on every replica; :func:`optax_dist.resize_state`'s ``"reset"`` rule
+  keeps such a state. A joiner takes its donor's (:func:`local_state`), so its learning-rate
+  schedule goes on where the run's is. An optax state with a floating array restarts whole
+  (adam's count with its moments). Not in :func:`global_state` nor its hash: a member that was
+  left out of an aborted quorum takes the others' ``local_step`` but keeps its counters, a
+  round's steps behind.
+  """
+  return _counter_parts(replica.opt_state)
+
+
+def heal_state(replica: ReplicaState) -> HealState:
+  """What a donor sends a joiner: :func:`global_state` and :func:`counters`."""
+  return HealState(global_state(replica), counters(replica))
+
+
+def global_state(replica: ReplicaState) -> GlobalState:
+  """A replica's global state: what every committed member holds identically after a round.
+
+  The fields of the optimizer state that :func:`optax_dist.resize_state` keeps (its ``KEEP``
+  rule: ``local_step``, ``anchor``, ``outer_state``), the run's committed-round counter and,
+  for ``local_sgd``, the last committed average. The rest (inner state, residual, params) is
+  local and rebuilt by :func:`local_state`.
+
+  Args:
+    replica: its :class:`ReplicaState`.
+
+  Returns:
+    A :class:`GlobalState` (arrays and ``None`` only).
+  """
+  return GlobalState(replica.rounds, _global_parts(replica.opt_state), replica.average)
+
+
+def local_state(protocol: RoundProtocol, received: GlobalState, params_like: Any,
+                counts: Any = None) -> ReplicaState:
+  r"""A joiner's ``(params, opt_state)`` rebuilt from a received :class:`GlobalState`.
+
+  The global fields are taken bit for bit, and so are ``counts`` (the donor's
+  :func:`counters`) where given; the rest comes from ``tx.init`` at the restart point, as
+  :func:`optax_dist.resize_state`'s ``"reset"`` rule restarts a worker's inner state: params =
+  the anchor (``local_sgd``: the average) in ``params_like``'s dtypes, the inner optimizer
+  state at its ``init`` (moments zero, adam's count 0), the error-feedback residual zero.
+
+  Args:
+    protocol: the run's :class:`RoundProtocol`.
+    received: the donor's global state (decoded by :func:`decode_heal`).
+    params_like: params of the run's tree, shapes and dtypes (e.g. the initial params).
+    counts: the donor's :func:`counters`, or ``None``: every counter from ``init`` too (a
+      learning-rate schedule back at its count 0).
+
+  Returns:
+    A :class:`ReplicaState` whose :func:`global_state` is ``received`` (and whose
+    :func:`counters` are ``counts``, if given).
+  """
+  params = protocol.restart(params_like, received.opt_state, received.average)
+  init = protocol.tx.init(params)
+  if counts is not None:
+    init = jax.tree.map(_taken, counts, init, is_leaf=lambda x: x is None)
+  opt_state = jax.tree.map(_taken, received.opt_state, init, is_leaf=lambda x: x is None)
+  return ReplicaState(params, opt_state, received.rounds, received.average)
+
+
+def _taken(received: Any, init: Any) -> Any:
+  """``received`` where it is not ``None``, else ``init``."""
+  return init if received is None else received
+
+
+def state_hash(tree: Any) -> str:
+  """The sha256 (hex) of a tree: its structure, then each leaf's path, dtype, shape and bytes.
+
+  Deterministic across processes and runs: the same tree of the same values gives the same
+  hash; any change of a bit, a dtype, a shape or the structure changes it. Leaves are read in
+  ``jax.tree`` order as C-contiguous host arrays.
+
+  Args:
+    tree: a pytree of arrays (e.g. a :class:`GlobalState`).
+
+  Returns:
+    64 lowercase hex digits.
+  """
+  digest = hashlib.sha256(str(jax.tree.structure(tree)).encode())
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    array = np.asarray(leaf, order="C")
+    header = f"{jax.tree_util.keystr(path)}|{array.dtype}|{array.shape}|"
+    digest.update(header.encode())
+    digest.update(array.tobytes())
+  return digest.hexdigest()

@@ -63,15 +63,14 @@ from optax_dist import _checks
 from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.decision import Header, settings_fingerprint
 from optax_dist.fault_tolerance.engine import RoundLog
-from optax_dist.fault_tolerance.protocol import (
+from optax_dist.fault_tolerance.heal import (
   HealState,
-  ReplicaState,
-  RoundProtocol,
   global_state,
   heal_state,
   local_state,
   state_hash,
 )
+from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 
 def step_key(seed: int, slot: int, step: int) -> jax.Array:

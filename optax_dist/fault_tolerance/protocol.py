@@ -1,27 +1,25 @@
-"""The round of a fault-tolerant DiLoCo-family run: one replica's halves, the state split, the
-state hash.
+"""The round of a fault-tolerant DiLoCo-family run: one replica's halves, its commit and abort.
 
 A replica runs its inner steps with the transformation built for one worker
 (``axis_name=None``) and ``communicate=False``; at each round boundary the local half gives its
 payload, an engine merges the members' payloads outside the program, and the members either
 commit (the outer half) or abort. :class:`RoundProtocol` holds the jitted functions of one run,
-compiled once and shared by every replica of a process.
+compiled once and shared by every replica of a process. The state split (what a donor sends)
+and the state hash are :mod:`~optax_dist.fault_tolerance.heal`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optax_dist import _checks, _exchange, _outer, _state
+from optax_dist import _checks, _exchange, _outer
 from optax_dist.fault_tolerance import halves as _halves
 
 SUPPORTED = tuple(_halves.HALVES)
@@ -61,37 +59,6 @@ class Sent(NamedTuple):
   payload: Any
   residual: Any
   steps: int
-
-
-class GlobalState(NamedTuple):
-  """What every committed replica holds identically after a round: what a joiner receives.
-
-  Attributes:
-    rounds: ``int32[]``, the run's committed rounds so far.
-    opt_state: the replica's optimizer state with the fields :func:`optax_dist.resize_state`
-      keeps (``RESIZE`` rule ``KEEP``: ``local_step``, ``anchor``, ``outer_state``) and
-      ``None`` in place of the rest (the inner state, the error-feedback residual).
-    average: ``local_sgd`` only: the last committed model average (the params' tree, shapes
-      and dtypes), where the params restart; ``None`` for ``diloco`` (they restart from the
-      anchor).
-  """
-
-  rounds: jax.Array
-  opt_state: Any
-  average: Any
-
-
-class HealState(NamedTuple):
-  """What a donor sends a joiner (:func:`heal_state`): its global state and its counters.
-
-  Attributes:
-    global_state: the donor's :class:`GlobalState`.
-    counters: the donor's optimizer state with the counters of its inner state kept and
-      ``None`` elsewhere (:func:`counters`).
-  """
-
-  global_state: GlobalState
-  counters: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,131 +383,3 @@ def _inner_steps_only(tx: optax.GradientTransformationExtraArgs
 
 def _step(opt_state: Any) -> int:
   return int(opt_state.local_step)
-
-
-# ----------------------------------------------------------------------------------------------
-# The state split.
-
-
-def _global_parts(node: Any) -> Any:
-  """``node`` with the fields ``resize_state`` keeps (``KEEP``) and ``None`` elsewhere."""
-  if _state.is_library_state(node):
-    fields = {
-      name: (getattr(node, name) if rule == _state.KEEP else _global_parts(getattr(node, name)))
-      for name, rule in node.RESIZE.items()
-    }
-    return type(node)(**fields)
-  if _state.is_leaf(node) or not _state.holds(node, _state.is_library_state):
-    return None
-  children, treedef = _state.children(node)
-  return treedef.unflatten([_global_parts(c) for c in children])
-
-
-def _counter_parts(node: Any) -> Any:
-  """``node`` outside its ``KEEP`` fields with each counter kept and ``None`` elsewhere; a
-  counter is one optax state (``ScaleByScheduleState``, ...) or loose leaf holding no floating
-  array."""
-  if _state.is_library_state(node):
-    return type(node)(**{
-      name: None if rule == _state.KEEP else _counter_parts(getattr(node, name))
-      for name, rule in node.RESIZE.items()})
-  if _state.is_record(node) or _state.is_leaf(node):
-    leaves = jax.tree.leaves(node)
-    floating = any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)
-    return None if floating or not leaves else node
-  children, treedef = _state.children(node)
-  return treedef.unflatten([_counter_parts(c) for c in children])
-
-
-def counters(replica: ReplicaState) -> Any:
-  r"""A replica's counters: the parts of its inner optimizer state that hold no floating array
-  (a learning-rate schedule's count, ``inject_hyperparams``' count), in its optimizer state's
-  tree with ``None`` elsewhere (the global fields, moments, traces, the residual).
-
-  Every member of a round takes the round's inner steps, so a counter that advances once per
-  inner step is the same on every replica; :func:`optax_dist.resize_state`'s ``"reset"`` rule
-  keeps such a state. A joiner takes its donor's (:func:`local_state`), so its learning-rate
-  schedule goes on where the run's is. An optax state with a floating array restarts whole
-  (adam's count with its moments). Not in :func:`global_state` nor its hash: a member that was
-  left out of an aborted quorum takes the others' ``local_step`` but keeps its counters, a
-  round's steps behind.
-  """
-  return _counter_parts(replica.opt_state)
-
-
-def heal_state(replica: ReplicaState) -> HealState:
-  """What a donor sends a joiner: :func:`global_state` and :func:`counters`."""
-  return HealState(global_state(replica), counters(replica))
-
-
-def global_state(replica: ReplicaState) -> GlobalState:
-  """A replica's global state: what every committed member holds identically after a round.
-
-  The fields of the optimizer state that :func:`optax_dist.resize_state` keeps (its ``KEEP``
-  rule: ``local_step``, ``anchor``, ``outer_state``), the run's committed-round counter and,
-  for ``local_sgd``, the last committed average. The rest (inner state, residual, params) is
-  local and rebuilt by :func:`local_state`.
-
-  Args:
-    replica: its :class:`ReplicaState`.
-
-  Returns:
-    A :class:`GlobalState` (arrays and ``None`` only).
-  """
-  return GlobalState(replica.rounds, _global_parts(replica.opt_state), replica.average)
-
-
-def local_state(protocol: RoundProtocol, received: GlobalState, params_like: Any,
-                counts: Any = None) -> ReplicaState:
-  r"""A joiner's ``(params, opt_state)`` rebuilt from a received :class:`GlobalState`.
-
-  The global fields are taken bit for bit, and so are ``counts`` (the donor's
-  :func:`counters`) where given; the rest comes from ``tx.init`` at the restart point, as
-  :func:`optax_dist.resize_state`'s ``"reset"`` rule restarts a worker's inner state: params =
-  the anchor (``local_sgd``: the average) in ``params_like``'s dtypes, the inner optimizer
-  state at its ``init`` (moments zero, adam's count 0), the error-feedback residual zero.
-
-  Args:
-    protocol: the run's :class:`RoundProtocol`.
-    received: the donor's global state (decoded by :func:`decode_heal`).
-    params_like: params of the run's tree, shapes and dtypes (e.g. the initial params).
-    counts: the donor's :func:`counters`, or ``None``: every counter from ``init`` too (a
-      learning-rate schedule back at its count 0).
-
-  Returns:
-    A :class:`ReplicaState` whose :func:`global_state` is ``received`` (and whose
-    :func:`counters` are ``counts``, if given).
-  """
-  params = protocol.restart(params_like, received.opt_state, received.average)
-  init = protocol.tx.init(params)
-  if counts is not None:
-    init = jax.tree.map(_taken, counts, init, is_leaf=lambda x: x is None)
-  opt_state = jax.tree.map(_taken, received.opt_state, init, is_leaf=lambda x: x is None)
-  return ReplicaState(params, opt_state, received.rounds, received.average)
-
-
-def _taken(received: Any, init: Any) -> Any:
-  """``received`` where it is not ``None``, else ``init``."""
-  return init if received is None else received
-
-
-def state_hash(tree: Any) -> str:
-  """The sha256 (hex) of a tree: its structure, then each leaf's path, dtype, shape and bytes.
-
-  Deterministic across processes and runs: the same tree of the same values gives the same
-  hash; any change of a bit, a dtype, a shape or the structure changes it. Leaves are read in
-  ``jax.tree`` order as C-contiguous host arrays.
-
-  Args:
-    tree: a pytree of arrays (e.g. a :class:`GlobalState`).
-
-  Returns:
-    64 lowercase hex digits.
-  """
-  digest = hashlib.sha256(str(jax.tree.structure(tree)).encode())
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    array = np.asarray(leaf, order="C")
-    header = f"{jax.tree_util.keystr(path)}|{array.dtype}|{array.shape}|"
-    digest.update(header.encode())
-    digest.update(array.tobytes())
-  return digest.hexdigest()

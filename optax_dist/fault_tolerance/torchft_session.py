@@ -23,9 +23,9 @@ import urllib.request
 from datetime import timedelta
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+from optax_dist.fault_tolerance.heal import tree_bytes, tree_from_bytes
 
 INSTALL_HINT = 'the torchft engine needs the "ft" extra: pip install "optax-dist[ft]"'
 
@@ -158,21 +158,14 @@ class HealTransport(CheckpointTransport):
 
 
 def _pack(payload: Any) -> torch.Tensor:
-  """A member's payload as an all-gather buffer: the leaves' bytes end to end (uint8)."""
-  data = b"".join(np.asarray(x, order="C").tobytes() for x in jax.tree.leaves(payload))
+  """A member's payload as an all-gather buffer: :func:`tree_bytes` (uint8)."""
   # gloo writes into its buffers: a writable copy, never a view of a JAX array.
-  return torch.from_numpy(np.frombuffer(data, np.uint8).copy())
+  return torch.from_numpy(np.frombuffer(tree_bytes(payload), np.uint8).copy())
 
 
 def _unpack(buffer: torch.Tensor, like: Any) -> Any:
   """A member's payload (``like``'s tree, dtypes and shapes) from its buffer."""
-  data = buffer.numpy().tobytes()
-  offset, leaves = 0, []
-  for x in jax.tree.leaves(like):
-    x = np.asarray(x)
-    leaves.append(jnp.asarray(np.frombuffer(data, x.dtype, x.size, offset).reshape(x.shape)))
-    offset += x.nbytes
-  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+  return tree_from_bytes(buffer.numpy().tobytes(), like)
 
 
 
