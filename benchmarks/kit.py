@@ -57,8 +57,7 @@ def settings(flags: Sequence[str] = (), **overrides: Any) -> Settings:
   ``flags`` (``optax-dist train`` flags, e.g. ``("--lr-schedule", "constant", "--eager")``: ``--name
   VALUE`` sets ``name``, a flag without a value sets it to ``True``), then ``overrides``. As on the
   command line, a period the task sets and these do not is at most ``steps``."""
-  task = TASKS[overrides.get("task", "lm")]
-  given = flag_values(flags) | overrides
+  task, given = TASKS[overrides.get("task", "lm")], flag_values(flags) | overrides
   values = {"task": task.name, **{k: v for k, v in task.defaults.items() if k != "steps"}, **given}
   for key in ("communication_period", "sync_period"):
     if key not in given and values.get(key) is not None and "steps" in values:

@@ -392,10 +392,8 @@ class Link(_Namespaces):
     """The rate, in bits per second, of a TCP transfer of ``nbytes`` (default: about 1 s at the
     rate, 1 to 64 MiB) from ``sender``'s side. The receiver, in the other namespace, times from
     the first byte it receives to the last."""
-    receiver = "a" if sender == "b" else "b"
-    rate = bits_per_second(self.rate) or 8 * (64 << 20)
-    nbytes = nbytes or int(min(max(rate / 8, 1 << 20), 64 << 20))
-    address = self.addresses[receiver]
+    receiver, rate = "a" if sender == "b" else "b", bits_per_second(self.rate) or 8 * (64 << 20)
+    nbytes, address = nbytes or int(min(max(rate / 8, 1 << 20), 64 << 20)), self.addresses[receiver]
     listen = self.popen(receiver, [sys.executable, "-c", _RECEIVER, address, str(PORT)],
                         stdout=subprocess.PIPE, text=True)
     try:

@@ -57,8 +57,7 @@ from benchmarks.network import netns
 
 DEVICES = 4
 """Emulated CPU devices per process (the ``wide`` mesh's second axis)."""
-SIZES = (1_000_000, 4_000_000)
-REPEATS = 20
+SIZES, REPEATS = (1_000_000, 4_000_000), 20
 PORT = 7714
 """The coordination service's port."""
 IDLE_SECONDS = 1.0
@@ -160,8 +159,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
   measurements += [("wide trainer", "wide", TRAINER_OPERANDS),
                    ("pair small", "pair", SMALL_OPERANDS)]
   for name, mesh, elements in measurements:
-    fn = all_reduce(mesh, len(elements))
-    pairs = [operand(mesh, e) for e in elements]
+    fn, pairs = all_reduce(mesh, len(elements)), [operand(mesh, e) for e in elements]
     xs = [x for x, _ in pairs]
     outs = fn(*xs)  # compiles, and opens gloo's connections
     jax.block_until_ready(outs)
@@ -246,11 +244,9 @@ def report(tcp: dict[str, Any], table: list[dict[str, Any]], load: list[float]) 
 def drive(args: argparse.Namespace, pair: Any) -> dict[str, Any]:
   """The plain TCP transfer and both processes' measurements over a link at ``--rate``."""
   with netns.Link(rate=args.rate) as link:
-    before = os.getloadavg()[0]
-    tcp = plain_tcp(link, args.repeats * max(args.sizes))
+    before, tcp = os.getloadavg()[0], plain_tcp(link, args.repeats * max(args.sizes))
     results, (_, after) = pair(link)
-  load = [before, after]
-  table = rows(results, args.repeats, tcp["header_per_packet"])
+  load, table = [before, after], rows(results, args.repeats, tcp["header_per_packet"])
   print(report(tcp, table, load))
   return {"rate": args.rate, "repeats": args.repeats, "load_average": load, "tcp": tcp,
           "rows": table, "raw": results}

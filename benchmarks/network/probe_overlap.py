@@ -58,9 +58,7 @@ TRAINING = 4
 """The devices of a process the local steps run on (the first ones)."""
 SIZE = 1_120_000
 """Bytes of float32 each process contributes to the exchange."""
-STEPS = 5
-REPEATS = 5
-PORT = 7713
+STEPS, REPEATS, PORT = 5, 5, 7713
 SHORTEST = 0.05
 """The overlap efficiency is left out when the shorter of compute and exchange is below this
 fraction of the longer: the noise of the longer then exceeds what overlap could save."""
@@ -71,8 +69,7 @@ OVERLAPPED = VARIANTS[3:]
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
   """Process ``--worker``'s measurements (it joins the other at ``--coordinator``)."""
-  process_id = args.worker
-  both = netns.join(args, DEVICES)
+  process_id, both = args.worker, netns.join(args, DEVICES)
   local = both[process_id]
   train_mesh = Mesh(np.array(local[:TRAINING]), ("data",))
   wide_mesh = Mesh(np.array([devs[:TRAINING] for devs in both]), ("replica", "data"))
@@ -98,8 +95,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
   own_sharding = NamedSharding(own_mesh, P("replica"))
 
   n = args.size // 4 // TRAINING * TRAINING
-  base = np.arange(n, dtype=np.float32) % 7
-  rng = np.random.default_rng(process_id)
+  base, rng = np.arange(n, dtype=np.float32) % 7, np.random.default_rng(process_id)
   x = jax.device_put(rng.standard_normal((rows * TRAINING, width), np.float32) / width**0.5,
                      NamedSharding(train_mesh, P("data")))
   w0 = jax.device_put(rng.standard_normal((width, width), np.float32) / width**0.5,

@@ -166,8 +166,7 @@ def interleaved(baseline: Runner, runners: Sequence[Runner], rounds: int,
     previous = baseline()
     base.append(previous)
     for i in rng.permutation(len(runners)):
-      t = runners[i]()
-      after = baseline()
+      t, after = runners[i](), baseline()
       base.append(after)
       times[i].append(t)
       ratios[i].append(tuple(t[j] / (0.5 * (previous[j] + after[j])) for j in (0, 1)))

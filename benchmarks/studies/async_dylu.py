@@ -127,8 +127,7 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
 
   one_round = jax.jit(jax.vmap(worker, axis_name="w", in_axes=(0, 0, 0, 1)))
   params = jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), problem["params"])
-  state = jax.vmap(tx.init)(params)
-  metric = jax.jit(problem["metric_fn"])
+  state, metric = jax.vmap(tx.init)(params), jax.jit(problem["metric_fn"])
   values = [float(metric(problem["params"]))]
   for r in range(rounds):
     params, state = one_round(params, state, data, index[r])

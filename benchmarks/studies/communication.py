@@ -27,10 +27,7 @@ from benchmarks import kit
 from benchmarks.studies import mlp_overhead
 from benchmarks.studies._steps import AXIS
 
-BATCH = 32
-PERIOD = 10
-EVERY_K = 4
-STEPS = 1000
+BATCH, PERIOD, EVERY_K, STEPS = 32, 10, 4, 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +58,7 @@ def configs() -> list[tuple[str, str, int, Any]]:
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   hidden = mlp_overhead.SIZES[0][1]
   problem = mlp_overhead.problem(hidden, config.seed, kit.DEVICES, BATCH)
-  adam = optax.adam(mlp_overhead.LEARNING_RATE)
-  rows = []
+  adam, rows = optax.adam(mlp_overhead.LEARNING_RATE), []
   for algorithm, dtype_name, every, make in configs():
     tx = make(adam)
     step, args = problem.jitted(tx), problem.arguments(tx)

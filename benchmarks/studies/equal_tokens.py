@@ -59,9 +59,7 @@ from optax_dist.cli.tasks import LM_CONTEXT, TASKS
 
 GLOBAL_BATCH = 64
 """Windows per step, of every run: 8 workers × the ``lm`` task's batch of 8 (4,096 tokens)."""
-EVAL_EVERY = 100
-OUTER_MOMENTUM = 0.9
-TOKENS_PER_PARAM = 20
+EVAL_EVERY, OUTER_MOMENTUM, TOKENS_PER_PARAM = 100, 0.9, 20
 SWEEP_SEED = 0
 """The seed of the outer-learning-rate and H sweeps; the best setting is chosen on it."""
 PAPER_GAP = {1: None, 2: 0.007, 4: 0.020, 8: 0.039}
@@ -69,8 +67,7 @@ PAPER_GAP = {1: None, 2: 0.007, 4: 0.020, 8: 0.039}
 less 1 (``None``: slightly below 0, M = 1)."""
 TOLERANCE = {2: 0.02, 8: 0.05}
 """The targets: the gap of M within this of data parallel."""
-SECONDS_PER_STEP = 0.14
-SECONDS_PER_RUN = 25.0
+SECONDS_PER_STEP, SECONDS_PER_RUN = 0.14, 25.0
 """The estimate before any run is cached: a step, and a run's start-up and compilation."""
 QUICK_STEPS = 30
 
@@ -234,8 +231,7 @@ def _stats(xs: Sequence[float]) -> tuple[float, float] | None:
 def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
   """The comparison of the cached ``records``: data parallel, each M at its best outer learning
   rate and H = ``grid.period``, the sweeps, and the targets."""
-  dp = [r for r in records if r["replicas"] is None]
-  best = best_lrs(grid, records)
+  dp, best = [r for r in records if r["replicas"] is None], best_lrs(grid, records)
 
   def runs(m: int, lr: float, h: int, momentum: float = OUTER_MOMENTUM) -> list[dict[str, Any]]:
     return [r for r in records if r["replicas"] == m and r["outer_lr"] == lr
@@ -473,8 +469,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   the fewest steps with at least :data:`TOKENS_PER_PARAM` tokens per parameter that are a
   multiple of H (DiLoCo's anchor, which is evaluated, then holds every inner step)."""
   grid, seeds = (FULL if config.grid == "full" else QUICK_GRID), list(range(config.seeds))
-  runs_dir = os.path.join(os.path.dirname(prefix), "equal_tokens_runs")
-  task = TASKS["lm"]
+  runs_dir, task = os.path.join(os.path.dirname(prefix), "equal_tokens_runs"), TASKS["lm"]
   train = task.load(0).train
   meta = {"invocations": [], "num_params": kit.num_params(kit.initial_params(task, train)),
           "train_tokens": int(train["y"].size), "context": LM_CONTEXT, "seeds": seeds}

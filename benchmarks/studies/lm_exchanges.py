@@ -161,8 +161,7 @@ def targets(result: dict[str, Any]) -> list[str]:
     if (r := runs.get(f"diloco {fmt}")) is None or base is None:
       continue
     expected = float(wire_bytes(sum(sizes), fmt, BLOCK))  # codes and scales, leaves end to end
-    ideal = CODE_BYTES[fmt] / 4 + 1 / BLOCK
-    ratio = r["exchange_bytes"] / base["exchange_bytes"]
+    ideal, ratio = CODE_BYTES[fmt] / 4 + 1 / BLOCK, r["exchange_bytes"] / base["exchange_bytes"]
     lines.append(
       f"- {fmt}: {r['exchange_bytes']:,.0f} B per exchange against float32's"
       f" {base['exchange_bytes']:,.0f} B, {ratio:.4f} of float32's bytes per value (codes"

@@ -47,12 +47,8 @@ from benchmarks import kit
 from benchmarks.studies._steps import Problem, Variant, ratio_cell, ratio_plot, time_variants
 from optax_dist.cli.tasks import TASKS
 
-BATCH = 8
-LEARNING_RATE = 3e-3
-PERIOD = 10
-SYNC_PERIOD = 50
-FRAGMENTS = 4
-TARGET = 1.03
+BATCH, LEARNING_RATE, TARGET = 8, 3e-3, 1.03
+PERIOD, SYNC_PERIOD, FRAGMENTS = 10, 50, 4
 OPTIMIZER_SHAPES = {"w1": (1024, 2048), "w2": (2048, 1024), "b1": (2048,), "b2": (1024,)}
 """The 4M-param float32 tree of the optimizer-alone timing (4,197,376 params, 16 MiB)."""
 
@@ -247,8 +243,7 @@ def memory_markdown(result: dict[str, Any]) -> str:
 def missed_markdown(result: dict[str, Any]) -> str:
   whys = {(v.label, hinted): v.hinted_why if hinted else v.why
           for v in variants() for hinted in (False, True)}
-  params_kib = result["configs"][0]["num_params"] * 4 / 1024
-  missed = {}
+  params_kib, missed = result["configs"][0]["num_params"] * 4 / 1024, {}
   for c in result["configs"]:
     for r in c["rows"]:
       if _applies(r) and r["ratio"] > TARGET:

@@ -212,8 +212,7 @@ def _why(result: dict[str, Any]) -> list[str]:
   i = next(k for k, st in enumerate(sync["step"]) if st >= sync["step"][-1] - 100)
   drop = sync["curve"][i] - sync["curve"][-1]
   matches = [(r, m) for r in result["rows"] if r is not sync and (m := sync_to(r, sync))]
-  steps = [m[0] for _, m in matches]
-  ratios = [m[1] / r["total_bytes"] for r, m in matches]
+  steps, ratios = [m[0] for _, m in matches], [m[1] / r["total_bytes"] for r, m in matches]
   pairs = [(f"diloco H={h}", f"diloco H={h}, outer SGD 1.0, momentum 0 (extra)") for h in (50, 100)]
   compare = "; ".join(f"H={a.split('=')[1]}: {rows[a]['final']:.3f} with Nesterov,"
                       f" {rows[b]['final']:.3f} averaging" for a, b in pairs if b in rows)

@@ -30,12 +30,8 @@ from benchmarks import kit
 from benchmarks.studies._steps import AXIS, Problem, Variant, ratio_cell, ratio_plot, time_variants
 from optax_dist.cli.models import MLP
 
-FEATURES = 784
-CLASSES = 10
-BATCH = 128
-LEARNING_RATE = 1e-3
-PERIOD = 10
-EVERY_K = 4
+FEATURES, CLASSES, BATCH, LEARNING_RATE = 784, 10, 128, 1e-3
+PERIOD, EVERY_K = 10, 4
 SIZES = (("≈1M", (1024, 256)), ("≈10M", (2048, 2048, 2048)))
 """The MLPs: 784 inputs, these hidden widths (relu), 10 outputs."""
 
@@ -120,8 +116,7 @@ def problem(hidden: tuple[int, ...], seed: int = 0, devices: int = 1,
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   adam = optax.adam(LEARNING_RATE)
-  rounds = {"≈1M": config.rounds_1m, "≈10M": config.rounds_10m}
-  sizes = []
+  rounds, sizes = {"≈1M": config.rounds_1m, "≈10M": config.rounds_10m}, []
   for size_name, hidden in SIZES:
     p = problem(hidden)
     sizes.append({"size": size_name, "hidden": hidden, "num_params": p.num_params,

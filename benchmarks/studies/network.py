@@ -66,17 +66,13 @@ DEFAULT_METHODS = ("sync", "diloco", "streaming_diloco", "local_sgd", "elastic_a
 SWEEP = ((0.7, 0.9), (0.85, 0.7), (0.7, 0.5), (1.0, 0.0))
 """The (outer learning rate, outer momentum) pairs of :func:`outer_sweep`: the papers' 0.7 and
 0.9 first, plain averaging (local SGD's rule) last."""
-PROCESSES = 2
-DEVICES = 4
-STEPS = 200
+PROCESSES, DEVICES, STEPS = 2, 4, 200
 PERIOD = 20
 """H: the steps between the exchanges of the periodic algorithms. At 10 Mbit/s one exchange of
 the lm params takes about 1.2 s beside 0.3 s of compute per step on 2 cores: with H = 10 a
 DiLoCo step can at best be 1.30 times its unshaped time (measured 1.31), with H = 20 1.15; the
 final losses of DiLoCo and streaming DiLoCo hardly differ between the two (3.149 and 3.150)."""
-REPLICAS = 2
-BATCH = 8
-EVAL_EVERY = 20
+REPLICAS, BATCH, EVAL_EVERY = 2, 8, 20
 TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
 GLOO_OPERAND_BYTES = 576
@@ -120,8 +116,7 @@ def cross_bytes(by_axes: dict[str, int], operands: dict[str, int],
   every worker (``replica,data`` or ``workers``) are taken as one ring over all :math:`n` devices,
   which crosses once each way carrying :math:`2(n-1)/n` of the bytes.
   """
-  n = PROCESSES * DEVICES
-  total = 0.0
+  n, total = PROCESSES * DEVICES, 0.0
   for key, b in by_axes.items():
     axes = key.split(",")
     if axes == ["replica"]:
@@ -249,8 +244,7 @@ def measurements_table(result: dict[str, Any]) -> str:
   p, rows = result["param_bytes"], []
   for rate, method, runs in _cells(result):
     achieved = min(result["achieved_mbit"][rate].values())
-    rounds = max(runs[0]["communication_rounds"], 1)
-    med = functools.partial(_median_of, runs)
+    rounds, med = max(runs[0]["communication_rounds"], 1), functools.partial(_median_of, runs)
     spread = max(r["train_s"] for r in runs) - min(r["train_s"] for r in runs)
     rows.append([
       rate, f"{achieved:.1f}", method, f"{med('wall_s'):.1f}",
