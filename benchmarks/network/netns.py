@@ -130,7 +130,6 @@ def _run(*argv: str) -> str:
 
 
 def namespaces() -> list[str]:
-  """The names of the network namespaces ``ip netns list`` shows."""
   return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
 
 
@@ -258,7 +257,6 @@ class _Namespaces:
     _run("ip", "-n", name, "link", "set", "lo", "up")
 
   def close(self) -> None:
-    """Removes the namespaces (killing what runs in them), their veths and ``/etc/netns``."""
     while self._made:
       _remove_namespace(self._made.pop())
     for signum, handler in self._previous_handlers.items():
@@ -348,7 +346,6 @@ class Link(_Namespaces):
     return _run("ip", "netns", "exec", self.names[side], *argv)
 
   def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:
-    """Starts ``argv`` in namespace ``side`` (``subprocess.Popen``'s ``kwargs``)."""
     return subprocess.Popen(["ip", "netns", "exec", self.names[side], *argv], **kwargs)
 
   def run_pair(self, argvs: list[list[str]], logs: str, timeout: float, what: str = "") -> None:

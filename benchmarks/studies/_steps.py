@@ -224,13 +224,11 @@ def time_variants(problem: Problem, adam: Any, variants: Sequence[Variant], roun
 
 
 def ratio_cell(row: dict[str, Any]) -> str:
-  """A row's median wall ratio over adam's, in bold, and its interquartile range."""
   return f"**{row['ratio']:.3f}** ({row['q1']:.2f}–{row['q3']:.2f})"
 
 
 def ratio_plot(groups: Sequence[tuple[str, Sequence[dict[str, Any]]]], target: float,
                xlabel: str, title: str, path: str) -> None:
-  """Each row's median ratio over adam's with its interquartile range, a bar per group."""
   labels = [f"{r['label']}\n{r['phase']}" for r in groups[0][1]]
   y, height = np.arange(len(labels)), 0.8 / len(groups)
   fig, ax = kit.plt.subplots(figsize=(10, 0.45 * len(labels) + 1.5))

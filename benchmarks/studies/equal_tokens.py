@@ -264,8 +264,7 @@ def _momentum(record: dict[str, Any]) -> float:
 def _one(runs: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
   """The :data:`SWEEP_SEED` run of ``runs``: its final loss, gap, rounds and the workers' loss
   (``None``: no such run)."""
-  run = next((r for r in runs if r["seed"] == SWEEP_SEED), None)
-  if run is None:
+  if (run := next((r for r in runs if r["seed"] == SWEEP_SEED), None)) is None:
     return None
   gap = gaps([run], dp)
   return {"loss": run["final"], "gap": gap[0] if gap else None,

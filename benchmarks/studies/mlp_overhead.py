@@ -201,8 +201,7 @@ def _verdict(ratios: list[float]) -> str:
 
 
 def overhead_markdown(result: dict[str, Any]) -> str:
-  sizes = result["sizes"]
-  last = sizes[-1]
+  sizes, last = result["sizes"], result["sizes"][-1]
   header = ["wrapper", "step", *[x for s in sizes for x in (
     f"{s['size']} ms", f"{s['size']} wall ratio (IQR)", f"{s['size']} CPU ratio")],
             f"{last['size']} copies MiB", f"≤ {TARGET}× (wall / CPU)"]
