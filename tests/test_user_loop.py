@@ -225,3 +225,37 @@ def test_bad_input():
     ft.InProcess(protocol, num_replicas=2, faults=[ft.Fault(0, 0, "die_exchange")])
   with pytest.raises(ValueError, match="at most num_replicas=2"):
     ft.InProcess(protocol, num_replicas=2, min_replicas=3)
+
+
+def test_a_grain_iterator_seeks_its_slot_s_stream_to_the_healed_step():
+  """A loader with state: each replica reads its shard of a grain `MapDataset` through an
+  iterator, and `seek` sets the iterator's position whenever the data position jumps; the
+  rejoined replica 1 reads, after its heal, the batches of the healed steps (the shard's
+  `[step]`, a stateless function of (seed, slot, step))."""
+  grain = pytest.importorskip("grain")
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.5), optax.sgd(1.0), sync_period=H)
+  data = jax.random.normal(jax.random.key(1), (64, 4))
+  dataset = grain.MapDataset.range(64).seed(0).shuffle().repeat().batch(8)
+  step_fn = jax.jit(lambda p, o, x: protocol.inner_step(p, o, p - x.mean(0)))
+
+  def train(replica):
+    shard = dataset[replica.slot::3]
+    stream = iter(shard.to_iter_dataset())
+    params = jnp.zeros(4)
+    state = replica.start((params, protocol.tx.init(params)),
+                          seek=lambda step: stream.set_state({"next_index": step}))
+    read = []
+    while replica.step < 4 * H:
+      index = next(stream)
+      np.testing.assert_array_equal(index, shard[replica.step])
+      read.append(replica.step)
+      state = replica.after_step(step_fn(*state, data[index]))
+    return read
+
+  faults = [ft.Fault(1, 1, "die_inner"), ft.Fault(2, 1, "join")]
+  engine = ft.InProcess(protocol, num_replicas=3, faults=faults)
+  read = engine.run(train)
+  assert engine.heals == [(2, 1, 0)]
+  assert read[1] == [0, 1, 3 * H, 3 * H + 1]  # its first round, then the healed round's
+  assert all(len({line.state_hash for line in lines if line.committed}) == 1
+             for lines in _by_round(engine.log).values())

@@ -52,8 +52,8 @@ def tree_bytes(tree: Any) -> bytes:
 
 
 def tree_from_bytes(data: bytes, like: Any) -> Any:
-  """The inverse of :func:`tree_bytes`: ``like``'s tree, dtypes and shapes (arrays or
-  ``jax.ShapeDtypeStruct``\ s) rebuilt from ``data`` as ``jax.Array``\ s.
+  """The inverse of :func:`tree_bytes`: ``like``'s tree, dtypes and shapes (arrays or shape
+  and dtype structs) rebuilt from ``data`` as ``jax.Array`` leaves.
 
   Raises:
     ValueError: ``data`` is not exactly the bytes ``like``'s leaves hold.
