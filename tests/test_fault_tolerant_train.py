@@ -58,10 +58,23 @@ def _without(example: list[str], flag: str) -> list[str]:
   (_without(EXAMPLE, "--algorithm") + ["--algorithm", "sync"],
    "argument --algorithm: --fault-tolerant runs diloco, local_sgd, streaming_diloco only, got"
    " sync"),
-  (EXAMPLE + ["--fsdp", "1"], "argument --fsdp: not with --fault-tolerant"),
-  (EXAMPLE + ["--resume"], "argument --resume: not with --fault-tolerant"),
-  (EXAMPLE + ["--save-params", "x.npz"], "argument --save-params: not with --fault-tolerant"),
-  (EXAMPLE + ["--fail-at-step", "3"], "argument --fail-at-step: not with --fault-tolerant"),
+  (EXAMPLE + ["--resume"], "argument --resume: not with --fault-tolerant, got --resume; a"
+   " fault-tolerant run's replicas resume from its own checkpoints"),
+  (EXAMPLE + ["--save-params", "x.npz"],
+   "argument --save-params: not with --fault-tolerant, got --save-params x.npz; the final state"
+   " is the last checkpoint's"),
+  (EXAMPLE + ["--fail-at-step", "3"], "argument --fail-at-step: not with --fault-tolerant, got"
+   " --fail-at-step 3; it scripts a process exit"),
+  (EXAMPLE + ["--exchange-device"], "argument --exchange-device: not with --fault-tolerant, got"
+   " --exchange-device; a round's exchange is torchft's"),
+  (EXAMPLE + ["--overlap", "1"], "argument --overlap: not with --fault-tolerant, got --overlap 1;"
+   " it belongs to decoupled rounds, not yet"),
+  (EXAMPLE + ["--eager"], "argument --eager: not with --fault-tolerant, got --eager; it belongs"
+   " to decoupled rounds, not yet"),
+  (_without(EXAMPLE, "--algorithm") + ["--algorithm", "local_sgd", "--warmup-steps", "4"],
+   "argument --warmup-steps: not with --fault-tolerant, got --warmup-steps 4; local_sgd's warm-up"
+   " averages the gradients inside each step, before the inner update, and a round exchanges"
+   " only after a step"),
   (_without(EXAMPLE, "--min-replicas") + ["--min-replicas", "4"],
    "argument --min-replicas: must be at most --replicas (3), got 4"),
   (["train", "--min-replicas", "2"], "argument --min-replicas: needs --fault-tolerant"),
@@ -156,6 +169,48 @@ def test_replicas_draw_the_trainers_minibatches():
   assert jax.tree.structure(grad_fn(params, batch_fn(0, 0, 0))) == jax.tree.structure(params)
 
 
+def test_fsdp_shards_a_replicas_params_and_a_heals_state_is_placed_back():
+  """With ``--fsdp 2`` a replica's params are sharded over its 2 devices as ``train --fsdp 2``
+  shards one replica's (:func:`fsdp_spec`), and so are its gradients and inner optimizer state
+  after a step. A heal's state arrives as host arrays (one device): the next step puts the
+  params and the inner state back on that layout (the gradients are placed as the params), and
+  a second heal compiles nothing the first did not."""
+  import jax
+  import jax.numpy as jnp
+
+  from optax_dist.cli.config import Settings
+  from optax_dist.cli.meshes import fsdp_spec
+  from optax_dist.cli.tasks import TASKS
+
+  task = TASKS["digits"]
+  s = Settings(algorithm="diloco", devices=4, replicas=2, fsdp=2, batch_size=4, steps=8,
+               sync_period=4).resolved()
+  params, grad_fn, batch_fn, _, _ = ft_task.task_engine(task, task.load(0), s, 2)
+  specs = jax.tree.map(lambda p: fsdp_spec(p.shape, 2), params)
+  assert jax.tree.map(lambda p: p.sharding.spec, params) == specs
+  assert all("fsdp" in spec for spec in jax.tree.leaves(specs))  # every leaf has an even dim
+  protocol, grads = ft_task.protocol(s), jax.jit(grad_fn)
+
+  def layout(tree):  # each leaf's sharded dims (a jitted step drops a spec's trailing Nones)
+    return [[i for i, axis in enumerate(x.sharding.spec) if axis] for x in jax.tree.leaves(tree)]
+
+  def steps(state, first, n):
+    for t in range(first, first + n):
+      state = protocol.inner_step(*state, grads(state[0], batch_fn(0, 0, t)))
+    return state
+
+  state = steps((params, protocol.tx.init(params)), 0, 2)
+  want = layout(params), layout(state[1].inner_state)
+  assert layout(state[0]) == want[0] and layout(grads(state[0], batch_fn(0, 0, 2))) == want[0]
+  compiled = []
+  for heal in range(2):
+    state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)  # as decode_heal builds it
+    state = steps(state, 2 + 3 * heal, 3)
+    assert (layout(state[0]), layout(state[1].inner_state)) == want
+    compiled.append((protocol.inner_step._cache_size(), grads._cache_size()))
+  assert compiled[1] == compiled[0]
+
+
 def test_an_lm_example_weighs_its_context_in_tokens():
   """A window of the ``lm`` task predicts the next byte at each of its positions."""
   from optax_dist.cli.tasks import LM_CONTEXT, load_lm
@@ -248,3 +303,39 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
   # every 40 steps (an aborted round's steps count) and at the end, after 16 committed rounds
   assert [meta["step"] for meta in saved if meta["step"] % 40 == 0] == [40, 80]
   assert (saved[-1]["step"], saved[-1]["rounds"]) == (finals[0]["step"], 16)
+
+
+def _committed_hashes(out: pathlib.Path, replicas: int) -> dict[int, set]:
+  """Each committed round's state hashes over the replicas' lines."""
+  by_round: dict[int, set] = {}
+  for i in range(replicas):
+    for line in _lines(out, i):
+      if line["committed"]:
+        by_round.setdefault(line["round"], set()).add(line["state_hash"])
+  return by_round
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--fsdp", "2"), ("--param-dtype", "bfloat16")])
+def test_fsdp_and_bfloat16_params_run_with_one_hash_per_round(flags, tmp_path):
+  """2 replicas of 2 devices, 3 rounds: ``--fsdp 2`` (each replica's params sharded over its
+  devices) and ``--param-dtype bfloat16`` (the anchor in float32: its checkpoint restores with
+  the run's fingerprint) each commit every round with one state hash across the replicas."""
+  _require_ft()
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+  env["PYTHONPATH"] = str(ROOT)
+  args = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "2", "--devices",
+          "2", "--steps", "12", "--sync-period", "4", "--checkpoint-every", "12", *flags,
+          "--out", str(tmp_path)]
+  done = subprocess.run([sys.executable, "-m", "optax_dist.cli", *args, "--no-progress"],
+                        env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "3 rounds committed, 0 aborted" in done.stdout, done.stdout
+  hashes = _committed_hashes(tmp_path, 2)
+  assert sorted(hashes) == [0, 1, 2] and all(len(h) == 1 for h in hashes.values())
+  # The checkpoint of the last round restores in this process (settings_fingerprint, tree and
+  # dtypes) and its evaluated params (the anchor) score what the replicas' final lines say.
+  [curve] = ft_task.checkpoint_metrics(build_parser().parse_args(args))
+  finals = {json.loads((tmp_path / "replicas" / f"final_{i}.json").read_text())["test_accuracy"]
+            for i in range(2)}
+  assert curve["rounds"] == 3 and finals == {curve["test_accuracy"]}

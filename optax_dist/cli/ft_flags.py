@@ -82,7 +82,8 @@ def resolve(args: argparse.Namespace) -> None:
 
   Raises:
     CommandError: a fault-tolerance flag without ``--fault-tolerant``; ``--processes`` with it;
-      an algorithm the protocol does not run; a setting it does not take; ``--min-replicas``
+      an algorithm the protocol does not run; a setting it does not take (:data:`_REFUSED`,
+      each with its reason); ``--min-replicas``
       above ``--replicas``; ``--replica-id`` outside ``0..R-1``; the ``ft`` extra missing.
   """
   if not args.fault_tolerant:
@@ -99,6 +100,31 @@ def resolve(args: argparse.Namespace) -> None:
   errors.require(("torch", "torchft"), f"--fault-tolerant {FT_HINT}")
 
 
+_DECOUPLED = "it belongs to decoupled rounds, not yet"
+
+_REFUSED = (
+  ("resume", lambda a: a.resume,
+   ("a fault-tolerant run's replicas resume from its own checkpoints (--checkpoint-every, under"
+    " OUT/replicas/checkpoints) while it runs, and a new command starts a new run")),
+  ("exchange_device", lambda a: a.exchange_device,
+   "a round's exchange is torchft's, between the replica processes, outside their programs"),
+  ("overlap", lambda a: a.overlap, _DECOUPLED),
+  ("eager", lambda a: a.eager, _DECOUPLED),
+  ("warmup_steps", lambda a: a.warmup_steps,
+   ("local_sgd's warm-up averages the gradients inside each step, before the inner update, and"
+    " a round exchanges only after a step")),
+  ("save_params", lambda a: a.save_params is not None,
+   "the final state is the last checkpoint's (--checkpoint-every, under OUT/replicas/checkpoints)"),
+  ("fail_at_step", lambda a: a.fail_at_step is not None,
+   ("it scripts a process exit for the multi-process watchdog; kill a replica instead (the"
+    " launcher restarts it)")),
+)
+"""The settings ``--fault-tolerant`` refuses: ``(name, given(args), why)``, ``why`` the reason
+said after the value, in one clause. Accepted: ``--fsdp`` (each replica's params and optimizer
+state sharded over its devices) and ``--param-dtype`` (``diloco``'s and ``streaming_diloco``'s
+anchor in float32 then, as ``train`` keeps it)."""
+
+
 def _refuse(args: argparse.Namespace) -> None:
   if args.processes != 1 or args.process_id is not None or args.coordinator is not None:
     raise CommandError(
@@ -108,17 +134,11 @@ def _refuse(args: argparse.Namespace) -> None:
     raise CommandError(
       f"argument --algorithm: --fault-tolerant runs {', '.join(SUPPORTED)} only, got"
       f" {args.algorithm}")
-  refused = (("fsdp", args.fsdp is not None), ("resume", args.resume),
-             ("exchange_device", args.exchange_device), ("overlap", args.overlap),
-             ("eager", args.eager), ("warmup_steps", args.warmup_steps),
-             ("param_dtype", args.param_dtype != "float32"),
-             ("save_params", args.save_params is not None),
-             ("fail_at_step", args.fail_at_step is not None))
-  for name, given in refused:
-    if given:
-      raise CommandError(
-        f"argument {algorithms.flag(name)}: not with --fault-tolerant, got"
-        f" {getattr(args, name)}")
+  for name, given, why in _REFUSED:
+    if given(args):
+      value, flag = getattr(args, name), algorithms.flag(name)
+      shown = flag if isinstance(value, bool) else f"{flag} {value}"
+      raise CommandError(f"argument {flag}: not with --fault-tolerant, got {shown}; {why}")
   if args.min_replicas > args.replicas:
     raise CommandError(
       f"argument --min-replicas: must be at most --replicas ({args.replicas}), got"

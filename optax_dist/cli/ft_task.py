@@ -42,13 +42,17 @@ def settings(args: argparse.Namespace, task: Task, load: Callable[[], Data]) -> 
 
 def protocol(s: Settings) -> RoundProtocol:
   """The :class:`~optax_dist.fault_tolerance.RoundProtocol` of ``s``: the command's inner
-  optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`), outer optimizer and exchange."""
+  optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`), outer optimizer and exchange;
+  with low-precision params (``param_dtype`` not float32), the anchor of ``diloco`` and
+  ``streaming_diloco`` in float32, as ``train`` keeps it (``local_sgd`` keeps none)."""
   streaming = s.algorithm == "streaming_diloco"
-  outer = None if s.algorithm == "local_sgd" else algorithms.outer_optimizer(s)
+  anchored = s.algorithm != "local_sgd"
+  outer = algorithms.outer_optimizer(s) if anchored else None
+  anchor_dtype = "float32" if anchored and s.param_dtype != "float32" else None
   return RoundProtocol(
     s.algorithm, algorithms.inner_optimizer(s), outer, sync_period=s.sync_period,
     error_feedback=s.error_feedback, num_fragments=s.num_fragments if streaming else None,
-    mixing=s.mixing, **algorithms.exchange_options(s))
+    mixing=s.mixing, anchor_dtype=anchor_dtype, **algorithms.exchange_options(s))
 
 
 def check_protocol(task: Task, data: Data, s: Settings) -> None:
@@ -73,10 +77,14 @@ def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any
   """``(params, grad_fn, batch_fn, tokens_per_step, evaluate)`` of ``task`` for one replica
   of ``replicas`` (``s.devices`` workers in all, ``K = s.devices // replicas`` per replica).
 
-  * ``params``: :func:`optax_dist.cli.runs.initial_params` (``train``'s), replicated over the
-    replica's K devices;
+  * ``params``: :func:`optax_dist.cli.runs.initial_params` (``train``'s) in ``s.param_dtype``,
+    replicated over the replica's K devices; with ``s.fsdp`` F, each sharded over F of them as
+    ``train --fsdp F`` shards one replica's (:func:`optax_dist.cli.meshes.fsdp_spec`, on a
+    ``(K / F, F)`` mesh over ``(DATA, FSDP)``);
   * ``grad_fn(params, batch)``: the gradient of ``task``'s mean loss on the replica's batch of
-    ``K * batch_size`` examples, split over its K devices: the mean of its workers' gradients;
+    ``K * batch_size`` examples, split over its K devices: the mean of its workers' gradients
+    (the compiler reduces them within the replica), placed as ``params`` are however the
+    params it is given are placed (a heal's arrive on one device);
   * ``batch_fn(seed, slot, step)``: the minibatches of workers ``slot * K`` to ``slot * K + K -
     1`` for step ``step + 1`` (:func:`optax_dist.cli.pipeline.minibatch`), stateless;
   * ``tokens_per_step``: the targets in the replica's batch of a step, ``K * batch_size`` times
@@ -87,26 +95,36 @@ def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  from optax_dist.cli.algorithms import DATA, FSDP
+  from optax_dist.cli.meshes import fsdp_spec
   from optax_dist.cli.runs import initial_params
 
-  k = s.devices // replicas
-  mesh = Mesh(np.array(jax.devices()[:k]), ("data",))
+  k, f = s.devices // replicas, s.fsdp or 1
+  mesh = Mesh(np.array(jax.devices()[:k]).reshape(k // f, f), (DATA, FSDP))
   shards = pipeline.shard_examples(data.train, s.devices)
   n_local = checks.num_examples(data.train) // s.devices
   example = tuple((key, (1,) + v.shape[1:], str(v.dtype)) for key, v in data.train.items())
   model = task.model()
   params = jax.tree.map(lambda p: p.astype(s.param_dtype), initial_params(task, s.seed, example))
-  params = jax.device_put(params, NamedSharding(mesh, P()))
+  placed = jax.tree.map(lambda p: NamedSharding(mesh, fsdp_spec(p.shape, f) if s.fsdp else P()),
+                        params)
+  params = jax.device_put(params, placed)
+  examples = NamedSharding(mesh, P((DATA, FSDP)))
 
   def batch_fn(seed: int, slot: int, step: int) -> Any:
     workers = np.arange(slot * k, slot * k + k)[:, None]
     idx = pipeline.minibatch(seed, s.devices, n_local, s.batch_size, step)[workers[:, 0]]
     batch = {key: v[workers, idx].reshape((-1,) + v.shape[2:]) for key, v in shards.items()}
-    return jax.device_put(batch, NamedSharding(mesh, P("data")))
+    return jax.device_put(batch, examples)
+
+  loss_grad = jax.grad(task.loss_fn(model))
+
+  def grad_fn(params: Any, batch: Any) -> Any:
+    return jax.lax.with_sharding_constraint(loss_grad(params, batch), placed)
 
   metric = jax.jit(task.metric_fn(model))
-  return (params, jax.grad(task.loss_fn(model)), batch_fn,
-          k * s.batch_size * tokens_per_example(data), lambda p: float(metric(p, data.test)))
+  return (params, grad_fn, batch_fn, k * s.batch_size * tokens_per_example(data),
+          lambda p: float(metric(p, data.test)))
 
 
 def tokens_per_example(data: Data) -> int:
