@@ -13,7 +13,7 @@ from optax_dist.cli import algorithms, checks, errors
 from optax_dist.cli.arguments import (integer_at_least_0, non_negative_float, positive_float,
                                       positive_int)
 from optax_dist.cli.errors import CommandError
-from optax_dist.fault_tolerance import SUPPORTED
+from optax_dist.fault_tolerance import SUPPORTED, halves
 from optax_dist.fault_tolerance.launcher import LaunchConfig, majority
 
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
@@ -130,10 +130,12 @@ def _refuse(args: argparse.Namespace) -> None:
     raise CommandError(
       "argument --processes: not with --fault-tolerant, whose --replicas R are R processes of"
       " --devices devices each")
-  if args.algorithm not in SUPPORTED:
+  try:
+    halves.row(args.algorithm)
+  except ValueError:
     raise CommandError(
       f"argument --algorithm: --fault-tolerant runs {', '.join(SUPPORTED)} only, got"
-      f" {args.algorithm}")
+      f" {args.algorithm}") from None
   for name, given, why in _REFUSED:
     if given(args):
       value, flag = getattr(args, name), algorithms.flag(name)

@@ -23,7 +23,7 @@ from optax_dist.cli import algorithms, checks, ft_flags, pipeline
 from optax_dist.cli.config import Settings, settings_of
 from optax_dist.cli.errors import CommandError
 from optax_dist.cli.tasks import TASKS, Data, Task
-from optax_dist.fault_tolerance import RoundProtocol
+from optax_dist.fault_tolerance import RoundProtocol, halves
 from optax_dist.fault_tolerance import checkpoints as ft_checkpoints
 from optax_dist.fault_tolerance.decision import settings_fingerprint
 from optax_dist.fault_tolerance.rundir import RunDir
@@ -45,14 +45,14 @@ def protocol(s: Settings) -> RoundProtocol:
   optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`), outer optimizer and exchange;
   with low-precision params (``param_dtype`` not float32), the anchor of ``diloco`` and
   ``streaming_diloco`` in float32, as ``train`` keeps it (``local_sgd`` keeps none)."""
-  streaming = s.algorithm == "streaming_diloco"
-  anchored = s.algorithm != "local_sgd"
-  outer = algorithms.outer_optimizer(s) if anchored else None
-  anchor_dtype = "float32" if anchored and s.param_dtype != "float32" else None
+  row = halves.row(s.algorithm)  # the settings the algorithm's row takes
+  outer = algorithms.outer_optimizer(s) if row.takes_outer else None
+  anchor_dtype = "float32" if row.takes_outer and s.param_dtype != "float32" else None
   return RoundProtocol(
     s.algorithm, algorithms.inner_optimizer(s), outer, sync_period=s.sync_period,
-    error_feedback=s.error_feedback, num_fragments=s.num_fragments if streaming else None,
-    mixing=s.mixing, anchor_dtype=anchor_dtype, **algorithms.exchange_options(s))
+    error_feedback=s.error_feedback,
+    num_fragments=s.num_fragments if row.takes_fragments else None, mixing=s.mixing,
+    anchor_dtype=anchor_dtype, **algorithms.exchange_options(s))
 
 
 def check_protocol(task: Task, data: Data, s: Settings) -> None:

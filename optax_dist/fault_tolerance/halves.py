@@ -115,7 +115,8 @@ class Halves:
       heal (the anchor, or the last committed average).
     initial_average: ``(params) -> average``: ``ReplicaState.average`` at ``init`` (``None``
       for the rows that keep none).
-    takes_outer: whether ``RoundProtocol(outer=...)`` may be given.
+    takes_outer: whether ``RoundProtocol(outer=...)`` may be given: the row keeps an anchor
+      (and so takes ``anchor_dtype``).
     takes_fragments: whether ``RoundProtocol(num_fragments=...)`` may be given (default 4, at
       most ``sync_period``).
     takes_mixing: whether ``RoundProtocol(mixing=...)`` may be nonzero.
@@ -289,3 +290,16 @@ HALVES: dict[str, Halves] = {
 }
 """The rows by algorithm name (``RoundProtocol(algorithm=...)``), in the order
 ``SUPPORTED`` lists them."""
+
+
+def row(algorithm: str, fn: str = "RoundProtocol") -> Halves:
+  """``algorithm``'s row of :data:`HALVES`.
+
+  Raises:
+    ValueError: ``algorithm`` has no row (the message names ``fn``'s ``algorithm`` argument and
+      the rows there are).
+  """
+  found = HALVES.get(algorithm)
+  if found is None:
+    raise ValueError(f"`{fn}(algorithm=...)` must be one of {tuple(HALVES)}, got {algorithm!r}.")
+  return found

@@ -386,8 +386,8 @@ class Replica:
     got = self.engine.exchange(Sent(header, (payload, parts.collections), int(mine.rounds),
                                     self.donation(mine, parts.collections)))
     replica, collections = mine, parts.collections
-    if got.healed is not None:
-      replica, collections = self.receive(got.healed)
+    if got.healed is not None:  # placed as the loop's own state is (e.g. sharded over a mesh)
+      replica, collections = _placed_as((self.receive(got.healed)), (mine, collections))
     if got.merged is None:  # the params back on the anchor: copies (the loop donates them)
       replica = self.protocol.abort(replica)
       replica = replica._replace(params=jax.tree.map(jnp.copy, replica.params))
@@ -439,6 +439,14 @@ def split_donation(donation: Any) -> tuple[HealState, Any]:
   """``(heal_state, collections)`` of a :meth:`Replica.donation` (collections ``None`` for a
   model without any)."""
   return (donation, None) if isinstance(donation, HealState) else donation
+
+
+def _placed_as(tree: Any, like: Any) -> Any:
+  """``tree``'s arrays placed as ``like``'s (its shardings), where ``like``'s are committed to
+  their devices; left as they are elsewhere."""
+  def place(x, old):
+    return jax.device_put(x, old.sharding) if getattr(old, "committed", False) else x
+  return jax.tree.map(place, tree, like)
 
 
 def _at_step(opt_state: Any, step: int) -> Any:

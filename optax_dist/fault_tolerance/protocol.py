@@ -141,11 +141,7 @@ class RoundProtocol:
 
   def __post_init__(self):
     fn = "RoundProtocol"
-    rows = _halves.HALVES
-    if self.algorithm not in rows:
-      raise ValueError(
-        f"`{fn}(algorithm=...)` must be one of {tuple(rows)}, got {self.algorithm!r}.")
-    row = rows[self.algorithm]
+    row = _halves.row(self.algorithm, fn)
     if not row.takes_outer and self.outer is not None:
       raise ValueError(
         f"`{fn}(outer=...)` must be None for {self.algorithm} (it takes no outer optimizer),"
@@ -156,7 +152,7 @@ class RoundProtocol:
     if ((self.num_fragments is not None and not row.takes_fragments)
         or (self.mixing != 0 and not row.takes_mixing)):
       owners = " and ".join(
-        name for name, r in rows.items() if r.takes_fragments or r.takes_mixing)
+        name for name, r in _halves.HALVES.items() if r.takes_fragments or r.takes_mixing)
       raise ValueError(
         f"`{fn}(num_fragments=..., mixing=...)` are {owners}'s, got"
         f" num_fragments={self.num_fragments!r}, mixing={self.mixing!r} for {self.algorithm}.")
@@ -190,7 +186,7 @@ class RoundProtocol:
   @functools.cached_property
   def halves(self) -> _halves.Halves:
     """The algorithm's row of :data:`~optax_dist.fault_tolerance.halves.HALVES`."""
-    return _halves.HALVES[self.algorithm]
+    return _halves.row(self.algorithm)
 
   @functools.cached_property
   def exchange(self) -> _exchange.Exchange:
