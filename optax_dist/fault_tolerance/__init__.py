@@ -18,12 +18,13 @@ subpackage's modules:
   members' headers and payloads that every engine calls;
 * :mod:`~optax_dist.fault_tolerance.protocol`: the round rules of one replica
   (:class:`RoundProtocol`: the transformation, the send and land halves, the merge, the vote,
-  commit and abort), the state split (:class:`ReplicaState`, :class:`GlobalState`,
-  :func:`global_state`, :func:`counters`, what a donor sends: :class:`HealState` and
-  :func:`heal_state`, :func:`local_state`) and :func:`state_hash`;
+  commit and abort; :class:`ReplicaState`, :class:`Sent`);
   :mod:`~optax_dist.fault_tolerance.halves` is its table, one row per algorithm;
-* :mod:`~optax_dist.fault_tolerance.heal`: the heal payload (:func:`encode_heal`,
-  :func:`decode_heal`): a JSON manifest and raw bytes, never a pickle;
+* :mod:`~optax_dist.fault_tolerance.heal`: the state split (:class:`GlobalState`,
+  :func:`global_state`, :func:`counters`; what a donor sends: :class:`HealState`,
+  :func:`heal_state` and :func:`inner_state`; :func:`local_state`), :func:`state_hash`, and the
+  heal payload (:func:`encode_heal`, :func:`decode_heal`): a JSON manifest and raw bytes, never
+  a pickle;
 * :mod:`~optax_dist.fault_tolerance.checkpoints`: a run's checkpoints, donations written by the
   quorum's rank 0, from which a replica that starts restores as a joiner heals;
 * :mod:`~optax_dist.fault_tolerance.engine`: :class:`InProcessEngine`, the library's own loop
@@ -74,6 +75,7 @@ from optax_dist.fault_tolerance.heal import (
   global_state,
   heal_replica,
   heal_state,
+  inner_state,
   local_state,
   state_hash,
 )
@@ -104,6 +106,7 @@ __all__ = (
   "global_state",
   "heal_replica",
   "heal_state",
+  "inner_state",
   "local_state",
   "replay",
   "state_hash",

@@ -135,4 +135,4 @@ def restore(directory: str | os.PathLike, protocol: RoundProtocol, state: Replic
   if found is None:
     return None
   received, meta = found
-  return local_state(protocol, received.global_state, params_like, received.counters), meta
+  return local_state(protocol, received.global_state, params_like, received.inner), meta

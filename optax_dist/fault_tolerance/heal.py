@@ -15,11 +15,13 @@ Layout of one heal payload (the exact bytes a transport sends and a checkpoint h
   MAGIC (b"optax_dist-heal/1\\n") | manifest length (8 bytes, big-endian) | manifest (UTF-8 JSON)
   | the leaves' bytes, end to end, in the manifest's order
 
-The manifest is ``{"hash": <sha256 hex of the state>, "leaves": [[path, dtype, shape,
-nbytes], ...]}``: strings and integers only. The receiver checks it against the tree it
-expects (its own state's paths, dtypes and shapes) before reading a byte of data, rebuilds the
-arrays with its own dtypes, and checks the hash of what it rebuilt. Nothing received is
-unpickled or evaluated.
+The manifest is ``{"fingerprint": <the donor run's settings fingerprint>, "hash": <sha256 hex
+of the state>, "leaves": [[path, dtype, shape, nbytes], ...]}``: strings and integers only
+(``fingerprint`` only when the sender names its run: a replica's heal does, a checkpoint's
+payload does not, its JSON does). The receiver checks it against its own run's fingerprint and
+the tree it expects (its own state's paths, dtypes and shapes) before reading a byte of data,
+rebuilds the arrays with its own dtypes, and checks the hash of what it rebuilt. Nothing
+received is unpickled or evaluated.
 """
 
 from __future__ import annotations
@@ -69,34 +71,39 @@ def tree_from_bytes(data: bytes, like: Any) -> Any:
   return jax.tree.unflatten(jax.tree.structure(like), arrays)
 
 
-def encode_heal(state: HealState) -> bytes:
+def encode_heal(state: HealState, *, fingerprint: int | None = None) -> bytes:
   """A state as one heal payload: the magic, the manifest and the leaves' raw bytes.
 
   Args:
     state: the donor's :class:`HealState` (:func:`heal_state`), or any tree of arrays (a
       :class:`GlobalState`).
+    fingerprint: the donor run's settings fingerprint
+      (:func:`~optax_dist.fault_tolerance.decision.settings_fingerprint`), named in the
+      manifest; ``None``: none named (a checkpoint's payload: its JSON names it).
 
   Returns:
     ``bytes``: the payload, of ``len(MAGIC) + 8 + len(manifest) + Σ nbytes`` bytes.
   """
   leaves = _leaves(state)
-  manifest = {
-    "hash": state_hash(state),
-    "leaves": [[path, str(a.dtype), list(a.shape), a.nbytes] for path, a in leaves],
-  }
+  manifest = {} if fingerprint is None else {"fingerprint": int(fingerprint)}
+  manifest.update(
+    hash=state_hash(state),
+    leaves=[[path, str(a.dtype), list(a.shape), a.nbytes] for path, a in leaves])
   head = json.dumps(manifest, separators=(",", ":")).encode()
   return b"".join([MAGIC, len(head).to_bytes(_LENGTH, "big"), head, tree_bytes(state)])
 
 
-def decode_heal(payload: Any, expected: HealState, *, replica: str
-                ) -> HealState:
-  """A received heal payload checked against the expected tree, then rebuilt.
+def decode_heal(payload: Any, expected: HealState, *, replica: str,
+                fingerprint: int | None = None) -> HealState:
+  """A received heal payload checked against the run's fingerprint and the expected tree, then
+  rebuilt.
 
   The checks, in order, before any array is built: ``payload`` is ``bytes`` starting with
-  ``MAGIC`` (a pickle or any other format is refused here, unread); the manifest is JSON
-  holding one ``[path, dtype, shape, nbytes]`` per leaf of ``expected``, equal to its path,
-  dtype and shape; the data is exactly ``Σ nbytes`` long. After: the rebuilt state's
-  :func:`state_hash` is the manifest's.
+  ``MAGIC`` (a pickle or any other format is refused here, unread); the manifest is JSON;
+  with ``fingerprint`` given, it names that fingerprint (a donor of another run, or a payload
+  that names none, is refused before a byte of its data is read); it holds one ``[path, dtype,
+  shape, nbytes]`` per leaf of ``expected``, equal to its path, dtype and shape; the data is
+  exactly ``Σ nbytes`` long. After: the rebuilt state's :func:`state_hash` is the manifest's.
 
   Args:
     payload: the received bytes.
@@ -104,6 +111,9 @@ def decode_heal(payload: Any, expected: HealState, *, replica: str
       receiver's own :func:`heal_state`, or of its fresh ``init``); only its structure, paths,
       dtypes and shapes are read.
     replica: the sending replica's id, named in every error.
+    fingerprint: the receiver's own settings fingerprint, which the manifest must name;
+      ``None``: not checked (a checkpoint, whose JSON :mod:`~optax_dist.fault_tolerance.
+      checkpoints` checks).
 
   Returns:
     ``expected``'s tree (a :class:`HealState`), leaves as ``jax.Array`` of its dtypes.
@@ -111,14 +121,21 @@ def decode_heal(payload: Any, expected: HealState, *, replica: str
   Raises:
     TypeError: ``payload`` not ``bytes``.
     ValueError: no ``MAGIC`` (naming the replica); a manifest that is not the expected JSON; a
-      leaf whose path, dtype or shape differs (naming the replica and the leaf); data of the
-      wrong length; a hash mismatch.
+      manifest naming another fingerprint than ``fingerprint``, or none (naming both); a leaf
+      whose path, dtype or shape differs (naming the replica and the leaf); data of the wrong
+      length; a hash mismatch.
   """
   if not isinstance(payload, (bytes, bytearray)):
     raise TypeError(
       f"`decode_heal(payload=...)` from replica {replica!r} must be bytes, got"
       f" {type(payload).__name__}.")
   head, data = _split(bytes(payload), replica)
+  named = head.get("fingerprint")
+  if fingerprint is not None and (named != fingerprint or isinstance(named, bool)):
+    what = "names no run" if named is None else f"is of another run (fingerprint {named!r})"
+    raise ValueError(
+      f"heal payload from replica {replica!r} {what}, this run's fingerprint is {fingerprint}:"
+      " refused unread (a replica of another run on this Lighthouse?).")
   want = _leaves(expected)
   _check_manifest(head, want, replica)
   total = sum(a.nbytes for _, a in want)
@@ -137,14 +154,13 @@ def heal_replica(round_protocol: RoundProtocol, payload: Any, joiner: ReplicaSta
                  params_like: Any, *, replica: str) -> ReplicaState:
   """A joiner rebuilt from a donor's payload (:func:`encode_heal` of its :func:`heal_state`):
   :func:`decode_heal` against the joiner's own :func:`heal_state`, then :func:`local_state`
-  with the donor's counters.
+  with the donor's inner state.
 
   Raises:
     TypeError, ValueError: as :func:`decode_heal`, naming ``replica`` (the donor).
   """
   received = decode_heal(payload, heal_state(joiner), replica=replica)
-  return local_state(round_protocol, received.global_state, params_like,
-                              received.counters)
+  return local_state(round_protocol, received.global_state, params_like, received.inner)
 
 
 def _split(payload: bytes, replica: str) -> tuple[dict, bytes]:
@@ -211,16 +227,17 @@ class GlobalState(NamedTuple):
 
 
 class HealState(NamedTuple):
-  """What a donor sends a joiner (:func:`heal_state`): its global state and its counters.
+  """What a donor sends a joiner (:func:`heal_state`): its global state and its inner
+  optimizer state.
 
   Attributes:
     global_state: the donor's :class:`GlobalState`.
-    counters: the donor's optimizer state with the counters of its inner state kept and
-      ``None`` elsewhere (:func:`counters`).
+    inner: the donor's optimizer state with its inner optimizer state kept (its moments at the
+      same anchor, its counts) and ``None`` elsewhere (:func:`inner_state`).
   """
 
   global_state: GlobalState
-  counters: Any
+  inner: Any
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,6 +249,13 @@ def _global_parts(node: Any) -> Any:
   return _state.map_fields(
     lambda rule, value: value if rule == _state.KEEP else _global_parts(value),
     lambda _: None, node)
+
+
+def _inner_parts(node: Any) -> Any:
+  """``node`` with the fields ``resize_state`` walks as an inner state (``INNER``) kept whole,
+  ``None`` in the others, and any other optimizer state (e.g. a chain's) kept."""
+  return _state.map_fields(
+    lambda rule, value: value if rule == _state.INNER else None, lambda other: other, node)
 
 
 def _counter_parts(node: Any) -> Any:
@@ -268,9 +292,36 @@ def counters(replica: ReplicaState) -> Any:
   return _counter_parts(replica.opt_state)
 
 
+def inner_state(replica: ReplicaState) -> Any:
+  r"""A replica's inner optimizer state (the fields :func:`optax_dist.resize_state` walks as
+  the inner state: its moments, traces and counts), in its optimizer state's tree with
+  ``None`` elsewhere (the global fields, the error-feedback residual).
+
+  Local: not in :func:`global_state` nor its hash. A donor sends it with a heal
+  (:func:`heal_state`): its moments are at the same anchor as the joiner's restart point, so a
+  joiner that takes them meets the run's learning rate with the run's moments, not with fresh
+  ones.
+  """
+  return _inner_parts(replica.opt_state)
+
+
 def heal_state(replica: ReplicaState) -> HealState:
-  """What a donor sends a joiner: :func:`global_state` and :func:`counters`."""
-  return HealState(global_state(replica), counters(replica))
+  """What a donor sends a joiner: :func:`global_state` and :func:`inner_state`."""
+  return HealState(global_state(replica), inner_state(replica))
+
+
+def advanced(opt_state: Any, steps: int) -> Any:
+  """``opt_state`` with its ``local_step`` and every integer counter of its inner state
+  (:func:`inner_state`: a schedule's count, adam's count) moved on by ``steps``, each placed
+  as before: a replica left out of an aborted quorum while the others took a round's inner
+  steps takes their step and their counts (its moments stay its own)."""
+  def move(x):
+    return x + jnp.asarray(steps, x.dtype) if jnp.issubdtype(x.dtype, jnp.integer) else x
+
+  moved = _state.map_fields(
+    lambda rule, value: jax.tree.map(move, value) if rule == _state.INNER else value,
+    lambda other: jax.tree.map(move, other), opt_state)
+  return moved._replace(local_step=move(moved.local_step))
 
 
 def global_state(replica: ReplicaState) -> GlobalState:
@@ -291,30 +342,30 @@ def global_state(replica: ReplicaState) -> GlobalState:
 
 
 def local_state(protocol: RoundProtocol, received: GlobalState, params_like: Any,
-                counts: Any = None) -> ReplicaState:
+                inner: Any = None) -> ReplicaState:
   r"""A joiner's ``(params, opt_state)`` rebuilt from a received :class:`GlobalState`.
 
-  The global fields are taken bit for bit, and so are ``counts`` (the donor's
-  :func:`counters`) where given; the rest comes from ``tx.init`` at the restart point, as
-  :func:`optax_dist.resize_state`'s ``"reset"`` rule restarts a worker's inner state: params =
-  the anchor (``local_sgd``: the average) in ``params_like``'s dtypes, the inner optimizer
-  state at its ``init`` (moments zero, adam's count 0), the error-feedback residual zero.
+  The global fields are taken bit for bit, and so is ``inner`` (the donor's
+  :func:`inner_state`: its moments at the same anchor and its counts) where given; the rest
+  comes from ``tx.init`` at the restart point: params = the anchor (``local_sgd``: the
+  average) in ``params_like``'s dtypes, the error-feedback residual zero (and, without
+  ``inner``, the inner optimizer state at its ``init``, as :func:`optax_dist.resize_state`'s
+  ``"reset"`` rule restarts a worker's: moments zero, counts 0).
 
   Args:
     protocol: the run's :class:`RoundProtocol`.
     received: the donor's global state (decoded by :func:`decode_heal`).
     params_like: params of the run's tree, shapes and dtypes (e.g. the initial params).
-    counts: the donor's :func:`counters`, or ``None``: every counter from ``init`` too (a
-      learning-rate schedule back at its count 0).
+    inner: the donor's :func:`inner_state`, or ``None``.
 
   Returns:
     A :class:`ReplicaState` whose :func:`global_state` is ``received`` (and whose
-    :func:`counters` are ``counts``, if given).
+    :func:`inner_state` is ``inner``, if given).
   """
   params = protocol.restart(params_like, received.opt_state, received.average)
   init = protocol.tx.init(params)
-  if counts is not None:
-    init = jax.tree.map(_taken, counts, init, is_leaf=lambda x: x is None)
+  if inner is not None:
+    init = jax.tree.map(_taken, inner, init, is_leaf=lambda x: x is None)
   opt_state = jax.tree.map(_taken, received.opt_state, init, is_leaf=lambda x: x is None)
   return ReplicaState(params, opt_state, received.rounds, received.average)
 

@@ -65,6 +65,7 @@ from optax_dist.fault_tolerance.decision import Header, settings_fingerprint
 from optax_dist.fault_tolerance.engine import RoundLog
 from optax_dist.fault_tolerance.heal import (
   HealState,
+  advanced,
   global_state,
   heal_state,
   local_state,
@@ -342,9 +343,9 @@ class Replica:
   def receive(self, donation: Any) -> tuple[ReplicaState, Any]:
     """A received (decoded) donation as this replica's ``(ReplicaState, collections)``: the
     global state taken bit for bit, the params at the restart point, the inner state rebuilt
-    with the donor's counters (:func:`local_state`)."""
+    with the donor's inner optimizer state (:func:`local_state`)."""
     state, collections = split_donation(donation)
-    replica = local_state(self.protocol, state.global_state, self._params_like, state.counters)
+    replica = local_state(self.protocol, state.global_state, self._params_like, state.inner)
     return replica, collections
 
   # ---------------------------------------------------------------------------------------------
@@ -402,8 +403,8 @@ class Replica:
     if got.merged is not None:  # the members' merged collections, a copy of this loop's own
       collections = jax.tree.map(jnp.copy, collections)
     jumped = got.healed is not None or got.step > self.step
-    if jumped:
-      replica = replica._replace(opt_state=_at_step(replica.opt_state, got.step))
+    if jumped and got.healed is None:  # a void round: it takes the round's step and counts
+      replica = replica._replace(opt_state=advanced(replica.opt_state, got.step - self.step))
     state = self._take(state, replica, collections, jumped)
     line = RoundLog(
       round=self.protocol.rounds_until(self.step) - 1, replica=self.slot, step=self.step,
