@@ -648,6 +648,36 @@ def test_launch_config_fills_in_the_majority_and_refuses_bad_values(tmp_path):
       LaunchConfig(**base | changed)
 
 
+@pytest.mark.parametrize("host, said", [
+  ("0", "got '0' (it resolves to 0.0.0.0: every interface)"), ("0.0.0.0", "got '0.0.0.0'"),
+  ("::", "got '::'"), ("[::]", "got '[::]'"), ("::ffff:0.0.0.0", "got '::ffff:0.0.0.0'"),
+  ("", "got ''")])
+def test_launch_config_refuses_a_host_that_binds_every_interface(tmp_path, host, said):
+  import re
+
+  from optax_dist.fault_tolerance.launcher import LaunchConfig
+
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"`LaunchConfig(host=...)` must be a specific address, {said}.") + "$"):
+    LaunchConfig(replicas=1, out=tmp_path, replica_command=("-m", "x"), host=host)
+
+
+def test_launch_config_resolves_its_host_once_to_the_address_its_urls_carry(tmp_path):
+  import socket
+
+  from optax_dist.fault_tolerance.launcher import LaunchConfig, url_host
+
+  def host(given):
+    return LaunchConfig(replicas=1, out=tmp_path, replica_command=("-m", "x"), host=given).host
+
+  assert host("localhost") == socket.getaddrinfo("localhost", None)[0][4][0]
+  assert (host("127.0.0.1"), host("::1"), host("[::1]")) == ("127.0.0.1", "::1", "::1")
+  assert (url_host("127.0.0.1"), url_host("::1")) == ("127.0.0.1", "[::1]")
+  with pytest.raises(ValueError, match=r"`LaunchConfig\(host=...\)` must be an address or a name"
+                     " that resolves, got 'no-such-host.invalid'"):
+    host("no-such-host.invalid")
+
+
 def test_run_dir_reads_the_lines_finals_pids_and_checkpoints_it_clears(tmp_path):
   from optax_dist.fault_tolerance.rundir import RunDir
 

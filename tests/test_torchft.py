@@ -9,10 +9,12 @@ Needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missi
 the run instead of skipping it.
 """
 
+import ipaddress
 import json
 import os
 import pathlib
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -298,6 +300,138 @@ def test_heal_transport_sends_heal_bytes_over_http_on_the_address_given():
     te.HealTransport("0.0.0.0", timeout=1.0)
 
 
+
+
+def _ipv6_loopback() -> bool:
+  try:
+    with socket.socket(socket.AF_INET6) as s:
+      s.bind(("::1", 0))
+    return True
+  except OSError:
+    return False
+
+
+IPV6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+
+
+@IPV6
+def test_heal_transport_on_an_ipv6_address_binds_it_and_brackets_its_url():
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_session as te
+
+  state = _heal_state()
+  sent = {"user": {"default": ft.encode_heal(state)}, "torchft": {"step": 2}}
+  transport = te.HealTransport("::1", timeout=2.0)
+  try:
+    assert transport._server.socket.getsockname()[0] == "::1"
+    assert transport.metadata() == f"http://[::1]:{transport._server.server_address[1]}"
+    transport.send_checkpoint([1], 2, sent, None)
+    assert transport.recv_checkpoint(0, transport.metadata(), 2, None) == sent
+  finally:
+    transport.shutdown()
+
+
+@pytest.mark.parametrize("host", ["0", "0.0.0.0", "::", "[::]", ""])
+def test_an_unspecified_host_is_refused_by_the_engine_and_the_heal_server(tmp_path, host):
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as ts
+
+  said = f"must be a specific address, got {host!r}"
+  with pytest.raises(ValueError, match=rf"^`HealTransport\(host=\.\.\.\)` {re.escape(said)}"):
+    ts.HealTransport(host, timeout=1.0)
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=2)
+  with pytest.raises(ValueError, match=rf"^`Torchft\(host=\.\.\.\)` {re.escape(said)}"):
+    te.Torchft(protocol, lighthouse="http://127.0.0.1:1", replica_id=0, out=tmp_path, host=host)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+  """The ``(address, port)`` pairs process ``pid`` listens on over TCP: the rows of
+  ``/proc/net/tcp`` and ``tcp6`` in state LISTEN whose socket is one of its descriptors (gloo's
+  and torchft's Rust servers' too, which no Python object shows)."""
+  inodes = set()
+  for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+    try:
+      target = os.readlink(fd)
+    except OSError:  # closed meanwhile
+      continue
+    if target.startswith("socket:["):
+      inodes.add(target[len("socket:["):-1])
+  found = set()
+  for table in ("tcp", "tcp6"):
+    for row in pathlib.Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+      fields = row.split()
+      if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+        continue
+      address, port = fields[1].split(":")
+      # the address's 32-bit words, each printed as a number in the host's byte order
+      words = [bytes.fromhex(address[i:i + 8]) for i in range(0, len(address), 8)]
+      raw = b"".join(w[::-1] if sys.byteorder == "little" else w for w in words)
+      found.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+  return found
+
+
+def _port(url: str) -> int:
+  return int(url.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", pytest.param("::1", marks=IPV6)])
+def test_a_replica_s_session_listens_on_its_address_but_torchft_s_manager_server(host):
+  """Two replicas' sessions in this process, in an exchange over a Lighthouse on ``host``:
+  every socket they listen on is on ``host`` (the Lighthouse, each store, heal server and gloo
+  device), but torchft's manager servers' (``[::]``, the trust model says); replica 1, a step
+  behind, heals from replica 0 over the heal server on ``host``."""
+  import concurrent.futures
+
+  import torch
+  from torchft._torchft import LighthouseServer
+
+  from optax_dist.fault_tolerance import torchft_session as ts
+  from optax_dist.fault_tolerance.launcher import url_host
+
+  class Member(ts.Session):
+    def __init__(self, slot):
+      self.slot, self.healed = slot, None
+
+    def _heal_bytes(self):
+      return f"state of {self.slot}".encode()
+
+    def _load(self, payload):
+      self.healed = payload
+
+  before = _listening(os.getpid())
+  lighthouse = LighthouseServer(bind=f"{url_host(host)}:0", min_replicas=2, join_timeout_ms=100,
+                                quorum_tick_ms=10)
+  members = []
+  try:
+    for slot in range(2):
+      member = Member(slot)
+      member._open(f"http://{url_host(host)}:{_port(lighthouse.address())}", host, 2,
+                   quorum_timeout=10.0, timeout=5.0)
+      members.append(member)
+    members[0]._manager.load_state_dict({"step": 1, "batches_committed": 0})
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      list(pool.map(lambda m: m._quorum(), members))
+      gathered = list(pool.map(lambda m: m._allgather(torch.tensor([m.slot])), members))
+      opened = _listening(os.getpid()) - before  # in the exchange: gathered, not voted yet
+      votes = list(pool.map(lambda m: m._vote(), members))
+  finally:
+    for m in members:
+      m._manager.shutdown(wait=False)
+    lighthouse.shutdown()
+
+  assert [[int(t) for t in outs] for outs in gathered] == [[0, 1]] * 2 and votes == [True] * 2
+  assert [m.healed for m in members] == [None, b"state of 0"]
+  on_host = {port for address, port in opened if address == host}
+  assert {port for address, port in opened if address != host} == {
+    _port(m._manager._manager.address()) for m in members}, opened
+  assert {address for address, _ in opened} == {host, "::"}, opened
+  for m in members:
+    assert {m._store.port, _port(m.transport.metadata())} <= on_host, opened
+  # the Lighthouse, and each member's store, heal server and gloo device (at least one)
+  assert _port(lighthouse.address()) in on_host and len(on_host) >= 7, opened
 
 
 def test_heal_frame_of_a_pickle_is_refused_and_runs_nothing():

@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   group.add_argument("--min-replicas", type=positive_int, default=None, metavar="M",
                      help="the smallest quorum that commits a round (default: R // 2 + 1)")
   group.add_argument("--host", default=None,
-                     help=f"the address the Lighthouse and the replicas' servers bind and"
-                     f" advertise, never a wildcard (default: {d['host']})")
+                     help="the address (IPv4 or IPv6) the Lighthouse and the replicas' servers"
+                     " bind and advertise, or a name resolved to it once; never one that binds"
+                     f" every interface (0, 0.0.0.0, ::) (default: {d['host']})")
   floats = (
     ("quorum_timeout", positive_float, "a replica waits for a quorum before it gives up"),
     ("exchange_timeout", positive_float, "for a collective, a heal and the vote"),
@@ -158,8 +159,9 @@ def launch_config(args: argparse.Namespace, replica_command: tuple[str, ...]) ->
   after the subcommand).
 
   Raises:
-    CommandError: naming the flag of a value :class:`LaunchConfig` refuses (a wildcard
-      ``--host``, a ``--replica-netns`` without ``{i}`` or naming a missing namespace).
+    CommandError: naming the flag of a value :class:`LaunchConfig` refuses (a ``--host``
+      that is unspecified or does not resolve, a ``--replica-netns`` without ``{i}`` or naming
+      a missing namespace).
   """
   try:
     return LaunchConfig(replicas=args.replicas, out=args.out, replica_command=replica_command,

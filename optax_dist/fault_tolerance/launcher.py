@@ -1,7 +1,7 @@
 r"""A fault-tolerant run on one host: a Lighthouse and R replica processes, dead ones restarted.
 
 A :class:`Launcher` of a :class:`LaunchConfig` starts torchft's Lighthouse as a child process
-(:mod:`optax_dist.fault_tolerance.lighthouse`) bound to ``host`` (never a wildcard), its output
+(:mod:`optax_dist.fault_tolerance.lighthouse`) bound to ``host`` (:func:`bind_address`), its output
 appended to ``OUT/lighthouse.log`` and its pid in ``OUT/lighthouse.pid``, and R replica
 processes (``replica_command`` with ``replica_args``), ids 0 to R-1, each in its own process
 group and with ``--parent-death``. The Lighthouse and the replicas die with the launcher (Linux
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import os
 import pathlib
 import signal
@@ -74,8 +75,52 @@ LIGHTHOUSE_COMMAND = (str(pathlib.Path(__file__).with_name("lighthouse.py")),)
 """What follows the Python interpreter in the Lighthouse's command line: the script's path (not
 ``-m``: torchft's program reads the process's arguments after the interpreter's first)."""
 
-WILDCARDS = ("", "0.0.0.0", "::", "[::]")
-"""Addresses that bind every interface: refused as ``host``."""
+
+def bind_address(fn: str, host: str) -> str:
+  """The address ``host`` gives, resolved once: the one the servers of a run bind and advertise.
+
+  ``host`` is an IPv4 or IPv6 address (``::1`` or ``[::1]``) or a name, which ``getaddrinfo``
+  resolves here to its first address. An unspecified address (``0.0.0.0``, ``::``) binds every
+  interface, and so does a name that resolves to one (``0``): refused.
+
+  Args:
+    fn: the call site the error names (``LaunchConfig``, ``Torchft``, ``HealTransport``).
+    host: the address or name given.
+
+  Returns:
+    The address, without brackets (:func:`url_host` puts them back in a URL).
+
+  Raises:
+    TypeError: ``host`` not a str.
+    ValueError: ``host`` empty, a name that does not resolve, or an unspecified address or a
+      name that resolves to one.
+  """
+  if not isinstance(host, str):
+    raise TypeError(f"`{fn}(host=...)` must be a str, an address or a name, got {host!r}.")
+  name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+  found: list[str] = []
+  try:
+    found = [info[4][0] for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)]
+  except (OSError, UnicodeError) as e:
+    if name:
+      raise ValueError(f"`{fn}(host=...)` must be an address or a name that resolves, got"
+                       f" {host!r} ({e}).") from None
+  wildcard = next((a for a in found if _unspecified(a)), None) if found else ""
+  if wildcard is not None:
+    resolved = "" if wildcard in (name, "") else f" (it resolves to {wildcard}: every interface)"
+    raise ValueError(f"`{fn}(host=...)` must be a specific address, got {host!r}{resolved}.")
+  return found[0]
+
+
+def _unspecified(address: str) -> bool:
+  ip = ipaddress.ip_address(address)
+  mapped = ip.ipv4_mapped if ip.version == 6 else None  # ::ffff:0.0.0.0 is 0.0.0.0 too
+  return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
+
+
+def url_host(address: str) -> str:
+  """``address`` as the host of a URL or of a ``host:port`` pair: an IPv6 one in brackets."""
+  return f"[{address}]" if ":" in address else address
 
 
 def majority(replicas: int) -> int:
@@ -100,7 +145,8 @@ class LaunchConfig:
     replica_args: the flags of every replica, before the launcher's (which win).
     min_replicas: the smallest quorum that commits (the Lighthouse's and each replica's);
       ``None``: :func:`majority` of ``replicas``.
-    host: the address the Lighthouse binds and the replicas advertise, never a wildcard.
+    host: the address the Lighthouse binds and the replicas bind and advertise, or a name
+      resolved to it once here (:func:`bind_address`; the field then holds the address).
     port: the Lighthouse's port; 0: a free one.
     quorum_timeout: seconds a replica waits for a quorum before it gives up.
     exchange_timeout: seconds for a collective, a heal and the vote.
@@ -119,7 +165,8 @@ class LaunchConfig:
   Raises:
     TypeError: a count not an int, a timing not a number.
     ValueError: a value out of its range (naming the field, its constraint and the value), a
-      wildcard ``host``, a ``replica_netns`` without ``{i}`` or naming a missing namespace.
+      ``host`` that is unspecified or does not resolve, a ``replica_netns`` without ``{i}`` or
+      naming a missing namespace.
   """
 
   replicas: int
@@ -166,8 +213,7 @@ class LaunchConfig:
     _checks.check_non_negative_int(fn, "port", self.port)
     if self.port > 65535:
       raise ValueError(f"`{fn}(port=...)` must be in [0, 65535], got {self.port}.")
-    if self.host in WILDCARDS:
-      raise ValueError(f"`{fn}(host=...)` must be a specific address, got {self.host!r}.")
+    set_("host", bind_address(fn, self.host))
     if self.replica_netns is not None:
       names = {self.replica_netns.format(i=i) for i in range(self.replicas)}
       if len(names) != self.replicas:
@@ -203,7 +249,7 @@ class Launcher:
     self.config, self.dir = config, RunDir(config.out)
     self.dir.out.mkdir(parents=True, exist_ok=True)
     self.port = config.port or _free_port(config.host)
-    self.url = f"http://{config.host}:{self.port}"
+    self.url = f"http://{url_host(config.host)}:{self.port}"
     self.lighthouse = _Slot()
     self.start_lighthouse()
     self._wait_for_lighthouse()
@@ -213,7 +259,8 @@ class Launcher:
     """Starts the Lighthouse's process on ``self.url`` (its output appended to
     ``OUT/lighthouse.log``, its pid written to ``OUT/lighthouse.pid``)."""
     c = self.config
-    command = [sys.executable, *LIGHTHOUSE_COMMAND, "--bind", f"{c.host}:{self.port}",
+    command = [sys.executable, *LIGHTHOUSE_COMMAND, "--bind",
+               f"{url_host(c.host)}:{self.port}",
                "--min_replicas", str(c.min_replicas), "--quorum_tick_ms", "20",
                "--join_timeout_ms", str(int(c.join_timeout * 1000)),
                "--heartbeat_timeout_ms", str(int(c.lighthouse_heartbeat_timeout * 1000))]

@@ -50,7 +50,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +61,7 @@ from optax_dist.fault_tolerance import checkpoints, heal
 from optax_dist.fault_tolerance.checkpoints import CheckpointWriter
 from optax_dist.fault_tolerance.decision import Header, check_headers, decide, run_fingerprint
 from optax_dist.fault_tolerance.engine import RoundLog
+from optax_dist.fault_tolerance.launcher import bind_address
 from optax_dist.fault_tolerance.loop import Received, Replica, Sent, split_donation
 from optax_dist.fault_tolerance.protocol import RoundProtocol
 from optax_dist.fault_tolerance.torchft_session import Session, _pack, _unpack, torch
@@ -81,7 +81,8 @@ class Torchft:
     out: the run's directory (the log goes to ``out/replicas/replica_<i>.jsonl``); default
       ``$OPTAX_DIST_OUT``, else ``runs/fault_tolerant``.
     host: the address this replica's servers bind and advertise, or a name resolved to it once
-      here (its host name in a network namespace of its own: that namespace's address).
+      here (its host name in a network namespace of its own: that namespace's address); never
+      an unspecified address (:func:`~optax_dist.fault_tolerance.launcher.bind_address`).
     seed: the data seed.
     tokens_per_step: the tokens of one batch (a round's weight is its inner steps times it).
     min_replicas: the smallest quorum that commits (torchft's ``min_replica_size``).
@@ -107,7 +108,7 @@ class Torchft:
     ValueError: no Lighthouse or replica id given nor in the environment; a lighthouse not an
       ``http://`` URL; a replica id or ``exchange_retries`` not an int >= 0;
       ``tokens_per_step``, ``min_replicas`` or ``checkpoint_every`` not a positive int; a
-      timeout not a positive number; a host that does not resolve.
+      timeout not a positive number; a host that does not resolve or is unspecified.
   """
 
   def __init__(self, protocol: RoundProtocol, *, lighthouse: str | None = None,
@@ -133,11 +134,8 @@ class Torchft:
     for name, value in (("quorum_timeout", quorum_timeout), ("timeout", timeout)):
       if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"`{fn}({name}=...)` must be a positive number of seconds, got {value!r}.")
-    try:  # resolved once, here (in a network namespace, by its /etc/hosts): peers get the address
-      host = socket.getaddrinfo(host, None)[0][4][0]
-    except OSError as e:
-      raise ValueError(f"`{fn}(host=...)` must be an address or a name that resolves, got"
-                       f" {host!r} ({e}).") from None
+    # resolved once, here (in a network namespace, by its /etc/hosts): peers get the address
+    host = bind_address(fn, host)
     self.protocol, self.lighthouse, self.replica_id, self.host = (
       protocol, lighthouse, replica_id, host)
     self.out = pathlib.Path(out or os.environ.get("OPTAX_DIST_OUT", "runs/fault_tolerant"))

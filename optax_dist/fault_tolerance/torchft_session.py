@@ -9,6 +9,10 @@ abort) is the engine's, :class:`~optax_dist.fault_tolerance.torchft_engine.Torch
 0.2.0's private ``Manager._quorum_future`` and ``Manager._quorum_id`` and
 the text of its Lighthouse's ``/status`` page are read here only.
 
+What the session opens listens on the address given (``host``): the ``TCPStore`` (on a socket
+bound here), the gloo process group's device (:class:`_GlooOnHost`) and the heal server.
+torchft 0.2.0's ``Manager`` server binds ``[::]`` (its code, not an argument).
+
 Needs the ``ft`` extra (``torch`` and ``torchft``).
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import socket
 import threading
 import time
 import urllib.request
@@ -26,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from optax_dist.fault_tolerance.heal import tree_bytes, tree_from_bytes
+from optax_dist.fault_tolerance.launcher import bind_address, url_host
 
 INSTALL_HINT = 'the torchft engine needs the "ft" extra: pip install "optax-dist[ft]"'
 
@@ -83,17 +89,17 @@ class HealTransport(CheckpointTransport):
   heal bytes the replica's ``load_state_dict`` passes to :func:`decode_heal`.
 
   Args:
-    host: the address the server binds and advertises (never a wildcard).
+    host: the address the server binds and advertises, IPv4 or IPv6, or a name resolved to it
+      (:func:`~optax_dist.fault_tolerance.launcher.bind_address`).
     timeout: seconds the server holds a GET until its frame is staged (then a 404); a
       joiner's GET waits twice that.
 
   Raises:
-    ValueError: ``host`` empty or a wildcard (``0.0.0.0``, ``::``).
+    ValueError: ``host`` empty, unresolvable or unspecified (``0``, ``0.0.0.0``, ``::``).
   """
 
   def __init__(self, host: str, timeout: float):
-    if host in ("", "0.0.0.0", "::", "[::]"):
-      raise ValueError(f"`HealTransport(host=...)` must be a specific address, got {host!r}.")
+    host = bind_address("HealTransport", host)
     self._staged = threading.Condition()
     self._step_bytes: tuple[int, bytes] | None = None
     self._timeout = timeout
@@ -113,11 +119,12 @@ class HealTransport(CheckpointTransport):
       def log_message(self, *args):
         pass
 
-    self._server = http.server.ThreadingHTTPServer((host, 0), Handler)
+    server = _HTTPServer6 if ":" in host else http.server.ThreadingHTTPServer
+    self._server = server((host, 0), Handler)
     self._server.daemon_threads = True
     self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
     self._thread.start()
-    self.address = f"http://{host}:{self._server.server_address[1]}"
+    self.address = f"http://{url_host(host)}:{self._server.server_address[1]}"
 
   def metadata(self) -> str:
     return self.address
@@ -153,6 +160,12 @@ class HealTransport(CheckpointTransport):
     self._server.server_close()
 
 
+class _HTTPServer6(http.server.ThreadingHTTPServer):
+  """The heal server on an IPv6 address (``ThreadingHTTPServer`` is IPv4 only)."""
+
+  address_family = socket.AF_INET6
+
+
 # ----------------------------------------------------------------------------------------------
 # The exchange.
 
@@ -168,6 +181,47 @@ def _unpack(buffer: torch.Tensor, like: Any) -> Any:
   return tree_from_bytes(buffer.numpy().tobytes(), like)
 
 
+
+class _GlooOnHost(ProcessGroupGloo):
+  """torchft's reconfigurable gloo process group with its device, whose socket listens for the
+  other members, on ``host`` (torch's default device takes the address the machine's host name
+  resolves to). ``_create_pg`` is torchft 0.2.0's with the device given, for the CPU."""
+
+  def __init__(self, host: str, timeout: timedelta):
+    super().__init__(timeout=timeout)
+    self._host = host
+
+  def _create_pg(self, store, rank: int, world_size: int) -> dist.ProcessGroup:
+    pg = dist.ProcessGroup(store, rank, world_size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._host)]
+    options._timeout = self._timeout
+    backend = dist.ProcessGroupGloo(store, rank, world_size, options)
+    backend._set_sequence_number_for_group()
+    if self._global_ranks:
+      backend.options.global_ranks_in_group = self._global_ranks
+    if self._group_rank and self._group_world_size:
+      backend.options.group_name = (
+        f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}")
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+def _store_on(host: str) -> dist.TCPStore:
+  """A master ``TCPStore`` listening on ``host`` only (given ``host`` alone, torch's binds every
+  interface): on a socket bound here, which the store then owns and closes."""
+  listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+  try:
+    listener.bind((host, 0))
+    listener.listen()
+    store = dist.TCPStore(host, listener.getsockname()[1], is_master=True,
+                          wait_for_workers=False, master_listen_fd=listener.fileno())
+  except BaseException:
+    listener.close()
+    raise
+  listener.detach()
+  return store
 
 
 class Session:
@@ -189,18 +243,21 @@ class Session:
     self._torchft_quorum_id, self._renew = -1, False
 
   def _make_manager(self, lighthouse, host, min_replicas, quorum_timeout, timeout) -> Manager:
-    """A ``Manager`` over a new ``TCPStore``, process group and :class:`HealTransport`."""
-    self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    self._pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout))
+    """A ``Manager`` over a new ``TCPStore``, process group and :class:`HealTransport`, each
+    listening on ``host``."""
+    self._store = _store_on(host)
+    self._pg = _GlooOnHost(host, timedelta(seconds=timeout))
     self.transport = HealTransport(host, timeout)
-    try:
+    try:  # torchft advertises http://{hostname}:port (an IPv6 address in brackets), and takes
+      # store_addr as the store's address (without them)
       return Manager(
         pg=self._pg, load_state_dict=self._load, state_dict=self._heal_bytes,
         min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
         timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
         connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1, store_addr=host,
         store_port=self._store.port, lighthouse_addr=lighthouse,
-        replica_id=f"replica_{self.slot}", hostname=host, checkpoint_transport=self.transport)
+        replica_id=f"replica_{self.slot}", hostname=url_host(host),
+        checkpoint_transport=self.transport)
     except BaseException:
       self.transport.shutdown()
       raise
