@@ -547,6 +547,25 @@ def test_heal_payload_corrupted_or_truncated_is_refused(healed_state):
     ft.decode_heal(healed_state, healed_state, replica="2")
 
 
+def test_heal_payload_of_another_run_is_refused_unread_naming_both_fingerprints(healed_state):
+  """The manifest names the donor's run; a receiver of another run, or given a payload that
+  names none, refuses it before reading its data (here truncated: the fingerprint is told, not
+  the length). Without ``fingerprint`` (a checkpoint, whose JSON names it) none is checked."""
+  blob = ft.encode_heal(healed_state, fingerprint=-9)
+  _assert_trees_equal(ft.decode_heal(blob, healed_state, replica="1", fingerprint=-9),
+                      healed_state)
+  _assert_trees_equal(ft.decode_heal(blob, healed_state, replica="1"), healed_state)
+  with pytest.raises(ValueError, match=r"^heal payload from replica '4' is of another run"
+                     r" \(fingerprint -9\), this run's fingerprint is 7: refused unread"):
+    ft.decode_heal(blob[:-4], healed_state, replica="4", fingerprint=7)
+  with pytest.raises(ValueError, match=r"^heal payload from replica '4' names no run, this"
+                     r" run's fingerprint is 7: refused unread"):
+    ft.decode_heal(ft.encode_heal(healed_state), healed_state, replica="4", fingerprint=7)
+  named_true = ft.encode_heal(healed_state, fingerprint=1000).replace(b":1000,", b":true,")
+  with pytest.raises(ValueError, match=r"is of another run \(fingerprint True\)"):
+    ft.decode_heal(named_true, healed_state, replica="4", fingerprint=1)  # JSON's true is not 1
+
+
 
 
 def test_pickle_payload_is_refused_and_runs_nothing(healed_state):

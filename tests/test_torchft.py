@@ -469,8 +469,12 @@ def test_settings_fingerprint_tells_runs_apart():
             fingerprint(tokens=16), fingerprint(comm_dtype=jnp.bfloat16)]
   assert len({base, *others}) == 1 + len(others)
   assert -2**63 <= base < 2**63
-  assert te.run_fingerprint([5, 7, 7]) == 7  # the majority's
-  assert te.run_fingerprint([7, 5]) == 7  # a tie: the lowest rank's
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=2)
+  runs = [te.settings_fingerprint(protocol, {"w": jnp.zeros((2, 3))}, seed=0, tokens_per_step=8,
+                                  run_id=run) for run in (None, "a", "b")]
+  assert runs[0] == base and len(set(runs)) == 3  # a run id tells runs of one setting apart
+  heads = [te.Header(i, 1, 1, fp, 0) for i, fp in enumerate([5, 7, 7])]
+  assert te.foreign(heads, 7) == [0] and te.foreign(heads, 5) == [1, 2]  # each its own: no vote
 
 
 class GlooAbort(BaseException):
@@ -497,10 +501,20 @@ class FakeGroup:
 
 
 class FakeManager:
-  """torchft's ``Manager`` as a round uses it: a vote is yes unless an error was reported."""
+  """torchft's ``Manager`` as a round uses it: a vote is yes unless an error was reported;
+  ``step`` is torchft's (its committed rounds)."""
 
   def __init__(self):
-    self.errors = []
+    self.errors, self.step = [], 0
+
+  def current_step(self):
+    return self.step
+
+  def state_dict(self):
+    return {"step": self.step, "batches_committed": 0}
+
+  def load_state_dict(self, steps):
+    self.step = steps["step"]
 
   def errored(self):
     return None
@@ -529,12 +543,13 @@ def _fake_replica(tmp_path, protocol, params, peer, exchange_retries=0, healed_f
   port = te._Port(engine)
   port.start = lambda replica: None  # no session: the fakes stand in for it
   port._manager, port._pg, port.quorums = FakeManager(), FakeGroup(*peer), []
+  port.transport = types.SimpleNamespace(max_bytes=None)
 
   def quorum():
     port.quorums.append(1)
     port._manager.errors.clear()
     if healed_from is not None and len(port.quorums) == 1:
-      port._load(heal.encode_heal(healed_from))
+      port._load(heal.encode_heal(healed_from, fingerprint=port.replica.fingerprint))
 
   port._quorum = quorum
   replica = port.replica
@@ -964,3 +979,307 @@ def test_the_two_engines_decide_alike_on_the_same_inputs(tmp_path, monkeypatch):
   for a, b in zip(jax.tree.leaves(calls[1][1]), jax.tree.leaves(payloads), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert replica.state_hash() == hashes[1] == hashes[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Another run's replicas on the Lighthouse, and a heal's donor that is not what it says.
+
+
+class Torchft02Manager(FakeManager):
+  """``FakeManager`` whose ``errored`` tells the error reported since the quorum, as torchft's
+  does (a member that reported one sends ``ok == 0``)."""
+
+  def errored(self):
+    return self.errors[-1] if self.errors else None
+
+
+def _another_run(tmp_path, protocol, params, grads, peer, *, fingerprint, step, heal_from=None):
+  """Replica 1's end (``_fake_replica``) with settings ``fingerprint`` and torchft's ``step``
+  (its committed rounds on the Lighthouse), and ``run()`` of one round. With ``heal_from``
+  (``(donation, fingerprint, step)``), its quorum heals it from that donor as torchft 0.2.0
+  does: torchft's counters set to the donor's, then ``load_state_dict`` (the port's
+  ``_load``) of the donor's bytes."""
+  from optax_dist.fault_tolerance import heal
+
+  port, _ = _fake_replica(tmp_path, protocol, params, peer)
+  port._manager = Torchft02Manager()
+
+  def quorum():
+    port.quorums.append(1)
+    port._manager.errors.clear()
+    if heal_from is not None:
+      donation, donor_fingerprint, donor_step = heal_from
+      port._manager.step = donor_step
+      port._load(heal.encode_heal(donation, fingerprint=donor_fingerprint))
+
+  port._quorum = quorum
+
+  def run():
+    replica = port.replica
+    state = replica.start((params, protocol.tx.init(params)))
+    replica.fingerprint, port._manager.step = fingerprint, step
+    while replica.last is None:
+      state = replica.after_step(protocol.inner_step(*state, grads(state[0], replica.step)))
+    return json.loads(port.log_path.read_text().splitlines()[-1])
+
+  return port, run
+
+
+def _two_runs():
+  """A protocol, params, this run's gradients, and the state of another run of the same
+  settings' shapes after 3 committed rounds (other data: its own seed)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(0.7, momentum=0.9),
+                              sync_period=2)
+  params = {"a": jnp.arange(4.0), "b": jnp.ones((2, 2))}
+
+  def grads(p, step):  # the gradient of 0.5 |p - step|^2
+    return jax.tree.map(lambda x: x - step, p)
+
+  other = protocol.init(params)
+  for _ in range(3):
+    other, sent = protocol.run_round(other, lambda p, step: jax.tree.map(lambda x: x + 3, p))
+    other = protocol.commit(other, protocol.merge([sent.payload], [1]), sent)
+  return protocol, params, grads, other
+
+
+def test_a_donor_of_another_run_is_refused_and_the_member_keeps_its_state(tmp_path):
+  """Replica 1 (fingerprint 7, 4 rounds committed on the Lighthouse) meets replica 0 of
+  another run (fingerprint 9, same shapes, 9 rounds): torchft heals replica 1 from it inside
+  the quorum. It refuses the payload before using a byte of its state: the error reported to
+  torchft (a no vote, ``ok == 0``), torchft's step back at its own 4, no heal; the round aborts
+  without the payloads' all-gather, and replica 1 ends with its own aborted state and stays.
+  The heal transport is bounded by its own donation's size meanwhile."""
+  import torch
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import heal
+  from optax_dist.fault_tolerance import torchft_session as ts
+
+  protocol, params, grads, other = _two_runs()
+  own, sent = protocol.run_round(protocol.init(params), grads)
+  peer = (torch.tensor([0, 8 * sent.steps, 1, 9, sent.steps], dtype=torch.int64),
+          ts._pack((sent.payload, None)), torch.ones(1, dtype=torch.int64))
+  port, run = _another_run(tmp_path, protocol, params, grads, peer, fingerprint=7, step=4,
+                           heal_from=(ft.heal_state(other), 9, 9))
+  line = run()
+  assert not line["committed"] and not line["healed"] and line["members"] == [0, 1]
+  assert line["weight"] == 8 * sent.steps  # its own round, not a healed one
+  assert line["state_hash"] == ft.state_hash(ft.global_state(protocol.abort(own)))
+  assert port._healed is None and port._manager.step == 4
+  refused, said = port._manager.errors
+  assert "'donor' is of another run (fingerprint 9), this run's fingerprint is 7" in str(refused)
+  assert "members of different settings or runs" in str(said)
+  assert len(port._pg.peer) == 2  # the payloads' and the acknowledgement's: never gathered
+  frame = ts._frame({"user": {"default": heal.encode_heal(port.replica.donation(), fingerprint=7)},
+                     "torchft": {"step": 2**62, "batches_committed": 2**62}})
+  assert len(frame) <= port.transport.max_bytes <= len(frame) + 65536 + 300 * 8
+
+
+def test_a_tie_of_two_runs_aborts_on_both_and_the_one_without_the_lighthouse_s_rounds_leaves(
+    tmp_path):
+  """One member of each run, the other run's at rank 0: neither takes the other's state and
+  the round aborts on both; the one that holds the Lighthouse's committed rounds (torchft's
+  step 3) goes on, the other (step 0, a newcomer: its heal from the first refused) leaves with
+  ``SettingsMismatch`` (status 2), whichever rank it has and whatever most members hold."""
+  import torch
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_engine as te
+  from optax_dist.fault_tolerance import torchft_session as ts
+
+  protocol, params, grads, _ = _two_runs()
+  own, sent = protocol.run_round(protocol.init(params), grads)
+
+  def peer(fingerprint):
+    return (torch.tensor([0, 8 * sent.steps, 1, fingerprint, sent.steps], dtype=torch.int64),
+            ts._pack((sent.payload, None)), torch.ones(1, dtype=torch.int64))
+
+  holder, run = _another_run(tmp_path / "holder", protocol, params, grads, peer(9),
+                             fingerprint=7, step=3)
+  line = run()
+  assert not line["committed"] and not line["healed"] and line["members"] == [0, 1]
+  assert line["state_hash"] == ft.state_hash(ft.global_state(protocol.abort(own)))
+  assert holder._manager.step == 3 and len(holder._pg.peer) == 2
+
+  donation = holder.replica.donation()
+  newcomer, run = _another_run(tmp_path / "newcomer", protocol, params, grads, peer(7),
+                               fingerprint=9, step=0, heal_from=(donation, 7, 3))
+  with pytest.raises(te.SettingsMismatch, match=r"^replica 1 holds no round of its Lighthouse"
+                     r" and met replicas \[0\] of another fingerprint: its settings \(fingerprint"
+                     r" 9\) differ from the run's"):
+    run()
+  assert newcomer._healed is None and newcomer._manager.step == 0
+  assert "is of another run (fingerprint 7)" in str(newcomer._manager.errors[0])
+  assert newcomer.replica.state_hash() == ft.state_hash(ft.global_state(protocol.init(params)))
+  assert newcomer.replica.state_hash() != ft.state_hash(donation.global_state)
+  assert len(newcomer._pg.peer) == 2
+
+
+class _Donor:
+  """An HTTP server of the test's at 127.0.0.1 answering every GET with ``answer(handler)``."""
+
+  def __init__(self, answer):
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def do_GET(self):  # noqa: N802 (http.server's name)
+        answer(self)
+
+      def log_message(self, *args):
+        pass
+
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.address = f"http://127.0.0.1:{self.server.server_address[1]}"
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def close(self):
+    self.server.shutdown()
+    self.server.server_close()
+
+
+@pytest.mark.parametrize("status", [301, 302, 307])
+def test_a_redirecting_donor_is_refused(status):
+  """A donor whose heal server redirects (here to a heal server serving a good frame) is
+  refused: a 3xx is an error, nothing is fetched from where it points."""
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_session as ts
+
+  good = ts.HealTransport("127.0.0.1", timeout=2.0)
+  good.send_checkpoint([1], 3, {"user": {"default": ft.encode_heal(_heal_state())},
+                                "torchft": {"step": 3}}, None)
+  asked = []
+
+  def redirect(handler):
+    asked.append(handler.path)
+    handler.send_response(status)
+    handler.send_header("Location", f"{good.metadata()}/heal/3")
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+
+  donor, joiner = _Donor(redirect), ts.HealTransport("127.0.0.1", timeout=2.0)
+  try:
+    with pytest.raises(ValueError, match=rf"rank 0 \({donor.address}\): a redirect \({status},"
+                       rf" to '{good.metadata()}/heal/3'\): refused"):
+      joiner.recv_checkpoint(0, donor.address, 3, None)
+    assert asked == ["/heal/3"]
+  finally:
+    donor.close()
+    good.shutdown()
+    joiner.shutdown()
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_an_oversized_donor_is_refused_at_the_size_of_the_joiner_s_own(announced):
+  """The joiner reads at most ``max_bytes``: a frame of more is refused, whether its donor
+  announces its length (refused unread) or streams it without one (refused after
+  ``max_bytes + 1``); a frame of exactly ``max_bytes`` is taken."""
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_session as ts
+
+  frame = ts._frame({"user": {"default": ft.encode_heal(_heal_state(), fingerprint=7)},
+                     "torchft": {"step": 3}})
+  sent = []
+
+  def serve(handler):
+    handler.send_response(200)
+    if announced:
+      handler.send_header("Content-Length", str(len(frame)))
+    handler.end_headers()
+    try:
+      handler.wfile.write(frame)
+      sent.append(len(frame))
+    except OSError:  # the joiner hung up
+      pass
+
+  donor, joiner = _Donor(serve), ts.HealTransport("127.0.0.1", timeout=2.0)
+  try:
+    joiner.max_bytes = len(frame) - 1
+    with pytest.raises(ValueError, match=rf"rank 0 \({donor.address}\): {len(frame)} bytes or"
+                       rf" more, over the {len(frame) - 1} that this replica's own donation takes"):
+      joiner.recv_checkpoint(0, donor.address, 3, None)
+    joiner.max_bytes = len(frame)
+    got = joiner.recv_checkpoint(0, donor.address, 3, None)
+    assert got["torchft"] == {"step": 3}
+  finally:
+    donor.close()
+    joiner.shutdown()
+
+
+@pytest.mark.parametrize("metadata", [
+  "file:///etc/passwd", "ftp://127.0.0.1:21", "https://127.0.0.1:1", "http://127.0.0.1",
+  "http://user:secret@127.0.0.1:1", "http://127.0.0.1:1/elsewhere", "http://127.0.0.1:1?x=1",
+  "http://127.0.0.1:port", None])
+def test_a_donor_address_other_than_http_host_port_is_refused_unasked(metadata):
+  from optax_dist.fault_tolerance import torchft_session as ts
+
+  joiner = ts.HealTransport("127.0.0.1", timeout=2.0)
+  try:
+    with pytest.raises(ValueError, match=r"the donor's address must be http://host:port, got"):
+      joiner.recv_checkpoint(0, metadata, 3, None)
+  finally:
+    joiner.shutdown()
+
+
+def test_a_foreign_replica_joining_a_running_run_leaves_and_the_run_commits_on(tmp_path):
+  """A run of 2 replica processes (``_ft_linear.py replica``) on a Lighthouse of the test's;
+  once both committed rounds, a replica of another run (another data seed: another
+  fingerprint, the same shapes) joins. It leaves with status 2 after one round with them (that
+  round aborts, its heal from them refused); the run commits on, one state per round."""
+  from torchft.coordination import LighthouseServer
+
+  lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=200,
+                                heartbeat_timeout_ms=2000)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+  env["PYTHONPATH"] = str(ROOT)
+  args = ["--lighthouse", lighthouse.address(), "--out", str(tmp_path), "--steps", str(10**7),
+          "--sync-period", "5", "--exchange-timeout", str(TIMEOUT_S), "--min-replicas", "2"]
+  procs = []
+
+  def lines(i):
+    path = tmp_path / "replicas" / f"replica_{i}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+  def wait(what, predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs[:2]), (
+        what, [(tmp_path / f"{i}.log").read_text()[-2000:] for i in range(len(procs))])
+      time.sleep(0.05)
+
+  try:
+    for i, seed in ((0, 0), (1, 0), (2, 1)):
+      if i == 2:
+        wait("2 committed rounds of both", lambda: all(
+          sum(line["committed"] for line in lines(i)) >= 2 for i in range(2)))
+      with open(tmp_path / f"{i}.log", "w") as log:
+        procs.append(subprocess.Popen(
+          [sys.executable, LINEAR, "replica", *args, "--replica-id", str(i), "--seed", str(seed)],
+          env=env, stdout=log, stderr=log, start_new_session=True))
+    assert procs[2].wait(timeout=60) == 2
+    left = time.time()
+    wait("3 committed rounds after it left", lambda: all(
+      sum(line["committed"] and line["time"] > left for line in lines(i)) >= 3 for i in range(2)))
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    lighthouse.shutdown()
+  said = (tmp_path / "2.log").read_text()
+  assert "replica 2 holds no round of its Lighthouse and met replicas [0, 1] of another" in said
+  assert not any(line["committed"] for line in lines(2))
+  met = [line for line in lines(0) if 2 in line["members"]]
+  assert met and not any(line["committed"] for line in met)
+  by_round: dict = {}
+  for i in range(2):
+    for line in lines(i):
+      if line["committed"]:
+        by_round.setdefault(line["round"], set()).add(line["state_hash"])
+  assert all(len(hashes) == 1 for hashes in by_round.values()), by_round

@@ -10,7 +10,6 @@ cannot gather payloads of different sizes calls it before the payloads' all-gath
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 from collections.abc import Sequence
@@ -62,46 +61,70 @@ class Decision(NamedTuple):
   reason: str
 
 
-def settings_fingerprint(protocol: Any, params: Any, *, seed: int, tokens_per_step: int) -> int:
+def settings_fingerprint(protocol: Any, params: Any, *, seed: int, tokens_per_step: int,
+                         run_id: str | None = None) -> int:
   """A signed 64-bit int (the first 8 bytes of a sha256) of what every replica of a run must
   share: the protocol's algorithm, H, wire format, error feedback, fragments and mixing, and its
   anchor dtype when one is given; the params' tree, dtypes and shapes; the data seed; the tokens
-  per step. Not covered: the optimizers' hyperparameters (optax transformations are closures).
+  per step; the run's id when one is given (its launcher's: two runs of the same settings then
+  differ too). Not covered: the optimizers' hyperparameters (optax transformations are
+  closures).
 
-  ``anchor_dtype=None`` adds nothing, so a run without it has the fingerprint it had before the
-  field existed (its checkpoints restore)."""
+  ``anchor_dtype=None`` and ``run_id=None`` add nothing, so a run without them has the
+  fingerprint it had before the fields existed (its checkpoints restore)."""
   fields = [protocol.algorithm, protocol.sync_period, str(protocol.comm_dtype),
             protocol.comm_block_size, protocol.error_feedback, protocol.num_fragments,
             protocol.mixing, seed, tokens_per_step]
   if getattr(protocol, "anchor_dtype", None) is not None:
     fields.append(["anchor_dtype", jnp.dtype(protocol.anchor_dtype).name])
+  if run_id is not None:
+    fields.append(["run_id", str(run_id)])
   fields += [[jax.tree_util.keystr(path), str(np.asarray(x).dtype), list(np.shape(x))]
              for path, x in jax.tree_util.tree_leaves_with_path(params)]
   digest = hashlib.sha256(json.dumps(fields, default=str).encode()).digest()
   return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def run_fingerprint(fingerprints: Sequence[int]) -> int:
-  """The run's fingerprint among the members' (rank order): the one most of them hold, the
-  lowest rank's among equally many."""
-  return collections.Counter(fingerprints).most_common(1)[0][0]
+def foreign(heads: Sequence[Header], fingerprint: int) -> list[int]:
+  """The slots of the members (rank order) whose fingerprint is not ``fingerprint``, the
+  asking replica's own: replicas of another run, or of other settings. Membership is each
+  replica's own fingerprint, never a count of the members': with two runs in a quorum, every
+  member finds the other run's members foreign (and :func:`check_headers` aborts the round)."""
+  return [h.slot for h in heads if h.fingerprint != fingerprint]
+
+
+def leaves(heads: Sequence[Header], fingerprint: int, *, holds_rounds: bool) -> bool:
+  """Whether the replica of ``fingerprint`` leaves the run (its engine raises; exit status 2)
+  after a round with these members: it met a :func:`foreign` member and holds none of the
+  rounds its Lighthouse committed (``holds_rounds``: it committed one there, or healed from a
+  member of its own fingerprint that had).
+
+  So the run whose rounds the Lighthouse holds keeps it, and a replica of another run that joins
+  leaves after its first round with the run's members: that round aborts on every member (no
+  payload merged, no state taken either way), the only one it costs the run. Not a count: a
+  foreign replica at rank 0 of two, or most of a quorum, leaves the same.
+  """
+  return bool(foreign(heads, fingerprint)) and not holds_rounds
 
 
 def check_headers(protocol: Any, heads: Sequence[Header], *, min_replicas: int) -> str:
   """Why the round aborts from its headers alone, or ``""``.
 
-  In this order: fewer than ``min_replicas`` members; a member whose fingerprint is not the
-  run's (:func:`run_fingerprint`); a member that reported a failed quorum or heal
-  (``ok == 0``); a member a round behind when the protocol's payloads differ in size from
-  round to round (``streaming_diloco``'s fragments: a transport cannot gather them together);
-  no member with weight > 0 at the round's step (no payload to merge).
+  In this order: fewer than ``min_replicas`` members; members of different fingerprints (each
+  member finds some :func:`foreign`, so it aborts on every member and no payload is merged); a
+  member that reported a failed quorum or heal (``ok == 0``); a member a round behind when the
+  protocol's payloads differ in size from round to round (``streaming_diloco``'s fragments: a
+  transport cannot gather them together); no member with weight > 0 at the round's step (no
+  payload to merge).
   """
   if len(heads) < min_replicas:
     return f"{len(heads)} members, fewer than min_replicas={min_replicas}"
-  run = run_fingerprint([h.fingerprint for h in heads])
-  foreign = [h.slot for h in heads if h.fingerprint != run]
-  if foreign:
-    return f"replicas {foreign}: settings differ from the run's"
+  runs: dict[int, list[int]] = {}
+  for h in heads:
+    runs.setdefault(h.fingerprint, []).append(h.slot)
+  if len(runs) > 1:
+    held = "; ".join(f"replicas {slots}: fingerprint {fp}" for fp, slots in runs.items())
+    return f"members of different settings or runs ({held})"
   failed = [h.slot for h in heads if not h.ok]
   if failed:
     return f"replicas {failed}: quorum or heal failed"

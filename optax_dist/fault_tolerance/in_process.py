@@ -209,14 +209,20 @@ class InProcess:
 
   def _heal(self, r: int, members: dict[int, Sent]) -> dict:
     """Each member behind the most advanced (by committed rounds, then step), healed from the
-    first up-to-date member: its decoded donation, sent as bytes (:func:`encode_heal`)."""
+    first up-to-date member: its decoded donation, sent as bytes naming its fingerprint
+    (:func:`encode_heal`). A member of another fingerprint than the donor's is not healed (it
+    would refuse the payload); the round then aborts (:func:`decide`)."""
     key = {i: (s.rounds, s.header.step) for i, s in members.items()}
     best = max(key.values())
     donor = next(i for i in members if key[i] == best)
+    fingerprint = members[donor].header.fingerprint
     healed = {}
     for j in (i for i in members if key[i] < best):
-      payload = heal.encode_heal(members[donor].donation)
-      healed[j] = heal.decode_heal(payload, members[j].donation, replica=str(donor))
+      if members[j].header.fingerprint != fingerprint:
+        continue
+      payload = heal.encode_heal(members[donor].donation, fingerprint=fingerprint)
+      healed[j] = heal.decode_heal(payload, members[j].donation, replica=str(donor),
+                                   fingerprint=members[j].header.fingerprint)
       self.heals.append((r, j, donor))
     return healed
 

@@ -13,7 +13,10 @@ such a loop. Per round, at the loop's boundary
    ``Manager`` when the Lighthouse lost the request or was restarted). A replica behind the
    quorum's most advanced (torchft's step: committed rounds) heals inside the call from a live
    peer: the peer's donation (:meth:`~optax_dist.fault_tolerance.Replica.donation`) as
-   :func:`encode_heal` bytes over HTTP, checked by :func:`decode_heal`, never a pickle.
+   :func:`encode_heal` bytes over HTTP (at most its own donation's size), checked by
+   :func:`decode_heal` against its own tree and settings fingerprint, never a pickle. A refused
+   heal (a donor of another run, or a payload that fails a check) is a no vote: the replica
+   keeps its state and torchft's step, and heals at a later quorum.
 2. **Exchange**: three all-gathers over torchft's ``ProcessGroupGloo``: every member's
    :class:`~optax_dist.fault_tolerance.decision.Header` (slot, weight, whether its quorum and
    heal went without error, its settings fingerprint, its step); then, if
@@ -21,8 +24,10 @@ such a loop. Per round, at the loop's boundary
    ``(payload, collections)`` bytes (a member healed at this quorum has weight 0 and sends
    zeros of the round's payload: its own is of its step before the heal, perhaps of another
    fragment, and gloo aborts the process on buffers of different sizes); then an
-   acknowledgement (one int64 each: its payloads' all-gather completed). A member whose
-   fingerprint is not the run's (the one most members hold) leaves the run with
+   acknowledgement (one int64 each: its payloads' all-gather completed). A round with members
+   of different fingerprints aborts on every member; a member that met one of another
+   fingerprint and holds none of the Lighthouse's committed rounds (torchft's step 0:
+   :func:`~optax_dist.fault_tolerance.decision.leaves`) leaves the run with
    :class:`SettingsMismatch`.
 3. **Decision and vote**: :func:`~optax_dist.fault_tolerance.decision.decide` on what was
    gathered (the same bytes on every member, so the same outcome), then torchft's
@@ -54,12 +59,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from optax_dist import _checks, _exchange
 from optax_dist.fault_tolerance import checkpoints, heal
 from optax_dist.fault_tolerance.checkpoints import CheckpointWriter
-from optax_dist.fault_tolerance.decision import Header, check_headers, decide, run_fingerprint
+from optax_dist.fault_tolerance.decision import Header, check_headers, decide, foreign, leaves
 from optax_dist.fault_tolerance.engine import RoundLog
 from optax_dist.fault_tolerance.launcher import bind_address
 from optax_dist.fault_tolerance.loop import Received, Replica, Sent, split_donation
@@ -211,10 +217,22 @@ class _Port(Session):
     return self.replica.donation() if self._sent is None else self._sent.donation
 
   def _heal_bytes(self) -> bytes:
-    return heal.encode_heal(self._donation())
+    return heal.encode_heal(self._donation(), fingerprint=self.replica.fingerprint)
 
   def _load(self, payload: bytes) -> None:
-    self._healed = heal.decode_heal(payload, self._donation(), replica="donor")
+    """A donor's heal, checked against this replica's own tree and fingerprint.
+
+    torchft calls it inside ``start_quorum`` once it has set its step counters to the
+    donor's, and would let an error escape ``start_quorum`` (and keep the heal pending). So a
+    payload refused is reported to torchft instead (a no vote, ``ok == 0`` in the header: the
+    round aborts) and torchft's counters go back to this replica's: it keeps its own state.
+    """
+    try:
+      self._healed = heal.decode_heal(payload, self._donation(), replica="donor",
+                                      fingerprint=self.replica.fingerprint)
+    except (TypeError, ValueError) as e:
+      self._manager.load_state_dict(self._steps)
+      self._manager.report_error(e)
 
   # The round.
 
@@ -223,8 +241,15 @@ class _Port(Session):
     ``exchange_retries`` times while the exchange fails before its acknowledgement; then the
     vote."""
     self._sent, self._healed, self._attempts = sent, None, _Attempts()
-    got, retryable = self._attempt(sent)
-    while got.merged is None and retryable and self._attempts.count <= self.engine.exchange_retries:
+    # What a heal may read: this replica's own donation's bytes, a manifest of its leaves and
+    # torchft's counters (the heal transport refuses a donor that sends more).
+    bound = 65536 + sum(x.nbytes + len(json.dumps(jax.tree_util.keystr(path))) + 256
+                        for path, x in jax.tree_util.tree_leaves_with_path(sent.donation))
+    got, retryable = None, True
+    while got is None or (got.merged is None and retryable
+                          and self._attempts.count <= self.engine.exchange_retries):
+      # torchft's counters before the quorum: where a refused heal puts them back (_load)
+      self.transport.max_bytes, self._steps = bound, self._manager.state_dict()
       got, retryable = self._attempt(sent)
     if got.merged is not None and not self._vote():
       got = dataclasses.replace(got, merged=None, reason="a member voted no")
@@ -259,11 +284,12 @@ class _Port(Session):
     members, step = tuple(h.slot for h in heads), max(h.step for h in heads)
     if members != self._last_members:
       self.quorum_id, self._last_members = self.quorum_id + 1, members
-    if head.fingerprint != run_fingerprint([h.fingerprint for h in heads]):
+    if leaves(heads, head.fingerprint, holds_rounds=self._manager.current_step() > 0):
       raise SettingsMismatch(
-        f"replica {self.slot}: its settings (fingerprint {head.fingerprint}) differ from the"
-        " run's: algorithm, sync period, wire format, params' shapes, seed and tokens per step"
-        " must be every replica's")
+        f"replica {self.slot} holds no round of its Lighthouse and met replicas"
+        f" {foreign(heads, head.fingerprint)} of another fingerprint: its settings (fingerprint"
+        f" {head.fingerprint}) differ from the run's: algorithm, sync period, wire format,"
+        " params' shapes, seed and tokens per step must be every replica's")
     reason = check_headers(self.protocol, heads, min_replicas=self.engine.min_replicas)
     if reason:
       return failed(reason, members=members, step=step)

@@ -24,6 +24,8 @@ import re
 import socket
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import timedelta
 from typing import Any
@@ -149,11 +151,59 @@ class HealTransport(CheckpointTransport):
     with self._staged:
       self._step_bytes = None
 
+  max_bytes: int | None = None
+  """The most bytes :meth:`recv_checkpoint` reads: the joiner's engine sets it before each
+  quorum from its own donation's tree (its bytes, a manifest of its leaves and torchft's
+  counters); ``None``: unbounded."""
+
   def recv_checkpoint(self, src_rank, metadata, step, timeout) -> dict:
-    url = f"{metadata}/heal/{step}"
-    # Twice the server's wait, so that a frame never staged comes back as a 404.
-    with urllib.request.urlopen(url, timeout=2 * self._timeout) as response:
-      return _unframe(response.read(), f"rank {src_rank} ({metadata})")
+    """The donor's frame, from ``GET /heal/<step>`` at the address it advertises (``metadata``),
+    over plain HTTP only: ``metadata`` must be ``http://host:port`` (no other scheme, no path,
+    query or credentials); no proxy; no redirect followed; at most :attr:`max_bytes` read.
+
+    Raises:
+      ValueError: ``metadata`` not ``http://host:port``; a redirect (a 3xx); more than
+        :attr:`max_bytes` bytes, announced (``Content-Length``) or sent; a frame that
+        :func:`_unframe` refuses.
+      urllib.error.HTTPError: another status than 200 (404: nothing staged for ``step``).
+      OSError: the donor unreachable, or too slow.
+    """
+    del timeout  # torchft's; the GET waits twice the server's wait, so a frame never staged
+    # comes back as a 404
+    source = f"rank {src_rank} ({metadata})"
+    parts = urllib.parse.urlsplit(metadata) if isinstance(metadata, str) else None
+    try:
+      port = None if parts is None else parts.port
+    except ValueError:  # not a port number
+      port = None
+    if (port is None or parts.scheme != "http" or not parts.hostname or "@" in parts.netloc
+        or parts.path or parts.query or parts.fragment):
+      raise ValueError(f"heal from {source}: the donor's address must be http://host:port, got"
+                       f" {metadata!r}: refused.")
+    opener = urllib.request.OpenerDirector()  # HTTP alone: no redirect, proxy or other scheme
+    for handler in (urllib.request.HTTPHandler(), urllib.request.HTTPDefaultErrorHandler(),
+                    urllib.request.HTTPErrorProcessor()):
+      opener.add_handler(handler)
+    try:
+      response = opener.open(f"http://{parts.netloc}/heal/{int(step)}",
+                             timeout=2 * self._timeout)
+    except urllib.error.HTTPError as e:
+      if not 300 <= e.code < 400:
+        raise
+      e.close()
+      raise ValueError(f"heal from {source}: a redirect ({e.code}, to"
+                       f" {e.headers.get('Location')!r}): refused.") from None
+    limit, data = self.max_bytes, b""
+    with response:
+      announced = response.headers.get("Content-Length", "")
+      size = int(announced) if announced.isdigit() else 0
+      if limit is None or size <= limit:  # else refused unread
+        data = response.read() if limit is None else response.read(limit + 1)
+        size = max(size, len(data))
+    if limit is not None and size > limit:
+      raise ValueError(f"heal from {source}: {size} bytes or more, over the {limit} that this"
+                       " replica's own donation takes: refused.")
+    return _unframe(data, source)
 
   def shutdown(self, wait: bool = True) -> None:
     self._server.shutdown()
