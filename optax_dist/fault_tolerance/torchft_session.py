@@ -231,7 +231,6 @@ def _unpack(buffer: torch.Tensor, like: Any) -> Any:
   return tree_from_bytes(buffer.numpy().tobytes(), like)
 
 
-
 class _GlooOnHost(ProcessGroupGloo):
   """torchft's reconfigurable gloo process group with its device, whose socket listens for the
   other members, on ``host`` (torch's default device takes the address the machine's host name
@@ -297,7 +296,9 @@ class Session:
     listening on ``host``."""
     self._store = _store_on(host)
     self._pg = _GlooOnHost(host, timedelta(seconds=timeout))
+    bound = getattr(getattr(self, "transport", None), "max_bytes", None)
     self.transport = HealTransport(host, timeout)
+    self.transport.max_bytes = bound  # a renewed manager's heal reads no more than the last
     try:  # torchft advertises http://{hostname}:port (an IPv6 address in brackets), and takes
       # store_addr as the store's address (without them)
       return Manager(
