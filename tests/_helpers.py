@@ -96,3 +96,21 @@ class PicklePayload:
 def _record_unpickling(what):
   PicklePayload.RAN.append(what)
   return what
+
+
+def require_ft() -> None:
+  """Skips the calling test module without the ``ft`` extra (torch, torchft), or, with
+  ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``), fails it."""
+  import importlib.util
+  import os
+
+  import pytest
+
+  missing = [m for m in ("torch", "torchft") if importlib.util.find_spec(m) is None]
+  if not missing:
+    return
+  if os.environ.get("OPTAX_DIST_REQUIRE_FT") == "1":
+    raise ModuleNotFoundError(
+      f"OPTAX_DIST_REQUIRE_FT=1 but {missing[0]!r} is missing: pip install 'optax-dist[ft]'",
+      name=missing[0])
+  pytest.skip("needs the ft extra (torch, torchft)", allow_module_level=True)

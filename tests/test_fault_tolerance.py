@@ -624,8 +624,9 @@ def test_replica_without_the_ft_extra_says_so_in_one_line(monkeypatch):
   from optax_dist.fault_tolerance import replica
 
   monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ModuleNotFoundError
-  monkeypatch.delitem(sys.modules, "optax_dist.fault_tolerance.torchft_engine", raising=False)
-  monkeypatch.delattr(ft, "torchft_engine", raising=False)  # imported by another test
+  for module in ("torchft_engine", "torchft_session"):  # imported by another test
+    monkeypatch.delitem(sys.modules, f"optax_dist.fault_tolerance.{module}", raising=False)
+    monkeypatch.delattr(ft, module, raising=False)
   with pytest.raises(replica.ReplicaError) as info:
     replica.load_engine()
   said = str(info.value)

@@ -24,17 +24,9 @@ import types
 import urllib.error
 
 import pytest
+from _helpers import PicklePayload, require_ft
 
-try:
-  import torchft  # noqa: F401
-except ModuleNotFoundError as e:
-  if os.environ.get("OPTAX_DIST_REQUIRE_FT") == "1":
-    raise ModuleNotFoundError(
-      f"OPTAX_DIST_REQUIRE_FT=1 but {e.name!r} is missing: pip install 'optax-dist[ft]'",
-      name=e.name) from None
-  pytest.skip("needs the ft extra (torch, torchft)", allow_module_level=True)
-
-from _helpers import PicklePayload  # noqa: E402
+require_ft()
 
 from optax_dist.fault_tolerance import checkpoints  # noqa: E402
 

@@ -16,15 +16,11 @@ import sys
 import time
 
 import pytest
+from _helpers import require_ft
 
-try:
-  from torchft.coordination import LighthouseServer
-except ModuleNotFoundError as e:
-  if os.environ.get("OPTAX_DIST_REQUIRE_FT") == "1":
-    raise ModuleNotFoundError(
-      f"OPTAX_DIST_REQUIRE_FT=1 but {e.name!r} is missing: pip install 'optax-dist[ft]'",
-      name=e.name) from None
-  pytest.skip("needs the ft extra (torch, torchft)", allow_module_level=True)
+require_ft()
+
+from torchft.coordination import LighthouseServer  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "linen_fault_tolerant.py"
