@@ -316,11 +316,11 @@ def _committed_hashes(out: pathlib.Path, replicas: int) -> dict[int, set]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--fsdp", "2"), ("--param-dtype", "bfloat16")])
-def test_fsdp_and_bfloat16_params_run_with_one_hash_per_round(flags, tmp_path):
-  """2 replicas of 2 devices, 3 rounds: ``--fsdp 2`` (each replica's params sharded over its
-  devices) and ``--param-dtype bfloat16`` (the anchor in float32: its checkpoint restores with
-  the run's fingerprint) each commit every round with one state hash across the replicas."""
+def test_fsdp_and_bfloat16_params_run_with_one_hash_per_round(tmp_path):
+  """2 replicas of 2 devices, 3 rounds, ``--fsdp 2`` (each replica's params sharded over its
+  devices) with ``--param-dtype bfloat16`` (the anchor in float32: its checkpoint restores with
+  the run's fingerprint): every round commits with one state hash across the replicas."""
+  flags = ("--fsdp", "2", "--param-dtype", "bfloat16")
   _require_ft()
   env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
   env["PYTHONPATH"] = str(ROOT)

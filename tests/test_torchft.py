@@ -1275,3 +1275,29 @@ def test_a_foreign_replica_joining_a_running_run_leaves_and_the_run_commits_on(t
       if line["committed"]:
         by_round.setdefault(line["round"], set()).add(line["state_hash"])
   assert all(len(hashes) == 1 for hashes in by_round.values()), by_round
+
+
+@pytest.mark.parametrize("members, writes", [([1, 0], True), ([0, 1], False)])
+def test_only_the_quorum_s_rank_0_writes_a_checkpoint(tmp_path, members, writes):
+  """A committed round crossing a multiple of checkpoint_every is written by the member at the
+  quorum's rank 0 only (the members write alike; one file is enough, and two writers of one
+  file would race)."""
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import checkpoints
+  from optax_dist.fault_tolerance import torchft_engine as te
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=2)
+  engine = te.Torchft(protocol, lighthouse="http://127.0.0.1:1", replica_id=1, out=tmp_path,
+                      checkpoint_every=2)
+  port = te._Port(engine)
+  params = jnp.zeros(3)
+  port.checkpointer = checkpoints.CheckpointWriter(tmp_path / "checkpoints", 2, 7)
+  port.replica._replica = protocol.init(params)
+  line = ft.RoundLog(round=0, replica=1, step=2, quorum_id=1, members=tuple(members),
+                     committed=True, weight=2, healed=False, state_hash="", tokens=2)
+  port.record(line)
+  port.checkpointer.close()
+  assert bool(checkpoints.saved(tmp_path / "checkpoints")) == writes

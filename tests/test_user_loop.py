@@ -311,3 +311,20 @@ def test_a_healed_replica_s_next_payload_is_its_peers_size():
     after = healed.step + period  # the healed replica's next round
     peers = [norms[i, after] for i in range(4) if i != j]
     assert norms[j, after] / np.median(peers) <= 1.2, (r, norms[j, after], peers)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_one_non_finite_coordinate_of_one_member_s_payload_aborts_the_round(bad):
+  """The vote refuses a payload with a single non-finite value in a single coordinate of one
+  leaf (not only an all-NaN payload): `decide` aborts, and every other payload still votes
+  yes."""
+  from optax_dist.fault_tolerance import decision
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.5), sync_period=H)
+  good = {"a": jnp.ones((4, 3)), "b": jnp.ones(5)}
+  poisoned = {"a": good["a"].at[2, 1].set(bad), "b": good["b"]}
+  heads = [decision.Header(i, 8, 1, 7, H) for i in range(3)]
+  assert protocol.votes(good) and not protocol.votes(poisoned)
+  assert decision.decide(protocol, heads, [good] * 3, min_replicas=2).merged is not None
+  d = decision.decide(protocol, heads, [good, poisoned, good], min_replicas=2)
+  assert d.merged is None and d.voters == () and "[1]" in d.reason

@@ -114,7 +114,7 @@ class InProcess:
     self._train, self._cv = train, threading.Condition()
     self._round, self._arrived, self._results = 0, {}, {}
     self._live, self._threads, self._errors, self._returned = set(), [], [], {}
-    self._quorum_id, self._last_members = 0, None
+    self._quorum_count, self._last_members = 0, None
     with self._cv:
       for i in range(self.num_replicas):
         self._start(i)
@@ -181,7 +181,7 @@ class InProcess:
     members = [i for i in arrived if i not in stragglers]
     results = self._decide(r, {i: arrived[i] for i in members})
     for i in stragglers:
-      results[i] = Received((), self._quorum_id, None, None, arrived[i].header.step,
+      results[i] = Received((), self._quorum_count, None, None, arrived[i].header.step,
                             "left out of the quorum")
     self._results.update({(r, i): got for i, got in results.items()})
     self._round, self._arrived = r + 1, {}
@@ -193,7 +193,7 @@ class InProcess:
     if not members:
       return {}
     if tuple(members) != self._last_members:
-      self._quorum_id, self._last_members = self._quorum_id + 1, tuple(members)
+      self._quorum_count, self._last_members = self._quorum_count + 1, tuple(members)
     healed = self._heal(r, members)
     heads = [s.header._replace(weight=0) if i in healed else s.header for i, s in members.items()]
     payloads = [_nan(s.payload[0]) if i in self._events(r, "nonfinite") else s.payload[0]
@@ -204,7 +204,7 @@ class InProcess:
       collections = [members[i].payload[1] for i in d.voters]
       merged = (d.merged, None if collections[0] is None
                 else _exchange.merge_payloads(collections))
-    return {i: Received(tuple(members), self._quorum_id, healed.get(i), merged, d.step, d.reason)
+    return {i: Received(tuple(members), self._quorum_count, healed.get(i), merged, d.step, d.reason)
             for i in members}
 
   def _heal(self, r: int, members: dict[int, Sent]) -> dict:

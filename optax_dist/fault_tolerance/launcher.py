@@ -71,6 +71,10 @@ when every member of the last one has asked, or when every heartbeating replica 
 stopped or cut-off replica stops heartbeating and is no longer waited for after
 ``lighthouse_heartbeat_timeout``."""
 
+LIGHTHOUSE_PORT_TRIES = 3
+"""Free ports tried for a Lighthouse started on any port (``LaunchConfig.port == 0``): another
+process may take a port found free before the Lighthouse binds it."""
+
 LIGHTHOUSE_COMMAND = (str(pathlib.Path(__file__).with_name("lighthouse.py")),)
 """What follows the Python interpreter in the Lighthouse's command line: the script's path (not
 ``-m``: torchft's program reads the process's arguments after the interpreter's first)."""
@@ -248,11 +252,20 @@ class Launcher:
   def __init__(self, config: LaunchConfig):
     self.config, self.dir = config, RunDir(config.out)
     self.dir.out.mkdir(parents=True, exist_ok=True)
-    self.port = config.port or _free_port(config.host)
-    self.url = f"http://{url_host(config.host)}:{self.port}"
     self.lighthouse = _Slot()
-    self.start_lighthouse()
-    self._wait_for_lighthouse()
+    for attempt in range(LIGHTHOUSE_PORT_TRIES):
+      # a port found free may be taken before the Lighthouse binds it: then another one
+      self.port = config.port or _free_port(config.host)
+      self.url = f"http://{url_host(config.host)}:{self.port}"
+      self.start_lighthouse()
+      try:
+        self._wait_for_lighthouse()
+        break
+      except RuntimeError:
+        self.lighthouse.proc.kill()
+        self.lighthouse.proc.wait()
+        if config.port or attempt == LIGHTHOUSE_PORT_TRIES - 1:
+          raise
     self.slots = [_Slot() for _ in range(config.replicas)]
 
   def start_lighthouse(self) -> None:
@@ -279,9 +292,11 @@ class Launcher:
     while self.lighthouse.proc.poll() is None and time.monotonic() < deadline:
       try:
         socket.create_connection((self.config.host, self.port), timeout=0.5).close()
-        return
       except OSError:
         time.sleep(0.05)
+        continue
+      if self.lighthouse.proc.poll() is None:  # its own socket, not another process's
+        return
     raise RuntimeError(f"the Lighthouse did not start on {self.url}: "
                        + " | ".join(self.dir.lighthouse_log.read_text().strip().splitlines()[-3:]))
 

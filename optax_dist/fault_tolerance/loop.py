@@ -184,8 +184,8 @@ class Sent:
     header: its :class:`~optax_dist.fault_tolerance.decision.Header`.
     payload: ``(payload, collections)``: its payload and its model collections (``None``).
     rounds: its committed rounds (with ``header.step``, how far it is).
-    donation: what it sends a member that heals from it: ``(heal_state, collections)`` of
-      its state before the round's outcome (:func:`heal_state`).
+    donation: what it sends a member that heals from it (:meth:`Replica.donation` of its state
+      before the round's outcome).
   """
 
   header: Header
@@ -302,8 +302,9 @@ class Replica:
     self._collections = parts.collections
     self._warm_up(parts)
     restored = self.engine.start(self)
-    if restored is not None:
-      state = self._take(state, *self.receive(restored), jumped=True)
+    if restored is not None:  # placed as the loop's own state is
+      replica, collections = _placed_as(self.receive(restored), (self._replica, self._collections))
+      state = self._take(state, replica, collections, jumped=True)
     self._keep_origin(state)
     return state
 
