@@ -70,7 +70,7 @@ def train(replica):
     x, y = batch(replica.slot, replica.step)
     key = ft.step_key(SEED, replica.slot, replica.step)
     state, loss = train_step(state, x, y, key)
-    state = replica.after_step(state)
+    state = replica.after_step(state, loss=loss)
     losses.append(float(loss))
   return state, losses
 

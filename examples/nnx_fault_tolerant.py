@@ -67,7 +67,7 @@ def train(replica):
     x, y = batch(replica.slot, replica.step)
     key = ft.step_key(SEED, replica.slot, replica.step)
     loss = train_step(model, optimizer, x, y, key)
-    model, optimizer = replica.after_step((model, optimizer))
+    model, optimizer = replica.after_step((model, optimizer), loss=loss)
     losses.append(float(loss))
   return model, losses
 

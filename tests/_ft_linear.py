@@ -27,7 +27,7 @@ SCRIPT = pathlib.Path(__file__).resolve()
 
 
 def linear_task(dim: int, batch: int):
-  """``(params0, grad_fn, batch_fn)`` of the synthetic linear regression."""
+  """``(params0, loss_and_grad, batch_fn)`` of the synthetic linear regression."""
   import jax
   import jax.numpy as jnp
 
@@ -39,11 +39,11 @@ def linear_task(dim: int, batch: int):
     x = jax.random.normal(key, (batch, dim))
     return x, x @ target
 
-  def grad_fn(w, data):
+  def loss_and_grad(w, data):
     x, y = data
-    return jax.grad(lambda w: jnp.sum((x @ w - y) ** 2) / batch)(w)
+    return jax.value_and_grad(lambda w: jnp.sum((x @ w - y) ** 2) / batch)(w)
 
-  return jnp.zeros(dim, jnp.float32), grad_fn, batch_fn
+  return jnp.zeros(dim, jnp.float32), loss_and_grad, batch_fn
 
 
 def replica_parser() -> argparse.ArgumentParser:
@@ -78,14 +78,14 @@ def replica(argv: list[str]) -> int:
 
   from optax_dist.fault_tolerance import RoundProtocol
 
-  params, grad_fn, batch_fn = linear_task(args.dim, args.batch)
+  params, loss_and_grad, batch_fn = linear_task(args.dim, args.batch)
   outer = None if args.algorithm == "local_sgd" else optax.sgd(0.7, momentum=0.9, nesterov=True)
   try:
     protocol = RoundProtocol(args.algorithm, optax.sgd(0.02), outer, sync_period=args.sync_period)
   except ValueError as e:
     raise ft_replica.ReplicaError(str(e)) from None
   ft_replica.serve(
-    protocol, params, grad_fn, batch_fn, steps=args.steps, seed=args.seed,
+    protocol, params, loss_and_grad, batch_fn, steps=args.steps, seed=args.seed,
     tokens_per_step=args.batch, lighthouse=args.lighthouse, replica_id=args.replica_id,
     out=args.out, host=args.host, min_replicas=args.min_replicas,
     quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,

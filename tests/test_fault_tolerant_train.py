@@ -152,7 +152,7 @@ def test_replicas_draw_the_trainers_minibatches():
   replicas, per_replica, batch = 3, 2, 4
   s = Settings(algorithm="diloco", devices=replicas * per_replica, batch_size=batch,
                steps=20, sync_period=5).resolved()
-  params, grad_fn, batch_fn, tokens, evaluate = ft_task.task_engine(
+  params, loss_and_grad, batch_fn, tokens, evaluate = ft_task.task_engine(
     task, data, s, replicas)
   assert tokens == per_replica * batch  # a digit's label is its one target
   shards = pipeline.shard_examples(data.train, s.devices)
@@ -166,7 +166,8 @@ def test_replicas_draw_the_trainers_minibatches():
       np.testing.assert_array_equal(got[key], want)
     np.testing.assert_array_equal(jax.device_get(batch_fn(seed, slot, step))["x"], got["x"])
   assert 0.0 <= evaluate(params) <= 1.0
-  assert jax.tree.structure(grad_fn(params, batch_fn(0, 0, 0))) == jax.tree.structure(params)
+  loss, grads = loss_and_grad(params, batch_fn(0, 0, 0))
+  assert np.shape(loss) == () and jax.tree.structure(grads) == jax.tree.structure(params)
 
 
 def test_fsdp_shards_a_replicas_params_and_a_heals_state_is_placed_back():
@@ -185,11 +186,11 @@ def test_fsdp_shards_a_replicas_params_and_a_heals_state_is_placed_back():
   task = TASKS["digits"]
   s = Settings(algorithm="diloco", devices=4, replicas=2, fsdp=2, batch_size=4, steps=8,
                sync_period=4).resolved()
-  params, grad_fn, batch_fn, _, _ = ft_task.task_engine(task, task.load(0), s, 2)
+  params, loss_and_grad, batch_fn, _, _ = ft_task.task_engine(task, task.load(0), s, 2)
   specs = jax.tree.map(lambda p: fsdp_spec(p.shape, 2), params)
   assert jax.tree.map(lambda p: p.sharding.spec, params) == specs
   assert all("fsdp" in spec for spec in jax.tree.leaves(specs))  # every leaf has an even dim
-  protocol, grads = ft_task.protocol(s), jax.jit(grad_fn)
+  protocol, grads = ft_task.protocol(s), jax.jit(lambda p, b: loss_and_grad(p, b)[1])
 
   def layout(tree):  # each leaf's sharded dims (a jitted step drops a spec's trailing Nones)
     return [[i for i, axis in enumerate(x.sharding.spec) if axis] for x in jax.tree.leaves(tree)]

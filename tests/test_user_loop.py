@@ -82,6 +82,20 @@ def test_an_example_survives_its_kill_and_rejoin_with_one_state_per_round(flavou
     assert losses[-1] < losses[0] / 2, slot
 
 
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_a_round_s_line_has_the_mean_of_the_losses_its_steps_returned(flavour):
+  """Each line's ``loss`` is the mean of the losses the example's own steps returned in that
+  round (its list, in float64), also for replica 1's rejoined life: the round it ran from its
+  start, then, healed 20 steps ahead, its next rounds (the losses restart at each boundary)."""
+  module, engine, results = _example_run(flavour)
+  h = module.PROTOCOL.sync_period
+  for slot, (_, losses) in results.items():
+    lines = sorted((x for x in engine.log if x.replica == slot), key=lambda x: x.round)
+    want = np.asarray(losses, np.float64).reshape(-1, h).mean(axis=1)
+    np.testing.assert_allclose([x.loss for x in lines[-len(want):]], want, rtol=1e-12)
+  assert len([x for x in engine.log if x.replica == 1]) == 5  # rounds 0, 1, then 3, 4, 5
+
+
 def _collections(flavour: str, state):
   if flavour == "linen":
     return state.batch_stats
@@ -168,6 +182,7 @@ def test_a_user_loop_lands_where_the_library_s_round_lands(case):
   results = engine.run(_loop(protocol, steps))
   got = {(line.round, line.replica): line.state_hash for line in engine.log}
   assert got == {(line.round, line.replica): line.state_hash for line in want}
+  assert {line.loss for line in engine.log} == {None}  # the loop reports no loss
   for i in range(3):
     (params, _), compiled = results[i]
     assert compiled == 1

@@ -65,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
   init_jax(args.devices)
   data = task.load(args.seed)
   s = ft_task.settings(args, task, lambda: data)
-  params, grad_fn, batch_fn, tokens, evaluate = ft_task.task_engine(task, data, s, args.replicas)
+  params, loss_and_grad, batch_fn, tokens, evaluate = ft_task.task_engine(
+    task, data, s, args.replicas)
   run_dir = RunDir(args.out)
   try:
     state = ft_replica.serve(
-      ft_task.protocol(s), params, grad_fn, batch_fn, steps=s.steps, seed=s.seed,
+      ft_task.protocol(s), params, loss_and_grad, batch_fn, steps=s.steps, seed=s.seed,
       tokens_per_step=tokens, lighthouse=args.lighthouse, replica_id=args.replica_id,
       out=args.out, host=args.host, min_replicas=args.min_replicas,
       quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,

@@ -74,17 +74,17 @@ def check_protocol(task: Task, data: Data, s: Settings) -> None:
 
 
 def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any, ...]:
-  """``(params, grad_fn, batch_fn, tokens_per_step, evaluate)`` of ``task`` for one replica
+  """``(params, loss_and_grad, batch_fn, tokens_per_step, evaluate)`` of ``task`` for one replica
   of ``replicas`` (``s.devices`` workers in all, ``K = s.devices // replicas`` per replica).
 
   * ``params``: :func:`optax_dist.cli.runs.initial_params` (``train``'s) in ``s.param_dtype``,
     replicated over the replica's K devices; with ``s.fsdp`` F, each sharded over F of them as
     ``train --fsdp F`` shards one replica's (:func:`optax_dist.cli.meshes.fsdp_spec`, on a
     ``(K / F, F)`` mesh over ``(DATA, FSDP)``);
-  * ``grad_fn(params, batch)``: the gradient of ``task``'s mean loss on the replica's batch of
-    ``K * batch_size`` examples, split over its K devices: the mean of its workers' gradients
-    (the compiler reduces them within the replica), placed as ``params`` are however the
-    params it is given are placed (a heal's arrive on one device);
+  * ``loss_and_grad(params, batch)``: ``(loss, grads)``, ``task``'s mean loss on the replica's
+    batch of ``K * batch_size`` examples, split over its K devices, and its gradient: the mean
+    of its workers' gradients (the compiler reduces them within the replica), placed as
+    ``params`` are however the params it is given are placed (a heal's arrive on one device);
   * ``batch_fn(seed, slot, step)``: the minibatches of workers ``slot * K`` to ``slot * K + K -
     1`` for step ``step + 1`` (:func:`optax_dist.cli.pipeline.minibatch`), stateless;
   * ``tokens_per_step``: the targets in the replica's batch of a step, ``K * batch_size`` times
@@ -117,13 +117,14 @@ def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any
     batch = {key: v[workers, idx].reshape((-1,) + v.shape[2:]) for key, v in shards.items()}
     return jax.device_put(batch, examples)
 
-  loss_grad = jax.grad(task.loss_fn(model))
+  value_and_grad = jax.value_and_grad(task.loss_fn(model))
 
-  def grad_fn(params: Any, batch: Any) -> Any:
-    return jax.lax.with_sharding_constraint(loss_grad(params, batch), placed)
+  def loss_and_grad(params: Any, batch: Any) -> tuple[Any, Any]:
+    loss, grads = value_and_grad(params, batch)
+    return loss, jax.lax.with_sharding_constraint(grads, placed)
 
   metric = jax.jit(task.metric_fn(model))
-  return (params, grad_fn, batch_fn, k * s.batch_size * tokens_per_example(data),
+  return (params, loss_and_grad, batch_fn, k * s.batch_size * tokens_per_example(data),
           lambda p: float(metric(p, data.test)))
 
 

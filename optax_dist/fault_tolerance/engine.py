@@ -71,6 +71,9 @@ class RoundLog:
     healed: whether it healed from a donor this round.
     state_hash: :func:`state_hash` of its :class:`GlobalState` after the round.
     tokens: tokens it processed in the round (its inner steps × its tokens per step, or 0).
+    loss: the mean of the training losses its loop reported for the round's inner steps
+      (:meth:`Replica.after_step`'s ``loss``), or ``None``: none reported (this engine's own
+      loop reports none).
   """
 
   round: int
@@ -83,6 +86,7 @@ class RoundLog:
   healed: bool
   state_hash: str
   tokens: int
+  loss: float | None = None
 
 
 @dataclasses.dataclass

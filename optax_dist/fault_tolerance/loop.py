@@ -269,6 +269,7 @@ class Replica:
     self._replica: ReplicaState | None = None
     self._collections = self._origin = self._seek = self._params_like = None
     self._round_start = self._boundary = 0
+    self._losses: list = []  # the losses reported since the last boundary, unread
 
   @property
   def healed(self) -> bool:
@@ -308,7 +309,7 @@ class Replica:
     self._keep_origin(state)
     return state
 
-  def after_step(self, state: Any) -> Any:
+  def after_step(self, state: Any, *, loss: Any = None) -> Any:
     """Call after every inner step with the step's new state; returns the state to continue
     from (``state`` itself between round boundaries).
 
@@ -316,12 +317,21 @@ class Replica:
     :attr:`last`; on the step before, it keeps a copy of the params (the commit lands from
     them). Between boundaries it reads nothing from the device.
 
+    Args:
+      state: the loop's state after the step.
+      loss: optional, the step's training loss (a scalar; a device array is kept as it is, not
+        read). At the boundary the round's line (:attr:`RoundLog.loss`) gets the mean of the
+        losses reported since the last boundary (the round's inner steps), in float64, read
+        from the device in one transfer per round; ``None`` if none was.
+
     Raises:
       RuntimeError: called before :meth:`start`.
     """
     if self._replica is None:
       raise RuntimeError("`Replica.after_step` before `Replica.start`: call start first.")
     self.step += 1
+    if loss is not None:
+      self._losses.append(loss)
     if self.step == self._boundary:
       state = self._round(state)
     self._keep_origin(state)
@@ -406,12 +416,13 @@ class Replica:
     jumped = got.healed is not None or got.step > self.step
     if jumped and got.healed is None:  # a void round: it takes the round's step and counts
       replica = replica._replace(opt_state=advanced(replica.opt_state, got.step - self.step))
+    loss = _mean(self._losses)  # before _take, which starts the next round's
     state = self._take(state, replica, collections, jumped)
     line = RoundLog(
       round=self.protocol.rounds_until(self.step) - 1, replica=self.slot, step=self.step,
       quorum_id=got.quorum_id, members=got.members, committed=got.merged is not None,
       weight=0 if jumped else tokens, healed=got.healed is not None,
-      state_hash=self.state_hash(), tokens=tokens)
+      state_hash=self.state_hash(), tokens=tokens, loss=loss)
     self.engine.record(line)
     self.last = RoundResult(line.committed, line.healed, self.step, line)
     return state
@@ -425,7 +436,7 @@ class Replica:
     """Keeps ``replica`` and ``collections`` as this replica's and puts them into the loop's
     ``state``; on a jump of the data position, sets :attr:`step` (and the state's step
     counter) and calls ``seek``."""
-    self._replica, self._collections = replica, collections
+    self._replica, self._collections, self._losses = replica, collections, []
     self.rounds = int(replica.rounds)
     if jumped:
       self.step = int(replica.opt_state.local_step)
@@ -441,6 +452,12 @@ def split_donation(donation: Any) -> tuple[HealState, Any]:
   """``(heal_state, collections)`` of a :meth:`Replica.donation` (collections ``None`` for a
   model without any)."""
   return (donation, None) if isinstance(donation, HealState) else donation
+
+
+def _mean(losses: list) -> float | None:
+  """The mean of ``losses`` (device arrays fetched in one ``device_get``) in float64, or
+  ``None`` for none."""
+  return float(np.mean(np.asarray(jax.device_get(losses), np.float64))) if losses else None
 
 
 def _placed_as(tree: Any, like: Any) -> Any:

@@ -75,18 +75,20 @@ def load_engine() -> Any:
   return torchft_engine
 
 
-def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, steps: int,
+def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callable, *, steps: int,
           seed: int, tokens_per_step: int, lighthouse: str, replica_id: int, out: str,
           host: str, min_replicas: int, quorum_timeout: float, timeout: float,
           on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
           standby: bool = False, exchange_retries: int = 0) -> Any:
-  """Trains one replica of ``protocol`` on ``(params, grad_fn, batch_fn)`` over torchft until
-  the run has committed ``steps`` inner steps' worth of rounds; returns its final
+  """Trains one replica of ``protocol`` on ``(params, loss_and_grad, batch_fn)`` over torchft
+  until the run has committed ``steps`` inner steps' worth of rounds; returns its final
   :class:`~optax_dist.fault_tolerance.ReplicaState`.
 
   The loop is a user's loop (:class:`~optax_dist.fault_tolerance.Replica`): the protocol's
-  jitted inner step on ``grad_fn(params, batch_fn(seed, slot, step))``, then
-  :meth:`~optax_dist.fault_tolerance.Replica.after_step`, over the
+  jitted inner step on the gradient of ``loss_and_grad(params, batch_fn(seed, slot, step))``
+  (``(loss, grads)``, as ``jax.value_and_grad`` gives them), then
+  :meth:`~optax_dist.fault_tolerance.Replica.after_step` with the step's loss (each round's line
+  has their mean), over the
   :class:`~optax_dist.fault_tolerance.torchft_engine.Torchft` engine, whose arguments the others
   are; ``standby``: the replica is a warm standby that waits in :func:`wait_for_takeover` once
   compiled.
@@ -108,16 +110,17 @@ def serve(protocol: Any, params: Any, grad_fn: Callable, batch_fn: Callable, *, 
       standby=wait_for_takeover if standby else None)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
-  grads = jax.jit(grad_fn)
+  loss_grads = jax.jit(loss_and_grad)
 
   def train(replica):
     state = params, protocol.tx.init(params)
-    scratch = protocol.inner_step(*state, grads(params, batch_fn(seed, replica_id, 0)))
+    scratch = protocol.inner_step(*state, loss_grads(params, batch_fn(seed, replica_id, 0))[1])
     del scratch  # compiled before the replica joins: its first round costs what the others do
     state = replica.start(state)
     while replica.rounds < target:
       batch = batch_fn(seed, replica_id, replica.step)
-      state = replica.after_step(protocol.inner_step(*state, grads(state[0], batch)))
+      loss, grads = loss_grads(state[0], batch)
+      state = replica.after_step(protocol.inner_step(*state, grads), loss=loss)
     return replica.replica_state
 
   try:
