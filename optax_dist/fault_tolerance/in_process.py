@@ -11,6 +11,7 @@ the threads interleave.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_dist import _checks, _exchange
-from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance import decoupled, heal
 from optax_dist.fault_tolerance.decision import decide
 from optax_dist.fault_tolerance.engine import Fault, RoundLog
 from optax_dist.fault_tolerance.loop import Received, Replica, Sent
@@ -55,13 +56,41 @@ class InProcess:
      from the loop's own beginning: it runs its first round's inner steps, then heals at its
      first boundary.
 
+  **Decoupled rounds** (``speeds`` given; :mod:`~optax_dist.fault_tolerance.decoupled`, run by
+  :class:`~optax_dist.fault_tolerance.clock.Clock`): replica :math:`i` takes an inner step every
+  :math:`1/v_i` simulated seconds and does not wait at its boundary: it pushes its payload and
+  pulls what committed since. A round closes when every live replica's payload is in, or when
+  K (``min_quorum``) are in and ``grace_window`` has run out since the K-th arrival; a payload
+  that arrives after a round closed enters the next one, weighted by its tokens under the
+  staleness rule; a replica that missed committed rounds catches up (the global state only;
+  it keeps its params, inner state and residual). The schedule is a function of the speeds and
+  the settings, not of the threads' timing. ``log`` holds
+  :class:`~optax_dist.fault_tolerance.decoupled.MergeLine` and
+  :class:`~optax_dist.fault_tolerance.decoupled.Revert` lines. With K = R, an infinite window
+  and equal speeds it is the synchronous engine bit for bit. Faults: ``"nonfinite"`` only (its
+  round is the closed round its payload enters).
+
   Args:
     protocol: the run's :class:`RoundProtocol`.
     num_replicas: R, a positive int.
     faults: :class:`Fault` events of the kinds in :data:`LOOP_KINDS`.
-    min_replicas: the smallest quorum that commits; default :math:`\lfloor R/2 \rfloor + 1`.
+    min_replicas: the smallest quorum that commits; default :math:`\lfloor R/2 \rfloor + 1`
+      (decoupled rounds: the fewest payloads of weight > 0 that commit, default 1).
     seed: the data seed the replicas are given (:attr:`Replica.seed`).
     tokens_per_step: the tokens of one batch (a round's weight is its steps times it).
+    speeds: ``None`` (synchronous rounds), or one speed :math:`v_i > 0` per replica, in inner
+      steps per simulated second: decoupled rounds.
+    min_quorum: K, the payloads that may close a decoupled round before every live replica's
+      is in (default R); an int in [1, R].
+    grace_window: W, simulated seconds a decoupled round stays open after its K-th arrival
+      (default ``math.inf``: until every live replica's payload is in); >= 0.
+    staleness_rule: the weight of a payload of staleness :math:`s` and :math:`T` tokens, one of
+      :data:`~optax_dist.fault_tolerance.decoupled.STALENESS_RULES` (default ``"none"``:
+      :math:`T`).
+    max_staleness: ``"age_gate"``'s bound: a payload staler than it is dropped (default 1).
+    replay: a decoupled run's log (its :class:`~optax_dist.fault_tolerance.decoupled.
+      MergeLine`\ s, or their JSON objects): its rounds close as logged and commit or abort as
+      logged.
 
   Attributes:
     log: every replica's :class:`RoundLog` lines, in the order they were written.
@@ -70,16 +99,23 @@ class InProcess:
   Raises:
     TypeError: ``protocol`` not a :class:`RoundProtocol`; a fault not a :class:`Fault`.
     ValueError: ``num_replicas`` or ``min_replicas`` not a positive int, or ``min_replicas >
-      num_replicas``; a fault's kind not in :data:`LOOP_KINDS` or its replica >= R.
+      num_replicas``; a fault's kind not in :data:`LOOP_KINDS` or its replica >= R; the
+      decoupled settings as :func:`~optax_dist.fault_tolerance.decoupled.check_settings`
+      raises, ``min_replicas > min_quorum``, a decoupled setting without ``speeds``, or a
+      fault other than ``"nonfinite"`` with ``speeds``.
   """
 
   def __init__(self, protocol: RoundProtocol, *, num_replicas: int, faults: Sequence[Fault] = (),
-               min_replicas: int | None = None, seed: int = 0, tokens_per_step: int = 1):
+               min_replicas: int | None = None, seed: int = 0, tokens_per_step: int = 1,
+               speeds: Sequence[float] | None = None, min_quorum: int | None = None,
+               grace_window: float = math.inf, staleness_rule: str = "none",
+               max_staleness: int = 1, replay: Sequence[Any] | None = None):
     fn = "InProcess"
     if not isinstance(protocol, RoundProtocol):
       raise TypeError(f"`{fn}(protocol=...)` must be a RoundProtocol, got {protocol!r}.")
     _checks.check_positive_int(fn, "num_replicas", num_replicas)
-    min_replicas = num_replicas // 2 + 1 if min_replicas is None else min_replicas
+    if min_replicas is None:  # decoupled: K decides when a round closes; any payload commits
+      min_replicas = 1 if speeds is not None else num_replicas // 2 + 1
     _checks.check_positive_int(fn, "min_replicas", min_replicas)
     if min_replicas > num_replicas:
       raise ValueError(f"`{fn}(min_replicas=...)` must be at most num_replicas={num_replicas},"
@@ -96,6 +132,33 @@ class InProcess:
     self.seed, self.tokens_per_step, self.faults = seed, tokens_per_step, tuple(faults)
     self.log: list[RoundLog] = []
     self.heals: list[tuple[int, int, int]] = []
+    self._decoupled(fn, speeds, min_quorum, grace_window, staleness_rule, max_staleness, replay)
+
+  def _decoupled(self, fn: str, speeds: Any, min_quorum: Any, grace_window: Any,
+                 staleness_rule: Any, max_staleness: Any, replay: Any) -> None:
+    """Checks and keeps the decoupled rounds' settings (``self.speeds`` ``None``: none)."""
+    self.speeds, self.replay = speeds, replay
+    if speeds is None:
+      settings = {"min_quorum": (min_quorum, None), "grace_window": (grace_window, math.inf),
+                  "staleness_rule": (staleness_rule, "none"), "replay": (replay, None)}
+      given = {k: v for k, (v, default) in settings.items() if v != default}
+      if given:
+        raise ValueError(f"`{fn}(speeds=...)` must be given with decoupled rounds' settings, got"
+                         f" {given} without speeds.")
+      return
+    min_quorum = self.num_replicas if min_quorum is None else min_quorum
+    self.speeds = decoupled.check_settings(
+      fn, self.protocol, num_replicas=self.num_replicas, speeds=speeds, min_quorum=min_quorum,
+      grace_window=grace_window, staleness_rule=staleness_rule, max_staleness=max_staleness)
+    if self.min_replicas > min_quorum:
+      raise ValueError(f"`{fn}(min_replicas=...)` must be at most min_quorum={min_quorum}, got"
+                       f" {self.min_replicas}.")
+    other = [f for f in self.faults if f.kind != "nonfinite"]
+    if other:
+      raise ValueError(f"`{fn}(faults=...)`: decoupled rounds inject 'nonfinite' faults only,"
+                       f" got {other[0]!r}.")
+    self.min_quorum, self.grace_window = min_quorum, float(grace_window)
+    self.staleness_rule, self.max_staleness = staleness_rule, max_staleness
 
   def _events(self, r: int, kind: str) -> set:
     return {f.replica for f in self.faults if f.round == r and f.kind == kind}
@@ -111,6 +174,10 @@ class InProcess:
       Exception: the first exception a replica's ``train`` raised (the others are let finish).
       ValueError: a ``"join"`` of a live replica.
     """
+    if self.speeds is not None:
+      from optax_dist.fault_tolerance.clock import Clock
+
+      return Clock(self).run(train)
     self._train, self._cv = train, threading.Condition()
     self._round, self._arrived, self._results = 0, {}, {}
     self._live, self._threads, self._errors, self._returned = set(), [], [], {}

@@ -1,0 +1,256 @@
+r"""The in-process engine's decoupled rounds on a simulated clock.
+
+:class:`Clock` runs R user loops (threads) as :class:`~optax_dist.fault_tolerance.InProcess`
+does, but replica :math:`i` takes an inner step every :math:`1/v_i` simulated seconds, so its
+boundary at ``local_step`` :math:`b` comes at :math:`b / v_i`. What happens at the boundaries
+is decided on that clock, never on the threads' timing: the engine processes the replicas'
+events in the order (time, phase, replica id), a thread that has not reached its next event
+holding back every later one. At one time the pushes come first (in id order), then the ends
+of loops that returned, then the pulls; a round closes (:func:`~optax_dist.fault_tolerance.
+decoupled.close_time`) before the first event after its close time, or at once when every live
+replica's payload is in. A loop that returned counts as live until the time of the boundary
+it did not reach.
+
+With ``replay``, the rounds close at their logged times with their logged payloads and commit
+or abort as logged (the vote is not taken again); a run that diverges from its log raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_dist import _exchange
+from optax_dist.fault_tolerance import decoupled
+from optax_dist.fault_tolerance.decoupled import DecoupledReplica, MergeLine, Pull, Push, Revert
+from optax_dist.fault_tolerance.protocol import ReplicaState
+
+_PHASE = {"run": 0, "push": 0, "end": 1, "pull": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  """A payload in the open round: its arrival time, its push, the tokens it carries (with
+  those of a pending payload of its replica it replaced)."""
+
+  time: float
+  push: Push
+  tokens: int
+
+
+class Clock:
+  """The decoupled rounds of an :class:`~optax_dist.fault_tolerance.InProcess` engine (its
+  settings; its ``log`` receives the :class:`MergeLine` and :class:`Revert` lines)."""
+
+  def __init__(self, engine: Any):
+    self.engine, self.protocol = engine, engine.protocol
+    self._cv = threading.Condition()
+    self._at: dict[int, list] = {}  # replica -> [time, kind] of its next event
+    self._pushes: dict[int, Push] = {}
+    self._steps: dict[int, int] = {}  # replica -> the local_step of its last push
+    self._open: dict[int, _Entry] = {}
+    self._global: tuple[ReplicaState, Any] | None = None
+    self._closed, self._seen = 0, {}
+    self._landed: dict[int, Any] = {}
+    self._reverts: dict[int, int] = {}
+    self._results: dict[int, Pull] = {}
+    self._threads, self._errors, self._returned = [], [], {}
+    plan = engine.replay
+    self._plan = None if plan is None else [
+      MergeLine(**line) if isinstance(line, dict) else line for line in plan
+      if isinstance(line, MergeLine) or (isinstance(line, dict) and "committed" in line)]
+
+  def run(self, train: Callable[[Any], Any]) -> dict[int, Any]:
+    """Runs ``train(replica)`` for every replica until each returns; returns their values.
+
+    Raises:
+      Exception: the first exception a replica's ``train`` raised.
+      RuntimeError: a replay that diverges from its log.
+    """
+    self._train = train
+    with self._cv:
+      for i in range(self.engine.num_replicas):
+        self._start(i)
+    for t in self._threads:
+      t.join()
+    if self._errors:
+      raise self._errors[0]
+    return self._returned
+
+  def _start(self, i: int) -> None:
+    replica = DecoupledReplica(self.protocol, _Port(self, i), slot=i, seed=self.engine.seed,
+                               tokens_per_step=self.engine.tokens_per_step)
+    self._at[i], self._seen[i] = [self._time(i, self.protocol.round_steps(0)), "run"], 0
+    thread = threading.Thread(target=self._main, args=(i, replica), daemon=True)
+    self._threads.append(thread)
+    thread.start()
+
+  def _main(self, i: int, replica: DecoupledReplica) -> None:
+    try:
+      self._returned[i] = self._train(replica)
+    except BaseException as e:  # noqa: BLE001 (re-raised by run)
+      self._errors.append(e)
+    finally:
+      with self._cv:
+        self._at[i][1] = "end"
+        self._pump()
+
+  def _time(self, i: int, step: int) -> float:
+    return step / self.engine.speeds[i]
+
+  def exchange(self, i: int, push: Push) -> Pull:
+    """Replica ``i``'s boundary: its push, then (in the clock's order) its pull."""
+    with self._cv:
+      self._pushes[i], self._steps[i] = push, push.header.step
+      self._at[i] = [self._time(i, push.header.step), "push"]
+      self._pump()
+      self._cv.wait_for(lambda: i in self._results)
+      return self._results.pop(i)
+
+  # --------------------------------------------------------------------------------------------
+  # The events, in the clock's order (the lock held).
+
+  def _pump(self) -> None:
+    while self._at:
+      t, phase, i = min((t, _PHASE[kind], i) for i, (t, kind) in self._at.items())
+      kind = self._at[i][1]
+      if kind == "run":
+        break
+      self._close_due(t, phase)
+      if kind == "push":
+        self._push(i, t)
+      elif kind == "end":
+        del self._at[i]
+      else:
+        self._pull(i, t)
+      if kind != "pull":
+        self._close_if_complete(t)
+    if not self._at and self._open:  # every loop returned: the last payloads' round
+      self._close(max(e.time for e in self._open.values()))
+    self._cv.notify_all()
+
+  def _push(self, i: int, t: float) -> None:
+    push = self._pushes.pop(i)
+    if self._global is None:  # the initial global state (copies: the loop donates its own)
+      self._global = (jax.tree.map(jnp.copy, push.replica), None)
+    pending = self._open.get(i)
+    self._open[i] = _Entry(t, push, push.header.weight + (pending.tokens if pending else 0))
+    self._at[i][1] = "pull"
+
+  def _pull(self, i: int, t: float) -> None:
+    landed, aborted = self._landed.pop(i, None), self._reverts.pop(i, None)
+    if aborted is not None and i in self._open:  # its newer payload withdrawn
+      entry = self._open.pop(i)
+      self.engine.log.append(Revert(aborted, i, entry.push.header.step, entry.tokens))
+    fresh = self._closed > self._seen[i] and landed is None
+    self._results[i] = Pull(landed, self._global if fresh else None, aborted is not None)
+    self._seen[i] = self._closed
+    step = self._steps[i]
+    self._at[i] = [self._time(i, step + self.protocol.round_steps(step)), "run"]
+
+  # --------------------------------------------------------------------------------------------
+  # The rounds.
+
+  def _due(self) -> float:
+    """The open round's close time by its window (by its log, in a replay)."""
+    if self._plan is not None:
+      return self._plan[self._closed].time if self._closed < len(self._plan) else math.inf
+    return decoupled.close_time([e.time for e in self._open.values()], all_in=False,
+                                min_quorum=self.engine.min_quorum,
+                                grace_window=self.engine.grace_window)
+
+  def _close_due(self, t: float, phase: int) -> None:
+    """Closes the open round if its time has come before event ``(t, phase)``."""
+    due = self._due()
+    if self._open and (due < t or (due <= t and phase >= 1)):
+      self._close(due)
+
+  def _close_if_complete(self, t: float) -> None:
+    """Closes the open round at ``t`` if every live replica's payload is in (in a replay: if
+    its logged payloads are in and its time has come)."""
+    if not self._open:
+      return
+    if self._plan is not None:
+      if self._closed < len(self._plan) and self._due() <= t and self._keys() == self._logged():
+        self._close(self._due())
+    elif all(i in self._open for i in self._at):
+      self._close(t)
+
+  def _keys(self) -> list:
+    return [(i, e.push.header.step) for i, e in sorted(self._open.items())]
+
+  def _logged(self) -> list:
+    return [tuple(p[:2]) for p in self._plan[self._closed].payloads]
+
+  def _close(self, t: float) -> None:
+    """Decides the open round at time ``t``, applies it to the global state, logs it."""
+    e, r = self.engine, self._closed
+    if self._plan is not None and (r >= len(self._plan) or self._keys() != self._logged()):
+      raise RuntimeError(f"replay diverges from its log at round {r}: payloads {self._keys()}"
+                         f" at time {t}.")
+    entries = [self._open[i] for i in sorted(self._open)]
+    before = self._global[0]
+    version = int(before.rounds)
+    heads = [x.push.header._replace(weight=x.tokens) for x in entries]
+    payloads = [_nan(x.push.payload[0]) if x.push.header.slot in e._events(r, "nonfinite")
+                else x.push.payload[0] for x in entries]
+    d, stale, weights = decoupled.decide_round(
+      self.protocol, heads, payloads, [x.push.version for x in entries], version=version,
+      min_replicas=e.min_replicas, rule=e.staleness_rule, max_staleness=e.max_staleness)
+    if self._plan is not None and not self._plan[r].committed:
+      d = d._replace(merged=None, voters=(), reason=self._plan[r].reason)
+    elif self._plan is not None and d.merged is None:
+      raise RuntimeError(f"replay diverges from its log at round {r}: it aborts ({d.reason}).")
+    if d.merged is not None:
+      voted = [x.push.payload[1] for x in entries if x.push.header.slot in d.voters]
+      merged_collections = None if voted[0] is None else _exchange.merge_payloads(voted)
+      self._global = (self._commit(before, d.merged), merged_collections)
+    rows = tuple((h.slot, h.step, h.weight, s, w, h.slot in d.voters)
+                 for h, s, w in zip(heads, stale, weights, strict=True))
+    e.log.append(MergeLine(
+      r, t, d.merged is not None, d.reason, version, rows,
+      sum(h.weight for h in heads if h.slot not in d.voters),
+      decoupled.global_hash(*self._global)))
+    for x in entries:
+      i = x.push.header.slot
+      if d.merged is None:
+        self._reverts[i] = r
+      elif i in d.voters and self._at.get(i) == [x.time, "pull"]:
+        self._landed[i] = (before, d.merged, self._global[1])
+    self._open, self._closed = {}, r + 1
+
+  def _commit(self, before: ReplicaState, merged: Any) -> ReplicaState:
+    """The global state after a commit: the outer half on ``merged`` (the same compiled
+    program as a landing replica's, so the same bits)."""
+    fragment = self.protocol.fragment(self.protocol.round_steps(0))
+    params, opt_state, average = self.protocol.outer_half(
+      before.params, before.params, before.opt_state, before.average, merged,
+      before.opt_state.error_feedback if self.protocol.error_feedback else None, fragment)
+    return ReplicaState(params, opt_state, before.rounds + 1, average)
+
+
+class _Port:
+  """A replica's end of :class:`Clock`."""
+
+  def __init__(self, clock: Clock, slot: int):
+    self._clock, self._slot = clock, slot
+
+  def start(self, replica: Any) -> None:
+    """Nothing to restore: a replica starts from the loop's initial state."""
+    del replica
+
+  def exchange(self, push: Push) -> Pull:
+    return self._clock.exchange(self._slot, push)
+
+  def record(self, line: Any) -> None:  # the clock writes the lines
+    del line
+
+
+def _nan(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)

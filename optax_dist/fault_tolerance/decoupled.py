@@ -1,0 +1,351 @@
+r"""Decoupled rounds: replicas of different speeds, none waiting for the slowest.
+
+The rules of the contract's "Decoupled rounds", pure and engine-agnostic (an engine supplies
+the clock and the transport; :class:`~optax_dist.fault_tolerance.InProcess` runs them on a
+simulated clock):
+
+* **close** (:func:`close_time`): a round closes when every live replica's payload is in, or
+  when at least K (``min_quorum``) are in and the grace window :math:`W`, counted from the
+  K-th arrival, has run out;
+* **weight and staleness** (:func:`staleness`, :func:`weights`): payload :math:`i` carries
+  :math:`T_i`, the tokens its replica processed since it last received the global state, and
+  :math:`s_i = v - v_i`, the committed updates between the version :math:`v_i` it last
+  received and the version :math:`v` it is merged into; the staleness rule gives its weight
+  :math:`w_i`, and the merge is :math:`\sum_i w_i \Delta_i / \sum_i w_i` over the round's
+  contributors in rank order (:func:`decide_round`, through the one commit decision
+  :func:`~optax_dist.fault_tolerance.decision.decide`);
+* **state split** (:func:`global_state`, :func:`catch_up`): ``local_step`` and the data
+  position are each replica's own; the global state is the anchor, the outer state, the
+  committed-round counter (a whole-tree round's version), the model average and the model
+  collections. A catch-up takes the global state only: the replica keeps its params, inner
+  state and residual, so its next payload is :math:`\Delta_i = \theta - x_i` from the current
+  anchor.
+
+:class:`DecoupledReplica` is the replica's side: at each of its round boundaries it pushes its
+payload and pulls what the engine has committed since (:class:`Push`, :class:`Pull`). Each
+closed round is one :class:`MergeLine` (its JSON line); a member that learns of an abort after
+taking more steps withdraws its pending payload (:class:`Revert`).
+
+References:
+  Decoupled DiLoCo, `arXiv:2604.21428 <https://arxiv.org/abs/2604.21428>`_ (minimum quorum
+  K, a grace window, token-weighted contributions); Liu et al., `Asynchronous Local-SGD
+  <https://arxiv.org/abs/2401.09135>`_, 2024 (delayed Nesterov, DyLU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_dist import _checks
+from optax_dist._delayed_nesterov import DelayedNesterovState
+from optax_dist.fault_tolerance import heal
+from optax_dist.fault_tolerance.decision import Decision, Header, decide
+from optax_dist.fault_tolerance.loop import Replica, RoundResult, get_parts
+from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
+
+STALENESS_RULES = ("none", "dylu", "age_gate", "delayed_nesterov")
+r"""The staleness rules :func:`weights` applies (``T`` tokens, ``s`` staleness):
+``"none"``: :math:`w = T`; ``"dylu"``: :math:`w = T / (1 + s)`; ``"age_gate"``:
+:math:`w = T` if :math:`s \le` ``max_staleness`` else 0 (the payload is dropped, its tokens
+lost); ``"delayed_nesterov"``: :math:`w = T`, the protocol's outer optimizer being
+:func:`optax_dist.delayed_nesterov`."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The settings.
+
+
+def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int, speeds: Any,
+                   min_quorum: Any, grace_window: Any, staleness_rule: Any,
+                   max_staleness: Any) -> tuple[float, ...]:
+  """Checks a decoupled run's settings; returns the speeds as floats.
+
+  Raises:
+    ValueError: ``speeds`` not one finite number > 0 per replica; ``min_quorum`` not an int
+      in [1, R]; ``grace_window`` not a number >= 0 (``math.inf`` allowed); ``staleness_rule``
+      not one of :data:`STALENESS_RULES`; ``max_staleness`` not an int >= 0;
+      ``"delayed_nesterov"`` with an outer optimizer that is not
+      :func:`optax_dist.delayed_nesterov`; a protocol whose payload size varies by round
+      (``streaming_diloco``'s fragments: not built yet).
+    TypeError: ``min_quorum`` or ``max_staleness`` not an int.
+  """
+  speeds = tuple(speeds)
+  if len(speeds) != num_replicas or not all(
+      isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < math.inf
+      for v in speeds):
+    raise ValueError(f"`{fn}(speeds=...)` must be one finite number > 0 per replica"
+                     f" ({num_replicas}), got {speeds!r}.")
+  _checks.check_positive_int(fn, "min_quorum", min_quorum)
+  if min_quorum > num_replicas:
+    raise ValueError(f"`{fn}(min_quorum=...)` must be at most num_replicas={num_replicas},"
+                     f" got {min_quorum}.")
+  _checks.check_number(fn, "grace_window", grace_window, lower=0.0,
+                       constraint="a number of simulated seconds >= 0 (math.inf allowed)")
+  _checks.check_choice(fn, "staleness_rule", staleness_rule, STALENESS_RULES)
+  _checks.check_non_negative_int(fn, "max_staleness", max_staleness)
+  if staleness_rule == "delayed_nesterov" and not isinstance(
+      jax.eval_shape(protocol.outer_tx.init, jnp.zeros([1])), DelayedNesterovState):
+    raise ValueError(
+      f"`{fn}(staleness_rule='delayed_nesterov')` needs RoundProtocol(outer="
+      f"optax_dist.delayed_nesterov(...)), got outer={protocol.outer!r}.")
+  if protocol.payload_size_varies:
+    raise ValueError(
+      f"`{fn}(speeds=...)`: decoupled rounds run whole-tree protocols (diloco, local_sgd);"
+      f" {protocol.algorithm}'s per-fragment rounds are not built yet.")
+  return tuple(float(v) for v in speeds)
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules.
+
+
+def close_time(arrivals: Sequence[float], *, all_in: bool, min_quorum: int,
+               grace_window: float) -> float:
+  r"""When the open round closes, given what is known now.
+
+  .. math::
+
+    t_{\mathrm{close}} = \begin{cases}
+      \max_i a_i & \text{every live replica's payload is in} \\
+      a_{(K)} + W & \text{at least } K \text{ payloads are in} \\
+      \infty & \text{otherwise}
+    \end{cases}
+
+  (the smaller of the first two when both hold), with :math:`a_{(K)}` the K-th smallest
+  arrival time. In simulated seconds.
+
+  Args:
+    arrivals: the arrival times of the payloads in the open round (one per replica).
+    all_in: whether every live replica has a payload in it.
+    min_quorum: K.
+    grace_window: W (``math.inf``: wait for every live replica).
+  """
+  if not arrivals:
+    return math.inf
+  times = sorted(arrivals)
+  close = times[-1] if all_in else math.inf
+  if len(times) >= min_quorum:
+    close = min(close, times[min_quorum - 1] + grace_window)
+  return close
+
+
+def staleness(version: int, received: int) -> int:
+  """A payload's staleness: the committed updates of its fragment between ``received`` (the
+  version its replica last received) and ``version`` (the one it is merged into)."""
+  return version - received
+
+
+def weights(rule: str, tokens: Sequence[int], stale: Sequence[int], *,
+            max_staleness: int) -> list[float]:
+  """The contributors' merge weights under ``rule`` (:data:`STALENESS_RULES`), before the
+  merge normalises them over the contributors."""
+  if rule == "dylu":
+    return [t / (1 + s) for t, s in zip(tokens, stale, strict=True)]
+  if rule == "age_gate":
+    return [t if s <= max_staleness else 0 for t, s in zip(tokens, stale, strict=True)]
+  return list(tokens)
+
+
+def decide_round(protocol: RoundProtocol, heads: Sequence[Header], payloads: Sequence[Any],
+                 received: Sequence[int], *, version: int, min_replicas: int, rule: str,
+                 max_staleness: int) -> tuple[Decision, list[int], list[float]]:
+  """A closed round's outcome: the staleness rule's weights, then the one commit decision.
+
+  Args:
+    protocol: the run's :class:`RoundProtocol`.
+    heads: the contributors' headers in rank order (``weight``: their tokens; ``step``:
+      their own ``local_step``, not compared across replicas).
+    payloads: their payloads, in the same order.
+    received: the version each contributor's replica last received.
+    version: the fragment's committed updates before this round.
+    min_replicas: the fewest contributors with weight > 0 that commit.
+    rule: the staleness rule, one of :data:`STALENESS_RULES`.
+    max_staleness: the age gate's bound.
+
+  Returns:
+    ``(decision, staleness, weights)``: :func:`~optax_dist.fault_tolerance.decision.decide`'s
+    :class:`Decision` over the contributors with weight > 0 (``voters``), each contributor's
+    staleness and weight.
+  """
+  stale = [staleness(version, v) for v in received]
+  w = weights(rule, [h.weight for h in heads], stale, max_staleness=max_staleness)
+  voting = [h._replace(weight=x, step=0) for h, x in zip(heads, w, strict=True)]
+  kept = sum(x > 0 for x in w)
+  if kept < min_replicas:  # the age gate left too few
+    return Decision(None, (), 0, f"{kept} payloads of weight > 0, fewer than"
+                    f" min_replicas={min_replicas}"), stale, w
+  return decide(protocol, voting, payloads, min_replicas=min_replicas), stale, w
+
+
+# ----------------------------------------------------------------------------------------------
+# The state split.
+
+
+def global_state(replica: ReplicaState) -> heal.GlobalState:
+  """A decoupled run's global state: :func:`~optax_dist.fault_tolerance.heal.global_state`
+  without ``local_step`` (each replica's own here)."""
+  state = heal.global_state(replica)
+  return state._replace(opt_state=state.opt_state._replace(local_step=None))
+
+
+def global_hash(replica: ReplicaState, collections: Any = None) -> str:
+  """:func:`~optax_dist.fault_tolerance.heal.state_hash` of :func:`global_state` (with the
+  model collections, if any)."""
+  tree = global_state(replica)
+  return heal.state_hash(tree if collections is None else (tree, collections))
+
+
+def catch_up(replica: ReplicaState, received: ReplicaState) -> ReplicaState:
+  """``replica`` with ``received``'s global state (:func:`global_state`) taken bit for bit:
+  anchor, outer state, committed rounds and average; its params, inner state, residual and
+  ``local_step`` kept."""
+  parts = global_state(received)
+  opt_state = jax.tree.map(lambda g, mine: mine if g is None else g, parts.opt_state,
+                           replica.opt_state, is_leaf=lambda x: x is None)
+  return ReplicaState(replica.params, opt_state, parts.rounds, parts.average)
+
+
+# ----------------------------------------------------------------------------------------------
+# The log.
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeLine:
+  """One closed round of a decoupled run (``dataclasses.asdict`` gives its JSON object).
+
+  Attributes:
+    round: the closed round, from 0 (committed or aborted).
+    time: its close time, in simulated seconds.
+    committed: whether it committed.
+    reason: why it aborted (``""`` on a commit).
+    version: the committed rounds before it (the version its merge is applied to).
+    payloads: one ``(replica, step, tokens, staleness, weight, merged)`` per contributor, in
+      rank order: its replica, the ``local_step`` it was sent at, the tokens it carries, its
+      staleness, its weight under the staleness rule (before normalisation) and whether it is
+      in the merge.
+    lost: the tokens of the payloads not merged (all of them on an abort; age-gated ones).
+    state_hash: :func:`global_hash` of the global state after the round.
+  """
+
+  round: int
+  time: float
+  committed: bool
+  reason: str
+  version: int
+  payloads: tuple
+  lost: int
+  state_hash: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Revert:
+  """A member that learned of an aborted round after its next push: its params went back to
+  the anchor and its pending payload was withdrawn, its tokens lost.
+
+  Attributes:
+    round: the aborted round.
+    replica: the member.
+    step: the ``local_step`` of the withdrawn payload (and of the revert).
+    lost: the withdrawn payload's tokens.
+  """
+
+  round: int
+  replica: int
+  step: int
+  lost: int
+
+
+# ----------------------------------------------------------------------------------------------
+# The replica's side.
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+  """What a replica brings to its boundary (the engine's input).
+
+  Attributes:
+    header: its header: ``weight`` the tokens since it last received, ``step`` its
+      ``local_step``.
+    payload: ``(payload, collections)``.
+    version: the committed rounds it last received.
+    replica: its :class:`ReplicaState` at the boundary (the engine's template of the global
+      state's tree).
+  """
+
+  header: Header
+  payload: Any
+  version: int
+  replica: ReplicaState
+
+
+@dataclasses.dataclass(frozen=True)
+class Pull:
+  """What the engine hands back at a replica's boundary.
+
+  Attributes:
+    landed: ``(before, merged, collections)`` when the round its payload entered closed at
+      this boundary and committed: the global state the merge is applied to (a
+      :class:`ReplicaState`), the merged payload and the merged collections; else ``None``.
+    received: ``(global state, collections)`` now, when a round closed since its last pull
+      (a catch-up), else ``None``.
+    revert: whether a round holding its payload aborted since its last pull (its params go
+      back to the anchor).
+  """
+
+  landed: Any
+  received: Any
+  revert: bool
+
+
+class DecoupledReplica(Replica):
+  """A :class:`~optax_dist.fault_tolerance.Replica` of a decoupled run: at each boundary it
+  pushes its payload and pulls what committed since, without waiting for the round to close.
+
+  When the round its payload entered closes at its own boundary (the others' payloads were
+  in, or the window ran out then), it lands as a synchronous round lands it (the outer half
+  from the params before its last inner step). Otherwise it catches up (:func:`catch_up`):
+  it keeps its params, inner state and residual, and its next payload is measured from the
+  anchor it received. On an abort of a round holding its payload its params go back to the
+  anchor. ``local_step`` never jumps.
+  """
+
+  def _round(self, state: Any) -> Any:
+    parts = get_parts(state)
+    fragment = self.protocol.fragment(self.step)
+    payload, residual = self.protocol.send_half(parts.opt_state, parts.params, fragment)
+    mine = self._replica._replace(params=parts.params, opt_state=parts.opt_state)
+    tokens = (self.step - self._round_start) * self.tokens_per_step
+    header = Header(self.slot, tokens, 1, self.fingerprint, self.step)
+    collections = jax.tree.map(jnp.copy, parts.collections)  # merged after the loop moves on
+    got = self.engine.exchange(Push(header, (payload, collections), self.rounds, mine))
+    replica, collections = mine, parts.collections
+    if got.landed is not None:  # as a synchronous round lands it, on the state it merged into
+      before, merged, collections = got.landed
+      opt_state = catch_up(mine, before).opt_state
+      params, opt_state, average = self.protocol.outer_half(
+        self._origin, parts.params, opt_state, before.average, merged, residual, fragment)
+      replica = ReplicaState(params, opt_state, before.rounds + 1, average)
+    elif got.received is not None:  # copies: the loop may donate its state
+      received, received_collections = jax.tree.map(jnp.copy, got.received)
+      replica = catch_up(mine, received)
+      collections = collections if received_collections is None else received_collections
+    if got.revert:  # the params back on the anchor: copies
+      replica = self.protocol.abort(replica)
+      replica = replica._replace(params=jax.tree.map(jnp.copy, replica.params))
+    if got.landed is not None and collections is not None:
+      collections = jax.tree.map(jnp.copy, collections)
+    state = self._take(state, replica, collections, False)
+    self.last = RoundResult(got.landed is not None, False, self.step, None)
+    return state
+
+  def state_hash(self) -> str:
+    """:func:`global_hash` of this replica's global state (``local_step`` left out)."""
+    return global_hash(self._replica, self._collections)
+
