@@ -241,6 +241,72 @@ def test_summary_counts_rounds_heals_and_hash_agreement(tmp_path):
   assert not RunDir(tmp_path).summary(3, restarts=1)["hashes_agree"]
 
 
+def _progress_run(out: pathlib.Path) -> RunDir:
+  """Three replicas' lines over four rounds: replica 1 missing from round 1 (restarted after
+  a kill, status -9), healed from replica 0 in round 2; round 3 aborted."""
+  rows = [(0, 0, 100, 2.0), (1, 0, 100, 2.2), (0, 1, 100, 1.5), (0, 2, 100, 0.9),
+          (1, 2, 0, 5.0), (2, 2, 300, 0.5), (0, 3, 100, 0.7)]
+  folder = out / "replicas"
+  folder.mkdir(parents=True, exist_ok=True)
+  for t, (i, r, weight, loss) in enumerate(rows):
+    line = {"round": r, "replica": i, "committed": r < 3, "weight": weight, "loss": loss,
+            "healed": weight == 0, "donor": 0 if weight == 0 else None, "time": 1000.0 + t}
+    with open(folder / f"replica_{i}.jsonl", "a") as f:
+      f.write(json.dumps(line) + "\n")
+  run = RunDir(out)
+  run.add_restart(1, -9)
+  return run
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_progress_shows_rounds_tokens_the_last_round_s_weighted_loss_restarts_and_heals(
+    tmp_path, capsys, terminal):
+  """The status: 3 of 4 rounds committed, 700 tokens (the committed weights), round 2's loss
+  (0.9 * 100 + 0.5 * 300) / 400 = 0.6 (the healed member, weight 0, left out); each event once,
+  as a line (on a terminal, above the bar)."""
+  from optax_dist.cli import ft_progress
+
+  run = _progress_run(tmp_path)
+  capsys.readouterr()
+  with ft_progress.Watch(run, 4, terminal=terminal) as watch:
+    pass
+  watch.poll(final=True)  # nothing new: nothing shown again
+  err = capsys.readouterr().err
+  assert err.count("optax-dist: replica 1 restarted (exit -9)\n") == 1, err
+  assert err.count("optax-dist: replica 1 healed from replica 0 at round 2\n") == 1, err
+  if terminal:
+    assert "3/4" in err and "700 tokens" in err and "loss 0.6000" in err, err
+  else:
+    assert err.endswith("optax-dist: 3/4 rounds committed, 700 tokens (0/s), loss 0.6000\n"), err
+  assert ft_progress.status(run.lines(), 7.0)["tokens_per_second"] == 100.0
+  with ft_progress.Watch(run, 4, enabled=False):
+    pass
+  assert capsys.readouterr().err == ""
+
+
+def test_the_loss_plot_has_a_curve_per_replica_and_marks_restarts_and_heals(tmp_path):
+  """Each replica's curve is its lines' losses at their seconds since the start; the restart
+  (dotted) and the heal (dashed) are vertical lines at their seconds, in the legend."""
+  pytest.importorskip("matplotlib")
+  from optax_dist.cli import reports
+
+  run = _progress_run(tmp_path)
+  restart = run.restarts()[0]["time"]
+  fig = reports.loss_figure(run.lines(), run.restarts(), start=995.0)
+  [ax] = fig.axes
+  curves = {x.get_label(): x for x in ax.get_lines() if x.get_linestyle() == "-"}
+  assert sorted(curves) == ["replica 0", "replica 1", "replica 2"]
+  np.testing.assert_allclose(curves["replica 0"].get_xdata(), [5.0, 7.0, 8.0, 11.0])
+  np.testing.assert_allclose(curves["replica 0"].get_ydata(), [2.0, 1.5, 0.9, 0.7])
+  marks = {(x.get_linestyle(), x.get_xdata()[0]): x.get_label() for x in ax.get_lines()
+           if x.get_linestyle() != "-"}
+  assert marks == {(":", restart - 995.0): "replica 1 restarts", ("--", 9.0): "replica 1 heals"}
+  legend = [t.get_text() for t in ax.get_legend().get_texts()]
+  assert {"replica 1 restarts", "replica 1 heals"} <= set(legend)
+  reports.plot_loss(run.lines(), run.restarts(), 995.0, str(tmp_path / "loss.png"))
+  assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # ------------------------------------------------------------------------------------------------
 # End to end.
 
@@ -285,6 +351,18 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
       proc.wait()
   assert proc.returncode == 0, stderr[-3000:]
   assert "1 restart," in stdout and "the state hashes agree on every committed round" in stdout
+  # The progress on stderr (not a terminal: plain lines) names the restart and each heal that
+  # the launcher's and the replicas' lines record; every line has its round's loss; the plot.
+  assert [(r["replica"], r["status"]) for r in RunDir(tmp_path).restarts()] == [(2, -9)]
+  assert "optax-dist: replica 2 restarted (exit -9)\n" in stderr, stderr[-3000:]
+  heals = [line for i in range(3) for line in _lines(tmp_path, i) if line["healed"]]
+  for line in heals:
+    assert line["donor"] in set(line["members"]) - {line["replica"]}, line
+    assert (f"optax-dist: replica {line['replica']} healed from replica {line['donor']} at round"
+            f" {line['round']}\n") in stderr, stderr[-3000:]
+  assert all(np.isfinite(line["loss"]) for i in range(3) for line in _lines(tmp_path, i))
+  plot = tmp_path / "fault_tolerant_loss_diloco.png"
+  assert plot.stat().st_size > 0 and f" and {plot}\n" in stdout
   restarted = [line for line in _lines(tmp_path, 2) if line["pid"] != first]
   assert restarted[0]["healed"] and restarted[0]["committed"] and restarted[0]["weight"] == 0
   by_round: dict[int, set] = {}

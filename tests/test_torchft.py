@@ -189,6 +189,8 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
     assert all(len(states) == 1 for states in by_round.values()), {
       r: s for r, s in by_round.items() if len(s) > 1}
   assert heal["healed"] and heal["weight"] == 0 and heal["committed"]
+  assert heal["donor"] in (0, 1) and heal["donor"] in heal["members"]  # torchft's source rank
+  assert all(0.0 <= line["loss"] < float("inf") for i in range(3) for line in run.lines(i))
   # Restored, a replica's first round ends H after the checkpoint (one that started late heals
   # from one restored).
   assert all(line["healed"] or line["step"] == restored + 5 for line in firsts), firsts
@@ -867,6 +869,8 @@ def test_launcher_restarts_a_failed_replica_but_not_a_refusal(tmp_path, status, 
   finally:
     run.close()
   assert [slot.restarts for slot in run.slots] == [restarts, restarts]
+  assert sorted((r["replica"], r["status"]) for r in run.dir.restarts()) == sorted(
+    [(0, status), (1, status)] * restarts)  # one line per restart, with the exit status
 
 
 @pytest.mark.parametrize("join_timeout,left_out", [(None, set()), (0.3, {"replica_2"})])

@@ -18,7 +18,12 @@ optimizers, and the same minibatches. Each replica writes ``OUT/replicas/replica
 (one line per round) and, once finished, ``OUT/replicas/final_<i>.json``
 (:class:`~optax_dist.fault_tolerance.rundir.RunDir`). The command then prints the run's
 :meth:`~optax_dist.fault_tolerance.rundir.RunDir.summary` and writes it to
-``OUT/fault_tolerant_<algorithm>.json``.
+``OUT/fault_tolerant_<algorithm>.json``, and plots the replicas' training loss against
+wall-clock seconds, their restarts and heals marked, in
+``OUT/fault_tolerant_loss_<algorithm>.png`` (:func:`~optax_dist.cli.reports.plot_loss`). While
+the run goes on it shows on stderr the committed rounds and tokens, the tokens per second, the
+last committed round's training loss, and each restart and heal
+(:mod:`optax_dist.cli.ft_progress`; not with ``--no-progress``).
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
+import time
 from typing import Any
 
-from optax_dist.cli import errors, ft_flags, ft_task
+from optax_dist.cli import errors, ft_flags, ft_progress, ft_task, reports
 from optax_dist.cli.errors import PROG, CommandError
 from optax_dist.cli.tasks import TASKS, Task
 from optax_dist.fault_tolerance.launcher import Launcher
@@ -63,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(f"{PROG}: fault-tolerant {args.algorithm}: lighthouse {launcher.url},"
                      f" {args.replicas} replica processes (logs: {args.out}/replica_<i>.log)\n")
     sys.stderr.flush()
+  started = time.time()
   try:
-    status = launcher.run()
+    with ft_progress.Watch(run_dir, _rounds(args, task, data), enabled=not args.no_progress):
+      status = launcher.run()
   finally:
     launcher.close()
   result = run_dir.summary(args.replicas, sum(s.restarts for s in launcher.slots))
@@ -72,8 +81,27 @@ def run(args: argparse.Namespace) -> int:
                 min_replicas=args.min_replicas, launcher_status=status)
   (run_dir.out / f"fault_tolerant_{args.algorithm}.json").write_text(
     json.dumps(result, indent=1) + "\n")
+  plot = _plot_loss(run_dir, args, task, started)
   print(_describe(result, task))
+  print(f"wrote {run_dir.out / f'fault_tolerant_{args.algorithm}.json'} and {plot}")
   return 0 if status == 0 and result["hashes_agree"] else 1
+
+
+def _rounds(args: argparse.Namespace, task: Task, data: Any) -> int:
+  """The rounds the run commits: its protocol's round boundaries in ``--steps``."""
+  s = ft_task.settings(args, task, lambda: data)
+  return ft_task.protocol(s).rounds_until(s.steps)
+
+
+def _plot_loss(run_dir: RunDir, args: argparse.Namespace, task: Task,
+               started: float) -> pathlib.Path:
+  """Writes ``OUT/fault_tolerant_loss_<algorithm>.png``, the replicas' training loss against
+  the seconds since ``started`` with the restarts and heals marked
+  (:func:`optax_dist.cli.reports.plot_loss`); returns its path."""
+  path = run_dir.out / f"fault_tolerant_loss_{args.algorithm}.png"
+  reports.plot_loss(run_dir.lines(), run_dir.restarts(), started, str(path),
+                    f"fault-tolerant {args.algorithm} on {task.name}, {args.replicas} replicas")
+  return path
 
 
 def _share_compilations(run_dir: RunDir) -> None:

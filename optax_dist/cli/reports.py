@@ -163,6 +163,47 @@ def plot_accuracy(results: Sequence[dict[str, Any]], path: str, title: str = "",
   accuracy_figure(results, title, label).savefig(path, dpi=110)
 
 
+def loss_figure(lines: Sequence[dict[str, Any]], restarts: Sequence[dict[str, Any]],
+                start: float, title: str = "") -> Any:
+  """The figure of :func:`plot_loss`: each replica's round losses (its lines' ``loss``, the
+  mean over the round's inner steps) against the seconds since ``start`` (Unix time; an
+  earlier line or restart, e.g. of a resumed run's first part, moves it back), one curve per
+  replica; a vertical line in the replica's colour at each restart (dotted) and heal (dashed),
+  one legend entry per replica and kind."""
+  t0 = min([start, *(x["time"] for x in lines), *(r["time"] for r in restarts)])
+  fig = _figure(figsize=(8, 4.2))
+  ax = fig.subplots()
+  curves: dict[int, list] = {}
+  for x in lines:
+    if x.get("loss") is not None:
+      curves.setdefault(x["replica"], []).append((x["time"] - t0, x["loss"]))
+  for i, points in sorted(curves.items()):
+    ax.plot(*zip(*points, strict=True), marker=".", color=f"C{i}", label=f"replica {i}")
+  marks = [(r["time"], r["replica"], "restarts", ":") for r in restarts]
+  marks += [(x["time"], x["replica"], "heals", "--") for x in lines if x["healed"]]
+  labelled = set()
+  for when, i, kind, style in sorted(marks):
+    label = f"replica {i} {kind}" if (i, kind) not in labelled else "_nolegend_"
+    labelled.add((i, kind))
+    ax.axvline(when - t0, color=f"C{i}", linestyle=style, linewidth=1.2, label=label)
+  ax.set_xlabel("wall-clock seconds since the run's start")
+  ax.set_ylabel("training loss (mean over a round's inner steps)")
+  ax.grid(True, alpha=0.3)
+  if curves or marks:
+    ax.legend(loc="upper right", fontsize=8)
+  if title:
+    ax.set_title(title)
+  fig.tight_layout()
+  return fig
+
+
+def plot_loss(lines: Sequence[dict[str, Any]], restarts: Sequence[dict[str, Any]],
+              start: float, path: str, title: str = "") -> None:
+  """Writes a PNG of a fault-tolerant run's training loss against wall-clock seconds, its
+  restarts and heals marked (:func:`loss_figure`)."""
+  loss_figure(lines, restarts, start, title).savefig(path, dpi=110)
+
+
 def plot_async(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
   """Writes a PNG: test metric against simulated time, and the staleness of the commits."""
   fig = _figure(figsize=(11, 4.2))

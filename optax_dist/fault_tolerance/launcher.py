@@ -370,6 +370,7 @@ class Launcher:
     if not (slot.finished or refused) and may_restart and slot.restarts < self.config.max_restarts:
       slot.restarts += 1
       slot.restart_at = now + self.config.restart_delay
+      self.dir.add_restart(i, status)
 
   def _tend_lighthouse(self) -> None:
     """Starts the Lighthouse again on the same address if it exited, at most ``max_restarts``

@@ -2,13 +2,15 @@
 
 A run's directory ``OUT`` holds, by writer:
 
-* the launcher (:mod:`optax_dist.fault_tolerance.launcher`): ``lighthouse.log`` and
+* the launcher (:mod:`optax_dist.fault_tolerance.launcher`): ``restarts.jsonl`` (a line per
+  replica restart: its ``replica``, exit ``status`` and ``time``), ``lighthouse.log`` and
   ``lighthouse.pid`` (the Lighthouse's output and its live process), ``replica_<i>.log`` and
   ``replica_<i>.pid`` (replica ``i``'s output, and its live process: a standby's once it took
   over);
 * replica ``i``: ``replicas/replica_<i>.jsonl``, one JSON line per round (``round``, ``step``,
   ``quorum_id``, ``members``, ``committed``, ``weight``, ``healed``, ``state_hash``,
-  ``tokens``, ``time``, ``pid``, ``quorum_seconds``, ``attempts``), opened for appending: a
+  ``tokens``, ``loss``, ``time``, ``pid``, ``quorum_seconds``, ``attempts``, ``donor``),
+  opened for appending: a
   restarted replica adds to its file; a replica of ``optax-dist replica`` also writes
   ``replicas/ready_<i>`` at its start and ``replicas/final_<i>.json`` (its test metric) once
   finished;
@@ -27,6 +29,7 @@ import contextlib
 import json
 import os
 import pathlib
+import time
 from typing import Any
 
 from optax_dist.fault_tolerance import checkpoints
@@ -53,6 +56,7 @@ class RunDir:
     self.checkpoint_dir = self.replicas / "checkpoints"
     self.lighthouse_log = self.out / "lighthouse.log"
     self.lighthouse_pid_file = self.out / "lighthouse.pid"
+    self.restarts_file = self.out / "restarts.jsonl"
 
   def replica_log(self, i: int) -> pathlib.Path:
     """Replica ``i``'s output, which the launcher appends to."""
@@ -78,11 +82,20 @@ class RunDir:
     """Replica ``replica``'s lines in the order written; ``None``: every replica's (every
     ``replica_<i>.jsonl`` found), by ``time``. ``[]`` before any line."""
     if replica is not None:
-      path = self.lines_file(replica)
-      text = path.read_text() if path.exists() else ""
-      return [json.loads(line) for line in text.splitlines() if line.strip()]
+      return _jsonl(self.lines_file(replica))
     ids = sorted(int(path.stem.split("_")[1]) for path in self.replicas.glob("replica_*.jsonl"))
     return sorted((x for i in ids for x in self.lines(i)), key=lambda line: line["time"])
+
+  def add_restart(self, replica: int, status: int) -> None:
+    """Appends to ``restarts.jsonl`` that replica ``replica`` exited with ``status`` (negative:
+    killed by that signal) and is restarted, at ``time`` (now, Unix seconds)."""
+    with open(self.restarts_file, "a") as f:
+      f.write(json.dumps({"replica": replica, "status": status, "time": time.time()}) + "\n")
+
+  def restarts(self) -> list[dict[str, Any]]:
+    """The replicas' restarts (``replica``, ``status``, ``time``) in the order the launcher
+    wrote them; ``[]`` before any."""
+    return _jsonl(self.restarts_file)
 
   def first_commit(self) -> float | None:
     """The Unix time of the run's first committed line, or ``None`` before it."""
@@ -135,13 +148,20 @@ class RunDir:
             "finished": sorted(final), "final": final}
 
   def clear(self) -> None:
-    """Removes an earlier run's Lighthouse log and replica files (their logs, pids, lines,
+    """Removes an earlier run's Lighthouse log, restarts and replica files (their logs, pids, lines,
     evaluations, start marks and checkpoints): a new run starts them afresh, and its processes
     append to them."""
-    for pattern in ("lighthouse.log", "replica_*.log", "replica_*.pid", "replicas/replica_*.jsonl",
-                    "replicas/final_*.json", "replicas/ready_*", "replicas/checkpoints/step_*"):
+    for pattern in ("lighthouse.log", "restarts.jsonl", "replica_*.log", "replica_*.pid",
+                    "replicas/replica_*.jsonl", "replicas/final_*.json", "replicas/ready_*",
+                    "replicas/checkpoints/step_*"):
       for path in self.out.glob(pattern):
         path.unlink()
+
+
+def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+  """The JSON lines of the file ``path`` (``[]`` if it does not exist)."""
+  text = path.read_text() if path.exists() else ""
+  return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _read_pid(path: pathlib.Path) -> int | None:

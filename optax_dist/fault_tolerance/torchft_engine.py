@@ -169,10 +169,12 @@ class Torchft:
 
 @dataclasses.dataclass
 class _Attempts:
-  """A round's attempts so far, for its log line."""
+  """A round's attempts so far, for its log line (``donor``: the slot this replica healed
+  from, or ``None``)."""
 
   count: int = 0
   quorum_seconds: float = 0.0
+  donor: int | None = None
 
 
 class _Port(Session):
@@ -263,6 +265,7 @@ class _Port(Session):
     """One quorum (and heal) and exchange; returns the outcome and whether a failure may be
     retried (an all-gather failed before the acknowledgement)."""
     start = time.monotonic()
+    self.transport.source = None
     self._quorum()
     self._attempts.quorum_seconds += time.monotonic() - start
     self._attempts.count += 1
@@ -282,6 +285,7 @@ class _Port(Session):
       return failed("the headers' all-gather failed", True)
     heads = [Header(*out.tolist()) for out in outs]
     members, step = tuple(h.slot for h in heads), max(h.step for h in heads)
+    self._note_donor(members)
     if members != self._last_members:
       self.quorum_id, self._last_members = self.quorum_id + 1, members
     if leaves(heads, head.fingerprint, holds_rounds=self._manager.current_step() > 0):
@@ -312,6 +316,13 @@ class _Port(Session):
               else _exchange.merge_payloads(collections))
     return Received(members, self.quorum_id, self._healed, merged, step), False
 
+  def _note_donor(self, members: tuple) -> None:
+    """Notes the slot of the member this replica healed from at this attempt's quorum (the
+    heal's source rank in it) for the round's line."""
+    rank = self.transport.source
+    if rank is not None and rank < len(members):
+      self._attempts.donor = members[rank]
+
   def _zeros(self, step: int) -> Any:
     """A healed member's payload: :meth:`RoundProtocol.healed_payload` (of the round's size;
     its own may be of another fragment's), and its healed collections."""
@@ -321,11 +332,12 @@ class _Port(Session):
     return zeros, collections
 
   def record(self, line: RoundLog) -> None:
-    """Appends the round's line (with ``time``, ``pid``, ``quorum_seconds`` and ``attempts``)
-    and, on the quorum's rank 0 after a committed round that crosses a multiple of
+    """Appends the round's line (with ``time``, ``pid``, ``quorum_seconds``, ``attempts`` and
+    ``donor``) and, on the quorum's rank 0 after a committed round that crosses a multiple of
     ``checkpoint_every``, queues a checkpoint."""
     row = dict(dataclasses.asdict(line), time=time.time(), pid=os.getpid(),
-               quorum_seconds=self._attempts.quorum_seconds, attempts=self._attempts.count)
+               quorum_seconds=self._attempts.quorum_seconds, attempts=self._attempts.count,
+               donor=self._attempts.donor)
     with open(self.log_path, "a") as f:
       f.write(json.dumps(row) + "\n")
     if (line.committed and self.checkpointer is not None and line.members[:1] == (self.slot,)

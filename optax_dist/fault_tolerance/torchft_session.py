@@ -96,12 +96,17 @@ class HealTransport(CheckpointTransport):
     timeout: seconds the server holds a GET until its frame is staged (then a 404); a
       joiner's GET waits twice that.
 
+  Attributes:
+    source: the quorum rank of the donor of the last ``recv_checkpoint`` (torchft's
+      ``src_rank``), or ``None``; a caller resets it before a quorum.
+
   Raises:
     ValueError: ``host`` empty, unresolvable or unspecified (``0``, ``0.0.0.0``, ``::``).
   """
 
   def __init__(self, host: str, timeout: float):
     host = bind_address("HealTransport", host)
+    self.source: int | None = None
     self._staged = threading.Condition()
     self._step_bytes: tuple[int, bytes] | None = None
     self._timeout = timeout
@@ -170,7 +175,7 @@ class HealTransport(CheckpointTransport):
     """
     del timeout  # torchft's; the GET waits twice the server's wait, so a frame never staged
     # comes back as a 404
-    source = f"rank {src_rank} ({metadata})"
+    self.source, source = src_rank, f"rank {src_rank} ({metadata})"
     parts = urllib.parse.urlsplit(metadata) if isinstance(metadata, str) else None
     try:
       port = None if parts is None else parts.port
