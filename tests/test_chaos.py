@@ -1,8 +1,8 @@
-"""The chaos study (``benchmarks/studies/chaos.py``): its fault schedule, its accounting on
-hand-written replica logs, its per-replica CPU caps (cgroups, as root), and one small faulted
-run of ``optax-dist train --fault-tolerant`` (3 replicas, a scripted ``SIGSTOP`` and ``kill -9``)
-whose numbers are checked against a count of its own logs, with every process of the run gone
-afterwards.
+"""The chaos study (``benchmarks/studies/chaos/``): its fault schedule and its redraw rule, its
+accounting on hand-written replica logs, the report recomputed from an archive, its per-replica
+CPU caps (cgroups, as root), and one small faulted run of ``optax-dist train --fault-tolerant``
+(3 replicas, a scripted ``SIGSTOP``, ``kill -9``, link down and Lighthouse kill) whose numbers
+are checked against a count of its own logs, with every process of the run gone afterwards.
 
 The run needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing
 extra fails it instead of skipping it.
@@ -10,6 +10,7 @@ extra fails it instead of skipping it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -20,29 +21,33 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 pytest.importorskip("matplotlib")
 
-from benchmarks.network import netns  # noqa: E402
-from benchmarks.studies import chaos  # noqa: E402
+from benchmarks.network import cgroups, netns
+from benchmarks.network import faults as faults_
+from benchmarks.studies import chaos
+from benchmarks.studies.chaos import accounting, report, runs
+from benchmarks.studies.chaos.schedule import TimedFault, redraw, redraw_rng, schedule
 
 
 def test_schedule_is_fixed_by_its_seed_and_extends_with_the_horizon():
-  a = chaos.schedule(3, 0.1, 300.0, 4)
-  assert a == chaos.schedule(3, 0.1, 300.0, 4)
-  assert a != chaos.schedule(4, 0.1, 300.0, 4)
-  assert chaos.schedule(3, 0.1, 600.0, 4)[:len(a)] == a
+  a = schedule(3, 0.1, 300.0, 4)
+  assert a == schedule(3, 0.1, 300.0, 4)
+  assert a != schedule(4, 0.1, 300.0, 4)
+  assert schedule(3, 0.1, 600.0, 4)[:len(a)] == a
 
 
 def test_schedule_draws_a_poisson_process_of_its_rate():
   rate, horizon = 0.1, 100_000.0
-  faults = chaos.schedule(0, rate, horizon, 4, (3.0, 10.0), (5.0, 15.0))
+  faults = schedule(0, rate, horizon, 4, (3.0, 10.0), (5.0, 15.0))
   expected = rate * horizon  # 10,000 faults; a Poisson count's standard deviation is 100
   assert abs(len(faults) - expected) < 4 * math.sqrt(expected)
   assert all(0 < f.at < horizon for f in faults)
   assert [f.at for f in faults] == sorted(f.at for f in faults)
-  for kind in chaos.KINDS:  # binomial(n, 1/3): standard deviation sqrt(n * 2/9)
+  for kind in chaos.schedule.KINDS:  # binomial(n, 1/3): standard deviation sqrt(n * 2/9)
     count = sum(f.kind == kind for f in faults)
     assert abs(count - len(faults) / 3) < 4 * math.sqrt(len(faults) * 2 / 9)
   assert {f.replica for f in faults} == {0, 1, 2, 3}
@@ -56,7 +61,22 @@ def test_schedule_draws_a_poisson_process_of_its_rate():
 def test_schedule_refuses_bad_input(kwargs):
   args = {"seed": 0, "rate": 0.1, "horizon": 10.0, "replicas": 2} | kwargs
   with pytest.raises(ValueError, match="chaos.schedule"):
-    chaos.schedule(**args)
+    schedule(**args)
+
+
+def test_a_fault_its_replica_cannot_take_is_redrawn_on_a_live_one_at_the_same_time():
+  fault = TimedFault(12.5, "stop", 1, 4.0)
+  assert redraw(fault, {0, 1, 3}, redraw_rng(0)) is fault  # its replica can: unchanged
+  # replica 1 dead: the same stop at 12.5 s on sorted({0, 2, 3})[u], u the stream's first draw
+  u = int(np.random.default_rng([0, 1]).integers(3))
+  assert redraw(fault, {3, 0, 2}, redraw_rng(0)) == TimedFault(12.5, "stop", [0, 2, 3][u], 4.0)
+  # every arm of a seed draws alike: the same live replicas, the same redraws in order
+  one, other = redraw_rng(5), redraw_rng(5)
+  picks = [redraw(fault, {0, 2, 3}, one).replica for _ in range(50)]
+  assert picks == [redraw(fault, {0, 2, 3}, other).replica for _ in range(50)]
+  assert set(picks) == {0, 2, 3}  # uniform over the live ones (50 draws miss one w.p. < 1e-8)
+  assert redraw(fault, set(), redraw_rng(0)) is None  # none live: unapplied
+  assert redraw(TimedFault(3.0, "lighthouse", -1), set(), redraw_rng(0)) is None
 
 
 def line(round, replica, time, committed=True, weight=10, tokens=10, healed=False, pid=None,
@@ -67,63 +87,102 @@ def line(round, replica, time, committed=True, weight=10, tokens=10, healed=Fals
           "state_hash": f"{state_hash}{round}", "quorum_seconds": quorum_seconds}
 
 
+RECORD = {"final": [{"test_x": 1.0}], "status": 0, "wall_s": 9.0, "load_before": "1.00, 1, 1",
+          "load_after": "2.00, 2, 2", "curve": []}
+
+
 def faulted_run():
   """Two replicas from t0 = 100 s: replica 1 is killed at 1.5 s, replica 0 aborts round 2
-  alone, replica 1 restarts at 2.5 s (pid 201) and heals in round 3 (weight 0); round 4 commits
-  after a retried exchange."""
+  alone, replica 1 restarts at 2.5 s (pid 201), is ready at 2.8 s and heals in round 3 (weight
+  0); round 4 commits after a retried exchange."""
   lines = [line(0, 0, 100.0), line(0, 1, 100.0), line(1, 0, 101.0), line(1, 1, 101.0),
            line(2, 0, 102.0, committed=False),
            line(3, 0, 103.0), line(3, 1, 103.0, weight=0, healed=True, pid=201,
                                    quorum_seconds=0.2),
            line(4, 0, 104.0, attempts=2), line(4, 1, 104.0, pid=201, attempts=2)]
   events = [[0.0, "start", 0, 100], [0.0, "start", 1, 101], [1.5, "kill", 1, 101],
-            [2.5, "start", 1, 201]]
-  return {"t0": 100.0, "lines": lines, "events": events}
+            [2.5, "start", 1, 201], [2.8, "ready", 1, 201]]
+  return RECORD | {"t0": 100.0, "lines": lines, "events": events}
 
 
 def control_run():
-  return {"t0": 50.0, "events": [],
-          "lines": [line(r, i, 50.0 + r) for r in range(6) for i in range(2)]}
+  return RECORD | {"t0": 50.0, "events": [],
+                   "lines": [line(r, i, 50.0 + r) for r in range(6) for i in range(2)]}
 
 
 def test_accounting_of_a_hand_written_log():
-  got = chaos.accounting(faulted_run(), span=4.0)
+  got = accounting.accounting(faulted_run(), span=4.0)
   # rounds 1, 3, 4 after the first commit: 10 + 10, 10 + 0 (the healer), 10 + 10
   assert got["committed_tokens"] == 50
-  assert chaos.accounting(faulted_run(), span=3.5)["committed_tokens"] == 30
+  assert accounting.accounting(faulted_run(), span=3.5)["committed_tokens"] == 30
   assert got["useful_work"] == pytest.approx(70 / 90)  # round 0's 20 counted; 9 lines of 10
   assert (got["rounds_committed"], got["rounds_aborted"], got["abort_lines"]) == (4, 1, 1)
   assert got["rounds_retried"] == 1
   assert got["longest_stall_s"] == pytest.approx(2.0)  # round 1 at 1 s, round 3 at 3 s
-  assert got["heal_s"] == [pytest.approx(0.5)]  # restarted at 2.5 s, first commit at 3 s
-  assert got["first_quorum_s"] == [0.2]
-  assert got["heal_rounds"] == [0]  # healed and committed in round 3, its first
+  # restarted at 2.5 s, ready at 2.8 s, first commit (round 3) at 3 s; no round in between
+  assert got["returns"] == [{"kind": "kill", "seconds": pytest.approx(0.5), "rounds": 0,
+                             "startup": pytest.approx(0.3), "heal": pytest.approx(0.2)}]
+  assert got["applied"] == {"kill": 1, "stop": 0, "link": 0, "lighthouse": 0, "unapplied": 0}
   assert got["full_round_s"] == pytest.approx(1.0)  # rounds 1, 3 and 4 (2 aborted, 3 after it)
   assert got["hash_mismatches"] == 0
   assert got["timeline"][-1] == [pytest.approx(4.0), 50.0]
   assert (got["heals"], got["unprovoked_heals"]) == (1, 0)  # killed 1.5 s before its heal
 
 
-def test_goodput_against_the_control():
-  result = chaos.compare(control_run(), faulted_run())
+def test_goodput_and_the_work_lost_per_applied_fault_against_the_control():
+  result = accounting.compare(control_run(), faulted_run())
   assert result["span_s"] == 4.0  # the faulted run's; the control ran 5 s
   assert result["control"]["committed_tokens"] == 80  # rounds 1 to 4, two replicas, 10 each
   assert result["goodput"] == pytest.approx(50 / 80)
+  # 30 of the control's 80 tokens in 4 s lost: 1.5 s of its pace, to 1 applied fault
+  figures = accounting.figures(result["faulted"], result["goodput"], result["span_s"])
+  assert figures["lost_per_fault_s"] == pytest.approx(30 / (80 / 4.0))
+  assert figures["per_minute"] == pytest.approx(1 / 4.0 * 60)
+  result["faulted"]["applied"]["kill"] = 0
+  assert accounting.figures(result["faulted"], 0.5, 60.0)["lost_per_fault_s"] is None
 
 
-def test_the_validation_curve_and_the_metric_at_equal_committed_tokens():
+def test_faults_counted_are_the_applied_ones_within_the_span():
+  events = [[0.0, "start", 0, 1], [1.0, "kill", 0, 1], [2.0, "unapplied", -1, None],
+            [3.0, "stop", 1, 2], [3.5, "stop", 2, 3], [6.0, "cont", 1, 2], [7.0, "link", 2, 3],
+            [8.0, "lighthouse", -1, 9], [12.0, "kill", 1, 5]]
+  assert accounting.applied(events, span=10.0) == {"kill": 1, "stop": 2, "link": 1,
+                                                   "lighthouse": 1, "unapplied": 1}
+
+
+def test_returns_per_kind_from_a_sigcont_a_link_up_and_a_restart():
+  """Replica 0's commits at 1, 5, 6 and 9 s, the run's at every second: a stop ended by its
+  SIGCONT at 2.5 s returns at 5 s (2 rounds, 3 and 4, between); a link down up at 5.5 s returns
+  at 6 s; a kill restarted at 7 s with no ready mark has no split; a kill without a return is
+  left out."""
+  events = [[0.5, "stop", 0, 1], [2.5, "cont", 0, 1], [4.0, "link", 0, 1], [5.5, "up", 0, 1],
+            [6.5, "kill", 0, 1], [7.0, "start", 0, 2], [9.5, "kill", 0, 2]]
+  got = accounting.returns(events, lambda i: [1.0, 5.0, 6.0, 9.0], commits=range(1, 11))
+  assert [(r["kind"], r["seconds"], r["rounds"]) for r in got] == [
+    ("stop", 2.5, 2), ("link", 0.5, 0), ("kill", 2.0, 2)]
+  assert got[2]["startup"] is None and got[2]["heal"] is None
+  p95 = accounting.p95(got + [{"kind": "stop", "seconds": 4.5, "rounds": 0, "startup": None,
+                               "heal": None}])
+  assert p95["stop"] == {"seconds": pytest.approx(np.percentile([2.5, 4.5], 95)),
+                         "rounds": pytest.approx(np.percentile([2, 0], 95)), "n": 2}
+  assert p95["kill"]["n"] == 1 and "startup" not in p95["kill"]
+
+
+def test_the_validation_curve_and_the_median_gap_over_its_second_half_at_equal_tokens():
   run = faulted_run()
   run["curve"] = [{"step": 20, "rounds": 2, "time": 101.0, "test_x": 2.0},
                   {"step": 50, "rounds": 4, "time": 104.0, "test_x": 1.5}]
   # up to step 20: rounds 0 and 1 (40 tokens); up to 50: and round 3 (10, the healer 0) and 4
-  faulted = chaos.validation_curve(run)
+  faulted = accounting.validation_curve(run)
   assert faulted == [[1.0, 40, 2.0], [4.0, 70, 1.5]]
   control = [[1.0, 40, 2.2], [3.0, 80, 1.6]]
-  at = chaos.equal_tokens(control, faulted)
-  # the control at 70 tokens: 2.2 + (70 - 40) / (80 - 40) * (1.6 - 2.2) = 1.75
-  assert at == {"tokens": 70, "faulted": 1.5, "control": pytest.approx(1.75),
-                "gap": pytest.approx(1.5 / 1.75 - 1)}
-  assert chaos.equal_tokens([], faulted) is None
+  # the second half is the last checkpoint: the control at 70 tokens is
+  # 2.2 + (70 - 40) / (80 - 40) * (1.6 - 2.2) = 1.75
+  assert accounting.second_half_gap(control, faulted) == pytest.approx(1.5 / 1.75 - 1)
+  # four checkpoints: the median of the last two's gaps (at 40 tokens 2.2, at 80 1.6)
+  four = [[0, 10, 9.9], [0, 20, 9.9], [0, 40, 2.42], [0, 80, 1.6]]
+  assert accounting.second_half_gap(control, four) == pytest.approx(np.median([0.1, 0.0]))
+  assert accounting.second_half_gap([], faulted) is None
 
 
 def test_a_heal_with_no_fault_of_its_own_within_20_s_is_unprovoked():
@@ -132,29 +191,86 @@ def test_a_heal_with_no_fault_of_its_own_within_20_s_is_unprovoked():
   run["lines"] += [line(5, 0, 125.0, weight=0, healed=True),  # 7 s after it
                    line(6, 1, 138.0, weight=0, healed=True),  # 20 s after it: the window's end
                    line(7, 1, 138.5, weight=0, healed=True)]  # 20.5 s
-  got = chaos.accounting(run, span=40.0)
+  got = accounting.accounting(run, span=40.0)
   assert (got["heals"], got["unprovoked_heals"]) == (4, 1)
 
 
-def test_heal_from_a_sigcont_and_a_hash_mismatch():
+def test_a_hash_mismatch_is_counted():
   run = faulted_run()
-  run["events"] += [[3.2, "stop", 0, 100], [3.6, "cont", 0, 100]]
   run["lines"][-1] = line(4, 1, 104.0, pid=201, state_hash="other")
-  got = chaos.accounting(run, span=4.0)
-  assert got["heal_s"] == [pytest.approx(0.5), pytest.approx(0.4)]
-  assert got["hash_mismatches"] == 1
+  assert accounting.accounting(run, span=4.0)["hash_mismatches"] == 1
 
 
-def test_sync_accounting_counts_checkpointed_steps():
-  """Checkpoints at 0, 10, 25 and 40 s after t0 = 100 s (steps 100 to 400), the command exiting
-  at 12 s and 50 s: over 30 s, 200 steps are durable and one restart falls in the span."""
-  run = {"t0": 100.0, "saved": [[100.0, 100], [110.0, 200], [125.0, 300], [140.0, 400]],
-         "events": [[0.0, "start", 0, 7], [12.0, "exit", -1, 1], [50.0, "exit", -1, 1]]}
-  got = chaos.sync_accounting(run, span=30.0, tokens_per_step=64.0)
+def sync_run():
+  """Checkpoints at 0, 10, 25 and 40 s after t0 = 100 s (steps 100 to 400); a kill at 11 s ends
+  the command at 12 s, resumed at 14 s; a stop at 31 s continued at 33 s; another exit at 50 s."""
+  return RECORD | {"t0": 100.0, "saved": [[100.0, 100], [110.0, 200], [125.0, 300], [140.0, 400]],
+                   "events": [[0.0, "start", 0, 7], [11.0, "kill", 1, 8], [12.0, "exit", -1, 1],
+                              [14.0, "resume", -1, 9], [31.0, "stop", 0, 10],
+                              [33.0, "cont", 0, 10], [50.0, "exit", -1, 1]], "final": []}
+
+
+def test_sync_accounting_counts_checkpointed_steps_and_returns_to_the_next_checkpoint():
+  """Over 30 s, 200 steps are durable and one restart falls in the span; the kill returns at its
+  resume (14 s) to the checkpoint at 25 s; over 40 s the stop returns at 33 s to the one at 40 s."""
+  got = accounting.sync_accounting(sync_run(), span=30.0, tokens_per_step=64.0)
   assert got["committed_tokens"] == 200 * 64
   assert got["restarts"] == 1
   assert got["longest_stall_s"] == pytest.approx(15.0)  # from 10 s to 25 s
   assert got["timeline"] == [[0.0, 0.0], [10.0, 6400.0], [25.0, 12800.0]]
+  assert got["applied"]["kill"] == 1 and got["applied"]["stop"] == 0
+  assert got["returns"] == [{"kind": "kill", "seconds": 11.0, "rounds": None, "startup": None,
+                             "heal": None}]
+  longer = accounting.sync_accounting(sync_run(), span=40.0, tokens_per_step=64.0)
+  assert [(r["kind"], r["seconds"]) for r in longer["returns"]] == [("kill", 11.0),
+                                                                     ("stop", 7.0)]
+
+
+def test_the_report_recomputed_from_its_archive_equals_the_one_computed_from_the_runs(tmp_path):
+  """A tiny synthetic study of one seed: the archive holds the records and the replicas' JSONL
+  files of ``PREFIX_runs``; read back, every figure is the same as from the records in memory.
+  The synchronous arm checkpoints every second, its faulted run killed at 1.5 s, resumed at
+  2.5 s and checkpointed at 3.5 s: over the 4 s span, 200 of 400 steps."""
+  prefix = str(tmp_path / "chaos")
+  sync = {"saved": [[100.0 + t, 100 * (t + 1)] for t in range(5)], "events": []}
+  found = {"control": control_run(), "faulted": faulted_run(), "equal_tokens": control_run(),
+           "sync_control": sync_run() | sync, "sync_faulted": sync_run() | {
+             "saved": [[100.0, 100], [101.0, 200], [103.5, 300]],
+             "events": [[1.5, "kill", 1, 8], [2.0, "exit", -1, 1], [2.5, "resume", -1, 9]]}}
+  found["equal_tokens"]["final"] = [{"test_x": 0.8}]
+  for name in ("control", "faulted", "equal_tokens"):
+    replicas = tmp_path / f"chaos_runs/seed0/{name}/replicas"
+    replicas.mkdir(parents=True)
+    for i in (0, 1):
+      (replicas / f"replica_{i}.jsonl").write_text("".join(
+        json.dumps(x) + "\n" for x in found[name]["lines"] if x["replica"] == i))
+  study = {"config": dataclasses.asdict(runs.Config(seeds=(0,))),
+           "seeds": {"0": {"steps": 50, "tokens_per_step": 64.0, "sync_checkpoint_every": 100}}}
+  in_memory = report.result(study, {"0": found})
+  report.write_archive(f"{prefix}_raw.tar.xz", study, {"0": found}, prefix)
+  again = report.result(*report.read_archive(f"{prefix}_raw.tar.xz"))
+  assert json.dumps(again, sort_keys=True) == json.dumps(in_memory, sort_keys=True)
+  figures = in_memory["seeds"]["0"]["figures"]
+  assert figures["goodput"] == pytest.approx(50 / 80)
+  assert figures["equal_tokens_gap"] == pytest.approx(1.0 / 0.8 - 1)
+  assert figures["sync"]["goodput"] == 0.5 and figures["sync"]["applied"]["kill"] == 1
+  assert figures["sync"]["returns"]["kill"] == {"seconds": 1.0, "n": 1}  # resume to checkpoint
+  assert ["goodput", "0.625", "0.500"] in in_memory["summary"]
+  text = report.markdown(in_memory, "chaos.png")
+  # (1 - 0.625) * 4 s / 1 fault and (1 - 0.5) * 4 s / 1 fault
+  assert "| committed work lost per applied fault (s) | 1.5 | 2.0 |" in text
+  report.plot(in_memory, str(tmp_path / "chaos.png"))
+
+
+def test_young_daly_s_interval_and_the_synchronous_arm_s_settings():
+  # sqrt(2 * 2 s * 45 s) = 13.42 s, in steps of 0.1 s
+  assert runs.young_daly(2.0, 45.0, 0.1) == 134
+  assert runs.young_daly(1e-6, 1.0, 10.0) == 1
+  assert runs.sync_mtbf(runs.Config(fault_rate=1 / 30)) == pytest.approx(45.0)  # kills, stops
+  line = runs.sync_command(runs.Config(exchange_timeout=1.5, sync_checkpoint_every=7), "o", True)
+  assert line[line.index("--heartbeat-timeout") + 1] == "2"
+  assert line[line.index("--checkpoint-every") + 1] == "7" and line[-1] == "--resume"
+  assert "--standby" not in runs.command(runs.Config(), "o")  # no spare by default
 
 
 def test_records_are_saved_and_read_back_with_reuse_and_the_same_settings(tmp_path):
@@ -166,19 +282,19 @@ def test_records_are_saved_and_read_back_with_reuse_and_the_same_settings(tmp_pa
     calls.append(outs)
     return [{"n": len(calls), "out": os.path.basename(out)} for out in outs]
 
-  prefix, pair = str(tmp_path / "chaos"), ("control", "faulted")
-  first = chaos._records(chaos.Config(), prefix, pair, run)
+  prefix, pair = str(tmp_path / "chaos"), ("seed0/control", "seed0/faulted")
+  first = runs.records(runs.Config(), prefix, pair, run)
   assert first == [{"n": 1, "out": "control"}, {"n": 1, "out": "faulted"}]
-  assert chaos._records(chaos.Config(timeout=5.0, reuse=True), prefix, pair, run) == first
-  assert chaos._records(chaos.Config(steps=40, reuse=True), prefix, pair, run)[1]["n"] == 2
+  assert runs.records(runs.Config(timeout=5.0, reuse=True), prefix, pair, run) == first
+  assert runs.records(runs.Config(steps=40, reuse=True), prefix, pair, run)[1]["n"] == 2
   # a setting of the faulted run only: the pair runs again, as it runs together
-  again = chaos.Config(steps=40, reuse=True, lighthouse_kill=9.0)
-  assert chaos._records(again, prefix, pair, run)[0]["n"] == 3
+  again = runs.Config(steps=40, reuse=True, lighthouse_kill=9.0)
+  assert runs.records(again, prefix, pair, run)[0]["n"] == 3
   # the Lighthouse is killed in the faulted run only: the synchronous pair's records stay valid
-  sync = ("sync_control", "sync_faulted")
-  assert chaos._records(chaos.Config(steps=40), prefix, sync, run)[0]["n"] == 4
-  assert chaos._records(again, prefix, sync, run)[1]["n"] == 4
-  assert chaos._records(chaos.Config(steps=40), prefix, pair, run)[0]["n"] == 5  # no --reuse
+  sync = ("seed0/sync_control", "seed0/sync_faulted")
+  assert runs.records(runs.Config(steps=40), prefix, sync, run)[0]["n"] == 4
+  assert runs.records(again, prefix, sync, run)[1]["n"] == 4
+  assert runs.records(runs.Config(steps=40), prefix, pair, run)[0]["n"] == 5  # no --reuse
   assert len(calls) == 5
 
 
@@ -190,7 +306,7 @@ def test_measure_says_it_needs_root_and_runs_nothing(monkeypatch, capsys, tmp_pa
 
 
 class FakeRun:
-  """A run of :func:`chaos.together` that goes on for ``ticks`` looks."""
+  """A run of :func:`runs.together` that goes on for ``ticks`` looks."""
 
   def __init__(self, ticks: int):
     self.ticks, self.endings, self.out, self.left = ticks, [], f"fake{ticks}", False
@@ -212,12 +328,12 @@ class FakeRun:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ip netns)")
 def test_runs_together_get_no_fault_once_one_has_ended_and_are_all_left():
   short, long = FakeRun(2), FakeRun(4)
-  assert chaos.together([short, long], timeout=60.0) == [
+  assert runs.together([short, long], timeout=60.0) == [
     {"endings": [False, False]}, {"endings": [False, False, True, True]}]
   assert short.left and long.left
   endless = FakeRun(10**9)
   with pytest.raises(TimeoutError, match="fake1000000000"):
-    chaos.together([FakeRun(1), endless], timeout=0.3)
+    runs.together([FakeRun(1), endless], timeout=0.3)
   assert endless.left
 
 
@@ -249,10 +365,10 @@ def test_cpu_shares_cap_each_replica_and_leave_no_group():
   """Replica 1's group allows 1 ms of CPU in each 100 ms (0.04 CPUs over 4 replicas: little
   enough that a loaded machine still lets the process reach it): a busy process moved there is
   throttled; on exit the groups are gone and the process, moved back, still runs."""
-  assert chaos.CpuShares(4, 0).groups == []  # no caps
+  assert cgroups.CpuShares(4, 0).groups == []  # no caps
   busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
   try:
-    with chaos.CpuShares(4, 0.04) as shares:
+    with cgroups.CpuShares(4, 0.04) as shares:
       group = shares.groups[1]
       quota = (group / ("cpu.max" if shares.v2 else "cpu.cfs_quota_us")).read_text()
       assert quota.split()[0] == "1000"
@@ -283,29 +399,34 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   # exchange timeout; the caps are tested above.
   # Without standbys (3 more processes compiling beside the run): the launcher's takeover is
   # tested in test_torchft.py, and the study's view of a waiting standby below.
-  config = chaos.Config(replicas=3, min_replicas=3, task="digits", steps=500, sync_period=5,
-                        restart_delay=0.5, exchange_timeout=2.0, timeout=150.0, standby=False)
-  faults = [chaos.TimedFault(1.0, "stop", 1, 2.0), chaos.TimedFault(4.0, "kill", 2),
-            chaos.TimedFault(5.0, "lighthouse", -1), chaos.TimedFault(8.0, "link", 0, 3.0)]
-  out = str(tmp_path / "run")
-  faulted = chaos.FaultTolerantRun(config, out, faults, cpus=0, tag="x")
-  (run,) = chaos.together([faulted], config.timeout)
-  assert chaos.processes(out) == {}
+  # The second stop falls on replica 1, stopped already: it is redrawn on replica 0 or 2.
+  config = runs.Config(replicas=3, min_replicas=3, task="digits", steps=500, sync_period=5,
+                       restart_delay=0.5, exchange_timeout=2.0, timeout=150.0)
+  faults = [TimedFault(1.0, "stop", 1, 2.0), TimedFault(1.5, "stop", 1, 1.0),
+            TimedFault(4.0, "kill", 2), TimedFault(5.0, "lighthouse", -1),
+            TimedFault(8.0, "link", 0, 3.0)]
+  out = str(tmp_path / "chaos_runs" / "seed0" / "faulted")
+  faulted = runs.FaultTolerantRun(config, out, faults, cpus=0, tag="x", seed=0)
+  (run,) = runs.together([faulted], config.timeout)
+  assert faults_.processes(out) == {}
   assert not [n for n in netns.namespaces() if n.endswith(f"-{os.getpid()}")]
   for _, _, _, pid in run["events"]:
     assert not os.path.exists(f"/proc/{pid}") or out not in pathlib.Path(
       f"/proc/{pid}/cmdline").read_text()
   kinds = [kind for _, kind, _, _ in run["events"]]
-  assert kinds.count("stop") == kinds.count("cont") == kinds.count("kill") == 1
-  assert kinds.count("link") == kinds.count("up") == 1
+  stops = [(replica, pid) for _, kind, replica, pid in run["events"] if kind == "stop"]
+  redrawn = [0, 2][int(np.random.default_rng([0, 1]).integers(2))]
+  assert [replica for replica, _ in stops] == [1, redrawn] and kinds.count("cont") == 2
+  assert kinds.count("kill") == kinds.count("link") == kinds.count("up") == 1
   assert kinds.count("lighthouse") == 1 and "the Lighthouse exited (status -9); restarting it" in (
-    tmp_path / "run" / "command.log").read_text()
+    pathlib.Path(out) / "command.log").read_text()
   assert run["status"] == 0 and len(run["final"]) >= 2
   # checkpoints every 200 steps and at the end: the last one is the final state
   assert [point["step"] for point in run["curve"]][:2] == [200, 400]
   assert run["curve"][-1]["test_accuracy"] == run["final"][0]["test_accuracy"]
-  got = chaos.accounting(run, span=math.inf)
+  got = accounting.accounting(run, span=math.inf)
   assert got["hash_mismatches"] == 0
+  assert got["applied"] == {"kill": 1, "stop": 2, "link": 1, "lighthouse": 1, "unapplied": 0}
   committed = [x for x in run["lines"] if x["committed"]]
   # every committed line carries its round's tokens (5 steps x a batch of 16), a healer's none
   hand = sum(0 if x["healed"] else 5 * 16 for x in committed if x["time"] > run["t0"])
@@ -315,10 +436,19 @@ def test_a_faulted_run_is_accounted_and_leaves_no_process(tmp_path):
   # committed after
   healed = [x["time"] for x in run["lines"] if x["healed"] and x["pid"] in restarted]
   assert healed and any(x["pid"] in restarted and x["time"] >= healed[0] for x in committed)
-  # the stopped replica's, the restarted one's and the cut-off one's, which the others waited for
-  assert len(got["heal_s"]) == 3
+  # the stopped replicas', the restarted one's and the cut-off one's, which the others waited
+  # for; the restart's split at its ready mark (its session up), after its start
+  assert sorted(r["kind"] for r in got["returns"]) == ["kill", "link", "stop", "stop"]
+  (back,) = [r for r in got["returns"] if r["kind"] == "kill"]
+  assert back["startup"] > 0 and back["heal"] > 0
+  assert back["startup"] + back["heal"] == pytest.approx(back["seconds"])
   up = next(at for at, kind, _, _ in run["events"] if kind == "up")
   assert any(x["replica"] == 0 and x["committed"] and x["time"] - run["t0"] > up for x in committed)
+  # the archive keeps the raw JSONL files: the lines read back are the run's
+  study = {"config": {}, "seeds": {"0": {}}}
+  report.write_archive(str(tmp_path / "a.tar.xz"), study, {"0": {"faulted": run}},
+                       str(tmp_path / "chaos"))
+  assert report.read_archive(str(tmp_path / "a.tar.xz"))[1]["0"]["faulted"]["lines"] == run["lines"]
 
 
 def test_a_waiting_standby_is_no_replica_until_the_launcher_names_it(tmp_path, monkeypatch):
@@ -328,12 +458,14 @@ def test_a_waiting_standby_is_no_replica_until_the_launcher_names_it(tmp_path, m
   replica = f"python -m optax_dist.cli replica --out {out} --replica-id"
   procs = {10: f"{replica} 0", 11: f"{replica} 0 --wait-for-takeover",
            12: f"{replica} 1 --wait-for-takeover", 13: f"{replica} 1"}
-  monkeypatch.setattr(chaos, "processes", lambda o: procs if o == out else {})
+  monkeypatch.setattr(faults_, "processes", lambda o: procs if o == out else {})
   (tmp_path / "replica_1.pid").write_text("13\n")
-  assert chaos.process_ids(out, "--replica-id") == {0: 10, 1: 13}
+  assert faults_.process_ids(out, "--replica-id") == {0: 10, 1: 13}
+  assert faults_.process_ids(out, "--replica-id", standbys=True) == {0: 11, 1: 12}
   del procs[10]  # replica 0 killed; its standby takes over
   (tmp_path / "replica_0.pid").write_text("11\n")
-  assert chaos.process_ids(out, "--replica-id") == {0: 11, 1: 13}
+  assert faults_.process_ids(out, "--replica-id") == {0: 11, 1: 13}
+  assert faults_.process_ids(out, "--replica-id", standbys=True) == {1: 12}
 
 
 @pytest.mark.slow
@@ -342,14 +474,14 @@ def test_the_synchronous_arm_restarts_from_its_checkpoint_and_leaves_no_process(
   checkpoint (about 30 steps in): the command ends, is started again with --resume, and its
   checkpoints go on past the ones saved before the kill, until it ends with its last step.
   No horizon: how long a restart takes depends on the machine's load."""
-  config = chaos.Config(replicas=2, task="digits", steps=200, restart_delay=0.5, timeout=300.0,
-                        sync_checkpoint_every=20)
+  config = runs.Config(replicas=2, task="digits", steps=200, restart_delay=0.5, timeout=300.0,
+                       sync_checkpoint_every=20)
   out = str(tmp_path / "sync")
-  sync = chaos.SyncRun(config, out, [chaos.TimedFault(1.0, "kill", 1)], cpus=0, tag="",
-                       horizon=math.inf)
-  (run,) = chaos.together([sync], config.timeout)
+  sync = runs.SyncRun(config, out, [TimedFault(1.0, "kill", 1)], cpus=0, tag="",
+                      horizon=math.inf)
+  (run,) = runs.together([sync], config.timeout)
   assert run["status"] == 0
-  assert chaos.processes(out) == {}
+  assert faults_.processes(out) == {}
   kinds = [kind for _, kind, _, _ in run["events"]]
   assert kinds.count("kill") == 1 and kinds.count("exit") == kinds.count("resume") >= 1
   kill = next(at for at, kind, _, _ in run["events"] if kind == "kill")
@@ -360,3 +492,8 @@ def test_the_synchronous_arm_restarts_from_its_checkpoint_and_leaves_no_process(
   assert result["algorithms"]["sync"]["resumed_from_step"] >= before[-1]  # not started over
   starts = [pid for _, kind, i, pid in run["events"] if kind == "start" and i == 1]
   assert len(set(starts)) >= 2  # process 1 ran again
+  # its return: from the resume to the first checkpoint after it
+  (back,) = accounting.sync_accounting(run, math.inf, 1.0)["returns"]
+  resume = next(at for at, kind, _, _ in run["events"] if kind == "resume")
+  assert back["seconds"] == pytest.approx(min(
+    t - run["t0"] for t, _ in run["saved"] if t - run["t0"] > resume) - resume)
