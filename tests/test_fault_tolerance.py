@@ -495,6 +495,58 @@ def test_a_checkpoint_restores_as_a_heal_newest_finished_first(tmp_path):
     checkpoints.CheckpointWriter(tmp_path, 0, fingerprint=7)
 
 
+@pytest.mark.parametrize("algorithm, fmt, extra", [
+  ("diloco", "int8_feedback", ()), ("streaming_diloco", "none", STREAMING),
+  ("local_sgd", "none", ())])
+def test_a_resume_rebuilds_each_replica_whole_from_its_local_checkpoint(algorithm, fmt, extra,
+                                                                        tmp_path):
+  """Each replica's local file beside the global checkpoint of the same round (params, inner
+  state, error-feedback residual) rebuilds it bit for bit; the resume point is the newest
+  checkpoint every member's file is there for; a replica without its own file there gets the
+  donation alone (it heals); a replica keeps its newest LOCAL_KEPT files."""
+  engine = _engine(algorithm, fmt, extra, num_replicas=2)
+  fresh = _protocol(algorithm, fmt, extra).init(_params())
+  writer = checkpoints.CheckpointWriter(tmp_path, H, fingerprint=7)
+  written = []
+  for _ in range(3):
+    engine.run(1)
+    step, rounds = int(engine.replicas[0].opt_state.local_step), int(engine.replicas[0].rounds)
+    for i in (0, 1):
+      writer.write_local(engine.replicas[i], step=step, slot=i)
+    writer.write(ft.heal_state(engine.replicas[0]), step=step, rounds=rounds, time=0.0,
+                 members=(0, 1))
+    written.append((step, [engine.replicas[i] for i in (0, 1)]))
+  writer.close()
+  assert sorted(p.name for p in tmp_path.glob("*.local")) == [
+    f"step_{step}.replica_{i}.local" for step, _ in written[1:] for i in (0, 1)]
+  if fmt == "int8_feedback":  # a residual that is not zero: a heal would drop it
+    assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(
+      engine.replicas[1].opt_state.error_feedback))
+
+  def resumed(slot):
+    donation, own = checkpoints.resume(tmp_path, fresh, ft.heal_state(fresh), slot, 7)
+    return donation, own if own is None else ft.heal.resumed_state(donation.global_state, own)
+
+  for i in (0, 1):
+    _assert_trees_equal(resumed(i)[1], written[2][1][i])
+  checkpoints.local_path(tmp_path, written[2][0], 1).unlink()  # killed before it wrote it
+  assert checkpoints.resume_point(tmp_path)["step"] == written[1][0]
+  for i in (0, 1):
+    _assert_trees_equal(resumed(i)[1], written[1][1][i])
+  checkpoints.local_path(tmp_path, written[1][0], 1).unlink()
+  assert checkpoints.resume_point(tmp_path) is None  # then the newest: replica 1 heals
+  (donation, own), (_, whole) = resumed(1), resumed(0)
+  assert own is None and int(donation.global_state.rounds) == 3
+  _assert_trees_equal(whole, written[2][1][0])
+  with pytest.raises(ValueError, match=r"local state is of round 3, the global state of round 2"):
+    ft.heal.resumed_state(ft.global_state(written[1][1][0]), ft.heal.local_part(whole))
+  other = checkpoints.CheckpointWriter(tmp_path, H, fingerprint=8)
+  other.write_local(written[2][1][1], step=written[2][0], slot=1)
+  other.close()
+  with pytest.raises(ValueError, match=r"replica_1.local.* is of another run \(fingerprint 8\)"):
+    resumed(1)
+
+
 def test_state_hash_sees_every_bit_dtype_shape_and_structure():
   tree = {"x": jnp.arange(4.0), "n": jnp.int32(3)}
   h = ft.state_hash(tree)

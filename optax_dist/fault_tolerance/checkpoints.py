@@ -1,4 +1,5 @@
-"""Checkpoints of a fault-tolerant run: its global state, written by the quorum's rank 0.
+"""Checkpoints of a fault-tolerant run: its global state, written by the quorum's rank 0, and
+each member's local state of the same committed round.
 
 A checkpoint is what a donor sends a joiner: one heal payload (:func:`encode_heal` of
 :func:`heal_state`: the global state and the counters, a JSON manifest and raw bytes, never a
@@ -7,11 +8,21 @@ pickle) in ``DIR/step_<step>.heal``, and beside it ``DIR/step_<step>.json`` (``s
 second: a payload without its JSON is unfinished and never read. Both are written to a
 temporary name and renamed, so a reader sees a whole file or none.
 
-A replica that starts (or is restarted) restores the newest checkpoint as a joiner heals
-(:func:`heal_replica`: the global state taken bit for bit, params = the anchor, the inner state
-reset with the counters taken): when every replica died, the run goes on from it. With a live
-peer ahead, the restored replica is still behind and heals from the peer at its first quorum.
-Nothing here deletes a checkpoint.
+Beside it, each member of the round writes its own :class:`~optax_dist.fault_tolerance.heal.
+LocalState` (:func:`local_part`: params, inner optimizer state, error-feedback residual) of
+the same committed round to ``DIR/step_<step>.replica_<slot>.local`` (:func:`local_path`; a heal
+payload naming the run's fingerprint), atomically too; the JSON names the round's ``members``.
+A replica keeps its newest :data:`LOCAL_KEPT` local files; the global ones are all kept.
+
+A replica that starts (or is restarted) takes the newest checkpoint whose every member's local
+file is there (:func:`resume_point`): with its own local file, it is rebuilt whole
+(:func:`~optax_dist.fault_tolerance.heal.resumed_state`) and continues as if never stopped, so
+a run whose replicas all resume from it equals the uninterrupted run bit for bit. Without one (it was not a member of that
+round, or its file is missing, or no checkpoint has its members' files: then the newest), it
+restores as a joiner heals (:func:`local_state`: the global state taken bit for bit, params =
+the anchor, the inner state the writer's, the residual zero); a peer ahead of it (torchft's
+step: a peer rebuilt whole, or one that went on living) is its donor at its first quorum, as
+for any restarted replica.
 """
 
 from __future__ import annotations
@@ -24,8 +35,22 @@ from typing import Any
 
 from optax_dist import _checks
 from optax_dist.fault_tolerance import heal
-from optax_dist.fault_tolerance.heal import heal_state, local_state
+from optax_dist.fault_tolerance.heal import (
+  LocalState,
+  heal_state,
+  local_part,
+  local_state,
+)
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
+
+LOCAL_KEPT = 2
+"""The local files a replica keeps (its newest); the previous one is where a resume goes when
+it was killed between the writes of the newest's files."""
+
+
+def local_path(directory: str | os.PathLike, step: int, slot: int) -> pathlib.Path:
+  """Where replica ``slot`` writes its local state of the checkpoint at ``step``."""
+  return pathlib.Path(directory) / f"step_{step}.replica_{slot}.local"
 
 
 def _write_atomically(path: pathlib.Path, data: bytes) -> None:
@@ -60,13 +85,30 @@ class CheckpointWriter:
     a multiple of ``every``, or it is the run's ``last``."""
     return last or step // self.every > (step - round_steps) // self.every
 
-  def write(self, donation: Any, *, step: int, rounds: int, time: float) -> None:
+  def write(self, donation: Any, *, step: int, rounds: int, time: float,
+            members: tuple = ()) -> None:
     """Queues the checkpoint of a replica's ``donation`` (what it sends a joiner:
     :meth:`Replica.donation <optax_dist.fault_tolerance.Replica.donation>`, or a
-    :func:`heal_state`) after ``rounds`` committed rounds at ``step``; its arrays are immutable:
-    the thread reads them later."""
-    meta = {"step": step, "rounds": rounds, "time": time, "fingerprint": self.fingerprint}
+    :func:`heal_state`) after ``rounds`` committed rounds at ``step``, whose ``members`` (the
+    round's slots) write their local files beside it; its arrays are immutable: the thread
+    reads them later."""
+    meta = {"step": step, "rounds": rounds, "time": time, "fingerprint": self.fingerprint,
+            "members": [int(i) for i in members]}
     self._pending.append(self._pool.submit(self._write, donation, meta))
+
+  def write_local(self, replica: ReplicaState, *, step: int, slot: int) -> None:
+    """Queues replica ``slot``'s local state (:func:`local_part` of ``replica``) of the
+    checkpoint at ``step`` (:func:`local_path`), then drops its files older than its newest
+    :data:`LOCAL_KEPT`."""
+    self._pending.append(self._pool.submit(self._write_local, replica, step, slot))
+
+  def _write_local(self, replica: ReplicaState, step: int, slot: int) -> None:
+    payload = heal.encode_heal(local_part(replica), fingerprint=self.fingerprint)
+    _write_atomically(local_path(self.directory, step, slot), payload)
+    steps = sorted(int(p.name.split(".")[0][len("step_"):])
+                   for p in self.directory.glob(f"step_*.replica_{slot}.local"))
+    for old in steps[:-LOCAL_KEPT]:
+      local_path(self.directory, old, slot).unlink(missing_ok=True)
 
   def _write(self, donation: Any, meta: dict) -> None:
     stem = self.directory / f"step_{meta['step']}"
@@ -136,3 +178,48 @@ def restore(directory: str | os.PathLike, protocol: RoundProtocol, state: Replic
     return None
   received, meta = found
   return local_state(protocol, received.global_state, params_like, received.inner), meta
+
+
+def resume_point(directory: str | os.PathLike) -> dict | None:
+  """The newest finished checkpoint under ``directory`` (an entry of :func:`saved`) whose every
+  member has its local file there; ``None`` if none has (e.g. checkpoints written before local
+  files were)."""
+  for meta in reversed(saved(directory)):
+    members = meta.get("members")
+    if members and all(local_path(directory, meta["step"], i).exists() for i in members):
+      return meta
+  return None
+
+
+def read_local(directory: str | os.PathLike, meta: dict, slot: int, expected: ReplicaState,
+               fingerprint: int) -> LocalState | None:
+  """Replica ``slot``'s local state of the checkpoint ``meta`` names (an entry of
+  :func:`saved`), decoded against ``expected``'s :func:`local_part` and checked to name
+  ``fingerprint``; ``None`` if it has no file there.
+
+  Raises:
+    ValueError: a file of another run's fingerprint, or that fails :func:`decode_heal`'s
+      checks (naming its path).
+  """
+  path = local_path(directory, meta["step"], slot)
+  if not path.exists():
+    return None
+  return heal.decode_heal(path.read_bytes(), local_part(expected), replica=str(path),
+                          fingerprint=fingerprint)
+
+
+def resume(directory: str | os.PathLike, replica: ReplicaState, donation: Any, slot: int,
+           fingerprint: int) -> tuple[Any, LocalState | None] | None:
+  """What replica ``slot`` starts from: the donation of the checkpoint :func:`resume_point`
+  names (else the newest), decoded against ``donation`` (:func:`read`), and its own local state
+  of that checkpoint (:func:`read_local` against ``replica``), or ``None`` in its place;
+  ``None`` if there is no checkpoint.
+
+  Raises:
+    ValueError: as :func:`read` and :func:`read_local`.
+  """
+  found = read(directory, donation, fingerprint, resume_point(directory))
+  if found is None:
+    return None
+  received, meta = found
+  return received, read_local(directory, meta, slot, replica, fingerprint)

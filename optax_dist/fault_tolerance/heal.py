@@ -3,8 +3,9 @@ a joiner), the state hash, and the one tree codec that heal payloads, checkpoint
 payloads use.
 
 * :class:`GlobalState` (:func:`global_state`), :class:`HealState` (:func:`heal_state`: the
-  global state and :func:`counters`), :func:`local_state` (a joiner rebuilt from them) and
-  :func:`state_hash`;
+  global state and :func:`counters`), :func:`local_state` (a joiner rebuilt from them),
+  :class:`LocalState` (:func:`local_part`: a replica's own, which its checkpoint holds) and
+  :func:`resumed_state` (a replica rebuilt whole from both), and :func:`state_hash`;
 * :func:`tree_bytes` and :func:`tree_from_bytes`: a tree's leaves as bytes, end to end, and
   back into a tree of the receiver's own structure, dtypes and shapes;
 * the heal payload (:func:`encode_heal`, :func:`decode_heal`): a JSON manifest and those bytes,
@@ -240,6 +241,23 @@ class HealState(NamedTuple):
   inner: Any
 
 
+class LocalState(NamedTuple):
+  """A replica's own state beside the global state (:func:`local_part`): what its checkpoint
+  of a committed round holds besides the run's (:mod:`~optax_dist.fault_tolerance.checkpoints`).
+
+  Attributes:
+    rounds: ``int32[]``, its committed rounds (the round the global state must be of).
+    params: its params.
+    opt_state: its optimizer state with ``None`` in the fields :func:`global_state` holds
+      (``KEEP``) and every other field kept: the inner optimizer state, the error-feedback
+      residual.
+  """
+
+  rounds: jax.Array
+  params: Any
+  opt_state: Any
+
+
 # ----------------------------------------------------------------------------------------------
 # The state split: what every committed member holds alike, what a donor sends.
 
@@ -256,6 +274,21 @@ def _inner_parts(node: Any) -> Any:
   ``None`` in the others, and any other optimizer state (e.g. a chain's) kept."""
   return _state.map_fields(
     lambda rule, value: value if rule == _state.INNER else None, lambda other: other, node)
+
+
+def _local_parts(node: Any) -> Any:
+  """``node`` with ``None`` in the fields ``resize_state`` keeps (``KEEP``) and the rest kept:
+  the complement of :func:`_global_parts`."""
+  return _state.map_fields(
+    lambda rule, value: None if rule == _state.KEEP else _local_parts(value),
+    lambda other: other, node)
+
+
+def _joined(global_parts: Any, local_parts: Any) -> Any:
+  """One optimizer state from its :func:`_global_parts` and its :func:`_local_parts`."""
+  return _state.map_fields(
+    lambda rule, g, own: g if rule == _state.KEEP else _joined(g, own),
+    lambda _, own: own, global_parts, local_parts)
 
 
 def _counter_parts(node: Any) -> Any:
@@ -368,6 +401,28 @@ def local_state(protocol: RoundProtocol, received: GlobalState, params_like: Any
     init = jax.tree.map(_taken, inner, init, is_leaf=lambda x: x is None)
   opt_state = jax.tree.map(_taken, received.opt_state, init, is_leaf=lambda x: x is None)
   return ReplicaState(params, opt_state, received.rounds, received.average)
+
+
+def local_part(replica: ReplicaState) -> LocalState:
+  """A replica's :class:`LocalState`: its committed rounds, params and optimizer state outside
+  :func:`global_state` (its inner optimizer state, its error-feedback residual)."""
+  return LocalState(replica.rounds, replica.params, _local_parts(replica.opt_state))
+
+
+def resumed_state(received: GlobalState, own: LocalState) -> ReplicaState:
+  r"""A replica rebuilt whole from the global state and its own :class:`LocalState` of the same
+  committed round, bit for bit: the :class:`ReplicaState` whose :func:`global_state` is
+  ``received`` and whose :func:`local_part` is ``own`` (a resume; a heal rebuilds the local
+  state instead, :func:`local_state`).
+
+  Raises:
+    ValueError: ``own`` is of another committed round than ``received``.
+  """
+  if int(own.rounds) != int(received.rounds):
+    raise ValueError(f"a replica's local state is of round {int(own.rounds)}, the global state"
+                     f" of round {int(received.rounds)}: not one checkpoint.")
+  opt_state = _joined(received.opt_state, own.opt_state)
+  return ReplicaState(own.params, opt_state, received.rounds, received.average)
 
 
 def _taken(received: Any, init: Any) -> Any:

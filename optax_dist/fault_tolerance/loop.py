@@ -65,10 +65,12 @@ from optax_dist.fault_tolerance.decision import Header, settings_fingerprint
 from optax_dist.fault_tolerance.engine import RoundLog
 from optax_dist.fault_tolerance.heal import (
   HealState,
+  LocalState,
   advanced,
   global_state,
   heal_state,
   local_state,
+  resumed_state,
   state_hash,
 )
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
@@ -216,6 +218,21 @@ class Received:
 
 
 @dataclasses.dataclass(frozen=True)
+class Restored:
+  """What an engine's start may hand back from a checkpoint: its decoded donation and this
+  replica's own :class:`LocalState` of the same committed round (a resume: the replica is
+  rebuilt whole, :meth:`Replica.receive`).
+
+  Attributes:
+    donation: the checkpoint's decoded donation (:func:`split_donation` reads it).
+    local: this replica's :class:`LocalState`.
+  """
+
+  donation: Any
+  local: LocalState
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundResult:
   """What a round changed, as :meth:`Replica.after_step` reports it.
 
@@ -243,7 +260,8 @@ class Replica:
   Args:
     protocol: the run's :class:`RoundProtocol`.
     engine: the transport (an engine's per-replica end): ``start(replica)`` (joins the run;
-      returns a decoded donation to start from, e.g. a checkpoint's, or ``None``),
+      returns a decoded donation to start from, e.g. a checkpoint's, a :class:`Restored`, or
+      ``None``),
       ``exchange(sent) -> Received`` and ``record(line)``.
     slot: this replica's id and data slot.
     seed: the data seed.
@@ -278,8 +296,9 @@ class Replica:
 
   def start(self, state: Any, *, seek: Callable[[int], None] | None = None) -> Any:
     """Takes the loop's initial state (every replica's alike, ``tx.init``'s, ``local_step``
-    0) and returns the state to start from: the newest checkpoint's, if the engine restores
-    one, else ``state``. ``seek(step)``, if given, is called whenever the data position jumps
+    0) and returns the state to start from: a checkpoint's, if the engine restores one (rebuilt
+    whole from its local state too when the engine hands back a :class:`Restored`), else
+    ``state``. ``seek(step)``, if given, is called whenever the data position jumps
     (:attr:`step`: after a restore, a heal or a void round).
 
     Before the engine's start (so before its peers know this replica), the round's programs
@@ -304,7 +323,9 @@ class Replica:
     self._warm_up(parts)
     restored = self.engine.start(self)
     if restored is not None:  # placed as the loop's own state is
-      replica, collections = _placed_as(self.receive(restored), (self._replica, self._collections))
+      resumed = isinstance(restored, Restored)
+      got = self.receive(restored.donation, restored.local) if resumed else self.receive(restored)
+      replica, collections = _placed_as(got, (self._replica, self._collections))
       state = self._take(state, replica, collections, jumped=True)
     self._keep_origin(state)
     return state
@@ -351,11 +372,15 @@ class Replica:
     state = heal_state(replica)
     return state if collections is None else (state, collections)
 
-  def receive(self, donation: Any) -> tuple[ReplicaState, Any]:
+  def receive(self, donation: Any, own: LocalState | None = None) -> tuple[ReplicaState, Any]:
     """A received (decoded) donation as this replica's ``(ReplicaState, collections)``: the
     global state taken bit for bit, the params at the restart point, the inner state rebuilt
-    with the donor's inner optimizer state (:func:`local_state`)."""
+    with the donor's inner optimizer state (:func:`local_state`); with ``own`` (this replica's
+    :class:`LocalState` of the donation's round, from a checkpoint), rebuilt whole from both
+    instead (:func:`resumed_state`)."""
     state, collections = split_donation(donation)
+    if own is not None:
+      return resumed_state(state.global_state, own), collections
     replica = local_state(self.protocol, state.global_state, self._params_like, state.inner)
     return replica, collections
 

@@ -68,7 +68,7 @@ from optax_dist.fault_tolerance.checkpoints import CheckpointWriter
 from optax_dist.fault_tolerance.decision import Header, check_headers, decide, foreign, leaves
 from optax_dist.fault_tolerance.engine import RoundLog
 from optax_dist.fault_tolerance.launcher import bind_address
-from optax_dist.fault_tolerance.loop import Received, Replica, Sent, split_donation
+from optax_dist.fault_tolerance.loop import Received, Replica, Restored, Sent, split_donation
 from optax_dist.fault_tolerance.protocol import RoundProtocol
 from optax_dist.fault_tolerance.torchft_session import Session, _pack, _unpack, torch
 
@@ -100,9 +100,11 @@ class Torchft:
       quorum, without that member, before it aborts; an int >= 0. No member can have
       committed the round meanwhile: a commit needs every member's acknowledgement.
     checkpoint_every: inner steps between checkpoints in ``out/replicas/checkpoints``
-      (:mod:`~optax_dist.fault_tolerance.checkpoints`: the replica's donation), written by the
-      quorum's rank 0 after a committed round that crosses a multiple of it; a replica starts
-      from the newest one there (as a joiner heals). ``None``: none written, none read.
+      (:mod:`~optax_dist.fault_tolerance.checkpoints`: the replica's donation, written by the
+      quorum's rank 0, and every member's local state) after a committed round that crosses a
+      multiple of it; a replica starts from the newest one every member of its round wrote
+      its local state for (:func:`~optax_dist.fault_tolerance.checkpoints.resume`): rebuilt
+      whole with its own, else as a joiner heals. ``None``: none written, none read.
     last_round: the run's last round (committed rounds), after which a checkpoint is written
       too; ``None``: none.
     on_ready: called once the replica's session heartbeats to the Lighthouse, before its first
@@ -202,14 +204,29 @@ class _Port(Session):
     if engine.checkpoint_every is not None:
       self.checkpointer = CheckpointWriter(self.run_dir / "checkpoints", engine.checkpoint_every,
                                            replica.fingerprint)
-      found = checkpoints.read(self.checkpointer.directory, replica.donation(),
-                               replica.fingerprint)
-      restored = None if found is None else found[0]
+      restored = self._restored(replica)
     self._open(engine.lighthouse, engine.host, engine.min_replicas, engine.quorum_timeout,
                engine.timeout)
+    if isinstance(restored, Restored):
+      self._hold_rounds(int(restored.local.rounds))
     if engine.on_ready is not None:
       engine.on_ready()
     return restored
+
+  def _restored(self, replica: Replica) -> Any:
+    """The checkpoint this replica starts from (:func:`checkpoints.resume`): a
+    :class:`Restored` with its own local state, else its donation alone; ``None``: none."""
+    found = checkpoints.resume(self.checkpointer.directory, replica.replica_state,
+                               replica.donation(), self.slot, replica.fingerprint)
+    if found is None:
+      return None
+    donation, own = found
+    return donation if own is None else Restored(donation, own)
+
+  def _hold_rounds(self, rounds: int) -> None:
+    """torchft's step (its committed rounds) set to a whole restore's ``rounds``: a replica
+    that restored as a joiner (step 0) is behind it and heals from it, as from a live peer."""
+    self._manager.load_state_dict({**self._manager.state_dict(), "step": rounds})
 
   # The state torchft moves on a heal: healed in this round, it gives what it received.
 
@@ -334,17 +351,28 @@ class _Port(Session):
   def record(self, line: RoundLog) -> None:
     """Appends the round's line (with ``time``, ``pid``, ``quorum_seconds``, ``attempts`` and
     ``donor``) and, on the quorum's rank 0 after a committed round that crosses a multiple of
-    ``checkpoint_every``, queues a checkpoint."""
+    ``checkpoint_every``, queues a checkpoint; on every member, its local state of the round
+    (:meth:`_write_local`)."""
     row = dict(dataclasses.asdict(line), time=time.time(), pid=os.getpid(),
                quorum_seconds=self._attempts.quorum_seconds, attempts=self._attempts.count,
                donor=self._attempts.donor)
     with open(self.log_path, "a") as f:
       f.write(json.dumps(row) + "\n")
+    self._write_local(line)
     if (line.committed and self.checkpointer is not None and line.members[:1] == (self.slot,)
         and self.checkpointer.due(line.step, line.tokens // self.engine.tokens_per_step,
                                   last=self.replica.rounds == self.engine.last_round)):
       self.checkpointer.write(self.replica.donation(), step=line.step, rounds=self.replica.rounds,
-                              time=row["time"])
+                              time=row["time"], members=line.members)
+
+  def _write_local(self, line: RoundLog) -> None:
+    """After a committed round whose checkpoint is due, queues this replica's local state of
+    it (a replica group's rank 0 only: its ranks hold the same state)."""
+    w = self.checkpointer
+    if (line.committed and w is not None and jax.process_index() == 0
+        and w.due(line.step, line.tokens // self.engine.tokens_per_step,
+                  last=self.replica.rounds == self.engine.last_round)):
+      w.write_local(self.replica.replica_state, step=line.step, slot=self.slot)
 
   def shutdown(self) -> None:
     """Stops the session (its manager and servers); waits for the checkpoints queued."""
