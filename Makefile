@@ -18,8 +18,9 @@ demo: $(VENV)/.examples
 	$(BIN)/optax-dist compare
 
 # One pytest worker per core (pytest-xdist), each file on one worker: a file's module fixtures
-# (runs started together) run once.
-PYTEST_PARALLEL := -n auto --dist loadfile
+# (runs started together) run once. The files go out in the order tests/conftest.py gives them
+# (the long end-to-end files first), not xdist's default (the files with the most tests first).
+PYTEST_PARALLEL := -n auto --dist loadfile --no-loadscope-reorder
 
 # With the ft extra (torch==2.13.0, torchft): OPTAX_DIST_REQUIRE_FT=1 makes a missing torchft
 # fail tests/test_torchft.py instead of skipping it.

@@ -58,8 +58,8 @@ def _without(example: list[str], flag: str) -> list[str]:
   (_without(EXAMPLE, "--algorithm") + ["--algorithm", "sync"],
    "argument --algorithm: --fault-tolerant runs diloco, local_sgd, streaming_diloco only, got"
    " sync"),
-  (EXAMPLE + ["--resume"], "argument --resume: not with --fault-tolerant, got --resume; a"
-   " fault-tolerant run's replicas resume from its own checkpoints"),
+  (EXAMPLE + ["--resume"], "argument --resume: with --fault-tolerant, needs --checkpoint-every N"
+   " (the replicas restore from OUT/replicas/checkpoints and go on writing there)"),
   (EXAMPLE + ["--save-params", "x.npz"],
    "argument --save-params: not with --fault-tolerant, got --save-params x.npz; the final state"
    " is the last checkpoint's"),

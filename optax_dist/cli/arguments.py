@@ -91,10 +91,11 @@ faults and resuming:
   OUT/checkpoints/ALGORITHM every N steps and at the end; rerunning the same command with
   --resume continues from the last checkpoint and ends with the params of an uninterrupted run.
   A run without --resume replaces those checkpoints. With --fault-tolerant, --checkpoint-every
-  N has the quorum's rank 0 write the global state (a heal payload) under
-  OUT/replicas/checkpoints after each committed round that crosses a multiple of N steps, and
-  a replica that starts or is restarted begins from the newest one, so the run survives the
-  death of every replica at once; --resume is refused there.
+  N has the quorum's rank 0 write the global state (a heal payload), and every member its own
+  local state, under OUT/replicas/checkpoints after each committed round that crosses a
+  multiple of N steps, and a replica that starts or is restarted begins from the newest one,
+  so the run survives the death of every replica at once; --resume starts a run whose launcher
+  died again, as if never stopped, and a new run refuses an OUT that holds its checkpoints.
 """
 
 
@@ -282,7 +283,11 @@ def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:
                      " the end; with --fault-tolerant, the global state under"
                      " OUT/replicas/checkpoints (default: no checkpoints)")
   multi.add_argument("--resume", action="store_true",
-                     help="continue from the last checkpoint under OUT/checkpoints")
+                     help="continue from the last checkpoint under OUT/checkpoints; with"
+                     " --fault-tolerant (and --checkpoint-every), the run in OUT: the Lighthouse"
+                     " and every replica start again, each from the newest checkpoint all the"
+                     " replicas of its round wrote their local state for (one without it heals"
+                     " from a peer), with the same settings (checked), appending to the lines")
   multi.add_argument("--fail-at-step", type=positive_int, default=None, metavar="N",
                      help="a scripted fault: process P-1 exits with status 1 after step N, to"
                      " try the watchdog and --resume (default: none)")

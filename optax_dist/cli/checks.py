@@ -235,8 +235,10 @@ def check_out(path: str) -> None:
 
 
 def _check_resume(args: argparse.Namespace, algorithms: tuple[str, ...]) -> None:
+  """Orbax's checkpoints; a fault-tolerant run's are its replicas' (``ft_train`` checks them)."""
   root = os.path.join(args.out, "checkpoints")
-  if not args.resume or any(saved_steps(os.path.join(root, a)) for a in algorithms):
+  if (not args.resume or getattr(args, "fault_tolerant", False)
+      or any(saved_steps(os.path.join(root, a)) for a in algorithms)):
     return
   raise CommandError(
     f"argument --resume: no checkpoint of {', '.join(algorithms)} under {root}; resume with the"

@@ -85,7 +85,8 @@ def resolve(args: argparse.Namespace) -> None:
     CommandError: a fault-tolerance flag without ``--fault-tolerant``; ``--processes`` with it;
       an algorithm the protocol does not run; a setting it does not take (:data:`_REFUSED`,
       each with its reason); ``--min-replicas``
-      above ``--replicas``; ``--replica-id`` outside ``0..R-1``; the ``ft`` extra missing.
+      above ``--replicas``; ``--replica-id`` outside ``0..R-1``; ``--resume`` without
+      ``--checkpoint-every``; the ``ft`` extra missing.
   """
   if not args.fault_tolerant:
     given = [name for name in DEFAULTS if getattr(args, name, None) is not None]
@@ -98,15 +99,13 @@ def resolve(args: argparse.Namespace) -> None:
   if args.min_replicas is None:
     args.min_replicas = majority(args.replicas)
   _refuse(args)
+  _check_resume(args)
   errors.require(("torch", "torchft"), f"--fault-tolerant {FT_HINT}")
 
 
 _DECOUPLED = "it belongs to decoupled rounds, not yet"
 
 _REFUSED = (
-  ("resume", lambda a: a.resume,
-   ("a fault-tolerant run's replicas resume from its own checkpoints (--checkpoint-every, under"
-    " OUT/replicas/checkpoints) while it runs, and a new command starts a new run")),
   ("exchange_device", lambda a: a.exchange_device,
    "a round's exchange is torchft's, between the replica processes, outside their programs"),
   ("overlap", lambda a: a.overlap, _DECOUPLED),
@@ -151,6 +150,15 @@ def _refuse(args: argparse.Namespace) -> None:
     raise CommandError(
       f"argument --replica-id: must be in 0..{args.replicas - 1} (--replicas"
       f" {args.replicas}), got {replica_id}")
+
+
+def _check_resume(args: argparse.Namespace) -> None:
+  """``--resume`` continues the run under ``OUT/replicas/checkpoints``, which its replicas
+  restore from and go on writing: it needs ``--checkpoint-every``."""
+  if args.resume and not args.checkpoint_every:
+    raise CommandError(
+      "argument --resume: with --fault-tolerant, needs --checkpoint-every N (the replicas"
+      " restore from OUT/replicas/checkpoints and go on writing there)")
 
 
 def launch_config(args: argparse.Namespace, replica_command: tuple[str, ...]) -> LaunchConfig:

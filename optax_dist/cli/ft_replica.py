@@ -8,7 +8,8 @@ flags describe (:func:`run`; the task as :mod:`optax_dist.cli.ft_task` shares it
 this way, and a replica started by hand with the same flags joins the same run. One JSON line
 per round in ``OUT/replicas/replica_<I>.jsonl``, and once finished ``OUT/replicas/final_<I>.json``
 with the test metric of its final evaluated params (the anchor; ``local_sgd``: the last
-average). Needs the ``ft`` extra (torch, torchft); a mistake, the missing extra or a quorum that
+average) and ``replica_hash``, the :func:`~optax_dist.fault_tolerance.state_hash` of its whole
+final state (params, optimizer state, global state). Needs the ``ft`` extra (torch, torchft); a mistake, the missing extra or a quorum that
 never forms is one line, exit status 2.
 
 ``add_parser(subparsers)`` adds the subcommand to an ``argparse`` parser; ``run(args)`` runs it.
@@ -26,7 +27,7 @@ from optax_dist.cli.arguments import Formatter, integer_at_least_0, training_par
 from optax_dist.cli.errors import CommandError
 from optax_dist.cli.processes import init_jax
 from optax_dist.cli.tasks import TASKS
-from optax_dist.fault_tolerance import SUPPORTED
+from optax_dist.fault_tolerance import SUPPORTED, state_hash
 from optax_dist.fault_tolerance import replica as ft_replica
 from optax_dist.fault_tolerance.rundir import RunDir
 
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
   except ft_replica.ReplicaError as e:
     raise CommandError(str(e)) from None
   final = {"replica": args.replica_id, "step": int(state.opt_state.local_step),
-           f"test_{task.metric_key}": evaluate(ft_task.evaluated(state))}
+           f"test_{task.metric_key}": evaluate(ft_task.evaluated(state)),
+           "replica_hash": state_hash(state)}
   run_dir.final_file(args.replica_id).write_text(json.dumps(final) + "\n")
   return 0
 

@@ -61,16 +61,35 @@ def check_protocol(task: Task, data: Data, s: Settings) -> None:
   any replica starts, whose error would otherwise be restarted."""
   import jax
 
+  try:
+    jax.eval_shape(protocol(s).init, _param_shapes(task, data, s))
+  except ValueError as e:
+    raise CommandError(f"argument {checks.library_flag(e) or '--algorithm'}: {e}") from None
+
+
+def _param_shapes(task: Task, data: Data, s: Settings) -> Any:
+  """The task's initial params as shapes and dtypes (``s.param_dtype``), built abstractly."""
+  import jax
+
   model = task.model()
   example = {key: jax.ShapeDtypeStruct((1,) + v.shape[1:], v.dtype)
              for key, v in data.train.items()}
-  try:
-    params = jax.eval_shape(
-      lambda batch: task.init_params(model, jax.random.key(s.seed), batch), example)
-    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, s.param_dtype), params)
-    jax.eval_shape(protocol(s).init, params)
-  except ValueError as e:
-    raise CommandError(f"argument {checks.library_flag(e) or '--algorithm'}: {e}") from None
+  params = jax.eval_shape(
+    lambda batch: task.init_params(model, jax.random.key(s.seed), batch), example)
+  return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, s.param_dtype), params)
+
+
+def fingerprint(task: Task, data: Data, s: Settings, replicas: int) -> int:
+  """The settings fingerprint a replica of ``s`` (one of ``replicas``) computes
+  (:func:`~optax_dist.fault_tolerance.decision.settings_fingerprint` of its protocol, params,
+  seed and tokens per step, :func:`task_engine`'s), here from the params' shapes and dtypes
+  alone: what ``--resume`` checks a run's checkpoints against before any replica starts."""
+  import jax
+
+  params = jax.tree.map(lambda p: np.broadcast_to(np.zeros((), p.dtype), p.shape),  # views
+                        _param_shapes(task, data, s))
+  tokens = s.devices // replicas * s.batch_size * tokens_per_example(data)
+  return settings_fingerprint(protocol(s), params, seed=s.seed, tokens_per_step=tokens)
 
 
 def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any, ...]:

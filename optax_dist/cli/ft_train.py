@@ -24,6 +24,12 @@ wall-clock seconds, their restarts and heals marked, in
 the run goes on it shows on stderr the committed rounds and tokens, the tokens per second, the
 last committed round's training loss, and each restart and heal
 (:mod:`optax_dist.cli.ft_progress`; not with ``--no-progress``).
+
+A new run refuses an ``--out`` that holds a fault-tolerant run's checkpoints; ``--resume``
+continues that run instead, with the same settings (their fingerprint checked): the Lighthouse
+and every replica start again, each replica from the newest checkpoint that every member of
+its round wrote its local state for (rebuilt whole, so the run goes on as if never stopped;
+a replica without its own local state heals from a peer), the lines and logs appended to.
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from optax_dist.cli import errors, ft_flags, ft_progress, ft_task, reports
 from optax_dist.cli.errors import PROG, CommandError
 from optax_dist.cli.tasks import TASKS, Task
+from optax_dist.fault_tolerance import checkpoints
 from optax_dist.fault_tolerance.launcher import Launcher
 from optax_dist.fault_tolerance.rundir import RunDir
 
@@ -55,10 +63,11 @@ def run(args: argparse.Namespace) -> int:
   task = TASKS[args.task]
   errors.require_task(task)
   data = task.load(args.seed)
-  ft_task.check_protocol(task, data, ft_task.settings(args, task, lambda: data))
+  s = ft_task.settings(args, task, lambda: data)
+  ft_task.check_protocol(task, data, s)
   config = ft_flags.launch_config(args, REPLICA_COMMAND)
   run_dir = RunDir(args.out)
-  run_dir.clear()
+  _take_out(args, run_dir, lambda: ft_task.fingerprint(task, data, s, args.replicas))
   # torchft's Rust logs (every quorum, in this process and the replicas'): errors only.
   os.environ.setdefault("RUST_LOG", "error")
   _share_compilations(run_dir)
@@ -102,6 +111,38 @@ def _plot_loss(run_dir: RunDir, args: argparse.Namespace, task: Task,
   reports.plot_loss(run_dir.lines(), run_dir.restarts(), started, str(path),
                     f"fault-tolerant {args.algorithm} on {task.name}, {args.replicas} replicas")
   return path
+
+
+def _take_out(args: argparse.Namespace, run_dir: RunDir, fingerprint: Callable[[], int]) -> None:
+  """Readies ``--out`` for the run: a new run clears an earlier run's files
+  (:meth:`RunDir.clear`), and is refused where they hold a fault-tolerant run's checkpoints;
+  ``--resume`` keeps them (its replicas restore the checkpoints and append to the lines and
+  logs: :meth:`RunDir.clear_marks`) once the checkpoint its replicas start from has this
+  run's settings (``fingerprint()``: :func:`ft_task.fingerprint
+  <optax_dist.cli.ft_task.fingerprint>`).
+
+  Raises:
+    CommandError: a new run into an ``--out`` that holds checkpoints; ``--resume`` where there
+      is none, or of other settings.
+  """
+  saved = run_dir.checkpoints()
+  if not args.resume:
+    if saved:
+      raise CommandError(
+        f"argument --out: {run_dir.checkpoint_dir} holds a fault-tolerant run's checkpoints;"
+        " continue that run with --resume, or give another --out (or remove that directory)")
+    run_dir.clear()
+    return
+  if not saved:
+    raise CommandError(f"argument --resume: no fault-tolerant checkpoint under"
+                       f" {run_dir.checkpoint_dir} to continue from")
+  start = checkpoints.resume_point(run_dir.checkpoint_dir) or saved[-1]
+  if start["fingerprint"] != (mine := fingerprint()):
+    raise CommandError(
+      f"argument --resume: {start['path']} was written with other settings (fingerprint"
+      f" {start['fingerprint']}, these settings' {mine}); give the run's own settings, or"
+      " another --out for a new run")
+  run_dir.clear_marks()
 
 
 def _share_compilations(run_dir: RunDir) -> None:

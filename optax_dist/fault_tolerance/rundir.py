@@ -12,14 +12,16 @@ A run's directory ``OUT`` holds, by writer:
   ``tokens``, ``loss``, ``time``, ``pid``, ``quorum_seconds``, ``attempts``, ``donor``),
   opened for appending: a
   restarted replica adds to its file; a replica of ``optax-dist replica`` also writes
-  ``replicas/ready_<i>`` at its start and ``replicas/final_<i>.json`` (its test metric) once
-  finished;
-* the quorum's rank 0: the checkpoints, ``replicas/checkpoints/step_<step>.{heal,json}``
+  ``replicas/ready_<i>`` at its start and ``replicas/final_<i>.json`` (its test metric and
+  the hash of its whole state) once finished;
+* the quorum's rank 0: the checkpoints, ``replicas/checkpoints/step_<step>.{heal,json}``, and
+  each member its local state beside them, ``step_<step>.replica_<i>.local``
   (:mod:`optax_dist.fault_tolerance.checkpoints`).
 
 :class:`RunDir` names these paths, reads them (:meth:`RunDir.lines`, :meth:`RunDir.final`,
 :meth:`RunDir.checkpoints`, the pids), sums a run up (:meth:`RunDir.summary`) and clears an
-earlier run's files (:meth:`RunDir.clear`). ``optax-dist train --fault-tolerant`` and the
+earlier run's files (:meth:`RunDir.clear`; a resumed run's pids and marks only,
+:meth:`RunDir.clear_marks`). ``optax-dist train --fault-tolerant`` and the
 chaos study (``benchmarks/studies/chaos.py``) read their runs with it.
 """
 
@@ -151,9 +153,17 @@ class RunDir:
     """Removes an earlier run's Lighthouse log, restarts and replica files (their logs, pids, lines,
     evaluations, start marks and checkpoints): a new run starts them afresh, and its processes
     append to them."""
-    for pattern in ("lighthouse.log", "restarts.jsonl", "replica_*.log", "replica_*.pid",
-                    "replicas/replica_*.jsonl", "replicas/final_*.json", "replicas/ready_*",
-                    "replicas/checkpoints/step_*"):
+    self.clear_marks()
+    for pattern in ("lighthouse.log", "restarts.jsonl", "replica_*.log",
+                    "replicas/replica_*.jsonl", "replicas/checkpoints/step_*"):
+      for path in self.out.glob(pattern):
+        path.unlink()
+
+  def clear_marks(self) -> None:
+    """Removes an earlier run's pids, evaluations and start marks, and keeps its logs, lines and
+    checkpoints: a resumed run's replicas meet at their start again, restore the checkpoints
+    and append to the logs and lines."""
+    for pattern in ("replica_*.pid", "replicas/final_*.json", "replicas/ready_*"):
       for path in self.out.glob(pattern):
         path.unlink()
 

@@ -1,0 +1,229 @@
+"""``optax-dist train --fault-tolerant --resume``: a run whose launcher was killed (and its
+replicas with it) goes on from its checkpoints and ends as the uninterrupted run, bit for bit;
+a new run refuses an ``--out`` that holds a run's checkpoints, and ``--resume`` refuses other
+settings.
+
+The end-to-end run needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a
+missing extra fails it instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("sklearn")
+
+from _helpers import require_ft
+
+from optax_dist.cli import ft_task, ft_train
+from optax_dist.cli.main import build_parser, main
+from optax_dist.cli.tasks import TASKS
+from optax_dist.fault_tolerance import checkpoints
+from optax_dist.fault_tolerance.rundir import RunDir
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EVERY = 150
+"""--checkpoint-every: 30 rounds of 5 steps between checkpoints (rounds take tens of ms): the
+kill lands between two of them."""
+RUN = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "2", "--devices", "1",
+       "--steps", "600", "--sync-period", "5", "--checkpoint-every", str(EVERY), "--comm-dtype",
+       "int8", "--error-feedback", "--no-progress"]
+"""Adam's moments and the error-feedback residual are each replica's own: a replica restored
+without its local state (as a joiner heals) would end elsewhere."""
+
+
+def _one_line(capsys, *args: str) -> str:
+  """Runs ``optax-dist args`` in process: status 2, nothing on stdout, one line on stderr;
+  returns it."""
+  capsys.readouterr()
+  try:
+    status = main(list(args))
+  except SystemExit as e:
+    status = e.code
+  stdout, stderr = capsys.readouterr()
+  assert status == 2 and stdout == "" and "Traceback" not in stderr, (args, status, stderr)
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), stderr
+  return lines[0]
+
+
+def _saved(out: pathlib.Path, fingerprint: int) -> None:
+  """A finished checkpoint's JSON under ``out`` (its payload is not read before the launch)."""
+  folder = RunDir(out).checkpoint_dir
+  folder.mkdir(parents=True)
+  (folder / "step_150.json").write_text(json.dumps(
+    {"step": 150, "rounds": 30, "time": 0.0, "fingerprint": fingerprint, "members": [0, 1]}))
+
+
+def test_a_new_run_refuses_an_out_with_checkpoints_and_resume_refuses_other_settings(
+    tmp_path, capsys):
+  require_ft()
+  out = str(tmp_path)
+  line = _one_line(capsys, *RUN, "--resume", "--out", out)
+  assert line == (f"optax-dist: error: argument --resume: no fault-tolerant checkpoint under"
+                  f" {tmp_path}/replicas/checkpoints to continue from")
+  _saved(tmp_path, 123)
+  line = _one_line(capsys, *RUN, "--out", out)
+  assert line == (f"optax-dist: error: argument --out: {tmp_path}/replicas/checkpoints holds a"
+                  " fault-tolerant run's checkpoints; continue that run with --resume, or give"
+                  " another --out (or remove that directory)")
+  line = _one_line(capsys, *RUN, "--resume", "--out", out)
+  assert line.startswith(
+    f"optax-dist: error: argument --resume: {tmp_path}/replicas/checkpoints/step_150.heal was"
+    " written with other settings (fingerprint 123, these settings' "), line
+  assert (tmp_path / "replicas/checkpoints/step_150.json").exists()
+  assert not list(tmp_path.glob("replica_*.log"))  # refused before any process started
+
+
+def test_resume_keeps_the_lines_and_checkpoints_of_its_own_settings(tmp_path, monkeypatch):
+  """``--resume`` with the checkpoint's fingerprint (:func:`ft_task.fingerprint`, which a
+  replica's own params give too) keeps the lines and checkpoints and clears the start marks,
+  pids and evaluations; another fingerprint is refused."""
+  args = build_parser().parse_args([*RUN, "--resume", "--out", str(tmp_path)])
+  task = TASKS[args.task]
+  data = task.load(args.seed)
+  s = ft_task.settings(args, task, lambda: data)
+  mine = ft_task.fingerprint(task, data, s, args.replicas)
+  params, _, _, tokens, _ = ft_task.task_engine(task, data, s, args.replicas)
+  from optax_dist.fault_tolerance.decision import settings_fingerprint
+
+  assert mine == settings_fingerprint(ft_task.protocol(s), params, seed=s.seed,
+                                      tokens_per_step=tokens)
+  _saved(tmp_path, mine)
+  run = RunDir(tmp_path)
+  for path in (run.lines_file(0), run.ready_file(0), run.final_file(0), run.pid_file(0)):
+    path.write_text("{}\n")
+  ft_train._take_out(args, run, lambda: mine)
+  assert run.lines_file(0).exists() and run.checkpoints()
+  assert not any(p.exists() for p in (run.ready_file(0), run.final_file(0), run.pid_file(0)))
+  with pytest.raises(ft_train.CommandError, match="written with other settings"):
+    ft_train._take_out(args, run, lambda: mine + 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end: run A uninterrupted; run B killed (its launcher, SIGKILL) between two checkpoints,
+# then resumed in the same --out.
+
+
+def _env() -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
+  env["PYTHONPATH"] = str(ROOT)
+  return env
+
+
+def _command(out: pathlib.Path, *extra: str) -> list[str]:
+  return [sys.executable, "-m", "optax_dist.cli", *RUN, "--out", str(out), *extra]
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/stat") as f:  # a zombie (dead, not yet reaped by init) is dead
+    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _past_a_checkpoint(run: RunDir) -> bool:
+  """Whether both replicas committed a round past a checkpoint that both wrote."""
+  start = checkpoints.resume_point(run.checkpoint_dir)
+  return start is not None and all(
+    any(x["committed"] and x["step"] > start["step"] for x in run.lines(i)) for i in (0, 1))
+
+
+def _kill_between_checkpoints(out: pathlib.Path) -> dict:
+  """Starts run B, SIGKILLs its launcher once both replicas are past a checkpoint, and waits
+  for its replicas and Lighthouse to die with it; returns what its files said then."""
+  run = RunDir(out)
+  proc = subprocess.Popen(_command(out), env=_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  pids = []
+  try:
+    deadline = time.monotonic() + 300
+    while not _past_a_checkpoint(run):
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+      time.sleep(0.01)
+    pids = [run.replica_pid(0), run.replica_pid(1), run.lighthouse_pid()]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    survivors = [pid for pid in pids if _alive(pid)]
+  finally:
+    for pid in pids:  # the run's processes, should one have outlived the launcher
+      if pid is not None and _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  return {"survivors": survivors, "lines": {i: run.lines(i) for i in (0, 1)},
+          "start": checkpoints.resume_point(run.checkpoint_dir)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Run A (uninterrupted, beside run B's first part) and run B (killed, then resumed)."""
+  require_ft()
+  a, b = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
+  started = time.monotonic()
+  proc_a = subprocess.Popen(_command(a), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    killed = _kill_between_checkpoints(b)
+    resumed = subprocess.run(_command(b, "--resume"), env=_env(), capture_output=True,
+                             text=True, timeout=300, check=False)
+    _, err_a = proc_a.communicate(timeout=300)
+  finally:
+    if proc_a.poll() is None:
+      os.killpg(proc_a.pid, signal.SIGKILL)
+      proc_a.wait()
+  assert proc_a.returncode == 0, err_a[-3000:]
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  return argparse.Namespace(a=RunDir(a), b=RunDir(b), killed=killed, resumed=resumed,
+                            seconds=time.monotonic() - started)
+
+
+def test_the_launchers_kill_takes_its_replicas_and_lighthouse(runs):
+  assert runs.killed["survivors"] == []
+
+
+def test_a_resumed_run_ends_as_the_uninterrupted_one_bit_for_bit(runs):
+  final_a, final_b = runs.a.final(), runs.b.final()
+  assert sorted(final_a) == sorted(final_b) == [0, 1]
+  # each replica's whole state (params, adam's moments, the residual, the global state)
+  for i in (0, 1):
+    assert final_b[i] == final_a[i]
+  assert final_a[0]["replica_hash"] != final_a[1]["replica_hash"]  # their local states differ
+  last = {i: [x["state_hash"] for x in runs.a.lines(i)][-1] for i in (0, 1)}
+  assert last[0] == last[1] == runs.b.lines(0)[-1]["state_hash"] == runs.b.lines(1)[-1][
+    "state_hash"]
+  assert "the state hashes agree on every committed round" in runs.resumed.stdout
+
+
+def test_a_resumed_run_appends_its_lines_from_the_checkpoints_round(runs):
+  """The kill landed between two checkpoints (rounds past the resume point were lost); the
+  lines written before it are kept, and the resumed replicas' lines go on from the round after
+  the checkpoint's, committed by both, with no heal; from there on they are run A's."""
+  start = runs.killed["start"]
+  for i in (0, 1):
+    before, lines = runs.killed["lines"][i], runs.b.lines(i)
+    assert max(x["step"] for x in before) > start["step"]
+    assert lines[:len(before)] == before
+    after = lines[len(before):]
+    assert {x["pid"] for x in after}.isdisjoint({x["pid"] for x in before})
+    assert after[0]["round"] == start["rounds"] and after[0]["step"] == start["step"] + 5
+    assert all(x["committed"] and not x["healed"] for x in after)
+    hashes_a = {x["round"]: x["state_hash"] for x in runs.a.lines(i)}
+    assert all(hashes_a[x["round"]] == x["state_hash"] for x in lines)
+  print(f"\nruns A and B (killed, resumed): {runs.seconds:.1f} s")
