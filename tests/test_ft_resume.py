@@ -194,10 +194,12 @@ def runs(tmp_path_factory):
                             seconds=time.monotonic() - started)
 
 
+@pytest.mark.slow
 def test_the_launchers_kill_takes_its_replicas_and_lighthouse(runs):
   assert runs.killed["survivors"] == []
 
 
+@pytest.mark.slow
 def test_a_resumed_run_ends_as_the_uninterrupted_one_bit_for_bit(runs):
   final_a, final_b = runs.a.final(), runs.b.final()
   assert sorted(final_a) == sorted(final_b) == [0, 1]
@@ -211,6 +213,7 @@ def test_a_resumed_run_ends_as_the_uninterrupted_one_bit_for_bit(runs):
   assert "the state hashes agree on every committed round" in runs.resumed.stdout
 
 
+@pytest.mark.slow
 def test_a_resumed_run_appends_its_lines_from_the_checkpoints_round(runs):
   """The kill landed between two checkpoints (rounds past the resume point were lost); the
   lines written before it are kept, and the resumed replicas' lines go on from the round after
