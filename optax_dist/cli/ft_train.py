@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(f"{PROG}: fault-tolerant {args.algorithm}: lighthouse {launcher.url},"
                      f" {args.replicas} replica processes (logs: {args.out}/replica_<i>.log)\n")
     sys.stderr.flush()
-  started = time.time()
+  started, rounds = time.time(), ft_task.protocol(s).rounds_until(s.steps)
   try:
-    with ft_progress.Watch(run_dir, _rounds(args, task, data), enabled=not args.no_progress):
+    with ft_progress.Watch(run_dir, rounds, enabled=not args.no_progress):
       status = launcher.run()
   finally:
     launcher.close()
@@ -94,12 +94,6 @@ def run(args: argparse.Namespace) -> int:
   print(_describe(result, task))
   print(f"wrote {run_dir.out / f'fault_tolerant_{args.algorithm}.json'} and {plot}")
   return 0 if status == 0 and result["hashes_agree"] else 1
-
-
-def _rounds(args: argparse.Namespace, task: Task, data: Any) -> int:
-  """The rounds the run commits: its protocol's round boundaries in ``--steps``."""
-  s = ft_task.settings(args, task, lambda: data)
-  return ft_task.protocol(s).rounds_until(s.steps)
 
 
 def _plot_loss(run_dir: RunDir, args: argparse.Namespace, task: Task,
