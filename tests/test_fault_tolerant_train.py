@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -241,16 +242,17 @@ def test_summary_counts_rounds_heals_and_hash_agreement(tmp_path):
   assert not RunDir(tmp_path).summary(3, restarts=1)["hashes_agree"]
 
 
-def _progress_run(out: pathlib.Path) -> RunDir:
-  """Three replicas' lines over four rounds: replica 1 missing from round 1 (restarted after
-  a kill, status -9), healed from replica 0 in round 2; round 3 aborted."""
+def _progress_run(out: pathlib.Path, t0: float) -> RunDir:
+  """Three replicas' lines over four rounds, written at ``t0`` + 0 to 6 s: replica 1 missing
+  from round 1 (restarted after a kill, status -9), healed from replica 0 in round 2; round 3
+  aborted."""
   rows = [(0, 0, 100, 2.0), (1, 0, 100, 2.2), (0, 1, 100, 1.5), (0, 2, 100, 0.9),
           (1, 2, 0, 5.0), (2, 2, 300, 0.5), (0, 3, 100, 0.7)]
   folder = out / "replicas"
   folder.mkdir(parents=True, exist_ok=True)
   for t, (i, r, weight, loss) in enumerate(rows):
     line = {"round": r, "replica": i, "committed": r < 3, "weight": weight, "loss": loss,
-            "healed": weight == 0, "donor": 0 if weight == 0 else None, "time": 1000.0 + t}
+            "healed": weight == 0, "donor": 0 if weight == 0 else None, "time": t0 + t}
     with open(folder / f"replica_{i}.jsonl", "a") as f:
       f.write(json.dumps(line) + "\n")
   run = RunDir(out)
@@ -263,22 +265,26 @@ def test_progress_shows_rounds_tokens_the_last_round_s_weighted_loss_restarts_an
     tmp_path, capsys, terminal):
   """The status: 3 of 4 rounds committed, 700 tokens (the committed weights), round 2's loss
   (0.9 * 100 + 0.5 * 300) / 400 = 0.6 (the healed member, weight 0, left out); each event once,
-  as a line (on a terminal, above the bar)."""
+  as a line (on a terminal, above the bar); a restart from before the command started (a
+  resumed run's) is not shown."""
   from optax_dist.cli import ft_progress
 
-  run = _progress_run(tmp_path)
+  RunDir(tmp_path).add_restart(0, 1)
   capsys.readouterr()
-  with ft_progress.Watch(run, 4, terminal=terminal) as watch:
-    pass
+  with ft_progress.Watch(RunDir(tmp_path), 4, terminal=terminal) as watch:
+    run = _progress_run(tmp_path, time.time())
   watch.poll(final=True)  # nothing new: nothing shown again
   err = capsys.readouterr().err
   assert err.count("optax-dist: replica 1 restarted (exit -9)\n") == 1, err
   assert err.count("optax-dist: replica 1 healed from replica 0 at round 2\n") == 1, err
+  assert "replica 0 restarted" not in err, err
   if terminal:
     assert "3/4" in err and "700 tokens" in err and "loss 0.6000" in err, err
   else:
-    assert err.endswith("optax-dist: 3/4 rounds committed, 700 tokens (0/s), loss 0.6000\n"), err
-  assert ft_progress.status(run.lines(), 7.0)["tokens_per_second"] == 100.0
+    assert re.search(r"optax-dist: 3/4 rounds committed, 700 tokens \([\d,]+/s\), loss 0.6000\n$",
+                     err), err
+  t0 = run.lines()[0]["time"]  # since t0 + 5: replica 2's 300 tokens in 2 s
+  assert ft_progress.status(run.lines(), t0 + 5, t0 + 7)["tokens_per_second"] == 150.0
   with ft_progress.Watch(run, 4, enabled=False):
     pass
   assert capsys.readouterr().err == ""
@@ -290,9 +296,10 @@ def test_the_loss_plot_has_a_curve_per_replica_and_marks_restarts_and_heals(tmp_
   pytest.importorskip("matplotlib")
   from optax_dist.cli import reports
 
-  run = _progress_run(tmp_path)
+  t0 = time.time()
+  run = _progress_run(tmp_path, t0)
   restart = run.restarts()[0]["time"]
-  fig = reports.loss_figure(run.lines(), run.restarts(), start=995.0)
+  fig = reports.loss_figure(run.lines(), run.restarts(), start=t0 - 5)
   [ax] = fig.axes
   curves = {x.get_label(): x for x in ax.get_lines() if x.get_linestyle() == "-"}
   assert sorted(curves) == ["replica 0", "replica 1", "replica 2"]
@@ -300,10 +307,10 @@ def test_the_loss_plot_has_a_curve_per_replica_and_marks_restarts_and_heals(tmp_
   np.testing.assert_allclose(curves["replica 0"].get_ydata(), [2.0, 1.5, 0.9, 0.7])
   marks = {(x.get_linestyle(), x.get_xdata()[0]): x.get_label() for x in ax.get_lines()
            if x.get_linestyle() != "-"}
-  assert marks == {(":", restart - 995.0): "replica 1 restarts", ("--", 9.0): "replica 1 heals"}
+  assert marks == {(":", restart - (t0 - 5)): "replica 1 restarts", ("--", 9.0): "replica 1 heals"}
   legend = [t.get_text() for t in ax.get_legend().get_texts()]
   assert {"replica 1 restarts", "replica 1 heals"} <= set(legend)
-  reports.plot_loss(run.lines(), run.restarts(), 995.0, str(tmp_path / "loss.png"))
+  reports.plot_loss(run.lines(), run.restarts(), t0 - 5, str(tmp_path / "loss.png"))
   assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -4,12 +4,12 @@ A thread reads the run's directory (:class:`~optax_dist.fault_tolerance.rundir.R
 replicas' JSON lines and the launcher's restarts) every :data:`REFRESH_SECONDS` and shows
 
 * the status (:func:`status`): the committed rounds (of the run's total), the committed tokens
-  (the members' merge weights), tokens per second since the run started, and the last committed
-  round's training loss, the mean of its members' round losses weighted by their tokens (a
-  healed member, weight 0, is left out);
-* one line per restart and per heal as they happen (:func:`events`), e.g. ``replica 1 restarted
-  (exit -9)`` (a negative status: killed by that signal), ``replica 1 healed from replica 0 at
-  round 12``.
+  (the members' merge weights), tokens per second since the command started (the tokens of the
+  rounds committed since), and the last committed round's training loss, the mean of its
+  members' round losses weighted by their tokens (a healed member, weight 0, is left out);
+* one line per restart and per heal as they happen (:func:`events`; a resumed run's earlier
+  ones are not shown again), e.g. ``replica 1 restarted (exit -9)`` (a negative status: killed
+  by that signal), ``replica 1 healed from replica 0 at round 12``.
 
 On a terminal the status is a ``tqdm`` bar over the rounds (the ``examples`` extra, as the
 other commands' bars: :mod:`optax_dist.cli.progress`), the events printed above it; elsewhere (a
@@ -32,20 +32,21 @@ PLAIN_SECONDS = 10.0
 """Seconds between two status lines when stderr is not a terminal."""
 
 
-def status(lines: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-  """The run's status from its replicas' ``lines`` after ``seconds`` of wall-clock time:
-  ``rounds`` (round indices some replica committed), ``tokens`` (the sum of the committed
-  lines' ``weight``), ``tokens_per_second`` (``tokens / seconds``, 0 before a second) and
-  ``loss`` (of the last committed round: :math:`\\sum_i w_i \\ell_i / \\sum_i w_i` over its
-  committed lines with a weight and a ``loss``; ``None`` if none)."""
+def status(lines: list[dict[str, Any]], started: float, now: float) -> dict[str, Any]:
+  """The run's status from its replicas' ``lines`` at ``now`` (Unix seconds) for a command
+  started at ``started``: ``rounds`` (round indices some replica committed), ``tokens`` (the
+  sum of the committed lines' ``weight``), ``tokens_per_second`` (the weights of the committed
+  lines written since ``started``, over ``now - started``; 0 before a second) and ``loss`` (of
+  the last committed round: :math:`\\sum_i w_i \\ell_i / \\sum_i w_i` over its committed lines
+  with a ``loss``; ``None`` if none or if their weights are all 0)."""
   committed = [x for x in lines if x["committed"]]
   rounds = {x["round"] for x in committed}
-  tokens = sum(x["weight"] for x in committed)
+  recent = sum(x["weight"] for x in committed if x["time"] >= started)
   last = [x for x in committed
           if x["round"] == max(rounds, default=None) and x.get("loss") is not None]
   weight = sum(x["weight"] for x in last)
-  return {"rounds": len(rounds), "tokens": tokens,
-          "tokens_per_second": tokens / seconds if seconds >= 1.0 else 0.0,
+  return {"rounds": len(rounds), "tokens": sum(x["weight"] for x in committed),
+          "tokens_per_second": recent / (now - started) if now - started >= 1.0 else 0.0,
           "loss": sum(x["weight"] * x["loss"] for x in last) / weight if weight else None}
 
 
@@ -108,10 +109,10 @@ class Watch:
     it changed and :data:`PLAIN_SECONDS` have passed, or ``final``)."""
     lines, now = self.run_dir.lines(), time.time()
     for event in events(lines, self.run_dir.restarts()):
-      if event not in self._shown:
+      if event not in self._shown and event[0] >= self.started:
         self._shown.add(event)
         self._write(event[1])
-    s = status(lines, now - self.started)
+    s = status(lines, self.started, now)
     if self._bar is not None:
       self._bar.n = s["rounds"]
       self._bar.set_postfix_str(status_text(s))  # refreshes the bar
