@@ -55,7 +55,6 @@ def _without(example: list[str], flag: str) -> list[str]:
 
 
 @pytest.mark.parametrize("args, said", [
-  (EXAMPLE + ["--processes", "2"], "argument --processes: not with --fault-tolerant"),
   (_without(EXAMPLE, "--algorithm") + ["--algorithm", "sync"],
    "argument --algorithm: --fault-tolerant runs diloco, local_sgd, streaming_diloco only, got"
    " sync"),

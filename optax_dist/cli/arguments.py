@@ -128,7 +128,7 @@ def _training_arguments(common: argparse.ArgumentParser) -> None:
                       " the gradients within each replica (tower), and the algorithm"
                       f" ({across}) runs across the replicas; the other algorithms reduce over"
                       " every worker. With --processes P --replicas P each process holds one"
-                      " replica; with train --fault-tolerant, R replica processes of --devices"
+                      " replica; with train --fault-tolerant, R replicas of --processes x --devices"
                       f" devices each (default: {d['replicas']}: the algorithm runs across the"
                       " workers)")
   refused = ", ".join(a.name for a in ALGORITHMS.values() if a.stale_gradients)
@@ -269,7 +269,9 @@ def _multiprocess_arguments(common: argparse.ArgumentParser) -> None:
   multi = common.add_argument_group("multi-process, checkpoints (see the notes below)")
   multi.add_argument("--processes", type=positive_int, default=1, metavar="P",
                      help="number of JAX processes (default: 1); without --process-id, starts"
-                     " them all locally")
+                     " them all locally. With --fault-tolerant, the processes of each replica"
+                     " (a replica group: the launcher starts them, with a coordinator of their"
+                     " own, and restarts them together when one dies)")
   multi.add_argument("--process-id", type=integer, default=None, metavar="I",
                      help="run only process I of --processes, connecting to --coordinator")
   multi.add_argument("--coordinator", type=address, default=None, metavar="HOST:PORT",

@@ -82,8 +82,10 @@ def resolve(args: argparse.Namespace) -> None:
   """Fills in the defaults of the fault-tolerance flags in ``args``.
 
   Raises:
-    CommandError: a fault-tolerance flag without ``--fault-tolerant``; ``--processes`` with it;
-      an algorithm the protocol does not run; a setting it does not take (:data:`_REFUSED`,
+    CommandError: a fault-tolerance flag without ``--fault-tolerant``; ``train``'s
+      ``--process-id`` or ``--coordinator`` with it (the launcher gives each replica group its
+      own), a ``replica`` of ``--processes`` > 1 without them, ``--fsdp`` with ``--processes``
+      > 1; an algorithm the protocol does not run; a setting it does not take (:data:`_REFUSED`,
       each with its reason); ``--min-replicas``
       above ``--replicas``; ``--replica-id`` outside ``0..R-1``; ``--resume`` without
       ``--checkpoint-every``; the ``ft`` extra missing.
@@ -125,11 +127,28 @@ state sharded over its devices) and ``--param-dtype`` (``diloco``'s and ``stream
 anchor in float32 then, as ``train`` keeps it)."""
 
 
-def _refuse(args: argparse.Namespace) -> None:
-  if args.processes != 1 or args.process_id is not None or args.coordinator is not None:
+def _refuse_processes(args: argparse.Namespace) -> None:
+  """The multi-process flags a fault-tolerant run refuses: each replica is a group of
+  ``--processes`` processes, which the launcher starts with their coordinator."""
+  replica = hasattr(args, "replica_id")  # optax-dist replica: one process of a group
+  given = next((f for f in ("process_id", "coordinator") if getattr(args, f) is not None), None)
+  if given and not replica:
     raise CommandError(
-      "argument --processes: not with --fault-tolerant, whose --replicas R are R processes of"
-      " --devices devices each")
+      f"argument {algorithms.flag(given)}: not with --fault-tolerant, whose launcher starts"
+      " each replica's --processes P processes with a coordinator of their own")
+  if replica and args.processes > 1 and args.process_id is None:
+    raise CommandError(
+      f"argument --process-id: needed with --processes {args.processes} (this process's rank"
+      " in its replica group), with --coordinator HOST:PORT")
+  if args.processes > 1 and args.fsdp:
+    raise CommandError(
+      f"argument --fsdp: not with --fault-tolerant --processes {args.processes}, got --fsdp"
+      f" {args.fsdp}; a replica's processes each exchange its whole payload, read from params"
+      " they all hold (sharded over them, each would hold a part only: not built)")
+
+
+def _refuse(args: argparse.Namespace) -> None:
+  _refuse_processes(args)
   try:
     halves.row(args.algorithm)
   except ValueError:
@@ -172,7 +191,8 @@ def launch_config(args: argparse.Namespace, replica_command: tuple[str, ...]) ->
       a missing namespace).
   """
   try:
-    return LaunchConfig(replicas=args.replicas, out=args.out, replica_command=replica_command,
+    return LaunchConfig(replicas=args.replicas, processes=args.processes, out=args.out,
+                        replica_command=replica_command,
                         replica_args=tuple(args.argv[1:]),
                         **{name: getattr(args, name) for name in DEFAULTS})
   except (TypeError, ValueError) as e:

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
   errors.require_task(task)
   ft_flags.resolve(args)
   ft_replica.start_process(args.parent_death, args.wait_for_takeover)
-  init_jax(args.devices)
+  init_jax(args.devices, args.processes, args.process_id, args.coordinator,
+           args.heartbeat_timeout)
   data = task.load(args.seed)
   s = ft_task.settings(args, task, lambda: data)
   params, loss_and_grad, batch_fn, tokens, evaluate = ft_task.task_engine(
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
   final = {"replica": args.replica_id, "step": int(state.opt_state.local_step),
            f"test_{task.metric_key}": evaluate(ft_task.evaluated(state)),
            "replica_hash": state_hash(state)}
-  run_dir.final_file(args.replica_id).write_text(json.dumps(final) + "\n")
+  if not args.process_id:  # rank 0 of a replica group
+    run_dir.final_file(args.replica_id).write_text(json.dumps(final) + "\n")
   return 0
 
 

@@ -30,11 +30,12 @@ from optax_dist.fault_tolerance.rundir import RunDir
 
 
 def settings(args: argparse.Namespace, task: Task, load: Callable[[], Data]) -> Settings:
-  """The settings of the equivalent ``train --replicas R --devices R*D`` run, checked as that
-  command checks them (:func:`optax_dist.cli.checks.check_command`; ``load()`` gives the data
-  when the check needs it)."""
+  """The settings of the equivalent ``train --replicas R --devices R*P*D`` run (P: a
+  replica's ``--processes``), checked as that command checks them
+  (:func:`optax_dist.cli.checks.check_command`; ``load()`` gives the data when the check needs
+  it)."""
   s = settings_of(args, task)
-  s = dataclasses.replace(s, devices=args.replicas * args.devices).resolved()
+  s = dataclasses.replace(s, devices=args.replicas * args.processes * args.devices).resolved()
   checks.check_command(args, s, (args.algorithm,),
                        train_examples=lambda: checks.num_examples(load().train))
   return s
@@ -94,7 +95,9 @@ def fingerprint(task: Task, data: Data, s: Settings, replicas: int) -> int:
 
 def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any, ...]:
   """``(params, loss_and_grad, batch_fn, tokens_per_step, evaluate)`` of ``task`` for one replica
-  of ``replicas`` (``s.devices`` workers in all, ``K = s.devices // replicas`` per replica).
+  of ``replicas`` (``s.devices`` workers in all, ``K = s.devices // replicas`` per replica:
+  the devices of the program's ``jax.distributed`` processes, a replica group's, in
+  ``jax.devices()`` order).
 
   * ``params``: :func:`optax_dist.cli.runs.initial_params` (``train``'s) in ``s.param_dtype``,
     replicated over the replica's K devices; with ``s.fsdp`` F, each sharded over F of them as
@@ -105,10 +108,12 @@ def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any
     of its workers' gradients (the compiler reduces them within the replica), placed as
     ``params`` are however the params it is given are placed (a heal's arrive on one device);
   * ``batch_fn(seed, slot, step)``: the minibatches of workers ``slot * K`` to ``slot * K + K -
-    1`` for step ``step + 1`` (:func:`optax_dist.cli.pipeline.minibatch`), stateless;
+    1`` for step ``step + 1`` (:func:`optax_dist.cli.pipeline.minibatch`), stateless; each
+    process of a group draws the whole batch and JAX keeps the rows of its own devices;
   * ``tokens_per_step``: the targets in the replica's batch of a step, ``K * batch_size`` times
     :func:`tokens_per_example` (a round's merge weight is its inner steps times this);
-  * ``evaluate(params) -> float``: ``task``'s test metric.
+  * ``evaluate(params) -> float``: ``task``'s test metric, on this process's first device
+    (the params read back to the host: a group's every process computes it alone).
   """
   import jax
   from jax.sharding import Mesh, NamedSharding
@@ -144,7 +149,7 @@ def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any
 
   metric = jax.jit(task.metric_fn(model))
   return (params, loss_and_grad, batch_fn, k * s.batch_size * tokens_per_example(data),
-          lambda p: float(metric(p, data.test)))
+          lambda p: float(metric(jax.tree.map(np.asarray, p), data.test)))
 
 
 def tokens_per_example(data: Data) -> int:

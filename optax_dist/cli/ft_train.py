@@ -1,8 +1,10 @@
 """``optax-dist train --fault-tolerant``: the command's task trained by replica processes that
 die, come back and heal while the run goes on (the ``ft`` extra: torch and torchft).
 
-``--replicas R`` replica processes, each its own JAX program with ``--devices`` devices (its
-minibatch split over them, the gradients reduced within it on every step), meet once per round
+``--replicas R`` replicas, each its own JAX program with ``--devices`` devices (its minibatch
+split over them, the gradients reduced within it on every step), or with ``--processes P`` a
+group of P ``jax.distributed`` processes of ``--devices`` devices each (a replica group: its
+minibatch split over the group's devices), meet once per round
 (every ``--sync-period`` H inner steps) through torchft: a quorum of at least
 ``--min-replicas``, a heal for a replica that is behind, the exchange, a vote, then a commit or
 an abort on every member (:mod:`optax_dist.fault_tolerance.torchft_engine`). The
@@ -12,7 +14,7 @@ an abort on every member (:mod:`optax_dist.fault_tolerance.torchft_engine`). The
 each replica is ``optax-dist replica`` (:mod:`optax_dist.cli.ft_replica`) with this command's
 flags, so a replica started by hand with the same flags joins the same run.
 
-The replicas train ``--task`` as ``optax-dist train --replicas R --devices R*D`` would
+The replicas train ``--task`` as ``optax-dist train --replicas R --devices R*P*D`` would
 (:mod:`optax_dist.cli.ft_task`): the same model, initial params, loss, inner and outer
 optimizers, and the same minibatches. Each replica writes ``OUT/replicas/replica_<i>.jsonl``
 (one line per round) and, once finished, ``OUT/replicas/final_<i>.json``
@@ -77,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     raise CommandError(str(e)) from None
   if not args.no_progress:
     sys.stderr.write(f"{PROG}: fault-tolerant {args.algorithm}: lighthouse {launcher.url},"
-                     f" {args.replicas} replica processes (logs: {args.out}/replica_<i>.log)\n")
+                     f" {args.replicas} replicas of {args.processes} process(es)"
+                     f" (logs: {args.out}/replica_<i>.log)\n")
     sys.stderr.flush()
   started, rounds = time.time(), ft_task.protocol(s).rounds_until(s.steps)
   try:
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
       status = launcher.run()
   finally:
     launcher.close()
-  result = run_dir.summary(args.replicas, sum(s.restarts for s in launcher.slots))
+  result = run_dir.summary(args.replicas, sum(s.restarts for s in launcher.slots),
+                           args.processes)
   result.update(algorithm=args.algorithm, task=task.name, replicas=args.replicas,
                 min_replicas=args.min_replicas, launcher_status=status)
   (run_dir.out / f"fault_tolerant_{args.algorithm}.json").write_text(

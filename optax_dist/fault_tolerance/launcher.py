@@ -1,4 +1,5 @@
-r"""A fault-tolerant run on one host: a Lighthouse and R replica processes, dead ones restarted.
+r"""A fault-tolerant run on one host: a Lighthouse and R replicas (groups of P processes each),
+dead ones restarted.
 
 A :class:`Launcher` of a :class:`LaunchConfig` starts torchft's Lighthouse as a child process
 (:mod:`optax_dist.fault_tolerance.lighthouse`) bound to ``host`` (:func:`bind_address`), its output
@@ -6,6 +7,17 @@ appended to ``OUT/lighthouse.log`` and its pid in ``OUT/lighthouse.pid``, and R 
 processes (``replica_command`` with ``replica_args``), ids 0 to R-1, each in its own process
 group and with ``--parent-death``. The Lighthouse and the replicas die with the launcher (Linux
 ``prctl(PR_SET_PDEATHSIG)``).
+
+With ``processes`` P > 1, a replica is a group of P ``jax.distributed`` processes (torchft's
+replica group): at each start of replica ``i`` the launcher finds a free port for the group's
+coordination service (a restarted process cannot rejoin the service of the group's last start)
+and starts ranks 0 to P-1 with ``--processes P --process-id r --coordinator HOST:PORT``, rank
+``r``'s output in ``OUT/replica_<i>.rank_<r>.log`` and its pid in ``OUT/replica_<i>.rank_<r>.pid``
+(rank 0's in ``replica_<i>.log`` and ``replica_<i>.pid``). A group is one replica: it has
+finished once all its ranks exited with 0, and the exit of one rank with another status is the
+group's fault: the launcher kills the group's other ranks at once (``SIGKILL``; they cannot go
+on without it, and JAX's coordination service would abort them within its heartbeat timeout)
+and restarts the group as a unit, which heals.
 
 A Lighthouse that exits (killed) is started again at once on the same address, at most
 ``max_restarts`` times; meanwhile the replicas' quorum requests time out and are retried
@@ -139,13 +151,16 @@ class LaunchConfig:
   ``--fault-tolerant`` flags take theirs from here). Checked once, when made.
 
   Attributes:
-    replicas: R, the replica processes, ids 0 to R-1.
+    replicas: R, the replicas, ids 0 to R-1.
+    processes: P, the ``jax.distributed`` processes of each replica (a replica group, ranks 0
+      to P-1; see the module's docstring); 1: a replica is one process.
     out: the run's directory (:class:`~optax_dist.fault_tolerance.rundir.RunDir`).
     replica_command: what follows the Python interpreter in a replica's command line, before
       ``replica_args`` and the flags the launcher adds (``--lighthouse``, ``--replica-id``,
       ``--out``, ``--host``, ``--min-replicas``, ``--quorum-timeout``, ``--exchange-timeout``,
-      ``--exchange-retries``, ``--parent-death``, and a standby's ``--wait-for-takeover``); the
-      replica must take those flags.
+      ``--exchange-retries``, ``--parent-death``, a standby's ``--wait-for-takeover``, and with
+      ``processes`` > 1 ``--processes``, ``--process-id`` and ``--coordinator``); the replica
+      must take those flags.
     replica_args: the flags of every replica, before the launcher's (which win).
     min_replicas: the smallest quorum that commits (the Lighthouse's and each replica's);
       ``None``: :func:`majority` of ``replicas``.
@@ -162,19 +177,20 @@ class LaunchConfig:
     max_restarts: restarts of each replica id, and of the Lighthouse.
     restart_delay: seconds before a dead replica is started again.
     finish_grace: seconds the others have to finish once one replica has.
-    standby: keep a warm standby process per replica id.
+    standby: keep a warm standby process per replica id (``processes`` 1 only).
     replica_netns: run replica I in the network namespace this pattern names with ``{i}``
-      replaced by I (made beforehand); ``None``: this namespace.
+      replaced by I (made beforehand); ``None``: this namespace (``processes`` 1 only).
 
   Raises:
     TypeError: a count not an int, a timing not a number.
     ValueError: a value out of its range (naming the field, its constraint and the value), a
       ``host`` that is unspecified or does not resolve, a ``replica_netns`` without ``{i}`` or
-      naming a missing namespace.
+      naming a missing namespace, ``standby`` or ``replica_netns`` with ``processes`` > 1.
   """
 
   replicas: int
   out: str
+  processes: int = 1
   replica_command: tuple[str, ...]
   replica_args: tuple[str, ...] = ()
   min_replicas: int | None = None
@@ -194,6 +210,12 @@ class LaunchConfig:
   def __post_init__(self):
     fn = "LaunchConfig"
     _checks.check_positive_int(fn, "replicas", self.replicas)
+    _checks.check_positive_int(fn, "processes", self.processes)
+    for name, why in (("standby", "a standby group is not built"),
+                      ("replica_netns", "a group's coordinator listens on the launcher's host")):
+      if self.processes > 1 and getattr(self, name) not in (False, None):
+        raise ValueError(f"`{fn}({name}=...)` must be off with processes > 1 (replica groups),"
+                         f" got {getattr(self, name)!r}: {why}.")
     set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
     set_("out", os.fspath(self.out))
     set_("replica_command", tuple(self.replica_command))
@@ -229,10 +251,19 @@ class LaunchConfig:
 
 
 @dataclasses.dataclass
-class _Slot:
-  """One replica id's process and its history."""
+class _Lighthouse:
+  """The Lighthouse's process and its restarts."""
 
   proc: subprocess.Popen | None = None
+  restarts: int = 0
+
+
+@dataclasses.dataclass
+class _Slot:
+  """One replica id's processes (its group's ranks in order; ``[]``: none running) and its
+  history."""
+
+  procs: list[subprocess.Popen] = dataclasses.field(default_factory=list)
   standby: subprocess.Popen | None = None
   restarts: int = 0
   restart_at: float | None = None
@@ -252,7 +283,7 @@ class Launcher:
   def __init__(self, config: LaunchConfig):
     self.config, self.dir = config, RunDir(config.out)
     self.dir.out.mkdir(parents=True, exist_ok=True)
-    self.lighthouse = _Slot()
+    self.lighthouse = _Lighthouse()
     for attempt in range(LIGHTHOUSE_PORT_TRIES):
       # a port found free may be taken before the Lighthouse binds it: then another one
       self.port = config.port or _free_port(config.host)
@@ -301,40 +332,50 @@ class Launcher:
                        + " | ".join(self.dir.lighthouse_log.read_text().strip().splitlines()[-3:]))
 
   def start(self, i: int) -> None:
-    """Starts replica ``i``: its standby takes over if it has a live one, else a new process;
-    with ``standby``, then a new standby for ``i``. Writes ``OUT/replica_<i>.pid``."""
-    slot = self.slots[i]
+    """Starts replica ``i``: its standby takes over if it has a live one, else new processes
+    (a group of ``processes``, with a coordinator on a free port); with ``standby``, then a new
+    standby for ``i``. Writes ``OUT/replica_<i>.pid`` (and each further rank's)."""
+    slot, c = self.slots[i], self.config
     if slot.standby is not None and slot.standby.poll() is None:
-      slot.proc, slot.standby = slot.standby, None
+      slot.procs, slot.standby = [slot.standby], None
       with contextlib.suppress(OSError):  # it may die meanwhile: then it is restarted
-        slot.proc.stdin.write(b"take over\n")
-        slot.proc.stdin.close()
+        slot.procs[0].stdin.write(b"take over\n")
+        slot.procs[0].stdin.close()
     else:
-      slot.proc = self._spawn(i, standby=False)
+      coordinator = f"{url_host(c.host)}:{_free_port(c.host)}" if c.processes > 1 else None
+      slot.procs = [self._spawn(i, standby=False, rank=r, coordinator=coordinator)
+                    for r in range(c.processes)]
     slot.restart_at = None
-    self.dir.pid_file(i).write_text(f"{slot.proc.pid}\n")
-    if self.config.standby:
+    for rank, proc in enumerate(slot.procs):
+      self.dir.pid_file(i, rank).write_text(f"{proc.pid}\n")
+    if c.standby:
       slot.standby = self._spawn(i, standby=True)
 
-  def replica_command(self, i: int, standby: bool = False) -> list[str]:
+  def replica_command(self, i: int, standby: bool = False, rank: int = 0,
+                      coordinator: str | None = None) -> list[str]:
     """The command line of replica ``i`` (a ``standby`` waits for a line on its stdin), in its
-    network namespace with ``replica_netns`` (``ip netns exec`` runs it in its own process)."""
+    network namespace with ``replica_netns`` (``ip netns exec`` runs it in its own process);
+    with ``processes`` > 1, its process ``rank`` of the group whose coordination service
+    listens on ``coordinator`` (``HOST:PORT``)."""
     c = self.config
     netns = ["ip", "netns", "exec", c.replica_netns.format(i=i)] if c.replica_netns else []
+    group = (["--processes", str(c.processes), "--process-id", str(rank), "--coordinator",
+              coordinator] if c.processes > 1 else [])
     # the launcher's flags last: they win over the same flags in replica_args
     return [*netns, sys.executable, *c.replica_command, *c.replica_args, "--lighthouse", self.url,
             "--replica-id", str(i), "--out", c.out, "--host",
             socket.gethostname() if netns else c.host, "--min-replicas", str(c.min_replicas),
             "--quorum-timeout", str(c.quorum_timeout), "--exchange-timeout",
             str(c.exchange_timeout), "--exchange-retries", str(c.exchange_retries),
-            "--parent-death", *["--wait-for-takeover"] * standby]
+            *group, "--parent-death", *["--wait-for-takeover"] * standby]
 
-  def _spawn(self, i: int, standby: bool) -> subprocess.Popen:
+  def _spawn(self, i: int, standby: bool, rank: int = 0,
+             coordinator: str | None = None) -> subprocess.Popen:
     """A process of replica ``i`` (:meth:`replica_command`; its stdout and stderr appended to
-    ``OUT/replica_<i>.log``) in its own process group."""
-    with open(self.dir.replica_log(i), "a") as log:
-      return subprocess.Popen(self.replica_command(i, standby), stdout=log, stderr=log,
-                              start_new_session=True,
+    ``OUT/replica_<i>.log``, a further rank's to its own) in its own process group."""
+    with open(self.dir.replica_log(i, rank), "a") as log:
+      return subprocess.Popen(self.replica_command(i, standby, rank, coordinator), stdout=log,
+                              stderr=log, start_new_session=True,
                               stdin=subprocess.PIPE if standby else subprocess.DEVNULL)
 
   def run(self) -> int:
@@ -342,7 +383,7 @@ class Launcher:
     for i in range(len(self.slots)):
       self.start(i)
     finish_by = None
-    while any(s.proc is not None or s.restart_at is not None for s in self.slots):
+    while any(s.procs or s.restart_at is not None for s in self.slots):
       now = time.monotonic()
       self._tend_lighthouse()
       for i, slot in enumerate(self.slots):
@@ -355,22 +396,28 @@ class Launcher:
     return 0 if sum(s.finished for s in self.slots) >= self.config.min_replicas else 1
 
   def _tend(self, i: int, slot: _Slot, now: float, may_restart: bool) -> None:
-    """Notes replica ``i``'s exit, schedules its restart, or restarts it when due."""
+    """Notes replica ``i``'s exit (all its processes with 0, or one with another status: then
+    the group's others are killed), schedules its restart, or restarts it when due."""
     if slot.restart_at is not None:
       if not may_restart:
         slot.restart_at = None
       elif now >= slot.restart_at:
         self.start(i)
       return
-    if slot.proc is None or slot.proc.poll() is None:
-      return
-    status, slot.proc = slot.proc.returncode, None
-    slot.finished = status == 0
-    refused = status == REFUSED
-    if not (slot.finished or refused) and may_restart and slot.restarts < self.config.max_restarts:
+    failed = [status for status in (p.poll() for p in slot.procs) if status not in (None, 0)]
+    if not slot.procs or (not failed and any(p.returncode is None for p in slot.procs)):
+      return  # running (a rank that finished waits for the others)
+    if failed and len(slot.procs) > 1:
+      ranks = [r for r, p in enumerate(slot.procs) if p.returncode not in (None, 0)]
+      sys.stderr.write(f"optax_dist launcher: replica {i}'s process {ranks[0]} exited (status"
+                       f" {failed[0]}); its group's other processes stopped\n")
+    _kill(slot.procs)  # a group's fault: its other ranks cannot go on without the one lost
+    slot.procs, slot.finished = [], not failed
+    refused = REFUSED in failed
+    if failed and not refused and may_restart and slot.restarts < self.config.max_restarts:
       slot.restarts += 1
       slot.restart_at = now + self.config.restart_delay
-      self.dir.add_restart(i, status)
+      self.dir.add_restart(i, failed[0])
 
   def _tend_lighthouse(self) -> None:
     """Starts the Lighthouse again on the same address if it exited, at most ``max_restarts``
@@ -388,16 +435,12 @@ class Launcher:
       self.start_lighthouse()
 
   def stop(self) -> None:
-    """Kills every replica and standby still running (its process group) and cancels pending
-    restarts."""
+    """Kills every replica process and standby still running (its process group) and cancels
+    pending restarts."""
     for slot in self.slots:
       slot.restart_at = None
-      for proc in (slot.proc, slot.standby):
-        if proc is not None:
-          if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-          proc.wait()
-      slot.proc = slot.standby = None
+      _kill([*slot.procs, *[slot.standby] * (slot.standby is not None)])
+      slot.procs, slot.standby = [], None
 
   def close(self) -> None:
     """Stops the replicas and the Lighthouse."""
@@ -405,6 +448,16 @@ class Launcher:
     if self.lighthouse.proc is not None:
       self.lighthouse.proc.kill()
       self.lighthouse.proc.wait()
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+  """Kills the process group of each of ``procs`` still running (``SIGKILL``) and waits for
+  each."""
+  for proc in procs:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+  for proc in procs:
+    proc.wait()
 
 
 def _free_port(host: str) -> int:

@@ -6,12 +6,14 @@ A run's directory ``OUT`` holds, by writer:
   replica restart: its ``replica``, exit ``status`` and ``time``), ``lighthouse.log`` and
   ``lighthouse.pid`` (the Lighthouse's output and its live process), ``replica_<i>.log`` and
   ``replica_<i>.pid`` (replica ``i``'s output, and its live process: a standby's once it took
-  over);
+  over); with replicas of P processes (replica groups), rank ``r`` > 0's as
+  ``replica_<i>.rank_<r>.log`` and ``replica_<i>.rank_<r>.pid``;
 * replica ``i``: ``replicas/replica_<i>.jsonl``, one JSON line per round (``round``, ``step``,
   ``quorum_id``, ``members``, ``committed``, ``weight``, ``healed``, ``state_hash``,
   ``tokens``, ``loss``, ``time``, ``pid``, ``quorum_seconds``, ``attempts``, ``donor``),
   opened for appending: a
-  restarted replica adds to its file; a replica of ``optax-dist replica`` also writes
+  restarted replica adds to its file; rank ``r`` > 0 of a replica group writes its own,
+  ``replicas/replica_<i>.rank_<r>.jsonl``; a replica of ``optax-dist replica`` also writes
   ``replicas/ready_<i>`` at its start and ``replicas/final_<i>.json`` (its test metric and
   the hash of its whole state) once finished;
 * the quorum's rank 0: the checkpoints, ``replicas/checkpoints/step_<step>.{heal,json}``, and
@@ -31,6 +33,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import time
 from typing import Any
 
@@ -60,17 +63,17 @@ class RunDir:
     self.lighthouse_pid_file = self.out / "lighthouse.pid"
     self.restarts_file = self.out / "restarts.jsonl"
 
-  def replica_log(self, i: int) -> pathlib.Path:
-    """Replica ``i``'s output, which the launcher appends to."""
-    return self.out / f"replica_{i}.log"
+  def replica_log(self, i: int, rank: int = 0) -> pathlib.Path:
+    """The output of replica ``i``'s process ``rank``, which the launcher appends to."""
+    return self.out / f"replica_{i}{_rank(rank)}.log"
 
-  def pid_file(self, i: int) -> pathlib.Path:
-    """Where the launcher writes the pid of replica ``i``'s live process."""
-    return self.out / f"replica_{i}.pid"
+  def pid_file(self, i: int, rank: int = 0) -> pathlib.Path:
+    """Where the launcher writes the pid of replica ``i``'s live process ``rank``."""
+    return self.out / f"replica_{i}{_rank(rank)}.pid"
 
-  def lines_file(self, i: int) -> pathlib.Path:
-    """Replica ``i``'s JSONL file: one line per round."""
-    return self.replicas / f"replica_{i}.jsonl"
+  def lines_file(self, i: int, rank: int = 0) -> pathlib.Path:
+    """The JSONL file of replica ``i``'s process ``rank``: one line per round."""
+    return self.replicas / f"replica_{i}{_rank(rank)}.jsonl"
 
   def final_file(self, i: int) -> pathlib.Path:
     """Replica ``i``'s evaluation once finished."""
@@ -80,12 +83,14 @@ class RunDir:
     """The start mark of replica ``i`` (``optax-dist replica``'s start barrier)."""
     return self.replicas / f"ready_{i}"
 
-  def lines(self, replica: int | None = None) -> list[dict[str, Any]]:
-    """Replica ``replica``'s lines in the order written; ``None``: every replica's (every
-    ``replica_<i>.jsonl`` found), by ``time``. ``[]`` before any line."""
+  def lines(self, replica: int | None = None, rank: int = 0) -> list[dict[str, Any]]:
+    """The lines of replica ``replica``'s process ``rank`` in the order written; ``None``:
+    every replica's (every rank 0's ``replica_<i>.jsonl`` found), by ``time``. ``[]`` before
+    any line."""
     if replica is not None:
-      return _jsonl(self.lines_file(replica))
-    ids = sorted(int(path.stem.split("_")[1]) for path in self.replicas.glob("replica_*.jsonl"))
+      return _jsonl(self.lines_file(replica, rank))
+    ids = sorted(int(m.group(1)) for path in self.replicas.glob("replica_*.jsonl")
+                 if (m := re.fullmatch(r"replica_(\d+)\.jsonl", path.name)))
     return sorted((x for i in ids for x in self.lines(i)), key=lambda line: line["time"])
 
   def add_restart(self, replica: int, status: int) -> None:
@@ -120,27 +125,31 @@ class RunDir:
     """The pid of the run's Lighthouse, or ``None`` before the launcher has started one."""
     return _read_pid(self.lighthouse_pid_file)
 
-  def replica_pid(self, i: int) -> int | None:
-    """The pid of replica ``i``'s live process as the launcher last named it, or ``None``."""
-    return _read_pid(self.pid_file(i))
+  def replica_pid(self, i: int, rank: int = 0) -> int | None:
+    """The pid of replica ``i``'s live process ``rank`` as the launcher last named it, or
+    ``None``."""
+    return _read_pid(self.pid_file(i, rank))
 
-  def summary(self, replicas: int, restarts: int) -> dict[str, Any]:
+  def summary(self, replicas: int, restarts: int, processes: int = 1) -> dict[str, Any]:
     """What the files of replicas ``0`` to ``replicas - 1`` say about the run.
 
     Args:
       replicas: R, the run's replicas (the files of other ids are left out).
       restarts: the launcher's count of restarts, reported as given.
+      processes: P, the processes of each replica (its ranks' lines are read too).
 
     Returns:
       ``rounds_committed`` (round indices some replica committed), ``rounds_aborted`` (those
-      none committed), ``restarts``, ``heals`` (lines of a healed replica) and ``heal_seconds``
-      (their ``quorum_seconds``: the quorum with the heal), ``hashes_agree`` (every committed
-      round has one ``state_hash``), ``finished`` (the replicas that wrote their final
-      evaluation) and ``final`` (those evaluations, by replica).
+      none committed), ``restarts``, ``heals`` (rank 0's lines of a healed replica) and
+      ``heal_seconds`` (their ``quorum_seconds``: the quorum with the heal), ``hashes_agree``
+      (every committed round has one ``state_hash`` over every rank of every replica),
+      ``finished`` (the replicas that wrote their final evaluation) and ``final`` (those
+      evaluations, by replica).
     """
     lines = [line for i in range(replicas) for line in self.lines(i)]
+    ranks = [x for i in range(replicas) for r in range(1, processes) for x in self.lines(i, r)]
     hashes = {r: {x["state_hash"] for x in group if x["committed"]}
-              for r, group in by_round(lines).items()}
+              for r, group in by_round(lines + ranks).items()}
     final = {i: v for i, v in self.final().items() if i < replicas}
     heals = [line["quorum_seconds"] for line in lines if line["healed"]]
     return {"rounds_committed": sum(bool(h) for h in hashes.values()),
@@ -172,6 +181,11 @@ def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
   """The JSON lines of the file ``path`` (``[]`` if it does not exist)."""
   text = path.read_text() if path.exists() else ""
   return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _rank(rank: int) -> str:
+  """A file name's part for process ``rank`` of a replica group: none for rank 0."""
+  return f".rank_{rank}" if rank else ""
 
 
 def _read_pid(path: pathlib.Path) -> int | None:

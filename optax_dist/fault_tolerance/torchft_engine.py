@@ -5,7 +5,12 @@ process: start one process per replica id with the Lighthouse's address (torchft
 ``TORCHFT_LIGHTHOUSE``), its id (``REPLICA_GROUP_ID``, torchft's examples' name) and the run's
 directory (``OPTAX_DIST_OUT``), or pass them to :class:`Torchft`. The command's replicas
 (``optax-dist train --fault-tolerant``, :func:`optax_dist.fault_tolerance.replica.serve`) are
-such a loop. Per round, at the loop's boundary
+such a loop. A process of a ``jax.distributed`` program of P processes is rank
+``jax.process_index()`` of a replica group (torchft's HSDP layout; the session's docstring):
+the program's P processes are one replica, whose params every rank holds (replicated over the
+program's global mesh), and every rank exchanges the whole payload with its own rank of the
+other replicas (P times the bytes of a one-process replica; each rank sending a 1/P slice is not
+built). Per round, at the loop's boundary
 (:meth:`~optax_dist.fault_tolerance.Replica.after_step`):
 
 1. **Quorum**: ``Manager.start_quorum`` (:class:`~optax_dist.fault_tolerance.torchft_session.
@@ -42,8 +47,9 @@ such a loop. Per round, at the loop's boundary
    member can have committed the round meanwhile: a commit needs every member's
    acknowledgement. A member whose acknowledgement failed aborts (it heals at its next quorum).
 5. **Commit or abort** by the loop's driver, then one JSON line in
-   ``OUT/replicas/replica_<i>.jsonl`` (with ``attempts``: the round's quorums, and
-   ``quorum_seconds``), and a checkpoint on the quorum's rank 0 when one is due.
+   ``OUT/replicas/replica_<i>.jsonl`` (rank ``r`` > 0 of a group: ``replica_<i>.rank_<r>.jsonl``;
+   with ``attempts``: the round's quorums, and ``quorum_seconds``), and a checkpoint on the
+   quorum's rank 0 (its group's rank 0) when one is due.
 
 Needs the ``ft`` extra (``torch`` and ``torchft``); the rest of optax_dist does not import
 torch.
@@ -70,7 +76,11 @@ from optax_dist.fault_tolerance.engine import RoundLog
 from optax_dist.fault_tolerance.launcher import bind_address
 from optax_dist.fault_tolerance.loop import Received, Replica, Restored, Sent, split_donation
 from optax_dist.fault_tolerance.protocol import RoundProtocol
+from optax_dist.fault_tolerance.rundir import RunDir
 from optax_dist.fault_tolerance.torchft_session import Session, _pack, _unpack, torch
+
+_ADDRESS_BYTES = 128
+"""The buffer that carries a store's ``host port`` from a group's rank 0 to its other ranks."""
 
 
 class SettingsMismatch(RuntimeError):
@@ -185,11 +195,12 @@ class _Port(Session):
 
   def __init__(self, engine: Torchft):
     self.engine, self.protocol, self.slot = engine, engine.protocol, engine.replica_id
+    self.group_rank, self.group_size = jax.process_index(), jax.process_count()
     self.replica = Replica(engine.protocol, self, slot=self.slot, seed=engine.seed,
                            tokens_per_step=engine.tokens_per_step)
     self.run_dir = engine.out / "replicas"
     self.run_dir.mkdir(parents=True, exist_ok=True)
-    self.log_path = self.run_dir / f"replica_{self.slot}.jsonl"
+    self.log_path = RunDir(engine.out).lines_file(self.slot, self.group_rank)
     self.checkpointer = None
     self.quorum_id, self._last_members, self._sent, self._healed = 0, None, None, None
     self._attempts, self._manager = _Attempts(), None
@@ -360,6 +371,7 @@ class _Port(Session):
       f.write(json.dumps(row) + "\n")
     self._write_local(line)
     if (line.committed and self.checkpointer is not None and line.members[:1] == (self.slot,)
+        and self.group_rank == 0
         and self.checkpointer.due(line.step, line.tokens // self.engine.tokens_per_step,
                                   last=self.replica.rounds == self.engine.last_round)):
       self.checkpointer.write(self.replica.donation(), step=line.step, rounds=self.replica.rounds,
@@ -373,6 +385,17 @@ class _Port(Session):
         and w.due(line.step, line.tokens // self.engine.tokens_per_step,
                   last=self.replica.rounds == self.engine.last_round)):
       w.write_local(self.replica.replica_state, step=line.step, slot=self.slot)
+
+  @staticmethod
+  def share(address: tuple[str, int] | None) -> tuple[str, int]:
+    """Rank 0's ``(host, port)`` on every process of the replica group (the others pass
+    ``None``): a broadcast over the program's ``jax.distributed`` processes."""
+    from jax.experimental import multihost_utils
+
+    text = b"" if address is None else f"{address[0]} {address[1]}".encode()
+    buffer = np.frombuffer(text.ljust(_ADDRESS_BYTES, b"\0"), np.uint8)
+    host, port = bytes(multihost_utils.broadcast_one_to_all(buffer)).rstrip(b"\0").split()
+    return host.decode(), int(port)
 
   def shutdown(self) -> None:
     """Stops the session (its manager and servers); waits for the checkpoints queued."""

@@ -13,6 +13,14 @@ What the session opens listens on the address given (``host``): the ``TCPStore``
 bound here), the gloo process group's device (:class:`_GlooOnHost`) and the heal server.
 torchft 0.2.0's ``Manager`` server binds ``[::]`` (its code, not an argument).
 
+A replica of P processes (a replica group, torchft's HSDP layout) has one session per process:
+rank ``r``'s ``Manager(rank=r, world_size=P)``, the store rank 0's (whose address the other
+ranks get from the subclass's ``share``), the replica id the group's. Only rank 0's ``Manager``
+server talks to the Lighthouse, once every rank has asked it for the quorum; rank ``r``'s
+process group joins rank ``r`` of the other replicas (torchft's store prefix
+``/torchft/<quorum>/<r>``), its heal comes from rank ``r`` of the donor, and its vote
+(``should_commit``) is the group's: a commit needs every rank's yes.
+
 Needs the ``ft`` extra (``torch`` and ``torchft``).
 """
 
@@ -281,12 +289,18 @@ def _store_on(host: str) -> dist.TCPStore:
 class Session:
   """A replica's torchft session (see the module's docstring). A subclass provides the heal
   callbacks ``_heal_bytes() -> bytes`` (what it donates) and ``_load(payload)`` (a received
-  heal), and ``slot`` (its replica id); :meth:`_open` starts the session.
+  heal), ``slot`` (its replica id), ``group_rank`` and ``group_size`` (this process's rank in
+  its replica group, and the group's processes), and with ``group_size`` > 1
+  ``share(address)`` (rank 0's ``(host, port)`` given to every rank; the others pass ``None``);
+  :meth:`_open` starts the session.
 
   Attributes:
     quorum_timeout: seconds a quorum may take in all, over requests of at most
       :data:`QUORUM_ATTEMPT_S` each.
   """
+
+  group_rank: int = 0
+  group_size: int = 1
 
   def _open(self, lighthouse: str, host: str, min_replicas: int, quorum_timeout: float,
             timeout: float) -> None:
@@ -297,9 +311,13 @@ class Session:
     self._torchft_quorum_id, self._renew = -1, False
 
   def _make_manager(self, lighthouse, host, min_replicas, quorum_timeout, timeout) -> Manager:
-    """A ``Manager`` over a new ``TCPStore``, process group and :class:`HealTransport`, each
-    listening on ``host``."""
-    self._store = _store_on(host)
+    """A ``Manager`` over a new process group and :class:`HealTransport`, each listening on
+    ``host``, and the replica group's new ``TCPStore`` (rank 0's, on its ``host``)."""
+    store = None
+    if self.group_rank == 0:
+      self._store = _store_on(host)
+      store = host, self._store.port
+    store_host, store_port = store if self.group_size == 1 else self.share(store)
     self._pg = _GlooOnHost(host, timedelta(seconds=timeout))
     bound = getattr(getattr(self, "transport", None), "max_bytes", None)
     self.transport = HealTransport(host, timeout)
@@ -310,8 +328,9 @@ class Session:
         pg=self._pg, load_state_dict=self._load, state_dict=self._heal_bytes,
         min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
         timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=quorum_timeout),
-        connect_timeout=timedelta(seconds=timeout), rank=0, world_size=1, store_addr=host,
-        store_port=self._store.port, lighthouse_addr=lighthouse,
+        connect_timeout=timedelta(seconds=timeout), rank=self.group_rank,
+        world_size=self.group_size, store_addr=store_host, store_port=store_port,
+        lighthouse_addr=lighthouse,
         replica_id=f"replica_{self.slot}", hostname=url_host(host),
         checkpoint_transport=self.transport)
     except BaseException:
@@ -365,8 +384,13 @@ class Session:
     (``time.monotonic()``) while the Lighthouse cannot be reached (it is being restarted).
 
     Raises:
-      RuntimeError: torchft's, the Lighthouse still unreachable at ``deadline``.
+      RuntimeError: torchft's, the Lighthouse still unreachable at ``deadline``; a replica
+        group's (``group_size`` > 1), whose ranks cannot renew theirs together: the process
+        exits and the launcher restarts the group, which heals.
     """
+    if self.group_size > 1:
+      raise RuntimeError(f"replica {self.slot} (a group of {self.group_size} processes): the"
+                         " Lighthouse lost its quorum request; a group renews no manager")
     self._renew, self._torchft_quorum_id = False, -1
     steps = self._manager.state_dict()
     self._manager.shutdown(wait=False)
