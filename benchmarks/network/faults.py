@@ -1,5 +1,6 @@
-"""A benchmark run's processes, found by the ``--out OUT`` in their command lines, and the faults
-applied to them (:func:`inflict`), their end (:func:`kill_all`) and CPU time."""
+"""A benchmark run's processes, found by the ``--out OUT`` in their command lines: the faults
+applied to them (:func:`inflict`), their end (:func:`kill_all`), their CPU time and equal CPU
+caps (:class:`CpuShares`, cgroups; needs root)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import os
 import pathlib
 import signal
 import time
+from typing import Self
 
 from optax_dist.fault_tolerance.rundir import RunDir
-
-SIGNALS = {"kill": signal.SIGKILL, "lighthouse": signal.SIGKILL, "stop": signal.SIGSTOP,
-           "cont": signal.SIGCONT}
 
 
 def processes(out: str) -> dict[int, str]:
@@ -30,9 +29,8 @@ def processes(out: str) -> dict[int, str]:
 
 
 def process_ids(out: str, flag: str, standbys: bool = False) -> dict[int, int]:
-  """``INDEX -> pid`` of the run's live processes with ``flag INDEX`` (``--replica-id``,
-  ``--process-id``) but a waiting standby's (``--wait-for-takeover``, not yet named by the
-  launcher's ``OUT/replica_<INDEX>.pid``); with ``standbys``, the waiting standbys' only."""
+  """``INDEX -> pid`` of the run's processes with ``flag INDEX`` but the waiting standbys (not
+  named by the launcher's ``OUT/replica_<INDEX>.pid`` yet); with ``standbys``, those only."""
   pids, run = {}, RunDir(out)
   for pid, line in processes(out).items():
     args = line.split()
@@ -45,10 +43,12 @@ def process_ids(out: str, flag: str, standbys: bool = False) -> dict[int, int]:
 
 
 def inflict(kind: str, pid: int, group: bool = False) -> bool:
-  """Sends ``kind``'s signal to ``pid`` (a kill with ``group``: to its process group); whether
-  the process was there."""
+  """Sends ``kind``'s signal to ``pid`` (``kill``, ``lighthouse``: ``SIGKILL``, with ``group`` a
+  kill to its process group; ``stop``, ``cont``: ``SIGSTOP``, ``SIGCONT``); whether it was there."""
+  sig = {"kill": signal.SIGKILL, "lighthouse": signal.SIGKILL, "stop": signal.SIGSTOP,
+         "cont": signal.SIGCONT}[kind]
   try:
-    os.kill(-pid if kind == "kill" and group else pid, SIGNALS[kind])
+    os.kill(-pid if kind == "kill" and group else pid, sig)
   except ProcessLookupError:
     return False
   return True
@@ -74,3 +74,62 @@ def cpu_seconds(pid: int) -> float | None:
   except OSError:
     return None
   return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuShares:
+  """One cgroup per replica, each allowed ``cpus / replicas`` CPUs (v2's ``cpu.max``, v1's CFS
+  quota): a stopped or restarting replica's share stays idle. :meth:`add` moves a process into
+  its replica's group; on exit the groups are removed, their processes moved back. ``cpus`` 0:
+  no caps. ``tag`` tells apart the runs of one process. Raises ``RuntimeError`` for caps
+  without a cgroup ``cpu`` controller."""
+
+  PERIOD_US = 100_000
+
+  def __init__(self, replicas: int, cpus: float, tag: str = ""):
+    self.quota_us = int(self.PERIOD_US * cpus / replicas) if cpus else 0
+    self.root, self.v2 = self._controller() if self.quota_us else (None, False)
+    name = f"optax_dist_chaos_{os.getpid()}{tag}"
+    self.groups = [self.root / f"{name}_{i}" for i in range(replicas)] if self.root else []
+
+  @staticmethod
+  def _controller() -> tuple[pathlib.Path, bool]:
+    controllers = pathlib.Path("/sys/fs/cgroup/cgroup.controllers")
+    if controllers.exists() and "cpu" in controllers.read_text().split():
+      return controllers.parent, True
+    v1 = pathlib.Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").exists():
+      return v1, False
+    raise RuntimeError("cgroups: no cgroup cpu controller under /sys/fs/cgroup (or --cpus 0)")
+
+  def __enter__(self) -> Self:
+    if self.v2:
+      (self.root / "cgroup.subtree_control").write_text("+cpu")
+    for group in self.groups:
+      group.mkdir()
+      if self.v2:
+        (group / "cpu.max").write_text(f"{self.quota_us} {self.PERIOD_US}")
+      else:
+        (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+    return self
+
+  def add(self, replica: int, pid: int) -> None:
+    if self.groups:
+      with contextlib.suppress(ProcessLookupError, OSError):  # it may have died meanwhile
+        (self.groups[replica] / "cgroup.procs").write_text(str(pid))
+
+  def __exit__(self, *exc: object) -> None:
+    for group in self.groups:
+      for attempt in range(50):  # a killed process leaves its group only once it has exited
+        try:
+          for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError, OSError):
+              (self.root / "cgroup.procs").write_text(pid)
+          group.rmdir()
+          break
+        except FileNotFoundError:
+          break
+        except OSError:  # EBUSY
+          if attempt == 49:
+            raise
+          time.sleep(0.1)

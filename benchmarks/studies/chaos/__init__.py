@@ -1,36 +1,30 @@
-"""Training through failures: fault-tolerant DiLoCo and synchronous data parallelism under a fixed-seed Poisson schedule of faults.
+"""Training through failures: fault-tolerant DiLoCo and synchronous training under Poisson faults.
 
-For each seed, a control and a faulted run of ``optax-dist train --fault-tolerant`` started
-together (a Lighthouse and R replica processes, each in a network namespace of its own and a
-cgroup of ``--cpus / 2R`` CPUs; a dead replica starts again after ``--restart-delay`` s as a new
-process, its programs from the run's compilation cache, and heals at its first quorum). Faults
-come at exponential gaps of mean ``1 / --fault-rate`` s, each a uniform kind on a uniform
-replica: ``kill -9``, a ``SIGSTOP`` of ``--stop-seconds``, or its link down for
-``--link-seconds``; one its replica cannot take (dead, stopped, cut off) is drawn again at the
-same time on a uniform live replica (a stream of its own, alike in both arms); and one kill of
-the Lighthouse. A seed with fewer than ``--min-faults`` applied runs again longer. Then an
-equal-tokens control (``--steps`` of the faulted run's committed tokens: its learning rate's
-schedule ends there), and synchronous data parallelism with its control under the same kills
-and stops: ``optax-dist train --algorithm sync`` over R processes, one declared dead after the
-fault-tolerant arm's exchange timeout, checkpointing at Young and Daly's ``sqrt(2 C MTBF)``
-(``C`` measured), restarted with ``--resume`` after ``--restart-delay`` s. Neither arm has a
-spare process (``--standby``: a warm standby per replica, its CPU-seconds counted, and the
-synchronous restart without the delay). Each run's clock starts at its first commit
-(checkpoint).
+Per seed, a control and a faulted run of ``optax-dist train --fault-tolerant`` together (R
+replicas, each in a network namespace and a cgroup of ``--cpus / 2R`` CPUs; a dead one restarts
+as a new process after ``--restart-delay`` s, its programs cached, and heals). Faults come at
+exponential gaps of mean ``1 / --fault-rate`` s, each a uniform kind on a uniform replica: ``kill
+-9``, ``SIGSTOP`` for ``--stop-seconds``, or its link down for ``--link-seconds``; one its replica
+cannot take (dead, stopped, cut off) is drawn again at the same time on a uniform live replica
+(a stream of its own, alike in both arms); and one Lighthouse kill. A seed with fewer than
+``--min-faults`` applied runs again longer. Then an equal-tokens control (``--steps`` of the
+faulted run's committed tokens, its schedule ending there), and the synchronous arm and its
+control under the same kills and stops: ``--algorithm sync`` over R processes, one declared dead
+after the fault-tolerant arm's exchange timeout, checkpointing at Young and Daly's ``sqrt(2 C
+MTBF)`` (``C`` measured), restarted with ``--resume``. No arm has a spare (``--standby``: both,
+their CPU-seconds counted). A run's clock starts at its first commit (checkpoint).
 
-The raw records (replica JSONL logs, fault events, checkpoints) are kept in
-``PREFIX_raw.tar.xz``; ``python -m benchmarks.studies.chaos.report --recompute`` computes every
-figure again from it, each the median and range over the seeds:
+Every figure is the median and range over the seeds, computed again from the raw records in
+``PREFIX_raw.tar.xz`` by ``python -m benchmarks.studies.chaos.report --recompute``:
 
-* goodput: committed tokens (a healer's round counts nothing; the synchronous arm's
-  checkpointed steps) over the control's, over the span both ran;
-* the applied faults by kind, their rate, and the committed work lost per applied fault:
-  ``(1 - goodput) * span / faults`` seconds;
-* returns, p95 by kind: from the moment the replica can run again (a new process, ``SIGCONT``,
-  link up; ``--resume``) to its first commit (checkpoint), in seconds and in the run's rounds
-  meanwhile; a restart split into start-up (to its session's ``ready`` mark) and heal;
-* validation: the final held-out metric against the equal-tokens control's, and the median gap
-  over the second half of the checkpoints against the control's at equal tokens.
+* goodput: committed tokens (a healer's round none; sync: checkpointed) over the control's;
+* the applied faults, their rate, and the work lost per fault: ``(1 - goodput) * span / faults``
+  seconds;
+* returns, p95 by kind: from the replica's return (a new process, ``SIGCONT``, link up;
+  ``--resume``) to its first commit (checkpoint), in seconds and in the run's rounds meanwhile;
+  a restart split at its ``ready`` mark (session up) into start-up and heal;
+* validation: the final metric against the equal-tokens control's, and the median gap over the
+  second half of the checkpoints against the control's at equal tokens.
 
 Every process, cgroup and namespace of a run is removed when it ends, also on an exception or
 Ctrl-C. Needs root (``make bench-chaos``); says so and exits with 0 otherwise.
@@ -67,10 +61,9 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
 
 
 def run_seed(config: Config, seed: int, prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Seed ``seed``'s runs (in ``PREFIX_runs/seed<SEED>/``): the pair (longer while it took
-  fewer than ``--min-faults``), the equal-tokens control, the synchronous pair for the first
-  pair's span. Returns its settings as run (steps, the checkpoint interval and what set it) and
-  the runs' records by name."""
+  """Seed ``seed``'s runs (in ``PREFIX_runs/seed<SEED>/``): the pair (longer while it took fewer
+  than ``--min-faults``), the equal-tokens control, the synchronous pair for the first pair's
+  span; its settings as run (steps, the checkpoint interval and what set it) and records."""
   c, cpus, name = dataclasses.replace(config, seeds=(seed,)), config.cpus / 2, f"seed{seed}"
   while True:
     faults = schedule.schedule(seed, c.fault_rate, c.timeout, c.replicas,
@@ -96,11 +89,13 @@ def run_seed(config: Config, seed: int, prefix: str) -> tuple[dict[str, Any], di
                             c.sync_period)
     (found["equal_tokens"],) = runs.records(e, prefix, (f"{name}/equal_tokens",), lambda out: (
       runs.together([runs.FaultTolerantRun(e, out[0], [], cpus, "e", seed)], e.timeout)))
-    meta["equal_tokens_steps"] = e.steps
   if c.sync_checkpoint_every != 0:
     every = c.sync_checkpoint_every
-    if every is None:  # Young-Daly at the control's pace (R steps in parallel: a round / H)
-      meta |= {"checkpoint_cost_s": runs.checkpoint_cost(c.task), "mtbf_s": runs.sync_mtbf(c),
+    if every is None:  # Young-Daly at the control's pace (a step: a full round / H); the MTBF
+      # of the synchronous arm's faults, its kills and stops (a stop outlasts its heartbeat
+      # timeout: each ends its command), 2 of the 3 kinds of --fault-rate
+      meta |= {"checkpoint_cost_s": runs.checkpoint_cost(c.task, cpus / c.replicas),
+               "mtbf_s": 1.5 / c.fault_rate,
                "step_s": pair["control"]["full_round_s"] / c.sync_period}
       every = runs.young_daly(meta["checkpoint_cost_s"], meta["mtbf_s"], meta["step_s"])
     s, meta["sync_checkpoint_every"] = dataclasses.replace(c, sync_checkpoint_every=every), every

@@ -1,9 +1,9 @@
-"""The chaos study's accounting: pure functions of a run's records (the package's docstring
-defines each number), which the report recomputes from the archive of the raw logs."""
+"""The chaos study's accounting: pure functions of the runs' records (the package's docstring
+defines each number)."""
 
 from __future__ import annotations
 
-import collections
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,63 +12,44 @@ import numpy as np
 from optax_dist.fault_tolerance.rundir import by_round
 
 FAULTS = ("kill", "stop", "link", "lighthouse")
+# The events after which a fault's replica can run again: a new process, SIGCONT, link up; in
+# the synchronous arm its command's resume (a stop outlasting its heartbeat timeout ends it).
 BACK = {"kill": ("start",), "stop": ("cont",), "link": ("up",)}
-"""The events after which a fault's replica can run again (a new process, ``SIGCONT``, link up);
-the synchronous arm's (:data:`SYNC_BACK`): its command's ``resume`` (a stop that outlasts its
-heartbeat timeout ends it), or ``SIGCONT``."""
 SYNC_BACK = {"kill": ("resume",), "stop": ("cont", "resume")}
-UNPROVOKED_S = 20.0
-"""A heal of a replica without a fault of its own (or the Lighthouse's) in the seconds before it
-is *unprovoked*: a heal cascade's mark."""
+UNPROVOKED_S = 20.0  # a heal without a fault of its replica's in these seconds: a cascade's mark
 
 
 def applied(events: list[list[Any]], span: float) -> dict[str, int]:
   """The applied faults with ``0 < t <= span``, by kind (:data:`FAULTS`), and ``unapplied``."""
-  kinds = collections.Counter(e[1] for e in events if 0 < e[0] <= span)
-  return {kind: kinds[kind] for kind in (*FAULTS, "unapplied")}
+  return {kind: sum(e[1] == kind and 0 < e[0] <= span for e in events)
+          for kind in (*FAULTS, "unapplied")}
 
 
 def returns(events: list[list[Any]], own: Callable[[int], Sequence[float]],
             commits: Sequence[float] | None,
             back: dict[str, tuple[str, ...]] = BACK) -> list[dict[str, Any]]:
-  """Per applied fault of a kind of ``back`` with a return (the first of ``back``'s events after
-  it on its replica, or on replica -1: every one) and a commit after it (``own(replica)``,
-  ascending): ``seconds`` from return to commit, ``rounds`` of ``commits`` in between, and for
-  a kill with a ``ready`` event in between, ``startup`` (return to ready) and ``heal``."""
+  """Per applied fault with a return (``back``'s first event after it on its replica or on -1) and
+  a commit after that (``own(replica)``): ``seconds`` between, ``rounds`` of ``commits`` between,
+  and for a kill with a ``ready`` event between, ``startup`` (to ready) and ``heal``."""
   out = []
   for at, kind, replica, _ in events:
-    moment = next((e[0] for e in events if kind in back and e[1] in back[kind] and
-                   e[2] in (replica, -1) and e[0] >= at), None)
-    first = next((t for t in own(replica) if t > moment), None) if moment is not None else None
-    if first is None:
-      continue
-    ready = next((e[0] for e in events if kind == "kill" and e[1] == "ready" and
-                  e[2] == replica and moment <= e[0] <= first), None)
-    out.append({"kind": kind, "seconds": first - moment,
-                "rounds": None if commits is None else sum(moment <= c < first for c in commits),
-                "startup": None if ready is None else ready - moment,
-                "heal": None if ready is None else first - ready})
+    back_at = next((e[0] for e in events if e[1] in back.get(kind, ()) and e[2] in (replica, -1)
+                    and e[0] >= at), math.inf)
+    if (first := next((t for t in own(replica) if t > back_at), None)) is not None:
+      ready = next((e[0] for e in events if kind == "kill" and e[1] == "ready" and
+                    e[2] == replica and back_at <= e[0] <= first), None)
+      out.append({"kind": kind, "seconds": first - back_at, "rounds": None if commits is None
+                  else sum(back_at <= c < first for c in commits), "startup": None, "heal": None}
+                 | ({} if ready is None else {"startup": ready - back_at, "heal": first - ready}))
   return out
 
 
 def p95(returned: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
   """The 95th percentile of each of :func:`returns`' figures with values, and ``n``, by kind."""
-  out = {}
-  for kind in BACK:
-    rows = [r for r in returned if r["kind"] == kind]
-    out[kind] = {key: float(np.percentile(values, 95)) for key in
-                 ("seconds", "rounds", "startup", "heal")
-                 if (values := [r[key] for r in rows if r[key] is not None])}
-    out[kind]["n"] = len(rows)
-  return out
-
-
-def unprovoked_heals(lines: list[dict[str, Any]], t0: float, events: list[list[Any]]) -> int:
-  """The healed lines with no fault of their replica's (or the Lighthouse's) before them."""
-  return sum(line["healed"] and not any(
-    replica in (line["replica"], -1) and kind in FAULTS and
-    0 <= line["time"] - t0 - at <= UNPROVOKED_S for at, kind, replica, _ in events)
-    for line in lines)
+  rows = {kind: [r for r in returned if r["kind"] == kind] for kind in BACK}
+  return {kind: {"n": len(got)} | {key: float(np.percentile(values, 95)) for key in (
+    "seconds", "rounds", "startup", "heal") if (values := [
+      r[key] for r in got if r[key] is not None])} for kind, got in rows.items()}
 
 
 def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
@@ -86,8 +67,7 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
     # the weights of the committed lines after the first commit (the clock's origin)
     "committed_tokens": sum(x["weight"] for x in lines if x["committed"] and
                             t0 < x["time"] <= t0 + span),
-    "useful_work": sum(x["weight"] for x in lines if x["committed"]) / sum(
-      x["tokens"] for x in lines), "rounds_committed": len(commits),
+    "rounds_committed": len(commits),
     "rounds_aborted": sum(not any(x["committed"] for x in g) for g in rounds.values()),
     "abort_lines": sum(not x["committed"] for x in lines),
     "rounds_retried": sum(any(x["committed"] and x.get("attempts", 1) > 1 for x in g)
@@ -95,23 +75,17 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
     "hash_mismatches": sum(len({x["state_hash"] for x in g if x["committed"]}) > 1
                            for g in rounds.values()),
     "longest_stall_s": float(max(np.diff(commits), default=0.0)),
-    "heals": sum(x["healed"] for x in lines), "unprovoked_heals": unprovoked_heals(
-      lines, t0, events),
+    "heals": sum(x["healed"] for x in lines), "unprovoked_heals": sum(x["healed"] and not any(
+      i in (x["replica"], -1) and kind in FAULTS and 0 <= x["time"] - t0 - at <= UNPROVOKED_S
+      for at, kind, i, _ in events) for x in lines),
     # the pace of a round that every replica committed: a drift between the runs shows here
     "full_round_s": float(np.median(full)) if full else None,
     "returns": returns([e for e in events if e[0] <= span], lambda i: own.get(i, []), commits),
     "applied": applied(events, span), "timeline": _timeline(lines, t0),
-    "curve": validation_curve(run), "standby_cpu_s": run.get("standby_cpu_s", 0.0)}
-
-
-def validation_curve(run: dict[str, Any]) -> list[list[float]]:
-  """``[seconds after t0, committed tokens up to its step, held-out metric]`` of each checkpoint
-  of the run (its record's ``curve``)."""
-  lines, out = run["lines"], []
-  for point in run.get("curve", []):
-    tokens = sum(x["weight"] for x in lines if x["committed"] and x["step"] <= point["step"])
-    out.append([point["time"] - run["t0"], tokens, final_metric([point])])
-  return out
+    "standby_cpu_s": run.get("standby_cpu_s", 0.0),
+    # each checkpoint's [seconds after t0, committed tokens up to its step, held-out metric]
+    "curve": [[p["time"] - t0, sum(x["weight"] for x in lines if x["committed"] and x["step"] <=
+                                   p["step"]), final_metric([p])] for p in run.get("curve", [])]}
 
 
 def final_metric(final: list[dict[str, Any]]) -> float | None:
@@ -139,19 +113,18 @@ def _timeline(lines: list[dict[str, Any]], t0: float, points: int = 400) -> list
 
 
 def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
-  """Both runs' accounting over the span both ran (first commit to last line), the goodput and
-  the second-half validation gap."""
+  """Both runs' accounting over the span both ran (to the last line), the second-half gap."""
   span = min(max(x["time"] for x in run["lines"]) - run["t0"] for run in (control, faulted))
   a, b = accounting(control, span), accounting(faulted, span)
   return {"span_s": span, "control": a, "faulted": b,
-          "goodput": b["committed_tokens"] / a["committed_tokens"],
           "second_half_gap": second_half_gap(a["curve"], b["curve"])}
 
 
-def figures(faulted: dict[str, Any], goodput: float, span: float) -> dict[str, Any]:
-  """An arm's figures from its faulted run's accounting over ``span`` seconds: its goodput, the
-  applied faults and their rate per minute, the committed work lost per applied fault in
-  seconds of the control's pace (``(1 - goodput) * span / faults``), returns' p95."""
+def figures(faulted: dict[str, Any], control: dict[str, Any], span: float) -> dict[str, Any]:
+  """An arm's figures from its runs' accounting over ``span`` seconds: the goodput (committed
+  tokens over the control's), the applied faults per minute, the work lost per applied fault
+  (``(1 - goodput) * span / faults`` seconds), the returns' p95."""
+  goodput = faulted["committed_tokens"] / control["committed_tokens"]
   faults = sum(faulted["applied"][k] for k in FAULTS)
   return {"goodput": goodput, "applied": faulted["applied"], "per_minute": faults / span * 60,
           "lost_per_fault_s": (1 - goodput) * span / faults if faults else None,
@@ -159,10 +132,9 @@ def figures(faulted: dict[str, Any], goodput: float, span: float) -> dict[str, A
 
 
 def sync_accounting(run: dict[str, Any], span: float, tokens_per_step: float) -> dict[str, Any]:
-  """The synchronous arm's numbers over its first ``span`` seconds: committed tokens are the
-  steps of its newest checkpoint past the first (the clock's origin) times
-  ``tokens_per_step``, the longest stall the longest gap between checkpoints (the span's end
-  included), a return to the next checkpoint."""
+  """The synchronous arm's numbers over its first ``span`` seconds: its checkpoints' steps past
+  the first (the clock's origin) times ``tokens_per_step``, the longest gap between checkpoints
+  (the span's end included), a return to the next checkpoint."""
   saved = [(t - run["t0"], step) for t, step in run["saved"] if t - run["t0"] <= span]
   first, events = saved[0][1], [e for e in run["events"] if e[0] <= span]
   return {"committed_tokens": (saved[-1][1] - first) * tokens_per_step,

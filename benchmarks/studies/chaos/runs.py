@@ -1,11 +1,12 @@
 """The chaos study's settings and arms: each run a command under a fault schedule (redrawn by
-:func:`schedule.redraw`), its processes capped (:class:`CpuShares`) and faulted
-(:mod:`benchmarks.network.faults`), several at once under :func:`together`."""
+:func:`schedule.redraw`), its processes capped and faulted (:mod:`benchmarks.network.faults`),
+several at once under :func:`together`."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -22,8 +24,7 @@ import optax
 from benchmarks import kit
 from benchmarks.network import faults as inflicted
 from benchmarks.network import netns
-from benchmarks.network.cgroups import CpuShares
-from benchmarks.studies.chaos.schedule import KINDS, TimedFault, redraw, redraw_rng
+from benchmarks.studies.chaos.schedule import TimedFault, redraw, redraw_rng
 from optax_dist.cli import ft_task, orbax_checkpoints
 from optax_dist.cli.ft_flags import DEFAULTS
 from optax_dist.cli.main import build_parser
@@ -53,8 +54,7 @@ class Config:
   reuse: bool = kit.option(False, "read back runs of the same settings from PREFIX_runs/")
   timeout: float = kit.option(1800.0, "seconds after which a pair of runs is stopped")
   cpus: float = kit.option(float(os.cpu_count() or 1), "CPUs a pair shares (cgroups); 0: none")
-  sync_checkpoint_every: int | None = kit.option(
-    None, "the sync arm's --checkpoint-every; default Young-Daly's; 0: no sync arm")
+  sync_checkpoint_every: int | None = kit.option(None, "default Young-Daly's; 0: no sync arm")
   lighthouse_kill: float = kit.option(300.0, "seconds in of the Lighthouse's kill; 0: never")
   standby: bool = kit.option(False, "spares in both arms (--standby; sync: no restart delay)")
   checkpoint_every: int = kit.option(200, "the fault-tolerant runs' --checkpoint-every; 0: none")
@@ -78,8 +78,8 @@ def command(config: Config, out: str, star: netns.Star | None = None) -> list[st
            ("--lighthouse-heartbeat-timeout", c.heartbeat_timeout), ("--no-progress",),
            ("--out", out)]
   flags += [] if star is None else [("--host", star.address), ("--replica-netns", star.pattern)]
-  flags += [("--checkpoint-every", c.checkpoint_every)] * bool(c.checkpoint_every)
-  flags += [("--standby",)] * c.standby
+  flags += [("--checkpoint-every", c.checkpoint_every)] * bool(c.checkpoint_every) + [
+    ("--standby",)] * c.standby
   return ([] if star is None else star.exec_prefix()) + _train(flags)
 
 
@@ -102,35 +102,32 @@ def _train(flags: list[tuple[Any, ...]]) -> list[str]:
 
 class Run:
   """A command under a fault schedule, which :func:`together` enters (empties ``out``, makes the
-  CPU groups of ``cpus``, starts the command), ticks (:meth:`inject`) and leaves (kills every
-  process, removes the groups and namespaces, also on an exception). ``tag``, a lower-case
-  letter, tells apart the runs sharing the machine; ``seed`` the stream of the redraws."""
+  CPU groups of ``cpus``, starts it), ticks (:meth:`inject`) and leaves (kills every process,
+  removes the groups and namespaces). ``tag``: a lower-case letter; ``seed``: the redraws'."""
 
   flag, group = "", False  # the flag of a process's index; a kill of its process group
 
   def __init__(self, config: Config, out: str, faults: list[TimedFault], cpus: float, tag: str,
                seed: int = 0):
     self.config, self.out, self.cpus, self.tag = config, out, cpus, tag
-    self.timed, self.stack, self.dir = kit.Timed(), contextlib.ExitStack(), RunDir(out)
+    self.timed, self.dir = kit.Timed(), RunDir(out)
     self.pending, self.rng = sorted(faults, key=lambda f: f.at), redraw_rng(seed)
     self.events: list[list[Any]] = []  # [t, kind, replica, pid]
-    self.seen, self.ready, self.standby_cpu = {}, {}, {}
+    self.seen, self.ready, self.standby_cpu, self.t0 = {}, {}, {}, None
     self.undo: list[tuple[float, int, int, str]] = []  # (when, replica, pid, cont or up)
-    self.t0: float | None = None
 
   def __enter__(self) -> Self:
     shutil.rmtree(self.out, ignore_errors=True)
     os.makedirs(self.out)
-    try:
+    with contextlib.ExitStack() as self.stack:  # closed at once if a step fails
       self.stack.enter_context(self.timed)
       self.log = self.stack.enter_context(open(os.path.join(self.out, "command.log"), "w"))
-      self.shares = self.stack.enter_context(CpuShares(self.config.replicas, self.cpus, self.tag))
+      self.shares = self.stack.enter_context(
+        inflicted.CpuShares(self.config.replicas, self.cpus, self.tag))
       self.star = self._network()
       self.proc = self._start(resume=False)
       self.stack.callback(lambda: (inflicted.kill_all(self.out), self.proc.wait()))
-    except BaseException:
-      self.stack.close()
-      raise
+      self.stack = self.stack.pop_all()
     return self
 
   def __exit__(self, *exc: object) -> None:
@@ -149,15 +146,13 @@ class Run:
     return {"t0": self.t0, "events": self.events, "status": self.proc.returncode,
             **self.timed.record()}
 
-  def now(self) -> float:
-    """Seconds after ``t0`` (0 before it is known)."""
+  def now(self) -> float:  # seconds after t0 (0 before it is known)
     return time.time() - (self.t0 or time.time())
 
   def inject(self, t0: float | None, *, ending: bool) -> None:
     """One look on the clock of the run's first progress ``t0``: a new process (``flag INDEX``)
-    is recorded (``start``) and moved into its CPU group; a due fault (``kill -9``, of the
-    process group with ``group``; ``SIGSTOP`` then ``SIGCONT``; link down then up; the
-    Lighthouse's ``kill -9``) applied, or redrawn, or ``unapplied``. ``ending``: no more."""
+    recorded (``start``) and capped; due faults applied (``kill -9``, of the process group with
+    ``group``; ``SIGSTOP`` then ``SIGCONT``; link down then up), redrawn or ``unapplied``."""
     pids = inflicted.process_ids(self.out, self.flag)
     self.t0 = self.t0 or t0
     now = self.now()
@@ -192,12 +187,10 @@ class Run:
 
 
 class FaultTolerantRun(Run):
-  """``optax-dist train --fault-tolerant`` (:func:`command`) in a :class:`netns.Star`, on the
-  clock of its first commit. Its record: ``t0`` (Unix time), ``events`` (``[t, kind, replica,
-  pid]``: ``start``, ``ready`` (a replica's ``ready_<i>`` mark), ``kill``, ``stop``, ``cont``,
-  ``link``, ``up``, ``lighthouse``, ``unapplied``), ``lines``, ``final`` (``final_<i>.json``),
-  ``curve`` (:func:`ft_task.checkpoint_metrics`), ``standby_cpu_s`` (the waiting standbys'),
-  ``status``, ``wall_s`` and the load averages."""
+  """:func:`command` in a :class:`netns.Star`, on the clock of its first commit. Its record:
+  ``t0``, ``events`` (``[t, kind, replica, pid]``: ``start``, ``ready`` (its ``ready_<i>``),
+  the faults, ``cont``, ``up``, ``unapplied``), ``lines``, ``final``, ``curve``
+  (:func:`ft_task.checkpoint_metrics`), ``standby_cpu_s``, ``status``, ``wall_s``, loads."""
 
   flag, group = "--replica-id", True
 
@@ -227,13 +220,11 @@ class FaultTolerantRun(Run):
 
 
 class SyncRun(Run):
-  """Synchronous data parallelism (:func:`sync_command`) for ``horizon`` seconds after its first
-  checkpoint: a fault that ends the command is followed ``--restart-delay`` s later (at once
-  with ``--standby``) by the same command with ``--resume``, its processes sharing a compilation
-  cache under ``out/compilation_cache``. Its faults (no link faults: its processes share the
-  machine's network) are on the clock of the first checkpoint. Its record: ``t0``, ``saved``
-  (``[Unix time, step]`` of each new checkpoint), ``events`` (also ``[t, "exit", -1, status]``
-  and ``[t, "resume", -1, pid]``), ``status``, ``wall_s``, the load averages."""
+  """:func:`sync_command` for ``horizon`` s after its first checkpoint, its clock's origin: a
+  fault that ends it is followed ``--restart-delay`` s later (with ``--standby`` at once) by
+  ``--resume``. No link faults (its processes share the machine's network). Its record:
+  :class:`Run`'s, ``saved`` (``[Unix time, step]`` of each new checkpoint), ``exit`` and
+  ``resume`` events (``[t, "exit", -1, status]``, ``[t, "resume", -1, pid]``)."""
 
   flag = "--process-id"
 
@@ -241,7 +232,6 @@ class SyncRun(Run):
                horizon: float, seed: int = 0):
     super().__init__(config, out, [f for f in faults if f.kind != "link"], cpus, tag, seed)
     self.horizon, self.saved, self.restart_at = horizon, [], None
-    self.directory = os.path.join(out, "checkpoints", "sync")
 
   def _command(self, resume: bool) -> list[str]:
     return sync_command(self.config, self.out, resume)
@@ -252,12 +242,11 @@ class SyncRun(Run):
       if self.proc.returncode == 0:
         return False  # every step done before the horizon
       self.events.append([self.now(), "exit", -1, self.proc.returncode])
-      delay = 0.0 if self.config.standby else self.config.restart_delay
-      self.restart_at = time.monotonic() + delay
+      self.restart_at = time.monotonic() + self.config.restart_delay * (not self.config.standby)
     if self.restart_at is not None and time.monotonic() >= self.restart_at:
       self.proc, self.restart_at = self._start(resume=True), None
       self.events.append([self.now(), "resume", -1, self.proc.pid])
-    steps = orbax_checkpoints.saved_steps(self.directory)
+    steps = orbax_checkpoints.saved_steps(os.path.join(self.out, "checkpoints", "sync"))
     if steps and (not self.saved or steps[-1] > self.saved[-1][1]):
       self.saved.append([time.time(), steps[-1]])
     self.inject(self.saved[0][0] if self.saved else None, ending=False)
@@ -269,11 +258,8 @@ class SyncRun(Run):
 
 def together(runs: list[Run], timeout: float) -> list[dict[str, Any]]:
   """Starts ``runs`` at once and ticks each every 0.1 s until none goes on (once one has ended,
-  the others get no more faults); their records. Every process, group and namespace is gone.
-
-  Raises:
-    TimeoutError: a run still going on after ``timeout`` seconds.
-  """
+  the others get no more faults); their records. Every process, group and namespace is gone
+  when it returns or raises (``TimeoutError``: a run still going on after ``timeout`` s)."""
   netns.remove_stale()
   deadline = time.monotonic() + timeout
   with contextlib.ExitStack() as stack:
@@ -294,23 +280,23 @@ def young_daly(cost_s: float, mtbf_s: float, step_s: float) -> int:
   return max(1, round(math.sqrt(2 * cost_s * mtbf_s) / step_s))
 
 
-def sync_mtbf(config: Config) -> float:
-  """The seconds between the synchronous arm's faults: kills and stops (a stop outlasts its
-  heartbeat timeout: each ends its command), 2 of the 3 :data:`KINDS` of ``--fault-rate``."""
-  return len(KINDS) / (config.fault_rate * (len(KINDS) - 1))
+def checkpoint_cost(task: str, cpus: float) -> float:
+  """:func:`save_seconds` in a new process capped at ``cpus`` CPUs (0: none), as a replica is."""
+  with inflicted.CpuShares(1, cpus, "z") as share:
+    code = f"from benchmarks.studies.chaos import runs; print(runs.save_seconds({task!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    share.add(0, proc.pid)
+    return float(proc.communicate()[0].split()[-1])
 
 
-def checkpoint_cost(task: str, repeats: int = 3) -> float:
+def save_seconds(task: str, repeats: int = 3) -> float:
   """The median seconds of saving ``task``'s params and Adam's moments with the synchronous
-  arm's :class:`orbax_checkpoints.Checkpoints`, in this process."""
-  params = kit.initial_params(TASKS[task], TASKS[task].load(0).train)
-  state, times = {"params": params, "opt_state": optax.adam(1e-3).init(params)}, []
+  arm's :class:`orbax_checkpoints.Checkpoints`."""
+  params, steps = kit.initial_params(TASKS[task], TASKS[task].load(0).train), itertools.count(1)
+  state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
   with tempfile.TemporaryDirectory() as directory:
     saver = orbax_checkpoints.Checkpoints(directory, {}, resume=False)
-    for step in range(1, repeats + 1):
-      start = time.perf_counter()
-      saver.save(step, state, {})
-      times.append(time.perf_counter() - start)
+    times = timeit.repeat(lambda: saver.save(next(steps), state, {}), number=1, repeat=repeats)
     saver.close()
   return kit.median(times)
 
@@ -318,8 +304,8 @@ def checkpoint_cost(task: str, repeats: int = 3) -> float:
 def records(config: Config, prefix: str, names: tuple[str, ...],
             run: Callable[[list[str]], list[dict[str, Any]]]) -> list[dict[str, Any]]:
   """``run([PREFIX_runs/NAME, ...])``'s records, also written to ``PREFIX_runs/NAME.json`` with
-  the settings they depend on (not ``reuse``, ``timeout``, nor but for a faulted run
-  ``lighthouse_kill``); with ``--reuse``, read back from there when every one's are the same."""
+  their settings (all but ``reuse``, ``timeout`` and, but for a faulted run,
+  ``lighthouse_kill``); with ``--reuse``, read back from there if every one's are the same."""
   paths, settings = [f"{prefix}_runs/{n}" for n in names], [
     {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(config))).items() if k not in (
       "reuse", "timeout", *["lighthouse_kill"] * (n.split("/")[-1] != "faulted"))} for n in names]
@@ -331,4 +317,3 @@ def records(config: Config, prefix: str, names: tuple[str, ...],
   for path, config_, record in zip(paths, settings, records, strict=True):
     kit.write_json(f"{path}.json", {"config": config_, "record": record})
   return records
-

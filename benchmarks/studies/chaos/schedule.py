@@ -13,8 +13,7 @@ KINDS = ("kill", "stop", "link")
 
 @dataclasses.dataclass(frozen=True)
 class TimedFault:
-  """``kind`` on ``replica`` (``lighthouse``: -1) at ``at`` seconds after the first commit, for
-  ``seconds`` (stop, link). (The in-process engine's ``Fault`` is by round.)"""
+  """``kind`` on ``replica`` (Lighthouse: -1) ``at`` s after the first commit, for ``seconds``."""
 
   at: float
   kind: str
@@ -25,10 +24,10 @@ class TimedFault:
 def schedule(seed: int, rate: float, horizon: float, replicas: int,
              stop_seconds: tuple[float, float] = (3.0, 10.0),
              link_seconds: tuple[float, float] = (5.0, 15.0)) -> list[TimedFault]:
-  """The faults of a Poisson process of ``rate`` per second over ``[0, horizon)`` seconds: gaps
-  exponential of mean ``1 / rate``, each fault's kind (:data:`KINDS`) and replica uniform, a
-  stop's length uniform in ``stop_seconds``, a link's in ``link_seconds``; drawn in turn from
-  ``numpy.random.default_rng(seed)``, so that a longer horizon extends the same list.
+  """The faults of a Poisson process of ``rate`` per second over ``[0, horizon)`` seconds, each of
+  a uniform kind (:data:`KINDS`) on a uniform replica, a stop or link down for a uniform length
+  in ``stop_seconds`` or ``link_seconds``: drawn in turn from ``default_rng(seed)``, so that a
+  longer horizon extends the same list.
 
   Raises:
     ValueError: ``rate`` or ``horizon`` not positive, ``replicas < 1``, ``stop_seconds`` or
@@ -57,10 +56,9 @@ def redraw_rng(seed: int) -> np.random.Generator:
 
 def redraw(fault: TimedFault, live: Collection[int],
            rng: np.random.Generator) -> TimedFault | None:
-  """``fault`` as it applies: itself if its replica is in ``live`` (those that can take it: not
-  dead, stopped or cut off); else the same kind at the same time on ``sorted(live)[u]``, ``u``
-  uniform from ``rng`` (one draw); ``None`` (unapplied) without a live replica. A Lighthouse
-  kill is never moved."""
+  """``fault`` itself if its replica is ``live`` (not dead, stopped or cut off); else the same at
+  ``sorted(live)[u]``, ``u`` uniform from ``rng``; ``None`` (unapplied) if none is (or a
+  Lighthouse kill's Lighthouse is not)."""
   if fault.replica in live:
     return fault
   if fault.kind == "lighthouse" or not live:
