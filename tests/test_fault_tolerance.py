@@ -16,6 +16,7 @@ import pathlib
 import pickle
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -545,6 +546,28 @@ def test_a_resume_rebuilds_each_replica_whole_from_its_local_checkpoint(algorith
   other.close()
   with pytest.raises(ValueError, match=r"replica_1.local.* is of another run \(fingerprint 8\)"):
     resumed(1)
+
+
+def test_a_checkpoint_written_before_the_loop_donates_its_arrays_holds_their_values(tmp_path):
+  """The writer's thread runs after the loop's next step has donated (deleted) the arrays it was
+  given: it writes the values they held (its own copies), global and local."""
+  engine = _engine("diloco", "none", (), num_replicas=1)
+  engine.run(1)
+  replica = engine.replicas[0]
+  kept = jax.tree.map(np.array, replica)
+  writer = checkpoints.CheckpointWriter(tmp_path, H, fingerprint=7)
+  started = threading.Event()
+  writer._pool.submit(started.wait)  # the thread is busy until the arrays are gone
+  writer.write(ft.heal_state(replica), step=H, rounds=1, time=0.0, members=(0,))
+  writer.write_local(replica, step=H, slot=0)
+  for x in jax.tree.leaves(replica):
+    if isinstance(x, jax.Array):
+      x.delete()
+  started.set()
+  writer.close()
+  fresh = _protocol("diloco", "none", ()).init(_params())
+  donation, own = checkpoints.resume(tmp_path, fresh, ft.heal_state(fresh), 0, 7)
+  _assert_trees_equal(ft.heal.resumed_state(donation.global_state, own), kept)
 
 
 def test_state_hash_sees_every_bit_dtype_shape_and_structure():

@@ -33,6 +33,9 @@ import os
 import pathlib
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from optax_dist import _checks
 from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.heal import (
@@ -51,6 +54,13 @@ it was killed between the writes of the newest's files."""
 def local_path(directory: str | os.PathLike, step: int, slot: int) -> pathlib.Path:
   """Where replica ``slot`` writes its local state of the checkpoint at ``step``."""
   return pathlib.Path(directory) / f"step_{step}.replica_{slot}.local"
+
+
+def _owned(tree: Any) -> Any:
+  """``tree`` with each JAX array copied on its devices (dispatched, not waited for): the
+  writer's thread reads the copies while the loop's next jitted step donates (deletes) the
+  originals."""
+  return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def _write_atomically(path: pathlib.Path, data: bytes) -> None:
@@ -90,17 +100,17 @@ class CheckpointWriter:
     """Queues the checkpoint of a replica's ``donation`` (what it sends a joiner:
     :meth:`Replica.donation <optax_dist.fault_tolerance.Replica.donation>`, or a
     :func:`heal_state`) after ``rounds`` committed rounds at ``step``, whose ``members`` (the
-    round's slots) write their local files beside it; its arrays are immutable: the thread
-    reads them later."""
+    round's slots) write their local files beside it. The thread reads copies of its arrays
+    (:func:`_owned`), so the loop's next step may donate them."""
     meta = {"step": step, "rounds": rounds, "time": time, "fingerprint": self.fingerprint,
             "members": [int(i) for i in members]}
-    self._pending.append(self._pool.submit(self._write, donation, meta))
+    self._pending.append(self._pool.submit(self._write, _owned(donation), meta))
 
   def write_local(self, replica: ReplicaState, *, step: int, slot: int) -> None:
     """Queues replica ``slot``'s local state (:func:`local_part` of ``replica``) of the
     checkpoint at ``step`` (:func:`local_path`), then drops its files older than its newest
     :data:`LOCAL_KEPT`."""
-    self._pending.append(self._pool.submit(self._write_local, replica, step, slot))
+    self._pending.append(self._pool.submit(self._write_local, _owned(replica), step, slot))
 
   def _write_local(self, replica: ReplicaState, step: int, slot: int) -> None:
     payload = heal.encode_heal(local_part(replica), fingerprint=self.fingerprint)
