@@ -85,10 +85,11 @@ bench-lm-exchanges: $(VENV)/.bench
 bench-async-dylu: $(VENV)/.bench
 	$(BIN)/python -m benchmarks async_dylu $(BENCH_ASYNC_DYLU_ARGS)
 
-# Fault-tolerant DiLoCo (4 replica processes over torchft, the lm task) under a fixed-seed
-# Poisson schedule of kill -9, SIGSTOP and link-down faults, against a control run at the same
-# time: goodput, heal times, stalls, state-hash mismatches; then synchronous data parallelism with
-# checkpoint-restart under the same schedule (about 25 min in all); in benchmarks/results/chaos/.
+# Fault-tolerant DiLoCo (4 replica processes over torchft, the lm task) and synchronous data
+# parallelism with checkpoint-restart, each under fixed-seed Poisson schedules of kill -9, SIGSTOP
+# and link-down faults (seeds 0, 1, 2) against a control run at the same time, and an
+# equal-tokens control: goodput, applied faults, work lost per fault, returns, validation (about
+# 2 h in all); in benchmarks/results/chaos/, the runs' raw logs in chaos_raw.tar.xz.
 # Needs root and the ft extra; says why and does nothing without root. BENCH_CHAOS_ARGS=--quick
 # checks the program.
 bench-chaos: $(VENV)/.bench,ft

@@ -24,7 +24,7 @@ A run's directory ``OUT`` holds, by writer:
 :meth:`RunDir.checkpoints`, the pids), sums a run up (:meth:`RunDir.summary`) and clears an
 earlier run's files (:meth:`RunDir.clear`; a resumed run's pids and marks only,
 :meth:`RunDir.clear_marks`). ``optax-dist train --fault-tolerant`` and the
-chaos study (``benchmarks/studies/chaos.py``) read their runs with it.
+chaos study (``benchmarks/studies/chaos/``) read their runs with it.
 """
 
 from __future__ import annotations
