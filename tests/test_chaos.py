@@ -274,6 +274,41 @@ def test_young_daly_s_interval_and_the_synchronous_arm_s_settings():
   assert "--standby" not in runs.command(runs.Config(), "o")  # no spare by default
 
 
+def test_a_seed_with_too_few_applied_faults_runs_again_longer_then_its_controls(tmp_path,
+                                                                               monkeypatch):
+  """``run_seed`` with stand-in runs: the first pair's faulted run takes 1 applied fault of the 2
+  asked, so the pair runs again with 1.1 * 2 / 1 = 2.2 times the steps (220, a multiple of H) on
+  the same schedule drawn further; then the equal-tokens control: the faulted run's 70
+  committed tokens at R * 10 / H = 1 token per step, 80 steps (3.5 rounds of H, rounded); then
+  the synchronous pair at Young and Daly's interval: sqrt(2 * 2 s * 45 s) / (1 s / H) steps."""
+  calls = []
+
+  def together(made, timeout):
+    calls.append([(type(r).__name__, r.config.steps, r.config.sync_checkpoint_every,
+                   r.pending, timeout) for r in made])
+    for r in made:  # as a run does
+      os.makedirs(r.out, exist_ok=True)
+    if isinstance(made[0], runs.SyncRun):
+      return [sync_run(), sync_run()]
+    faulted = faulted_run()
+    faulted["events"] += [[2.0, "stop", 0, 100], [2.2, "cont", 0, 100]] * (len(calls) > 1)
+    return [control_run(), faulted][:len(made)]
+
+  monkeypatch.setattr(runs, "together", together)
+  monkeypatch.setattr(runs, "checkpoint_cost", lambda task, cpus: 2.0)
+  config = runs.Config(replicas=2, steps=100, min_faults=2, fault_rate=1 / 30, timeout=100.0)
+  meta, found = chaos.run_seed(config, 3, str(tmp_path / "chaos"))
+  assert [[(kind, steps, every) for kind, steps, every, _, _ in call] for call in calls] == [
+    [("FaultTolerantRun", 100, None)] * 2, [("FaultTolerantRun", 220, None)] * 2,
+    [("FaultTolerantRun", 80, None)], [("SyncRun", 220, 268)] * 2]
+  first, again = calls[0][1][3], calls[1][1][3]
+  assert set(first) < set(again) and calls[1][0][4] == pytest.approx(220.0)  # drawn further
+  assert calls[0][0][3] == [] and all(f.kind != "link" for f in calls[3][1][3])
+  assert meta == {"steps": 220, "tokens_per_step": 1.0, "checkpoint_cost_s": 2.0,
+                  "mtbf_s": pytest.approx(45.0), "step_s": 0.05, "sync_checkpoint_every": 268}
+  assert sorted(found) == ["control", "equal_tokens", "faulted", "sync_control", "sync_faulted"]
+
+
 def test_records_are_saved_and_read_back_with_reuse_and_the_same_settings(tmp_path):
   calls = []
 

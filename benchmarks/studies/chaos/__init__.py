@@ -15,7 +15,7 @@ MTBF)`` (``C`` measured), restarted with ``--resume``. No arm has a spare (``--s
 their CPU-seconds counted). A run's clock starts at its first commit (checkpoint).
 
 Every figure is the median and range over the seeds, computed again from the raw records in
-``PREFIX_raw.tar.xz`` by ``python -m benchmarks.studies.chaos.report --recompute``:
+``PREFIX_raw.tar.xz`` by ``python -m benchmarks.studies.chaos --recompute``:
 
 * goodput: committed tokens (a healer's round none; sync: checkpointed) over the control's;
 * the applied faults, their rate, and the work lost per fault: ``(1 - goodput) * span / faults``
@@ -74,12 +74,11 @@ def run_seed(config: Config, seed: int, prefix: str) -> tuple[dict[str, Any], di
         [runs.FaultTolerantRun(c, out[0], [], cpus, "c", seed),
          runs.FaultTolerantRun(c, out[1], faults, cpus, "f", seed)], c.timeout)))
     pair = accounting.compare(control, faulted)
-    got = sum(pair["faulted"]["applied"][k] for k in accounting.FAULTS)
-    if got >= c.min_faults:
+    if (got := sum(pair["faulted"]["applied"][k] for k in accounting.FAULTS)) >= c.min_faults:
       break
     grow = 1.1 * c.min_faults / max(got, 1)  # the same schedule, drawn further
-    c = dataclasses.replace(c, steps=math.ceil(c.steps * grow / c.sync_period) * c.sync_period,
-                            timeout=c.timeout * grow)
+    rounds = math.ceil(round(c.steps * grow / c.sync_period, 9))  # 11.000000000000002: 11
+    c = dataclasses.replace(c, steps=rounds * c.sync_period, timeout=c.timeout * grow)
   per_step = c.replicas * max(x["tokens"] for x in control["lines"]) / c.sync_period
   meta = {"steps": c.steps, "tokens_per_step": per_step}
   found = {"control": control, "faulted": faulted}

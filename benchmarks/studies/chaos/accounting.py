@@ -16,7 +16,7 @@ FAULTS = ("kill", "stop", "link", "lighthouse")
 # the synchronous arm its command's resume (a stop outlasting its heartbeat timeout ends it).
 BACK = {"kill": ("start",), "stop": ("cont",), "link": ("up",)}
 SYNC_BACK = {"kill": ("resume",), "stop": ("cont", "resume")}
-UNPROVOKED_S = 20.0  # a heal without a fault of its replica's in these seconds: a cascade's mark
+UNPROVOKED_S = 20.0  # a heal without an event of its replica's in these seconds: a cascade's mark
 
 
 def applied(events: list[list[Any]], span: float) -> dict[str, int]:
@@ -76,8 +76,8 @@ def accounting(run: dict[str, Any], span: float) -> dict[str, Any]:
                            for g in rounds.values()),
     "longest_stall_s": float(max(np.diff(commits), default=0.0)),
     "heals": sum(x["healed"] for x in lines), "unprovoked_heals": sum(x["healed"] and not any(
-      i in (x["replica"], -1) and kind in FAULTS and 0 <= x["time"] - t0 - at <= UNPROVOKED_S
-      for at, kind, i, _ in events) for x in lines),
+      i in (x["replica"], -1) and kind != "unapplied" and
+      0 <= x["time"] - t0 - at <= UNPROVOKED_S for at, kind, i, _ in events) for x in lines),
     # the pace of a round that every replica committed: a drift between the runs shows here
     "full_round_s": float(np.median(full)) if full else None,
     "returns": returns([e for e in events if e[0] <= span], lambda i: own.get(i, []), commits),

@@ -116,7 +116,7 @@ ROWS = (  # each seed's table: a label, a run's cell from its accounting and rec
      "rounds_committed", "rounds_retried", "rounds_aborted", "abort_lines"))),
   ("median seconds of a round all replicas committed",
    lambda a, r: kit.fmt(a["full_round_s"], ".4f")),
-  ("heals / of them unprovoked (no fault of the replica's own in the 20 s before)",
+  ("heals / of them unprovoked (no event of the replica's own in the 20 s before)",
    lambda a, r: f"{a['heals']} / {a['unprovoked_heals']}"),
   ("final held-out metric (mean of replicas)",
    lambda a, r: kit.fmt(accounting.final_metric(r["final"]), ".4f")))
@@ -183,12 +183,8 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
   """``--recompute PREFIX_raw.tar.xz``: prints the report computed from the archive alone."""
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.chaos.report")
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.chaos")
   parser.add_argument("--recompute", required=True, metavar="PREFIX_raw.tar.xz")
   archive = parser.parse_args(argv).recompute
   figure = os.path.basename(archive).replace("_raw.tar.xz", ".png")
   print(markdown(result(*read_archive(archive)), figure))
-
-
-if __name__ == "__main__":
-  main()

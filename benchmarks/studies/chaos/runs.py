@@ -61,8 +61,8 @@ class Config:
   equal_tokens_control: bool = kit.option(True, "a control of the faulted run's tokens")
 
 
-QUICK = {"steps": 400, "fault_rate": 1 / 8, "sync_checkpoint_every": 20, "lighthouse_kill": 15.0,
-         "checkpoint_every": 100, "seeds": (0,), "min_faults": 0}
+QUICK = {"steps": 400, "fault_rate": 1 / 8, "lighthouse_kill": 15.0, "checkpoint_every": 100,
+         "seeds": (0,), "min_faults": 0}
 
 
 def command(config: Config, out: str, star: netns.Star | None = None) -> list[str]:
