@@ -63,5 +63,4 @@ def redraw(fault: TimedFault, live: Collection[int],
     return fault
   if fault.kind == "lighthouse" or not live:
     return None
-  pool = sorted(live)
-  return dataclasses.replace(fault, replica=pool[int(rng.integers(len(pool)))])
+  return dataclasses.replace(fault, replica=sorted(live)[int(rng.integers(len(live)))])
