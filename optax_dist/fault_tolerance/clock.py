@@ -17,6 +17,7 @@ or abort as logged (the vote is not taken again); a run that diverges from its l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -61,6 +62,7 @@ class Clock:
     self._reverts: dict[int, int] = {}
     self._results: dict[int, Pull] = {}
     self._threads, self._errors, self._returned = [], [], {}
+    self._failure: BaseException | None = None  # an error of the clock's: every loop stops
     plan = engine.replay
     self._plan = None if plan is None else [
       MergeLine(**line) if isinstance(line, dict) else line for line in plan
@@ -70,7 +72,8 @@ class Clock:
     """Runs ``train(replica)`` for every replica until each returns; returns their values.
 
     Raises:
-      Exception: the first exception a replica's ``train`` raised.
+      Exception: the first exception a replica's ``train`` raised, or the clock's own (the
+        loops still running are stopped at their next boundary).
       RuntimeError: a replay that diverges from its log.
     """
     self._train = train
@@ -79,8 +82,8 @@ class Clock:
         self._start(i)
     for t in self._threads:
       t.join()
-    if self._errors:
-      raise self._errors[0]
+    if self._failure is not None or self._errors:
+      raise self._failure or self._errors[0]
     return self._returned
 
   def _start(self, i: int) -> None:
@@ -94,12 +97,15 @@ class Clock:
   def _main(self, i: int, replica: DecoupledReplica) -> None:
     try:
       self._returned[i] = self._train(replica)
-    except BaseException as e:  # noqa: BLE001 (re-raised by run)
+    except _Stopped:
+      pass
+    except Exception as e:  # noqa: BLE001 (re-raised by run)
       self._errors.append(e)
     finally:
       with self._cv:
         self._at[i][1] = "end"
-        self._pump()
+        with contextlib.suppress(Exception):  # kept as the clock's failure, raised by run
+          self._pump()
 
   def _time(self, i: int, step: int) -> float:
     return step / self.engine.speeds[i]
@@ -110,13 +116,28 @@ class Clock:
       self._pushes[i], self._steps[i] = push, push.header.step
       self._at[i] = [self._time(i, push.header.step), "push"]
       self._pump()
-      self._cv.wait_for(lambda: i in self._results)
+      self._cv.wait_for(lambda: i in self._results or self._failure is not None)
+      if i not in self._results:
+        raise _Stopped
       return self._results.pop(i)
 
   # --------------------------------------------------------------------------------------------
   # The events, in the clock's order (the lock held).
 
   def _pump(self) -> None:
+    """Processes every event that can be, then wakes the waiting loops; an error here stops
+    every loop (:attr:`_failure`)."""
+    if self._failure is not None:
+      return
+    try:
+      self._process()
+    except BaseException as e:
+      self._failure = e
+      raise
+    finally:
+      self._cv.notify_all()
+
+  def _process(self) -> None:
     while self._at:
       t, phase, i = min((t, _PHASE[kind], i) for i, (t, kind) in self._at.items())
       kind = self._at[i][1]
@@ -133,7 +154,6 @@ class Clock:
         self._close_if_complete(t)
     if not self._at and self._open:  # every loop returned: the last payloads' round
       self._close(max(e.time for e in self._open.values()))
-    self._cv.notify_all()
 
   def _push(self, i: int, t: float) -> None:
     push = self._pushes.pop(i)
@@ -233,6 +253,11 @@ class Clock:
       before.params, before.params, before.opt_state, before.average, merged,
       before.opt_state.error_feedback if self.protocol.error_feedback else None, fragment)
     return ReplicaState(params, opt_state, before.rounds + 1, average)
+
+
+class _Stopped(BaseException):
+  """Raised in a loop at its boundary when the clock failed (a ``BaseException``: the user's
+  ``except Exception`` does not catch it)."""
 
 
 class _Port:

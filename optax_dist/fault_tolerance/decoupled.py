@@ -316,6 +316,13 @@ class DecoupledReplica(Replica):
   anchor. ``local_step`` never jumps.
   """
 
+  def start(self, state: Any, **kwargs: Any) -> Any:
+    """:meth:`Replica.start`, the model average (``local_sgd``'s: the initial params) copied:
+    an engine reads it after the loop has donated its params."""
+    state = super().start(state, **kwargs)
+    self._replica = self._replica._replace(average=jax.tree.map(jnp.copy, self._replica.average))
+    return state
+
   def _round(self, state: Any) -> Any:
     parts = get_parts(state)
     fragment = self.protocol.fragment(self.step)
