@@ -1,0 +1,308 @@
+"""Decoupled rounds on the in-process engine: replicas of different speeds on a simulated clock.
+
+The synchronous engine is the reference for K = R, an infinite window and equal speeds; a
+hand-made schedule (speeds 1 : 1 : 0.5 : 0.25) is checked against a NumPy reference of the
+merge; a run with an abort and an age gate is replayed from its JSON lines and its tokens are
+accounted for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_dist
+from optax_dist import fault_tolerance as ft
+from optax_dist.fault_tolerance import decoupled
+from optax_dist.fault_tolerance.decoupled import MergeLine, Revert
+
+SHAPES = {"a": (4, 3), "b": (5,)}
+H = 2
+SPEEDS = (1.0, 1.0, 0.5, 0.25)
+
+
+def _params():
+  keys = jax.random.split(jax.random.key(0), len(SHAPES))
+  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items(), strict=True)}
+
+
+@jax.jit
+def _batch(seed, slot, step):
+  keys = jax.random.split(ft.step_key(seed, slot, step), len(SHAPES))
+  return {k: jax.random.normal(kk, s) for kk, (k, s) in zip(keys, SHAPES.items(), strict=True)}
+
+
+def _loop(protocol, steps):
+  """A user's loop (a jitted step that donates params and state); returns its state, the
+  decoupled global hash after each of its boundaries, and its replica."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, batch):
+    grads = jax.tree.map(jnp.subtract, params, batch)  # of 0.5 |params - batch|^2
+    updates, opt_state = protocol.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def train(replica):
+    params = _params()
+    state = replica.start((params, protocol.tx.init(params)))
+    hashes = []
+    while replica.step < steps:
+      state = replica.after_step(train_step(*state, _batch(replica.seed, replica.slot,
+                                                           replica.step)))
+      if replica.step % H == 0:
+        hashes.append(decoupled.global_hash(replica.replica_state))
+    return state, hashes, replica
+
+  return train
+
+
+def _leaves_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------------------------------------------------------
+# K = R, an infinite window, equal speeds: the synchronous engine.
+
+
+@pytest.mark.parametrize("case", ["diloco_int8_feedback", "local_sgd"])
+def test_k_equal_to_r_with_an_infinite_window_is_the_synchronous_engine(case):
+  """Every round closes when all three payloads are in and each replica lands at its own
+  boundary: params, optimizer states and the global hash after every round bit for bit the
+  synchronous engine's; one hash per round across replicas (E1), the MergeLine's."""
+  if case == "local_sgd":
+    protocol = ft.RoundProtocol("local_sgd", optax.sgd(0.5, momentum=0.5), sync_period=H)
+  else:
+    protocol = ft.RoundProtocol("diloco", optax.sgd(0.5, momentum=0.5),
+                                optax.sgd(1.0, momentum=0.5, nesterov=True), sync_period=H,
+                                comm_dtype="int8", comm_block_size=4, error_feedback=True)
+  rounds = 3
+  sync = ft.InProcess(protocol, num_replicas=3).run(_loop(protocol, rounds * H))
+  engine = ft.InProcess(protocol, num_replicas=3, speeds=(1.0,) * 3)
+  got = engine.run(_loop(protocol, rounds * H))
+  assert [line.round for line in engine.log] == list(range(rounds))
+  assert all(line.committed and len(line.payloads) == 3 for line in engine.log)
+  for i in range(3):
+    _leaves_equal(got[i][0], sync[i][0])
+    assert got[i][1] == sync[i][1] == [line.state_hash for line in engine.log]
+
+
+# ------------------------------------------------------------------------------------------------
+# A hand-made schedule against a NumPy reference.
+
+# Speeds 1 : 1 : 0.5 : 0.25, H = 2, K = 2, W = 1, 8 inner steps each, 3 tokens a step: replica
+# i's boundary at local_step b comes at b / v_i. Pushes at one time come first, then pulls; a
+# pull receives the global state (a catch-up) unless the round holding its payload closed at
+# that time ("land": it lands on the new anchor).
+SCHEDULE = [
+  ("push", 0, 2), ("push", 1, 2), ("pull", 0), ("pull", 1),  # t=2: 2 in, the window to t=3
+  ("close",),  # t=3: round 0 = {0@2, 1@2}
+  ("push", 0, 4), ("push", 1, 4), ("push", 2, 2), ("pull", 0), ("pull", 1), ("pull", 2),
+  ("close",),  # t=5: round 1 = {0@4, 1@4, 2@2}, all measured from version 0
+  ("push", 0, 6), ("push", 1, 6), ("pull", 0), ("pull", 1),
+  ("close",),  # t=7: round 2
+  ("push", 0, 8), ("push", 1, 8), ("push", 2, 4), ("push", 3, 2),
+  ("close",),  # t=8: every live payload in; replica 3's measured from version 0
+  ("land", 0), ("land", 1), ("land", 2), ("land", 3),  # replicas 0 and 1 are done
+  ("push", 2, 6), ("pull", 2),  # t=12: alone in the open round, K=2
+  ("push", 2, 8), ("push", 3, 4),  # t=16: replica 2's second payload replaces its first
+  ("close",), ("land", 2), ("land", 3),
+  ("push", 3, 6), ("close",), ("land", 3),  # t=24, t=32: replica 3 alone (every live one)
+  ("push", 3, 8), ("close",), ("land", 3),
+]
+CLOSES = [3.0, 5.0, 7.0, 8.0, 16.0, 24.0, 32.0]
+ROWS = [  # (replica, step, tokens, staleness) of each round
+  [(0, 2, 6, 0), (1, 2, 6, 0)],
+  [(0, 4, 6, 1), (1, 4, 6, 1), (2, 2, 6, 1)],
+  [(0, 6, 6, 1), (1, 6, 6, 1)],
+  [(0, 8, 6, 1), (1, 8, 6, 1), (2, 4, 6, 2), (3, 2, 6, 3)],
+  [(2, 8, 12, 0), (3, 4, 6, 0)],
+  [(3, 6, 6, 0)],
+  [(3, 8, 6, 0)],
+]
+INNER_LR, OUTER_LR, TOKENS = 0.5, 0.7, 3
+
+
+def _reference():
+  """The schedule in float64 NumPy: inner SGD on 0.5 |x - batch|^2, pseudo-gradients
+  anchor - x, the dylu weights T / (1 + s), the outer SGD step on their weighted mean."""
+  def host(tree):
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+  x = {i: host(_params()) for i in range(4)}
+  anchor, version = host(_params()), 0
+  mine = {i: (list(anchor), 0, 0) for i in range(4)}  # (anchor, version, step) last received
+  step, pending, rows = dict.fromkeys(range(4), 0), {}, []
+  for event in SCHEDULE:
+    if event[0] == "push":
+      _, i, b = event
+      for t in range(step[i], b):
+        x[i] = [p - INNER_LR * (p - d) for p, d in zip(x[i], host(_batch(0, i, t)), strict=True)]
+      step[i] = b
+      carried = pending[i][1] if i in pending else 0
+      delta = [a - p for a, p in zip(mine[i][0], x[i], strict=True)]
+      pending[i] = (delta, carried + TOKENS * (b - mine[i][2]), mine[i][1], b)
+    elif event[0] == "close":
+      entries = [pending[i] for i in sorted(pending)]
+      weights = [t / (1 + version - v) for _, t, v, _ in entries]
+      mean = [sum(w * d[k] for w, (d, *_) in zip(weights, entries, strict=True)) / sum(weights)
+              for k in range(len(anchor))]
+      anchor = [a - OUTER_LR * m for a, m in zip(anchor, mean, strict=True)]
+      rows.append([(i, b, t, version - v) for i, (_, t, v, b) in sorted(pending.items())])
+      version, pending = version + 1, {}
+    else:
+      _, i = event
+      mine[i] = (list(anchor), version, step[i])
+      if event[0] == "land":
+        x[i] = list(anchor)
+  return x, anchor, rows
+
+
+@functools.cache
+def _hand_run():
+  protocol = ft.RoundProtocol("diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR), sync_period=H)
+  engine = ft.InProcess(protocol, num_replicas=4, speeds=SPEEDS, min_quorum=2, grace_window=1.0,
+                        staleness_rule="dylu", tokens_per_step=TOKENS)
+  return engine, engine.run(_loop(protocol, 4 * H))
+
+
+def test_token_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_schedule():
+  """The rounds close when the hand schedule says, with the payloads, tokens and staleness it
+  says (and the reference computes); weights T / (1 + s); each replica's params and anchor are
+  the reference's; each replica ends on the hash of the last round it landed on."""
+  engine, results = _hand_run()
+  x, anchor, rows = _reference()
+  assert rows == ROWS
+  assert [line.time for line in engine.log] == CLOSES
+  assert [[row[:4] for row in line.payloads] for line in engine.log] == ROWS
+  for line in engine.log:
+    assert line.committed and line.lost == 0 and all(row[5] for row in line.payloads)
+    for _, _, tokens, stale, weight, _ in line.payloads:
+      assert weight == pytest.approx(tokens / (1 + stale))
+  for i, (state, _, replica) in results.items():
+    params, opt_state = state
+    for got, want in zip(jax.tree.leaves(params), x[i], strict=True):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    last = {0: 3, 1: 3, 2: 4, 3: 6}[i]
+    assert replica.state_hash() == engine.log[last].state_hash
+    if i == 3:
+      for got, want in zip(jax.tree.leaves(opt_state.anchor), anchor, strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# An abort, an age gate, a replay.
+
+FAULTY = dict(speeds=SPEEDS, min_quorum=2, grace_window=0.5, staleness_rule="age_gate",
+              max_staleness=1, tokens_per_step=TOKENS)
+
+
+@functools.cache
+def _faulty_run():
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.5, momentum=0.5),
+                              optax.sgd(0.7, momentum=0.9, nesterov=True), sync_period=H)
+  engine = ft.InProcess(protocol, num_replicas=4, faults=[ft.Fault(0, 0, "nonfinite")],
+                        **FAULTY)
+  return protocol, engine, engine.run(_loop(protocol, 6 * H))
+
+
+def test_every_payload_enters_one_merge_or_is_counted_lost():
+  """Round 0 aborts (a NaN) after its members pushed again: they revert and withdraw those
+  payloads. Each payload is in exactly one line; a late payload (staleness >= 1) enters one
+  merge; the age gate drops those staler than 1; every token up to a replica's last payload is
+  in a merge or in a count of lost tokens."""
+  _, engine, _ = _faulty_run()
+  merges = [line for line in engine.log if isinstance(line, MergeLine)]
+  reverts = [line for line in engine.log if isinstance(line, Revert)]
+  assert not merges[0].committed and merges[0].lost == 12
+  assert sorted((r.round, r.replica, r.step, r.lost) for r in reverts) == [
+    (0, 0, 4, 6), (0, 1, 4, 6)]
+  seen = [(row[0], row[1]) for line in merges for row in line.payloads]
+  seen += [(r.replica, r.step) for r in reverts]
+  assert len(seen) == len(set(seen))
+  late = [row for line in merges if line.committed for row in line.payloads if row[3] >= 1]
+  assert any(row[5] for row in late) and any(not row[5] for row in late)
+  for line in merges:
+    dropped = [row for row in line.payloads if not row[5]]
+    assert line.lost == sum(row[2] for row in dropped)
+    if line.committed:
+      assert all(row[3] > FAULTY["max_staleness"] for row in dropped)
+      assert all(row[4] == row[2] for row in line.payloads if row[5])
+  for i in range(4):
+    tokens = [row[2] for line in merges for row in line.payloads if row[0] == i]
+    tokens += [r.lost for r in reverts if r.replica == i]
+    last = max(step for j, step in seen if j == i)
+    assert sum(tokens) == TOKENS * last, i
+
+
+def test_a_decoupled_run_replays_from_its_json_lines_bit_for_bit():
+  """The JSON lines as the plan (the NaN not injected again: the abort is the log's): the
+  same lines and the same params and optimizer states; a log it cannot follow raises."""
+  protocol, engine, results = _faulty_run()
+  lines = [json.loads(json.dumps(dataclasses.asdict(line))) for line in engine.log]
+  again = ft.InProcess(protocol, num_replicas=4, replay=lines, **FAULTY)
+  replayed = again.run(_loop(protocol, 6 * H))
+  assert [dataclasses.asdict(line) for line in again.log] == [
+    dataclasses.asdict(line) for line in engine.log]
+  for i in range(4):
+    _leaves_equal(replayed[i][0], results[i][0])
+  broken = [dict(line, payloads=line["payloads"][:1]) if "payloads" in line else line
+            for line in lines]
+  with pytest.raises(RuntimeError, match="replay diverges from its log at round 0"):
+    ft.InProcess(protocol, num_replicas=4, replay=broken, **FAULTY).run(_loop(protocol, 6 * H))
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad settings.
+
+PROTOCOL = ft.RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(1.0), sync_period=H)
+BAD = [
+  (dict(speeds=(1.0, 1.0)), ValueError, r"`InProcess\(speeds=...\)` must be one finite number"),
+  (dict(speeds=(1.0, 0.0, 1.0)), ValueError, r"`InProcess\(speeds=...\)`"),
+  (dict(speeds=(1.0, math.inf, 1.0)), ValueError, r"`InProcess\(speeds=...\)`"),
+  (dict(speeds=(1, 1, 1), min_quorum=0), ValueError, r"`InProcess\(min_quorum=...\)`"),
+  (dict(speeds=(1, 1, 1), min_quorum=4), ValueError, r"min_quorum=...\)` must be at most"),
+  (dict(speeds=(1, 1, 1), min_quorum=1.5), TypeError, r"`InProcess\(min_quorum=...\)`"),
+  (dict(speeds=(1, 1, 1), grace_window=-1.0), ValueError, r"`InProcess\(grace_window=...\)`"),
+  (dict(speeds=(1, 1, 1), grace_window="1"), TypeError, r"`InProcess\(grace_window=...\)`"),
+  (dict(speeds=(1, 1, 1), staleness_rule="fifo"), ValueError,
+   r"`InProcess\(staleness_rule=...\)` must be one of 'none', 'dylu'"),
+  (dict(speeds=(1, 1, 1), max_staleness=-1), ValueError, r"`InProcess\(max_staleness=...\)`"),
+  (dict(speeds=(1, 1, 1), staleness_rule="delayed_nesterov"), ValueError,
+   r"needs RoundProtocol\(outer=optax_dist.delayed_nesterov"),
+  (dict(speeds=(1, 1, 1), min_quorum=1, min_replicas=2), ValueError,
+   r"`InProcess\(min_replicas=...\)` must be at most min_quorum=1"),
+  (dict(min_quorum=2), ValueError, r"`InProcess\(speeds=...\)` must be given"),
+  (dict(grace_window=1.0), ValueError, r"`InProcess\(speeds=...\)` must be given"),
+  (dict(speeds=(1, 1, 1), faults=[ft.Fault(0, 1, "die_inner")]), ValueError,
+   r"'nonfinite' faults only"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD)
+def test_bad_decoupled_settings_raise_one_line_errors(kwargs, error, message):
+  with pytest.raises(error, match=message) as info:
+    ft.InProcess(PROTOCOL, num_replicas=3, **kwargs)
+  assert "\n" not in str(info.value)
+
+
+def test_decoupled_rounds_take_the_rules_they_name():
+  """``delayed_nesterov`` with that outer optimizer and an infinite window are accepted; a
+  protocol whose payloads change size by round is refused."""
+  nesterov = ft.RoundProtocol("diloco", optax.sgd(0.1), optax_dist.delayed_nesterov(
+    0.7, 0.9, buffer_size=2), sync_period=H)
+  engine = ft.InProcess(nesterov, num_replicas=2, speeds=(1, 0.5), grace_window=math.inf,
+                        staleness_rule="delayed_nesterov")
+  assert engine.min_quorum == 2 and engine.min_replicas == 1
+  streaming = ft.RoundProtocol("streaming_diloco", optax.sgd(0.1), optax.sgd(1.0),
+                               sync_period=4, num_fragments=2)
+  with pytest.raises(ValueError, match="per-fragment rounds are not built yet"):
+    ft.InProcess(streaming, num_replicas=2, speeds=(1, 1))
