@@ -799,6 +799,10 @@ def test_run_dir_reads_the_lines_finals_pids_and_checkpoints_it_clears(tmp_path)
     "rounds_committed": 2, "rounds_aborted": 0, "restarts": 1, "heals": 1, "heal_seconds": [0.5],
     "hashes_agree": True, "finished": [1], "final": {1: {"test_accuracy": 0.5}}}
   assert not run.summary(3, restarts=0)["hashes_agree"]  # replica 2 committed round 1 apart
+  run.launches_file.write_text('{"time": 10.0}\n{"time": 14.5}\n')  # a --resume at 14.5
+  redone = run.summary(3, restarts=0)  # replica 2's round 1 is the resumed launch's
+  assert redone["hashes_agree"] and redone["rounds_committed"] == 2
   assert run.checkpoints() == []
   run.clear()
   assert run.lines() == [] and not run.finished() and run.lighthouse_pid() == 123
+  assert not run.launches_file.exists()

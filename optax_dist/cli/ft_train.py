@@ -130,6 +130,7 @@ def _take_out(args: argparse.Namespace, run_dir: RunDir, fingerprint: Callable[[
         f"argument --out: {run_dir.checkpoint_dir} holds a fault-tolerant run's checkpoints;"
         " continue that run with --resume, or give another --out (or remove that directory)")
     run_dir.clear()
+    run_dir.add_launch()
     return
   if not saved:
     raise CommandError(f"argument --resume: no fault-tolerant checkpoint under"
@@ -141,6 +142,7 @@ def _take_out(args: argparse.Namespace, run_dir: RunDir, fingerprint: Callable[[
       f" {start['fingerprint']}, these settings' {mine}); give the run's own settings, or"
       " another --out for a new run")
   run_dir.clear_marks()
+  run_dir.add_launch()
 
 
 def _share_compilations(run_dir: RunDir) -> None:

@@ -2,6 +2,8 @@
 
 A run's directory ``OUT`` holds, by writer:
 
+* the command: ``launches.jsonl`` (a line per start of the run, its first and each
+  ``--resume``: its ``time``);
 * the launcher (:mod:`optax_dist.fault_tolerance.launcher`): ``restarts.jsonl`` (a line per
   replica restart: its ``replica``, exit ``status`` and ``time``), ``lighthouse.log`` and
   ``lighthouse.pid`` (the Lighthouse's output and its live process), ``replica_<i>.log`` and
@@ -29,6 +31,7 @@ chaos study (``benchmarks/studies/chaos/``) read their runs with it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -62,6 +65,7 @@ class RunDir:
     self.lighthouse_log = self.out / "lighthouse.log"
     self.lighthouse_pid_file = self.out / "lighthouse.pid"
     self.restarts_file = self.out / "restarts.jsonl"
+    self.launches_file = self.out / "launches.jsonl"
 
   def replica_log(self, i: int, rank: int = 0) -> pathlib.Path:
     """The output of replica ``i``'s process ``rank``, which the launcher appends to."""
@@ -98,6 +102,13 @@ class RunDir:
     killed by that signal) and is restarted, at ``time`` (now, Unix seconds)."""
     with open(self.restarts_file, "a") as f:
       f.write(json.dumps({"replica": replica, "status": status, "time": time.time()}) + "\n")
+
+  def add_launch(self) -> None:
+    """Appends to ``launches.jsonl`` that the run starts (or resumes) now (``time``, Unix
+    seconds): the lines written after it are that launch's (:meth:`summary`)."""
+    self.out.mkdir(parents=True, exist_ok=True)
+    with open(self.launches_file, "a") as f:
+      f.write(json.dumps({"time": time.time()}) + "\n")
 
   def restarts(self) -> list[dict[str, Any]]:
     """The replicas' restarts (``replica``, ``status``, ``time``) in the order the launcher
@@ -142,18 +153,24 @@ class RunDir:
       ``rounds_committed`` (round indices some replica committed), ``rounds_aborted`` (those
       none committed), ``restarts``, ``heals`` (rank 0's lines of a healed replica) and
       ``heal_seconds`` (their ``quorum_seconds``: the quorum with the heal), ``hashes_agree``
-      (every committed round has one ``state_hash`` over every rank of every replica),
+      (every committed round has one ``state_hash`` over every rank of every replica, within
+      each launch of :meth:`add_launch`: a resume that redoes rounds from a checkpoint taken
+      by a joiner's heal need not redo them bit for bit),
       ``finished`` (the replicas that wrote their final evaluation) and ``final`` (those
       evaluations, by replica).
     """
     lines = [line for i in range(replicas) for line in self.lines(i)]
     ranks = [x for i in range(replicas) for r in range(1, processes) for x in self.lines(i, r)]
-    hashes = {r: {x["state_hash"] for x in group if x["committed"]}
-              for r, group in by_round(lines + ranks).items()}
+    starts = [x["time"] for x in _jsonl(self.launches_file)]
+    hashes: dict[tuple[int, int], set[str]] = {}  # by (launch, round): a resume may redo rounds
+    for x in lines + ranks:
+      got = hashes.setdefault((bisect.bisect_right(starts, x["time"]), x["round"]), set())
+      got.update([x["state_hash"]] if x["committed"] else [])
+    committed = {r for (_, r), h in hashes.items() if h}
     final = {i: v for i, v in self.final().items() if i < replicas}
     heals = [line["quorum_seconds"] for line in lines if line["healed"]]
-    return {"rounds_committed": sum(bool(h) for h in hashes.values()),
-            "rounds_aborted": sum(not h for h in hashes.values()),
+    return {"rounds_committed": len(committed),
+            "rounds_aborted": len({r for _, r in hashes} - committed),
             "restarts": restarts, "heals": len(heals), "heal_seconds": heals,
             "hashes_agree": all(len(h) <= 1 for h in hashes.values()),
             "finished": sorted(final), "final": final}
@@ -163,7 +180,7 @@ class RunDir:
     evaluations, start marks and checkpoints): a new run starts them afresh, and its processes
     append to them."""
     self.clear_marks()
-    for pattern in ("lighthouse.log", "restarts.jsonl", "replica_*.log",
+    for pattern in ("lighthouse.log", "launches.jsonl", "restarts.jsonl", "replica_*.log",
                     "replicas/replica_*.jsonl", "replicas/checkpoints/step_*"):
       for path in self.out.glob(pattern):
         path.unlink()
