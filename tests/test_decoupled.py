@@ -201,8 +201,8 @@ def test_token_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_sche
 # ------------------------------------------------------------------------------------------------
 # An abort, an age gate, a replay.
 
-FAULTY = dict(speeds=SPEEDS, min_quorum=2, grace_window=0.5, staleness_rule="age_gate",
-              max_staleness=1, tokens_per_step=TOKENS)
+FAULTY = {"speeds": SPEEDS, "min_quorum": 2, "grace_window": 0.5, "staleness_rule": "age_gate",
+              "max_staleness": 1, "tokens_per_step": TOKENS}
 
 
 @functools.cache
@@ -265,24 +265,24 @@ def test_a_decoupled_run_replays_from_its_json_lines_bit_for_bit():
 
 PROTOCOL = ft.RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(1.0), sync_period=H)
 BAD = [
-  (dict(speeds=(1.0, 1.0)), ValueError, r"`InProcess\(speeds=...\)` must be one finite number"),
-  (dict(speeds=(1.0, 0.0, 1.0)), ValueError, r"`InProcess\(speeds=...\)`"),
-  (dict(speeds=(1.0, math.inf, 1.0)), ValueError, r"`InProcess\(speeds=...\)`"),
-  (dict(speeds=(1, 1, 1), min_quorum=0), ValueError, r"`InProcess\(min_quorum=...\)`"),
-  (dict(speeds=(1, 1, 1), min_quorum=4), ValueError, r"min_quorum=...\)` must be at most"),
-  (dict(speeds=(1, 1, 1), min_quorum=1.5), TypeError, r"`InProcess\(min_quorum=...\)`"),
-  (dict(speeds=(1, 1, 1), grace_window=-1.0), ValueError, r"`InProcess\(grace_window=...\)`"),
-  (dict(speeds=(1, 1, 1), grace_window="1"), TypeError, r"`InProcess\(grace_window=...\)`"),
-  (dict(speeds=(1, 1, 1), staleness_rule="fifo"), ValueError,
+  ({"speeds": (1.0, 1.0)}, ValueError, r"`InProcess\(speeds=...\)` must be one finite number"),
+  ({"speeds": (1.0, 0.0, 1.0)}, ValueError, r"`InProcess\(speeds=...\)`"),
+  ({"speeds": (1.0, math.inf, 1.0)}, ValueError, r"`InProcess\(speeds=...\)`"),
+  ({"speeds": (1, 1, 1), "min_quorum": 0}, ValueError, r"`InProcess\(min_quorum=...\)`"),
+  ({"speeds": (1, 1, 1), "min_quorum": 4}, ValueError, r"min_quorum=...\)` must be at most"),
+  ({"speeds": (1, 1, 1), "min_quorum": 1.5}, TypeError, r"`InProcess\(min_quorum=...\)`"),
+  ({"speeds": (1, 1, 1), "grace_window": -1.0}, ValueError, r"`InProcess\(grace_window=...\)`"),
+  ({"speeds": (1, 1, 1), "grace_window": "1"}, TypeError, r"`InProcess\(grace_window=...\)`"),
+  ({"speeds": (1, 1, 1), "staleness_rule": "fifo"}, ValueError,
    r"`InProcess\(staleness_rule=...\)` must be one of 'none', 'dylu'"),
-  (dict(speeds=(1, 1, 1), max_staleness=-1), ValueError, r"`InProcess\(max_staleness=...\)`"),
-  (dict(speeds=(1, 1, 1), staleness_rule="delayed_nesterov"), ValueError,
+  ({"speeds": (1, 1, 1), "max_staleness": -1}, ValueError, r"`InProcess\(max_staleness=...\)`"),
+  ({"speeds": (1, 1, 1), "staleness_rule": "delayed_nesterov"}, ValueError,
    r"needs RoundProtocol\(outer=optax_dist.delayed_nesterov"),
-  (dict(speeds=(1, 1, 1), min_quorum=1, min_replicas=2), ValueError,
+  ({"speeds": (1, 1, 1), "min_quorum": 1, "min_replicas": 2}, ValueError,
    r"`InProcess\(min_replicas=...\)` must be at most min_quorum=1"),
-  (dict(min_quorum=2), ValueError, r"`InProcess\(speeds=...\)` must be given"),
-  (dict(grace_window=1.0), ValueError, r"`InProcess\(speeds=...\)` must be given"),
-  (dict(speeds=(1, 1, 1), faults=[ft.Fault(0, 1, "die_inner")]), ValueError,
+  ({"min_quorum": 2}, ValueError, r"`InProcess\(speeds=...\)` must be given"),
+  ({"grace_window": 1.0}, ValueError, r"`InProcess\(speeds=...\)` must be given"),
+  ({"speeds": (1, 1, 1), "faults": [ft.Fault(0, 1, "die_inner")]}, ValueError,
    r"'nonfinite' faults only"),
 ]
 

@@ -76,10 +76,11 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int, speed
       (``streaming_diloco``'s fragments: not built yet).
     TypeError: ``min_quorum`` or ``max_staleness`` not an int.
   """
-  speeds = tuple(speeds)
-  if len(speeds) != num_replicas or not all(
+  values = () if isinstance(speeds, (str, bytes)) or not hasattr(speeds, "__iter__") else (
+    tuple(speeds))
+  if len(values) != num_replicas or not all(
       isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < math.inf
-      for v in speeds):
+      for v in values):
     raise ValueError(f"`{fn}(speeds=...)` must be one finite number > 0 per replica"
                      f" ({num_replicas}), got {speeds!r}.")
   _checks.check_positive_int(fn, "min_quorum", min_quorum)
@@ -99,7 +100,7 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int, speed
     raise ValueError(
       f"`{fn}(speeds=...)`: decoupled rounds run whole-tree protocols (diloco, local_sgd);"
       f" {protocol.algorithm}'s per-fragment rounds are not built yet.")
-  return tuple(float(v) for v in speeds)
+  return tuple(float(v) for v in values)
 
 
 # ----------------------------------------------------------------------------------------------
