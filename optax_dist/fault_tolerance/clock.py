@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from optax_dist import _exchange
 from optax_dist.fault_tolerance import decoupled
 from optax_dist.fault_tolerance.decoupled import DecoupledReplica, MergeLine, Pull, Push, Revert
+from optax_dist.fault_tolerance.in_process import _nan
 from optax_dist.fault_tolerance.protocol import ReplicaState
 
 _PHASE = {"run": 0, "push": 0, "end": 1, "pull": 2}
@@ -209,15 +210,36 @@ class Clock:
     return [tuple(p[:2]) for p in self._plan[self._closed].payloads]
 
   def _close(self, t: float) -> None:
-    """Decides the open round at time ``t``, applies it to the global state, logs it."""
-    e, r = self.engine, self._closed
+    """Decides the open round at time ``t``, applies it to the global state, logs it and
+    leaves each contributor's outcome for its pull."""
+    r, entries = self._closed, [self._open[i] for i in sorted(self._open)]
     if self._plan is not None and (r >= len(self._plan) or self._keys() != self._logged()):
       raise RuntimeError(f"replay diverges from its log at round {r}: payloads {self._keys()}"
                          f" at time {t}.")
-    entries = [self._open[i] for i in sorted(self._open)]
     before = self._global[0]
-    version = int(before.rounds)
     heads = [x.push.header._replace(weight=x.tokens) for x in entries]
+    d, stale, weights = self._decide(r, entries, heads, int(before.rounds))
+    if d.merged is not None:
+      voted = [x.push.payload[1] for x in entries if x.push.header.slot in d.voters]
+      merged_collections = None if voted[0] is None else _exchange.merge_payloads(voted)
+      self._global = (self._commit(before, d.merged), merged_collections)
+    rows = tuple((h.slot, h.step, h.weight, s, w, h.slot in d.voters)
+                 for h, s, w in zip(heads, stale, weights, strict=True))
+    lost = sum(h.weight for h in heads if h.slot not in d.voters)
+    self.engine.log.append(MergeLine(r, t, d.merged is not None, d.reason, int(before.rounds),
+                                     rows, lost, decoupled.global_hash(*self._global)))
+    for x in entries:  # an abort reverts every contributor; one at its pull now lands
+      i = x.push.header.slot
+      if d.merged is None:
+        self._reverts[i] = r
+      elif i in d.voters and self._at.get(i) == [x.time, "pull"]:
+        self._landed[i] = (before, d.merged, self._global[1])
+    self._open, self._closed = {}, r + 1
+
+  def _decide(self, r: int, entries: list, heads: list, version: int) -> tuple:
+    """:func:`~optax_dist.fault_tolerance.decoupled.decide_round` of round ``r`` (a scripted
+    ``"nonfinite"`` payload replaced by NaNs); in a replay, the logged outcome."""
+    e = self.engine
     payloads = [_nan(x.push.payload[0]) if x.push.header.slot in e._events(r, "nonfinite")
                 else x.push.payload[0] for x in entries]
     d, stale, weights = decoupled.decide_round(
@@ -227,23 +249,7 @@ class Clock:
       d = d._replace(merged=None, voters=(), reason=self._plan[r].reason)
     elif self._plan is not None and d.merged is None:
       raise RuntimeError(f"replay diverges from its log at round {r}: it aborts ({d.reason}).")
-    if d.merged is not None:
-      voted = [x.push.payload[1] for x in entries if x.push.header.slot in d.voters]
-      merged_collections = None if voted[0] is None else _exchange.merge_payloads(voted)
-      self._global = (self._commit(before, d.merged), merged_collections)
-    rows = tuple((h.slot, h.step, h.weight, s, w, h.slot in d.voters)
-                 for h, s, w in zip(heads, stale, weights, strict=True))
-    e.log.append(MergeLine(
-      r, t, d.merged is not None, d.reason, version, rows,
-      sum(h.weight for h in heads if h.slot not in d.voters),
-      decoupled.global_hash(*self._global)))
-    for x in entries:
-      i = x.push.header.slot
-      if d.merged is None:
-        self._reverts[i] = r
-      elif i in d.voters and self._at.get(i) == [x.time, "pull"]:
-        self._landed[i] = (before, d.merged, self._global[1])
-    self._open, self._closed = {}, r + 1
+    return d, stale, weights
 
   def _commit(self, before: ReplicaState, merged: Any) -> ReplicaState:
     """The global state after a commit: the outer half on ``merged`` (the same compiled
@@ -275,7 +281,3 @@ class _Port:
 
   def record(self, line: Any) -> None:  # the clock writes the lines
     del line
-
-
-def _nan(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)
