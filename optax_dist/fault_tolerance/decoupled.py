@@ -314,7 +314,8 @@ class DecoupledReplica(Replica):
   from the params before its last inner step). Otherwise it catches up (:func:`catch_up`):
   it keeps its params, inner state and residual, and its next payload is measured from the
   anchor it received. On an abort of a round holding its payload its params go back to the
-  anchor. ``local_step`` never jumps.
+  anchor. ``local_step`` never jumps. :attr:`last` says whether it landed (``committed``);
+  its ``line`` is ``None``: a decoupled round's line is the engine's :class:`MergeLine`.
   """
 
   def start(self, state: Any, **kwargs: Any) -> Any:
