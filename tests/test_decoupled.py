@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import json
 import math
+import random
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +42,10 @@ def _batch(seed, slot, step):
   return {k: jax.random.normal(kk, s) for kk, (k, s) in zip(keys, SHAPES.items(), strict=True)}
 
 
-def _loop(protocol, steps):
+def _loop(protocol, steps, pause=None):
   """A user's loop (a jitted step that donates params and state); returns its state, the
-  decoupled global hash after each of its boundaries, and its replica."""
+  decoupled global hash after each of its boundaries, and its replica. ``pause(slot, step)``:
+  seconds it sleeps before the step (real time, not the simulated clock's)."""
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def train_step(params, opt_state, batch):
@@ -55,6 +58,8 @@ def _loop(protocol, steps):
     state = replica.start((params, protocol.tx.init(params)))
     hashes = []
     while replica.step < steps:
+      if pause is not None:
+        time.sleep(pause(replica.slot, replica.step))
       state = replica.after_step(train_step(*state, _batch(replica.seed, replica.slot,
                                                            replica.step)))
       if replica.step % H == 0:
@@ -196,6 +201,18 @@ def test_token_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_sche
     if i == 3:
       for got, want in zip(jax.tree.leaves(opt_state.anchor), anchor, strict=True):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_schedule_does_not_depend_on_the_threads_timing():
+  """The hand-made run again with the fast replicas' threads slowed down in real time (random
+  pauses, the slowest replica's not): the same lines, hashes included."""
+  engine, _ = _hand_run()
+  protocol = ft.RoundProtocol("diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR), sync_period=H)
+  again = ft.InProcess(protocol, num_replicas=4, speeds=SPEEDS, min_quorum=2, grace_window=1.0,
+                       staleness_rule="dylu", tokens_per_step=TOKENS)
+  jitter = random.Random(0)
+  again.run(_loop(protocol, 4 * H, pause=lambda slot, step: 0.01 * jitter.random() * (slot < 2)))
+  assert again.log == engine.log
 
 
 # ------------------------------------------------------------------------------------------------
