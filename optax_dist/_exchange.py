@@ -62,6 +62,11 @@ class Exchange:
       the slices are all-gathered back over ``slice_axis``. ``None``: each device sends all.
     hierarchical: with a tuple ``axis_name`` ``(*outer, inner)``, :meth:`reduce` reduce-scatters
       over ``inner``, all-reduces the slices over ``outer`` and all-gathers over ``inner``.
+    packed_payload: :meth:`payload` of a block-quantized format returns what this worker
+      sends, its block codes and scales (a :class:`~optax_dist._quantize.QuantizedTree`:
+      :func:`~optax_dist._quantize.wire_bytes` of its values), instead of their decoded float32
+      values; :func:`merge_payloads` decodes it (the same bits). For a transport outside the
+      program that carries the payloads (the torchft engine). No effect with other formats.
     call: the public function the exchange belongs to; every error message names it.
 
   Shapes:
@@ -81,8 +86,9 @@ class Exchange:
   Raises:
     TypeError: ``num_workers`` or ``comm_block_size`` not an int; ``comm_dtype`` none of the
       choices, or a floating dtype without a sign or a zero (``jnp.float8_e8m0fnu``);
-      ``hierarchical`` not a bool.
-    ValueError: ``num_workers`` or ``comm_block_size`` below 1; ``num_workers > 1`` with
+      ``hierarchical`` or ``packed_payload`` not a bool.
+    ValueError: ``num_workers`` or ``comm_block_size`` below 1; ``packed_payload`` with a
+      ``slice_axis``; ``num_workers > 1`` with
       ``axis_name=None``; ``comm_block_size`` given (not ``None``) with a format that is not
       block-quantized; ``comm_block_size`` odd with a 4-bit format; ``hierarchical=True``
       with fewer than two axes. In ``update`` (:meth:`bind`): ``axis_name`` or ``slice_axis``
@@ -110,6 +116,7 @@ class Exchange:
   slice_axis: Hashable | None = None
   hierarchical: bool = False
   call: str = "Exchange"
+  packed_payload: bool = False
 
   def __post_init__(self):
     fn = self.call
@@ -126,6 +133,14 @@ class Exchange:
         f" one inside each host), got axis_name={self.axis_name!r}."
       )
     object.__setattr__(self, "hierarchical", bool(self.hierarchical))
+    if not isinstance(self.packed_payload, (bool, np.bool_)):
+      raise TypeError(f"`{fn}(packed_payload=...)` must be a bool, got {self.packed_payload!r}.")
+    if self.packed_payload and self.slice_axis is not None:
+      raise ValueError(
+        f"`{fn}(packed_payload=True)` sends one worker's codes whole: it takes no slice_axis, got"
+        f" slice_axis={self.slice_axis!r}."
+      )
+    object.__setattr__(self, "packed_payload", bool(self.packed_payload))
 
   # --------------------------------------------------------------------------------------------
   # The workers.
@@ -194,7 +209,8 @@ class Exchange:
     ``comm_dtype`` for a floating dtype of more than 8 bits (the ``psum`` adds in it); cast to
     an 8-bit float and back to float32; for a quantized format the decoded values of the
     block codes this worker sends, in float32 (with ``residual``: of :math:`t_i + r_i`, and
-    :math:`r_i' = t_i + r_i - Q(t_i + r_i)` is returned). With ``slice_axis`` the blocks are
+    :math:`r_i' = t_i + r_i - Q(t_i + r_i)` is returned); with ``packed_payload``, those codes
+    and scales themselves (:func:`~optax_dist._quantize.quantized_payload`). With ``slice_axis`` the blocks are
     cut from this device's slice, as :meth:`mean` cuts them, and the slices gathered back (one
     ``all_gather`` over ``slice_axis``, inside the worker). With ``axis_name=None`` the tree
     itself (nothing is quantized, as :meth:`mean`).
@@ -216,9 +232,9 @@ class Exchange:
     if self.axis_name is None:
       return tree, residual
     if isinstance(self.comm_dtype, str):
+      terms = _quantize.quantized_payload if self.packed_payload else _quantize.quantized_terms
       return self._sliced(
-        lambda pair: _quantize.quantized_terms(*pair, self.comm_dtype, self.comm_block_size),
-        (tree, residual), False,
+        lambda pair: terms(*pair, self.comm_dtype, self.comm_block_size), (tree, residual), False,
       )
     return jax.tree.map(self._term, tree), None
 
@@ -304,7 +320,9 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
 
   Args:
     payloads: a non-empty sequence of trees of one structure and shapes, one per worker in
-      rank order (e.g. ``diloco_payload``'s payloads, as arrays that left the jitted step).
+      rank order (e.g. ``diloco_payload``'s payloads, as arrays that left the jitted step;
+      those of an ``Exchange(packed_payload=True)``, codes and scales, are decoded first:
+      :func:`unpacked`).
     weights: ``None`` or one non-negative number per payload, not all zero.
 
   Returns:
@@ -328,7 +346,7 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
     Douillard et al., `DiLoCo <https://arxiv.org/abs/2311.08105>`_, 2023 (Algorithm 1, the
     outer gradient averaged over the workers).
   """
-  payloads = list(payloads)
+  payloads = [unpacked(p) for p in payloads]
   if not payloads:
     raise ValueError("`merge_payloads(payloads=...)` must hold one payload per worker, got none.")
   if weights is None:
@@ -340,6 +358,13 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
       f" payload) with a positive sum, got {weights.tolist()!r}."
     )
   return jax.tree.map(lambda *xs: _weighted_mean(xs, weights), *payloads)
+
+
+def unpacked(payload: Any) -> Any:
+  """A payload as :func:`merge_payloads` adds it: an ``Exchange(packed_payload=True)``'s codes
+  and scales decoded (:meth:`~optax_dist._quantize.QuantizedTree.decode`: bit for bit the
+  float32 payload of ``packed_payload=False``), any other payload as it is."""
+  return payload.decode() if isinstance(payload, _quantize.QuantizedTree) else payload
 
 
 def _wide(x: jax.Array) -> Any:

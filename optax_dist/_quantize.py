@@ -62,6 +62,8 @@ workers is non-finite too (``optax_dist.apply_if_finite`` then skips the step).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Hashable
@@ -511,6 +513,86 @@ def _sent_with_feedback(fn: str, leaves: list, treedef: Any, residual: Any, fmt:
   return flat, packed, residuals, new_residual
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("packed", "others"),
+                   meta_fields=("fmt", "treedef", "leaves"))
+@dataclasses.dataclass(frozen=True)
+class QuantizedTree:
+  """One worker's tree as :func:`quantized_sum` sends it: its floating, non-empty leaves as one
+  :class:`Packed` (codes and scales), the other leaves as they are, and (static) what
+  :meth:`decode` needs to rebuild the tree. A pytree whose leaves are what crosses a wire:
+  :func:`wire_bytes` of the floating leaves' total, plus the other leaves' bytes.
+
+  Attributes:
+    packed: the :class:`Packed` codes and scales of the floating, non-empty leaves,
+      concatenated in leaf order; ``None`` when there are none.
+    others: the other leaves, in their places (``None`` in the places of the packed ones).
+    fmt: the format's name.
+    treedef: the tree's structure.
+    leaves: every leaf's shape and dtype (``jax.ShapeDtypeStruct``), in leaf order.
+  """
+
+  packed: Packed | None
+  others: tuple
+  fmt: str
+  treedef: Any
+  leaves: tuple
+
+  def decode(self) -> Any:
+    """The tree of :func:`quantized_terms`: the packed leaves' decoded values in ``float32``
+    (the same bits: decoding is exact), the others as they are."""
+    others = list(self.others)
+    if self.packed is None:
+      return self.treedef.unflatten(others)
+    size = sum(x.size for x in self.leaves if _packable(x))
+    flat = decode(self.packed, self.fmt, (size,), jnp.float32)
+    return self.treedef.unflatten(_split(flat, list(self.leaves), others, jnp.float32))
+
+
+def _quantized_tree(fn: str, tree: Any, residual: Any, fmt: Any, block_size: int
+                    ) -> tuple[QuantizedTree, Any]:
+  """:func:`quantized_payload`'s work, its errors naming ``fn``."""
+  fmt = _format(fn, fmt)
+  block_size = _block_size(fn, block_size, fmt)
+  leaves, treedef, others = _apart(tree, lambda x: x)
+  if residual is None:
+    flat, new_residual = _concatenated(leaves), None
+    packed = None if flat is None else encode(flat, fmt, block_size)
+  else:
+    sent = _sent_with_feedback(fn, leaves, treedef, residual, fmt, block_size)
+    packed, new_residual = None, residual
+    if sent is not None:
+      _, packed, residuals, new = sent
+      new_residual = treedef.unflatten(_split(new, leaves, residuals, jnp.float32))
+  shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+  return QuantizedTree(packed, tuple(others), fmt, treedef, shapes), new_residual
+
+
+def quantized_payload(
+  tree: Any, residual: Any = None, fmt: Any = "int8", block_size: int = 256
+) -> tuple[QuantizedTree, Any]:
+  r"""What this worker sends of :func:`quantized_sum` (or of
+  :func:`quantized_sum_with_feedback`), as it is sent: the :class:`Packed` codes and scales of
+  its floating leaves, no collective. Its :meth:`QuantizedTree.decode` is
+  :func:`quantized_terms`'s tree, bit for bit. The codes come from this worker's own encoding:
+  encoding the decoded values again may give other scales (a block's largest code can fall
+  below the grid's maximum), so a transport outside the program sends these.
+
+  Args:
+    tree, residual, fmt, block_size: as :func:`quantized_terms`.
+
+  Returns:
+    ``(wire, new_residual)``: a :class:`QuantizedTree`, and :math:`r' = t - \hat t` as
+    :func:`quantized_terms` returns it.
+
+  Collectives:
+    None.
+
+  Raises:
+    As :func:`quantized_sum_with_feedback`.
+  """
+  return _quantized_tree("quantized_payload", tree, residual, fmt, block_size)
+
+
 def quantized_terms(
   tree: Any, residual: Any = None, fmt: Any = "int8", block_size: int = 256
 ) -> tuple[Any, Any]:
@@ -540,22 +622,8 @@ def quantized_terms(
   Raises:
     As :func:`quantized_sum_with_feedback`.
   """
-  fmt = _format("quantized_terms", fmt)
-  block_size = _block_size("quantized_terms", block_size, fmt)
-  leaves, treedef, others = _apart(tree, lambda x: x)
-  if residual is None:
-    flat, new_residual = _concatenated(leaves), None
-    if flat is None:
-      return treedef.unflatten(others), None
-    packed = encode(flat, fmt, block_size)
-  else:
-    sent = _sent_with_feedback("quantized_terms", leaves, treedef, residual, fmt, block_size)
-    if sent is None:
-      return treedef.unflatten(others), residual
-    flat, packed, residuals, new = sent
-    new_residual = treedef.unflatten(_split(new, leaves, residuals, jnp.float32))
-  terms = decode(packed, fmt, flat.shape, jnp.float32)
-  return treedef.unflatten(_split(terms, leaves, others, jnp.float32)), new_residual
+  wire, new_residual = _quantized_tree("quantized_terms", tree, residual, fmt, block_size)
+  return wire.decode(), new_residual
 
 
 def quantized_all_gather(

@@ -71,7 +71,9 @@ def settings_fingerprint(protocol: Any, params: Any, *, seed: int, tokens_per_st
   closures).
 
   ``anchor_dtype=None`` and ``run_id=None`` add nothing, so a run without them has the
-  fingerprint it had before the fields existed (its checkpoints restore)."""
+  fingerprint it had before the fields existed (its checkpoints restore). A block-quantized
+  payload (``protocol.packed_payload``) adds that it is sent as codes and scales: replicas of
+  a version that sent float32 values are of another run (their all-gathers differ in size)."""
   fields = [protocol.algorithm, protocol.sync_period, str(protocol.comm_dtype),
             protocol.comm_block_size, protocol.error_feedback, protocol.num_fragments,
             protocol.mixing, seed, tokens_per_step]
@@ -79,6 +81,8 @@ def settings_fingerprint(protocol: Any, params: Any, *, seed: int, tokens_per_st
     fields.append(["anchor_dtype", jnp.dtype(protocol.anchor_dtype).name])
   if run_id is not None:
     fields.append(["run_id", str(run_id)])
+  if getattr(protocol, "packed_payload", False):  # its codes on the wire, not float32 values
+    fields.append(["payload", "packed"])
   fields += [[jax.tree_util.keystr(path), str(np.asarray(x).dtype), list(np.shape(x))]
              for path, x in jax.tree_util.tree_leaves_with_path(params)]
   digest = hashlib.sha256(json.dumps(fields, default=str).encode()).digest()

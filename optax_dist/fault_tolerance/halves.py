@@ -52,7 +52,8 @@ def periodic_rounds_until(protocol: RoundProtocol, steps: int) -> int:
 
 def zero_payload(protocol: RoundProtocol, params: Any, opt_state: Any, step: int) -> Any:
   """Zeros of the payload of the round ending on ``update`` call ``step``: its fragment's
-  (``protocol.fragment(step)``) tree, shapes and dtypes, as NumPy arrays (nothing is run)."""
+  (``protocol.fragment(step)``) tree, shapes and dtypes, as NumPy arrays (nothing is run; a
+  packed payload's zero codes and scales: its size on a wire, decoded to zeros)."""
   fragment = protocol.fragment(step)
   shapes = jax.eval_shape(lambda o, p: protocol.send_half(o, p, fragment)[0], opt_state,
                           params)
@@ -103,7 +104,8 @@ class Halves:
       the protocol's settings; its own checks raise on them.
     payload: ``(protocol, opt_state, new_params, fragment) -> (payload, residual)``: the local
       half, with no collective: :math:`p_i` of :math:`x'_i` (``new_params``; the state after
-      the step), in the wire format's dtypes, and the residual candidate :math:`r'_i`
+      the step) as ``protocol.exchange`` gives it (the wire format's dtypes; a block-quantized
+      format's codes and scales), and the residual candidate :math:`r'_i`
       (``None`` without error feedback); ``fragment`` (a Python int or ``None``) is the
       round's.
     commit: ``(protocol, origin, new_params, opt_state, average, merged, residual, fragment)

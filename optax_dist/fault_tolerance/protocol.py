@@ -49,8 +49,9 @@ class Sent(NamedTuple):
 
   Attributes:
     origin: its params before the round's last inner step (where the commit lands from).
-    payload: its payload :math:`p_i` (the params' tree, ``MaskedNode`` outside the round's
-      fragment for ``streaming_diloco``; the wire format's dtypes).
+    payload: its payload :math:`p_i` as it is sent (the params' tree, ``MaskedNode`` outside
+      the round's fragment for ``streaming_diloco``, in the wire format's dtypes; a
+      block-quantized format's codes and scales: :attr:`RoundProtocol.exchange`).
     residual: its residual candidate :math:`r'_i` (``None`` without error feedback).
     steps: the round's inner steps (``update`` calls).
   """
@@ -191,11 +192,21 @@ class RoundProtocol:
   @functools.cached_property
   def exchange(self) -> _exchange.Exchange:
     """The wire format of the payloads (named axis ``"replicas"``: quantized as the in-program
-    exchange quantizes; only :meth:`~optax_dist.Exchange.payload` is called, no collective)."""
+    exchange quantizes; only :meth:`~optax_dist.Exchange.payload` is called, no collective).
+    A block-quantized payload is its codes and scales as the replica encoded them
+    (``packed_payload``: :func:`~optax_dist._quantize.wire_bytes` on a wire), decoded at the
+    merge (:meth:`merge`, :meth:`votes`) to the float32 values the in-program exchange adds."""
     return _exchange.Exchange(
       "replicas", comm_dtype=self.comm_dtype, comm_block_size=self.comm_block_size,
-      call=self.algorithm,
+      call=self.algorithm, packed_payload=True,
     )
+
+  @property
+  def packed_payload(self) -> bool:
+    """Whether a payload is block codes and scales (a block-quantized ``comm_dtype``), not
+    values: part of the settings fingerprint, since an engine's all-gather of it differs in
+    size from that of a version that sent the decoded float32 values."""
+    return isinstance(self.exchange.comm_dtype, str)
 
   @functools.cached_property
   def outer_tx(self) -> optax.GradientTransformation:
@@ -354,8 +365,8 @@ class RoundProtocol:
 
   @staticmethod
   def merge(payloads: list, weights: list) -> Any:
-    """The members' payloads merged in rank order: :func:`optax_dist.merge_payloads` of them,
-    unweighted when every weight is equal (:math:`\\sum_i p_i / n`), else token-weighted
+    """The members' payloads merged in rank order: :func:`optax_dist.merge_payloads` of them
+    (packed ones decoded first), unweighted when every weight is equal (:math:`\\sum_i p_i / n`), else token-weighted
     (:math:`\\sum_i w_i p_i / \\sum_i w_i`)."""
     if len(set(weights)) == 1:
       return _exchange.merge_payloads(payloads)
@@ -363,8 +374,10 @@ class RoundProtocol:
 
   @staticmethod
   def votes(payload: Any) -> bool:
-    """A member's vote: yes iff every value of its payload is finite."""
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(payload))
+    """A member's vote: yes iff every value of its payload is finite (a packed payload's
+    decoded values, :func:`optax_dist._exchange.unpacked`)."""
+    return all(bool(jnp.all(jnp.isfinite(x)))
+               for x in jax.tree.leaves(_exchange.unpacked(payload)))
 
 
 def _inner_steps_only(tx: optax.GradientTransformationExtraArgs

@@ -26,9 +26,11 @@ built). Per round, at the loop's boundary
    :class:`~optax_dist.fault_tolerance.decision.Header` (slot, weight, whether its quorum and
    heal went without error, its settings fingerprint, its step); then, if
    :func:`~optax_dist.fault_tolerance.decision.check_headers` finds nothing, every member's
-   ``(payload, collections)`` bytes (a member healed at this quorum has weight 0 and sends
-   zeros of the round's payload: its own is of its step before the heal, perhaps of another
-   fragment, and gloo aborts the process on buffers of different sizes); then an
+   ``(payload, collections)`` bytes (a block-quantized payload as the member encoded it, its
+   codes and scales: :func:`~optax_dist._quantize.wire_bytes` of its values, decoded at the
+   merge; a member healed at this quorum has weight 0 and sends zeros of the round's payload:
+   its own is of its step before the heal, perhaps of another fragment, and gloo aborts the
+   process on buffers of different sizes); then an
    acknowledgement (one int64 each: its payloads' all-gather completed). A round with members
    of different fingerprints aborts on every member; a member that met one of another
    fingerprint and holds none of the Lighthouse's committed rounds (torchft's step 0:
