@@ -424,3 +424,41 @@ def test_fsdp_and_bfloat16_params_run_with_one_hash_per_round(tmp_path):
   finals = {json.loads((tmp_path / "replicas" / f"final_{i}.json").read_text())["test_accuracy"]
             for i in range(2)}
   assert curve["rounds"] == 3 and finals == {curve["test_accuracy"]}
+
+
+def test_the_command_s_loop_without_a_fault_is_train_s_in_program_route():
+  """E4 for the command's loop (:func:`~optax_dist.fault_tolerance.replica.task_loop`, the
+  in-process engine, 2 replicas, no fault): each round's line has the mean of its replica's
+  inner-step losses, so the replicas' mean of a round's lines is the in-program ``train``'s
+  ``train_loss`` (the workers' mean, every step) averaged over the round's steps, and each
+  replica's final params and anchor are its worker's bit for bit: the loss is measured on the
+  params the step is taken from, on the step's own batch."""
+  import jax
+
+  from optax_dist import eval_params
+  from optax_dist.cli import trainer
+  from optax_dist.cli.config import Settings
+  from optax_dist.cli.tasks import TASKS
+  from optax_dist.fault_tolerance import engine
+  from optax_dist.fault_tolerance.replica import task_loop
+
+  task, h = TASKS["digits"], 5
+  data = task.load(0)
+  s = Settings(algorithm="diloco", devices=2, replicas=2, steps=3 * h, sync_period=h,
+               eval_every=1).resolved()
+  want = trainer.train(task, data, s, keep_state=True)
+  params, loss_and_grad, batch_fn, tokens, _ = ft_task.task_engine(task, data, s, 2)
+  protocol = ft_task.protocol(s)
+  run = engine("in_process", protocol, num_replicas=2, tokens_per_step=tokens)
+  final = run.run(task_loop(protocol, params, loss_and_grad, batch_fn, rounds=3))
+  losses = np.zeros((2, 3))
+  for line in run.log:
+    losses[line.replica, line.round] = line.loss
+  steps = np.asarray(want["history"]["train_loss"][1:], np.float64).reshape(3, h)
+  np.testing.assert_allclose(losses.mean(axis=0), steps.mean(axis=1), rtol=1e-6)
+  worker = want["final_state"]
+  for i in (0, 1):
+    got = jax.device_get((final[i].params, eval_params(final[i].opt_state, final[i].params)))
+    mine = jax.tree.map(lambda x, i=i: x[i], (worker["params"], eval_params(
+      worker["opt_state"], worker["params"])))
+    jax.tree.map(np.testing.assert_array_equal, got, mine)

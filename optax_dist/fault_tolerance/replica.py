@@ -1,7 +1,7 @@
 """One replica of a fault-tolerant run over torchft, as a process.
 
-:func:`serve` runs one replica of any task (a loop over the torchft engine) until the run has
-committed its steps;
+:func:`serve` runs one replica of any task (:func:`task_loop`, the loop, over the torchft
+engine) until the run has committed its steps;
 :func:`start_process` does first what a launcher asks of a replica's process: with
 ``parent_death`` it gets ``SIGKILL`` when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``);
 as a ``standby`` (the launcher's warm standby) it runs at the lowest CPU priority
@@ -75,6 +75,33 @@ def load_engine() -> Any:
   return torchft_engine
 
 
+def task_loop(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callable, *,
+              rounds: int) -> Callable[[Any], Any]:
+  """The training function :func:`serve` hands its engine, for any engine's ``run``: replica
+  :math:`i` starts from ``(params, protocol.tx.init(params))`` and, until it holds ``rounds``
+  committed rounds, takes the protocol's jitted inner step on the gradient of
+  ``loss_and_grad(x, batch_fn(replica.seed, i, replica.step))`` (``(loss, grads)``, as
+  ``jax.value_and_grad`` gives them; :math:`x` the params before the step), then
+  :meth:`~optax_dist.fault_tolerance.Replica.after_step` with the step's loss; it returns the
+  replica's final :class:`~optax_dist.fault_tolerance.ReplicaState`. Its inner step is compiled
+  before the replica joins, so its first round costs what the others do."""
+  import jax
+
+  loss_grads = jax.jit(loss_and_grad)
+
+  def train(replica: Any) -> Any:
+    state = params, protocol.tx.init(params)
+    first = batch_fn(replica.seed, replica.slot, 0)
+    protocol.inner_step(*state, loss_grads(params, first)[1])  # compiled before it joins
+    state = replica.start(state)
+    while replica.rounds < rounds:
+      loss, grads = loss_grads(state[0], batch_fn(replica.seed, replica.slot, replica.step))
+      state = replica.after_step(protocol.inner_step(*state, grads), loss=loss)
+    return replica.replica_state
+
+  return train
+
+
 def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callable, *, steps: int,
           seed: int, tokens_per_step: int, lighthouse: str, replica_id: int, out: str,
           host: str, min_replicas: int, quorum_timeout: float, timeout: float,
@@ -84,11 +111,8 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
   until the run has committed ``steps`` inner steps' worth of rounds; returns its final
   :class:`~optax_dist.fault_tolerance.ReplicaState`.
 
-  The loop is a user's loop (:class:`~optax_dist.fault_tolerance.Replica`): the protocol's
-  jitted inner step on the gradient of ``loss_and_grad(params, batch_fn(seed, slot, step))``
-  (``(loss, grads)``, as ``jax.value_and_grad`` gives them), then
-  :meth:`~optax_dist.fault_tolerance.Replica.after_step` with the step's loss (each round's line
-  has their mean), over the
+  The loop is a user's loop (:class:`~optax_dist.fault_tolerance.Replica`), :func:`task_loop`'s
+  (each round's line has the mean of its steps' losses), over the
   :class:`~optax_dist.fault_tolerance.torchft_engine.Torchft` engine, whose arguments the others
   are; ``standby``: the replica is a warm standby that waits in :func:`wait_for_takeover` once
   compiled.
@@ -97,8 +121,6 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
     ReplicaError: the ``ft`` extra missing, a bad value, a replica whose settings are not the
       run's, or a quorum that never formed.
   """
-  import jax
-
   engine_module = load_engine()
   target = protocol.rounds_until(steps)
   try:
@@ -110,21 +132,9 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
       standby=wait_for_takeover if standby else None)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
-  loss_grads = jax.jit(loss_and_grad)
-
-  def train(replica):
-    state = params, protocol.tx.init(params)
-    scratch = protocol.inner_step(*state, loss_grads(params, batch_fn(seed, replica_id, 0))[1])
-    del scratch  # compiled before the replica joins: its first round costs what the others do
-    state = replica.start(state)
-    while replica.rounds < target:
-      batch = batch_fn(seed, replica_id, replica.step)
-      loss, grads = loss_grads(state[0], batch)
-      state = replica.after_step(protocol.inner_step(*state, grads), loss=loss)
-    return replica.replica_state
-
   try:
-    return engine.run(train)[replica_id]
+    return engine.run(task_loop(protocol, params, loss_and_grad, batch_fn, rounds=target))[
+      replica_id]
   except engine_module.SettingsMismatch as e:
     raise ReplicaError(str(e)) from None
   except ValueError as e:  # a checkpoint of other settings, or damaged
