@@ -48,6 +48,9 @@ def test_resolves_the_wire_format_and_block_size_once():
    r"`mine\(num_workers=2\)` needs `axis_name`"),
   ({"hierarchical": True}, ValueError, r"`mine\(hierarchical=True\)` needs a tuple `axis_name`"),
   ({"hierarchical": 1}, TypeError, r"`mine\(hierarchical=...\)` must be a bool, got 1"),
+  ({"packed_payload": "yes"}, TypeError, r"`mine\(packed_payload=...\)` must be a bool"),
+  ({"packed_payload": True, "slice_axis": "k"}, ValueError,
+   r"`mine\(packed_payload=True\)` sends one worker's codes whole: it takes no slice_axis"),
 ])
 def test_bad_arguments_name_the_call_site(kwargs, error, message):
   kwargs = {"axis_name": "w", **kwargs}
@@ -120,6 +123,30 @@ def test_mean_with_feedback_sends_what_it_does_not_keep(fmt):
   plain = jax.vmap(exchange.mean, axis_name="w")(x + r)  # the same codes without the feedback
   np.testing.assert_array_equal(np.asarray(mean), np.asarray(plain))
   assert np.abs(np.asarray(kept)).max() > 0  # something was dropped, and kept
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float4_e2m1fn", "e3m0"])
+def test_a_packed_payload_is_the_codes_sent_and_merges_to_the_in_program_mean(fmt):
+  """``packed_payload=True``: a worker's payload is the block codes and scales it sends
+  (``wire_bytes`` of its 10 values in blocks of 4, beside its integer leaf), its residual the
+  float32 payload's, and ``merge_payloads`` of the N packed payloads is the in-program mean
+  with feedback, bit for bit."""
+  x, r = _values(1, (N, 10)), 0.01 * _values(2, (N, 10))
+  packed = optax_dist.Exchange("w", comm_dtype=fmt, comm_block_size=4, packed_payload=True)
+  plain = dataclasses.replace(packed, packed_payload=False)
+  sent = []
+  for i in range(N):
+    tree, residual = {"x": x[i], "n": jnp.arange(3)}, {"x": r[i], "n": jnp.zeros(3)}
+    wire, kept = packed.payload(tree, residual)
+    _, kept_plain = plain.payload(tree, residual)
+    assert sum(np.asarray(a).nbytes for a in jax.tree.leaves(wire)) == (
+      optax_dist._quantize.wire_bytes(10, fmt, 4) + 3 * 4)
+    np.testing.assert_array_equal(np.asarray(kept["x"]), np.asarray(kept_plain["x"]))
+    sent.append(wire)
+  mean, _ = jax.vmap(plain.mean_with_feedback, axis_name="w")(x, r)
+  merged = optax_dist.merge_payloads(sent)
+  np.testing.assert_array_equal(np.asarray(merged["x"]), np.asarray(mean)[0])
+  np.testing.assert_array_equal(np.asarray(merged["n"]), np.arange(3))
 
 
 def test_sliced_mean_is_the_unsliced_mean_bit_for_bit():

@@ -463,6 +463,10 @@ def test_settings_fingerprint_tells_runs_apart():
             fingerprint(tokens=16), fingerprint(comm_dtype=jnp.bfloat16)]
   assert len({base, *others}) == 1 + len(others)
   assert -2**63 <= base < 2**63
+  # A quantized payload is sent as codes and scales: a replica of the version that sent float32
+  # values (these fingerprints, that version's) must not meet this one's in a round; a run whose
+  # payload's wire is unchanged keeps its fingerprint, and its checkpoints restore.
+  assert base == 4266390775387968191 and fingerprint(comm_dtype="int8") != 4911211853231108295
   protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=2)
   runs = [te.settings_fingerprint(protocol, {"w": jnp.zeros((2, 3))}, seed=0, tokens_per_step=8,
                                   run_id=run) for run in (None, "a", "b")]
@@ -481,9 +485,10 @@ class FakeGroup:
   it is an exception."""
 
   def __init__(self, *peer):
-    self.peer = list(peer)
+    self.peer, self.sizes = list(peer), []
 
   def allgather(self, outs, mine, options):
+    self.sizes.append(mine[0].numel() * mine[0].element_size())  # the bytes this member sends
     peer = self.peer.pop(0)
     if isinstance(peer, Exception):
       raise peer
@@ -975,6 +980,70 @@ def test_the_two_engines_decide_alike_on_the_same_inputs(tmp_path, monkeypatch):
   for a, b in zip(jax.tree.leaves(calls[1][1]), jax.tree.leaves(payloads), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert replica.state_hash() == hashes[1] == hashes[0]
+
+
+@pytest.mark.parametrize("algorithm, fmt, error_feedback", [
+  ("diloco", "int8", False), ("streaming_diloco", "e3m0", True)])
+def test_a_quantized_payload_crosses_as_its_codes_and_lands_as_the_in_memory_round(
+    tmp_path, algorithm, fmt, error_feedback):
+  """Over the torchft engine's end a block-quantized payload's all-gather carries its codes
+  and scales, ``wire_bytes`` of its values (as does a healed member's zeros), and the round
+  lands replica 1 on the state the in-process engine's round, which passes the payloads in
+  memory, lands it on, bit for bit: params, anchor, outer state and the residual, its own."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import torch
+
+  from optax_dist import _exchange, _quantize
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import decision, heal, in_process
+  from optax_dist.fault_tolerance import torchft_session as ts
+
+  kw = {"num_fragments": 2, "sync_period": 4} if algorithm == "streaming_diloco" else {
+    "sync_period": 2}
+  protocol = ft.RoundProtocol(algorithm, optax.sgd(0.1), optax.sgd(0.7, momentum=0.9),
+                              comm_dtype=fmt, comm_block_size=8, error_feedback=error_feedback,
+                              **kw)
+  params = {"a": jnp.linspace(-1.0, 1.0, 24).reshape(4, 6), "b": jnp.arange(12.0)}
+
+  def grads(p, step, slot):  # the gradient of 0.5 |p - step - slot / 3|^2
+    return jax.tree.map(lambda x: x - step - slot / 3, p)
+
+  def train(replica):
+    state = replica.start((params, protocol.tx.init(params)))
+    replica.fingerprint = 7
+    while replica.last is None:
+      state = replica.after_step(
+        protocol.inner_step(*state, grads(state[0], replica.step, replica.slot)))
+    return replica.replica_state
+
+  calls = []
+
+  def spy(*args, **kwargs):
+    calls.append(args[1:3])
+    return decision.decide(*args, **kwargs)
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(in_process, "decide", spy)
+    in_memory = ft.InProcess(protocol, num_replicas=2, tokens_per_step=8).run(train)
+  (heads, payloads), = calls
+  peer = (torch.tensor(list(heads[0]), dtype=torch.int64), ts._pack((payloads[0], None)),
+          torch.ones(1, dtype=torch.int64))
+  port, _ = _fake_replica(tmp_path, protocol, params, peer)
+  got = train(port.replica)
+  values = sum(x.size for x in jax.tree.leaves(_exchange.unpacked(payloads[0])))
+  sent = port._pg.sizes[1]  # the headers', the payloads', the acknowledgement's
+  assert values == (36 if algorithm == "diloco" else 24) and port.replica.last.line.committed
+  assert sent == _quantize.wire_bytes(values, fmt, 8) == peer[1].numel() < 4 * values
+  healed = protocol.healed_payload(params, protocol.tx.init(params), heads[0].step)
+  assert len(heal.tree_bytes(healed)) == sent
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(in_memory[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if error_feedback:  # the residual is the sender's own: the two replicas' differ
+    assert not np.array_equal(*(np.asarray(jax.tree.leaves(s.opt_state.error_feedback)[0])
+                                for s in in_memory.values()))
 
 
 # ------------------------------------------------------------------------------------------------
