@@ -170,7 +170,8 @@ class Clock:
       entry = self._open.pop(i)
       self.engine.log.append(Revert(aborted, i, entry.push.header.step, entry.tokens))
     fresh = self._closed > self._seen[i] and landed is None
-    self._results[i] = Pull(landed, self._global if fresh else None, aborted is not None)
+    received = (decoupled.global_state(self._global[0]), self._global[1]) if fresh else None
+    self._results[i] = Pull(landed, received, aborted is not None)
     self._seen[i] = self._closed
     step = self._steps[i]
     self._at[i] = [self._time(i, step + self.protocol.round_steps(step)), "run"]
@@ -233,7 +234,7 @@ class Clock:
       if d.merged is None:
         self._reverts[i] = r
       elif i in d.voters and self._at.get(i) == [x.time, "pull"]:
-        self._landed[i] = (before, d.merged, self._global[1])
+        self._landed[i] = (decoupled.global_state(before), d.merged, self._global[1])
     self._open, self._closed = {}, r + 1
 
   def _decide(self, r: int, entries: list, heads: list, version: int) -> tuple:

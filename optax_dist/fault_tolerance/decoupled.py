@@ -203,14 +203,12 @@ def global_hash(replica: ReplicaState, collections: Any = None) -> str:
   return heal.state_hash(tree if collections is None else (tree, collections))
 
 
-def catch_up(replica: ReplicaState, received: ReplicaState) -> ReplicaState:
-  """``replica`` with ``received``'s global state (:func:`global_state`) taken bit for bit:
-  anchor, outer state, committed rounds and average; its params, inner state, residual and
-  ``local_step`` kept."""
-  parts = global_state(received)
-  opt_state = jax.tree.map(lambda g, mine: mine if g is None else g, parts.opt_state,
+def catch_up(replica: ReplicaState, received: heal.GlobalState) -> ReplicaState:
+  """``replica`` with a received :func:`global_state` taken bit for bit: anchor, outer state,
+  committed rounds and average; its params, inner state, residual and ``local_step`` kept."""
+  opt_state = jax.tree.map(lambda g, mine: mine if g is None else g, received.opt_state,
                            replica.opt_state, is_leaf=lambda x: x is None)
-  return ReplicaState(replica.params, opt_state, parts.rounds, parts.average)
+  return ReplicaState(replica.params, opt_state, received.rounds, received.average)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,10 +290,11 @@ class Pull:
 
   Attributes:
     landed: ``(before, merged, collections)`` when the round its payload entered closed at
-      this boundary and committed: the global state the merge is applied to (a
-      :class:`ReplicaState`), the merged payload and the merged collections; else ``None``.
-    received: ``(global state, collections)`` now, when a round closed since its last pull
-      (a catch-up), else ``None``.
+      this boundary and committed: the :func:`global_state` the merge is applied to, the
+      merged payload and the merged collections; else ``None``.
+    received: ``(global state, collections)`` now (:func:`global_state`), when a round closed
+      since its last pull (a catch-up), else ``None``. The engine's own arrays: a replica
+      takes copies (its loop may donate them).
     revert: whether a round holding its payload aborted since its last pull (its params go
       back to the anchor).
   """
@@ -337,6 +336,7 @@ class DecoupledReplica(Replica):
     replica, collections = mine, parts.collections
     if got.landed is not None:  # as a synchronous round lands it, on the state it merged into
       before, merged, collections = got.landed
+      before = jax.tree.map(jnp.copy, before)  # the engine's: the loop may donate its state
       opt_state = catch_up(mine, before).opt_state
       params, opt_state, average = self.protocol.outer_half(
         self._origin, parts.params, opt_state, before.average, merged, residual, fragment)
