@@ -164,7 +164,8 @@ class RunDir:
     starts = [x["time"] for x in _jsonl(self.launches_file)]
     hashes: dict[tuple[int, int], set[str]] = {}  # by (launch, round): a resume may redo rounds
     for x in lines + ranks:
-      got = hashes.setdefault((bisect.bisect_right(starts, x["time"]), x["round"]), set())
+      launch = bisect.bisect_right(starts, x["time"]) if starts else 0
+      got = hashes.setdefault((launch, x["round"]), set())
       got.update([x["state_hash"]] if x["committed"] else [])
     committed = {r for (_, r), h in hashes.items() if h}
     final = {i: v for i, v in self.final().items() if i < replicas}
