@@ -47,7 +47,7 @@ from optax_dist import _checks
 from optax_dist._delayed_nesterov import DelayedNesterovState
 from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.decision import Decision, Header, decide
-from optax_dist.fault_tolerance.loop import Replica, RoundResult, get_parts
+from optax_dist.fault_tolerance.loop import Replica, RoundResult
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 STALENESS_RULES = ("none", "dylu", "age_gate", "delayed_nesterov")
@@ -325,12 +325,7 @@ class DecoupledReplica(Replica):
     return state
 
   def _round(self, state: Any) -> Any:
-    parts = get_parts(state)
-    fragment = self.protocol.fragment(self.step)
-    payload, residual = self.protocol.send_half(parts.opt_state, parts.params, fragment)
-    mine = self._replica._replace(params=parts.params, opt_state=parts.opt_state)
-    tokens = (self.step - self._round_start) * self.tokens_per_step
-    header = Header(self.slot, tokens, 1, self.fingerprint, self.step)
+    parts, fragment, payload, residual, mine, header = self._send(state)
     collections = jax.tree.map(jnp.copy, parts.collections)  # merged after the loop moves on
     got = self.engine.exchange(Push(header, (payload, collections), self.rounds, mine))
     replica, collections = mine, parts.collections

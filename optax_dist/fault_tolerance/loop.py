@@ -412,14 +412,23 @@ class Replica:
     if self.step == self._boundary - 1:
       self._origin = jax.tree.map(jnp.copy, get_parts(state).params)
 
-  def _round(self, state: Any) -> Any:
-    """The round at the boundary: send, exchange and decision (the engine's), land."""
+  def _send(self, state: Any) -> tuple[Parts, Any, Any, Any, ReplicaState, Header]:
+    """The round's send at the boundary, no collective: ``(parts, fragment, payload,
+    residual, mine, header)``: the loop's parts, the round's fragment, this replica's payload
+    and residual candidate (:attr:`RoundProtocol.send_half`), its state with the loop's params
+    and optimizer state, and its header (its ``weight`` the round's tokens)."""
     parts = get_parts(state)
     fragment = self.protocol.fragment(self.step)
     payload, residual = self.protocol.send_half(parts.opt_state, parts.params, fragment)
     mine = self._replica._replace(params=parts.params, opt_state=parts.opt_state)
     tokens = (self.step - self._round_start) * self.tokens_per_step
     header = Header(self.slot, tokens, 1, self.fingerprint, self.step)
+    return parts, fragment, payload, residual, mine, header
+
+  def _round(self, state: Any) -> Any:
+    """The round at the boundary: send, exchange and decision (the engine's), land."""
+    parts, fragment, payload, residual, mine, header = self._send(state)
+    tokens = header.weight
     got = self.engine.exchange(Sent(header, (payload, parts.collections), int(mine.rounds),
                                     self.donation(mine, parts.collections)))
     replica, collections = mine, parts.collections
