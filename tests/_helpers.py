@@ -114,3 +114,25 @@ def require_ft() -> None:
       f"OPTAX_DIST_REQUIRE_FT=1 but {missing[0]!r} is missing: pip install 'optax-dist[ft]'",
       name=missing[0])
   pytest.skip("needs the ft extra (torch, torchft)", allow_module_level=True)
+
+
+def one_line_error(capsys, *args: str, contains=()) -> str:
+  """Runs ``optax-dist args`` in process: exit status 2 (returned, or argparse's ``SystemExit``),
+  nothing on stdout, one line ``optax-dist: error: ...`` on stderr containing each of
+  ``contains``, no traceback. Returns the line."""
+  from optax_dist.cli.main import main
+
+  capsys.readouterr()  # what came before
+  try:
+    status = main(list(args))
+  except SystemExit as e:
+    status = e.code
+  stdout, stderr = capsys.readouterr()
+  assert status == 2, (args, stderr)
+  assert "Traceback" not in stderr, (args, stderr)
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), (args, stderr)
+  for text in contains:
+    assert text in lines[0], (text, lines[0])
+  assert stdout == "", args
+  return lines[0]

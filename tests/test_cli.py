@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from _helpers import one_line_error
 
 import optax_dist
 
@@ -19,7 +20,6 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from optax_dist.cli.main import main  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COMPARED = ("sync", "elastic_average", "agn", "moving_average", "local_sgd", "diloco")
@@ -271,26 +271,6 @@ def _bad_arguments(tmp_path):
   if os.path.isdir("/proc/self"):  # where even root cannot create a directory
     cases["out on /proc"] = ["compare", "--out", "/proc/optax-dist-runs"]
   return cases
-
-
-def one_line_error(capsys, *args: str, contains=()) -> str:
-  """Runs ``optax-dist args`` in process: exit status 2 (returned, or argparse's ``SystemExit``),
-  nothing on stdout, one line ``optax-dist: error: ...`` on stderr containing each of
-  ``contains``, no traceback. Returns the line."""
-  capsys.readouterr()  # what came before
-  try:
-    status = main(list(args))
-  except SystemExit as e:
-    status = e.code
-  stdout, stderr = capsys.readouterr()
-  assert status == 2, (args, stderr)
-  assert "Traceback" not in stderr, (args, stderr)
-  lines = stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), (args, stderr)
-  for text in contains:
-    assert text in lines[0], (text, lines[0])
-  assert stdout == "", args
-  return lines[0]
 
 
 def test_bad_arguments_give_one_line_errors(tmp_path, capsys):

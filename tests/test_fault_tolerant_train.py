@@ -19,12 +19,13 @@ import time
 
 import numpy as np
 import pytest
+from _helpers import one_line_error
 
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
 
 from optax_dist.cli import ft_flags, ft_task, pipeline  # noqa: E402
-from optax_dist.cli.main import build_parser, main  # noqa: E402
+from optax_dist.cli.main import build_parser  # noqa: E402
 from optax_dist.fault_tolerance import checkpoints  # noqa: E402
 from optax_dist.fault_tolerance.rundir import RunDir  # noqa: E402
 
@@ -32,21 +33,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "3",
            "--min-replicas", "2", "--devices", "1", "--steps", "80", "--sync-period", "5"]
 """The example of docs/fault_tolerance.md, without its --out."""
-
-
-def _one_line(capsys, *args: str) -> str:
-  """Runs ``optax-dist args`` in process: status 2, nothing on stdout, one line on stderr (no
-  traceback); returns it."""
-  capsys.readouterr()
-  try:
-    status = main(list(args))
-  except SystemExit as e:
-    status = e.code
-  stdout, stderr = capsys.readouterr()
-  assert status == 2 and stdout == "" and "Traceback" not in stderr, (args, status, stderr)
-  lines = stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), stderr
-  return lines[0]
 
 
 def _without(example: list[str], flag: str) -> list[str]:
@@ -86,8 +72,8 @@ def _without(example: list[str], flag: str) -> list[str]:
   (["replica", "--lighthouse", "http://127.0.0.1:1", "--replica-id", "3", "--replicas", "3"],
    "argument --replica-id: must be in 0..2 (--replicas 3), got 3"),
 ])
-def test_refusals_are_one_line(args, said, tmp_path, capsys):
-  line = _one_line(capsys, *args, "--out", str(tmp_path))
+def test_refusals_areone_line_error(args, said, tmp_path, capsys):
+  line = one_line_error(capsys, *args, "--out", str(tmp_path))
   assert said in line, line
   assert not (tmp_path / "replicas").exists()
 
@@ -95,7 +81,7 @@ def test_refusals_are_one_line(args, said, tmp_path, capsys):
 def test_without_the_ft_extra_one_line_names_it(tmp_path, capsys, monkeypatch):
   for module in ("torch", "torchft"):
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed
-  line = _one_line(capsys, *EXAMPLE, "--out", str(tmp_path))
+  line = one_line_error(capsys, *EXAMPLE, "--out", str(tmp_path))
   assert line == ("optax-dist: error: no module named 'torch'; --fault-tolerant needs the \"ft\""
                   ' extra: pip install "optax-dist[ft]"')
 
@@ -103,7 +89,7 @@ def test_without_the_ft_extra_one_line_names_it(tmp_path, capsys, monkeypatch):
 def test_a_protocol_refusal_is_one_line_before_any_replica_starts(tmp_path, capsys):
   """The digits MLP's 6 leaves leave a fragment of 4 empty (the protocol's assignment)."""
   _require_ft()
-  line = _one_line(capsys, "train", "--algorithm", "streaming_diloco", "--fault-tolerant",
+  line = one_line_error(capsys, "train", "--algorithm", "streaming_diloco", "--fault-tolerant",
                    "--replicas", "2", "--devices", "1", "--steps", "40", "--sync-period", "8",
                    "--out", str(tmp_path))
   assert line.startswith("optax-dist: error: argument --num-fragments: `streaming_diloco("
@@ -111,9 +97,9 @@ def test_a_protocol_refusal_is_one_line_before_any_replica_starts(tmp_path, caps
   assert not (tmp_path / "replicas").exists() and not list(tmp_path.glob("replica_*.log"))
 
 
-def test_a_launch_refusal_names_its_flag_in_one_line(tmp_path, capsys):
+def test_a_launch_refusal_names_its_flag_inone_line_error(tmp_path, capsys):
   _require_ft()
-  line = _one_line(capsys, *EXAMPLE, "--host", "0.0.0.0", "--out", str(tmp_path))
+  line = one_line_error(capsys, *EXAMPLE, "--host", "0.0.0.0", "--out", str(tmp_path))
   assert line == ("optax-dist: error: argument --host: `LaunchConfig(host=...)` must be a"
                   " specific address, got '0.0.0.0'."), line
   assert not list(tmp_path.glob("replica_*.log"))

@@ -23,10 +23,10 @@ import pytest
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
 
-from _helpers import require_ft
+from _helpers import one_line_error, require_ft
 
 from optax_dist.cli import ft_task, ft_train
-from optax_dist.cli.main import build_parser, main
+from optax_dist.cli.main import build_parser
 from optax_dist.cli.tasks import TASKS
 from optax_dist.fault_tolerance import checkpoints
 from optax_dist.fault_tolerance.rundir import RunDir
@@ -42,21 +42,6 @@ RUN = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "2", 
 without its local state (as a joiner heals) would end elsewhere."""
 
 
-def _one_line(capsys, *args: str) -> str:
-  """Runs ``optax-dist args`` in process: status 2, nothing on stdout, one line on stderr;
-  returns it."""
-  capsys.readouterr()
-  try:
-    status = main(list(args))
-  except SystemExit as e:
-    status = e.code
-  stdout, stderr = capsys.readouterr()
-  assert status == 2 and stdout == "" and "Traceback" not in stderr, (args, status, stderr)
-  lines = stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("optax-dist: error: "), stderr
-  return lines[0]
-
-
 def _saved(out: pathlib.Path, fingerprint: int) -> None:
   """A finished checkpoint's JSON under ``out`` (its payload is not read before the launch)."""
   folder = RunDir(out).checkpoint_dir
@@ -69,15 +54,15 @@ def test_a_new_run_refuses_an_out_with_checkpoints_and_resume_refuses_other_sett
     tmp_path, capsys):
   require_ft()
   out = str(tmp_path)
-  line = _one_line(capsys, *RUN, "--resume", "--out", out)
+  line = one_line_error(capsys, *RUN, "--resume", "--out", out)
   assert line == (f"optax-dist: error: argument --resume: no fault-tolerant checkpoint under"
                   f" {tmp_path}/replicas/checkpoints to continue from")
   _saved(tmp_path, 123)
-  line = _one_line(capsys, *RUN, "--out", out)
+  line = one_line_error(capsys, *RUN, "--out", out)
   assert line == (f"optax-dist: error: argument --out: {tmp_path}/replicas/checkpoints holds a"
                   " fault-tolerant run's checkpoints; continue that run with --resume, or give"
                   " another --out (or remove that directory)")
-  line = _one_line(capsys, *RUN, "--resume", "--out", out)
+  line = one_line_error(capsys, *RUN, "--resume", "--out", out)
   assert line.startswith(
     f"optax-dist: error: argument --resume: {tmp_path}/replicas/checkpoints/step_150.heal was"
     " written with other settings (fingerprint 123, these settings' "), line
