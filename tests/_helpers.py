@@ -136,3 +136,14 @@ def one_line_error(capsys, *args: str, contains=()) -> str:
     assert text in lines[0], (text, lines[0])
   assert stdout == "", args
   return lines[0]
+
+
+def alive(pid: int) -> bool:
+  """Whether process ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+  import pathlib
+
+  try:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except FileNotFoundError:
+    return False
+  return state not in ("Z", "X")

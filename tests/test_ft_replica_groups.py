@@ -19,7 +19,7 @@ import sys
 import time
 
 import pytest
-from _helpers import require_ft
+from _helpers import alive, require_ft
 
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
@@ -32,14 +32,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROUPS = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "2",
           "--processes", "2", "--devices", "1", "--steps", "40", "--sync-period", "4"]
 """2 replica groups of 2 processes of 1 device; 10 rounds (min replicas: 2, both groups)."""
-
-
-def _alive(pid: int) -> bool:
-  try:
-    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-  except FileNotFoundError:
-    return False
-  return state not in ("Z", "X")  # a zombie has ended
 
 
 def _pids(run: RunDir, i: int, rank: int) -> list[int]:
@@ -70,7 +62,7 @@ def killed(tmp_path_factory):
     while run.replica_pid(1, rank=0) == survivor:  # the new group's rank 0
       assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
       time.sleep(0.01)
-    survived = _alive(survivor)
+    survived = alive(survivor)
     stdout, stderr = proc.communicate(timeout=240)
   finally:
     if proc.poll() is None:  # the replicas die with the launcher (their parent-death signal)

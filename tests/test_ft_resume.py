@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
 
-from _helpers import one_line_error, require_ft
+from _helpers import alive, one_line_error, require_ft
 
 from optax_dist.cli import ft_task, ft_train
 from optax_dist.cli.main import build_parser
@@ -110,15 +110,6 @@ def _command(out: pathlib.Path, *extra: str) -> list[str]:
   return [sys.executable, "-m", "optax_dist.cli", *RUN, "--out", str(out), *extra]
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  with open(f"/proc/{pid}/stat") as f:  # a zombie (dead, not yet reaped by init) is dead
-    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _past_a_checkpoint(run: RunDir) -> bool:
   """Whether both replicas committed a round past a checkpoint that both wrote."""
   start = checkpoints.resume_point(run.checkpoint_dir)
@@ -142,12 +133,12 @@ def _kill_between_checkpoints(out: pathlib.Path) -> dict:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
       time.sleep(0.05)
-    survivors = [pid for pid in pids if _alive(pid)]
+    survivors = [pid for pid in pids if alive(pid)]
   finally:
     for pid in pids:  # the run's processes, should one have outlived the launcher
-      if pid is not None and _alive(pid):
+      if pid is not None and alive(pid):
         os.kill(pid, signal.SIGKILL)
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)

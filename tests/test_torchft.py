@@ -24,7 +24,7 @@ import types
 import urllib.error
 
 import pytest
-from _helpers import PicklePayload, require_ft
+from _helpers import PicklePayload, alive, require_ft
 
 require_ft()
 
@@ -85,14 +85,6 @@ class Run:
     if self.proc.poll() is None:
       os.killpg(self.proc.pid, signal.SIGKILL)
     self.proc.wait()
-
-
-def _alive(pid: int) -> bool:
-  try:
-    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-  except FileNotFoundError:
-    return False
-  return state not in ("Z", "X")  # a zombie has ended
 
 
 def _committed(lines: list[dict], after: float = 0.0, members=None) -> list[dict]:
@@ -174,9 +166,9 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
     processes = [run.pid(i) for i in range(3)] + [run.lighthouse()]
     os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: its processes must follow
     deadline = time.monotonic() + 10
-    while any(map(_alive, processes)) and time.monotonic() < deadline:
+    while any(map(alive, processes)) and time.monotonic() < deadline:
       time.sleep(0.05)
-    assert not any(map(_alive, processes))
+    assert not any(map(alive, processes))
   finally:
     run.close()
 
@@ -242,7 +234,7 @@ def test_launcher_s_standby_takes_over_a_killed_replica_which_heals_and_the_run_
   finally:
     run.close()
 
-  assert not any(map(_alive, standbys))  # the launcher ends its standbys
+  assert not any(map(alive, standbys))  # the launcher ends its standbys
   restarted = [line for line in run.lines(2) if line["pid"] != first]
   assert restarted and restarted[0]["pid"] == standby
   assert restarted[0]["healed"] and restarted[0]["committed"]
