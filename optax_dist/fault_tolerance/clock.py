@@ -11,6 +11,16 @@ decoupled.close_time`) before the first event after its close time, or at once w
 replica's payload is in. A loop that returned counts as live until the time of the boundary
 it did not reach.
 
+Faults are scripted on that clock too: a ``"die_inner"`` fault of round :math:`r` kills its
+replica at its first push once :math:`r` rounds have closed (the push and its pending payload
+dropped, their tokens lost: a :class:`~optax_dist.fault_tolerance.decoupled.Death` line); a
+``"join"`` fault of round :math:`r` starts its replica's loop again when round :math:`r - 1`
+closes, its clock from that close time. A joiner is not waited for until it has healed: at its
+first pull it takes the global state and the inner optimizer state of the first live replica
+(the donor, :func:`~optax_dist.fault_tolerance.heal.encode_heal` and ``decode_heal``), and its
+first payload enters no round (weight 0, a :class:`~optax_dist.fault_tolerance.decoupled.Heal`
+line).
+
 With ``replay``, the rounds close at their logged times with their logged payloads and commit
 or abort as logged (the vote is not taken again); a run that diverges from its log raises.
 """
@@ -28,9 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from optax_dist import _exchange
-from optax_dist.fault_tolerance import decoupled
+from optax_dist.fault_tolerance import decoupled, heal
 from optax_dist.fault_tolerance.decoupled import DecoupledReplica, MergeLine, Pull, Push, Revert
-from optax_dist.fault_tolerance.in_process import _nan
+from optax_dist.fault_tolerance.in_process import _Killed, _nan
 from optax_dist.fault_tolerance.protocol import ReplicaState
 
 _PHASE = {"run": 0, "push": 0, "end": 1, "pull": 2}
@@ -48,7 +58,9 @@ class _Entry:
 
 class Clock:
   """The decoupled rounds of an :class:`~optax_dist.fault_tolerance.InProcess` engine (its
-  settings; its ``log`` receives the :class:`MergeLine` and :class:`Revert` lines)."""
+  settings; its ``log`` receives the :class:`MergeLine`, :class:`Revert`,
+  :class:`~optax_dist.fault_tolerance.decoupled.Death` and :class:`~optax_dist.fault_tolerance.
+  decoupled.Heal` lines)."""
 
   def __init__(self, engine: Any):
     self.engine, self.protocol = engine, engine.protocol
@@ -63,6 +75,10 @@ class Clock:
     self._reverts: dict[int, int] = {}
     self._results: dict[int, Pull] = {}
     self._threads, self._errors, self._returned = [], [], {}
+    self._t0: dict[int, float] = {}  # replica -> the simulated time its loop (re)started at
+    self._joining: set[int] = set()  # joiners that have not healed yet
+    self._died: set = set()  # the die_inner faults done
+    self._last: dict[int, Push] = {}  # replica -> its last push that entered a round
     self._failure: BaseException | None = None  # an error of the clock's: every loop stops
     plan = engine.replay
     self._plan = None if plan is None else [
@@ -80,17 +96,25 @@ class Clock:
     self._train = train
     with self._cv:
       for i in range(self.engine.num_replicas):
-        self._start(i)
-    for t in self._threads:
-      t.join()
+        self._start(i, 0.0)
+    joined = 0
+    while joined < len(self._threads):  # a join starts a thread
+      self._threads[joined].join()
+      joined += 1
     if self._failure is not None or self._errors:
       raise self._failure or self._errors[0]
     return self._returned
 
-  def _start(self, i: int) -> None:
+  def _start(self, i: int, t0: float) -> None:
+    if i in self._at:
+      raise ValueError(f"`Fault(round={self._closed}, replica={i}, kind='join')`: replica {i}"
+                       " is alive.")
     replica = DecoupledReplica(self.protocol, _Port(self, i), slot=i, seed=self.engine.seed,
                                tokens_per_step=self.engine.tokens_per_step)
-    self._at[i], self._seen[i] = [self._time(i, self.protocol.round_steps(0)), "run"], 0
+    self._t0[i], self._seen[i] = t0, self._closed
+    if self._closed:  # a join: it heals at its first pull
+      self._joining.add(i)
+    self._at[i] = [self._time(i, self.protocol.round_steps(0)), "run"]
     thread = threading.Thread(target=self._main, args=(i, replica), daemon=True)
     self._threads.append(thread)
     thread.start()
@@ -98,18 +122,19 @@ class Clock:
   def _main(self, i: int, replica: DecoupledReplica) -> None:
     try:
       self._returned[i] = self._train(replica)
-    except _Stopped:
-      pass
+    except (_Stopped, _Killed):
+      self._returned.pop(i, None)
     except Exception as e:  # noqa: BLE001 (re-raised by run)
       self._errors.append(e)
     finally:
       with self._cv:
-        self._at[i][1] = "end"
+        if i in self._at:  # a dead replica's left at its death
+          self._at[i][1] = "end"
         with contextlib.suppress(Exception):  # kept as the clock's failure, raised by run
           self._pump()
 
   def _time(self, i: int, step: int) -> float:
-    return step / self.engine.speeds[i]
+    return self._t0[i] + step / self.engine.speeds[i]
 
   def exchange(self, i: int, push: Push) -> Pull:
     """Replica ``i``'s boundary: its push, then (in the clock's order) its pull."""
@@ -120,7 +145,10 @@ class Clock:
       self._cv.wait_for(lambda: i in self._results or self._failure is not None)
       if i not in self._results:
         raise _Stopped
-      return self._results.pop(i)
+      got = self._results.pop(i)
+      if got is None:  # it died at this boundary
+        raise _Killed
+      return got
 
   # --------------------------------------------------------------------------------------------
   # The events, in the clock's order (the lock held).
@@ -160,11 +188,38 @@ class Clock:
     push = self._pushes.pop(i)
     if self._global is None:  # the initial global state (copies: the loop donates its own)
       self._global = (jax.tree.map(jnp.copy, push.replica), None)
+    if self._dies(i, push):
+      return
+    self._at[i][1] = "pull"
+    if i in self._joining:  # its first payload enters no round: it heals at its pull
+      self._pushes[i] = push
+      return
     pending = self._open.get(i)
     self._open[i] = _Entry(t, push, push.header.weight + (pending.tokens if pending else 0))
-    self._at[i][1] = "pull"
+    self._last[i] = push
+
+  def _dies(self, i: int, push: Push) -> bool:
+    """Whether ``i`` dies at its push now (a ``"die_inner"`` fault of a round closed or open,
+    not done yet); if so, drops its payloads and logs its :class:`Death`."""
+    due = [f for f in self.engine.faults if f.kind == "die_inner" and f.replica == i
+           and f.round <= self._closed and f not in self._died]
+    if not due:
+      return False
+    self._died.add(due[0])
+    pending = self._open.pop(i, None)
+    lost = push.header.weight + (pending.tokens if pending else 0)
+    self.engine.log.append(decoupled.Death(self._closed, i, push.header.step, lost))
+    del self._at[i]
+    for pending_outcome in (self._landed, self._reverts):
+      pending_outcome.pop(i, None)
+    self._joining.discard(i)
+    self._results[i] = None
+    return True
 
   def _pull(self, i: int, t: float) -> None:
+    if i in self._joining:
+      self._heal(i)
+      return
     landed, aborted = self._landed.pop(i, None), self._reverts.pop(i, None)
     if aborted is not None and i in self._open:  # its newer payload withdrawn
       entry = self._open.pop(i)
@@ -172,9 +227,38 @@ class Clock:
     fresh = self._closed > self._seen[i] and landed is None
     received = (decoupled.global_state(self._global[0]), self._global[1]) if fresh else None
     self._results[i] = Pull(landed, received, aborted is not None)
+    self._next(i)
+
+  def _next(self, i: int) -> None:
+    """``i``'s pull done: its next event is its next boundary."""
     self._seen[i] = self._closed
     step = self._steps[i]
     self._at[i] = [self._time(i, step + self.protocol.round_steps(step)), "run"]
+
+  def _heal(self, i: int) -> None:
+    """Joiner ``i``'s first pull: it heals from the first live replica that has pushed (the
+    donor): the global state now and the donor's inner optimizer state, encoded and decoded as
+    a synchronous heal's; its first payload's tokens are lost."""
+    push = self._pushes.pop(i)
+    donors = [j for j in sorted(self._at) if j not in self._joining and j in self._last]
+    if not donors:
+      raise RuntimeError(f"replica {i} joined with no live replica to heal from.")
+    donor = donors[0]
+    theirs = self._last[donor]
+    given = heal.HealState(heal.global_state(self._global[0]), heal.inner_state(theirs.replica))
+    collections = self._global[1] if self._global[1] is not None else theirs.payload[1]
+    given = given if collections is None else (given, collections)
+    expected = heal.heal_state(push.replica)
+    expected = expected if push.payload[1] is None else (expected, push.payload[1])
+    fingerprint = push.header.fingerprint
+    healed = heal.decode_heal(heal.encode_heal(given, fingerprint=fingerprint), expected,
+                              replica=str(donor), fingerprint=fingerprint)
+    self.engine.log.append(decoupled.Heal(self._closed, i, donor, push.header.step,
+                                          push.header.weight))
+    self.engine.heals.append((self._closed, i, donor))
+    self._joining.discard(i)
+    self._results[i] = Pull(None, None, False, healed)
+    self._next(i)
 
   # --------------------------------------------------------------------------------------------
   # The rounds.
@@ -201,7 +285,7 @@ class Clock:
     if self._plan is not None:
       if self._closed < len(self._plan) and self._due() <= t and self._keys() == self._logged():
         self._close(self._due())
-    elif all(i in self._open for i in self._at):
+    elif all(i in self._open for i in self._at if i not in self._joining):
       self._close(t)
 
   def _keys(self) -> list:
@@ -236,6 +320,8 @@ class Clock:
       elif i in d.voters and self._at.get(i) == [x.time, "pull"]:
         self._landed[i] = (decoupled.global_state(before), d.merged, self._global[1])
     self._open, self._closed = {}, r + 1
+    for i in sorted(self.engine._events(r + 1, "join")):
+      self._start(i, t)
 
   def _decide(self, r: int, entries: list, heads: list, version: int) -> tuple:
     """:func:`~optax_dist.fault_tolerance.decoupled.decide_round` of round ``r`` (a scripted

@@ -24,7 +24,9 @@ simulated clock):
 :class:`DecoupledReplica` is the replica's side: at each of its round boundaries it pushes its
 payload and pulls what the engine has committed since (:class:`Push`, :class:`Pull`). Each
 closed round is one :class:`MergeLine` (its JSON line); a member that learns of an abort after
-taking more steps withdraws its pending payload (:class:`Revert`).
+taking more steps withdraws its pending payload (:class:`Revert`); a replica that dies drops its
+payloads (:class:`Death`); a joiner heals at its first boundary (:class:`Heal`: the global
+state and a donor's inner optimizer state, as a synchronous heal sends them; not a catch-up).
 
 References:
   Decoupled DiLoCo, `arXiv:2604.21428 <https://arxiv.org/abs/2604.21428>`_ (minimum quorum
@@ -47,7 +49,7 @@ from optax_dist import _checks
 from optax_dist._delayed_nesterov import DelayedNesterovState
 from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.decision import Decision, Header, decide
-from optax_dist.fault_tolerance.loop import Replica, RoundResult
+from optax_dist.fault_tolerance.loop import Replica, RoundResult, _placed_as
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 STALENESS_RULES = ("none", "dylu", "age_gate", "delayed_nesterov")
@@ -261,6 +263,45 @@ class Revert:
   lost: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Death:
+  """A replica whose loop died at its boundary (a scripted ``"die_inner"``): its payload of
+  that boundary and its pending one in the open round were dropped, their tokens lost.
+
+  Attributes:
+    round: the open round when it died.
+    replica: the replica.
+    step: its ``local_step`` at its death.
+    lost: the dropped payloads' tokens.
+  """
+
+  round: int
+  replica: int
+  step: int
+  lost: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Heal:
+  """A joiner (a scripted ``"join"``: its loop started again with no usable state) healed at
+  its first boundary: it took the global state and the donor's inner optimizer state, and its
+  first payload has weight 0 (it enters no merge; its tokens are lost).
+
+  Attributes:
+    round: the open round when it healed.
+    replica: the joiner.
+    donor: the replica whose inner optimizer state it took.
+    step: its ``local_step`` at the heal (its own: the data position is local).
+    lost: its first payload's tokens.
+  """
+
+  round: int
+  replica: int
+  donor: int
+  step: int
+  lost: int
+
+
 # ----------------------------------------------------------------------------------------------
 # The replica's side.
 
@@ -297,11 +338,15 @@ class Pull:
       takes copies (its loop may donate them).
     revert: whether a round holding its payload aborted since its last pull (its params go
       back to the anchor).
+    healed: a joiner's first pull: the decoded donation it heals from (the global state now
+      and the donor's inner optimizer state, :func:`~optax_dist.fault_tolerance.heal.
+      heal_state`), else ``None``.
   """
 
   landed: Any
   received: Any
   revert: bool
+  healed: Any = None
 
 
 class DecoupledReplica(Replica):
@@ -336,6 +381,11 @@ class DecoupledReplica(Replica):
       params, opt_state, average = self.protocol.outer_half(
         self._origin, parts.params, opt_state, before.average, merged, residual, fragment)
       replica = ReplicaState(params, opt_state, before.rounds + 1, average)
+    elif got.healed is not None:  # the local state rebuilt (params: a copy of the anchor, the
+      replica, collections = _placed_as(self.receive(got.healed), (mine, collections))
+      replica = replica._replace(  # loop donates both), the data position its own
+        params=jax.tree.map(jnp.copy, replica.params),
+        opt_state=replica.opt_state._replace(local_step=mine.opt_state.local_step))
     elif got.received is not None:  # copies: the loop may donate its state
       received, received_collections = jax.tree.map(jnp.copy, got.received)
       replica = catch_up(mine, received)
@@ -346,7 +396,7 @@ class DecoupledReplica(Replica):
     if got.landed is not None and collections is not None:
       collections = jax.tree.map(jnp.copy, collections)
     state = self._take(state, replica, collections, False)
-    self.last = RoundResult(got.landed is not None, False, self.step, None)
+    self.last = RoundResult(got.landed is not None, got.healed is not None, self.step, None)
     return state
 
   def state_hash(self) -> str:

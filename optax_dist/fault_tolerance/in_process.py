@@ -67,8 +67,9 @@ class InProcess:
   the settings, not of the threads' timing. ``log`` holds
   :class:`~optax_dist.fault_tolerance.decoupled.MergeLine` and
   :class:`~optax_dist.fault_tolerance.decoupled.Revert` lines. With K = R, an infinite window
-  and equal speeds it is the synchronous engine bit for bit. Faults: ``"nonfinite"`` only (its
-  round is the closed round its payload enters).
+  and equal speeds it is the synchronous engine bit for bit. Faults: ``"nonfinite"`` (its
+  round is the closed round its payload enters), ``"die_inner"`` and ``"join"`` (a joiner
+  heals at its first boundary; :mod:`~optax_dist.fault_tolerance.clock`).
 
   Args:
     protocol: the run's :class:`RoundProtocol`.
@@ -102,7 +103,7 @@ class InProcess:
       num_replicas``; a fault's kind not in :data:`LOOP_KINDS` or its replica >= R; the
       decoupled settings as :func:`~optax_dist.fault_tolerance.decoupled.check_settings`
       raises, ``min_replicas > min_quorum``, a decoupled setting without ``speeds``, or a
-      fault other than ``"nonfinite"`` with ``speeds``.
+      ``"straggle"`` fault with ``speeds``.
   """
 
   def __init__(self, protocol: RoundProtocol, *, num_replicas: int, faults: Sequence[Fault] = (),
@@ -153,10 +154,10 @@ class InProcess:
     if self.min_replicas > min_quorum:
       raise ValueError(f"`{fn}(min_replicas=...)` must be at most min_quorum={min_quorum}, got"
                        f" {self.min_replicas}.")
-    other = [f for f in self.faults if f.kind != "nonfinite"]
+    other = [f for f in self.faults if f.kind == "straggle"]
     if other:
-      raise ValueError(f"`{fn}(faults=...)`: decoupled rounds inject 'nonfinite' faults only,"
-                       f" got {other[0]!r}.")
+      raise ValueError(f"`{fn}(faults=...)`: decoupled rounds have no 'straggle' faults (a slow"
+                       f" replica is a speed), got {other[0]!r}.")
     self.min_quorum, self.grace_window = min_quorum, float(grace_window)
     self.staleness_rule, self.max_staleness = staleness_rule, max_staleness
 
