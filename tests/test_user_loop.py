@@ -343,3 +343,103 @@ def test_one_non_finite_coordinate_of_one_member_s_payload_aborts_the_round(bad)
   assert decision.decide(protocol, heads, [good] * 3, min_replicas=2).merged is not None
   d = decision.decide(protocol, heads, [good, poisoned, good], min_replicas=2)
   assert d.merged is None and d.voters == () and "[1]" in d.reason
+
+
+# ------------------------------------------------------------------------------------------------
+# E3: a synchronous run with faults equals a replay of its lines.
+
+REPLAYED_FAULTS = [ft.Fault(1, 1, "die_inner"), ft.Fault(2, 1, "join"),
+                   ft.Fault(3, 2, "straggle"), ft.Fault(4, 0, "nonfinite")]
+
+
+@functools.cache
+def _faulted_run():
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.5, momentum=0.5),
+                              optax.sgd(1.0, momentum=0.5, nesterov=True), sync_period=H)
+  train = _loop(protocol, 6 * H)
+  engine = ft.engine("in_process", protocol, num_replicas=3, faults=REPLAYED_FAULTS)
+  return protocol, train, engine, engine.run(train)
+
+
+@pytest.mark.parametrize("form", ["lines", "json"])
+def test_a_run_with_faults_equals_a_replay_of_its_lines(form):
+  """E3: a replica dies (round 1) and rejoins (round 2, healing from replica 0), a straggler
+  aborts round 3 and heals in round 4, a NaN payload aborts round 4; the replay of the run's
+  lines (or of their JSON) without a scripted fault writes the same lines (state hashes
+  included), heals the same replicas from the same donors, and ends with every replica's
+  params and optimizer state bit for bit."""
+  import dataclasses
+  import json
+
+  protocol, train, engine, results = _faulted_run()
+  assert engine.heals == [(2, 1, 0), (4, 2, 0)]
+  assert [x.committed for x in sorted(engine.log, key=lambda x: (x.round, x.replica))
+          if x.replica == 0] == [True, True, True, True, False, True]
+  lines = engine.log if form == "lines" else [
+    json.loads(json.dumps(dataclasses.asdict(x))) for x in engine.log]
+  replay = ft.engine("in_process", protocol, num_replicas=3, replay=lines)
+  got = replay.run(train)
+  assert sorted(replay.log, key=lambda x: (x.round, x.replica)) == sorted(
+    engine.log, key=lambda x: (x.round, x.replica))
+  assert replay.heals == engine.heals
+  assert sorted(replay.faults, key=lambda f: (f.round, f.replica)) == [
+    ft.Fault(1, 1, "die_inner"), ft.Fault(2, 1, "join"), ft.Fault(3, 2, "straggle")]
+  assert sorted(got) == [0, 1, 2]
+  for i in range(3):
+    for a, b in zip(jax.tree.leaves(results[i][0]), jax.tree.leaves(got[i][0]), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _tampered(log, r, change):
+  import dataclasses
+  import json
+
+  lines = [json.loads(json.dumps(dataclasses.asdict(x))) for x in log]
+  return [x for x in (change(x) if x["round"] == r else x for x in lines) if x is not None]
+
+
+TAMPERED = {  # a round and what is changed in each of its lines (None: dropped)
+  "nan_round_logged_as_a_commit": (4, lambda x: x | {"committed": bool(x["members"])}),
+  "a_member_s_line_dropped": (5, lambda x: None if x["replica"] == 2 else x),
+  "a_heal_not_logged": (2, lambda x: x | {"healed": False} if x["replica"] == 1 else x),
+  "a_round_dropped": (5, lambda x: None),
+  "a_round_added": (6, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_a_replay_that_diverges_from_its_log_raises_naming_the_round(case):
+  """A payload the log does not have (round 4's NaN not injected: it commits), a member
+  missing, a heal, a line not written, or a logged line the run does not write again."""
+  protocol, train, engine, _ = _faulted_run()
+  r, change = TAMPERED[case]
+  if change is None:  # round 5's lines again as round 6's
+    lines = _tampered(engine.log, 5, lambda x: x) + _tampered(
+      [x for x in engine.log if x.round == 5], 5, lambda x: x | {"round": 6})
+  else:
+    lines = _tampered(engine.log, r, change)
+  with pytest.raises(RuntimeError, match=f"replay diverges from its log at round {r}:"):
+    ft.InProcess(protocol, num_replicas=3, replay=lines).run(train)
+
+
+def test_an_example_s_kill_and_rejoin_replays_with_its_batch_statistics():
+  """E3 with model collections: the Linen example's run (replica 1 dies in round 2, rejoins
+  in round 3 and heals) replayed from its lines: the same lines and every replica's final
+  TrainState (params, optimizer state, BatchNorm statistics) bit for bit."""
+  module, engine, results = _example_run("linen")
+  replay = ft.engine("in_process", module.PROTOCOL, num_replicas=3, replay=engine.log)
+  got = replay.run(module.train)
+  assert replay.heals == engine.heals == [(3, 1, 0)]
+  for i in range(3):
+    for a, b in zip(jax.tree.leaves(results[i][0]), jax.tree.leaves(got[i][0]), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_synchronous_replay_s_bad_input():
+  protocol, _, engine, _ = _faulted_run()
+  with pytest.raises(ValueError, match=r"`InProcess\(faults=...\)` must be empty with replay="):
+    ft.InProcess(protocol, num_replicas=3, faults=REPLAYED_FAULTS, replay=engine.log)
+  with pytest.raises(ValueError, match="must hold RoundLog lines or their JSON objects, got 3"):
+    ft.InProcess(protocol, num_replicas=3, replay=[3])
+  with pytest.raises(ValueError, match="must name a replica below 2, once per round"):
+    ft.InProcess(protocol, num_replicas=2, replay=engine.log)

@@ -11,6 +11,10 @@ the threads interleave.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import json
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -21,7 +25,7 @@ import jax.numpy as jnp
 
 from optax_dist import _checks, _exchange
 from optax_dist.fault_tolerance import decoupled, heal
-from optax_dist.fault_tolerance.decision import decide
+from optax_dist.fault_tolerance.decision import Decision, decide
 from optax_dist.fault_tolerance.engine import Fault, RoundLog
 from optax_dist.fault_tolerance.loop import Received, Replica, Sent
 from optax_dist.fault_tolerance.protocol import RoundProtocol
@@ -91,10 +95,18 @@ class InProcess:
     max_staleness: ``"age_gate"``'s bound: a payload staler than it is dropped (default 1).
     replay: a decoupled run's log (its :class:`~optax_dist.fault_tolerance.decoupled.
       MergeLine`\ s, or their JSON objects): its rounds close as logged and commit or abort as
-      logged.
+      logged. A synchronous run's lines (its :class:`RoundLog`\ s, or their JSON objects; other
+      keys, e.g. a run directory's ``time``, are not read), given without ``faults``: the
+      log's deaths, joins and stragglers are this run's schedule (:attr:`faults`), each round
+      commits or aborts as logged (an abort's vote is not taken again; a logged commit is
+      decided), a member behind heals as in the run, and each line this run writes must be the
+      logged one: the contract's E3, a run with faults equals a replay of its log.
 
   Attributes:
     log: every replica's :class:`RoundLog` lines, in the order they were written.
+    faults: the scripted faults; in a synchronous replay, those the log shows: a replica
+      without a line in round :math:`r` dies in it (``"die_inner"``), one whose line has no
+      members straggles, one with a line in round :math:`r` and none in :math:`r - 1` joins.
     heals: ``(round, joiner, donor)`` of each heal.
 
   Raises:
@@ -103,7 +115,9 @@ class InProcess:
       num_replicas``; a fault's kind not in :data:`LOOP_KINDS` or its replica >= R; the
       decoupled settings as :func:`~optax_dist.fault_tolerance.decoupled.check_settings`
       raises, ``min_replicas > min_quorum``, a decoupled setting without ``speeds``, or a
-      ``"straggle"`` fault with ``speeds``.
+      ``"straggle"`` fault with ``speeds``; a synchronous ``replay`` with ``faults``, a line
+      that is not a :class:`RoundLog` or its JSON object, a replica >= R, or two lines of one
+      round and replica.
   """
 
   def __init__(self, protocol: RoundProtocol, *, num_replicas: int, faults: Sequence[Fault] = (),
@@ -134,6 +148,7 @@ class InProcess:
     self.log: list[RoundLog] = []
     self.heals: list[tuple[int, int, int]] = []
     self._decoupled(fn, speeds, min_quorum, grace_window, staleness_rule, max_staleness, replay)
+    self._replay_schedule(fn)
 
   def _decoupled(self, fn: str, speeds: Any, min_quorum: Any, grace_window: Any,
                  staleness_rule: Any, max_staleness: Any, replay: Any) -> None:
@@ -141,7 +156,7 @@ class InProcess:
     self.speeds, self.replay = speeds, replay
     if speeds is None:
       settings = {"min_quorum": (min_quorum, None), "grace_window": (grace_window, math.inf),
-                  "staleness_rule": (staleness_rule, "none"), "replay": (replay, None)}
+                  "staleness_rule": (staleness_rule, "none")}
       given = {k: v for k, (v, default) in settings.items() if v != default}
       if given:
         raise ValueError(f"`{fn}(speeds=...)` must be given with decoupled rounds' settings, got"
@@ -165,6 +180,61 @@ class InProcess:
     return {f.replica for f in self.faults if f.round == r and f.kind == kind}
 
   # --------------------------------------------------------------------------------------------
+  # A synchronous run's replay (E3).
+
+  def _replay_schedule(self, fn: str) -> None:
+    """Reads a synchronous ``replay``'s lines by (round, replica) into ``self._logged`` and
+    the deaths, stragglers and joins they show into :attr:`faults`."""
+    self._logged: dict[tuple[int, int], RoundLog] = {}
+    if self.replay is None or self.speeds is not None:
+      return
+    if self.faults:
+      raise ValueError(f"`{fn}(faults=...)` must be empty with replay= (the log's deaths, joins"
+                       f" and stragglers are replayed), got {self.faults[0]!r}.")
+    for line in map(functools.partial(_round_log, fn), self.replay):
+      if line.replica >= self.num_replicas or (line.round, line.replica) in self._logged:
+        raise ValueError(f"`{fn}(replay=...)`: {line!r} must name a replica below"
+                         f" {self.num_replicas}, once per round.")
+      self._logged[line.round, line.replica] = line
+    rounds = [{i for q, i in self._logged if q == r}
+              for r in range(1 + max((q for q, _ in self._logged), default=-1))]
+    self.faults = tuple(
+      [Fault(r, i, "die_inner") for r, here in enumerate(rounds)
+       for i in range(self.num_replicas) if i not in here]
+      + [Fault(r, i, "straggle") for (r, i), line in self._logged.items() if not line.members]
+      + [Fault(r, i, "join") for r, here in enumerate(rounds) if r for i in here - rounds[r - 1]])
+
+  def _logged_outcome(self, r: int, d: Decision) -> Decision:
+    """In a replay, ``d`` unless round ``r`` aborted in the log: then its abort (the vote is
+    not taken again)."""
+    if not self._logged or d.merged is None or any(
+        line.committed for (q, _), line in self._logged.items() if q == r):
+      return d
+    return d._replace(merged=None, voters=(), reason=f"round {r} aborted in the replayed log")
+
+  def _check_line(self, line: RoundLog) -> None:
+    """In a replay, raises unless ``line`` is the logged line of its round and replica, field
+    for field (the lock held)."""
+    if not self._logged:
+      return
+    want = self._unreplayed.pop((line.round, line.replica), None)
+    if want is None:
+      raise RuntimeError(f"replay diverges from its log at round {line.round}: replica"
+                         f" {line.replica} wrote a line the log does not have.")
+    a, b = dataclasses.asdict(want), dataclasses.asdict(line)  # JSON: a NaN loss equals a NaN
+    differ = {k: (a[k], b[k]) for k in a if json.dumps(a[k]) != json.dumps(b[k])}
+    if differ:
+      raise RuntimeError(f"replay diverges from its log at round {line.round}: replica"
+                         f" {line.replica}'s line differs, (logged, replayed): {differ}.")
+
+  def _check_replayed(self) -> None:
+    """In a replay, raises if a logged line was not written again."""
+    if self._logged and self._unreplayed:
+      r, i = min(self._unreplayed)
+      raise RuntimeError(f"replay diverges from its log at round {r}: replica {i}'s logged line"
+                         " was not replayed.")
+
+  # --------------------------------------------------------------------------------------------
 
   def run(self, train: Callable[[Replica], Any]) -> dict[int, Any]:
     """Runs ``train(replica)`` for every replica (and again for each join) until each returns
@@ -174,6 +244,8 @@ class InProcess:
     Raises:
       Exception: the first exception a replica's ``train`` raised (the others are let finish).
       ValueError: a ``"join"`` of a live replica.
+      RuntimeError: a replay that diverges from its log (a line this run writes that is not the
+        logged one, or a logged line it does not write), naming the round.
     """
     if self.speeds is not None:
       from optax_dist.fault_tolerance.clock import Clock
@@ -183,6 +255,7 @@ class InProcess:
     self._round, self._arrived, self._results = 0, {}, {}
     self._live, self._threads, self._errors, self._returned = set(), [], [], {}
     self._quorum_count, self._last_members = 0, None
+    self._unreplayed = dict(self._logged)
     with self._cv:
       for i in range(self.num_replicas):
         self._start(i)
@@ -196,6 +269,7 @@ class InProcess:
           break
     if self._errors:
       raise self._errors[0]
+    self._check_replayed()
     return self._returned
 
   def _start(self, i: int) -> None:
@@ -266,7 +340,8 @@ class InProcess:
     heads = [s.header._replace(weight=0) if i in healed else s.header for i, s in members.items()]
     payloads = [_nan(s.payload[0]) if i in self._events(r, "nonfinite") else s.payload[0]
                 for i, s in members.items()]
-    d = decide(self.protocol, heads, payloads, min_replicas=self.min_replicas)
+    d = self._logged_outcome(r, decide(self.protocol, heads, payloads,
+                                       min_replicas=self.min_replicas))
     merged = None
     if d.merged is not None:
       collections = [members[i].payload[1] for i in d.voters]
@@ -311,10 +386,23 @@ class _Port:
   def record(self, line: RoundLog) -> None:
     with self._engine._cv:
       self._engine.log.append(line)
+      self._engine._check_line(line)
 
 
 def _nan(tree: Any) -> Any:
   return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)
+
+
+def _round_log(fn: str, line: Any) -> RoundLog:
+  """A replayed line as a :class:`RoundLog` (from its JSON object: its fields only)."""
+  if isinstance(line, RoundLog):
+    return line
+  if isinstance(line, dict):
+    kept = {f.name: line[f.name] for f in dataclasses.fields(RoundLog) if f.name in line}
+    with contextlib.suppress(TypeError):
+      return RoundLog(**kept | {"members": tuple(kept.get("members", ()))})
+  raise ValueError(f"`{fn}(replay=...)` must hold RoundLog lines or their JSON objects, got"
+                   f" {line!r}.")
 
 
 ENGINES = ("in_process", "torchft")
