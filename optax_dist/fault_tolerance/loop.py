@@ -42,11 +42,11 @@ position whenever it jumps: after a heal or a void round).
 
 Invariants of the user-loop path (the contract's "Fault-tolerant rounds"): E1 (one global-state
 hash per committed round) and E2 (a healed joiner equals its donor) hold bit for bit; E3 (a run
-equals the replay of its log) holds for the in-process engine's scripted runs; E4 (no fault:
-the in-program transformation) holds as it does for the library's own loop: the payloads are
-computed from the same :math:`x'_i`, merged in rank order, and the commit lands from the
-params before the last inner step, so bitwise for gathered formats and two replicas, within
-one ulp otherwise.
+equals the replay of its log) holds by ``InProcess(replay=lines)``: the run's lines replayed
+write the same lines, hashes included; E4 (no fault: the in-program transformation) holds as
+it does for the library's own loop: the payloads are computed from the same :math:`x'_i`,
+merged in rank order, and the commit lands from the params before the last inner step, so
+bitwise for gathered formats and two replicas, within one ulp otherwise.
 """
 
 from __future__ import annotations
