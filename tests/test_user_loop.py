@@ -404,6 +404,7 @@ TAMPERED = {  # a round and what is changed in each of its lines (None: dropped)
   "a_heal_not_logged": (2, lambda x: x | {"healed": False} if x["replica"] == 1 else x),
   "a_round_dropped": (5, lambda x: None),
   "a_round_added": (6, None),
+  "an_empty_log": (0, lambda x: None),
 }
 
 
@@ -413,7 +414,9 @@ def test_a_replay_that_diverges_from_its_log_raises_naming_the_round(case):
   missing, a heal, a line not written, or a logged line the run does not write again."""
   protocol, train, engine, _ = _faulted_run()
   r, change = TAMPERED[case]
-  if change is None:  # round 5's lines again as round 6's
+  if case == "an_empty_log":
+    lines = []
+  elif change is None:  # round 5's lines again as round 6's
     lines = _tampered(engine.log, 5, lambda x: x) + _tampered(
       [x for x in engine.log if x.round == 5], 5, lambda x: x | {"round": 6})
   else:

@@ -183,11 +183,12 @@ class InProcess:
   # A synchronous run's replay (E3).
 
   def _replay_schedule(self, fn: str) -> None:
-    """Reads a synchronous ``replay``'s lines by (round, replica) into ``self._logged`` and
-    the deaths, stragglers and joins they show into :attr:`faults`."""
-    self._logged: dict[tuple[int, int], RoundLog] = {}
+    """Reads a synchronous ``replay``'s lines by (round, replica) into ``self._logged``
+    (``None``: no replay) and the deaths, stragglers and joins they show into :attr:`faults`."""
+    self._logged: dict[tuple[int, int], RoundLog] | None = None
     if self.replay is None or self.speeds is not None:
       return
+    self._logged = {}
     if self.faults:
       raise ValueError(f"`{fn}(faults=...)` must be empty with replay= (the log's deaths, joins"
                        f" and stragglers are replayed), got {self.faults[0]!r}.")
@@ -207,7 +208,7 @@ class InProcess:
   def _logged_outcome(self, r: int, d: Decision) -> Decision:
     """In a replay, ``d`` unless round ``r`` aborted in the log: then its abort (the vote is
     not taken again)."""
-    if not self._logged or d.merged is None or any(
+    if self._logged is None or d.merged is None or any(
         line.committed for (q, _), line in self._logged.items() if q == r):
       return d
     return d._replace(merged=None, voters=(), reason=f"round {r} aborted in the replayed log")
@@ -215,7 +216,7 @@ class InProcess:
   def _check_line(self, line: RoundLog) -> None:
     """In a replay, raises unless ``line`` is the logged line of its round and replica, field
     for field (the lock held)."""
-    if not self._logged:
+    if self._logged is None:
       return
     want = self._unreplayed.pop((line.round, line.replica), None)
     if want is None:
@@ -229,7 +230,7 @@ class InProcess:
 
   def _check_replayed(self) -> None:
     """In a replay, raises if a logged line was not written again."""
-    if self._logged and self._unreplayed:
+    if self._unreplayed:
       r, i = min(self._unreplayed)
       raise RuntimeError(f"replay diverges from its log at round {r}: replica {i}'s logged line"
                          " was not replayed.")
@@ -255,7 +256,7 @@ class InProcess:
     self._round, self._arrived, self._results = 0, {}, {}
     self._live, self._threads, self._errors, self._returned = set(), [], [], {}
     self._quorum_count, self._last_members = 0, None
-    self._unreplayed = dict(self._logged)
+    self._unreplayed = dict(self._logged or {})
     with self._cv:
       for i in range(self.num_replicas):
         self._start(i)
