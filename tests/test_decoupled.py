@@ -81,13 +81,19 @@ def _leaves_equal(a, b):
 # K = R, an infinite window, equal speeds: the synchronous engine.
 
 
-@pytest.mark.parametrize("case", ["diloco_int8_feedback", "local_sgd"])
+@pytest.mark.parametrize("case", ["diloco_int8_feedback", "local_sgd", "streaming_feedback"])
 def test_k_equal_to_r_with_an_infinite_window_is_the_synchronous_engine(case):
   """Every round closes when all three payloads are in and each replica lands at its own
   boundary: params, optimizer states and the global hash after every round bit for bit the
-  synchronous engine's; one hash per round across replicas (E1), the MergeLine's."""
+  synchronous engine's; one hash per round across replicas (E1), the MergeLine's (streaming:
+  the fragments in the synchronous schedule's order, by the committed-round counter)."""
   if case == "local_sgd":
     protocol = ft.RoundProtocol("local_sgd", optax.sgd(0.5, momentum=0.5), sync_period=H)
+  elif case == "streaming_feedback":
+    protocol = ft.RoundProtocol("streaming_diloco", optax.sgd(0.5, momentum=0.5),
+                                optax.sgd(1.0, momentum=0.5, nesterov=True), sync_period=2 * H,
+                                num_fragments=2, comm_dtype="int8", comm_block_size=4,
+                                error_feedback=True)
   else:
     protocol = ft.RoundProtocol("diloco", optax.sgd(0.5, momentum=0.5),
                                 optax.sgd(1.0, momentum=0.5, nesterov=True), sync_period=H,
@@ -97,6 +103,8 @@ def test_k_equal_to_r_with_an_infinite_window_is_the_synchronous_engine(case):
   engine = ft.InProcess(protocol, num_replicas=3, speeds=(1.0,) * 3)
   got = engine.run(_loop(protocol, rounds * H))
   assert [line.round for line in engine.log] == list(range(rounds))
+  assert [line.fragment for line in engine.log] == [
+    protocol.fragment(H * (r + 1)) for r in range(rounds)]
   assert all(line.committed and len(line.payloads) == 3 for line in engine.log)
   for i in range(3):
     _leaves_equal(got[i][0], sync[i][0])
@@ -216,6 +224,93 @@ def test_the_schedule_does_not_depend_on_the_threads_timing():
   jitter = random.Random(0)
   again.run(_loop(protocol, 4 * H, pause=lambda slot, step: 0.01 * jitter.random() * (slot < 2)))
   assert again.log == engine.log
+
+
+# ------------------------------------------------------------------------------------------------
+# Fragments: a hand-made schedule against a NumPy reference.
+
+# streaming_diloco, sync period 4, F = 2 (leaf "a" fragment 0, "b" fragment 1): a boundary every
+# 2 inner steps; round r's fragment is the schedule's on the committed-round counter (0, 1, 0,
+# ...), not the one a replica's own step names. Speeds 1 : 0.25, K = 1, W = 0 (a round closes
+# at its first arrival, before that time's pulls), 8 inner steps each, 3 tokens a step. At t=8
+# replica 1's first payload (its step 2 names fragment 0) is of round 3's fragment 1, staleness
+# 1 (fragment 1 committed once since its start); at t=16 its fragment-0 payload carries the
+# tokens of 4 steps (it never sent fragment 0 before), at t=24 its fragment-1 payload those
+# since its step 2.
+FRAGMENT_SCHEDULE = [
+  ("push", 0, 2), ("close",), ("land", 0), ("push", 0, 4), ("close",), ("land", 0),
+  ("push", 0, 6), ("close",), ("land", 0),
+  ("push", 0, 8), ("push", 1, 2), ("close",), ("land", 0), ("land", 1),
+  ("push", 1, 4), ("close",), ("land", 1), ("push", 1, 6), ("close",), ("land", 1),
+  ("push", 1, 8), ("close",), ("land", 1),
+]
+FRAGMENT_ROWS = [  # (replica, step, tokens, staleness) of each round; its fragment
+  ([(0, 2, 6, 0)], 0), ([(0, 4, 12, 0)], 1), ([(0, 6, 12, 0)], 0),
+  ([(0, 8, 12, 0), (1, 2, 6, 1)], 1), ([(1, 4, 12, 0)], 0), ([(1, 6, 12, 0)], 1),
+  ([(1, 8, 12, 0)], 0),
+]
+
+
+def _fragment_reference():
+  """The fragment schedule in float64 NumPy: inner SGD on 0.5 |x - batch|^2; round r of
+  fragment f = r % 2 merges f's pseudo-gradients anchor_f - x_f (the anchor its replica last
+  received) with the dylu weights T / (1 + s), T the tokens since the replica's last payload
+  of f (or its start), s the updates of f since the version of f it last received; the outer
+  SGD step moves anchor_f; a landing replica's f leaf becomes the new anchor_f, its other leaf
+  its own."""
+  def host(tree):
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+  x = {i: host(_params()) for i in range(2)}
+  anchor, versions, rows, pending = host(_params()), [0, 0], [], {}
+  mine = {i: (list(anchor), [0, 0]) for i in range(2)}  # (anchor, versions) last received
+  step, sent = dict.fromkeys(range(2), 0), {i: [0, 0] for i in range(2)}
+  for event in FRAGMENT_SCHEDULE:
+    f = len(rows) % 2
+    if event[0] == "push":
+      _, i, b = event
+      for t in range(step[i], b):
+        x[i] = [p - INNER_LR * (p - d) for p, d in zip(x[i], host(_batch(0, i, t)), strict=True)]
+      step[i] = b
+      pending[i] = (mine[i][0][f] - x[i][f], TOKENS * (b - sent[i][f]), mine[i][1][f], b)
+      sent[i][f] = b
+    elif event[0] == "close":
+      entries = [pending[i] for i in sorted(pending)]
+      weights = [t / (1 + versions[f] - v) for _, t, v, _ in entries]
+      mean = sum(w * d for w, (d, *_) in zip(weights, entries, strict=True)) / sum(weights)
+      anchor[f] = anchor[f] - OUTER_LR * mean
+      rows.append(([(i, b, t, versions[f] - v) for i, (_, t, v, b) in sorted(pending.items())],
+                   f))
+      versions[f], pending = versions[f] + 1, {}
+    else:
+      _, i = event
+      landed = (len(rows) - 1) % 2  # the other fragment's leaf stays its own
+      mine[i], x[i][landed] = (list(anchor), list(versions)), anchor[landed]
+  return x, anchor, rows
+
+
+def test_fragment_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_schedule():
+  """Each round's fragment, payloads, tokens (since the replica's last payload of that
+  fragment) and staleness (of that fragment) are the reference's, the weights T / (1 + s), and
+  both replicas' params and the anchor the reference's."""
+  protocol = ft.RoundProtocol("streaming_diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR),
+                              sync_period=2 * H, num_fragments=2)
+  engine = ft.InProcess(protocol, num_replicas=2, speeds=(1.0, 0.25), min_quorum=1,
+                        grace_window=0.0, staleness_rule="dylu", tokens_per_step=TOKENS)
+  results = engine.run(_loop(protocol, 4 * H))
+  x, anchor, rows = _fragment_reference()
+  assert rows == FRAGMENT_ROWS
+  assert [([row[:4] for row in line.payloads], line.fragment) for line in engine.log] == rows
+  assert [line.time for line in engine.log] == [2.0, 4.0, 6.0, 8.0, 16.0, 24.0, 32.0]
+  for line in engine.log:
+    assert line.committed and line.lost == 0
+    for _, _, tokens, stale, weight, _ in line.payloads:
+      assert weight == pytest.approx(tokens / (1 + stale))
+  for i, ((params, opt_state), _, _) in results.items():
+    for got, want in zip(jax.tree.leaves(params), x[i], strict=True):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  for got, want in zip(jax.tree.leaves(results[1][0][1].anchor), anchor, strict=True):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,14 +485,9 @@ def test_bad_decoupled_settings_raise_one_line_errors(kwargs, error, message):
 
 
 def test_decoupled_rounds_take_the_rules_they_name():
-  """``delayed_nesterov`` with that outer optimizer and an infinite window are accepted; a
-  protocol whose payloads change size by round is refused."""
+  """``delayed_nesterov`` with that outer optimizer and an infinite window are accepted."""
   nesterov = ft.RoundProtocol("diloco", optax.sgd(0.1), optax_dist.delayed_nesterov(
     0.7, 0.9, buffer_size=2), sync_period=H)
   engine = ft.InProcess(nesterov, num_replicas=2, speeds=(1, 0.5), grace_window=math.inf,
                         staleness_rule="delayed_nesterov")
   assert engine.min_quorum == 2 and engine.min_replicas == 1
-  streaming = ft.RoundProtocol("streaming_diloco", optax.sgd(0.1), optax.sgd(1.0),
-                               sync_period=4, num_fragments=2)
-  with pytest.raises(ValueError, match="per-fragment rounds are not built yet"):
-    ft.InProcess(streaming, num_replicas=2, speeds=(1, 1))

@@ -49,11 +49,14 @@ _PHASE = {"run": 0, "push": 0, "end": 1, "pull": 2}
 @dataclasses.dataclass(frozen=True)
 class _Entry:
   """A payload in the open round: its arrival time, its push, the tokens it carries (with
-  those of a pending payload of its replica it replaced)."""
+  those of a pending payload of its replica it replaced), the payload of the round's fragment
+  and the version of that fragment its replica last received."""
 
   time: float
   push: Push
   tokens: int
+  payload: Any
+  received: int
 
 
 class Clock:
@@ -71,14 +74,18 @@ class Clock:
     self._open: dict[int, _Entry] = {}
     self._global: tuple[ReplicaState, Any] | None = None
     self._closed, self._seen = 0, {}
-    self._landed: dict[int, Any] = {}
-    self._reverts: dict[int, int] = {}
+    self._landed: dict[int, Any] = {}  # replica -> (what it lands, the round's fragment)
+    self._reverts: dict[int, tuple] = {}  # replica -> (aborted round, its fragment)
     self._results: dict[int, Pull] = {}
     self._threads, self._errors, self._returned = [], [], {}
     self._t0: dict[int, float] = {}  # replica -> the simulated time its loop (re)started at
     self._joining: set[int] = set()  # joiners that have not healed yet
     self._died: set = set()  # the die_inner faults done
     self._last: dict[int, Push] = {}  # replica -> its last push that entered a round
+    self._versions: dict = {}  # fragment -> its committed updates
+    self._received: dict[int, dict] = {}  # replica -> the versions it last received
+    self._sent: dict[int, dict] = {}  # replica -> fragment -> the step of its last payload of it
+    self._base: dict[int, int] = {}  # replica -> the step it started or healed at
     self._failure: BaseException | None = None  # an error of the clock's: every loop stops
     plan = engine.replay
     self._plan = None if plan is None else [
@@ -112,6 +119,7 @@ class Clock:
     replica = DecoupledReplica(self.protocol, _Port(self, i), slot=i, seed=self.engine.seed,
                                tokens_per_step=self.engine.tokens_per_step)
     self._t0[i], self._seen[i] = t0, self._closed
+    self._received[i], self._sent[i], self._base[i] = dict(self._versions), {}, 0
     if self._closed:  # a join: it heals at its first pull
       self._joining.add(i)
     self._at[i] = [self._time(i, self.protocol.round_steps(0)), "run"]
@@ -194,9 +202,24 @@ class Clock:
     if i in self._joining:  # its first payload enters no round: it heals at its pull
       self._pushes[i] = push
       return
-    pending = self._open.get(i)
-    self._open[i] = _Entry(t, push, push.header.weight + (pending.tokens if pending else 0))
+    pending, f = self._open.get(i), self._fragment()
+    payload = push.payload[0]
+    if f != self.protocol.fragment(push.header.step):  # the round's fragment, not its step's
+      payload = self.protocol.send_half(push.replica.opt_state, push.replica.params, f)[0]
+    tokens = self._tokens(i, push, f) + (pending.tokens if pending else 0)
+    self._open[i] = _Entry(t, push, tokens, payload, self._received[i].get(f, 0))
+    self._sent[i][f] = push.header.step
     self._last[i] = push
+
+  def _fragment(self) -> int | None:
+    """The open round's fragment: the schedule on the committed-round counter."""
+    return decoupled.round_fragment(self.protocol, int(self._global[0].rounds))
+
+  def _tokens(self, i: int, push: Push, f: int | None) -> int:
+    """The tokens of ``push``'s payload of fragment ``f``: those since ``i``'s last payload of
+    ``f`` (or its start or heal). The whole tree's: those since its last boundary."""
+    since = self._sent[i].get(f, self._base[i])
+    return (push.header.step - since) * self.engine.tokens_per_step
 
   def _dies(self, i: int, push: Push) -> bool:
     """Whether ``i`` dies at its push now (a ``"die_inner"`` fault of a round closed or open,
@@ -207,7 +230,7 @@ class Clock:
       return False
     self._died.add(due[0])
     pending = self._open.pop(i, None)
-    lost = push.header.weight + (pending.tokens if pending else 0)
+    lost = self._tokens(i, push, self._fragment()) + (pending.tokens if pending else 0)
     self.engine.log.append(decoupled.Death(self._closed, i, push.header.step, lost))
     del self._at[i]
     for pending_outcome in (self._landed, self._reverts):
@@ -223,10 +246,12 @@ class Clock:
     landed, aborted = self._landed.pop(i, None), self._reverts.pop(i, None)
     if aborted is not None and i in self._open:  # its newer payload withdrawn
       entry = self._open.pop(i)
-      self.engine.log.append(Revert(aborted, i, entry.push.header.step, entry.tokens))
+      self.engine.log.append(Revert(aborted[0], i, entry.push.header.step, entry.tokens))
     fresh = self._closed > self._seen[i] and landed is None
     received = (decoupled.global_state(self._global[0]), self._global[1]) if fresh else None
-    self._results[i] = Pull(landed, received, aborted is not None)
+    f = landed[1] if landed is not None else aborted[1] if aborted is not None else None
+    self._results[i] = Pull(landed and landed[0], received, aborted is not None, f)
+    self._received[i] = dict(self._versions)
     self._next(i)
 
   def _next(self, i: int) -> None:
@@ -257,7 +282,9 @@ class Clock:
                                           push.header.weight))
     self.engine.heals.append((self._closed, i, donor))
     self._joining.discard(i)
-    self._results[i] = Pull(None, None, False, healed)
+    self._sent[i], self._base[i] = {}, push.header.step
+    self._received[i] = dict(self._versions)
+    self._results[i] = Pull(None, None, False, healed=healed)
     self._next(i)
 
   # --------------------------------------------------------------------------------------------
@@ -301,24 +328,26 @@ class Clock:
     if self._plan is not None and (r >= len(self._plan) or self._keys() != self._logged()):
       raise RuntimeError(f"replay diverges from its log at round {r}: payloads {self._keys()}"
                          f" at time {t}.")
-    before = self._global[0]
+    before, f = self._global[0], self._fragment()
     heads = [x.push.header._replace(weight=x.tokens) for x in entries]
-    d, stale, weights = self._decide(r, entries, heads, int(before.rounds))
+    version = self._versions.get(f, 0)
+    d, stale, weights = self._decide(r, entries, heads, version)
     if d.merged is not None:
       voted = [x.push.payload[1] for x in entries if x.push.header.slot in d.voters]
       merged_collections = None if voted[0] is None else _exchange.merge_payloads(voted)
-      self._global = (self._commit(before, d.merged), merged_collections)
+      self._global = (self._commit(before, d.merged, f), merged_collections)
+      self._versions[f] = version + 1
     rows = tuple((h.slot, h.step, h.weight, s, w, h.slot in d.voters)
                  for h, s, w in zip(heads, stale, weights, strict=True))
     lost = sum(h.weight for h in heads if h.slot not in d.voters)
-    self.engine.log.append(MergeLine(r, t, d.merged is not None, d.reason, int(before.rounds),
-                                     rows, lost, decoupled.global_hash(*self._global)))
+    self.engine.log.append(MergeLine(r, t, d.merged is not None, d.reason, version, rows, lost,
+                                     decoupled.global_hash(*self._global), f))
     for x in entries:  # an abort reverts every contributor; one at its pull now lands
       i = x.push.header.slot
       if d.merged is None:
-        self._reverts[i] = r
+        self._reverts[i] = (r, f)
       elif i in d.voters and self._at.get(i) == [x.time, "pull"]:
-        self._landed[i] = (decoupled.global_state(before), d.merged, self._global[1])
+        self._landed[i] = ((decoupled.global_state(before), d.merged, self._global[1]), f)
     self._open, self._closed = {}, r + 1
     for i in sorted(self.engine._events(r + 1, "join")):
       self._start(i, t)
@@ -327,10 +356,10 @@ class Clock:
     """:func:`~optax_dist.fault_tolerance.decoupled.decide_round` of round ``r`` (a scripted
     ``"nonfinite"`` payload replaced by NaNs); in a replay, the logged outcome."""
     e = self.engine
-    payloads = [_nan(x.push.payload[0]) if x.push.header.slot in e._events(r, "nonfinite")
-                else x.push.payload[0] for x in entries]
+    payloads = [_nan(x.payload) if x.push.header.slot in e._events(r, "nonfinite")
+                else x.payload for x in entries]
     d, stale, weights = decoupled.decide_round(
-      self.protocol, heads, payloads, [x.push.version for x in entries], version=version,
+      self.protocol, heads, payloads, [x.received for x in entries], version=version,
       min_replicas=e.min_replicas, rule=e.staleness_rule, max_staleness=e.max_staleness)
     if self._plan is not None and not self._plan[r].committed:
       d = d._replace(merged=None, voters=(), reason=self._plan[r].reason)
@@ -338,10 +367,9 @@ class Clock:
       raise RuntimeError(f"replay diverges from its log at round {r}: it aborts ({d.reason}).")
     return d, stale, weights
 
-  def _commit(self, before: ReplicaState, merged: Any) -> ReplicaState:
-    """The global state after a commit: the outer half on ``merged`` (the same compiled
-    program as a landing replica's, so the same bits)."""
-    fragment = self.protocol.fragment(self.protocol.round_steps(0))
+  def _commit(self, before: ReplicaState, merged: Any, fragment: int | None) -> ReplicaState:
+    """The global state after a commit: the outer half of ``fragment`` on ``merged`` (the same
+    compiled program as a landing replica's, so the same bits)."""
     params, opt_state, average = self.protocol.outer_half(
       before.params, before.params, before.opt_state, before.average, merged,
       before.opt_state.error_feedback if self.protocol.error_feedback else None, fragment)

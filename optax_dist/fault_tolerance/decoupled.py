@@ -7,10 +7,14 @@ simulated clock):
 * **close** (:func:`close_time`): a round closes when every live replica's payload is in, or
   when at least K (``min_quorum``) are in and the grace window :math:`W`, counted from the
   K-th arrival, has run out;
-* **weight and staleness** (:func:`staleness`, :func:`weights`): payload :math:`i` carries
-  :math:`T_i`, the tokens its replica processed since it last received the global state, and
-  :math:`s_i = v - v_i`, the committed updates between the version :math:`v_i` it last
-  received and the version :math:`v` it is merged into; the staleness rule gives its weight
+* **fragments** (:func:`round_fragment`): a round is one fragment's exchange (the whole tree's
+  for ``diloco`` and ``local_sgd``); the fragment schedule runs on the committed-round counter,
+  and each fragment has its own version (its committed updates);
+* **weight and staleness** (:func:`staleness`, :func:`weights`): payload :math:`i` of fragment
+  :math:`f` carries :math:`T_i`, the tokens its replica processed since its last payload of
+  :math:`f` (or its start or heal; the whole tree's: since its last boundary), and
+  :math:`s_i = v - v_i`, the committed updates of :math:`f` between the version :math:`v_i`
+  it last received and the version :math:`v` it is merged into; the staleness rule gives its weight
   :math:`w_i`, and the merge is :math:`\sum_i w_i \Delta_i / \sum_i w_i` over the round's
   contributors in rank order (:func:`decide_round`, through the one commit decision
   :func:`~optax_dist.fault_tolerance.decision.decide`);
@@ -74,8 +78,7 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int, speed
       in [1, R]; ``grace_window`` not a number >= 0 (``math.inf`` allowed); ``staleness_rule``
       not one of :data:`STALENESS_RULES`; ``max_staleness`` not an int >= 0;
       ``"delayed_nesterov"`` with an outer optimizer that is not
-      :func:`optax_dist.delayed_nesterov`; a protocol whose payload size varies by round
-      (``streaming_diloco``'s fragments: not built yet).
+      :func:`optax_dist.delayed_nesterov`.
     TypeError: ``min_quorum`` or ``max_staleness`` not an int.
   """
   values = () if isinstance(speeds, (str, bytes)) or not hasattr(speeds, "__iter__") else (
@@ -98,10 +101,6 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int, speed
     raise ValueError(
       f"`{fn}(staleness_rule='delayed_nesterov')` needs RoundProtocol(outer="
       f"optax_dist.delayed_nesterov(...)), got outer={protocol.outer!r}.")
-  if protocol.payload_size_varies:
-    raise ValueError(
-      f"`{fn}(speeds=...)`: decoupled rounds run whole-tree protocols (diloco, local_sgd);"
-      f" {protocol.algorithm}'s per-fragment rounds are not built yet.")
   return tuple(float(v) for v in values)
 
 
@@ -137,6 +136,16 @@ def close_time(arrivals: Sequence[float], *, all_in: bool, min_quorum: int,
   if len(times) >= min_quorum:
     close = min(close, times[min_quorum - 1] + grace_window)
   return close
+
+
+def round_fragment(protocol: RoundProtocol, committed: int) -> int | None:
+  """The fragment of the round after ``committed`` committed rounds: the fragment schedule
+  (:meth:`RoundProtocol.fragment` at each round boundary from step 0) run on the committed-round
+  counter, not on a replica's ``local_step`` (``None``: the whole tree)."""
+  step = 0
+  for _ in range(committed + 1):
+    step += protocol.round_steps(step)
+  return protocol.fragment(step)
 
 
 def staleness(version: int, received: int) -> int:
@@ -226,13 +235,15 @@ class MergeLine:
     time: its close time, in simulated seconds.
     committed: whether it committed.
     reason: why it aborted (``""`` on a commit).
-    version: the committed rounds before it (the version its merge is applied to).
+    version: its fragment's committed updates before it (the version its merge is applied
+      to; the whole tree's: the committed rounds).
     payloads: one ``(replica, step, tokens, staleness, weight, merged)`` per contributor, in
       rank order: its replica, the ``local_step`` it was sent at, the tokens it carries, its
       staleness, its weight under the staleness rule (before normalisation) and whether it is
       in the merge.
     lost: the tokens of the payloads not merged (all of them on an abort; age-gated ones).
     state_hash: :func:`global_hash` of the global state after the round.
+    fragment: the round's fragment (:func:`round_fragment`; ``None``: the whole tree).
   """
 
   round: int
@@ -243,6 +254,7 @@ class MergeLine:
   payloads: tuple
   lost: int
   state_hash: str
+  fragment: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,15 +325,14 @@ class Push:
   Attributes:
     header: its header: ``weight`` the tokens since it last received, ``step`` its
       ``local_step``.
-    payload: ``(payload, collections)``.
-    version: the committed rounds it last received.
+    payload: ``(payload, collections)`` (the payload of the fragment its ``local_step``
+      names; the engine measures the round's own fragment from ``replica`` where it differs).
     replica: its :class:`ReplicaState` at the boundary (the engine's template of the global
       state's tree).
   """
 
   header: Header
   payload: Any
-  version: int
   replica: ReplicaState
 
 
@@ -338,6 +349,9 @@ class Pull:
       takes copies (its loop may donate them).
     revert: whether a round holding its payload aborted since its last pull (its params go
       back to the anchor).
+    fragment: the fragment of the round that landed or aborted (``None``: the whole tree; a
+      payload is of its round's fragment, which the replica's own ``local_step`` need not
+      name).
     healed: a joiner's first pull: the decoded donation it heals from (the global state now
       and the donor's inner optimizer state, :func:`~optax_dist.fault_tolerance.heal.
       heal_state`), else ``None``.
@@ -346,6 +360,7 @@ class Pull:
   landed: Any
   received: Any
   revert: bool
+  fragment: int | None = None
   healed: Any = None
 
 
@@ -372,14 +387,16 @@ class DecoupledReplica(Replica):
   def _round(self, state: Any) -> Any:
     parts, fragment, payload, residual, mine, header = self._send(state)
     collections = jax.tree.map(jnp.copy, parts.collections)  # merged after the loop moves on
-    got = self.engine.exchange(Push(header, (payload, collections), self.rounds, mine))
+    got = self.engine.exchange(Push(header, (payload, collections), mine))
     replica, collections = mine, parts.collections
     if got.landed is not None:  # as a synchronous round lands it, on the state it merged into
       before, merged, collections = got.landed
       before = jax.tree.map(jnp.copy, before)  # the engine's: the loop may donate its state
       opt_state = catch_up(mine, before).opt_state
+      if got.fragment != fragment:  # the round's fragment: its residual candidate
+        _, residual = self.protocol.send_half(parts.opt_state, parts.params, got.fragment)
       params, opt_state, average = self.protocol.outer_half(
-        self._origin, parts.params, opt_state, before.average, merged, residual, fragment)
+        self._origin, parts.params, opt_state, before.average, merged, residual, got.fragment)
       replica = ReplicaState(params, opt_state, before.rounds + 1, average)
     elif got.healed is not None:  # the local state rebuilt (params: a copy of the anchor, the
       replica, collections = _placed_as(self.receive(got.healed), (mine, collections))
@@ -390,9 +407,10 @@ class DecoupledReplica(Replica):
       received, received_collections = jax.tree.map(jnp.copy, got.received)
       replica = catch_up(mine, received)
       collections = collections if received_collections is None else received_collections
-    if got.revert:  # the params back on the anchor: copies
-      replica = self.protocol.abort(replica)
-      replica = replica._replace(params=jax.tree.map(jnp.copy, replica.params))
+    if got.revert:  # the round's fragment's params back on the anchor: copies
+      params = self.protocol.restart(replica.params, replica.opt_state, replica.average,
+                                     got.fragment)
+      replica = replica._replace(params=jax.tree.map(jnp.copy, params))
     if got.landed is not None and collections is not None:
       collections = jax.tree.map(jnp.copy, collections)
     state = self._take(state, replica, collections, False)
