@@ -313,6 +313,36 @@ def test_fragment_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_s
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_fragments_abort_reverts_that_fragment_only_and_its_fragment_comes_again():
+  """Round 1 (fragment 1) aborts on a NaN: each member's fragment-1 leaf goes back to the
+  anchor, its fragment-0 leaf stays its own; the schedule runs on the committed-round counter,
+  so round 2 is fragment 1 again; the JSON lines replay bit for bit."""
+  protocol = ft.RoundProtocol("streaming_diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR),
+                              sync_period=2 * H, num_fragments=2)
+  settings = {"speeds": (1.0, 1.0), "faults": [ft.Fault(1, 0, "nonfinite")]}
+  after = {}
+
+  def record(replica):
+    state = replica.replica_state
+    after[replica.slot, replica.step] = jax.tree.map(
+      np.asarray, (state.params, state.opt_state.anchor))
+
+  engine = ft.InProcess(protocol, num_replicas=2, **settings)
+  results = engine.run(_loop(protocol, 4 * H, record=record))
+  assert [(line.fragment, line.committed) for line in engine.log] == [
+    (0, True), (1, False), (1, True), (0, True)]
+  for i in range(2):
+    params, anchor = after[i, 2 * H]
+    np.testing.assert_array_equal(params["b"], anchor["b"])
+    assert not np.array_equal(params["a"], anchor["a"])
+  lines = [json.loads(json.dumps(dataclasses.asdict(line))) for line in engine.log]
+  again = ft.InProcess(protocol, num_replicas=2, replay=lines, speeds=(1.0, 1.0))
+  replayed = again.run(_loop(protocol, 4 * H))
+  assert again.log == engine.log
+  for i in range(2):
+    _leaves_equal(replayed[i][0], results[i][0])
+
+
 # ------------------------------------------------------------------------------------------------
 # An abort, an age gate, a replay.
 
