@@ -147,3 +147,22 @@ def alive(pid: int) -> bool:
   except FileNotFoundError:
     return False
   return state not in ("Z", "X")
+
+
+SHAPES = {"a": (4, 3), "b": (5,)}
+"""The leaves of :func:`tree_params` and :func:`tree_batch`."""
+
+
+def tree_params():
+  """Params of :data:`SHAPES`, normal draws of key 0."""
+  keys = jax.random.split(jax.random.key(0), len(SHAPES))
+  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items(), strict=True)}
+
+
+@jax.jit
+def tree_batch(seed, slot, step):
+  """A batch of :data:`SHAPES` drawn from ``step_key(seed, slot, step)`` (stateless)."""
+  from optax_dist.fault_tolerance import step_key
+
+  keys = jax.random.split(step_key(seed, slot, step), len(SHAPES))
+  return {k: jax.random.normal(kk, s) for kk, (k, s) in zip(keys, SHAPES.items(), strict=True)}

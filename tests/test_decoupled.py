@@ -20,26 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import tree_batch, tree_params
 
 import optax_dist
 from optax_dist import fault_tolerance as ft
 from optax_dist.fault_tolerance import decoupled, heal
 from optax_dist.fault_tolerance.decoupled import MergeLine, Revert
 
-SHAPES = {"a": (4, 3), "b": (5,)}
 H = 2
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
-
-
-def _params():
-  keys = jax.random.split(jax.random.key(0), len(SHAPES))
-  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items(), strict=True)}
-
-
-@jax.jit
-def _batch(seed, slot, step):
-  keys = jax.random.split(ft.step_key(seed, slot, step), len(SHAPES))
-  return {k: jax.random.normal(kk, s) for kk, (k, s) in zip(keys, SHAPES.items(), strict=True)}
 
 
 def _loop(protocol, steps, pause=None, record=None):
@@ -55,13 +44,13 @@ def _loop(protocol, steps, pause=None, record=None):
     return optax.apply_updates(params, updates), opt_state
 
   def train(replica):
-    params = _params()
+    params = tree_params()
     state = replica.start((params, protocol.tx.init(params)))
     hashes = []
     while replica.step < steps:
       if pause is not None:
         time.sleep(pause(replica.slot, replica.step))
-      state = replica.after_step(train_step(*state, _batch(replica.seed, replica.slot,
+      state = replica.after_step(train_step(*state, tree_batch(replica.seed, replica.slot,
                                                            replica.step)))
       if replica.step % H == 0:
         hashes.append(decoupled.global_hash(replica.replica_state))
@@ -153,15 +142,15 @@ def _reference():
   def host(tree):
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
 
-  x = {i: host(_params()) for i in range(4)}
-  anchor, version = host(_params()), 0
+  x = {i: host(tree_params()) for i in range(4)}
+  anchor, version = host(tree_params()), 0
   mine = {i: (list(anchor), 0, 0) for i in range(4)}  # (anchor, version, step) last received
   step, pending, rows = dict.fromkeys(range(4), 0), {}, []
   for event in SCHEDULE:
     if event[0] == "push":
       _, i, b = event
       for t in range(step[i], b):
-        x[i] = [p - INNER_LR * (p - d) for p, d in zip(x[i], host(_batch(0, i, t)), strict=True)]
+        x[i] = [p - INNER_LR * (p - d) for p, d in zip(x[i], host(tree_batch(0, i, t)), strict=True)]
       step[i] = b
       carried = pending[i][1] if i in pending else 0
       delta = [a - p for a, p in zip(mine[i][0], x[i], strict=True)]
@@ -261,8 +250,8 @@ def _fragment_reference():
   def host(tree):
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
 
-  x = {i: host(_params()) for i in range(2)}
-  anchor, versions, rows, pending = host(_params()), [0, 0], [], {}
+  x = {i: host(tree_params()) for i in range(2)}
+  anchor, versions, rows, pending = host(tree_params()), [0, 0], [], {}
   mine = {i: (list(anchor), [0, 0]) for i in range(2)}  # (anchor, versions) last received
   step, sent = dict.fromkeys(range(2), 0), {i: [0, 0] for i in range(2)}
   for event in FRAGMENT_SCHEDULE:
@@ -270,7 +259,7 @@ def _fragment_reference():
     if event[0] == "push":
       _, i, b = event
       for t in range(step[i], b):
-        x[i] = [p - INNER_LR * (p - d) for p, d in zip(x[i], host(_batch(0, i, t)), strict=True)]
+        x[i] = [p - INNER_LR * (p - d) for p, d in zip(x[i], host(tree_batch(0, i, t)), strict=True)]
       step[i] = b
       pending[i] = (mine[i][0][f] - x[i][f], TOKENS * (b - sent[i][f]), mine[i][1][f], b)
       sent[i][f] = b
@@ -459,7 +448,7 @@ def test_a_joiner_heals_to_its_donors_global_state_and_every_token_is_accounted_
   _leaves_equal(inner[1, H, True], inner[0, 10, False])  # adam's moments and count (10)
   committed = [m.state_hash for m in merges]
   assert len(set(committed)) == len(committed)
-  initial = decoupled.global_hash(protocol.init(_params()))
+  initial = decoupled.global_hash(protocol.init(tree_params()))
   for _, held, _ in results.values():
     assert set(held) <= {*committed, initial}
   total = TOKENS * (3 * 6 * H + deaths[0].step)

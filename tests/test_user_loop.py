@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import tree_batch, tree_params
 
 from optax_dist import fault_tolerance as ft
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-SHAPES = {"a": (4, 3), "b": (5,)}
 H = 2
 
 
@@ -120,17 +120,6 @@ def test_batch_statistics_are_the_members_mean_at_commit(flavour):
 # A plain optax loop against the library's own round.
 
 
-def _params():
-  keys = jax.random.split(jax.random.key(0), len(SHAPES))
-  return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items(), strict=True)}
-
-
-@jax.jit
-def _batch(seed, slot, step):
-  keys = jax.random.split(ft.step_key(seed, slot, step), len(SHAPES))
-  return {k: jax.random.normal(kk, s) for kk, (k, s) in zip(keys, SHAPES.items(), strict=True)}
-
-
 def _grad(params, batch):  # the gradient of 0.5 |params - batch|^2
   return jax.tree.map(jnp.subtract, params, batch)
 
@@ -144,10 +133,10 @@ def _loop(protocol, steps, log_steps=None):
     return optax.apply_updates(params, updates), opt_state
 
   def train(replica):
-    params = _params()
+    params = tree_params()
     state = replica.start((params, protocol.tx.init(params)))
     while replica.step < steps:
-      state = train_step(*state, _batch(replica.seed, replica.slot, replica.step))
+      state = train_step(*state, tree_batch(replica.seed, replica.slot, replica.step))
       state = replica.after_step(state)
     return state, train_step._cache_size()
 
@@ -175,7 +164,7 @@ def test_a_user_loop_lands_where_the_library_s_round_lands(case):
   outer = None if algorithm == "local_sgd" else optax.sgd(1.0, momentum=0.5, nesterov=True)
   protocol = ft.RoundProtocol(algorithm, optax.sgd(0.5, momentum=0.5), outer, **kw)
   rounds = 4
-  library = ft.InProcessEngine(protocol, _params(), _grad, _batch, num_replicas=3)
+  library = ft.InProcessEngine(protocol, tree_params(), _grad, tree_batch, num_replicas=3)
   want = library.run(rounds)
   engine = ft.InProcess(protocol, num_replicas=3)
   steps = sum(line.step for line in want if line.replica == 0 and line.round == rounds - 1)
@@ -226,7 +215,7 @@ def test_step_key_is_a_stateless_function_of_seed_slot_and_step():
 
 def test_bad_input():
   protocol = ft.RoundProtocol("diloco", optax.sgd(0.5), sync_period=H)
-  params = _params()
+  params = tree_params()
   replica = ft.Replica(protocol, None, slot=0, seed=0, tokens_per_step=1)
   with pytest.raises(RuntimeError, match="before `Replica.start`"):
     replica.after_step((params, protocol.tx.init(params)))
