@@ -325,7 +325,7 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
          if not k.startswith("TORCHFT_") and k != "JAX_COMPILATION_CACHE_DIR"}
   env["PYTHONPATH"] = str(ROOT)
   command = [sys.executable, "-m", "optax_dist.cli", *_without(EXAMPLE, "--min-replicas"),
-             "--min-replicas", "3", "--restart-delay", "0.2", "--checkpoint-every", "40",
+             "--min-replicas", "3", "--restart-delay", "0.2", "--checkpoint-every", "80",
              "--out", str(tmp_path)]
   proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True)
@@ -371,8 +371,10 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
   assert summary["restarts"] == 1 and summary["hashes_agree"] and summary["heals"] >= 1
   assert any((tmp_path / "compilation_cache").iterdir())  # the replicas' programs, shared
   saved = checkpoints.saved(tmp_path / "replicas" / "checkpoints")
-  # every 40 steps (an aborted round's steps count) and at the end, after 16 committed rounds
-  assert [meta["step"] for meta in saved if meta["step"] % 40 == 0] == [40, 80]
+  # every 80 steps (an aborted round's steps count) and at the end, after 16 committed rounds:
+  # none before the kill, so the restarted replica heals (a local checkpoint of the round its
+  # peers wait at would restore it whole instead: tests/test_ft_resume.py)
+  assert saved and all(meta["step"] >= 80 for meta in saved)
   assert (saved[-1]["step"], saved[-1]["rounds"]) == (finals[0]["step"], 16)
 
 
