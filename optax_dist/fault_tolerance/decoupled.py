@@ -323,8 +323,9 @@ class Push:
   """What a replica brings to its boundary (the engine's input).
 
   Attributes:
-    header: its header: ``weight`` the tokens since it last received, ``step`` its
-      ``local_step``.
+    header: its header: ``weight`` the tokens of its steps since its previous boundary (the
+      engine adds those of a payload of its still open, which this one replaces), ``step``
+      its ``local_step``.
     payload: ``(payload, collections)`` (the payload of the fragment its ``local_step``
       names; the engine measures the round's own fragment from ``replica`` where it differs).
     replica: its :class:`ReplicaState` at the boundary (the engine's template of the global
