@@ -25,7 +25,7 @@ import time
 from typing import Any, Self
 
 from optax_dist.cli.errors import PROG
-from optax_dist.cli.progress import REFRESH_SECONDS, _bar
+from optax_dist.cli.progress import REFRESH_SECONDS, new_bar
 from optax_dist.fault_tolerance.rundir import RunDir
 
 PLAIN_SECONDS = 10.0
@@ -85,7 +85,7 @@ class Watch:
     if self.enabled:
       self.started = time.time()
       if self.terminal:
-        self._bar = _bar(total=self.total, desc=PROG, unit="round", leave=True)
+        self._bar = new_bar(total=self.total, desc=PROG, unit="round", leave=True)
       self._thread = threading.Thread(target=self._run, name="optax-dist ft progress",
                                       daemon=True)
       self._thread.start()

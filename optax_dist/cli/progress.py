@@ -37,7 +37,7 @@ class Progress:
     if not self.enabled:
       yield
       return
-    with _refreshed(_bar(desc=f"{self.name}: {what}", bar_format="{desc}… {elapsed}",
+    with _refreshed(new_bar(desc=f"{self.name}: {what}", bar_format="{desc}… {elapsed}",
                          leave=True)):
       yield
 
@@ -47,7 +47,7 @@ class Progress:
     if not self.enabled:
       yield Steps(None, self.name)
       return
-    with _refreshed(_bar(total=total, initial=done, desc=self.name, unit="step",
+    with _refreshed(new_bar(total=total, initial=done, desc=self.name, unit="step",
                          leave=False)) as bar:
       yield Steps(bar, self.name)
 
@@ -81,7 +81,9 @@ QUIET = Progress()
 """A run that shows nothing."""
 
 
-def _bar(**kwargs: Any) -> Any:
+def new_bar(**kwargs: Any) -> Any:
+  """A ``tqdm`` bar on stderr with ``kwargs`` (the commands' bars, this module's and the
+  fault-tolerant run's)."""
   from tqdm.auto import tqdm  # the examples extra, checked before a run
 
   return tqdm(file=sys.stderr, **kwargs)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from optax_dist import _exchange
 from optax_dist.fault_tolerance import decoupled, heal
 from optax_dist.fault_tolerance.decoupled import DecoupledReplica, MergeLine, Pull, Push, Revert
-from optax_dist.fault_tolerance.in_process import _Killed, _nan
+from optax_dist.fault_tolerance.in_process import _Killed, nan_like
 from optax_dist.fault_tolerance.protocol import ReplicaState
 
 _PHASE = {"run": 0, "push": 0, "end": 1, "pull": 2}
@@ -356,7 +356,7 @@ class Clock:
     """:func:`~optax_dist.fault_tolerance.decoupled.decide_round` of round ``r`` (a scripted
     ``"nonfinite"`` payload replaced by NaNs); in a replay, the logged outcome."""
     e = self.engine
-    payloads = [_nan(x.payload) if x.push.header.slot in e._events(r, "nonfinite")
+    payloads = [nan_like(x.payload) if x.push.header.slot in e._events(r, "nonfinite")
                 else x.payload for x in entries]
     d, stale, weights = decoupled.decide_round(
       self.protocol, heads, payloads, [x.received for x in entries], version=version,

@@ -53,7 +53,7 @@ from optax_dist import _checks
 from optax_dist._delayed_nesterov import DelayedNesterovState
 from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.decision import Decision, Header, decide
-from optax_dist.fault_tolerance.loop import Replica, RoundResult, _placed_as
+from optax_dist.fault_tolerance.loop import Replica, RoundResult, placed_as
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 STALENESS_RULES = ("none", "dylu", "age_gate", "delayed_nesterov")
@@ -400,7 +400,7 @@ class DecoupledReplica(Replica):
         self._origin, parts.params, opt_state, before.average, merged, residual, got.fragment)
       replica = ReplicaState(params, opt_state, before.rounds + 1, average)
     elif got.healed is not None:  # the local state rebuilt (params: a copy of the anchor, the
-      replica, collections = _placed_as(self.receive(got.healed), (mine, collections))
+      replica, collections = placed_as(self.receive(got.healed), (mine, collections))
       replica = replica._replace(  # loop donates both), the data position its own
         params=jax.tree.map(jnp.copy, replica.params),
         opt_state=replica.opt_state._replace(local_step=mine.opt_state.local_step))

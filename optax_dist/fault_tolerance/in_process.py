@@ -339,7 +339,7 @@ class InProcess:
       self._quorum_count, self._last_members = self._quorum_count + 1, tuple(members)
     healed = self._heal(r, members)
     heads = [s.header._replace(weight=0) if i in healed else s.header for i, s in members.items()]
-    payloads = [_nan(s.payload[0]) if i in self._events(r, "nonfinite") else s.payload[0]
+    payloads = [nan_like(s.payload[0]) if i in self._events(r, "nonfinite") else s.payload[0]
                 for i, s in members.items()]
     d = self._logged_outcome(r, decide(self.protocol, heads, payloads,
                                        min_replicas=self.min_replicas))
@@ -390,7 +390,9 @@ class _Port:
       self._engine._check_line(line)
 
 
-def _nan(tree: Any) -> Any:
+def nan_like(tree: Any) -> Any:
+  """``tree`` with every value NaN: a scripted ``"nonfinite"`` payload (both in-process
+  engines)."""
   return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)
 
 

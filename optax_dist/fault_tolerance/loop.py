@@ -325,7 +325,7 @@ class Replica:
     if restored is not None:  # placed as the loop's own state is
       resumed = isinstance(restored, Restored)
       got = self.receive(restored.donation, restored.local) if resumed else self.receive(restored)
-      replica, collections = _placed_as(got, (self._replica, self._collections))
+      replica, collections = placed_as(got, (self._replica, self._collections))
       state = self._take(state, replica, collections, jumped=True)
     self._keep_origin(state)
     return state
@@ -433,7 +433,7 @@ class Replica:
                                     self.donation(mine, parts.collections)))
     replica, collections = mine, parts.collections
     if got.healed is not None:  # placed as the loop's own state is (e.g. sharded over a mesh)
-      replica, collections = _placed_as((self.receive(got.healed)), (mine, collections))
+      replica, collections = placed_as((self.receive(got.healed)), (mine, collections))
     if got.merged is None:  # the params back on the anchor: copies (the loop donates them)
       replica = self.protocol.abort(replica)
       replica = replica._replace(params=jax.tree.map(jnp.copy, replica.params))
@@ -494,7 +494,7 @@ def _mean(losses: list) -> float | None:
   return float(np.mean(np.asarray(jax.device_get(losses), np.float64))) if losses else None
 
 
-def _placed_as(tree: Any, like: Any) -> Any:
+def placed_as(tree: Any, like: Any) -> Any:
   """``tree``'s arrays placed as ``like``'s (its shardings), where ``like``'s are committed to
   their devices; left as they are elsewhere."""
   def place(x, old):
