@@ -192,6 +192,7 @@ def test_token_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_sche
     assert line.committed and line.lost == 0 and all(row[5] for row in line.payloads)
     for _, _, tokens, stale, weight, _ in line.payloads:
       assert weight == pytest.approx(tokens / (1 + stale))
+  assert heal.state_hash(engine.state[0]) == engine.log[-1].state_hash  # after every loop
   for i, (state, _, replica) in results.items():
     params, opt_state = state
     for got, want in zip(jax.tree.leaves(params), x[i], strict=True):

@@ -108,6 +108,10 @@ class InProcess:
       without a line in round :math:`r` dies in it (``"die_inner"``), one whose line has no
       members straggles, one with a line in round :math:`r` and none in :math:`r - 1` joins.
     heals: ``(round, joiner, donor)`` of each heal.
+    state: after a decoupled :meth:`run`, ``(global state, collections)`` after its last
+      closed round (:func:`~optax_dist.fault_tolerance.decoupled.global_state`; the round
+      holding the last payloads closes after every loop returned, so no replica's returned
+      state has it); else ``None``.
 
   Raises:
     TypeError: ``protocol`` not a :class:`RoundProtocol`; a fault not a :class:`Fault`.
@@ -147,6 +151,7 @@ class InProcess:
     self.seed, self.tokens_per_step, self.faults = seed, tokens_per_step, tuple(faults)
     self.log: list[RoundLog] = []
     self.heals: list[tuple[int, int, int]] = []
+    self.state: tuple[Any, Any] | None = None
     self._decoupled(fn, speeds, min_quorum, grace_window, staleness_rule, max_staleness, replay)
     self._replay_schedule(fn)
 
