@@ -87,10 +87,12 @@ class Clock:
     self._sent: dict[int, dict] = {}  # replica -> fragment -> the step of its last payload of it
     self._base: dict[int, int] = {}  # replica -> the step it started or healed at
     self._failure: BaseException | None = None  # an error of the clock's: every loop stops
-    plan = engine.replay
+    plan, fields = engine.replay, [f.name for f in dataclasses.fields(MergeLine)]
     self._plan = None if plan is None else [
-      MergeLine(**line) if isinstance(line, dict) else line for line in plan
+      MergeLine(**{k: line[k] for k in fields if k in line}) if isinstance(line, dict) else line
+      for line in plan
       if isinstance(line, MergeLine) or (isinstance(line, dict) and "committed" in line)]
+    self._times = None if plan is None else decoupled.boundaries(plan)  # a real run's
 
   def run(self, train: Callable[[Any], Any]) -> dict[int, Any]:
     """Runs ``train(replica)`` for every replica until each returns; returns their values.
@@ -144,6 +146,11 @@ class Clock:
           self._pump()
 
   def _time(self, i: int, step: int) -> float:
+    """Replica ``i``'s boundary at ``step``: by its speed, or as a replayed real run logged it
+    (:class:`~optax_dist.fault_tolerance.decoupled.Boundary`; one it did not log, its loop's
+    end, never comes)."""
+    if self._times is not None:
+      return self._times.get((i, step), math.inf)
     return self._t0[i] + step / self.engine.speeds[i]
 
   def exchange(self, i: int, push: Push) -> Pull:
@@ -370,12 +377,8 @@ class Clock:
     return d, stale, weights
 
   def _commit(self, before: ReplicaState, merged: Any, fragment: int | None) -> ReplicaState:
-    """The global state after a commit: the outer half of ``fragment`` on ``merged`` (the same
-    compiled program as a landing replica's, so the same bits)."""
-    params, opt_state, average = self.protocol.outer_half(
-      before.params, before.params, before.opt_state, before.average, merged,
-      before.opt_state.error_feedback if self.protocol.error_feedback else None, fragment)
-    return ReplicaState(params, opt_state, before.rounds + 1, average)
+    """The global state after a commit (:func:`~optax_dist.fault_tolerance.decoupled.commit`)."""
+    return decoupled.commit(self.protocol, before, merged, fragment)
 
 
 class _Stopped(BaseException):

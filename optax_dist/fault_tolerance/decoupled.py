@@ -68,10 +68,11 @@ lost); ``"delayed_nesterov"``: :math:`w = T`, the protocol's outer optimizer bei
 # The settings.
 
 
-def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int, speeds: Any,
+def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None, speeds: Any,
                    min_quorum: Any, grace_window: Any, staleness_rule: Any,
-                   max_staleness: Any) -> tuple[float, ...]:
-  """Checks a decoupled run's settings; returns the speeds as floats.
+                   max_staleness: Any) -> tuple[float, ...] | None:
+  """Checks a decoupled run's settings; returns the speeds as floats (``None``: not checked, an
+  engine of real replicas, whose ``num_replicas`` may be ``None``: K not bounded by it here).
 
   Raises:
     ValueError: ``speeds`` not one finite number > 0 per replica; ``min_quorum`` not an int
@@ -83,13 +84,13 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int, speed
   """
   values = () if isinstance(speeds, (str, bytes)) or not hasattr(speeds, "__iter__") else (
     tuple(speeds))
-  if len(values) != num_replicas or not all(
+  if speeds is not None and (len(values) != num_replicas or not all(
       isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < math.inf
-      for v in values):
+      for v in values)):
     raise ValueError(f"`{fn}(speeds=...)` must be one finite number > 0 per replica"
                      f" ({num_replicas}), got {speeds!r}.")
   _checks.check_positive_int(fn, "min_quorum", min_quorum)
-  if min_quorum > num_replicas:
+  if num_replicas is not None and min_quorum > num_replicas:
     raise ValueError(f"`{fn}(min_quorum=...)` must be at most num_replicas={num_replicas},"
                      f" got {min_quorum}.")
   _checks.check_number(fn, "grace_window", grace_window, lower=0.0,
@@ -101,7 +102,7 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int, speed
     raise ValueError(
       f"`{fn}(staleness_rule='delayed_nesterov')` needs RoundProtocol(outer="
       f"optax_dist.delayed_nesterov(...)), got outer={protocol.outer!r}.")
-  return tuple(float(v) for v in values)
+  return None if speeds is None else tuple(float(v) for v in values)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,6 +197,17 @@ def decide_round(protocol: RoundProtocol, heads: Sequence[Header], payloads: Seq
   return decide(protocol, voting, payloads, min_replicas=min_replicas), stale, w
 
 
+def commit(protocol: RoundProtocol, before: ReplicaState, merged: Any,
+           fragment: int | None) -> ReplicaState:
+  """The global state after a commit: the outer half of ``fragment`` on ``merged`` applied to
+  ``before`` (the same compiled program as a landing replica's, so the same bits); only its
+  :func:`global_state` is read."""
+  params, opt_state, average = protocol.outer_half(
+    before.params, before.params, before.opt_state, before.average, merged,
+    before.opt_state.error_feedback if protocol.error_feedback else None, fragment)
+  return ReplicaState(params, opt_state, before.rounds + 1, average)
+
+
 # ----------------------------------------------------------------------------------------------
 # The state split.
 
@@ -255,6 +267,38 @@ class MergeLine:
   lost: int
   state_hash: str
   fragment: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+  """A replica's boundary on an engine of real replicas (:class:`~optax_dist.fault_tolerance.
+  torchft_engine.Torchft`): the time, on its :class:`MergeLine`\\ s' clock, at which its push
+  and pull count; ``InProcess(replay=...)`` runs a boundary logged so at its time instead of
+  the one its speed gives.
+
+  Attributes:
+    replica: the replica.
+    step: its ``local_step`` at the boundary.
+    time: the time its push and pull count at: the close of the round it landed in, else a
+      time after the closes its pull received and before the next.
+    landed: whether it landed a round.
+  """
+
+  replica: int
+  step: int
+  time: float
+  landed: bool
+
+
+def boundaries(lines: Sequence[Any]) -> dict[tuple[int, int], float] | None:
+  """``(replica, step) -> time`` of the :class:`Boundary` lines (or their JSON objects) among
+  ``lines``; ``None`` if there are none."""
+  names = {f.name for f in dataclasses.fields(Boundary)}
+  found = {(b.replica, b.step): b.time for b in (
+    line if isinstance(line, Boundary) else Boundary(**{k: line[k] for k in names})
+    for line in lines if isinstance(line, Boundary)
+    or (isinstance(line, dict) and names <= set(line) and "committed" not in line))}
+  return found or None
 
 
 @dataclasses.dataclass(frozen=True)

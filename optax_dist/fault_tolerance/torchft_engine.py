@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import time
@@ -123,12 +124,26 @@ class Torchft:
       quorum (e.g. a barrier that lets replicas starting together meet in their first quorum).
     standby: a warm standby's wait for its takeover, called once the replica has compiled its
       round and before it reads the newest checkpoint and starts its session. ``None``: none.
+    decoupled: decoupled rounds (:mod:`~optax_dist.fault_tolerance.torchft_decoupled`: the
+      loop is a :class:`~optax_dist.fault_tolerance.decoupled.DecoupledReplica`, the lines
+      :class:`~optax_dist.fault_tolerance.decoupled.MergeLine`\ s and, in
+      ``out/replicas/boundaries_<i>.jsonl``, :class:`~optax_dist.fault_tolerance.decoupled.
+      Boundary` lines); ``min_replicas`` is then the fewest payloads of weight > 0 that commit.
+      Not with ``checkpoint_every``, ``standby``, ``exchange_retries`` or a replica group.
+    min_quorum: K, the payloads that may close a decoupled round before every live replica's
+      is in; a positive int, at least ``min_replicas`` (default: ``min_replicas``).
+    grace_window: W, seconds of wall clock a decoupled round stays open after its K-th arrival
+      (``math.inf``, the default: until every live replica's payload is in); >= 0.
+    staleness_rule: one of :data:`~optax_dist.fault_tolerance.decoupled.STALENESS_RULES`.
+    max_staleness: ``"age_gate"``'s bound, an int >= 0.
 
   Raises:
     ValueError: no Lighthouse or replica id given nor in the environment; a lighthouse not an
       ``http://`` URL; a replica id or ``exchange_retries`` not an int >= 0;
       ``tokens_per_step``, ``min_replicas`` or ``checkpoint_every`` not a positive int; a
-      timeout not a positive number; a host that does not resolve or is unspecified.
+      timeout not a positive number; a host that does not resolve or is unspecified; the
+      decoupled settings as :func:`~optax_dist.fault_tolerance.decoupled.check_settings`
+      raises, ``min_replicas > min_quorum``, or ``decoupled`` with a setting it does not take.
   """
 
   def __init__(self, protocol: RoundProtocol, *, lighthouse: str | None = None,
@@ -137,7 +152,9 @@ class Torchft:
                min_replicas: int = 1, quorum_timeout: float = 60.0, timeout: float = 30.0,
                exchange_retries: int = 0, checkpoint_every: int | None = None,
                last_round: int | None = None, on_ready: Callable[[], None] | None = None,
-               standby: Callable[[], None] | None = None):
+               standby: Callable[[], None] | None = None, decoupled: bool = False,
+               min_quorum: int | None = None, grace_window: float = math.inf,
+               staleness_rule: str = "none", max_staleness: int = 1):
     fn = "Torchft"
     lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse.startswith("http://"):
@@ -164,6 +181,23 @@ class Torchft:
       quorum_timeout, timeout, exchange_retries)
     self.checkpoint_every, self.last_round = checkpoint_every, last_round
     self.on_ready, self.standby = on_ready, standby
+    self.decoupled, self.min_quorum = decoupled, min_replicas if min_quorum is None else min_quorum
+    self.grace_window, self.staleness_rule = grace_window, staleness_rule
+    self.max_staleness = max_staleness
+    if decoupled:
+      self._check_decoupled()
+
+  def _check_decoupled(self) -> None:
+    from optax_dist.fault_tolerance import torchft_decoupled
+
+    torchft_decoupled.check(self, self.protocol)
+    other = {"checkpoint_every": self.checkpoint_every, "standby": self.standby,
+             "exchange_retries": self.exchange_retries or None,
+             "processes": jax.process_count() if jax.process_count() > 1 else None}
+    given = [k for k, v in other.items() if v is not None]
+    if given:
+      raise ValueError(f"`Torchft(decoupled=True)`: not with {given[0]}={other[given[0]]!r}"
+                       " (decoupled rounds over torchft do not take it yet).")
 
   def run(self, train: Callable[[Replica], Any]) -> dict[int, Any]:
     """Runs ``train(replica)`` as this process's replica; returns ``{replica_id: what it
@@ -174,9 +208,17 @@ class Torchft:
       TimeoutError: no quorum formed within ``quorum_timeout`` seconds.
       ValueError: the newest checkpoint written by other settings, or damaged.
     """
-    port = _Port(self)
+    if self.decoupled:
+      from optax_dist.fault_tolerance.torchft_decoupled import DecoupledPort
+
+      port = DecoupledPort(self)
+    else:
+      port = _Port(self)
     try:
-      return {self.replica_id: train(port.replica)}
+      result = train(port.replica)
+      if self.decoupled:  # its exchange polls on until every replica's loop has returned
+        port.finish()
+      return {self.replica_id: result}
     finally:
       port.shutdown()
 

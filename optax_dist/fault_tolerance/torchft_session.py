@@ -297,10 +297,15 @@ class Session:
   Attributes:
     quorum_timeout: seconds a quorum may take in all, over requests of at most
       :data:`QUORUM_ATTEMPT_S` each.
+    allow_heal: torchft's ``start_quorum(allow_heal=...)``: ``False`` (decoupled rounds, every
+      replica's alike) and torchft never heals a member behind the quorum's ``max_step``; it
+      keeps its state, and counts in ``num_participants()`` only once its step is the
+      quorum's.
   """
 
   group_rank: int = 0
   group_size: int = 1
+  allow_heal: bool = True
 
   def _open(self, lighthouse: str, host: str, min_replicas: int, quorum_timeout: float,
             timeout: float) -> None:
@@ -350,7 +355,8 @@ class Session:
     while True:
       attempt = min(QUORUM_ATTEMPT_S, deadline - time.monotonic())
       try:
-        self._manager.start_quorum(timeout=timedelta(seconds=max(attempt, 0.001)))
+        self._manager.start_quorum(allow_heal=self.allow_heal,
+                                   timeout=timedelta(seconds=max(attempt, 0.001)))
         break
       except TimeoutError:
         if time.monotonic() >= deadline:
@@ -412,9 +418,12 @@ class Session:
       self._manager.report_error(e)
       return False
 
-  def _allgather(self, mine: torch.Tensor) -> list[torch.Tensor] | None:
-    """Every member's ``mine`` in rank order, or ``None`` (the error reported: a no vote)."""
-    outs = [torch.empty_like(mine) for _ in range(self._manager.num_participants())]
+  def _allgather(self, mine: torch.Tensor, everyone: bool = False) -> list[torch.Tensor] | None:
+    """Every member's ``mine`` in rank order, or ``None`` (the error reported: a no vote).
+    ``everyone``: over the process group's size, every member of the quorum (with
+    ``allow_heal=False``, ``num_participants()`` counts only the members at its ``max_step``)."""
+    count = self._pg.size() if everyone else self._manager.num_participants()
+    outs = [torch.empty_like(mine) for _ in range(count)]
     try:
       self._pg.allgather([outs], [mine], AllgatherOptions()).wait()
     except Exception as e:  # noqa: BLE001 (any failure of the collective is a no vote)
