@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+from typing import Any
 
 from optax_dist.cli import algorithms, checks, errors
 from optax_dist.cli.arguments import (integer_at_least_0, non_negative_float, positive_float,
                                       positive_int)
 from optax_dist.cli.errors import CommandError
 from optax_dist.fault_tolerance import SUPPORTED, halves
+from optax_dist.fault_tolerance.decoupled import STALENESS_RULES
 from optax_dist.fault_tolerance.launcher import LaunchConfig, majority
 
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
@@ -26,6 +29,46 @@ DEFAULTS = {name: _FIELDS[name] for name in (
 """The fault-tolerance flags' defaults, :class:`LaunchConfig`'s (``min_replicas``:
 :func:`~optax_dist.fault_tolerance.launcher.majority` of R); each flag's parser default is
 ``None``, so that one given without ``--fault-tolerant`` is refused."""
+
+
+DECOUPLED = {"decoupled": False, "min_quorum": None, "grace_window": math.inf,
+             "staleness_rule": "none"}
+"""The decoupled rounds' flags and their defaults (``min_quorum``: R); each flag's parser
+default is ``None``, so that one given without ``--fault-tolerant`` (or, but ``--decoupled``,
+without ``--decoupled``) is refused. ``--staleness-rule age_gate``'s bound is ``train``'s
+``--max-staleness``."""
+
+
+def _grace_window(text: str) -> float:
+  """``--grace-window``'s type: seconds >= 0, or ``inf``; ``auto`` refused (not built)."""
+  if text == "auto":
+    raise argparse.ArgumentTypeError(
+      "auto (the window bounded by the measured slack) is not built yet; give seconds >= 0 or"
+      " inf")
+  try:
+    value = float(text)
+  except ValueError:
+    value = math.nan
+  if not value >= 0:
+    raise argparse.ArgumentTypeError(f"must be seconds >= 0 or inf, got {text!r}")
+  return value
+
+
+def _add_decoupled(group: Any) -> None:
+  """Adds the decoupled rounds' flags to the fault-tolerance flags' ``group``."""
+  group.add_argument("--decoupled", action="store_const", const=True, default=None,
+                     help="decoupled rounds: a replica does not wait for the slowest; a round"
+                     " closes when every live replica's payload is in, or when --min-quorum K"
+                     " are and --grace-window has run out since the K-th (docs/decoupled.md)"
+                     " (default: off)")
+  group.add_argument("--min-quorum", type=positive_int, default=None, metavar="K",
+                     help="with --decoupled: the payloads that may close a round before every"
+                     " live replica's is in (default: --replicas)")
+  group.add_argument("--grace-window", type=_grace_window, default=None, metavar="SECONDS",
+                     help="with --decoupled: seconds a round stays open after its K-th payload,"
+                     " or inf (default: inf)")
+  group.add_argument("--staleness-rule", choices=STALENESS_RULES, default=None,
+                     help="with --decoupled: the weight of a stale payload (default: none)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      " waiting), which takes over a dead replica's id after --restart-delay and"
                      " joins within a round; a process and its memory more per replica"
                      " (default: off)")
+  _add_decoupled(group)
 
 
 def resolve(args: argparse.Namespace) -> None:
@@ -91,10 +135,11 @@ def resolve(args: argparse.Namespace) -> None:
       ``--checkpoint-every``; the ``ft`` extra missing.
   """
   if not args.fault_tolerant:
-    given = [name for name in DEFAULTS if getattr(args, name, None) is not None]
+    given = [name for name in (*DEFAULTS, *DECOUPLED) if getattr(args, name, None) is not None]
     if given:
       raise CommandError(f"argument {algorithms.flag(given[0])}: needs --fault-tolerant")
     return
+  _resolve_decoupled(args)
   for name, value in DEFAULTS.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
@@ -103,6 +148,47 @@ def resolve(args: argparse.Namespace) -> None:
   _refuse(args)
   _check_resume(args)
   errors.require(("torch", "torchft"), f"--fault-tolerant {FT_HINT}")
+
+
+def _resolve_decoupled(args: argparse.Namespace) -> None:
+  """Fills in the decoupled rounds' flags; with ``--decoupled``, ``--min-replicas`` defaults to
+  1 (the fewest payloads that commit) and ``--exchange-retries`` to 0.
+
+  Raises:
+    CommandError: a decoupled flag without ``--decoupled``; with it, a setting decoupled rounds
+      over torchft do not take (``--processes`` > 1, ``--standby``, ``--checkpoint-every``,
+      ``--resume``, ``--exchange-retries`` > 0), ``--min-quorum`` above ``--replicas``, or
+      ``--min-replicas`` above ``--min-quorum``.
+  """
+  if not args.decoupled:
+    given = [name for name in DECOUPLED if getattr(args, name) is not None]
+    if given:
+      raise CommandError(f"argument {algorithms.flag(given[0])}: needs --decoupled")
+    args.decoupled = False
+    return
+  refused = (("processes", args.processes > 1), ("standby", args.standby),
+             ("checkpoint_every", args.checkpoint_every), ("resume", args.resume),
+             ("exchange_retries", args.exchange_retries))
+  for name, given in refused:
+    if given:
+      value, flag = getattr(args, name), algorithms.flag(name)
+      shown = flag if isinstance(value, bool) else f"{flag} {value}"
+      raise CommandError(f"argument {flag}: not with --decoupled, got {shown}; decoupled rounds"
+                         " over torchft do not take it yet")
+  for name, value in DECOUPLED.items():
+    if getattr(args, name) is None:
+      setattr(args, name, args.replicas if name == "min_quorum" else value)
+  args.min_replicas = 1 if args.min_replicas is None else args.min_replicas
+  args.exchange_retries = 0
+  if args.min_quorum > args.replicas:
+    raise CommandError(f"argument --min-quorum: must be at most --replicas ({args.replicas}),"
+                       f" got {args.min_quorum}")
+  if args.max_staleness < 0:
+    raise CommandError(f"argument --max-staleness: must be an integer >= 0 with --decoupled, got"
+                       f" {args.max_staleness}")
+  if args.min_replicas > args.min_quorum:
+    raise CommandError(f"argument --min-replicas: must be at most --min-quorum"
+                       f" ({args.min_quorum}) with --decoupled, got {args.min_replicas}")
 
 
 _DECOUPLED = "it belongs to decoupled rounds, not yet"

@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
       quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
       on_ready=lambda: _meet(run_dir, args.replica_id, args.replicas, args.quorum_timeout),
       checkpoint_every=args.checkpoint_every, standby=args.wait_for_takeover,
-      exchange_retries=args.exchange_retries)
+      exchange_retries=args.exchange_retries,
+      **({name: getattr(args, name) for name in (*ft_flags.DECOUPLED, "max_staleness")}
+         if args.decoupled else {}))
   except ft_replica.ReplicaError as e:
     raise CommandError(str(e)) from None
   final = {"replica": args.replica_id, "step": int(state.opt_state.local_step),

@@ -48,7 +48,7 @@ from typing import Any
 from optax_dist.cli import errors, ft_flags, ft_progress, ft_task, reports
 from optax_dist.cli.errors import PROG, CommandError
 from optax_dist.cli.tasks import TASKS, Task
-from optax_dist.fault_tolerance import checkpoints
+from optax_dist.fault_tolerance import checkpoints, decoupled
 from optax_dist.fault_tolerance.launcher import Launcher
 from optax_dist.fault_tolerance.rundir import RunDir
 
@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
   data = task.load(args.seed)
   s = ft_task.settings(args, task, lambda: data)
   ft_task.check_protocol(task, data, s)
+  if args.decoupled:
+    _check_decoupled(args, s)
   config = ft_flags.launch_config(args, REPLICA_COMMAND)
   run_dir = RunDir(args.out)
   _take_out(args, run_dir, lambda: ft_task.fingerprint(task, data, s, args.replicas))
@@ -98,6 +100,18 @@ def run(args: argparse.Namespace) -> int:
   print(_describe(result, task))
   print(f"wrote {run_dir.out / f'fault_tolerant_{args.algorithm}.json'} and {plot}")
   return 0 if status == 0 and result["hashes_agree"] else 1
+
+
+def _check_decoupled(args: argparse.Namespace, s: Any) -> None:
+  """Raises :class:`CommandError` if the protocol refuses ``--staleness-rule`` (the rule
+  ``delayed_nesterov`` needs the outer optimizer of that name), before any replica starts."""
+  try:
+    decoupled.check_settings("train", ft_task.protocol(s), num_replicas=args.replicas,
+                             speeds=None, min_quorum=args.min_quorum,
+                             grace_window=args.grace_window, staleness_rule=args.staleness_rule,
+                             max_staleness=args.max_staleness)
+  except ValueError as e:
+    raise CommandError(f"argument --staleness-rule: {e}") from None
 
 
 def _plot_loss(run_dir: RunDir, args: argparse.Namespace, task: Task,

@@ -106,7 +106,7 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
           seed: int, tokens_per_step: int, lighthouse: str, replica_id: int, out: str,
           host: str, min_replicas: int, quorum_timeout: float, timeout: float,
           on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
-          standby: bool = False, exchange_retries: int = 0) -> Any:
+          standby: bool = False, exchange_retries: int = 0, **decoupled: Any) -> Any:
   """Trains one replica of ``protocol`` on ``(params, loss_and_grad, batch_fn)`` over torchft
   until the run has committed ``steps`` inner steps' worth of rounds; returns its final
   :class:`~optax_dist.fault_tolerance.ReplicaState`.
@@ -115,7 +115,8 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
   (each round's line has the mean of its steps' losses), over the
   :class:`~optax_dist.fault_tolerance.torchft_engine.Torchft` engine, whose arguments the others
   are; ``standby``: the replica is a warm standby that waits in :func:`wait_for_takeover` once
-  compiled.
+  compiled; ``decoupled``: the engine's decoupled rounds' arguments (``decoupled=True``,
+  ``min_quorum``, ``grace_window``, ``staleness_rule``, ``max_staleness``).
 
   Raises:
     ReplicaError: the ``ft`` extra missing, a bad value, a replica whose settings are not the
@@ -129,7 +130,7 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
       tokens_per_step=tokens_per_step, min_replicas=min_replicas,
       quorum_timeout=quorum_timeout, timeout=timeout, exchange_retries=exchange_retries,
       checkpoint_every=checkpoint_every, last_round=target, on_ready=on_ready,
-      standby=wait_for_takeover if standby else None)
+      standby=wait_for_takeover if standby else None, **decoupled)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
   try:
