@@ -96,8 +96,9 @@ def test_resume_keeps_the_lines_and_checkpoints_of_its_own_settings(tmp_path, mo
 
 
 # ------------------------------------------------------------------------------------------------
-# End to end: run A uninterrupted; run B killed (its launcher, SIGKILL) between two checkpoints,
-# then resumed in the same --out.
+# End to end: run B killed (its launcher, SIGKILL) between two checkpoints, then resumed in the
+# same --out; run A, uninterrupted, on the in-process engine (the processes' rounds are its
+# rounds bit for bit: tests/test_ft_replica_groups.py, tests/test_fault_tolerant_train.py).
 
 
 def _env() -> dict[str, str]:
@@ -147,26 +148,48 @@ def _kill_between_checkpoints(out: pathlib.Path) -> dict:
           "start": checkpoints.resume_point(run.checkpoint_dir)}
 
 
+def _uninterrupted(out: pathlib.Path) -> argparse.Namespace:
+  """Run A: the command's replica loop (:func:`~optax_dist.fault_tolerance.replica.task_loop`)
+  with ``RUN``'s settings on the in-process engine, no fault; its round lines and the final
+  records ``optax-dist replica`` would write."""
+  from optax_dist.cli import ft_flags
+  from optax_dist.cli.ft_replica import final_record
+  from optax_dist.fault_tolerance import engine
+  from optax_dist.fault_tolerance.replica import task_loop
+
+  args = build_parser().parse_args([*RUN, "--out", str(out)])
+  ft_flags.resolve(args)
+  task = TASKS[args.task]
+  data = task.load(args.seed)
+  s = ft_task.settings(args, task, lambda: data)
+  params, loss_and_grad, batch_fn, tokens, evaluate = ft_task.task_engine(task, data, s, 2)
+  protocol = ft_task.protocol(s)
+  run = engine("in_process", protocol, num_replicas=2, seed=s.seed, tokens_per_step=tokens)
+  finals = run.run(task_loop(protocol, params, loss_and_grad, batch_fn,
+                             rounds=s.steps // s.sync_period))
+  return argparse.Namespace(
+    final={i: final_record(i, state, task, evaluate) for i, state in finals.items()},
+    lines={i: [line for line in run.log if line.replica == i] for i in (0, 1)})
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """Run A (uninterrupted, beside run B's first part) and run B (killed, then resumed)."""
+  """Run B (killed, then resumed) and run A (uninterrupted, in this process meanwhile)."""
   require_ft()
   a, b = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
   started = time.monotonic()
-  proc_a = subprocess.Popen(_command(a), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+  killed = _kill_between_checkpoints(b)
+  resumed = subprocess.Popen(_command(b, "--resume"), env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
   try:
-    killed = _kill_between_checkpoints(b)
-    resumed = subprocess.run(_command(b, "--resume"), env=_env(), capture_output=True,
-                             text=True, timeout=300, check=False)
-    _, err_a = proc_a.communicate(timeout=300)
+    uninterrupted = _uninterrupted(a)
+    stdout, stderr = resumed.communicate(timeout=300)
   finally:
-    if proc_a.poll() is None:
-      os.killpg(proc_a.pid, signal.SIGKILL)
-      proc_a.wait()
-  assert proc_a.returncode == 0, err_a[-3000:]
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  return argparse.Namespace(a=RunDir(a), b=RunDir(b), killed=killed, resumed=resumed,
+    if resumed.poll() is None:
+      os.killpg(resumed.pid, signal.SIGKILL)
+      resumed.wait()
+  assert resumed.returncode == 0, stderr[-3000:]
+  return argparse.Namespace(a=uninterrupted, b=RunDir(b), killed=killed, stdout=stdout,
                             seconds=time.monotonic() - started)
 
 
@@ -177,16 +200,16 @@ def test_the_launchers_kill_takes_its_replicas_and_lighthouse(runs):
 
 @pytest.mark.slow
 def test_a_resumed_run_ends_as_the_uninterrupted_one_bit_for_bit(runs):
-  final_a, final_b = runs.a.final(), runs.b.final()
+  final_a, final_b = runs.a.final, runs.b.final()
   assert sorted(final_a) == sorted(final_b) == [0, 1]
   # each replica's whole state (params, adam's moments, the residual, the global state)
   for i in (0, 1):
     assert final_b[i] == final_a[i]
   assert final_a[0]["replica_hash"] != final_a[1]["replica_hash"]  # their local states differ
-  last = {i: [x["state_hash"] for x in runs.a.lines(i)][-1] for i in (0, 1)}
+  last = {i: runs.a.lines[i][-1].state_hash for i in (0, 1)}
   assert last[0] == last[1] == runs.b.lines(0)[-1]["state_hash"] == runs.b.lines(1)[-1][
     "state_hash"]
-  assert "the state hashes agree on every committed round" in runs.resumed.stdout
+  assert "the state hashes agree on every committed round" in runs.stdout
 
 
 @pytest.mark.slow
@@ -203,6 +226,6 @@ def test_a_resumed_run_appends_its_lines_from_the_checkpoints_round(runs):
     assert {x["pid"] for x in after}.isdisjoint({x["pid"] for x in before})
     assert after[0]["round"] == start["rounds"] and after[0]["step"] == start["step"] + 5
     assert all(x["committed"] and not x["healed"] for x in after)
-    hashes_a = {x["round"]: x["state_hash"] for x in runs.a.lines(i)}
+    hashes_a = {x.round: x.state_hash for x in runs.a.lines[i]}
     assert all(hashes_a[x["round"]] == x["state_hash"] for x in lines)
-  print(f"\nruns A and B (killed, resumed): {runs.seconds:.1f} s")
+  print(f"\nrun B (killed, resumed) and run A: {runs.seconds:.1f} s")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from optax_dist.cli import errors, ft_flags, ft_task
@@ -83,12 +84,20 @@ def run(args: argparse.Namespace) -> int:
          if args.decoupled else {}))
   except ft_replica.ReplicaError as e:
     raise CommandError(str(e)) from None
-  final = {"replica": args.replica_id, "step": int(state.opt_state.local_step),
-           f"test_{task.metric_key}": evaluate(ft_task.evaluated(state)),
-           "replica_hash": state_hash(state)}
+  final = final_record(args.replica_id, state, task, evaluate)  # every rank: it may be collective
   if not args.process_id:  # rank 0 of a replica group
     run_dir.final_file(args.replica_id).write_text(json.dumps(final) + "\n")
   return 0
+
+
+def final_record(replica_id: int, state: Any, task: Any, evaluate: Callable) -> dict:
+  """What ``OUT/replicas/final_<replica_id>.json`` holds of replica ``replica_id``'s final
+  :class:`~optax_dist.fault_tolerance.ReplicaState` ``state``: its ``local_step``, the task's
+  test metric of its evaluated params and the :func:`~optax_dist.fault_tolerance.state_hash`
+  of the whole state."""
+  return {"replica": replica_id, "step": int(state.opt_state.local_step),
+          f"test_{task.metric_key}": evaluate(ft_task.evaluated(state)),
+          "replica_hash": state_hash(state)}
 
 
 def _meet(run_dir: RunDir, replica_id: int, replicas: int, timeout: float) -> None:
