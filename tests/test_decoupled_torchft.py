@@ -2,9 +2,9 @@
 (digits, 2 replicas, a launcher and its Lighthouse on 127.0.0.1), against the in-process
 engines; then the command's one-line refusals (in process).
 
-Two runs, each once per module: K = R with an infinite window (the synchronous round, bit for
-bit) and K = 1 with a window of 0.3 s, replica 1 stopped (``SIGSTOP``) for a second right after a
-boundary, so that rounds close without it. Every process a run starts is killed at the end of
+Two runs, each once per module, replica 1 stopped (``SIGSTOP``) for a second right after a
+boundary in each: K = R with an infinite window (the synchronous round, bit for bit: replica 0
+waits for it) and K = 1 with a window of 0.3 s (rounds close without it). Every process a run starts is killed at the end of
 the module, also after a failure.
 
 Needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing extra fails
@@ -29,7 +29,7 @@ require_ft()
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUN = ["train", "--algorithm", "diloco", "--fault-tolerant", "--decoupled", "--replicas", "2",
-       "--devices", "1", "--sync-period", "5", "--max-restarts", "0", "--no-progress"]
+       "--devices", "1", "--sync-period", "20", "--max-restarts", "0", "--no-progress"]
 STOP_S = 1.0  # shorter than the Lighthouse's heartbeat timeout (5 s): replica 1 stays a member
 
 
@@ -90,12 +90,13 @@ def _stop_after_boundaries(run: Run, replica: int, tries: int = 3) -> list[float
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """The two runs, one after the other: ``"sync"`` (K = R, W = inf) and ``"late"`` (K = 1,
-  W = 0.3 s, replica 1 stopped)."""
+  W = 0.3 s), replica 1 stopped in each."""
   done = {}
   try:
-    done["sync"] = Run(tmp_path_factory.mktemp("sync"), "--steps", "20")
+    done["sync"] = Run(tmp_path_factory.mktemp("sync"), "--steps", "80")
+    done["sync"].stops = _stop_after_boundaries(done["sync"], 1, tries=1)
     done["sync"].finish()
-    done["late"] = Run(tmp_path_factory.mktemp("late"), "--steps", "100", "--min-quorum", "1",
+    done["late"] = Run(tmp_path_factory.mktemp("late"), "--steps", "160", "--min-quorum", "1",
                        "--grace-window", "0.3")
     done["late"].stops = _stop_after_boundaries(done["late"], 1)
     done["late"].finish()
@@ -144,19 +145,20 @@ def _one_hash_per_round(run: Run, replicas: int) -> list[str]:
 
 @pytest.mark.slow
 def test_k_equal_r_and_no_window_is_the_synchronous_round_bit_for_bit(runs):
-  """K = R, W = inf, no fault: every round merges both payloads (staleness 0, 80 tokens each)
-  and every boundary lands; the round lines' hashes are the in-process decoupled engine's (equal
-  speeds), and each replica's final state (params included) is the in-process synchronous
-  engine's bit for bit."""
+  """K = R, W = inf, replica 1 stopped for a second after a boundary (replica 0 waits for it):
+  every round merges both payloads (staleness 0, 320 tokens each) and every boundary lands; the
+  round lines' hashes are the in-process decoupled engine's (equal speeds), and each replica's
+  final state (params included) is the in-process synchronous engine's bit for bit."""
   from optax_dist.fault_tolerance import InProcess, state_hash
 
   run = runs["sync"]
+  assert run.stops, "the run ended before replica 1 was stopped"
   hashes = _one_hash_per_round(run, 2)
   assert "4 rounds committed, 0 aborted" in run.stdout, run.stdout
   for x in run.merges(0):
-    step = 5 * (x["round"] + 1)
-    assert x["committed"] and x["payloads"] == [[0, step, 80, 0, 80, True],
-                                                [1, step, 80, 0, 80, True]], x
+    step = 20 * (x["round"] + 1)
+    assert x["committed"] and x["payloads"] == [[0, step, 320, 0, 320, True],
+                                                [1, step, 320, 0, 320, True]], x
   assert all(b["landed"] for i in (0, 1) for b in run.boundaries(i))
   args, protocol, train, tokens = _engine_inputs(run)
   decoupled = InProcess(protocol, tokens_per_step=tokens, **_decoupled_options(args))
@@ -166,7 +168,7 @@ def test_k_equal_r_and_no_window_is_the_synchronous_round_bit_for_bit(runs):
   final = synchronous.run(train)
   for i in (0, 1):
     got = json.loads((run.out / "replicas" / f"final_{i}.json").read_text())
-    assert got["replica_hash"] == state_hash(final[i]) and got["step"] == 20
+    assert got["replica_hash"] == state_hash(final[i]) and got["step"] == 80
 
 
 @pytest.mark.slow

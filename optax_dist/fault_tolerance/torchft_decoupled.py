@@ -10,7 +10,8 @@ are a decision over the members' headers. Per **poll** (one quorum, then an all-
 :class:`PollHeader` per member, sized by the process group: every member's):
 
 1. a replica's push (its payload at its boundary, :class:`~optax_dist.fault_tolerance.
-   decoupled.Push`) enters the open round at the first poll after it, with its tokens (since
+   decoupled.Push`) enters the open round at the first poll after it (its arrival: when its
+   loop pushed it), with its tokens (since
    its last payload of the round's fragment that entered a round; a payload of it still open is
    replaced and its tokens carried) and the version of that fragment it last received;
 2. the round closes when every live member's payload is in (a member whose loop returned is
@@ -23,8 +24,8 @@ are a decision over the members' headers. Per **poll** (one quorum, then an all-
    :class:`~optax_dist.fault_tolerance.decoupled.MergeLine`: a late member receives every merge
    in its own polls, so its **catch-up** costs no bytes;
 3. the replica's loop, at its boundary, waits until the round holding its payload closes (it
-   lands it, as a synchronous round lands) or :math:`W` has passed since its payload entered
-   (it goes on, and catches up at a later boundary); each boundary is a
+   lands it, as a synchronous round lands) or :math:`W` has passed since it pushed (it goes
+   on, and catches up at a later boundary); each boundary is a
    :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line at the time of the poll it
    stopped at, so ``InProcess(replay=lines)`` runs the same schedule and writes the same lines.
 
@@ -121,6 +122,7 @@ class DecoupledPort(Session):
     self.boundary_path = run_dir.replicas / f"boundaries_{self.slot}.jsonl"
     self._cv = threading.Condition()
     self._push: Push | None = None  # deposited by the loop, not entered yet
+    self._pushed_at = 0  # when (microseconds): its payload's arrival
     self._pull: Pull | None = None  # the loop's outcome, not taken yet
     self._entry: _Entry | None = None
     self._waiting: _Entry | None = None  # the entry whose loop waits at its boundary
@@ -154,7 +156,7 @@ class DecoupledPort(Session):
       RuntimeError: the exchange thread failed (its error chained).
     """
     with self._cv:
-      self._push = push
+      self._push, self._pushed_at = push, time.time_ns() // 1000
       self._cv.notify_all()
       self._cv.wait_for(lambda: self._pull is not None or self._error is not None)
       if self._pull is None:
@@ -240,7 +242,7 @@ class DecoupledPort(Session):
     since = self._sent.get(f, self._base)
     tokens = ((push.header.step - since) * self.engine.tokens_per_step
               + (self._entry.tokens if self._entry else 0))
-    entry = _Entry(time.time_ns() // 1000, push, tokens, payload, self._received.get(f, 0))
+    entry = _Entry(self._pushed_at, push, tokens, payload, self._received.get(f, 0))
     self._sent[f] = push.header.step
     if self._revert is not None:
       self._write(self.log_path, decoupled.Revert(self._revert[0], self.slot, push.header.step,
@@ -338,7 +340,7 @@ class DecoupledPort(Session):
 
   def _settle(self, now: float) -> None:
     """The waiting loop's outcome, once its payload's round closed or the window ran out since
-    its payload entered (the lock held)."""
+    it pushed (the lock held)."""
     e = self._waiting
     if e is None or (self._entry is e and now - e.arrival / 1e6 < self.engine.grace_window):
       return
