@@ -19,7 +19,9 @@ subpackage's modules:
 * :mod:`~optax_dist.fault_tolerance.decoupled`: decoupled rounds (replicas of different
   speeds, none waiting for the slowest): when a round closes, the token weights and staleness
   rules, the catch-up, the log lines; :mod:`~optax_dist.fault_tolerance.clock` runs them in
-  :class:`InProcess` on a simulated clock (``speeds=...``);
+  :class:`InProcess` on a simulated clock (``speeds=...``),
+  :mod:`~optax_dist.fault_tolerance.torchft_decoupled` over torchft
+  (``Torchft(decoupled=True)``, the ``ft`` extra; not imported here);
 * :mod:`~optax_dist.fault_tolerance.protocol`: the round rules of one replica
   (:class:`RoundProtocol`: the transformation, the send and land halves, the merge, the vote,
   commit and abort; :class:`ReplicaState`, :class:`Sent`);
