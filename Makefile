@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens bench-lm-exchanges \
-  bench-async-dylu bench-chaos dist clean
+  bench-async-dylu bench-decoupled-staleness bench-chaos dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,14 @@ bench-lm-exchanges: $(VENV)/.bench
 # BENCH_ASYNC_DYLU_ARGS=--quick checks the program.
 bench-async-dylu: $(VENV)/.bench
 	$(BIN)/python -m benchmarks async_dylu $(BENCH_ASYNC_DYLU_ARGS)
+
+# Decoupled rounds' staleness rules (none, dylu, age_gate, delayed_nesterov) on the in-process
+# engine: 4 replicas of speeds 1 : 1 : 0.5 : 0.25, diloco on the lm task, K = 1 with a grace
+# window, seeds 0, 1, 2, and a synchronous control (about 15 min of CPU); each run's lines in
+# benchmarks/results/decoupled_staleness/ (a run there is not run again; --report recomputes
+# from them). BENCH_DECOUPLED_STALENESS_ARGS=--quick checks the program.
+bench-decoupled-staleness: $(VENV)/.bench
+	$(BIN)/python -m benchmarks decoupled_staleness $(BENCH_DECOUPLED_STALENESS_ARGS)
 
 # Fault-tolerant DiLoCo (4 replica processes over torchft, the lm task) and synchronous data
 # parallelism with checkpoint-restart, each under fixed-seed Poisson schedules of kill -9, SIGSTOP

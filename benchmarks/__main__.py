@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from benchmarks import kit
 
 STUDIES = ("lm_quality", "lm_overhead", "mlp_overhead", "communication", "fsdp", "network",
-           "equal_tokens", "lm_exchanges", "async_dylu", "chaos")
+           "equal_tokens", "lm_exchanges", "async_dylu", "chaos", "decoupled_staleness")
 BENCH = ("lm_quality", "lm_overhead", "mlp_overhead", "communication")
 """The studies of ``make bench`` (``python -m benchmarks bench``)."""
 
@@ -57,6 +57,7 @@ SECTIONS = (
    " benchmarks/results/async_dylu_constant"),
   ("async_dylu_settings", "Asynchronous DiLoCo: the gap across settings",
    "python -m benchmarks async_dylu --seeds 0 --outer LR MOMENTUM ..."),
+  ("decoupled_staleness", None, "make bench-decoupled-staleness"),
   ("lm_quality", None, "python -m benchmarks lm_quality"),
   ("lm_overhead", None, "python -m benchmarks lm_overhead"),
   ("mlp_overhead", None, "python -m benchmarks mlp_overhead"),

@@ -212,6 +212,14 @@ def fmt(x: Any, spec: str = "", missing: str = "—") -> str:
   return missing if x is None else format(x, spec)
 
 
+def spread(values: Sequence[Any], spec: str) -> str:
+  """``median [min, max]`` of ``values`` in ``spec`` (alone if all agree; a dash: one missing)."""
+  if not values or None in values:
+    return "—"
+  median, low, high = (format(v, spec) for v in (np.median(values), min(values), max(values)))
+  return median if low == high else f"{median} [{low}, {high}]"
+
+
 def loads(before: str, after: str) -> str:
   """``B → A``: the 1-minute load averages of ``before`` and ``after`` (``uptime``'s text)."""
   return f"{before.split(',')[0]} → {after.split(',')[0]}"

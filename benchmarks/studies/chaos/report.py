@@ -57,7 +57,7 @@ def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[st
   seeds = {seed: seed_result(study["seeds"][seed], found) for seed, found in records.items()}
   figures = [s["figures"] for s in seeds.values()]
   return {"config": study["config"], "seeds": seeds, "summary": [
-    [label, *(_spread([f and get(f) for f in arm], spec)
+    [label, *(kit.spread([f and get(f) for f in arm], spec)
               for arm in (figures, [f.get("sync") for f in figures]))]
     for label, get, spec in FIGURES]}
 
@@ -100,14 +100,6 @@ FIGURES = (  # the figures' table: a label, the value in an arm's figures, its f
   ("checkpoint interval (steps)", lambda f: f.get("sync_checkpoint_every"), ".0f"),
   ("Young-Daly's C, a checkpoint's cost (s)", lambda f: f.get("checkpoint_cost_s"), ".2f"),
   ("Young-Daly's MTBF (s)", lambda f: f.get("mtbf_s"), ".0f"))
-
-
-def _spread(values: Sequence[Any], spec: str) -> str:
-  """``median [min, max]`` of ``values`` in ``spec`` (alone if all agree; a dash: one missing)."""
-  if not values or None in values:
-    return "—"
-  median, low, high = (format(v, spec) for v in (np.median(values), min(values), max(values)))
-  return median if low == high else f"{median} [{low}, {high}]"
 
 
 ROWS = (  # each seed's table: a label, a run's cell from its accounting and record
