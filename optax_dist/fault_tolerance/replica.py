@@ -136,7 +136,7 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
   try:
     return engine.run(task_loop(protocol, params, loss_and_grad, batch_fn, rounds=target))[
       replica_id]
-  except engine_module.SettingsMismatch as e:
+  except (engine_module.SettingsMismatch, engine_module.MissedRounds) as e:
     raise ReplicaError(str(e)) from None
   except ValueError as e:  # a checkpoint of other settings, or damaged
     raise ReplicaError(str(e)) from None

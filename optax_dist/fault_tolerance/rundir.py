@@ -178,11 +178,12 @@ class RunDir:
 
   def clear(self) -> None:
     """Removes an earlier run's Lighthouse log, restarts and replica files (their logs, pids, lines,
-    evaluations, start marks and checkpoints): a new run starts them afresh, and its processes
-    append to them."""
+    decoupled rounds' boundary lines, evaluations, start marks and checkpoints): a new run starts
+    them afresh, and its processes append to them."""
     self.clear_marks()
     for pattern in ("lighthouse.log", "launches.jsonl", "restarts.jsonl", "replica_*.log",
-                    "replicas/replica_*.jsonl", "replicas/checkpoints/step_*"):
+                    "replicas/replica_*.jsonl", "replicas/boundaries_*.jsonl",
+                    "replicas/checkpoints/step_*"):
       for path in self.out.glob(pattern):
         path.unlink()
 

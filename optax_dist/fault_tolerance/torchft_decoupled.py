@@ -27,13 +27,16 @@ are a decision over the members' headers. Per **poll** (one quorum, then an all-
    lands it, as a synchronous round lands) or :math:`W` has passed since it pushed (it goes
    on, and catches up at a later boundary); each boundary is a
    :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line at the time of the poll it
-   stopped at, so ``InProcess(replay=lines)`` runs the same schedule and writes the same lines.
+   stopped at (with a :class:`~optax_dist.fault_tolerance.decoupled.Revert` line, in the same
+   file, for a payload withdrawn after an abort), so ``InProcess(replay=lines)`` runs the same
+   schedule and writes the same lines.
 
 With K = R and :math:`W = \infty` every replica waits for every payload: the synchronous round,
 bit for bit. Not built: a replica that missed a round (left out of quorums after the Lighthouse's
-join timeout, or restarted) needs the global state sent, or a heal: it stops with an error
-naming the rounds; a member lost during a round's payload all-gather stops the others likewise
-(its round cannot be decided alike on every member).
+join timeout, or restarted) needs the global state sent, or a heal: it stops
+(:class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`, naming the rounds); a member
+lost during a round's payload all-gather stops the others with an error (its round cannot be
+decided alike on every member).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from optax_dist.fault_tolerance.decision import Header
 from optax_dist.fault_tolerance.decoupled import Boundary, DecoupledReplica, MergeLine, Pull, Push
 from optax_dist.fault_tolerance.loop import split_donation
 from optax_dist.fault_tolerance.rundir import RunDir
+from optax_dist.fault_tolerance.torchft_engine import MissedRounds, SettingsMismatch
 from optax_dist.fault_tolerance.torchft_session import Session, _pack, _unpack, torch
 
 POLL_S = 0.02
@@ -153,15 +157,15 @@ class DecoupledPort(Session):
     """The boundary: deposits ``push`` and waits for its outcome (module docstring, 3.).
 
     Raises:
-      RuntimeError: the exchange thread failed (its error chained).
+      Exception: the exchange thread's error (e.g. ``TimeoutError``: no quorum in time;
+        :class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`).
     """
     with self._cv:
       self._push, self._pushed_at = push, time.time_ns() // 1000
       self._cv.notify_all()
       self._cv.wait_for(lambda: self._pull is not None or self._error is not None)
       if self._pull is None:
-        raise RuntimeError(f"replica {self.slot}'s exchange failed: {self._error}") from (
-          self._error)
+        raise self._error
       got, self._pull = self._pull, None
       return got
 
@@ -178,15 +182,14 @@ class DecoupledPort(Session):
     """After the loop returned: polls on until every member's has and the last round closed.
 
     Raises:
-      RuntimeError: the exchange thread failed.
+      Exception: the exchange thread's error.
     """
     with self._cv:
       self._done = True
       self._cv.notify_all()
     self._thread.join()
     if self._error is not None:
-      raise RuntimeError(f"replica {self.slot}'s exchange failed: {self._error}") from (
-        self._error)
+      raise self._error
 
   def shutdown(self) -> None:
     if self._manager is not None:
@@ -245,8 +248,8 @@ class DecoupledPort(Session):
     entry = _Entry(self._pushed_at, push, tokens, payload, self._received.get(f, 0))
     self._sent[f] = push.header.step
     if self._revert is not None:
-      self._write(self.log_path, decoupled.Revert(self._revert[0], self.slot, push.header.step,
-                                                  tokens))
+      self._write(self.boundary_path, decoupled.Revert(self._revert[0], self.slot,
+                                                       push.header.step, tokens))
       self._give(None)
       return push.header.step
     self._entry = self._waiting = entry
@@ -264,7 +267,8 @@ class DecoupledPort(Session):
     """The quorum (``allow_heal=False``) and every member's header, checked.
 
     Raises:
-      RuntimeError: members of other settings, or of other closed rounds (not built).
+      SettingsMismatch: members of other settings.
+      MissedRounds: members of other closed rounds (not built).
     """
     self._quorum()
     outs = self._allgather(torch.from_numpy(head), everyone=True)
@@ -273,11 +277,11 @@ class DecoupledPort(Session):
     heads = [PollHeader(*out.tolist()) for out in outs]
     foreign = [h.slot for h in heads if h.fingerprint != self.replica.fingerprint]
     if foreign:
-      raise RuntimeError(f"replicas {foreign} are of other settings (fingerprint) than replica"
-                         f" {self.slot}")
+      raise SettingsMismatch(f"replicas {foreign} are of other settings (fingerprint) than"
+                             f" replica {self.slot}")
     closed = {h.slot: h.closed for h in heads}
     if len(set(closed.values())) > 1:
-      raise RuntimeError(
+      raise MissedRounds(
         f"decoupled rounds: the members have closed {closed} rounds (replica: rounds); a replica"
         " that missed rounds needs the global state sent or a heal, not built over torchft")
     return heads

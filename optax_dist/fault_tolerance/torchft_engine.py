@@ -90,6 +90,11 @@ class SettingsMismatch(RuntimeError):
   """A replica's settings differ from the run's: it leaves the run."""
 
 
+class MissedRounds(RuntimeError):
+  """Decoupled rounds: the members of a quorum have closed different rounds (a replica
+  restarted, or left out of quorums); the global state sent to it, or a heal, is not built."""
+
+
 class Torchft:
   r"""The torchft engine: runs the user's training function as this process's replica.
 
