@@ -355,8 +355,8 @@ class Session:
     while True:
       attempt = min(QUORUM_ATTEMPT_S, deadline - time.monotonic())
       try:
-        self._manager.start_quorum(allow_heal=self.allow_heal,
-                                   timeout=timedelta(seconds=max(attempt, 0.001)))
+        heal = {} if self.allow_heal else {"allow_heal": False}  # torchft's default: True
+        self._manager.start_quorum(timeout=timedelta(seconds=max(attempt, 0.001)), **heal)
         break
       except TimeoutError:
         if time.monotonic() >= deadline:
