@@ -151,14 +151,16 @@ def resolve(args: argparse.Namespace) -> None:
 
 
 def _resolve_decoupled(args: argparse.Namespace) -> None:
-  """Fills in the decoupled rounds' flags; with ``--decoupled``, ``--min-replicas`` defaults to
-  1 (the fewest payloads that commit) and ``--exchange-retries`` to 0.
+  """Fills in the decoupled rounds' flags; with ``--decoupled``, ``--exchange-retries`` defaults
+  to 0. ``--min-replicas`` keeps its meaning and default, the Lighthouse's smallest quorum (a
+  majority: two quorums share a member, so a restarted replica never forms one of its own);
+  a decoupled round commits with one payload of weight > 0 and closes by K and the window.
 
   Raises:
     CommandError: a decoupled flag without ``--decoupled``; with it, a setting decoupled rounds
       over torchft do not take (``--processes`` > 1, ``--standby``, ``--checkpoint-every``,
-      ``--resume``, ``--exchange-retries`` > 0), ``--min-quorum`` above ``--replicas``, or
-      ``--min-replicas`` above ``--min-quorum``.
+      ``--resume``, ``--exchange-retries`` > 0), ``--min-quorum`` above ``--replicas``, or a
+      negative ``--max-staleness``.
   """
   if not args.decoupled:
     given = [name for name in DECOUPLED if getattr(args, name) is not None]
@@ -178,7 +180,6 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
   for name, value in DECOUPLED.items():
     if getattr(args, name) is None:
       setattr(args, name, args.replicas if name == "min_quorum" else value)
-  args.min_replicas = 1 if args.min_replicas is None else args.min_replicas
   args.exchange_retries = 0
   if args.min_quorum > args.replicas:
     raise CommandError(f"argument --min-quorum: must be at most --replicas ({args.replicas}),"
@@ -186,9 +187,6 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
   if args.max_staleness < 0:
     raise CommandError(f"argument --max-staleness: must be an integer >= 0 with --decoupled, got"
                        f" {args.max_staleness}")
-  if args.min_replicas > args.min_quorum:
-    raise CommandError(f"argument --min-replicas: must be at most --min-quorum"
-                       f" ({args.min_quorum}) with --decoupled, got {args.min_replicas}")
 
 
 _DECOUPLED = "it belongs to decoupled rounds, not yet"

@@ -33,8 +33,9 @@ are a decision over the members' headers. Per **poll** (one quorum, then an all-
 
 With K = R and :math:`W = \infty` every replica waits for every payload: the synchronous round,
 bit for bit. Not built: a replica that missed a round (left out of quorums after the Lighthouse's
-join timeout, or restarted) needs the global state sent, or a heal: it stops
-(:class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`, naming the rounds); a member
+join timeout, or restarted) needs the global state sent, or a heal: it leaves the run
+(:class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`, naming the rounds) while the
+others skip their polls until the Lighthouse has dropped it, then go on without it; a member
 lost during a round's payload all-gather stops the others with an error (its round cannot be
 decided alike on every member).
 """
@@ -214,7 +215,7 @@ class DecoupledPort(Session):
       withdrawn = self._enter()
       head = self._header()
     heads = self._headers(head)
-    if heads is None:  # the all-gather failed (a member lost): the next quorum is without it
+    if heads is None:  # a member lost, or one behind: the next quorums are without it
       return True
     now = max(h.now for h in heads) / 1e6
     if all(h.done and not h.ready for h in heads):
@@ -266,9 +267,13 @@ class DecoupledPort(Session):
   def _headers(self, head: np.ndarray) -> list[PollHeader] | None:
     """The quorum (``allow_heal=False``) and every member's header, checked.
 
+    Returns:
+      The members' headers; ``None`` if the all-gather failed or a member closed fewer rounds
+      (it leaves: :class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`).
+
     Raises:
       SettingsMismatch: members of other settings.
-      MissedRounds: members of other closed rounds (not built).
+      MissedRounds: this replica closed fewer rounds than a member (not built).
     """
     self._quorum()
     outs = self._allgather(torch.from_numpy(head), everyone=True)
@@ -280,10 +285,13 @@ class DecoupledPort(Session):
       raise SettingsMismatch(f"replicas {foreign} are of other settings (fingerprint) than"
                              f" replica {self.slot}")
     closed = {h.slot: h.closed for h in heads}
-    if len(set(closed.values())) > 1:
+    if self._closed < max(closed.values()):
       raise MissedRounds(
-        f"decoupled rounds: the members have closed {closed} rounds (replica: rounds); a replica"
-        " that missed rounds needs the global state sent or a heal, not built over torchft")
+        f"decoupled rounds: the members have closed {closed} rounds (replica: rounds); replica"
+        f" {self.slot} missed rounds: the global state sent to it, or a heal, is not built over"
+        " torchft")
+    if len(set(closed.values())) > 1:  # the poll is skipped until the replicas behind leave
+      return None
     return heads
 
   def _due(self, heads: list[PollHeader], now: float) -> bool:
