@@ -175,7 +175,7 @@ def _reference():
 def _hand_run():
   protocol = ft.RoundProtocol("diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR), sync_period=H)
   engine = ft.InProcess(protocol, num_replicas=4, speeds=SPEEDS, min_quorum=2, grace_window=1.0,
-                        staleness_rule="dylu", tokens_per_step=TOKENS)
+                        tokens_per_step=TOKENS)  # the default staleness rule: "dylu"
   return engine, engine.run(_loop(protocol, 4 * H))
 
 

@@ -63,6 +63,12 @@ r"""The staleness rules :func:`weights` applies (``T`` tokens, ``s`` staleness):
 lost); ``"delayed_nesterov"``: :math:`w = T`, the protocol's outer optimizer being
 :func:`optax_dist.delayed_nesterov`."""
 
+DEFAULT_STALENESS_RULE = "dylu"
+"""The staleness rule when none is named: of the four, the lowest median validation loss at
+equal committed tokens (0.3% above synchronous rounds; ``"none"``: 1.9%) on the in-process
+engine, ``diloco`` on the ``lm`` task at speeds 1 : 1 : 0.5 : 0.25, K = 1, seeds 0, 1, 2
+(``benchmarks/results/decoupled_staleness_w0.md``)."""
+
 
 # ----------------------------------------------------------------------------------------------
 # The settings.

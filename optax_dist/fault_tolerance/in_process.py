@@ -90,8 +90,9 @@ class InProcess:
     grace_window: W, simulated seconds a decoupled round stays open after its K-th arrival
       (default ``math.inf``: until every live replica's payload is in); >= 0.
     staleness_rule: the weight of a payload of staleness :math:`s` and :math:`T` tokens, one of
-      :data:`~optax_dist.fault_tolerance.decoupled.STALENESS_RULES` (default ``"none"``:
-      :math:`T`).
+      :data:`~optax_dist.fault_tolerance.decoupled.STALENESS_RULES` (default
+      :data:`~optax_dist.fault_tolerance.decoupled.DEFAULT_STALENESS_RULE`, ``"dylu"``:
+      :math:`T / (1 + s)`).
     max_staleness: ``"age_gate"``'s bound: a payload staler than it is dropped (default 1).
     replay: a decoupled run's log (its :class:`~optax_dist.fault_tolerance.decoupled.
       MergeLine`\ s, or their JSON objects): its rounds close as logged and commit or abort as
@@ -127,7 +128,8 @@ class InProcess:
   def __init__(self, protocol: RoundProtocol, *, num_replicas: int, faults: Sequence[Fault] = (),
                min_replicas: int | None = None, seed: int = 0, tokens_per_step: int = 1,
                speeds: Sequence[float] | None = None, min_quorum: int | None = None,
-               grace_window: float = math.inf, staleness_rule: str = "none",
+               grace_window: float = math.inf,
+               staleness_rule: str = decoupled.DEFAULT_STALENESS_RULE,
                max_staleness: int = 1, replay: Sequence[Any] | None = None):
     fn = "InProcess"
     if not isinstance(protocol, RoundProtocol):
@@ -161,7 +163,7 @@ class InProcess:
     self.speeds, self.replay = speeds, replay
     if speeds is None:
       settings = {"min_quorum": (min_quorum, None), "grace_window": (grace_window, math.inf),
-                  "staleness_rule": (staleness_rule, "none")}
+                  "staleness_rule": (staleness_rule, decoupled.DEFAULT_STALENESS_RULE)}
       given = {k: v for k, (v, default) in settings.items() if v != default}
       if given:
         raise ValueError(f"`{fn}(speeds=...)` must be given with decoupled rounds' settings, got"
