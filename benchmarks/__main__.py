@@ -58,6 +58,9 @@ SECTIONS = (
   ("async_dylu_settings", "Asynchronous DiLoCo: the gap across settings",
    "python -m benchmarks async_dylu --seeds 0 --outer LR MOMENTUM ..."),
   ("decoupled_staleness", None, "make bench-decoupled-staleness"),
+  ("decoupled_staleness_w0", "The same without a window (W = 0): the rule chosen",
+   "python -m benchmarks decoupled_staleness --gamma 0 --out"
+   " benchmarks/results/decoupled_staleness_w0"),
   ("lm_quality", None, "python -m benchmarks lm_quality"),
   ("lm_overhead", None, "python -m benchmarks lm_overhead"),
   ("mlp_overhead", None, "python -m benchmarks mlp_overhead"),

@@ -7,11 +7,12 @@ the task's AdamW recipe keyed to each replica's own inner steps, batch 8, outer 
 0.9). Each replica trains for the simulated time the fastest needs for the command's steps, its
 steps rounded down to whole sync periods (300, 300, 150, 50: 800 in all). Arms, per seed:
 
-* K = 1 (``min_quorum``) with a grace window W = γ · H / max v: the slack is the fastest
-  replica's time between two boundaries (the merge it pulls at its next boundary may take that
-  long without anyone waiting; the clock has no transfer time and τ = 0), γ = 0.5: W = 25 s.
-  One arm per staleness rule: ``none``, ``dylu``, ``age_gate`` (``max_staleness`` 1) and
-  ``delayed_nesterov`` (the asynchronous emulator's outer optimizer, N = R = 4);
+* K = 1 (``min_quorum``) with a grace window W = γ · H / max v, bounded by the slack H / max v,
+  the fastest replica's time between two boundaries (the merge it pulls at its next boundary
+  may take that long without anyone waiting; the clock has no transfer time and τ = 0); γ = 0.5
+  (``--gamma``): W = 25 s. One arm per staleness rule: ``none``, ``dylu``, ``age_gate``
+  (``max_staleness`` 1) and ``delayed_nesterov`` (the asynchronous emulator's outer optimizer,
+  N = R = 4);
 * the control: synchronous rounds (``InProcess`` without speeds, K = R: what K = R, an infinite
   window and equal speeds are bit for bit), 6 rounds of 4 × 50 steps.
 
@@ -21,6 +22,12 @@ merged payloads, summed over the round lines), interpolated linearly at the comm
 the most committed tokens every run reaches. Median and range over the seeds. The chosen rule is
 the one of lowest median; when its range overlaps that of ``none``, the rules are not told apart
 and the simplest, ``none``, is kept.
+
+On this clock a replica pulls at the instant it pushes. With 0 < W < H / max v a round opened by
+the fast replicas' payloads closes after their pull, so each of their next payloads is measured
+from the anchor before that merge and is stale by 1: the steps of the payload before enter two
+merges. With W = 0 the round closes at their push and they land it (stale by 0), as a torchft
+replica that waits at its boundary for its round does.
 
 Usage: ``python -m benchmarks decoupled_staleness [--seeds 0 1 2] [--steps N] [--sync-period H]
 [--gamma G] [--rules R ...] [--quick] [--out PREFIX] [--report]`` writes each run's lines to
@@ -234,7 +241,7 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
          " `none` has it): the rules are not told apart, and `none` is the simplest")
   return kit.blocks(
     "# Decoupled rounds: the staleness rule at speeds 1 : 1 : 0.5 : 0.25",
-    kit.doc_markdown(__doc__, 1, 3),
+    kit.doc_markdown(__doc__, 1, 4),
     (f"As run: speeds {' : '.join(f'{v:g}' for v in one['speeds'])}; replica steps"
      f" {', '.join(map(str, one['replica_steps']))}; H = {one['settings']['sync_period']};"
      f" K = {one['min_quorum']}, W = {one['grace_window']:g} simulated s; max_staleness"
