@@ -1342,11 +1342,13 @@ def test_a_foreign_replica_joining_a_running_run_leaves_and_the_run_commits_on(t
   assert all(len(hashes) == 1 for hashes in by_round.values()), by_round
 
 
-@pytest.mark.parametrize("members, writes", [([1, 0], True), ([0, 1], False)])
-def test_only_the_quorum_s_rank_0_writes_a_checkpoint(tmp_path, members, writes):
+@pytest.mark.parametrize("members, writes, healed", [
+  ([1, 0], True, False), ([0, 1], False, False), ([0, 1], False, True), ([1, 0], True, True)])
+def test_only_the_quorum_s_rank_0_writes_a_checkpoint(tmp_path, members, writes, healed):
   """A committed round crossing a multiple of checkpoint_every is written by the member at the
   quorum's rank 0 only (the members write alike; one file is enough, and two writers of one
-  file would race)."""
+  file would race); every member writes its local file of it, one that healed in the round
+  (its line carries no tokens) too, so the checkpoint can be resumed from."""
   import jax.numpy as jnp
   import optax
 
@@ -1362,7 +1364,9 @@ def test_only_the_quorum_s_rank_0_writes_a_checkpoint(tmp_path, members, writes)
   port.checkpointer = checkpoints.CheckpointWriter(tmp_path / "checkpoints", 2, 7)
   port.replica._replica = protocol.init(params)
   line = ft.RoundLog(round=0, replica=1, step=2, quorum_id=1, members=tuple(members),
-                     committed=True, weight=2, healed=False, state_hash="", tokens=2)
+                     committed=True, weight=0 if healed else 2, healed=healed, state_hash="",
+                     tokens=0 if healed else 2)
   port.record(line)
   port.checkpointer.close()
   assert bool(checkpoints.saved(tmp_path / "checkpoints")) == writes
+  assert checkpoints.local_path(tmp_path / "checkpoints", 2, 1).exists()

@@ -421,7 +421,7 @@ class _Port(Session):
     self._write_local(line)
     if (line.committed and self.checkpointer is not None and line.members[:1] == (self.slot,)
         and self.group_rank == 0
-        and self.checkpointer.due(line.step, line.tokens // self.engine.tokens_per_step,
+        and self.checkpointer.due(line.step, self._round_steps(line.step),
                                   last=self.replica.rounds == self.engine.last_round)):
       self.checkpointer.write(self.replica.donation(), step=line.step, rounds=self.replica.rounds,
                               time=row["time"], members=line.members)
@@ -431,9 +431,18 @@ class _Port(Session):
     it (a replica group's rank 0 only: its ranks hold the same state)."""
     w = self.checkpointer
     if (line.committed and w is not None and jax.process_index() == 0
-        and w.due(line.step, line.tokens // self.engine.tokens_per_step,
+        and w.due(line.step, self._round_steps(line.step),
                   last=self.replica.rounds == self.engine.last_round)):
       w.write_local(self.replica.replica_state, step=line.step, slot=self.slot)
+
+  def _round_steps(self, step: int) -> int:
+    """The inner steps of the round ending on ``update`` call ``step``, from the schedule's
+    boundary before it (or 0): alike on every member, a healed one's (whose line carries no
+    tokens) included, so each member writes its local file of the checkpoint rank 0 writes."""
+    start = max(0, step - self.protocol.sync_period)
+    while start + self.protocol.round_steps(start) < step:
+      start += self.protocol.round_steps(start)
+    return step - start
 
   @staticmethod
   def share(address: tuple[str, int] | None) -> tuple[str, int]:
