@@ -40,9 +40,9 @@ class Run:
     self.out, self.flags = out, [*RUN, *flags, "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFT_")}
     env["PYTHONPATH"] = str(ROOT)
-    self.proc = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "optax_dist.cli",
-                                  *self.flags], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+    self.proc = subprocess.Popen([sys.executable, "-m", "optax_dist.cli", *self.flags], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
 
   def jsonl(self, name: str) -> list[dict]:
     path = self.out / "replicas" / name
