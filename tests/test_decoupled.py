@@ -395,6 +395,24 @@ def test_a_decoupled_run_replays_from_its_json_lines_bit_for_bit():
     ft.InProcess(protocol, num_replicas=4, replay=broken, **FAULTY).run(_loop(protocol, 6 * H))
 
 
+def test_boundary_lines_give_a_replay_its_boundaries_times_whatever_the_speeds():
+  """A real run (the torchft engine) logs each boundary's time (``decoupled.Boundary``): the
+  hand-made schedule's lines with its boundaries at ``step / speed`` replay at equal speeds to
+  the same lines; without the boundaries, equal speeds do not follow the log."""
+  engine, _ = _hand_run()
+  protocol = engine.protocol
+  bounds = [dataclasses.asdict(decoupled.Boundary(i, b, b / v, False))
+            for i, v in enumerate(SPEEDS) for b in range(H, 4 * H + 1, H)]
+  lines = [dataclasses.asdict(line) for line in engine.log]
+  equal = {"num_replicas": 4, "speeds": (1.0,) * 4, "min_quorum": 2, "grace_window": 1.0,
+           "tokens_per_step": TOKENS}
+  again = ft.InProcess(protocol, replay=lines + bounds, **equal)
+  again.run(_loop(protocol, 4 * H))
+  assert [dataclasses.asdict(line) for line in again.log] == lines
+  with pytest.raises(RuntimeError, match="replay diverges from its log"):
+    ft.InProcess(protocol, replay=lines, **equal).run(_loop(protocol, 4 * H))
+
+
 # ------------------------------------------------------------------------------------------------
 # A death and a join.
 
