@@ -36,8 +36,10 @@ bit for bit. Not built: a replica that missed a round (left out of quorums after
 join timeout, or restarted) needs the global state sent, or a heal: it leaves the run
 (:class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`, naming the rounds) while the
 others skip their polls until the Lighthouse has dropped it, then go on without it; a member
-lost during a round's payload all-gather stops the others with an error (its round cannot be
-decided alike on every member).
+lost during a round's payload all-gather leaves the round open (each member acknowledges the
+payloads it holds before it decides), and the next quorum closes it without that member; a
+member whose vote (torchft's ``should_commit``) fails on a round the decision commits leaves
+the run (:class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`).
 """
 
 from __future__ import annotations
@@ -303,13 +305,22 @@ class DecoupledPort(Session):
       grace_window=self.engine.grace_window) <= now
 
   def _close(self, heads: list[PollHeader], now: float) -> None:
-    """The open round's payloads, decision, vote and commit; its line."""
+    """The open round's payloads, decision, vote and commit; its line. If the payloads' or the
+    acknowledgement's all-gather fails (a member lost in it), the round stays open: the next
+    poll's quorum is without that member.
+
+    Raises:
+      MissedRounds: this replica's vote failed on a round its decision commits (the others
+        commit it: it leaves rather than hold another global state).
+    """
     r, before, f = self._closed, self._global[0], self._fragment()
     version, e = self._versions.get(f, 0), self._entry
     mine = (e.payload, e.push.payload[1]) if e is not None else self._blank(f)
     outs = self._allgather(_pack(mine), everyone=True)
-    if outs is None:
-      raise RuntimeError(f"round {r}: the payloads' all-gather failed (a member lost in it)")
+    # The acknowledgement: a member decides only once it holds every member's, so no member
+    # closes a round whose payloads' all-gather failed on another.
+    if outs is None or self._allgather(torch.ones(1, dtype=torch.int64), everyone=True) is None:
+      return
     ready = [(h, _unpack(out, mine)) for h, out in zip(heads, outs, strict=True) if h.ready]
     hs = [Header(h.slot, h.tokens, h.ok, h.fingerprint, h.step) for h, _ in ready]
     d, stale, weights = decoupled.decide_round(
@@ -317,8 +328,9 @@ class DecoupledPort(Session):
       version=version, min_replicas=self.engine.min_replicas, rule=self.engine.staleness_rule,
       max_staleness=self.engine.max_staleness)
     if d.merged is not None and not self._vote():
-      d = d._replace(merged=None, voters=(), reason="a member voted no")
-    elif d.merged is None:
+      raise MissedRounds(f"replica {self.slot}'s vote on round {r} failed (torchft's"
+                         " should_commit), which the others commit: it leaves the run")
+    if d.merged is None:
       self._manager.report_error(RuntimeError(d.reason))
       self._vote()
     if d.merged is not None:

@@ -91,8 +91,10 @@ class SettingsMismatch(RuntimeError):
 
 
 class MissedRounds(RuntimeError):
-  """Decoupled rounds: the members of a quorum have closed different rounds (a replica
-  restarted, or left out of quorums); the global state sent to it, or a heal, is not built."""
+  """Decoupled rounds: a replica cannot hold the run's global state, so it leaves the run: its
+  quorum's members closed rounds it did not (it was restarted, or left out of quorums), or its
+  vote failed on a round the others commit. The global state sent to it, or a heal, is not
+  built."""
 
 
 class Torchft:
