@@ -147,10 +147,11 @@ def loop(protocol: Any, params: Any, loss_and_grad: Any, batch_fn: Any, limits: 
 
 
 def control_lines(log: list[Any], c: Config) -> list[decoupled.MergeLine]:
-  """The synchronous rounds as ``MergeLine`` objects (staleness 0; the time of H steps of the
-  slowest replica)."""
-  rows = [tuple((x.replica, x.step, x.weight, 0, x.weight, x.committed)
-                for x in log if x.round == r and x.members) for r in sorted({x.round for x in log})]
+  """The synchronous rounds as ``MergeLine`` objects (payloads by replica, staleness 0; the time
+  of H steps of the slowest replica)."""
+  rows = [tuple(sorted((x.replica, x.step, x.weight, 0, x.weight, x.committed)
+                       for x in log if x.round == r and x.members))
+          for r in sorted({x.round for x in log})]
   return [decoupled.MergeLine(r, (r + 1) * c.sync_period / min(c.speeds), any(x[5] for x in row),
                               "", r, row, 0, "") for r, row in enumerate(rows)]
 
