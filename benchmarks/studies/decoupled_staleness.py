@@ -227,16 +227,17 @@ def load(prefix: str, config: Config) -> dict[str, Any]:
 def markdown(result: dict[str, Any], plot_name: str) -> str:
   arms, runs, rule = result["arms"], result["runs"], result["chosen"]
   one = next(r for r in runs if r["arm"] != CONTROL)
-  rows = [[f"`{name}`" + " (chosen)" * (name == rule), kit.spread(list(a["by_seed"].values()),
-                                                                  ".4f"),
+  rows = [[f"`{name}`" + " (chosen)" * (name == rule), kit.spread([*a["by_seed"].values()], ".4f"),
            "—" if name == CONTROL else f"{a['median'] / arms[CONTROL]['median'] - 1:+.2%}",
            kit.spread(a["final"], ".4f"), kit.spread([t / 1e6 for t in a["tokens"]], ".3f"),
            kit.spread(a["commits"], ".0f"), kit.spread(a["partial"], ".0%"),
            ", ".join(f"{k}: {v}" for k, v in a["staleness"].items()), f"{a['lost']:,}",
            kit.spread(a["end"], ".0f")] for name, a in arms.items()]
   header = ["arm", "val bits/byte at equal tokens, median [min, max]", "vs synchronous",
-            "val bits/byte at the end", "committed tokens at the end (M)", "commits", "commits with < R payloads merged", "staleness: payloads (all seeds)",
+            "val bits/byte at the end", "committed tokens at the end (M)", "commits",
+            "commits with < R payloads merged", "staleness: payloads (all seeds)",
             "tokens not merged (all seeds)", "last commit (simulated s)"]
+  load = [float(r[k].split(",")[0]) for r in runs for k in ("load_before", "load_after")]
   why = (f"`{rule}` has the lowest median, and its range does not overlap that of `none`"
          if rule != SIMPLEST else "the range of `none` overlaps that of the lowest median (or"
          " `none` has it): the rules are not told apart, and `none` is the simplest")
@@ -248,8 +249,8 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" K = {one['min_quorum']}, W = {one['grace_window']:g} simulated s; max_staleness"
      f" {one['max_staleness']}; {one['tokens_per_step']} tokens per step; seeds"
      f" {', '.join(map(str, sorted({r['seed'] for r in runs})))}. Equal tokens:"
-     f" {result['common_tokens']:,.0f} committed tokens. Load average {runs[0]['load_before']}"
-     f" before the first run, {runs[-1]['load_after']} after the last; in all"
+     f" {result['common_tokens']:,.0f} committed tokens. The 1-minute load average from"
+     f" {min(load):.2f} to {max(load):.2f} before and after the runs; in all"
      f" {sum(r['cpu_s'] for r in runs) / 60:.1f} min of CPU,"
      f" {sum(r['wall_s'] for r in runs) / 60:.1f} min of wall clock."),
     kit.table(header, rows, "lrrrrrrlrr"), f"Chosen: **`{rule}`**: {why}.",
@@ -278,5 +279,7 @@ def plot(result: dict[str, Any], path: str) -> None:
   ax.set(xlabel="committed tokens (millions)", ylabel="validation bits per byte (anchor)")
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
-  kit.save_figure(fig, path, "decoupled rounds, K = 1 with a grace window: each arm's median"
-                             " seed; the line: equal tokens")
+  one = next(r for r in result["runs"] if r["arm"] != CONTROL)
+  kit.save_figure(fig, path, f"decoupled rounds, K = {one['min_quorum']}, W ="
+                             f" {one['grace_window']:g} s: each arm's median seed; the line:"
+                             " equal tokens")
