@@ -45,14 +45,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The files whose tests start the command, torchft runs or notebooks in subprocesses, longest first
 # (seconds of one file on a 2-core machine, `pytest --durations=0`: 270, 180, 120, 100, 65, 65, 55,
-# 55, 50, 50, 45, 45, 40, 40). `make test` gives each worker a whole file (`--dist loadfile`) in this
-# order (`--no-loadscope-reorder`), so the long files start first and the short ones fill the
+# 55, 50, 50, 45, 45, 40, 40, 40). `make test` gives each worker a whole file (`--dist loadfile`) in
+# this order (`--no-loadscope-reorder`), so the long files start first and the short ones fill the
 # workers' ends: run last, a 4-minute file keeps one worker busy while the other has finished.
 LONG_FILES = ("test_multiprocess.py", "test_network.py", "test_exchange_device.py",
               "test_torchft.py", "test_replicas.py", "test_trainer_global_view.py",
               "test_user_loop.py", "test_ft_replica_groups.py", "test_ft_resume.py",
               "test_fault_tolerant_train.py", "test_notebooks.py", "test_docs.py",
-              "test_properties.py", "test_chaos.py")
+              "test_properties.py", "test_chaos.py", "test_decoupled_torchft.py")
 
 
 def pytest_collection_modifyitems(items):
