@@ -249,15 +249,20 @@ def doc_markdown(doc: str, first: int, last: int | None = None) -> str:
   return re.sub(r":(?:func|class|mod|data|meth):`~?([^`]+)`", r"`\1`", text)
 
 
-def read_json(path: str) -> Any:
+def read_json(path: str, lines: bool = False) -> Any:
+  """The value of the JSON file ``path``; ``lines``: the values of a JSONL file, one a line."""
   with open(path) as f:
-    return json.load(f)
+    return [json.loads(x) for x in f] if lines else json.load(f)
 
 
-def write_json(path: str, value: Any) -> None:
-  """Writes ``value`` to ``path`` whole or not at all (a stopped study leaves no half file)."""
+def write_json(path: str, value: Any, lines: bool = False) -> None:
+  """Writes ``value`` to ``path`` whole or not at all (a stopped study leaves no half file);
+  ``lines``: a list, as JSONL (one value a line)."""
   with open(path + ".tmp", "w") as f:
-    json.dump(value, f, indent=1, default=str)
+    if lines:
+      f.writelines(json.dumps(x, default=str) + "\n" for x in value)
+    else:
+      json.dump(value, f, indent=1, default=str)
   os.replace(path + ".tmp", path)
 
 

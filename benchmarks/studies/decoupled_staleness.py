@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import math
 import os
 import threading
@@ -86,11 +85,9 @@ def measure(c: Config, prefix: str) -> dict[str, Any]:
   for seed, arm in ((seed, arm) for seed in c.seeds for arm in (CONTROL, *c.rules)):
     path = os.path.join(prefix, f"{arm}_seed{seed}.jsonl")
     if not os.path.exists(path):  # a stopped study resumes
-      lines = run(c, arm, seed)
-      with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(x, default=str) + "\n" for x in lines)
-      os.replace(path + ".tmp", path)
-      print(f"[bench] {arm} seed {seed}: {lines[0]['wall_s']:.0f} s", flush=True)
+      out = run(c, arm, seed)
+      kit.write_json(path, out, lines=True)
+      print(f"[bench] {arm} seed {seed}: {out[0]['wall_s']:.0f} s", flush=True)
   return load(prefix, c)
 
 
@@ -170,12 +167,13 @@ def curve(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
           "bits_per_byte": [x["bits_per_byte"] for x in evals]}
 
 
-def rounds_stats(lines: list[dict[str, Any]], replicas: int) -> dict[str, Any]:
+def rounds_stats(lines: list[dict[str, Any]]) -> dict[str, Any]:
   """The commits, the share with fewer than R payloads merged, every closed payload's
   staleness (``{staleness: payloads}``) and the tokens of those not merged."""
   merges = [x for x in lines if x["kind"] == "merge"]
   merged = [sum(p[5] for p in x["payloads"]) for x in merges if x["committed"]]
-  return {"commits": len(merged), "partial": sum(n < replicas for n in merged) / len(merged),
+  partial = sum(n < lines[0]["replicas"] for n in merged) / len(merged)
+  return {"commits": len(merged), "partial": partial,
           "staleness": Counter(p[3] for x in merges for p in x["payloads"]),
           "lost": sum(x["lost"] for x in merges)}
 
@@ -213,10 +211,8 @@ def load(prefix: str, config: Config) -> dict[str, Any]:
   """The result computed from ``PREFIX/*.jsonl`` alone."""
   runs = []
   for path in sorted(glob.glob(os.path.join(prefix, "*.jsonl"))):
-    with open(path) as f:
-      lines = [json.loads(x) for x in f]
-    runs.append({**lines[0], "curve": curve(lines), "stats": rounds_stats(lines, lines[0][
-      "replicas"])})
+    lines = kit.read_json(path, lines=True)
+    runs.append({**lines[0], "curve": curve(lines), "stats": rounds_stats(lines)})
   return {"runs": runs, **summarize(runs)}
 
 
