@@ -64,7 +64,7 @@ class Run:
       self.proc.wait()
 
 
-def _stop_after_boundaries(run: Run, replica: int, tries: int = 3) -> list[float]:
+def _stop_after_boundaries(run: Run, replica: int, tries: int = 4) -> list[float]:
   """Stops ``replica`` for :data:`STOP_S` right after one of its boundaries (it is computing
   then), until a round closes without it (at most ``tries`` times); returns the stops' ends."""
   pid_file, ends = run.out / f"replica_{replica}.pid", []
@@ -188,7 +188,8 @@ def test_a_late_replica_s_rounds_close_without_it_and_its_payload_counts_once(ru
   merges = run.merges(0)
   assert all(x["committed"] for x in merges) and "0 heals" in run.stdout, run.stdout
   without = [x for x in merges if 1 not in [p[0] for p in x["payloads"]]]
-  assert without, merges
+  assert without, (run.stops, [(x["round"], x["time"], x["payloads"]) for x in merges],
+                   run.boundaries(1))
   for x in merges:  # every payload of replica 1 in exactly one round, its tokens its steps'
     assert len([p for p in x["payloads"] if p[0] == 1]) <= 1
   ones = [(x["round"], p) for x in merges for p in x["payloads"] if p[0] == 1]
