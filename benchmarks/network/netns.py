@@ -122,9 +122,10 @@ def burst(rate: str) -> int:
   return max(int(bits_per_second(rate) / 8 / 250), MIN_BURST)
 
 
-def _run(*argv: str) -> str:
+def _run(*argv: str, check: bool = True) -> str:
+  """``argv``'s stdout; raises ``RuntimeError`` (its stderr) if it fails, unless not ``check``."""
   done = subprocess.run(argv, capture_output=True, text=True)
-  if done.returncode != 0:
+  if check and done.returncode != 0:
     raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip() or f'exit {done.returncode}'}")
   return done.stdout
 
@@ -145,12 +146,10 @@ def remove_stale() -> None:
 
 def _remove_namespace(name: str) -> None:
   """Kills the processes in namespace ``name``, deletes it and its ``/etc/netns`` directory."""
-  pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
-                        check=False).stdout
-  for pid in pids.split():
+  for pid in _run("ip", "netns", "pids", name, check=False).split():
     with contextlib.suppress(ProcessLookupError):
       os.kill(int(pid), signal.SIGKILL)
-  subprocess.run(["ip", "netns", "del", name], capture_output=True)
+  _run("ip", "netns", "del", name, check=False)
   shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
 
 
@@ -303,9 +302,9 @@ class Star(_Namespaces):
     """Takes leaf ``leaf``'s link down (its bridge port: nothing passes either way) or up."""
     _run("ip", "-n", self.hub, "link", "set", self.ports[leaf], "up" if up else "down")
 
-  def exec_prefix(self, leaf: int | None = None) -> list[str]:
-    """The command line's start that runs a program in the hub (``None``) or in leaf ``leaf``."""
-    return ["ip", "netns", "exec", self.hub if leaf is None else self.names[leaf]]
+  def exec_prefix(self) -> list[str]:
+    """The command line's start that runs a program in the hub."""
+    return ["ip", "netns", "exec", self.hub]
 
 
 class Link(_Namespaces):
@@ -335,15 +334,15 @@ class Link(_Namespaces):
     self.rate = rate
     for side in "ab":
       dev = self.devices[side]
-      subprocess.run(["ip", "netns", "exec", self.names[side], "tc", "qdisc", "del", "dev", dev,
-                      "root"], capture_output=True)  # fails if there is none
+      self.run(side, ["tc", "qdisc", "del", "dev", dev, "root"], check=False)  # none: fails
       if bits_per_second(rate) is not None:
         self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
                         str(burst(rate)), "latency", LATENCY])
 
-  def run(self, side: str, argv: list[str]) -> str:
-    """Runs ``argv`` in namespace ``side``; its stdout (raises ``RuntimeError`` on failure)."""
-    return _run("ip", "netns", "exec", self.names[side], *argv)
+  def run(self, side: str, argv: list[str], check: bool = True) -> str:
+    """Runs ``argv`` in namespace ``side``; its stdout (raises ``RuntimeError`` on failure,
+    unless not ``check``)."""
+    return _run("ip", "netns", "exec", self.names[side], *argv, check=check)
 
   def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", self.names[side], *argv], **kwargs)
