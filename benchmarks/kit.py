@@ -220,6 +220,18 @@ def spread(values: Sequence[Any], spec: str) -> str:
   return median if low == high else f"{median} [{low}, {high}]"
 
 
+def reach(curve: Sequence[float], target: float, *xs: Sequence[float]) -> tuple[float, ...] | None:
+  """Where ``curve`` first comes down to ``target``: each of ``xs`` (its abscissas, e.g. steps
+  and bytes) there, linear between the two points around it; ``None`` if it never does."""
+  for i, y in enumerate(curve):
+    if y <= target:
+      if i == 0:
+        return tuple(x[0] for x in xs)
+      f = (curve[i - 1] - target) / (curve[i - 1] - y)
+      return tuple(x[i - 1] + f * (x[i] - x[i - 1]) for x in xs)
+  return None
+
+
 def loads(before: str, after: str) -> str:
   """``B → A``: the 1-minute load averages of ``before`` and ``after`` (``uptime``'s text)."""
   return f"{before.split(',')[0]} → {after.split(',')[0]}"
@@ -266,8 +278,11 @@ def write_json(path: str, value: Any, lines: bool = False) -> None:
   os.replace(path + ".tmp", path)
 
 
-def save_figure(fig: Any, path: str, title: str | None = None) -> None:
-  """Saves ``fig`` (with its ``title`` above its plots, if given) to ``path`` and closes it."""
+def save_figure(fig: Any, path: str, title: str | None = None, grid: bool = False) -> None:
+  """Saves ``fig`` (with its ``title`` above its plots, if given; ``grid``: a light grid on each
+  of its plots) to ``path`` and closes it."""
+  for ax in fig.axes if grid else ():
+    ax.grid(True, alpha=0.3)
   if title is not None:
     fig.suptitle(title, fontsize=9)
   fig.tight_layout()

@@ -290,8 +290,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   axes[1].set_xlabel("inner steps, all workers")
   axes[0].set_ylabel("validation bits per byte (anchor; diverged runs off the top)")
   axes[0].legend(fontsize=8)
-  for ax in axes:
-    ax.grid(True, alpha=0.3)
   kit.save_figure(fig, path, f"{result['task']}, speeds {result['speeds']}, H ="
                              f" {result['sync_period']}, seeds {result['seeds']}; load"
-                             f" {result['load_before']} → {result['load_after']}")
+                             f" {result['load_before']} → {result['load_after']}", grid=True)

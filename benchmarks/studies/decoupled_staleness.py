@@ -273,9 +273,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             label=f"{name} (seed {seed})", linestyle="--" if name == CONTROL else "-")
   ax.axvline(result["common_tokens"] / 1e6, color="grey", linewidth=0.8)
   ax.set(xlabel="committed tokens (millions)", ylabel="validation bits per byte (anchor)")
-  ax.grid(True, alpha=0.3)
   ax.legend(fontsize=8)
   one = next(r for r in result["runs"] if r["arm"] != CONTROL)
   kit.save_figure(fig, path, f"decoupled rounds, K = {one['min_quorum']}, W ="
                              f" {one['grace_window']:g} s: each arm's median seed; the line:"
-                             " equal tokens")
+                             " equal tokens", grid=True)

@@ -395,7 +395,6 @@ def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any], 
       ax.axhline(mean, color="k", lw=1, label="data parallel")
       ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
     ax.set_xscale("log", base=2)
-    ax.grid(True, alpha=0.3)
     ax.set_ylabel("final validation bits per byte")
   rows = [r for r in s["rows"] if r["loss"] is not None]
   by_m.errorbar([r["replicas"] for r in rows], [r["loss"][0] for r in rows],
@@ -417,7 +416,7 @@ def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any], 
   loads = ", ".join(kit.loads(i["load_start"], i["load_end"]) for i in meta["invocations"])
   kit.save_figure(fig, path, f"lm task at equal tokens ({meta['steps']} steps of {GLOBAL_BATCH}"
                              f" windows): DiLoCo against data parallel; load average"
-                             f" {loads or 'not recorded'}")
+                             f" {loads or 'not recorded'}", grid=True)
 
 
 def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> int:

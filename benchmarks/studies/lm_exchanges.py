@@ -261,8 +261,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   by_bytes.legend(fontsize=7, ncol=2)
   by_step.set(xlabel="step", ylabel="validation bits per byte (eval_params)")
   by_step.legend(fontsize=7)
-  for ax in (by_bytes, by_step):
-    ax.grid(True, alpha=0.3)
   kit.save_figure(fig, path, f"lm, {result['devices']} workers, {result['steps']} steps, H ="
                              f" {result['period']}, seed 0; load average {result['load_before']}"
-                             f" before, {result['load_after']} after")
+                             f" before, {result['load_after']} after", grid=True)

@@ -116,13 +116,7 @@ def _summarise(label: str, overrides: dict[str, Any], results: list[dict[str, An
 def sync_to(row: dict[str, Any], sync: dict[str, Any]) -> tuple[float, float] | None:
   """``(step, bytes)`` where sync's mean curve first reaches ``row``'s final loss (linear
   between evaluations), or ``None`` if it never does."""
-  target, curve = row["final"], sync["curve"]
-  for i in range(1, len(curve)):
-    if curve[i] <= target:
-      f = (curve[i - 1] - target) / max(curve[i - 1] - curve[i], 1e-12)
-      return (sync["step"][i - 1] + f * (sync["step"][i] - sync["step"][i - 1]),
-              sync["bytes"][i - 1] + f * (sync["bytes"][i] - sync["bytes"][i - 1]))
-  return None
+  return kit.reach(sync["curve"], row["final"], sync["step"], sync["bytes"])
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -250,7 +244,6 @@ def plot(result: dict[str, Any], path: str) -> None:
   for ax in (by_step, by_bytes):
     ax.axhline(threshold, color="grey", lw=0.8, ls=":")
     ax.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
-    ax.grid(True, alpha=0.3)
     ax.set_ylabel("validation bits per byte (eval_params)")
   by_step.set_xlabel("step")
   by_bytes.set(xlabel="MiB sent per worker (log; from the first exchange on)", xscale="log")
@@ -258,4 +251,5 @@ def plot(result: dict[str, Any], path: str) -> None:
   kit.save_figure(fig, path, f"LM, {kit.DEVICES} workers, mean ± sd over seeds"
                              f" {', '.join(map(str, result['seeds']))} (dotted: sync's final +"
                              f" 2%). {kit.machine()['cores']} CPUs; load average"
-                             f" {result['load_before']} before, {result['load_after']} after")
+                             f" {result['load_before']} before, {result['load_after']} after",
+                  grid=True)

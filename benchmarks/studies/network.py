@@ -201,12 +201,8 @@ def payload(run: dict[str, Any], side: str = "a") -> float:
 def time_to(run: dict[str, Any], target: float) -> float | None:
   """Training seconds until the validation bits per byte first reach ``target``, interpolated
   linearly between evaluations; ``None`` if the run never reaches it."""
-  curve = run["curve"]
-  points = list(zip(curve["train_s"], curve["bits_per_byte"]))
-  for (t0, y0), (t1, y1) in zip(points, points[1:]):
-    if y1 <= target:
-      return t1 if y0 == y1 else t0 + (t1 - t0) * (y0 - target) / (y0 - y1)
-  return points[0][0] if points and points[0][1] <= target else None
+  at = kit.reach(run["curve"]["bits_per_byte"], target, run["curve"]["train_s"])
+  return None if at is None else at[0]
 
 
 def loss_at(run: dict[str, Any], budget: float) -> float:
@@ -406,7 +402,6 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_title(f"{rate} (achieved {achieved:.0f} Mbit/s)", fontsize=9)
     ax.set_xlabel("training seconds (steps only)")
     ax.axhline(target_loss(result), color="grey", lw=0.8, ls=":")
-    ax.grid(True, alpha=0.3)
   # The first evaluation (step 0, about 9 bits per byte) is off the top: the end is what differs.
   finals = [r["curve"]["bits_per_byte"][-1] for r in result["runs"]]
   axes[0][0].set_ylim(min(finals) - 0.1, target_loss(result) + 1.0)
@@ -415,7 +410,7 @@ def plot(result: dict[str, Any], path: str) -> None:
   kit.save_figure(fig, path, f"lm, {result['processes']} processes × {result['devices']}"
                              f" devices, veth pair shaped with tbf\n{result['steps']} steps, H ="
                              f" {result['period']}; load {result['load_before'][0]:.1f} before,"
-                             f" {result['load_after'][0]:.1f} after")
+                             f" {result['load_after'][0]:.1f} after", grid=True)
 
 
 @dataclasses.dataclass(frozen=True)
