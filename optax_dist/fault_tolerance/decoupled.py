@@ -53,7 +53,7 @@ from optax_dist import _checks
 from optax_dist._delayed_nesterov import DelayedNesterovState
 from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.decision import Decision, Header, decide
-from optax_dist.fault_tolerance.loop import Replica, RoundResult, placed_as
+from optax_dist.fault_tolerance.loop import Replica, RoundResult, mean_loss, placed_as
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 STALENESS_RULES = ("none", "dylu", "age_gate", "delayed_nesterov")
@@ -380,11 +380,14 @@ class Push:
       names; the engine measures the round's own fragment from ``replica`` where it differs).
     replica: its :class:`ReplicaState` at the boundary (the engine's template of the global
       state's tree).
+    loss: the mean of the losses its loop reported since its previous boundary (float64), or
+      ``None`` (the torchft engine writes it in its round lines).
   """
 
   header: Header
   payload: Any
   replica: ReplicaState
+  loss: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,7 +441,8 @@ class DecoupledReplica(Replica):
   def _round(self, state: Any) -> Any:
     parts, fragment, payload, residual, mine, header = self._send(state)
     collections = jax.tree.map(jnp.copy, parts.collections)  # merged after the loop moves on
-    got = self.engine.exchange(Push(header, (payload, collections), mine))
+    got = self.engine.exchange(Push(header, (payload, collections), mine,
+                                    mean_loss(self._losses)))
     replica, collections = mine, parts.collections
     if got.landed is not None:  # as a synchronous round lands it, on the state it merged into
       before, merged, collections = got.landed

@@ -450,7 +450,7 @@ class Replica:
     jumped = got.healed is not None or got.step > self.step
     if jumped and got.healed is None:  # a void round: it takes the round's step and counts
       replica = replica._replace(opt_state=advanced(replica.opt_state, got.step - self.step))
-    loss = _mean(self._losses)  # before _take, which starts the next round's
+    loss = mean_loss(self._losses)  # before _take, which starts the next round's
     state = self._take(state, replica, collections, jumped)
     line = RoundLog(
       round=self.protocol.rounds_until(self.step) - 1, replica=self.slot, step=self.step,
@@ -488,7 +488,7 @@ def split_donation(donation: Any) -> tuple[HealState, Any]:
   return (donation, None) if isinstance(donation, HealState) else donation
 
 
-def _mean(losses: list) -> float | None:
+def mean_loss(losses: list) -> float | None:
   """The mean of ``losses`` (device arrays fetched in one ``device_get``) in float64, or
   ``None`` for none."""
   return float(np.mean(np.asarray(jax.device_get(losses), np.float64))) if losses else None

@@ -351,9 +351,10 @@ class DecoupledPort(Session):
           self._landed = ((decoupled.global_state(before), d.merged, self._global[1]), f)
         self._entry = None
       self._closed = r + 1
-      mine_tokens = e.tokens if e is not None and self.slot in d.voters else 0
-      self._write(self.log_path, line, replica=self.slot, weight=mine_tokens, healed=False,
-                  quorum_seconds=0.0, loss=None, pid=os.getpid())
+      merged = e is not None and self.slot in d.voters
+      self._write(self.log_path, line, replica=self.slot, weight=e.tokens if merged else 0,
+                  loss=e.push.loss if merged else None, healed=False, quorum_seconds=0.0,
+                  pid=os.getpid())
 
   def _blank(self, fragment: int | None) -> Any:
     """What a member without a payload in the round sends: zeros of the round's payload and
