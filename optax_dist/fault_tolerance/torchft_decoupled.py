@@ -140,6 +140,7 @@ class DecoupledPort(Session):
     self._received: dict = {}  # the versions this replica last received
     self._sent: dict = {}  # fragment -> the step of this replica's last payload of it
     self._landed = self._revert = None
+    self._withdrawn: int | None = None  # the step of a push withdrawn, its line not written
     self._time = 0.0  # the last poll's time (seconds)
 
   # The loop's side.
@@ -214,7 +215,7 @@ class DecoupledPort(Session):
     with self._cv:
       self._cv.wait_for(lambda: self._push is not None or self._done or self._waiting,
                         POLL_S)
-      withdrawn = self._enter()
+      self._withdrawn = self._enter() if self._withdrawn is None else self._withdrawn
       head = self._header()
     heads = self._headers(head)
     if heads is None:  # a member lost, or one behind: the next quorums are without it
@@ -225,9 +226,10 @@ class DecoupledPort(Session):
     if self._due(heads, now):
       self._close(heads, now)
     with self._cv:
-      if withdrawn is not None:  # between the closes its pull received and the next
-        self._write(self.boundary_path, Boundary(self.slot, withdrawn, (self._time + now) / 2,
-                                                 False))
+      if self._withdrawn is not None:  # between the closes its pull received and the next
+        self._write(self.boundary_path, Boundary(self.slot, self._withdrawn,
+                                                 (self._time + now) / 2, False))
+        self._withdrawn = None
       self._settle(now)
       self._time = now
     return True
