@@ -260,3 +260,24 @@ def test_refusals_are_one_line(flags, said, tmp_path, capsys):
 def test_a_decoupled_flag_without_fault_tolerance_is_refused(tmp_path, capsys):
   line = one_line_error(capsys, "train", "--decoupled", "--out", str(tmp_path))
   assert line == "optax-dist: error: argument --decoupled: needs --fault-tolerant", line
+
+
+@pytest.mark.parametrize("options, said", [
+  ({"min_quorum": 0}, "`Torchft(min_quorum=...)` must be a positive int, got 0."),
+  ({"grace_window": -1.0}, "`Torchft(grace_window=...)`"),
+  ({"staleness_rule": "fifo"}, "`Torchft(staleness_rule=...)` must be one of 'none', 'dylu'"),
+  ({"min_quorum": 1, "min_replicas": 2},
+   "`Torchft(min_replicas=...)` must be at most min_quorum=1, got 2."),
+  ({"checkpoint_every": 5}, "`Torchft(decoupled=True)`: not with checkpoint_every=5"),
+  ({"exchange_retries": 1}, "`Torchft(decoupled=True)`: not with exchange_retries=1"),
+])
+def test_the_torchft_engine_checks_its_decoupled_settings(options, said, tmp_path):
+  import optax
+
+  from optax_dist.fault_tolerance import RoundProtocol, engine
+
+  protocol = RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(0.7), sync_period=2)
+  with pytest.raises(ValueError) as info:
+    engine("torchft", protocol, num_replicas=3, lighthouse="http://127.0.0.1:1", replica_id=0,
+           out=tmp_path, decoupled=True, **options)
+  assert str(info.value).startswith(said) and "\n" not in str(info.value), info.value

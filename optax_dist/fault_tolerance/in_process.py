@@ -429,7 +429,8 @@ def engine(kind: str, protocol: RoundProtocol, *, num_replicas: int,
       scripted ``faults`` injected) or ``"torchft"`` (:class:`~optax_dist.fault_tolerance.
       torchft_engine.Torchft`: this process is one replica; its id, the Lighthouse and the run's
       directory from the environment; faults are real, not scripted, so ``faults`` is not
-      read; ``min_replicas`` defaults to ``num_replicas // 2 + 1``).
+      read; ``min_replicas`` defaults to ``num_replicas // 2 + 1``, or 1 with
+      ``decoupled=True``: the fewest payloads that commit a decoupled round).
     protocol: the run's :class:`RoundProtocol`.
     num_replicas: R, the run's replicas.
     faults: the in-process engine's :class:`Fault` script.
@@ -447,5 +448,5 @@ def engine(kind: str, protocol: RoundProtocol, *, num_replicas: int,
     return InProcess(protocol, num_replicas=num_replicas, faults=faults, **options)
   from optax_dist.fault_tolerance.torchft_engine import Torchft
 
-  options.setdefault("min_replicas", num_replicas // 2 + 1)
+  options.setdefault("min_replicas", 1 if options.get("decoupled") else num_replicas // 2 + 1)
   return Torchft(protocol, **options)
