@@ -100,7 +100,7 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None
     raise ValueError(f"`{fn}(min_quorum=...)` must be at most num_replicas={num_replicas},"
                      f" got {min_quorum}.")
   _checks.check_number(fn, "grace_window", grace_window, lower=0.0,
-                       constraint="a number of simulated seconds >= 0 (math.inf allowed)")
+                       constraint="a number of seconds >= 0 (math.inf allowed)")
   _checks.check_choice(fn, "staleness_rule", staleness_rule, STALENESS_RULES)
   _checks.check_non_negative_int(fn, "max_staleness", max_staleness)
   if staleness_rule == "delayed_nesterov" and not isinstance(

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import threading
 import time
@@ -408,5 +407,3 @@ def check(engine: Any, protocol: Any) -> None:
   if engine.min_replicas > engine.min_quorum:
     raise ValueError(f"`{fn}(min_replicas=...)` must be at most min_quorum={engine.min_quorum},"
                      f" got {engine.min_replicas}.")
-  if math.isnan(engine.grace_window):
-    raise ValueError(f"`{fn}(grace_window=...)` must be a number >= 0, got nan.")
