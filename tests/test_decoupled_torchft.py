@@ -183,7 +183,8 @@ def test_k_equal_r_and_no_window_is_the_synchronous_round_bit_for_bit(runs):
 def test_a_late_replica_s_rounds_close_without_it_and_its_payload_counts_once(runs):
   """K = 1, W = 0.3 s: a round closes without the stopped replica; it does not heal (there is
   no heal in decoupled rounds over torchft) and its next payload enters exactly one merge with
-  the tokens of its steps since its last merged payload, stale by the rounds it missed."""
+  the tokens of its steps since its last merged payload, stale by the rounds it missed, and
+  weighs T / (1 + s) (the default rule, ``"dylu"``)."""
   run = runs["late"]
   assert run.stops, "the run ended before replica 1 was stopped"
   _one_hash_per_round(run, 2)
@@ -199,7 +200,7 @@ def test_a_late_replica_s_rounds_close_without_it_and_its_payload_counts_once(ru
   assert steps == sorted(set(steps))
   previous = 0
   for _, (_, step, tokens, stale, weight, merged) in ones:
-    assert merged and tokens == weight == 16 * (step - previous), ones
+    assert merged and tokens == 16 * (step - previous) and weight == tokens / (1 + stale), ones
     previous = step
   late = next((r, p) for r, p in ones if r > without[0]["round"])
   missed = late[0] - max((r for r, _ in ones if r < without[0]["round"]), default=-1) - 1

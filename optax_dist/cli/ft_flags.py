@@ -16,7 +16,7 @@ from optax_dist.cli.arguments import (integer_at_least_0, non_negative_float, po
                                       positive_int)
 from optax_dist.cli.errors import CommandError
 from optax_dist.fault_tolerance import SUPPORTED, halves
-from optax_dist.fault_tolerance.decoupled import STALENESS_RULES
+from optax_dist.fault_tolerance.decoupled import DEFAULT_STALENESS_RULE, STALENESS_RULES
 from optax_dist.fault_tolerance.launcher import LaunchConfig, majority
 
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
@@ -32,7 +32,7 @@ DEFAULTS = {name: _FIELDS[name] for name in (
 
 
 DECOUPLED = {"decoupled": False, "min_quorum": None, "grace_window": math.inf,
-             "staleness_rule": "none"}
+             "staleness_rule": DEFAULT_STALENESS_RULE}
 """The decoupled rounds' flags and their defaults (``min_quorum``: R); each flag's parser
 default is ``None``, so that one given without ``--fault-tolerant`` (or, but ``--decoupled``,
 without ``--decoupled``) is refused. ``--staleness-rule age_gate``'s bound is ``train``'s
@@ -68,7 +68,8 @@ def _add_decoupled(group: Any) -> None:
                      help="with --decoupled: seconds a round stays open after its K-th payload,"
                      " or inf (default: inf)")
   group.add_argument("--staleness-rule", choices=STALENESS_RULES, default=None,
-                     help="with --decoupled: the weight of a stale payload (default: none)")
+                     help="with --decoupled: the weight of a stale payload (default:"
+                     f" {DEFAULT_STALENESS_RULE})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -73,6 +73,7 @@ import numpy as np
 
 from optax_dist import _checks, _exchange
 from optax_dist.fault_tolerance import checkpoints, heal
+from optax_dist.fault_tolerance import decoupled as decoupled_rules
 from optax_dist.fault_tolerance.checkpoints import CheckpointWriter
 from optax_dist.fault_tolerance.decision import Header, check_headers, decide, foreign, leaves
 from optax_dist.fault_tolerance.engine import RoundLog
@@ -141,7 +142,9 @@ class Torchft:
       is in; a positive int, at least ``min_replicas`` (default: ``min_replicas``).
     grace_window: W, seconds of wall clock a decoupled round stays open after its K-th arrival
       (``math.inf``, the default: until every live replica's payload is in); >= 0.
-    staleness_rule: one of :data:`~optax_dist.fault_tolerance.decoupled.STALENESS_RULES`.
+    staleness_rule: one of :data:`~optax_dist.fault_tolerance.decoupled.STALENESS_RULES`
+      (default: :data:`~optax_dist.fault_tolerance.decoupled.DEFAULT_STALENESS_RULE`, the
+      in-process engine's).
     max_staleness: ``"age_gate"``'s bound, an int >= 0.
 
   Raises:
@@ -161,7 +164,7 @@ class Torchft:
                last_round: int | None = None, on_ready: Callable[[], None] | None = None,
                standby: Callable[[], None] | None = None, decoupled: bool = False,
                min_quorum: int | None = None, grace_window: float = math.inf,
-               staleness_rule: str = "none", max_staleness: int = 1):
+               staleness_rule: str | None = None, max_staleness: int = 1):
     fn = "Torchft"
     lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse.startswith("http://"):
@@ -189,7 +192,8 @@ class Torchft:
     self.checkpoint_every, self.last_round = checkpoint_every, last_round
     self.on_ready, self.standby = on_ready, standby
     self.decoupled, self.min_quorum = decoupled, min_replicas if min_quorum is None else min_quorum
-    self.grace_window, self.staleness_rule = grace_window, staleness_rule
+    self.grace_window = grace_window
+    self.staleness_rule = staleness_rule or decoupled_rules.DEFAULT_STALENESS_RULE
     self.max_staleness = max_staleness
     if decoupled:
       self._check_decoupled()
