@@ -488,6 +488,26 @@ def test_a_decoupled_run_with_a_death_and_a_join_replays_bit_for_bit():
     _leaves_equal(replayed[i][0], results[i][0])
 
 
+def test_a_dead_replica_s_thread_ending_after_its_joiner_started_leaves_the_joiner_be():
+  """The killed loop's thread unwinds slowly (as on a loaded machine): it ends after its slot's
+  joiner started, and the run is the same as when it ends at once."""
+  protocol, engine, results, _ = _death_run()
+  train = _loop(protocol, 6 * H)
+
+  def slow_to_die(replica):
+    try:
+      return train(replica)
+    except BaseException:
+      time.sleep(0.5)
+      raise
+
+  again = ft.InProcess(protocol, num_replicas=3, **DEATH)
+  replayed = again.run(slow_to_die)
+  assert again.log == engine.log
+  for i in range(3):
+    _leaves_equal(replayed[i][0], results[i][0])
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad settings.
 

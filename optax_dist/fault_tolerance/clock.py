@@ -79,6 +79,7 @@ class Clock:
     self._results: dict[int, Pull] = {}
     self._threads, self._errors, self._returned = [], [], {}
     self._t0: dict[int, float] = {}  # replica -> the simulated time its loop (re)started at
+    self._live: dict[int, DecoupledReplica] = {}  # replica -> its loop's, a joiner's after a death
     self._joining: set[int] = set()  # joiners that have not healed yet
     self._died: set = set()  # the die_inner faults done
     self._last: dict[int, Push] = {}  # replica -> its last push that entered a round
@@ -122,7 +123,7 @@ class Clock:
                        " is alive.")
     replica = DecoupledReplica(self.protocol, _Port(self, i), slot=i, seed=self.engine.seed,
                                tokens_per_step=self.engine.tokens_per_step)
-    self._t0[i], self._seen[i] = t0, self._closed
+    self._t0[i], self._seen[i], self._live[i] = t0, self._closed, replica
     self._received[i], self._sent[i], self._base[i] = dict(self._versions), {}, 0
     if self._closed:  # a join: it heals at its first pull
       self._joining.add(i)
@@ -135,12 +136,14 @@ class Clock:
     try:
       self._returned[i] = self._train(replica)
     except (_Stopped, _Killed):
-      self._returned.pop(i, None)
+      pass
     except Exception as e:  # noqa: BLE001 (re-raised by run)
       self._errors.append(e)
     finally:
       with self._cv:
-        if i in self._at:  # a dead replica's left at its death
+        # A dead replica's left at its death; its thread may end after its slot's joiner
+        # started (a loaded machine), whose events are not its to end.
+        if i in self._at and self._live[i] is replica:
           self._at[i][1] = "end"
         with contextlib.suppress(Exception):  # kept as the clock's failure, raised by run
           self._pump()
