@@ -588,7 +588,7 @@ def test_a_member_left_out_of_an_aborted_quorum_sends_nothing_and_takes_the_roun
     ahead, protocol.merge([sent.payload], [1]), sent)
 
   header = [0, 8 * sent.steps, 1, 7, int(ahead.opt_state.local_step)]
-  peer = (torch.tensor(header, dtype=torch.int64), ts._pack((sent.payload, None)),
+  peer = (torch.tensor(header, dtype=torch.int64), ts.pack((sent.payload, None)),
           torch.ones(1, dtype=torch.int64))
   port, run = _fake_replica(tmp_path, protocol, params, peer, exchange_retries=1)
   line = run(grads)
@@ -629,7 +629,7 @@ def test_a_streaming_replica_healed_in_its_round_sends_the_round_s_fragment_s_si
                                                    sent), grads)
   end = protocol.commit(donor, protocol.merge([sent.payload], [1]), sent)
   header = [0, 8 * sent.steps, 1, 7, int(donor.opt_state.local_step)]
-  peer = (torch.tensor(header, dtype=torch.int64), ts._pack((sent.payload, None)),
+  peer = (torch.tensor(header, dtype=torch.int64), ts.pack((sent.payload, None)),
           torch.ones(1, dtype=torch.int64))
   _, run = _fake_replica(tmp_path, protocol, params, peer, healed_from=ft.heal_state(donor))
   line = run(grads)
@@ -668,7 +668,7 @@ def test_an_exchange_failed_before_the_acknowledgement_is_tried_again_in_a_new_q
   state, sent = protocol.run_round(protocol.init(params), grads)
   weight = 8 * sent.steps
   ok = [torch.tensor([0, weight, 1, 7, sent.steps], dtype=torch.int64),
-        ts._pack((sent.payload, None)), torch.ones(1, dtype=torch.int64)]
+        ts.pack((sent.payload, None)), torch.ones(1, dtype=torch.int64)]
   first = [*ok[:failed], RuntimeError("Connection reset by peer")]
   port, run = _fake_replica(tmp_path, protocol, params, first + ok, retries)
   line = run(grads)
@@ -960,7 +960,7 @@ def test_the_two_engines_decide_alike_on_the_same_inputs(tmp_path, monkeypatch):
 
   hashes = ft.InProcess(protocol, num_replicas=2, tokens_per_step=8).run(train)
   (heads, payloads, outcome), = calls
-  peer = (torch.tensor(list(heads[0]), dtype=torch.int64), ts._pack((payloads[0], None)),
+  peer = (torch.tensor(list(heads[0]), dtype=torch.int64), ts.pack((payloads[0], None)),
           torch.ones(1, dtype=torch.int64))
   port, _ = _fake_replica(tmp_path, protocol, params, peer)
   replica = port.replica
@@ -1021,7 +1021,7 @@ def test_a_quantized_payload_crosses_as_its_codes_and_lands_as_the_in_memory_rou
     m.setattr(in_process, "decide", spy)
     in_memory = ft.InProcess(protocol, num_replicas=2, tokens_per_step=8).run(train)
   (heads, payloads), = calls
-  peer = (torch.tensor(list(heads[0]), dtype=torch.int64), ts._pack((payloads[0], None)),
+  peer = (torch.tensor(list(heads[0]), dtype=torch.int64), ts.pack((payloads[0], None)),
           torch.ones(1, dtype=torch.int64))
   port, _ = _fake_replica(tmp_path, protocol, params, peer)
   got = train(port.replica)
@@ -1121,7 +1121,7 @@ def test_a_donor_of_another_run_is_refused_and_the_member_keeps_its_state(tmp_pa
   protocol, params, grads, other = _two_runs()
   own, sent = protocol.run_round(protocol.init(params), grads)
   peer = (torch.tensor([0, 8 * sent.steps, 1, 9, sent.steps], dtype=torch.int64),
-          ts._pack((sent.payload, None)), torch.ones(1, dtype=torch.int64))
+          ts.pack((sent.payload, None)), torch.ones(1, dtype=torch.int64))
   port, run = _another_run(tmp_path, protocol, params, grads, peer, fingerprint=7, step=4,
                            heal_from=(ft.heal_state(other), 9, 9))
   line = run()
@@ -1155,7 +1155,7 @@ def test_a_tie_of_two_runs_aborts_on_both_and_the_one_without_the_lighthouse_s_r
 
   def peer(fingerprint):
     return (torch.tensor([0, 8 * sent.steps, 1, fingerprint, sent.steps], dtype=torch.int64),
-            ts._pack((sent.payload, None)), torch.ones(1, dtype=torch.int64))
+            ts.pack((sent.payload, None)), torch.ones(1, dtype=torch.int64))
 
   holder, run = _another_run(tmp_path / "holder", protocol, params, grads, peer(9),
                              fingerprint=7, step=3)

@@ -62,7 +62,7 @@ from optax_dist.fault_tolerance.decoupled import Boundary, DecoupledReplica, Mer
 from optax_dist.fault_tolerance.loop import split_donation
 from optax_dist.fault_tolerance.rundir import RunDir
 from optax_dist.fault_tolerance.torchft_engine import MissedRounds, SettingsMismatch
-from optax_dist.fault_tolerance.torchft_session import Session, _pack, _unpack, torch
+from optax_dist.fault_tolerance.torchft_session import Session, pack, torch, unpack
 
 POLL_S = 0.02
 """Seconds an idle exchange thread waits for its loop's push before its next poll."""
@@ -317,12 +317,12 @@ class DecoupledPort(Session):
     r, before, f = self._closed, self._global[0], self._fragment()
     version, e = self._versions.get(f, 0), self._entry
     mine = (e.payload, e.push.payload[1]) if e is not None else self._blank(f)
-    outs = self._allgather(_pack(mine), everyone=True)
+    outs = self._allgather(pack(mine), everyone=True)
     # The acknowledgement: a member decides only once it holds every member's, so no member
     # closes a round whose payloads' all-gather failed on another.
     if outs is None or self._allgather(torch.ones(1, dtype=torch.int64), everyone=True) is None:
       return
-    ready = [(h, _unpack(out, mine)) for h, out in zip(heads, outs, strict=True) if h.ready]
+    ready = [(h, unpack(out, mine)) for h, out in zip(heads, outs, strict=True) if h.ready]
     hs = [Header(h.slot, h.tokens, h.ok, h.fingerprint, h.step) for h, _ in ready]
     d, stale, weights = decoupled.decide_round(
       self.protocol, hs, [p[0] for _, p in ready], [h.received for h, _ in ready],

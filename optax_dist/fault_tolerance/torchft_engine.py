@@ -81,7 +81,7 @@ from optax_dist.fault_tolerance.launcher import bind_address
 from optax_dist.fault_tolerance.loop import Received, Replica, Restored, Sent, split_donation
 from optax_dist.fault_tolerance.protocol import RoundProtocol
 from optax_dist.fault_tolerance.rundir import RunDir
-from optax_dist.fault_tolerance.torchft_session import Session, _pack, _unpack, torch
+from optax_dist.fault_tolerance.torchft_session import Session, pack, torch, unpack
 
 _ADDRESS_BYTES = 128
 """The buffer that carries a store's ``host port`` from a group's rank 0 to its other ranks."""
@@ -381,7 +381,7 @@ class _Port(Session):
     if reason:
       return failed(reason, members=members, step=step)
     mine = sent.payload if self._healed is None else self._zeros(step)
-    outs = self._allgather(_pack(mine))
+    outs = self._allgather(pack(mine))
     if outs is None:
       return failed("the payloads' all-gather failed", True, members, step)
     # The acknowledgement: a member's chunk of it says that its payloads' all-gather completed.
@@ -389,7 +389,7 @@ class _Port(Session):
     # exchange failed on another before the acknowledgement: that one may retry the round.
     if self._allgather(torch.ones(1, dtype=torch.int64)) is None:
       return failed("the acknowledgement's all-gather failed", False, members, step)
-    payloads = [_unpack(out, mine) for out in outs]
+    payloads = [unpack(out, mine) for out in outs]
     d = decide(self.protocol, heads, [p[0] for p in payloads],
                min_replicas=self.engine.min_replicas)
     if d.merged is None:

@@ -233,13 +233,13 @@ class _HTTPServer6(http.server.ThreadingHTTPServer):
 # The exchange.
 
 
-def _pack(payload: Any) -> torch.Tensor:
+def pack(payload: Any) -> torch.Tensor:
   """A member's payload as an all-gather buffer: :func:`tree_bytes` (uint8)."""
   # gloo writes into its buffers: a writable copy, never a view of a JAX array.
   return torch.from_numpy(np.frombuffer(tree_bytes(payload), np.uint8).copy())
 
 
-def _unpack(buffer: torch.Tensor, like: Any) -> Any:
+def unpack(buffer: torch.Tensor, like: Any) -> Any:
   """A member's payload (``like``'s tree, dtypes and shapes) from its buffer."""
   return tree_from_bytes(buffer.numpy().tobytes(), like)
 
