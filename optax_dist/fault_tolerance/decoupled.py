@@ -103,11 +103,13 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None
                        constraint="a number of seconds >= 0 (math.inf allowed)")
   _checks.check_choice(fn, "staleness_rule", staleness_rule, STALENESS_RULES)
   _checks.check_non_negative_int(fn, "max_staleness", max_staleness)
-  if staleness_rule == "delayed_nesterov" and not isinstance(
-      jax.eval_shape(protocol.outer_tx.init, jnp.zeros([1])), DelayedNesterovState):
+  outer_state = (jax.eval_shape(protocol.outer_tx.init, jnp.zeros([1]))
+                 if staleness_rule == "delayed_nesterov" else None)
+  if outer_state is not None and not isinstance(outer_state, DelayedNesterovState):
     raise ValueError(
       f"`{fn}(staleness_rule='delayed_nesterov')` needs RoundProtocol(outer="
-      f"optax_dist.delayed_nesterov(...)), got outer={protocol.outer!r}.")
+      f"optax_dist.delayed_nesterov(...)), got an outer optimizer whose state is"
+      f" {jax.tree_util.tree_structure(outer_state)}.")
   return None if speeds is None else tuple(float(v) for v in values)
 
 
