@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from optax_dist import _exchange
 from optax_dist.fault_tolerance import decoupled, heal
 from optax_dist.fault_tolerance.decoupled import DecoupledReplica, MergeLine, Pull, Push, Revert
-from optax_dist.fault_tolerance.in_process import _Killed, nan_like
+from optax_dist.fault_tolerance.engine import Killed, nan_like
 from optax_dist.fault_tolerance.protocol import ReplicaState
 
 _PHASE = {"run": 0, "push": 0, "end": 1, "pull": 2}
@@ -135,7 +135,7 @@ class Clock:
   def _main(self, i: int, replica: DecoupledReplica) -> None:
     try:
       self._returned[i] = self._train(replica)
-    except (_Stopped, _Killed):
+    except (_Stopped, Killed):
       pass
     except Exception as e:  # noqa: BLE001 (re-raised by run)
       self._errors.append(e)
@@ -167,7 +167,7 @@ class Clock:
         raise _Stopped
       got = self._results.pop(i)
       if got is None:  # it died at this boundary
-        raise _Killed
+        raise Killed
       return got
 
   # --------------------------------------------------------------------------------------------

@@ -387,3 +387,14 @@ def replay(engine: InProcessEngine, log: Sequence[RoundLog]) -> list[RoundLog]:
       lost=tuple(i for i in members if i not in have),
       force_abort=not any(line.committed for line in lines)))
   return out
+
+
+class Killed(BaseException):
+  """Raised in a replica's thread of an in-process engine at the boundary of the round it dies
+  in (a ``BaseException``: the user's ``except Exception`` does not catch it)."""
+
+
+def nan_like(tree: Any) -> Any:
+  """``tree`` with every value NaN: a scripted ``"nonfinite"`` payload (both in-process
+  engines)."""
+  return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)

@@ -20,23 +20,16 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from optax_dist import _checks, _exchange
 from optax_dist.fault_tolerance import decoupled, heal
+from optax_dist.fault_tolerance.clock import Clock
 from optax_dist.fault_tolerance.decision import Decision, decide
-from optax_dist.fault_tolerance.engine import Fault, RoundLog
+from optax_dist.fault_tolerance.engine import Fault, Killed, RoundLog, nan_like
 from optax_dist.fault_tolerance.loop import Received, Replica, Sent
 from optax_dist.fault_tolerance.protocol import RoundProtocol
 
 LOOP_KINDS = ("die_inner", "join", "straggle", "nonfinite")
 """The :class:`Fault` kinds :class:`InProcess` injects."""
-
-
-class _Killed(BaseException):
-  """Raised in a replica's thread at the boundary of the round it dies in (a ``BaseException``:
-  the user's ``except Exception`` does not catch it)."""
 
 
 class InProcess:
@@ -256,8 +249,6 @@ class InProcess:
         logged one, or a logged line it does not write), naming the round.
     """
     if self.speeds is not None:
-      from optax_dist.fault_tolerance.clock import Clock
-
       return Clock(self).run(train)
     self._train, self._cv = train, threading.Condition()
     self._round, self._arrived, self._results = 0, {}, {}
@@ -295,7 +286,7 @@ class InProcess:
   def _main(self, i: int, replica: Replica) -> None:
     try:
       self._returned[i] = self._train(replica)
-    except _Killed:
+    except Killed:
       self._returned.pop(i, None)
     except Exception as e:  # noqa: BLE001 (re-raised by run, after the others)
       self._errors.append(e)
@@ -311,12 +302,12 @@ class InProcess:
     """Replica ``i``'s round: waits until the round closes; returns its outcome.
 
     Raises:
-      _Killed: ``i`` dies in this round.
+      Killed: ``i`` dies in this round.
     """
     with self._cv:
       r = self._round
       if i in self._events(r, "die_inner"):
-        raise _Killed
+        raise Killed
       self._arrived[i] = sent
       self._close_if_complete()
       self._cv.wait_for(lambda: (r, i) in self._results)
@@ -395,12 +386,6 @@ class _Port:
     with self._engine._cv:
       self._engine.log.append(line)
       self._engine._check_line(line)
-
-
-def nan_like(tree: Any) -> Any:
-  """``tree`` with every value NaN: a scripted ``"nonfinite"`` payload (both in-process
-  engines)."""
-  return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), tree)
 
 
 def _round_log(fn: str, line: Any) -> RoundLog:

@@ -123,6 +123,8 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
       run's, or a quorum that never formed.
   """
   engine_module = load_engine()
+  from optax_dist.fault_tolerance.torchft_session import MissedRounds, SettingsMismatch
+
   target = protocol.rounds_until(steps)
   try:
     engine = engine_module.Torchft(
@@ -136,7 +138,7 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
   try:
     return engine.run(task_loop(protocol, params, loss_and_grad, batch_fn, rounds=target))[
       replica_id]
-  except (engine_module.SettingsMismatch, engine_module.MissedRounds) as e:
+  except (SettingsMismatch, MissedRounds) as e:
     raise ReplicaError(str(e)) from None
   except ValueError as e:  # a checkpoint of other settings, or damaged
     raise ReplicaError(str(e)) from None

@@ -34,12 +34,12 @@ are a decision over the members' headers. Per **poll** (one quorum, then an all-
 With K = R and :math:`W = \infty` every replica waits for every payload: the synchronous round,
 bit for bit. Not built: a replica that missed a round (left out of quorums after the Lighthouse's
 join timeout, or restarted) needs the global state sent, or a heal: it leaves the run
-(:class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`, naming the rounds) while the
+(:class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`, naming the rounds) while the
 others skip their polls until the Lighthouse has dropped it, then go on without it; a member
 lost during a round's payload all-gather leaves the round open (each member acknowledges the
 payloads it holds before it decides), and the next quorum closes it without that member; a
 member whose vote (torchft's ``should_commit``) fails on a round the decision commits leaves
-the run (:class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`).
+the run (:class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`).
 """
 
 from __future__ import annotations
@@ -61,8 +61,14 @@ from optax_dist.fault_tolerance.decision import Header
 from optax_dist.fault_tolerance.decoupled import Boundary, DecoupledReplica, MergeLine, Pull, Push
 from optax_dist.fault_tolerance.loop import split_donation
 from optax_dist.fault_tolerance.rundir import RunDir
-from optax_dist.fault_tolerance.torchft_engine import MissedRounds, SettingsMismatch
-from optax_dist.fault_tolerance.torchft_session import Session, pack, torch, unpack
+from optax_dist.fault_tolerance.torchft_session import (
+  MissedRounds,
+  Session,
+  SettingsMismatch,
+  pack,
+  torch,
+  unpack,
+)
 
 POLL_S = 0.02
 """Seconds an idle exchange thread waits for its loop's push before its next poll."""
@@ -161,7 +167,7 @@ class DecoupledPort(Session):
 
     Raises:
       Exception: the exchange thread's error (e.g. ``TimeoutError``: no quorum in time;
-        :class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`).
+        :class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`).
     """
     with self._cv:
       self._push, self._pushed_at = push, time.time_ns() // 1000
@@ -272,7 +278,7 @@ class DecoupledPort(Session):
 
     Returns:
       The members' headers; ``None`` if the all-gather failed or a member closed fewer rounds
-      (it leaves: :class:`~optax_dist.fault_tolerance.torchft_engine.MissedRounds`).
+      (it leaves: :class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`).
 
     Raises:
       SettingsMismatch: members of other settings.

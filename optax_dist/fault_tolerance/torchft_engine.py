@@ -72,7 +72,7 @@ import jax
 import numpy as np
 
 from optax_dist import _checks, _exchange
-from optax_dist.fault_tolerance import checkpoints, heal
+from optax_dist.fault_tolerance import checkpoints, heal, torchft_decoupled
 from optax_dist.fault_tolerance import decoupled as decoupled_rules
 from optax_dist.fault_tolerance.checkpoints import CheckpointWriter
 from optax_dist.fault_tolerance.decision import Header, check_headers, decide, foreign, leaves
@@ -81,21 +81,16 @@ from optax_dist.fault_tolerance.launcher import bind_address
 from optax_dist.fault_tolerance.loop import Received, Replica, Restored, Sent, split_donation
 from optax_dist.fault_tolerance.protocol import RoundProtocol
 from optax_dist.fault_tolerance.rundir import RunDir
-from optax_dist.fault_tolerance.torchft_session import Session, pack, torch, unpack
+from optax_dist.fault_tolerance.torchft_session import (
+  Session,
+  SettingsMismatch,
+  pack,
+  torch,
+  unpack,
+)
 
 _ADDRESS_BYTES = 128
 """The buffer that carries a store's ``host port`` from a group's rank 0 to its other ranks."""
-
-
-class SettingsMismatch(RuntimeError):
-  """A replica's settings differ from the run's: it leaves the run."""
-
-
-class MissedRounds(RuntimeError):
-  """Decoupled rounds: a replica cannot hold the run's global state, so it leaves the run: its
-  quorum's members closed rounds it did not (it was restarted, or left out of quorums), or its
-  vote failed on a round the others commit. The global state sent to it, or a heal, is not
-  built."""
 
 
 class Torchft:
@@ -199,8 +194,6 @@ class Torchft:
       self._check_decoupled()
 
   def _check_decoupled(self) -> None:
-    from optax_dist.fault_tolerance import torchft_decoupled
-
     torchft_decoupled.check(self, self.protocol)
     other = {"checkpoint_every": self.checkpoint_every, "standby": self.standby,
              "exchange_retries": self.exchange_retries or None,
@@ -219,12 +212,7 @@ class Torchft:
       TimeoutError: no quorum formed within ``quorum_timeout`` seconds.
       ValueError: the newest checkpoint written by other settings, or damaged.
     """
-    if self.decoupled:
-      from optax_dist.fault_tolerance.torchft_decoupled import DecoupledPort
-
-      port = DecoupledPort(self)
-    else:
-      port = _Port(self)
+    port = torchft_decoupled.DecoupledPort(self) if self.decoupled else _Port(self)
     try:
       result = train(port.replica)
       if self.decoupled:  # its exchange polls on until every replica's loop has returned

@@ -66,6 +66,17 @@ QUORUM_ATTEMPT_S = 5.0
 stopped member's heartbeat timeout), shorter than a Lighthouse's restart plus this."""
 
 
+class SettingsMismatch(RuntimeError):
+  """A replica's settings differ from the run's: it leaves the run."""
+
+
+class MissedRounds(RuntimeError):
+  """Decoupled rounds: a replica cannot hold the run's global state, so it leaves the run: its
+  quorum's members closed rounds it did not (it was restarted, or left out of quorums), or its
+  vote failed on a round the others commit. The global state sent to it, or a heal, is not
+  built."""
+
+
 def _frame(state_dict: dict) -> bytes:
   """torchft's heal state ``{"user": {"default": bytes}, "torchft": {str: int}}`` as bytes."""
   counters = state_dict["torchft"]
