@@ -349,14 +349,19 @@ def test_the_example_survives_a_kill_and_the_killed_replica_heals(tmp_path):
   assert "optax-dist: replica 2 restarted (exit -9)\n" in stderr, stderr[-3000:]
   heals = [line for i in range(3) for line in _lines(tmp_path, i) if line["healed"]]
   for line in heals:
-    assert line["donor"] in set(line["members"]) - {line["replica"]}, line
-    assert (f"optax-dist: replica {line['replica']} healed from replica {line['donor']} at round"
-            f" {line['round']}\n") in stderr, stderr[-3000:]
+    # A heal whose attempt then failed at the headers' all-gather (a loaded machine) knows
+    # neither the round's members nor its donor; the progress line names a donor it has.
+    if line["members"]:
+      assert line["donor"] in set(line["members"]) - {line["replica"]}, line
+    named = "" if line["donor"] is None else f" from replica {line['donor']}"
+    assert (f"optax-dist: replica {line['replica']} healed{named} at round {line['round']}\n"
+            in stderr), stderr[-3000:]
   assert all(np.isfinite(line["loss"]) for i in range(3) for line in _lines(tmp_path, i))
   plot = tmp_path / "fault_tolerant_loss_diloco.png"
   assert plot.stat().st_size > 0 and f" and {plot}\n" in stdout
   restarted = [line for line in _lines(tmp_path, 2) if line["pid"] != first]
-  assert restarted[0]["healed"] and restarted[0]["committed"] and restarted[0]["weight"] == 0
+  assert restarted[0]["healed"] and restarted[0]["weight"] == 0, restarted[0]
+  assert any(line["committed"] for line in restarted)
   by_round: dict[int, set] = {}
   for i in range(3):
     for line in _lines(tmp_path, i):
