@@ -151,8 +151,6 @@ COLORS = {"kill": "red", "stop": "orange", "cont": "green", "start": "grey",
 def plot(result: dict[str, Any], path: str) -> None:
   """Per seed, committed tokens (both arms) and the checkpoints' held-out metric against wall
   clock, the faulted run's events marked."""
-  if "seeds" not in result:  # --report of the published JSON, from the study's first form
-    raise ValueError("chaos.plot: the result has no seeds: it predates the chaos package")
   seeds = result["seeds"]
   fig, axes = kit.plt.subplots(len(seeds), 1, figsize=(10, 3.5 * len(seeds)), squeeze=False)
   for (ax,), (seed, got) in zip(axes, seeds.items(), strict=True):
