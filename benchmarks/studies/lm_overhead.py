@@ -211,10 +211,9 @@ def matrix_markdown(result: dict[str, Any]) -> str:
             f"≤ {TARGET}× (wall)"]
   rows = [["bare adam", "every step", *[x for c in configs for x in (
     f"{c['adam_ms']:.1f} ms", f"{c['adam_cpu_ms']:.1f} ms")], ""]]
-  for j, row in enumerate(configs[0]["rows"]):
-    rs = [c["rows"][j] for c in configs]
+  for rs in zip(*(c["rows"] for c in configs)):
     verdict = [("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a" for r in rs]
-    rows.append([f"`{row['label']}`", row["phase"],
+    rows.append([f"`{rs[0]['label']}`", rs[0]["phase"],
                  *[x for r in rs for x in (ratio_cell(r), f"{r['cpu_ratio']:.3f}")],
                  ", ".join(verdict)])
   return kit.blocks(kit.table(header, rows, "ll" + "rr" * len(configs) + "l"), "\n".join(

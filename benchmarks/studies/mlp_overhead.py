@@ -208,14 +208,13 @@ def overhead_markdown(result: dict[str, Any]) -> str:
   rows = [["bare adam", "every step",
            *[x for s in sizes for x in (f"{s['adam_ms']:.1f}", "1", "1")],
            kit.mib(last["adam_memory"]["copies"]), ""]]
-  for j, row in enumerate(sizes[0]["rows"]):
-    rs = [s["rows"][j] for s in sizes]
+  for rs in zip(*(s["rows"] for s in sizes)):
     verdict = (f"{_verdict([r['ratio'] for r in rs])} / {_verdict([r['cpu_ratio'] for r in rs])}"
-               if not row["communicates"] else "n/a: communication step")
-    rows.append([f"`{row['label']}`", row["phase"],
+               if not rs[0]["communicates"] else "n/a: communication step")
+    rows.append([f"`{rs[0]['label']}`", rs[0]["phase"],
                  *[x for r in rs
                    for x in (f"{r['ms']:.1f}", ratio_cell(r), f"{r['cpu_ratio']:.3f}")],
-                 kit.mib(last["rows"][j]["copies"]), verdict])
+                 kit.mib(rs[-1]["copies"]), verdict])
   return kit.blocks(kit.table(header, rows, "ll" + "rrr" * len(sizes) + "rl"), "\n".join(
     f"- {s['size']}: {s['num_params']:,} params ({kit.human_bytes(s['params_bytes'])}),"
     f" hidden {'-'.join(map(str, s['hidden']))}; bare adam {s['adam_ms']:.1f} ms wall,"
