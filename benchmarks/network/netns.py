@@ -196,6 +196,15 @@ def probe_main(argv: list[str], module: str, doc: str, port: int,
   return 0
 
 
+def columns(header: list[str], rows: list[list[Any]]) -> str:
+  """A probe's table as text: ``rows`` under ``header``, each column right-aligned to its widest
+  cell, a number to 4 decimals (an integer as is), ``None`` a dash."""
+  cells = [header] + [["-" if c is None else f"{c:.4f}" if isinstance(c, float) else str(c)
+                       for c in row] for row in rows]
+  widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+  return "\n".join(" ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+
 def join(args: argparse.Namespace, devices: int) -> list[list[Any]]:
   """In a probe's process ``--worker``: JAX set up on ``devices`` CPU devices and joined to the
   other process at ``--coordinator`` (gloo collectives, as the command's processes); each of the

@@ -221,24 +221,16 @@ def rows(results: list[dict[str, Any]], repeats: int, header: float) -> list[dic
 
 
 def report(tcp: dict[str, Any], table: list[dict[str, Any]], load: list[float]) -> str:
-  lines = [f"load average {load[0]:.2f} before, {load[1]:.2f} after",
-           f"plain TCP b->a of {tcp['nbytes']} B: veth {tcp['tx_bytes']} B in"
-           f" {tcp['tx_packets']} packets ({tcp['OutSegs']} TCP segments,"
-           f" {tcp['RetransSegs']} retransmitted): {tcp['header_per_packet']:.1f} B of headers"
-           f" per packet, {tcp['header_per_segment']:.1f} per segment",
-           "", f"per all-reduce and direction (idle: per measurement of {IDLE_SECONDS:.0f} s):",
-           f"{'measurement':<15} {'ops':>3} {'S':>8} {'dir':<5} {'tx/S':>7} {'gloo/S':>7}"
-           f" {'pay66/S':>8} {'paymeas/S':>9} {'packets':>8} {'B/pkt':>7} {'segs':>8}"
-           f" {'retr':>5} {'coord B':>8} {'ok':>3}"]
-  fmt = lambda v, w: f"{v:{w}.4f}" if v is not None else " " * (w - 1) + "-"  # noqa: E731
-  for r in table:
-    ok = {True: "yes", False: "NO", None: "-"}[r["correct"]]
-    lines.append(f"{r['name']:<15} {r['operands']:>3} {r['size']:>8} {r['direction']:<5}"
-                 f" {fmt(r['tx_bytes/S'], 7)} {fmt(r['gloo_bytes/S'], 7)}"
-                 f" {fmt(r['payload_66/S'], 8)} {fmt(r['payload_measured/S'], 9)}"
-                 f" {r['tx_packets']:8.1f} {r['bytes_per_packet']:7.0f} {r['out_segs']:8.1f}"
-                 f" {r['retrans']:5d} {r['coordination_bytes']:8.0f} {ok:>3}")
-  return "\n".join(lines)
+  keys = ("name", "operands", "size", "direction", "tx_bytes/S", "gloo_bytes/S", "payload_66/S",
+          "payload_measured/S", "tx_packets", "bytes_per_packet", "out_segs", "retrans",
+          "coordination_bytes", "correct")
+  tcp_line = (f"plain TCP b->a of {tcp['nbytes']} B: veth {tcp['tx_bytes']} B in"
+              f" {tcp['tx_packets']} packets ({tcp['OutSegs']} TCP segments, {tcp['RetransSegs']}"
+              f" retransmitted): {tcp['header_per_packet']:.1f} B of headers per packet,"
+              f" {tcp['header_per_segment']:.1f} per segment")
+  return "\n".join([f"load average {load[0]:.2f} before, {load[1]:.2f} after", tcp_line, "",
+                    f"per all-reduce and direction (idle: per measurement of {IDLE_SECONDS:.0f} s):",
+                    netns.columns(list(keys), [[r[k] for k in keys] for r in table])])
 
 
 def drive(args: argparse.Namespace, pair: Any) -> dict[str, Any]:

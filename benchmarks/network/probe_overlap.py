@@ -197,20 +197,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(rate: str, summaries: list[dict[str, Any]], load: list[float]) -> str:
-  lines = [f"\n{rate} (load average {load[0]:.2f} before, {load[1]:.2f} after)",
-           f"{'variant':<22}" + "".join(
-             f"| p{i} median  min    max   eff.  disp. steps ok " for i in range(2))]
-  for v in VARIANTS:
-    row = f"{v:<22}"
-    for s in summaries:
-      x = s[v]
-      eff = f"{x['efficiency']:5.2f}" if "efficiency" in x else "    -"
-      disp, done = (f"{x[k]:5.2f}" if k in x else "    -" for k in ("dispatch_median",
-                                                                      "steps_done_median"))
-      ok = {True: "yes", False: "NO"}.get(x.get("correct"), " - ")
-      row += f"| {x['median']:9.3f} {x['min']:6.3f} {x['max']:6.3f} {eff} {disp} {done} {ok} "
-    lines.append(row)
-  return "\n".join(lines)
+  """Each variant's median, min and max seconds, efficiency, dispatch and steps-done medians and
+  correctness, per process."""
+  keys = ("median", "min", "max", "efficiency", "dispatch_median", "steps_done_median", "correct")
+  rows = [[v, *(s[v].get(k) for s in summaries for k in keys)] for v in VARIANTS]
+  header = ["variant", *(f"p{i} {k.removesuffix('_median')}" for i in range(2) for k in keys)]
+  return (f"\n{rate} (load average {load[0]:.2f} before, {load[1]:.2f} after)\n"
+          + netns.columns(header, rows))
 
 
 def drive(args: argparse.Namespace, pair: Any) -> dict[str, Any]:
