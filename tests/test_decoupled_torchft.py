@@ -231,6 +231,52 @@ def test_the_torchft_run_s_lines_replay_in_process_with_the_same_hashes(runs):
               **_decoupled_options(args)).run(train)
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+  """K = R, W = inf, the Lighthouse's quorum 2 (replica 0 waits while replica 1 is dead):
+  replica 1 killed (``kill -9``) once it has written a committed round's line, and restarted
+  by the launcher."""
+  run = Run(tmp_path_factory.mktemp("killed"), "--steps", "300", "--min-replicas", "2",
+            "--max-restarts", "1", "--restart-delay", "0.2")
+  try:
+    deadline = time.monotonic() + 120
+    while not any(x["committed"] for x in run.merges(1)):
+      assert run.proc.poll() is None and time.monotonic() < deadline, run.proc.communicate()
+      time.sleep(0.005)
+    run.first = run.merges(1)[-1]["pid"]
+    os.kill(run.first, signal.SIGKILL)
+    run.finish()
+    yield run
+  finally:
+    run.close()
+
+
+@pytest.mark.slow
+def test_a_restarted_replica_heals_then_commits_with_the_others(killed):
+  """The restarted process heals from replica 0 (its first round line says so, a Heal line
+  names the donor and its first payload's lost tokens), its first payload enters no round
+  (weight 0), its later ones enter the merges with the tokens of their steps since the heal,
+  and every round has one state hash across the replicas that wrote it (E1)."""
+  run = killed
+  assert "1 restart, 1 heal" in run.stdout, run.stdout
+  again = [x for x in run.merges(1) if x["pid"] != run.first]
+  assert again and again[0]["healed"] and again[0]["donor"] == 0, again
+  heals = [x for x in run.boundaries(1) if "donor" in x]
+  assert len(heals) == 1 and heals[0]["donor"] == 0 and heals[0]["lost"] == 16 * 100, heals
+  assert heals[0]["round"] == again[0]["round"] and heals[0]["step"] == 100
+  merged = [(x["round"], p) for x in again for p in x["payloads"] if p[0] == 1]
+  assert [p[1] for _, p in merged] == list(range(200, 300 + 1, 100)), merged
+  assert all(p[2] == 1600 and p[5] for _, p in merged), merged  # since the heal's step 100
+  by_round: dict[int, set] = {}
+  for i in (0, 1):
+    for x in run.merges(i):
+      by_round.setdefault(x["round"], set()).add((x["state_hash"], x["committed"]))
+  assert sorted(by_round) == list(range(len(by_round))), by_round
+  assert all(len(h) == 1 for h in by_round.values()), by_round
+  assert all(c for (h, c), in by_round.values())
+  assert "the state hashes agree on every committed round" in run.stdout
+
+
 @pytest.mark.parametrize("flags, said", [
   (["--min-quorum", "1"], "argument --min-quorum: needs --decoupled"),
   (["--decoupled", "--min-quorum", "3"], ("argument --min-quorum: must be at most --replicas (2),"

@@ -366,6 +366,29 @@ class Heal:
   lost: int
 
 
+@dataclasses.dataclass(frozen=True)
+class CatchUp:
+  """A live replica of an engine of real replicas that closed fewer rounds than its quorum's
+  members (left out of their quorums) took the global state from one of them (the donor):
+  anchor, outer state, committed and closed rounds and the fragments' versions. Its params,
+  inner state, residual and ``local_step`` are its own; its loop takes the global state at its
+  next pull, as a late replica's (:func:`catch_up`).
+
+  Attributes:
+    round: the next round to close (the donor's closed rounds).
+    replica: the replica.
+    donor: the member it took the global state from (-1: unknown).
+    missed: the rounds closed without it.
+    rounds: the committed rounds it now holds.
+  """
+
+  round: int
+  replica: int
+  donor: int
+  missed: int
+  rounds: int
+
+
 # ----------------------------------------------------------------------------------------------
 # The replica's side.
 

@@ -4,9 +4,8 @@ The rules are :mod:`~optax_dist.fault_tolerance.decoupled`'s (the close, the wei
 staleness, the one commit decision, the catch-up); this module is their transport over torchft
 0.2.0, within what it allows (``tests/probes/decoupled_quorum.py``): a round cannot close on K
 of R payloads in torchft's own terms (its Lighthouse counts askers, not payloads), so every
-replica's **exchange thread** joins every quorum, at once, with ``allow_heal=False`` (torchft
-never heals: a member behind keeps its params, inner state and residual), and K and the window
-are a decision over the members' headers. Per **poll** (one quorum, then an all-gather of one
+replica's **exchange thread** joins every quorum, at once (a member behind heals or catches up
+there: 4.), and K and the window are a decision over the members' headers. Per **poll** (one quorum, then an all-gather of one
 :class:`PollHeader` per member, sized by the process group: every member's):
 
 1. a replica's push (its payload at its boundary, :class:`~optax_dist.fault_tolerance.
@@ -29,17 +28,32 @@ are a decision over the members' headers. Per **poll** (one quorum, then an all-
    :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line at the time of the poll it
    stopped at (with a :class:`~optax_dist.fault_tolerance.decoupled.Revert` line, in the same
    file, for a payload withdrawn after an abort), so ``InProcess(replay=lines)`` runs the same
-   schedule and writes the same lines.
+   schedule and writes the same lines;
+4. a member whose committed rounds are behind a member's (torchft's step, its ``max_step``)
+   receives, within the quorum (torchft's heal over the session's
+   :class:`~optax_dist.fault_tolerance.torchft_session.HealTransport`, the synchronous engine's),
+   the donation of a member at that step: the global state, the donor's inner optimizer state
+   and model collections, its closed rounds and fragment versions (one
+   :func:`~optax_dist.fault_tolerance.heal.encode_heal` payload, checked against this replica's
+   own tree and fingerprint). A replica whose process was restarted (its lines file holds its
+   last process's lines) **heals**: its loop's next push enters no round (weight 0, its tokens
+   lost: a :class:`~optax_dist.fault_tolerance.decoupled.Heal` line) and its pull rebuilds its
+   params and inner state from it, its ``local_step`` and data position its own. A live one
+   **catches up** (a :class:`~optax_dist.fault_tolerance.decoupled.CatchUp` line): it takes the
+   global state alone; its loop keeps its params, inner state and residual, and its next
+   payload is measured from the anchor it received, with its token weight. Until a restarted
+   replica has healed no member closes a round (on a Lighthouse quorum of 1 it could otherwise
+   form quorums of its own and commit rounds that no other replica holds); a member that
+   missed aborted rounds only takes their count.
 
 With K = R and :math:`W = \infty` every replica waits for every payload: the synchronous round,
-bit for bit. Not built: a replica that missed a round (left out of quorums after the Lighthouse's
-join timeout, or restarted) needs the global state sent, or a heal: it leaves the run
-(:class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`, naming the rounds) while the
-others skip their polls until the Lighthouse has dropped it, then go on without it; a member
-lost during a round's payload all-gather leaves the round open (each member acknowledges the
-payloads it holds before it decides), and the next quorum closes it without that member; a
-member whose vote (torchft's ``should_commit``) fails on a round the decision commits leaves
-the run (:class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`).
+bit for bit. Members whose closed rounds differ skip their polls until the one behind has
+caught up (or, after ``quorum_timeout`` seconds without, leaves the run:
+:class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`); a member lost during a
+round's payload all-gather leaves the round open (each member acknowledges the payloads it
+holds before it decides), and the next quorum closes it without that member; a member whose
+vote (torchft's ``should_commit``) fails on a round the decision commits leaves the run
+(:class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`).
 """
 
 from __future__ import annotations
@@ -56,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_dist import _exchange
-from optax_dist.fault_tolerance import decoupled
+from optax_dist.fault_tolerance import decoupled, heal
 from optax_dist.fault_tolerance.decision import Header
 from optax_dist.fault_tolerance.decoupled import Boundary, DecoupledReplica, MergeLine, Pull, Push
 from optax_dist.fault_tolerance.loop import split_donation
@@ -90,6 +104,8 @@ class PollHeader(NamedTuple):
     now: when it sent this header.
     done: 1 once its loop has returned.
     closed: the rounds it has closed.
+    rounds: the rounds it has committed (torchft's step).
+    joining: 1 while it was restarted and has not healed (no member closes a round then).
   """
 
   slot: int
@@ -103,6 +119,8 @@ class PollHeader(NamedTuple):
   now: int
   done: int
   closed: int
+  rounds: int
+  joining: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +139,6 @@ class DecoupledPort(Session):
   """A replica's end of the torchft engine in decoupled rounds (see the module's docstring):
   the loop's :class:`~optax_dist.fault_tolerance.decoupled.DecoupledReplica` pushes and pulls
   here, and an exchange thread polls the quorum."""
-
-  allow_heal = False
 
   def __init__(self, engine: Any):
     self.engine, self.protocol, self.slot = engine, engine.protocol, engine.replica_id
@@ -147,6 +163,12 @@ class DecoupledPort(Session):
     self._landed = self._revert = None
     self._withdrawn: int | None = None  # the step of a push withdrawn, its line not written
     self._time = 0.0  # the last poll's time (seconds)
+    # Restarted: its lines file holds lines of its last process; it heals before it closes.
+    self._joining = self.log_path.exists() and self.log_path.stat().st_size > 0
+    self._got = None  # a donation torchft received at this quorum, decoded
+    self._healed = None  # (heal pull, donor, quorum seconds) until the loop's next push
+    self._heal_mark = None  # (donor, quorum seconds) for this replica's next round line
+    self._behind_since: float | None = None  # when its polls began to be skipped for it
 
   # The loop's side.
 
@@ -155,8 +177,14 @@ class DecoupledPort(Session):
     thread; nothing restored (checkpoints are not read in decoupled rounds)."""
     engine = self.engine
     self._global = (jax.tree.map(jnp.copy, replica.replica_state), None)
-    self._blank_collections = jax.tree.map(np.zeros_like, split_donation(replica.donation())[1])
+    self._inner = heal.inner_state(self._global[0])  # the last pushed, donated on a heal
+    self._collections = split_donation(replica.donation())[1]
+    self._blank_collections = jax.tree.map(np.zeros_like, self._collections)
+    self._keys = [None] if self.protocol.num_fragments is None else list(
+      range(self.protocol.num_fragments))
+    self._donation_like = (replica.donation(), np.zeros(2 + len(self._keys), np.int32))
     self._open(engine.lighthouse, engine.host, 1, engine.quorum_timeout, engine.timeout)
+    self.transport.max_bytes = heal_bound(self._donation_like)
     if engine.on_ready is not None:
       engine.on_ready()
     self._thread = threading.Thread(target=self._polls, daemon=True)
@@ -181,11 +209,28 @@ class DecoupledPort(Session):
   def record(self, line: Any) -> None:  # the exchange thread writes the lines
     del line
 
-  def _heal_bytes(self) -> bytes:  # torchft's heal callbacks: never called (allow_heal=False)
-    return b""
+  # torchft's heal callbacks (module docstring, 4.), on the exchange thread within its quorum.
+
+  def _heal_bytes(self) -> bytes:
+    """What this member donates: the global state, its inner optimizer state (of its last
+    push), the model collections, and its closed rounds and fragment versions."""
+    state, collections = self._global
+    given = heal.HealState(heal.global_state(state), self._inner)
+    collections = self._collections if collections is None else collections
+    counters = np.asarray([self._closed, int(self._global[1] is not None),
+                           *(self._versions.get(f, 0) for f in self._keys)], np.int32)
+    tree = given if collections is None else (given, collections)
+    return heal.encode_heal((tree, counters), fingerprint=self.replica.fingerprint)
 
   def _load(self, payload: bytes) -> None:
-    raise RuntimeError("decoupled rounds: torchft healed a member (allow_heal=False)")
+    """A donor's donation, checked against this replica's own tree and fingerprint; refused,
+    it is reported to torchft (a no vote) and torchft's counters go back to this replica's."""
+    try:
+      self._got = heal.decode_heal(payload, self._donation_like, replica="donor",
+                                   fingerprint=self.replica.fingerprint)
+    except (TypeError, ValueError) as e:
+      self._manager.load_state_dict(self._steps)
+      self._manager.report_error(e)
 
   def finish(self) -> None:
     """After the loop returned: polls on until every member's has and the last round closed.
@@ -246,7 +291,11 @@ class DecoupledPort(Session):
     """The loop's push into the open round (as the in-process clock's push); a push after an
     aborted round that held this replica's payload is withdrawn at once (its step returned)."""
     push = self._push
-    if push is None or self._waiting is not None:
+    if push is None or self._waiting is not None or self._joining:
+      return None
+    if self._healed is not None:
+      self._push = None
+      self._heal_pull(push)
       return None
     self._push, f = None, self._fragment()
     payload = push.payload[0]
@@ -257,6 +306,7 @@ class DecoupledPort(Session):
               + (self._entry.tokens if self._entry else 0))
     entry = _Entry(self._pushed_at, push, tokens, payload, self._received.get(f, 0))
     self._sent[f] = push.header.step
+    self._inner = jax.tree.map(jnp.copy, heal.inner_state(push.replica))
     if self._revert is not None:
       self._write(self.boundary_path, decoupled.Revert(self._revert[0], self.slot,
                                                        push.header.step, tokens))
@@ -265,26 +315,48 @@ class DecoupledPort(Session):
     self._entry = self._waiting = entry
     return None
 
+  def _heal_pull(self, push: Push) -> None:
+    """A restarted replica's first push after its heal enters no round (weight 0, its tokens
+    lost): its loop heals from copies of the global state now and the donor's inner optimizer
+    state, as the in-process clock's joiner (the lock held)."""
+    (inner, collections, donor), self._healed = self._healed, None
+    given = heal.HealState(heal.global_state(self._global[0]), inner)
+    collections = collections if self._global[1] is None else self._global[1]
+    given = jax.tree.map(jnp.copy, given if collections is None else (given, collections))
+    step = push.header.step
+    self._write(self.boundary_path, decoupled.Heal(self._closed, self.slot, donor, step,
+                                                   push.header.weight))
+    self._write(self.boundary_path, Boundary(self.slot, step, self._time, False))
+    self._sent, self._base = {}, step
+    self._pull = Pull(None, None, False, healed=given)
+    self._received, self._seen = dict(self._versions), self._closed
+    self._cv.notify_all()
+
   def _header(self) -> np.ndarray:
     e = self._entry
     fields = (self.slot, int(self._manager.errored() is None), self.replica.fingerprint,
               int(e is not None), e.tokens if e else 0, e.push.header.step if e else 0,
               e.received if e else 0, e.arrival if e else 0, time.time_ns() // 1000,
-              int(self._done), self._closed)
+              int(self._done), self._closed, int(self._global[0].rounds), int(self._joining))
     return np.asarray(fields, np.int64)
 
   def _headers(self, head: np.ndarray) -> list[PollHeader] | None:
-    """The quorum (``allow_heal=False``) and every member's header, checked.
+    """The quorum (torchft heals a member behind its ``max_step`` within it: a heal or a
+    catch-up, module docstring 4.) and every member's header, checked.
 
     Returns:
-      The members' headers; ``None`` if the all-gather failed or a member closed fewer rounds
-      (it leaves: :class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`).
+      The members' headers; ``None`` (the poll skipped on every member) if the all-gather
+      failed, a member was restarted and has not healed, or the members closed unequal rounds.
 
     Raises:
       SettingsMismatch: members of other settings.
-      MissedRounds: this replica closed fewer rounds than a member (not built).
+      MissedRounds: this replica's polls were skipped for it (it could not heal or catch up)
+        for ``quorum_timeout`` seconds.
     """
+    self._steps, self.transport.source = self._manager.state_dict(), None
+    start = time.monotonic()
     self._quorum()
+    seconds = time.monotonic() - start
     outs = self._allgather(torch.from_numpy(head), everyone=True)
     if outs is None:
       return None
@@ -293,15 +365,56 @@ class DecoupledPort(Session):
     if foreign:
       raise SettingsMismatch(f"replicas {foreign} are of other settings (fingerprint) than"
                              f" replica {self.slot}")
+    if self._got is not None:
+      self._take(heads, seconds)
     closed = {h.slot: h.closed for h in heads}
-    if self._closed < max(closed.values()):
-      raise MissedRounds(
-        f"decoupled rounds: the members have closed {closed} rounds (replica: rounds); replica"
-        f" {self.slot} missed rounds: the global state sent to it, or a heal, is not built over"
-        " torchft")
-    if len(set(closed.values())) > 1:  # the poll is skipped until the replicas behind leave
+    ahead = max(heads, key=lambda h: h.closed)
+    if self._closed < ahead.closed and int(self._global[0].rounds) == ahead.rounds:
+      self._closed = ahead.closed  # it missed aborted rounds only: the global state is theirs
+    if any(h.joining for h in heads) or len(set(closed.values())) > 1:
+      self._behind(closed, heads)
       return None
+    self._behind_since = None
     return heads
+
+  def _behind(self, closed: dict, heads: list[PollHeader]) -> None:
+    """A skipped poll: this replica, if it is the one behind (or restarted, not healed), leaves
+    after ``quorum_timeout`` seconds of skipped polls.
+
+    Raises:
+      MissedRounds: so.
+    """
+    if not (self._joining or self._closed < max(closed.values())):
+      return
+    now = time.monotonic()
+    self._behind_since = self._behind_since or now
+    if now - self._behind_since > self.quorum_timeout:
+      raise MissedRounds(
+        f"decoupled rounds: replica {self.slot} (closed rounds {self._closed}, restarted:"
+        f" {self._joining}) got no heal or catch-up from its quorum's members {closed} (replica:"
+        f" closed rounds) within quorum_timeout={self.quorum_timeout} s; it leaves the run")
+
+  def _take(self, heads: list[PollHeader], seconds: float) -> None:
+    """The donation torchft received at this quorum: the global state, closed rounds and
+    fragment versions taken on the exchange thread; a restarted replica's loop heals at its
+    next push (:class:`~optax_dist.fault_tolerance.decoupled.Heal`), a live one's catches up at
+    its next pull (a :class:`~optax_dist.fault_tolerance.decoupled.CatchUp` line now)."""
+    (tree, counters), self._got = self._got, None
+    source = self.transport.source
+    donor = heads[source].slot if source is not None and source < len(heads) else -1
+    state, collections = split_donation(tree)
+    missed = int(counters[0]) - self._closed
+    with self._cv:
+      self._global = (decoupled.catch_up(self._global[0], state.global_state),
+                      collections if counters[1] else None)
+      self._closed = int(counters[0])
+      self._versions = {f: int(v) for f, v in zip(self._keys, counters[2:], strict=True) if v}
+      if self._joining:
+        self._joining, self._healed = False, (state.inner, collections, donor)
+        self._heal_mark = (donor, seconds)
+      else:
+        self._write(self.boundary_path, decoupled.CatchUp(
+          self._closed, self.slot, donor, missed, int(self._global[0].rounds)))
 
   def _due(self, heads: list[PollHeader], now: float) -> bool:
     """Whether the open round closes at this poll (the same on every member)."""
@@ -359,8 +472,10 @@ class DecoupledPort(Session):
         self._entry = None
       self._closed = r + 1
       merged = e is not None and self.slot in d.voters
+      mark, self._heal_mark = self._heal_mark, None  # its first line after a heal
       self._write(self.log_path, line, replica=self.slot, weight=e.tokens if merged else 0,
-                  loss=e.push.loss if merged else None, healed=False, quorum_seconds=0.0,
+                  loss=e.push.loss if merged else None, healed=mark is not None,
+                  donor=mark and mark[0], quorum_seconds=mark[1] if mark else 0.0,
                   pid=os.getpid())
 
   def _blank(self, fragment: int | None) -> Any:
@@ -395,6 +510,13 @@ class DecoupledPort(Session):
   def _write(path: Any, line: Any, **extra: Any) -> None:
     with open(path, "a") as f:
       f.write(json.dumps(dict(dataclasses.asdict(line), **extra)) + "\n")
+
+
+def heal_bound(donation: Any) -> int:
+  """The most bytes a heal of ``donation``'s tree may take: its bytes, a manifest of its leaves
+  and torchft's counters (the heal transport refuses a donor that sends more)."""
+  return 65536 + sum(x.nbytes + len(json.dumps(jax.tree_util.keystr(path))) + 256
+                     for path, x in jax.tree_util.tree_leaves_with_path(donation))
 
 
 def check(engine: Any, protocol: Any) -> None:
