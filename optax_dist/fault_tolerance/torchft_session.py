@@ -72,9 +72,8 @@ class SettingsMismatch(RuntimeError):
 
 class MissedRounds(RuntimeError):
   """Decoupled rounds: a replica cannot hold the run's global state, so it leaves the run: its
-  quorum's members closed rounds it did not (it was restarted, or left out of quorums), or its
-  vote failed on a round the others commit. The global state sent to it, or a heal, is not
-  built."""
+  quorum's members closed rounds it did not and no heal or catch-up reached it within the
+  quorum timeout, or its vote failed on a round the others commit."""
 
 
 def _frame(state_dict: dict) -> bytes:
@@ -308,10 +307,10 @@ class Session:
   Attributes:
     quorum_timeout: seconds a quorum may take in all, over requests of at most
       :data:`QUORUM_ATTEMPT_S` each.
-    allow_heal: torchft's ``start_quorum(allow_heal=...)``: ``False`` (decoupled rounds, every
-      replica's alike) and torchft never heals a member behind the quorum's ``max_step``; it
-      keeps its state, and counts in ``num_participants()`` only once its step is the
-      quorum's.
+    allow_heal: torchft's ``start_quorum(allow_heal=...)``: ``False`` and torchft never heals
+      a member behind the quorum's ``max_step``; it keeps its state, and counts in
+      ``num_participants()`` only once its step is the quorum's. Both engines keep ``True``
+      (the decoupled one heals or catches up a member behind through it).
   """
 
   group_rank: int = 0
