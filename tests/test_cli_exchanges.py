@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -93,18 +94,21 @@ CASES = {
 
 
 def _trajectory(tx, params, grads, steps: int):
-  """Each step's updates and the final state of ``tx`` over ``WORKERS`` vmapped workers, fed
-  the same per-worker gradients scaled by the step."""
+  """Each step's updates (stacked, steps first) and the final state of ``tx`` over ``WORKERS``
+  vmapped workers, fed the same per-worker gradients scaled by the step: one compiled program
+  (a ``lax.scan`` over the steps), not one per operation as an eager run compiles."""
 
   def run(params, grads):
-    state, out = tx.init(params), []
-    for t in range(1, steps + 1):
+    def step(carry, t):
+      params, state = carry
       updates, state = tx.update(jax.tree.map(lambda g: g * t, grads), state, params)
-      params = optax.apply_updates(params, updates)
-      out.append(updates)
+      return (optax.apply_updates(params, updates), state), updates
+
+    (_, state), out = jax.lax.scan(step, (params, tx.init(params)),
+                                   jnp.arange(1, steps + 1, dtype=jnp.float32))
     return out, state
 
-  return jax.vmap(run, axis_name=AXIS)(params, grads)
+  return jax.jit(jax.vmap(run, axis_name=AXIS))(params, grads)
 
 
 @pytest.mark.parametrize("case", CASES)
