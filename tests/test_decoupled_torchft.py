@@ -277,6 +277,119 @@ def test_a_restarted_replica_heals_then_commits_with_the_others(killed):
   assert "the state hashes agree on every committed round" in run.stdout
 
 
+def _ports(tmp_path, behind_restarted: bool):
+  """Two exchange ends of replicas 0 and 1 (no torchft session: their thread is not started):
+  replica 0 the donor, two rounds committed of three closed; replica 1 at the run's start,
+  restarted (its lines file holds a line) or live."""
+  import types
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist.fault_tolerance import RoundProtocol, decoupled, torchft_decoupled
+
+  protocol = RoundProtocol("diloco", optax.adam(0.1), optax.sgd(0.7, momentum=0.9),
+                           sync_period=2)
+  ports = []
+  for slot in (0, 1):
+    if slot == 1 and behind_restarted:
+      (tmp_path / "replicas").mkdir(exist_ok=True)
+      (tmp_path / "replicas" / "replica_1.jsonl").write_text("{}\n")
+    engine = types.SimpleNamespace(protocol=protocol, replica_id=slot, seed=0,
+                                   tokens_per_step=4, out=tmp_path)
+    port = torchft_decoupled.DecoupledPort(engine)
+    port.start = port._hold  # the replica's start without a session
+    params = {"w": jnp.arange(3.0) + slot, "b": jnp.ones(2)}
+    port.replica.start((params, protocol.tx.init(params)))
+    ports.append(port)
+  donor = ports[0]
+  for delta in (0.5, -0.25):
+    merged = {"w": jnp.full(3, delta), "b": jnp.full(2, delta)}
+    donor._global = (decoupled.commit(protocol, donor._global[0], merged, None), None)
+  donor._closed, donor._versions = 3, {None: 2}
+  donor._inner = jax.tree.map(lambda x: x + 1, donor._inner)  # its moments and counts moved on
+  return donor, ports[1]
+
+
+def _received(port, donation: bytes) -> None:
+  """``donation`` received at a quorum of the two (the donor rank 0), as torchft hands it to
+  the port, then taken as the poll takes it."""
+  import types
+
+  port._steps, port.transport = {}, types.SimpleNamespace(source=0)
+  port._load(donation)
+  if port._got is not None:  # as the poll's headers take it
+    port._take([types.SimpleNamespace(slot=0), types.SimpleNamespace(slot=1)], 0.25)
+
+
+def test_a_live_replica_behind_catches_up_on_the_global_state_alone(tmp_path):
+  """A live replica that missed rounds takes the donor's donation as a catch-up: its copy of the
+  global state hashes as the donor's, with the donor's closed rounds and fragment versions (a
+  CatchUp line names the donor and the 3 rounds missed); its next pull receives that global
+  state, and the catch-up keeps its params and inner state and takes the anchor (the donor's
+  ``local_step`` is not taken)."""
+  import jax
+  import numpy as np
+
+  from optax_dist.fault_tolerance import decoupled, heal
+
+  donor, late = _ports(tmp_path, behind_restarted=False)
+  _received(late, donor._heal_bytes())
+  assert decoupled.global_hash(*late._global) == decoupled.global_hash(*donor._global)
+  assert (late._closed, late._versions, late._healed) == (3, {None: 2}, None)
+  lines = [json.loads(x) for x in late.boundary_path.read_text().splitlines()]
+  assert lines == [{"round": 3, "replica": 1, "donor": 0, "missed": 3, "rounds": 2}]
+  with late._cv:
+    late._give(None)
+  pull, mine = late._pull, late.replica.replica_state
+  assert pull.healed is None and pull.received is not None
+  caught = decoupled.catch_up(mine, pull.received[0])
+  assert decoupled.global_hash(caught) == decoupled.global_hash(donor._global[0])
+  for a, b in [(caught.params, mine.params), (heal.inner_state(caught), heal.inner_state(mine)),
+               (caught.opt_state.local_step, mine.opt_state.local_step)]:
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+  assert late._received == {None: 2}  # its next payload's staleness counts from version 2
+
+
+def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_no(tmp_path):
+  """A restarted replica takes the donation as a heal: no CatchUp line; its next push enters no
+  round (a Heal line: donor 0, its tokens lost) and its pull rebuilds it from the global state
+  and the donor's inner optimizer state (E2: its global hash and inner state are the donor's).
+  A donation of another run (fingerprint) is refused: reported to torchft, its counters put
+  back, nothing taken."""
+  import types
+
+  import jax
+  import numpy as np
+
+  from optax_dist.fault_tolerance import decoupled, heal
+  from optax_dist.fault_tolerance.decision import Header
+  from optax_dist.fault_tolerance.decoupled import Push
+
+  donor, joiner = _ports(tmp_path, behind_restarted=True)
+  calls = []
+  joiner._manager = types.SimpleNamespace(load_state_dict=lambda x: calls.append(("load", x)),
+                                          report_error=lambda e: calls.append(("error", e)))
+  joiner.replica.fingerprint += 1
+  _received(joiner, donor._heal_bytes())
+  assert [c[0] for c in calls] == ["load", "error"] and "another run" in str(calls[1][1])
+  assert joiner._joining and joiner._closed == 0
+  joiner.replica.fingerprint -= 1
+  _received(joiner, donor._heal_bytes())
+  assert not joiner._joining and joiner._closed == 3 and not joiner.boundary_path.exists()
+  mine = joiner.replica.replica_state
+  joiner._push = Push(Header(1, 8, 1, joiner.replica.fingerprint, 2), None, mine)
+  with joiner._cv:
+    assert joiner._enter() is None and joiner._entry is None
+  heals = [json.loads(x) for x in joiner.boundary_path.read_text().splitlines()]
+  assert heals[0] == {"round": 3, "replica": 1, "donor": 0, "step": 2, "lost": 8}, heals
+  healed, _ = joiner.replica.receive(joiner._pull.healed)
+  assert decoupled.global_hash(healed) == decoupled.global_hash(donor._global[0])
+  jax.tree.map(np.testing.assert_array_equal, heal.inner_state(healed), donor._inner)
+  assert joiner._base == 2 and joiner._received == {None: 2}
+
+
 @pytest.mark.parametrize("flags, said", [
   (["--min-quorum", "1"], "argument --min-quorum: needs --decoupled"),
   (["--decoupled", "--min-quorum", "3"], ("argument --min-quorum: must be at most --replicas (2),"

@@ -176,6 +176,17 @@ class DecoupledPort(Session):
     """Joins the run (``min_replica_size`` 1: K is the decision's) and starts the exchange
     thread; nothing restored (checkpoints are not read in decoupled rounds)."""
     engine = self.engine
+    self._hold(replica)
+    self._open(engine.lighthouse, engine.host, 1, engine.quorum_timeout, engine.timeout)
+    self.transport.max_bytes = heal_bound(self._donation_like)
+    if engine.on_ready is not None:
+      engine.on_ready()
+    self._thread = threading.Thread(target=self._polls, daemon=True)
+    self._thread.start()
+
+  def _hold(self, replica: Any) -> None:
+    """The exchange thread's copy of the global state (the replica's initial state), its
+    inner state to donate, and the tree a received donation must hold."""
     self._global = (jax.tree.map(jnp.copy, replica.replica_state), None)
     self._inner = heal.inner_state(self._global[0])  # the last pushed, donated on a heal
     self._collections = split_donation(replica.donation())[1]
@@ -183,12 +194,6 @@ class DecoupledPort(Session):
     self._keys = [None] if self.protocol.num_fragments is None else list(
       range(self.protocol.num_fragments))
     self._donation_like = (replica.donation(), np.zeros(2 + len(self._keys), np.int32))
-    self._open(engine.lighthouse, engine.host, 1, engine.quorum_timeout, engine.timeout)
-    self.transport.max_bytes = heal_bound(self._donation_like)
-    if engine.on_ready is not None:
-      engine.on_ready()
-    self._thread = threading.Thread(target=self._polls, daemon=True)
-    self._thread.start()
 
   def exchange(self, push: Push) -> Pull:
     """The boundary: deposits ``push`` and waits for its outcome (module docstring, 3.).
