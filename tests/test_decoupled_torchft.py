@@ -4,8 +4,10 @@ engines; then the command's one-line refusals (in process).
 
 Two runs, each once per module, replica 1 stopped (``SIGSTOP``) for a second right after a
 boundary in each: K = R with an infinite window (the synchronous round, bit for bit: replica 0
-waits for it) and K = 1 with a window of 0.3 s (rounds close without it). Every process a run starts is killed at the end of
-the module, also after a failure.
+waits for it) and K = 1 with a window of 0.3 s (rounds close without it); a third, K = R,
+replica 1 killed (``kill -9``) and restarted (it heals). The heal and the catch-up of the
+exchange thread are also checked in process, on two ports without a session. Every process a
+run starts is killed at the end of the module, also after a failure.
 
 Needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing extra fails
 the module instead of skipping it.
@@ -181,10 +183,10 @@ def test_k_equal_r_and_no_window_is_the_synchronous_round_bit_for_bit(runs):
 
 @pytest.mark.slow
 def test_a_late_replica_s_rounds_close_without_it_and_its_payload_counts_once(runs):
-  """K = 1, W = 0.3 s: a round closes without the stopped replica; it does not heal (there is
-  no heal in decoupled rounds over torchft) and its next payload enters exactly one merge with
-  the tokens of its steps since its last merged payload, stale by the rounds it missed, and
-  weighs T / (1 + s) (the default rule, ``"dylu"``)."""
+  """K = 1, W = 0.3 s: a round closes without the stopped replica; it does not heal (stopped for
+  less than the heartbeat timeout, it stays a member) and its next payload enters exactly one
+  merge with the tokens of its steps since its last merged payload, stale by the rounds it
+  missed, and weighs T / (1 + s) (the default rule, ``"dylu"``)."""
   run = runs["late"]
   assert run.stops, "the run ended before replica 1 was stopped"
   _one_hash_per_round(run, 2)
