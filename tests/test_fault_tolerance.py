@@ -155,6 +155,33 @@ def test_no_fault_equals_in_program(algorithm, fmt, n, exact, extra):
           np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=1)
 
 
+@pytest.mark.parametrize("fmt, n, tau, mixing", [
+  ("none", 2, 1, 0.0), ("none", 2, 2, 0.5), ("none", 3, 1, 0.5), ("int8_feedback", 3, 2, 0.0),
+])
+def test_overlap_equals_in_program(fmt, n, tau, mixing):
+  """E4 with overlap: a fragment's round commits on its send step s and its merge lands on
+  step s + tau in the replicas' inner steps, as in ``streaming_diloco(overlap=tau)``: after
+  every round (steps 2, 4, 6, 8; tau = 1 lands mid-round, tau = 2 on the other fragment's
+  send), bitwise for 2 replicas and the gathered format, within one ulp for 3 replicas in the
+  params' own dtype. A landing a step early or late fails it."""
+  extra = (*STREAMING, ("overlap", tau), ("mixing", mixing))
+  rounds = 4
+  want = _in_program("streaming_diloco", fmt, n, rounds, extra)
+  engine = _engine("streaming_diloco", fmt, extra, num_replicas=n)
+  exact = n == 2 or fmt != "none"
+  for r in range(rounds):
+    assert all(line.committed for line in engine.run(1))
+    for i in range(n):
+      got = engine.replicas[i]
+      assert int(got.opt_state.in_flight_step[r % 2]) == 2 * (r + 1)  # held from the send
+      for g, w in zip(jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves(want[r][i]),
+                      strict=True):
+        if exact:
+          np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        else:
+          np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=1)
+
+
 def test_a_death_at_a_round_boundary_equals_checkpoint_resize_and_resume():
   """Replica 2 of 3 dies after round 1 (during round 2's inner steps, so nothing of it is
   merged again): replicas 0 and 1 then hold what the in-program run does when checkpointed
@@ -217,8 +244,14 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module", params=[("diloco", ()), ("streaming_diloco", STREAMING)],
-                ids=["diloco", "streaming_diloco"])
+# Overlap 3: fragment 0 sent on step 2 lands on step 5, after fragment 1's send on step 4, so
+# the round boundary's heals and aborts meet a fragment in flight.
+OVERLAP = (*STREAMING, ("overlap", 3))
+
+
+@pytest.fixture(scope="module", params=[
+  ("diloco", ()), ("streaming_diloco", STREAMING), ("streaming_diloco", OVERLAP)],
+  ids=["diloco", "streaming_diloco", "streaming_overlap"])
 def faulty_run(request):
   calls = []
 
@@ -268,6 +301,10 @@ def test_healed_joiner_equals_its_donor(faulty_run):
     (1, 3, 0), (3, 1, 2), (4, 0, 1), (5, 2, 0)]
   for _, _, _, joiner, donor in engine.heals:
     _assert_trees_equal(joiner, donor)
+  if engine.protocol.overlap:  # a heal carries the fragment in flight since the last round's
+    # send (none after round 2's abort), and the joiner lands it with the others (E1, E3)
+    assert [d.opt_state.in_flight_step.tolist() for *_, d in engine.heals] == [
+      [2, 0], [0, 0], [0, 8], [10, 0]]
 
 
 def test_run_with_faults_equals_replay_of_its_log(faulty_run):
@@ -347,6 +384,25 @@ def test_streaming_abort_reverts_only_its_fragment():
     got, old = faulty.replicas[i], before[i]
     _assert_trees_equal(got.params["b"], old.opt_state.anchor["b"])  # the fragment reverts
     _assert_trees_equal(got.params["a"], clean.replicas[i].params["a"])  # the other goes on
+
+
+def test_streaming_abort_with_overlap_reverts_only_its_fragment():
+  """With overlap 3 the aborted round 1 (fragment 1's send, step 4) puts nothing in flight:
+  its leaf "b" reverts to the anchor on the send step and nothing of it lands on step 7, while
+  fragment 0, in flight since step 2, still lands on step 5 as in the run without the fault."""
+  faulty, clean, before = _aborted_round("streaming_diloco", extra=OVERLAP)
+  for i in range(2):
+    got = faulty.replicas[i]
+    _assert_trees_equal(got.params["b"], before[i].opt_state.anchor["b"])
+    _assert_trees_equal(got.params["a"], clean.replicas[i].params["a"])
+    assert got.opt_state.in_flight_step.tolist() == [2, 0]
+    assert clean.replicas[i].opt_state.in_flight_step.tolist() == [2, 4]
+  anchor_b = faulty.replicas[0].opt_state.anchor["b"]
+  faulty.run(2), clean.run(2)  # steps 5 to 8
+  _assert_trees_equal(faulty.replicas[0].opt_state.anchor["b"], anchor_b)
+  assert not np.array_equal(clean.replicas[0].opt_state.anchor["b"], anchor_b)
+  _assert_trees_equal(faulty.replicas[0].opt_state.outer_state[0],
+                      clean.replicas[0].opt_state.outer_state[0])
 
 
 def test_healed_replica_weighs_nothing():

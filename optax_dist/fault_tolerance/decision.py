@@ -65,12 +65,12 @@ def settings_fingerprint(protocol: Any, params: Any, *, seed: int, tokens_per_st
                          run_id: str | None = None) -> int:
   """A signed 64-bit int (the first 8 bytes of a sha256) of what every replica of a run must
   share: the protocol's algorithm, H, wire format, error feedback, fragments and mixing, and its
-  anchor dtype when one is given; the params' tree, dtypes and shapes; the data seed; the tokens
+  anchor dtype and overlap when given; the params' tree, dtypes and shapes; the data seed; the tokens
   per step; the run's id when one is given (its launcher's: two runs of the same settings then
   differ too). Not covered: the optimizers' hyperparameters (optax transformations are
   closures).
 
-  ``anchor_dtype=None`` and ``run_id=None`` add nothing, so a run without them has the
+  ``anchor_dtype=None``, ``overlap=0`` and ``run_id=None`` add nothing, so a run without them has the
   fingerprint it had before the fields existed (its checkpoints restore). A block-quantized
   payload (``protocol.packed_payload``) adds that it is sent as codes and scales: replicas of
   a version that sent float32 values are of another run (their all-gathers differ in size)."""
@@ -79,6 +79,8 @@ def settings_fingerprint(protocol: Any, params: Any, *, seed: int, tokens_per_st
             protocol.mixing, seed, tokens_per_step]
   if getattr(protocol, "anchor_dtype", None) is not None:
     fields.append(["anchor_dtype", jnp.dtype(protocol.anchor_dtype).name])
+  if getattr(protocol, "overlap", 0):
+    fields.append(["overlap", int(protocol.overlap)])
   if run_id is not None:
     fields.append(["run_id", str(run_id)])
   if getattr(protocol, "packed_payload", False):  # its codes on the wire, not float32 values

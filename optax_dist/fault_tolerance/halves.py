@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -122,6 +123,9 @@ class Halves:
     takes_fragments: whether ``RoundProtocol(num_fragments=...)`` may be given (default 4, at
       most ``sync_period``).
     takes_mixing: whether ``RoundProtocol(mixing=...)`` may be nonzero.
+    takes_overlap: whether ``RoundProtocol(overlap=...)`` may be nonzero: the commit on the
+      send step holds the merge in the state, and the transformation's own inner step
+      :math:`\tau` steps later lands it.
     fragment: ``(protocol, step) -> int | None``: the fragment whose exchange is due on
       ``update`` call ``step`` (from 1); ``None`` for the whole tree (default
       :func:`whole_tree`).
@@ -146,6 +150,7 @@ class Halves:
   takes_outer: bool = True
   takes_fragments: bool = False
   takes_mixing: bool = False
+  takes_overlap: bool = False
   fragment: Callable[[RoundProtocol, int], int | None] = whole_tree
   round_steps: Callable[[RoundProtocol, int], int] = periodic_round_steps
   rounds_until: Callable[[RoundProtocol, int], int] = periodic_rounds_until
@@ -214,14 +219,15 @@ def _params(params: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# streaming_diloco (overlap=0: each fragment's exchange lands on its send step).
+# streaming_diloco (overlap 0: each fragment's exchange lands on its send step; overlap tau:
+# tau inner steps later).
 
 
 def _streaming_build(p: RoundProtocol) -> optax.GradientTransformationExtraArgs:
   return _streaming_diloco.streaming_diloco(
     p.inner, p.outer, sync_period=p.sync_period, num_fragments=p.num_fragments,
-    mixing=p.mixing, error_feedback=p.error_feedback, comm_dtype=p.comm_dtype,
-    comm_block_size=p.comm_block_size, anchor_dtype=p.anchor_dtype)
+    mixing=p.mixing, overlap=p.overlap, error_feedback=p.error_feedback,
+    comm_dtype=p.comm_dtype, comm_block_size=p.comm_block_size, anchor_dtype=p.anchor_dtype)
 
 
 def _streaming_payload(p: RoundProtocol, opt_state: Any, new_params: Any, fragment: int):
@@ -233,7 +239,10 @@ def _streaming_payload(p: RoundProtocol, opt_state: Any, new_params: Any, fragme
 def _streaming_commit(p: RoundProtocol, origin, new_params, opt_state, average, merged,
                       residual, fragment):
   """Fragment f's outer step, its outer state replaced in the tuple, and its leaves landed as
-  :func:`optax_dist.streaming_diloco_land` lands them (the others keep ``new_params``)."""
+  :func:`optax_dist.streaming_diloco_land` lands them (the others keep ``new_params``); with
+  overlap, :func:`_streaming_hold`."""
+  if p.overlap:
+    return new_params, _streaming_hold(p, opt_state, merged, residual, fragment), average
   f, ids = fragment, leaf_fragments(p, origin)
   anchor, outer_f = _streaming_diloco.streaming_diloco_outer_step(
     p.outer_tx, opt_state.anchor, opt_state.outer_state[f], merged, fragments=ids, fragment=f)
@@ -246,6 +255,23 @@ def _streaming_commit(p: RoundProtocol, origin, new_params, opt_state, average, 
                               strict=True)
   ]
   return treedef.unflatten(params), opt_state, average
+
+
+def _streaming_hold(p: RoundProtocol, opt_state: Any, merged: Any, residual: Any,
+                    fragment: int) -> Any:
+  r"""With overlap :math:`\tau`, the commit on fragment f's send step s: the merged
+  pseudo-gradient :math:`\Delta^f` (in the anchor's dtypes, as the in-program send's mean)
+  held in flight, ``in_flight_step[f] = s``, and the residual taken; anchor, outer state and
+  params unchanged. The transformation's inner step :math:`s + \tau` lands it (the outer step
+  on :math:`\Delta^f`, the fragment's params mixed by :math:`\alpha`), as in the program."""
+  anchor, treedef = jax.tree.flatten(opt_state.anchor)
+  parts = _fragments.Fragments(leaf_fragments(p, opt_state.anchor), treedef)
+  held = jax.tree.map(lambda a, d: jnp.asarray(d).astype(a.dtype),
+                      parts.part(anchor, fragment), merged)
+  in_flight = parts.put(jax.tree.leaves(opt_state.in_flight), held, fragment)
+  return opt_state._replace(
+    in_flight=treedef.unflatten(in_flight), error_feedback=residual,
+    in_flight_step=opt_state.in_flight_step.at[fragment].set(opt_state.local_step))
 
 
 def _streaming_land(target: Any, x: Any, x_new: Any, mixing: Any) -> Any:
@@ -286,7 +312,7 @@ HALVES: dict[str, Halves] = {
     restart_point=_last_average, initial_average=_params, takes_outer=False),
   "streaming_diloco": Halves(
     build=_streaming_build, payload=_streaming_payload, commit=_streaming_commit,
-    takes_fragments=True, takes_mixing=True, fragment=_streaming_fragment,
+    takes_fragments=True, takes_mixing=True, takes_overlap=True, fragment=_streaming_fragment,
     round_steps=_streaming_round_steps, rounds_until=_streaming_rounds_until,
     payload_size_varies=True),
 }

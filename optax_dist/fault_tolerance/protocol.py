@@ -94,8 +94,7 @@ class RoundProtocol:
 
   Attributes:
     algorithm: the name of a row of ``HALVES``: ``diloco``, ``local_sgd`` or
-      ``streaming_diloco`` (with ``overlap=0``: each fragment's exchange lands on its send
-      step, so a round is one fragment's).
+      ``streaming_diloco`` (a round is one fragment's exchange).
     inner: the inner optimizer.
     outer: the outer optimizer (``None``: the transformation's default); must be ``None`` for
       a row that takes none (``local_sgd``).
@@ -110,6 +109,14 @@ class RoundProtocol:
       them.
     mixing: ``streaming_diloco``'s :math:`\alpha` in [0, 1]; must be 0 for a row that takes
       none.
+    overlap: ``streaming_diloco``'s :math:`\tau`, inner steps in ``[0, sync_period)`` between a
+      round's send (its exchange and vote, on the fragment's send step s) and its landing on
+      step :math:`s + \tau`; must be 0 for a row that takes none. A commit holds the merged
+      pseudo-gradient in the state (``in_flight``, ``in_flight_step``: global state, healed
+      and hashed); the replica's own inner step :math:`s + \tau` applies the outer step and
+      mixes its params by :math:`\alpha` (:func:`optax_dist.streaming_diloco`'s landing, the
+      same program). An abort holds nothing: the fragment's params revert on the send step.
+      Part of the settings fingerprint when not 0.
     anchor_dtype: the floating dtype of the anchor, of the pseudo-gradients and of the outer
       state, as the transformation takes it (``diloco``, ``streaming_diloco``); ``None`` (the
       default): each param's own dtype. ``jnp.float32`` with low-precision (``bfloat16``)
@@ -119,8 +126,9 @@ class RoundProtocol:
 
   Raises:
     ValueError: ``algorithm`` not a row of ``HALVES``; ``outer``, ``num_fragments`` or
-      ``mixing`` given for a row that takes none (``outer`` for ``local_sgd``; the others for
-      all but ``streaming_diloco``); F > H; ``anchor_dtype`` for ``local_sgd`` (its row's
+      ``mixing`` or ``overlap`` given for a row that takes none (``outer`` for ``local_sgd``;
+      the others for all but ``streaming_diloco``); F > H; ``overlap`` outside
+      ``[0, sync_period)`` (the transformation raises); ``anchor_dtype`` for ``local_sgd`` (its row's
       build raises); and whatever the transformation raises for its arguments.
 
   References:
@@ -139,6 +147,7 @@ class RoundProtocol:
   num_fragments: int | None = None
   mixing: float = 0.0
   anchor_dtype: Any = None
+  overlap: int = 0
 
   def __post_init__(self):
     fn = "RoundProtocol"
@@ -151,12 +160,14 @@ class RoundProtocol:
     if row.takes_fragments:
       self._check_fragments(fn)
     if ((self.num_fragments is not None and not row.takes_fragments)
-        or (self.mixing != 0 and not row.takes_mixing)):
-      owners = " and ".join(
-        name for name, r in _halves.HALVES.items() if r.takes_fragments or r.takes_mixing)
+        or (self.mixing != 0 and not row.takes_mixing)
+        or (self.overlap != 0 and not row.takes_overlap)):
+      owners = " and ".join(name for name, r in _halves.HALVES.items()
+                            if r.takes_fragments or r.takes_mixing or r.takes_overlap)
       raise ValueError(
-        f"`{fn}(num_fragments=..., mixing=...)` are {owners}'s, got"
-        f" num_fragments={self.num_fragments!r}, mixing={self.mixing!r} for {self.algorithm}.")
+        f"`{fn}(num_fragments=..., mixing=..., overlap=...)` are {owners}'s, got"
+        f" num_fragments={self.num_fragments!r}, mixing={self.mixing!r},"
+        f" overlap={self.overlap!r} for {self.algorithm}.")
     self.tx  # builds the transformation: its own checks raise here
 
   def _check_fragments(self, fn: str) -> None:
