@@ -151,6 +151,8 @@ CASES = {
   "streaming": dict(algorithm="streaming_diloco", sync_period=2 * H, num_fragments=2),
   "streaming_mixing": dict(algorithm="streaming_diloco", sync_period=2 * H, num_fragments=2,
                            mixing=0.5),
+  "streaming_overlap": dict(algorithm="streaming_diloco", sync_period=2 * H, num_fragments=2,
+                            mixing=0.5, overlap=3),
 }
 
 
