@@ -307,15 +307,10 @@ class Session:
   Attributes:
     quorum_timeout: seconds a quorum may take in all, over requests of at most
       :data:`QUORUM_ATTEMPT_S` each.
-    allow_heal: torchft's ``start_quorum(allow_heal=...)``: ``False`` and torchft never heals
-      a member behind the quorum's ``max_step``; it keeps its state, and counts in
-      ``num_participants()`` only once its step is the quorum's. Both engines keep ``True``
-      (the decoupled one heals or catches up a member behind through it).
   """
 
   group_rank: int = 0
   group_size: int = 1
-  allow_heal: bool = True
 
   def _open(self, lighthouse: str, host: str, min_replicas: int, quorum_timeout: float,
             timeout: float) -> None:
@@ -365,8 +360,7 @@ class Session:
     while True:
       attempt = min(QUORUM_ATTEMPT_S, deadline - time.monotonic())
       try:
-        heal = {} if self.allow_heal else {"allow_heal": False}  # torchft's default: True
-        self._manager.start_quorum(timeout=timedelta(seconds=max(attempt, 0.001)), **heal)
+        self._manager.start_quorum(timeout=timedelta(seconds=max(attempt, 0.001)))
         break
       except TimeoutError:
         if time.monotonic() >= deadline:
