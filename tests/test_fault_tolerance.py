@@ -554,7 +554,7 @@ def test_a_checkpoint_restores_as_a_heal_newest_finished_first(tmp_path):
 
 @pytest.mark.parametrize("algorithm, fmt, extra", [
   ("diloco", "int8_feedback", ()), ("streaming_diloco", "none", STREAMING),
-  ("local_sgd", "none", ())])
+  ("streaming_diloco", "none", OVERLAP), ("local_sgd", "none", ())])
 def test_a_resume_rebuilds_each_replica_whole_from_its_local_checkpoint(algorithm, fmt, extra,
                                                                         tmp_path):
   """Each replica's local file beside the global checkpoint of the same round (params, inner
@@ -576,6 +576,9 @@ def test_a_resume_rebuilds_each_replica_whole_from_its_local_checkpoint(algorith
   writer.close()
   assert sorted(p.name for p in tmp_path.glob("*.local")) == [
     f"step_{step}.replica_{i}.local" for step, _ in written[1:] for i in (0, 1)]
+  if dict(extra).get("overlap"):  # fragments in flight at each checkpoint (both at 4 and 6)
+    assert [w[0].opt_state.in_flight_step.tolist() for _, w in written] == [[2, 0], [2, 4],
+                                                                            [6, 4]]
   if fmt == "int8_feedback":  # a residual that is not zero: a heal would drop it
     assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(
       engine.replicas[1].opt_state.error_feedback))
