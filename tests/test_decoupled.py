@@ -542,6 +542,14 @@ def test_bad_decoupled_settings_raise_one_line_errors(kwargs, error, message):
   assert "\n" not in str(info.value)
 
 
+def test_decoupled_rounds_refuse_overlap():
+  protocol = ft.RoundProtocol("streaming_diloco", optax.sgd(0.1), sync_period=4, num_fragments=2,
+                              overlap=1)
+  with pytest.raises(ValueError, match=r"`InProcess\(speeds=...\)`: decoupled rounds take"
+                     r" RoundProtocol\(overlap=0\) .*, got overlap=1\.$"):
+    ft.InProcess(protocol, num_replicas=2, speeds=(1, 1))
+
+
 def test_decoupled_rounds_take_the_rules_they_name():
   """``delayed_nesterov`` with that outer optimizer and an infinite window are accepted."""
   nesterov = ft.RoundProtocol("diloco", optax.sgd(0.1), optax_dist.delayed_nesterov(
