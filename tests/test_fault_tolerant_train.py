@@ -54,7 +54,7 @@ def _without(example: list[str], flag: str) -> list[str]:
   (EXAMPLE + ["--exchange-device"], "argument --exchange-device: not with --fault-tolerant, got"
    " --exchange-device; a round's exchange is torchft's"),
   (EXAMPLE + ["--overlap", "1"], "argument --overlap: not with --fault-tolerant, got --overlap 1;"
-   " it belongs to decoupled rounds, not yet"),
+   " overlapped rounds run on the in-process engines only for now"),
   (EXAMPLE + ["--eager"], "argument --eager: not with --fault-tolerant, got --eager; it belongs"
    " to decoupled rounds, not yet"),
   (_without(EXAMPLE, "--algorithm") + ["--algorithm", "local_sgd", "--warmup-steps", "4"],

@@ -195,7 +195,9 @@ _DECOUPLED = "it belongs to decoupled rounds, not yet"
 _REFUSED = (
   ("exchange_device", lambda a: a.exchange_device,
    "a round's exchange is torchft's, between the replica processes, outside their programs"),
-  ("overlap", lambda a: a.overlap, _DECOUPLED),
+  ("overlap", lambda a: a.overlap,
+   ("overlapped rounds run on the in-process engines only for now (RoundProtocol(overlap=...));"
+    " over torchft the exchange is not yet run beside the next steps")),
   ("eager", lambda a: a.eager, _DECOUPLED),
   ("warmup_steps", lambda a: a.warmup_steps,
    ("local_sgd's warm-up averages the gradients inside each step, before the inner update, and"
