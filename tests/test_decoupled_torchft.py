@@ -279,7 +279,7 @@ def test_a_restarted_replica_heals_then_commits_with_the_others(killed):
   assert "the state hashes agree on every committed round" in run.stdout
 
 
-def _ports(tmp_path, behind_restarted: bool):
+def _ports(tmp_path, behind_restarted: bool, protocol=None):
   """Two exchange ends of replicas 0 and 1 (no torchft session: their thread is not started):
   replica 0 the donor, two rounds committed of three closed; replica 1 at the run's start,
   restarted (its lines file holds a line) or live."""
@@ -291,8 +291,8 @@ def _ports(tmp_path, behind_restarted: bool):
 
   from optax_dist.fault_tolerance import RoundProtocol, decoupled, torchft_decoupled
 
-  protocol = RoundProtocol("diloco", optax.adam(0.1), optax.sgd(0.7, momentum=0.9),
-                           sync_period=2)
+  protocol = protocol or RoundProtocol("diloco", optax.adam(0.1), optax.sgd(0.7, momentum=0.9),
+                                       sync_period=2)
   ports = []
   for slot in (0, 1):
     if slot == 1 and behind_restarted:
@@ -302,14 +302,18 @@ def _ports(tmp_path, behind_restarted: bool):
                                    tokens_per_step=4, out=tmp_path)
     port = torchft_decoupled.DecoupledPort(engine)
     port.start = port._hold  # the replica's start without a session
-    params = {"w": jnp.arange(3.0) + slot, "b": jnp.ones(2)}
+    params = {"w": jnp.arange(3.0) + slot, "b": jnp.ones(3), "c": jnp.full(3, -1.0)}
     port.replica.start((params, protocol.tx.init(params)))
     ports.append(port)
   donor = ports[0]
   for delta in (0.5, -0.25):
-    merged = {"w": jnp.full(3, delta), "b": jnp.full(2, delta)}
-    donor._global = (decoupled.commit(protocol, donor._global[0], merged, None), None)
-  donor._closed, donor._versions = 3, {None: 2}
+    g = donor._global[0]
+    f = decoupled.round_fragment(protocol, int(g.rounds))
+    merged = jax.tree.map(lambda x, d=delta: jnp.full_like(x, d),
+                          protocol.send_half(g.opt_state, g.params, f)[0])
+    donor._global = (decoupled.commit(protocol, g, merged, f), None)
+    donor._versions[f] = donor._versions.get(f, 0) + 1
+  donor._closed = 3
   donor._inner = jax.tree.map(lambda x: x + 1, donor._inner)  # its moments and counts moved on
   return donor, ports[1]
 
@@ -390,6 +394,42 @@ def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_
   assert decoupled.global_hash(healed) == decoupled.global_hash(donor._global[0])
   jax.tree.map(np.testing.assert_array_equal, heal.inner_state(healed), donor._inner)
   assert joiner._base == 2 and joiner._received == {None: 2}
+
+
+def test_a_catch_up_enters_a_waiting_payload_again_for_the_round_s_fragment(tmp_path):
+  """streaming_diloco, 3 fragments: a replica whose payload of fragment 0 waits in the open
+  round catches up on two committed rounds (fragments 0 and 1): the round's fragment is now 2,
+  so its payload is measured again for fragment 2 from its push, with the tokens of its steps
+  since its start (none of fragment 2 sent yet) and the version of fragment 2 it received (0);
+  fragment 0's tokens go to its next payload of fragment 0."""
+  import jax
+  import numpy as np
+  import optax
+
+  from optax_dist.fault_tolerance import RoundProtocol
+  from optax_dist.fault_tolerance.decision import Header
+  from optax_dist.fault_tolerance.decoupled import Push
+
+  protocol = RoundProtocol("streaming_diloco", optax.sgd(0.1), optax.sgd(0.7), sync_period=3,
+                           num_fragments=3)
+  donor, late = _ports(tmp_path, behind_restarted=False, protocol=protocol)
+  mine = late.replica.replica_state
+  mine = mine._replace(params={"w": mine.params["w"] + 1, "b": mine.params["b"] + 2,
+                               "c": mine.params["c"] + 3})  # its inner steps, off the anchor
+  payload = protocol.send_half(mine.opt_state, mine.params, 0)[0]
+  late._push = Push(Header(1, 4, 1, late.replica.fingerprint, 1), (payload, None), mine)
+  with late._cv:
+    late._enter()
+  first = late._entry
+  assert first.fragment == 0 and late._waiting is first
+  _received(late, donor._heal_bytes())
+  e = late._entry
+  assert e.fragment == 2 and late._waiting is e and (e.tokens, e.received) == (4, 0)
+  assert late._sent == {0: 0, 2: 1}
+  want = protocol.send_half(mine.opt_state, mine.params, 2)[0]
+  got = [np.asarray(x).tolist() for x in jax.tree.leaves(e.payload)]
+  assert got == [np.asarray(x).tolist() for x in jax.tree.leaves(want)] != [
+    np.asarray(x).tolist() for x in jax.tree.leaves(payload)]
 
 
 @pytest.mark.parametrize("flags, said", [

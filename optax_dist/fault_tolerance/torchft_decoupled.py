@@ -126,13 +126,16 @@ class PollHeader(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Entry:
   """This replica's payload in the open round (:class:`~optax_dist.fault_tolerance.clock`'s
-  entry, its arrival in microseconds)."""
+  entry, its arrival in microseconds), of ``fragment``; ``since``: the step its tokens count
+  from."""
 
   arrival: int
   push: Push
   tokens: int
   payload: Any
   received: int
+  fragment: int | None
+  since: int
 
 
 class DecoupledPort(Session):
@@ -309,7 +312,7 @@ class DecoupledPort(Session):
     since = self._sent.get(f, self._base)
     tokens = ((push.header.step - since) * self.engine.tokens_per_step
               + (self._entry.tokens if self._entry else 0))
-    entry = _Entry(self._pushed_at, push, tokens, payload, self._received.get(f, 0))
+    entry = _Entry(self._pushed_at, push, tokens, payload, self._received.get(f, 0), f, since)
     self._sent[f] = push.header.step
     self._inner = jax.tree.map(jnp.copy, heal.inner_state(push.replica))
     if self._revert is not None:
@@ -420,6 +423,19 @@ class DecoupledPort(Session):
       else:
         self._write(self.boundary_path, decoupled.CatchUp(
           self._closed, self.slot, donor, missed, int(self._global[0].rounds)))
+        self._refit()
+
+  def _refit(self) -> None:
+    """After a catch-up, this replica's payload still open leaves the round if it is of another
+    fragment than the round's: entered again, for the round's fragment, if its loop still waits
+    for it, else its tokens go to its next payload of its fragment (the lock held)."""
+    e = self._entry
+    if e is None or e.fragment == self._fragment():
+      return
+    self._sent[e.fragment], self._entry = e.since, None
+    if self._waiting is e:
+      self._waiting, self._push, self._pushed_at = None, e.push, e.arrival
+      self._enter()
 
   def _due(self, heads: list[PollHeader], now: float) -> bool:
     """Whether the open round closes at this poll (the same on every member)."""
