@@ -727,6 +727,11 @@ def test_bad_input():
     ft.RoundProtocol("streaming_diloco", _inner(), sync_period=2, num_fragments=3)
   with pytest.raises(ValueError, match=r"are streaming_diloco's, got num_fragments=2"):
     ft.RoundProtocol("diloco", _inner(), sync_period=2, num_fragments=2)
+  with pytest.raises(ValueError, match=r"are streaming_diloco's, got .*, overlap=1 for diloco"):
+    ft.RoundProtocol("diloco", _inner(), sync_period=2, overlap=1)
+  with pytest.raises(ValueError, match=r"`streaming_diloco\(overlap=...\)` must be an int in"
+                     r" \[0, sync_period\) = \[0, 4\) .*, got 4\.$"):
+    ft.RoundProtocol("streaming_diloco", _inner(), sync_period=4, num_fragments=2, overlap=4)
   with pytest.raises(ValueError, match=r"RoundProtocol\(outer=...\)"):
     ft.RoundProtocol("local_sgd", _inner(), _outer(), sync_period=2)
   with pytest.raises(ValueError, match=r"Fault\(kind=...\)"):
