@@ -41,7 +41,8 @@ subpackage's modules:
   restarting the dead.
 
 Import the names from ``optax_dist.fault_tolerance``. Supported: ``diloco``, ``local_sgd`` and
-``streaming_diloco`` (``overlap=0``: a round is one fragment's exchange).
+``streaming_diloco`` (a round is one fragment's exchange; with ``overlap`` :math:`\tau` its merge
+lands :math:`\tau` inner steps after it, ``RoundProtocol(overlap=...)``).
 
 Example: three DiLoCo replicas, replica 2 dies in round 1 and rejoins in round 2, healing from
 replica 0.

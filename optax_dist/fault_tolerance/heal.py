@@ -215,7 +215,9 @@ class GlobalState(NamedTuple):
   Attributes:
     rounds: ``int32[]``, the run's committed rounds so far.
     opt_state: the replica's optimizer state with the fields :func:`optax_dist.resize_state`
-      keeps (``RESIZE`` rule ``KEEP``: ``local_step``, ``anchor``, ``outer_state``) and
+      keeps (``RESIZE`` rule ``KEEP``: ``local_step``, ``anchor``, ``outer_state``; with
+      ``streaming_diloco``'s overlap the fragments in flight, ``in_flight``,
+      ``in_flight_step``) and
       ``None`` in place of the rest (the inner state, the error-feedback residual).
     average: ``local_sgd`` only: the last committed model average (the params' tree, shapes
       and dtypes), where the params restart; ``None`` for ``diloco`` (they restart from the
