@@ -367,19 +367,17 @@ def test_chain_with_clipping_and_weight_decay(case, inner):
   )
   params, grads = make_params(case), make_grads(case)
 
-  # Reference: the same transformation fed clipped, decayed gradients, then decayed once more.
+  # Reference: the same transformation fed clipped, decayed gradients, then decayed once more
+  # (a lax.scan over the steps, as the chained run: one step in the compiled program each).
   def reference(params, grads):
-    state = per_worker(case, tx.init)(params)
-    out = []
-    for t in range(STEPS):
-      g = jax.tree.map(
-        lambda g, p: jnp.clip(g, -clip, clip) + wd_before * p, step_at(grads, t), params
-      )
+    def step(carry, grads):
+      params, state = carry
+      g = jax.tree.map(lambda g, p: jnp.clip(g, -clip, clip) + wd_before * p, grads, params)
       u, state = per_worker(case, tx.update)(g, state, params)
       u = jax.tree.map(lambda u, p: u + wd_after * p, u, params)
-      params = optax.apply_updates(params, u)
-      out.append(u)
-    return jax.tree.map(lambda *u: jnp.stack(u), *out)
+      return (optax.apply_updates(params, u), state), u
+
+    return jax.lax.scan(step, (params, per_worker(case, tx.init)(params)), grads)[1]
 
   run = make_run(case, chained)
   updates, expected = jax.jit(lambda p, g: (run(p, g)[0], reference(p, g)))(params, grads)
