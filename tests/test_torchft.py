@@ -1370,3 +1370,63 @@ def test_only_the_quorum_s_rank_0_writes_a_checkpoint(tmp_path, members, writes,
   port.checkpointer.close()
   assert bool(checkpoints.saved(tmp_path / "checkpoints")) == writes
   assert checkpoints.local_path(tmp_path / "checkpoints", 2, 1).exists()
+
+
+def test_the_command_s_loop_compiles_its_inner_step_once():
+  """``task_loop``'s inner step on ``tx.init``'s state (whose scalar counter, built eagerly, is
+  not committed to a device) and then on its own outputs (committed) is one program: a second
+  would be traced and compiled in a restarted replica's first round, its heal's."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance.replica import task_loop
+
+  protocol = ft.RoundProtocol("diloco", optax.adam(0.1), sync_period=2)
+  params = jax.device_put({"w": jnp.arange(3.0)}, jax.devices()[0])  # placed, as a task's are
+
+  class Loop:  # a replica of one round of sync_period steps, without an engine
+    seed, slot, step, rounds = 0, 0, 0, 0
+
+    def start(self, state):
+      return state
+
+    def after_step(self, state, loss):
+      self.step += 1
+      self.rounds = self.step // 2
+      self.replica_state = state
+      return state
+
+  train = task_loop(protocol, params, jax.value_and_grad(lambda x, b: jnp.sum((x["w"] - b) ** 2)),
+                    lambda seed, slot, step: jnp.float32(step), rounds=2)
+  _, opt_state = train(Loop())
+  assert int(opt_state.local_step) == 4
+  assert protocol.inner_step._cache_size() == 1
+
+
+def test_a_replica_s_start_takes_the_loop_s_optimizer_state_without_building_another():
+  """``Replica.start`` keeps the loop's ``tx.init`` state and builds none of its own (its
+  per-leaf programs, before a restarted replica is ready): ``tx.init`` runs for the loop and
+  once in the warm-up's heal (:func:`~optax_dist.fault_tolerance.local_state` rebuilds the
+  inner state), not a third time."""
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+
+  inits = []
+  sgd = optax.sgd(0.1)
+  counted = optax.GradientTransformation(lambda p: inits.append(1) or sgd.init(p), sgd.update)
+  protocol = ft.RoundProtocol("diloco", counted, sync_period=2)
+  params = {"w": jnp.arange(3.0)}
+  opt_state = protocol.tx.init(params)
+
+  class Engine:  # starts with no checkpoint
+    def start(self, replica):
+      return None
+
+  replica = ft.Replica(protocol, Engine(), slot=0, seed=0, tokens_per_step=1)
+  state = replica.start((params, opt_state))
+  assert len(inits) == 2 and state[1] is opt_state
+  assert replica.replica_state.opt_state is opt_state

@@ -318,7 +318,7 @@ class Replica:
     self._params_like, self._seek = parts.params, seek
     self.fingerprint = settings_fingerprint(self.protocol, parts.params, seed=self.seed,
                                             tokens_per_step=self.tokens_per_step)
-    self._replica = self.protocol.init(parts.params)._replace(opt_state=parts.opt_state)
+    self._replica = self.protocol.init(parts.params, parts.opt_state)
     self._collections = parts.collections
     self._warm_up(parts)
     restored = self.engine.start(self)

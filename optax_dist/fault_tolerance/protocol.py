@@ -257,11 +257,13 @@ class RoundProtocol:
   def _ids(self, params: Any) -> tuple[int, ...]:
     return _halves.leaf_fragments(self, params)
 
-  def init(self, params: Any) -> ReplicaState:
-    """A replica at step 0: ``tx.init(params)``, zero rounds (``local_sgd``: the average is
-    ``params``)."""
+  def init(self, params: Any, opt_state: Any = None) -> ReplicaState:
+    """A replica at step 0: ``opt_state`` (default ``tx.init(params)``: a loop that built its
+    own gives it, and ``tx.init``'s per-leaf programs are not run again), zero rounds
+    (``local_sgd``: the average is ``params``)."""
     average = self.halves.initial_average(params)
-    return ReplicaState(params, self.tx.init(params), jnp.zeros([], jnp.int32), average)
+    opt_state = self.tx.init(params) if opt_state is None else opt_state
+    return ReplicaState(params, opt_state, jnp.zeros([], jnp.int32), average)
 
   @functools.cached_property
   def inner_step(self):

@@ -84,13 +84,16 @@ def task_loop(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Cal
   ``jax.value_and_grad`` gives them; :math:`x` the params before the step), then
   :meth:`~optax_dist.fault_tolerance.Replica.after_step` with the step's loss; it returns the
   replica's final :class:`~optax_dist.fault_tolerance.ReplicaState`. Its inner step is compiled
-  before the replica joins, so its first round costs what the others do."""
+  before the replica joins, so its first round costs what the others do: on an optimizer state
+  that ``tx.init`` builds in one program, whose arrays are committed to their devices as the
+  step's outputs are (``tx.init``'s own scalar counters are not, and the step's second call
+  would trace and compile it again, in the replica's first round)."""
   import jax
 
-  loss_grads = jax.jit(loss_and_grad)
+  loss_grads, init = jax.jit(loss_and_grad), jax.jit(protocol.tx.init)
 
   def train(replica: Any) -> Any:
-    state = params, protocol.tx.init(params)
+    state = params, init(params)
     first = batch_fn(replica.seed, replica.slot, 0)
     protocol.inner_step(*state, loss_grads(params, first)[1])  # compiled before it joins
     state = replica.start(state)
