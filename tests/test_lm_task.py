@@ -6,6 +6,7 @@ tests train a few steps with the command, in process, and resume a run cut after
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -18,6 +19,7 @@ pytest.importorskip("flax")
 from optax_dist.cli import tasks, text
 from optax_dist.cli.orbax_checkpoints import saved_steps
 from optax_dist.cli.main import main
+from optax_dist.cli.runs import initial_params
 
 # ----------------------------------------------------------------------------------------------
 # The corpus and its split.
@@ -93,8 +95,11 @@ def test_transformer_is_causal_and_byte_level():
 
   model = tasks.transformer()
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, tasks.LM_CONTEXT)), jnp.uint8)
-  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
-  apply = jax.jit(lambda tokens: model.apply({"params": params}, tokens))  # compiled once
+  # The command's initial params for seed 0, as its runs below start from (computed once).
+  train = tasks.TASKS["lm"].load(0).train
+  example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in train.items())
+  params = initial_params(tasks.TASKS["lm"], 0, example)
+  apply = functools.partial(jax.jit(lambda p, t: model.apply({"params": p}, t)), params)  # once
   logits = apply(tokens)
   assert logits.shape == (2, tasks.LM_CONTEXT, 256)
   changed = tokens.at[:, 40].set((tokens[:, 40] + 1) % 256)
