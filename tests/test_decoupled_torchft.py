@@ -5,8 +5,9 @@ engines; then the command's one-line refusals (in process).
 Two runs, each once per module, replica 1 stopped (``SIGSTOP``) for a second right after a
 boundary in each: K = R with an infinite window (the synchronous round, bit for bit: replica 0
 waits for it) and K = 1 with a window of 0.3 s (rounds close without it); a third, K = R,
-replica 1 killed (``kill -9``) and restarted (it heals). The heal and the catch-up of the
-exchange thread are also checked in process, on two ports without a session. Every process a
+replica 1 killed (``kill -9``) and restarted (it heals); the late run and the restarted one
+are replayed in process (E3). The heal and the catch-up of the exchange thread are also
+checked in process, on two ports without a session. Every process a
 run starts is killed at the end of the module, also after a failure.
 
 Needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing extra fails
@@ -277,6 +278,35 @@ def test_a_restarted_replica_heals_then_commits_with_the_others(killed):
   assert all(len(h) == 1 for h in by_round.values()), by_round
   assert all(c for (h, c), in by_round.values())
   assert "the state hashes agree on every committed round" in run.stdout
+
+
+@pytest.mark.slow
+def test_the_run_with_a_restart_replays_in_process_with_the_same_hashes(killed):
+  """E3 with a restart: replica 0's round lines and both replicas' boundary lines, replayed by
+  ``InProcess(replay=...)``: replica 1's boundaries after its Heal line are its restarted
+  process's (its ``local_step`` from 0 again), so its first loop dies after its last logged
+  boundary and starts again, heals from replica 0 at its logged heal boundary (the run's Heal
+  line), and the replay closes the run's rounds with the same payloads and state hashes; each
+  replica's final state (params included) is the run's bit for bit."""
+  import dataclasses
+
+  from optax_dist.fault_tolerance import InProcess, decoupled, state_hash
+
+  run = killed
+  args, protocol, train, tokens = _engine_inputs(run)
+  merges = run.merges(0)
+  replay = InProcess(protocol, tokens_per_step=tokens,
+                     replay=merges + run.boundaries(0) + run.boundaries(1),
+                     **_decoupled_options(args))
+  final = replay.run(train)
+  lines = [x for x in replay.log if hasattr(x, "committed")]
+  assert [(x.round, x.state_hash, [list(p) for p in x.payloads]) for x in lines] == [
+    (x["round"], x["state_hash"], x["payloads"]) for x in merges]
+  heals = [dataclasses.asdict(x) for x in replay.log if isinstance(x, decoupled.Heal)]
+  assert heals == [x for x in run.boundaries(1) if "donor" in x], heals
+  for i in (0, 1):
+    got = json.loads((run.out / "replicas" / f"final_{i}.json").read_text())
+    assert state_hash(final[i]) == got["replica_hash"]
 
 
 def _ports(tmp_path, behind_restarted: bool, protocol=None):

@@ -22,7 +22,10 @@ first payload enters no round (weight 0, a :class:`~optax_dist.fault_tolerance.d
 line).
 
 With ``replay``, the rounds close at their logged times with their logged payloads and commit
-or abort as logged (the vote is not taken again); a run that diverges from its log raises.
+or abort as logged (the vote is not taken again); a run that diverges from its log raises. A
+real run's boundaries come at their logged times, per incarnation of a replica's loop
+(:func:`~optax_dist.fault_tolerance.decoupled.boundaries`): a restarted process's loop dies
+after its last logged boundary and starts again at once, a joiner.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class Clock:
     self._received: dict[int, dict] = {}  # replica -> the versions it last received
     self._sent: dict[int, dict] = {}  # replica -> fragment -> the step of its last payload of it
     self._base: dict[int, int] = {}  # replica -> the step it started or healed at
+    self._incarnation: dict[int, int] = {}  # replica -> its loop's starts, less 1
     self._failure: BaseException | None = None  # an error of the clock's: every loop stops
     plan, fields = engine.replay, [f.name for f in dataclasses.fields(MergeLine)]
     self._plan = None if plan is None else [
@@ -124,6 +128,7 @@ class Clock:
     replica = DecoupledReplica(self.protocol, _Port(self, i), slot=i, seed=self.engine.seed,
                                tokens_per_step=self.engine.tokens_per_step)
     self._t0[i], self._seen[i], self._live[i] = t0, self._closed, replica
+    self._incarnation[i] = self._incarnation.get(i, -1) + 1
     self._received[i], self._sent[i], self._base[i] = dict(self._versions), {}, 0
     if self._closed:  # a join: it heals at its first pull
       self._joining.add(i)
@@ -150,11 +155,22 @@ class Clock:
 
   def _time(self, i: int, step: int) -> float:
     """Replica ``i``'s boundary at ``step``: by its speed, or as a replayed real run logged it
-    (:class:`~optax_dist.fault_tolerance.decoupled.Boundary`; one it did not log, its loop's
-    end, never comes)."""
-    if self._times is not None:
-      return self._times.get((i, step), math.inf)
-    return self._t0[i] + step / self.engine.speeds[i]
+    (:class:`~optax_dist.fault_tolerance.decoupled.Boundary` of its loop's incarnation; one it
+    did not log, its loop's end, never comes; if its process was restarted, its death comes at
+    its last logged boundary's time)."""
+    if self._times is None:
+      return self._t0[i] + step / self.engine.speeds[i]
+    k = self._incarnation[i]
+    if (i, k, step) not in self._times and self._restarted(i):
+      return max((t for (j, n, _), t in self._times.items() if (j, n) == (i, k)),
+                 default=self._t0[i])
+    return self._times.get((i, k, step), math.inf)
+
+  def _restarted(self, i: int) -> bool:
+    """In a replay, whether the log holds boundaries of a later incarnation of ``i``'s loop (a
+    process restarted after this one died)."""
+    k = self._incarnation[i] + 1
+    return self._times is not None and any((j, n) == (i, k) for j, n, _ in self._times)
 
   def exchange(self, i: int, push: Push) -> Pull:
     """Replica ``i``'s boundary: its push, then (in the clock's order) its pull."""
@@ -209,6 +225,8 @@ class Clock:
     if self._global is None:  # the initial global state (copies: the loop donates its own)
       self._global = (jax.tree.map(jnp.copy, push.replica), None)
     if self._dies(i, push):
+      if self._restarted(i):  # the restarted process: its loop from its beginning, a joiner
+        self._start(i, t)
       return
     self._at[i][1] = "pull"
     if i in self._joining:  # its first payload enters no round: it heals at its pull
@@ -235,12 +253,15 @@ class Clock:
 
   def _dies(self, i: int, push: Push) -> bool:
     """Whether ``i`` dies at its push now (a ``"die_inner"`` fault of a round closed or open,
-    not done yet); if so, drops its payloads and logs its :class:`Death`."""
+    not done yet; in a replay, a boundary its incarnation did not log while a later one
+    logged boundaries); if so, drops its payloads and logs its :class:`Death`."""
     due = [f for f in self.engine.faults if f.kind == "die_inner" and f.replica == i
            and f.round <= self._closed and f not in self._died]
-    if not due:
+    replayed = self._restarted(i) and (
+      (i, self._incarnation[i], push.header.step) not in self._times)
+    if not (due or replayed):
       return False
-    self._died.add(due[0])
+    self._died.update(due[:1])
     pending = self._open.pop(i, None)
     lost = self._tokens(i, push, self._fragment()) + (pending.tokens if pending else 0)
     self.engine.log.append(decoupled.Death(self._closed, i, push.header.step, lost))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -298,14 +299,22 @@ class Boundary:
   landed: bool
 
 
-def boundaries(lines: Sequence[Any]) -> dict[tuple[int, int], float] | None:
-  """``(replica, step) -> time`` of the :class:`Boundary` lines (or their JSON objects) among
-  ``lines``; ``None`` if there are none."""
+def boundaries(lines: Sequence[Any]) -> dict[tuple[int, int, int], float] | None:
+  """``(replica, incarnation, step) -> time`` of the :class:`Boundary` lines (or their JSON
+  objects) among ``lines``; ``None`` if there are none. A replica's incarnation is the number of
+  its :class:`Heal` lines before the boundary's, in the order given (a restarted process heals
+  at its first boundary, and its ``local_step`` starts again at 0)."""
   names = {f.name for f in dataclasses.fields(Boundary)}
-  found = {(b.replica, b.step): b.time for b in (
-    line if isinstance(line, Boundary) else Boundary(**{k: line[k] for k in names})
-    for line in lines if isinstance(line, Boundary)
-    or (isinstance(line, dict) and names <= set(line) and "committed" not in line))}
+  heal_names = {f.name for f in dataclasses.fields(Heal)}
+  found, healed = {}, Counter()
+  for line in lines:
+    if isinstance(line, dict) and "committed" not in line:
+      line = (Boundary(**{k: line[k] for k in names}) if names <= set(line)
+              else Heal(**{k: line[k] for k in heal_names}) if heal_names <= set(line) else line)
+    if isinstance(line, Heal):
+      healed[line.replica] += 1
+    elif isinstance(line, Boundary):
+      found[line.replica, healed[line.replica], line.step] = line.time
   return found or None
 
 

@@ -89,12 +89,16 @@ class InProcess:
     max_staleness: ``"age_gate"``'s bound: a payload staler than it is dropped (default 1).
     replay: a decoupled run's log (its :class:`~optax_dist.fault_tolerance.decoupled.
       MergeLine`\ s, or their JSON objects): its rounds close as logged and commit or abort as
-      logged. A synchronous run's lines (its :class:`RoundLog`\ s, or their JSON objects; other
-      keys, e.g. a run directory's ``time``, are not read), given without ``faults``: the
-      log's deaths, joins and stragglers are this run's schedule (:attr:`faults`), each round
-      commits or aborts as logged (an abort's vote is not taken again; a logged commit is
-      decided), a member behind heals as in the run, and each line this run writes must be the
-      logged one: the contract's E3, a run with faults equals a replay of its log.
+      logged; with a real run's :class:`~optax_dist.fault_tolerance.decoupled.Boundary` and
+      :class:`~optax_dist.fault_tolerance.decoupled.Heal` lines, each replica's boundaries come
+      at their logged times, and a loop whose process was restarted dies after its last logged
+      boundary and starts again (:mod:`~optax_dist.fault_tolerance.clock`). A synchronous
+      run's lines (its :class:`RoundLog`\ s, or their JSON objects; other keys, e.g. a run
+      directory's ``time``, are not read), given without ``faults``: the log's deaths, joins
+      and stragglers are this run's schedule (:attr:`faults`), each round commits or aborts as
+      logged (an abort's vote is not taken again; a logged commit is decided), a member behind
+      heals as in the run, and each line this run writes must be the logged one: the
+      contract's E3, a run with faults equals a replay of its log.
 
   Attributes:
     log: every replica's :class:`RoundLog` lines, in the order they were written.
