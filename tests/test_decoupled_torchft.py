@@ -364,13 +364,19 @@ def test_a_live_replica_behind_catches_up_on_the_global_state_alone(tmp_path):
   global state hashes as the donor's, with the donor's closed rounds and fragment versions (a
   CatchUp line names the donor and the 3 rounds missed); its next pull receives that global
   state, and the catch-up keeps its params and inner state and takes the anchor (the donor's
-  ``local_step`` is not taken)."""
+  ``local_step`` is not taken). The heal transport reads the donation's frame within the
+  replica's own bound (:func:`~optax_dist.fault_tolerance.heal.heal_bound`)."""
   import jax
   import numpy as np
 
   from optax_dist.fault_tolerance import decoupled, heal
+  from optax_dist.fault_tolerance import torchft_session as ts
 
   donor, late = _ports(tmp_path, behind_restarted=False)
+  frame = ts._frame({"user": {"default": donor._heal_bytes()},
+                     "torchft": {"step": 2**62, "batches_committed": 2**62}})
+  slack = 65536 + 300 * len(jax.tree.leaves(late._donation_like))
+  assert len(frame) <= heal.heal_bound(late._donation_like) <= len(frame) + slack
   _received(late, donor._heal_bytes())
   assert decoupled.global_hash(*late._global) == decoupled.global_hash(*donor._global)
   assert (late._closed, late._versions, late._healed) == (3, {None: 2}, None)

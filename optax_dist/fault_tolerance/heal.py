@@ -9,7 +9,7 @@ payloads use.
 * :func:`tree_bytes` and :func:`tree_from_bytes`: a tree's leaves as bytes, end to end, and
   back into a tree of the receiver's own structure, dtypes and shapes;
 * the heal payload (:func:`encode_heal`, :func:`decode_heal`): a JSON manifest and those bytes,
-  never a pickle.
+  never a pickle; :func:`heal_bound`, the most bytes a receiver reads of one.
 
 Layout of one heal payload (the exact bytes a transport sends and a checkpoint holds)::
 
@@ -92,6 +92,17 @@ def encode_heal(state: HealState, *, fingerprint: int | None = None) -> bytes:
     leaves=[[path, str(a.dtype), list(a.shape), a.nbytes] for path, a in leaves])
   head = json.dumps(manifest, separators=(",", ":")).encode()
   return b"".join([MAGIC, len(head).to_bytes(_LENGTH, "big"), head, tree_bytes(state)])
+
+
+def heal_bound(tree: Any) -> int:
+  """The most bytes a heal of ``tree`` (a receiver's own donation: the tree it expects) may
+  take, as the contract's trust rule has the receiver compute it from its own tree: the leaves'
+  bytes, per leaf its manifest entry (its path's JSON and 256 bytes for dtype, shape and size),
+  and 64 KiB for the magic, the fingerprint, the hash and torchft's counters. A heal transport
+  (:class:`~optax_dist.fault_tolerance.torchft_session.HealTransport`) refuses a frame of more.
+  """
+  return 65536 + sum(x.nbytes + len(json.dumps(jax.tree_util.keystr(path))) + 256
+                     for path, x in jax.tree_util.tree_leaves_with_path(tree))
 
 
 def decode_heal(payload: Any, expected: HealState, *, replica: str,

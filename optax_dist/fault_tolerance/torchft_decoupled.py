@@ -181,7 +181,7 @@ class DecoupledPort(Session):
     engine = self.engine
     self._hold(replica)
     self._open(engine.lighthouse, engine.host, 1, engine.quorum_timeout, engine.timeout)
-    self.transport.max_bytes = heal_bound(self._donation_like)
+    self.transport.max_bytes = heal.heal_bound(self._donation_like)
     if engine.on_ready is not None:
       engine.on_ready()
     self._thread = threading.Thread(target=self._polls, daemon=True)
@@ -531,13 +531,6 @@ class DecoupledPort(Session):
   def _write(path: Any, line: Any, **extra: Any) -> None:
     with open(path, "a") as f:
       f.write(json.dumps(dict(dataclasses.asdict(line), **extra)) + "\n")
-
-
-def heal_bound(donation: Any) -> int:
-  """The most bytes a heal of ``donation``'s tree may take: its bytes, a manifest of its leaves
-  and torchft's counters (the heal transport refuses a donor that sends more)."""
-  return 65536 + sum(x.nbytes + len(json.dumps(jax.tree_util.keystr(path))) + 256
-                     for path, x in jax.tree_util.tree_leaves_with_path(donation))
 
 
 def check(engine: Any, protocol: Any) -> None:

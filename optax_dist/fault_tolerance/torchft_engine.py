@@ -314,10 +314,7 @@ class _Port(Session):
     ``exchange_retries`` times while the exchange fails before its acknowledgement; then the
     vote."""
     self._sent, self._healed, self._attempts = sent, None, _Attempts()
-    # What a heal may read: this replica's own donation's bytes, a manifest of its leaves and
-    # torchft's counters (the heal transport refuses a donor that sends more).
-    bound = 65536 + sum(x.nbytes + len(json.dumps(jax.tree_util.keystr(path))) + 256
-                        for path, x in jax.tree_util.tree_leaves_with_path(sent.donation))
+    bound = heal.heal_bound(sent.donation)  # what a heal may read: its own donation's size
     got, retryable = None, True
     while got is None or (got.merged is None and retryable
                           and self._attempts.count <= self.engine.exchange_retries):
