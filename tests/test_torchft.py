@@ -1372,39 +1372,6 @@ def test_only_the_quorum_s_rank_0_writes_a_checkpoint(tmp_path, members, writes,
   assert checkpoints.local_path(tmp_path / "checkpoints", 2, 1).exists()
 
 
-def test_the_command_s_loop_compiles_its_inner_step_once():
-  """``task_loop``'s inner step on ``tx.init``'s state (whose scalar counter, built eagerly, is
-  not committed to a device) and then on its own outputs (committed) is one program: a second
-  would be traced and compiled in a restarted replica's first round, its heal's."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  from optax_dist import fault_tolerance as ft
-  from optax_dist.fault_tolerance.replica import task_loop
-
-  protocol = ft.RoundProtocol("diloco", optax.adam(0.1), sync_period=2)
-  params = jax.device_put({"w": jnp.arange(3.0)}, jax.devices()[0])  # placed, as a task's are
-
-  class Loop:  # a replica of one round of sync_period steps, without an engine
-    seed, slot, step, rounds = 0, 0, 0, 0
-
-    def start(self, state):
-      return state
-
-    def after_step(self, state, loss):
-      self.step += 1
-      self.rounds = self.step // 2
-      self.replica_state = state
-      return state
-
-  train = task_loop(protocol, params, jax.value_and_grad(lambda x, b: jnp.sum((x["w"] - b) ** 2)),
-                    lambda seed, slot, step: jnp.float32(step), rounds=2)
-  _, opt_state = train(Loop())
-  assert int(opt_state.local_step) == 4
-  assert protocol.inner_step._cache_size() == 1
-
-
 def test_a_replica_s_start_takes_the_loop_s_optimizer_state_without_building_another():
   """``Replica.start`` keeps the loop's ``tx.init`` state and builds none of its own (its
   per-leaf programs, before a restarted replica is ready): ``tx.init`` runs for the loop and
@@ -1430,3 +1397,50 @@ def test_a_replica_s_start_takes_the_loop_s_optimizer_state_without_building_ano
   state = replica.start((params, opt_state))
   assert len(inits) == 2 and state[1] is opt_state
   assert replica.replica_state.opt_state is opt_state
+
+
+def test_a_replica_s_first_round_compiles_nothing_its_start_did_not(tmp_path, caplog):
+  """The command's loop (``task_loop``): after ``Replica.start`` (its warm-up), the first
+  round's inner steps, the copy of the landing's origin and the round itself (a commit with one
+  peer) compile no program: a restarted replica pays for them before it is ready, not in its
+  heal."""
+  import logging
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import torch
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance import torchft_session as ts
+  from optax_dist.fault_tolerance.replica import task_loop
+
+  protocol = ft.RoundProtocol("diloco", optax.adam(0.1), optax.sgd(0.7), sync_period=2)
+  # shapes of this test's own (JAX's programs of eager operations are the process's)
+  params = jax.device_put({"a": jnp.arange(5.0), "b": jnp.ones((3, 7))}, jax.devices()[0])
+
+  def loss_and_grad(x, batch):  # 0.5 |x - batch|^2
+    return jax.value_and_grad(
+      lambda y: 0.5 * sum(jnp.sum((v - batch) ** 2) for v in jax.tree.leaves(y)))(x)
+
+  # the peer's payload at step 2 (no eager operation: the replica's own are the test's subject)
+  payload = jax.tree.map(lambda x: np.full(x.shape, 0.5, np.float32), params)
+  peer = (torch.tensor([0, 16, 1, 7, 2], dtype=torch.int64), ts.pack((payload, None)),
+          torch.ones(1, dtype=torch.int64))
+  port, _ = _fake_replica(tmp_path, protocol, params, peer)
+  replica, start = port.replica, port.replica.start
+
+  def started(state):  # the compilations up to here are the start's
+    state = start(state)
+    replica.fingerprint = 7
+    caplog.clear()
+    return state
+
+  replica.start = started
+  caplog.set_level(logging.WARNING, logger="jax")
+  with jax.log_compiles():
+    task_loop(protocol, params, loss_and_grad, lambda seed, slot, step: jnp.float32(step),
+              rounds=1)(replica)
+  assert replica.last.committed
+  assert not [r.getMessage()[:60] for r in caplog.records if "Compiling" in r.getMessage()]

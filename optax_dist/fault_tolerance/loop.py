@@ -302,8 +302,9 @@ class Replica:
     (:attr:`step`: after a restore, a heal or a void round).
 
     Before the engine's start (so before its peers know this replica), the round's programs
-    are compiled on scratch copies (the payload, both merges, a commit, an abort, a heal's
-    decoding and rebuild, the state hash): a round costs the same from the first.
+    are compiled on scratch copies (the payload, both merges, a commit, an abort, the copy of
+    the landing's origin, a heal's decoding and rebuild, the state hash): a round costs the
+    same from the first.
 
     Raises:
       TypeError: ``state`` not a kind :func:`get_parts` reads.
@@ -398,6 +399,7 @@ class Replica:
     self.protocol.outer_half(parts.params, parts.params, parts.opt_state, self._replica.average,
                              merged, residual, fragment)
     self.protocol.abort(self._replica)
+    jax.tree.map(jnp.copy, parts.params)  # the landing's origin (_keep_origin)
     donation = self.donation()
     healed, _ = self.receive(heal.decode_heal(heal.encode_heal(donation), donation,
                                               replica="self"))
