@@ -350,13 +350,13 @@ def _ports(tmp_path, behind_restarted: bool, protocol=None):
 
 def _received(port, donation: bytes) -> None:
   """``donation`` received at a quorum of the two (the donor rank 0), as torchft hands it to
-  the port, then taken as the poll takes it."""
+  the port, then taken as the poll takes it (the poll's headers sent at 2 s)."""
   import types
 
   port._steps, port.transport = {}, types.SimpleNamespace(source=0)
   port._load(donation)
   if port._got is not None:  # as the poll's headers take it
-    port._take([types.SimpleNamespace(slot=0), types.SimpleNamespace(slot=1)], 0.25)
+    port._take([types.SimpleNamespace(slot=i, now=2_000_000 - i) for i in (0, 1)], 0.25)
 
 
 def test_a_live_replica_behind_catches_up_on_the_global_state_alone(tmp_path):
@@ -396,8 +396,9 @@ def test_a_live_replica_behind_catches_up_on_the_global_state_alone(tmp_path):
 
 def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_no(tmp_path):
   """A restarted replica takes the donation as a heal: no CatchUp line; its next push enters no
-  round (a Heal line: donor 0, its tokens lost) and its pull rebuilds it from the global state
-  and the donor's inner optimizer state (E2: its global hash and inner state are the donor's).
+  round (a Heal line: donor 0, its tokens lost; its boundary at the time of the poll it healed
+  at, which no poll of its own had before) and its pull rebuilds it from the global state and
+  the donor's inner optimizer state (E2: its global hash and inner state are the donor's).
   A donation of another run (fingerprint) is refused: reported to torchft, its counters put
   back, nothing taken."""
   import types
@@ -426,10 +427,38 @@ def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_
     assert joiner._enter() is None and joiner._entry is None
   heals = [json.loads(x) for x in joiner.boundary_path.read_text().splitlines()]
   assert heals[0] == {"round": 3, "replica": 1, "donor": 0, "step": 2, "lost": 8}, heals
+  assert heals[1]["time"] == 2.0  # its boundary at the poll it healed at, however soon it pushed
   healed, _ = joiner.replica.receive(joiner._pull.healed)
   assert decoupled.global_hash(healed) == decoupled.global_hash(donor._global[0])
   jax.tree.map(np.testing.assert_array_equal, heal.inner_state(healed), donor._inner)
   assert joiner._base == 2 and joiner._received == {None: 2}
+
+
+def test_a_member_donates_the_inner_state_of_its_last_boundary_s_push(tmp_path):
+  """A heal's donor sends the inner optimizer state of its last push whose boundary it wrote,
+  as the in-process clock's donor (whose pushes count at their boundaries' times, which a
+  replay runs): a push still waiting in the open round does not change it; its boundary does."""
+  import jax
+  import numpy as np
+
+  from optax_dist.fault_tolerance import heal
+  from optax_dist.fault_tolerance.decision import Header
+  from optax_dist.fault_tolerance.decoupled import Push
+
+  _, port = _ports(tmp_path, behind_restarted=False)
+  first = heal.inner_state(port.replica.replica_state)
+  mine = port.replica.replica_state
+  mine = mine._replace(opt_state=jax.tree.map(lambda x: x + 1, mine.opt_state))
+  payload = port.protocol.send_half(mine.opt_state, mine.params, None)[0]
+  port._push = Push(Header(1, 8, 1, port.replica.fingerprint, 2), (payload, None), mine)
+  with port._cv:
+    port._enter()
+    jax.tree.map(np.testing.assert_array_equal, port._inner, first)
+    port._entry = None  # its round closed without it: its boundary at the next poll
+    port._settle(1.0)
+  jax.tree.map(np.testing.assert_array_equal, port._inner, heal.inner_state(mine))
+  assert json.loads(port.boundary_path.read_text()) == {"replica": 1, "step": 2, "time": 1.0,
+                                                        "landed": False}
 
 
 def test_a_catch_up_enters_a_waiting_payload_again_for_the_round_s_fragment(tmp_path):

@@ -33,7 +33,8 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    receives, within the quorum (torchft's heal over the session's
    :class:`~optax_dist.fault_tolerance.torchft_session.HealTransport`, the synchronous engine's),
    the donation of a member at that step: the global state, the donor's inner optimizer state
-   and model collections, its closed rounds and fragment versions (one
+   (of its last push whose boundary it wrote: the in-process clock's donor's) and model
+   collections, its closed rounds and fragment versions (one
    :func:`~optax_dist.fault_tolerance.heal.encode_heal` payload, checked against this replica's
    own tree and fingerprint). A replica whose process was restarted (its lines file holds its
    last process's lines) **heals**: its loop's next push enters no round (weight 0, its tokens
@@ -191,7 +192,8 @@ class DecoupledPort(Session):
     """The exchange thread's copy of the global state (the replica's initial state), its
     inner state to donate, and the tree a received donation must hold."""
     self._global = (jax.tree.map(jnp.copy, replica.replica_state), None)
-    self._inner = heal.inner_state(self._global[0])  # the last pushed, donated on a heal
+    # donated on a heal: the inner state of its last boundary's push (the in-process clock's)
+    self._inner = heal.inner_state(self._global[0])
     self._collections = split_donation(replica.donation())[1]
     self._blank_collections = jax.tree.map(np.zeros_like, self._collections)
     self._keys = [None] if self.protocol.num_fragments is None else list(
@@ -221,7 +223,8 @@ class DecoupledPort(Session):
 
   def _heal_bytes(self) -> bytes:
     """What this member donates: the global state, its inner optimizer state (of its last
-    push), the model collections, and its closed rounds and fragment versions."""
+    push whose boundary it wrote), the model collections, and its closed rounds and fragment
+    versions."""
     state, collections = self._global
     given = heal.HealState(heal.global_state(state), self._inner)
     collections = self._collections if collections is None else collections
@@ -314,8 +317,8 @@ class DecoupledPort(Session):
               + (self._entry.tokens if self._entry else 0))
     entry = _Entry(self._pushed_at, push, tokens, payload, self._received.get(f, 0), f, since)
     self._sent[f] = push.header.step
-    self._inner = jax.tree.map(jnp.copy, heal.inner_state(push.replica))
-    if self._revert is not None:
+    if self._revert is not None:  # its boundary now: its inner state is the one donated
+      self._inner = jax.tree.map(jnp.copy, heal.inner_state(push.replica))
       self._write(self.boundary_path, decoupled.Revert(self._revert[0], self.slot,
                                                        push.header.step, tokens))
       self._give(None)
@@ -417,9 +420,9 @@ class DecoupledPort(Session):
                       collections if counters[1] else None)
       self._closed = int(counters[0])
       self._versions = {f: int(v) for f, v in zip(self._keys, counters[2:], strict=True) if v}
-      if self._joining:
+      if self._joining:  # its heal boundary comes after this poll, before the next's
         self._joining, self._healed = False, (state.inner, collections, donor)
-        self._heal_mark = (donor, seconds)
+        self._heal_mark, self._time = (donor, seconds), max(h.now for h in heads) / 1e6
       else:
         self._write(self.boundary_path, decoupled.CatchUp(
           self._closed, self.slot, donor, missed, int(self._global[0].rounds)))
@@ -515,6 +518,7 @@ class DecoupledPort(Session):
     landed = self._landed
     self._write(self.boundary_path, Boundary(self.slot, e.push.header.step, now,
                                              landed is not None))
+    self._inner = jax.tree.map(jnp.copy, heal.inner_state(e.push.replica))
     self._give(landed)
 
   def _give(self, landed: Any) -> None:
