@@ -461,6 +461,60 @@ def test_a_member_donates_the_inner_state_of_its_last_boundary_s_push(tmp_path):
                                                         "landed": False}
 
 
+def _closed_by(tmp_path, vote: bool):
+  """Replica 1's port, fresh, with its payload (step 2, 8 tokens) in the open round beside
+  replica 0's same payload, closes it (the all-gathers stubbed: both hold its payload), its
+  vote (torchft's ``should_commit``) ``vote``; its last poll at 1 s, this one at 3 s."""
+  import types
+
+  from optax_dist.fault_tolerance import torchft_decoupled as td
+  from optax_dist.fault_tolerance.decision import Header
+  from optax_dist.fault_tolerance.decoupled import Push
+
+  _, port = _ports(tmp_path, behind_restarted=False)
+  port.engine.__dict__.update(min_replicas=1, staleness_rule="dylu", max_staleness=1,
+                              grace_window=float("inf"))
+  port._manager = types.SimpleNamespace(report_error=lambda e: None)
+  port._allgather = lambda mine, everyone: [mine, mine]
+  port._vote, port._time = lambda: vote, 1.0
+  mine = port.replica.replica_state
+  mine = mine._replace(params={k: v + 1 for k, v in mine.params.items()})
+  payload = port.protocol.send_half(mine.opt_state, mine.params, None)[0]
+  port._push = Push(Header(1, 8, 1, port.replica.fingerprint, 2), (payload, None), mine)
+  with port._cv:
+    port._enter()
+  heads = [td.PollHeader(i, 1, port.replica.fingerprint, 1, 8, 2, 0, 0, 3_000_000, 0, 0, 0, 0)
+           for i in (0, 1)]
+  port._close(heads, 3.0)
+  with port._cv:
+    port._settle(3.0)
+  return port
+
+
+def test_a_vote_that_fails_on_a_round_the_others_commit_is_caught_up_on(tmp_path):
+  """A member whose vote fails on a round the decision commits (its torchft step stays behind
+  the others') does not apply the commit nor count the round closed: its round line is the
+  others' (the committed hash), its loop does not land its payload (its boundary before the
+  close, at 2 s, received nothing), and the next quorum's donation is a catch-up on that one
+  round (a CatchUp line, missed 1) to the others' global state."""
+  from optax_dist.fault_tolerance import decoupled
+
+  voter, outvoted = _closed_by(tmp_path / "a", True), _closed_by(tmp_path / "b", False)
+  start = decoupled.global_hash(*_ports(tmp_path / "c", behind_restarted=False)[1]._global)
+  lines = [json.loads(port.log_path.read_text()) for port in (voter, outvoted)]
+  assert lines[0]["committed"] and lines[0]["state_hash"] == lines[1]["state_hash"]
+  assert decoupled.global_hash(*voter._global) == lines[0]["state_hash"] != start
+  assert decoupled.global_hash(*outvoted._global) == start and outvoted._closed == 0
+  bounds = json.loads(outvoted.boundary_path.read_text().splitlines()[-1])
+  assert bounds == {"replica": 1, "step": 2, "time": 2.0, "landed": False}
+  assert outvoted._pull.landed is None and outvoted._pull.received is None
+  assert voter._pull.landed is not None
+  _received(outvoted, voter._heal_bytes())
+  assert decoupled.global_hash(*outvoted._global) == decoupled.global_hash(*voter._global)
+  caught = json.loads(outvoted.boundary_path.read_text().splitlines()[-1])
+  assert caught == {"round": 1, "replica": 1, "donor": 0, "missed": 1, "rounds": 1}, caught
+
+
 def test_a_catch_up_enters_a_waiting_payload_again_for_the_round_s_fragment(tmp_path):
   """streaming_diloco, 3 fragments: a replica whose payload of fragment 0 waits in the open
   round catches up on two committed rounds (fragments 0 and 1): the round's fragment is now 2,

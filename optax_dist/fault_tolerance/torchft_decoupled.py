@@ -53,8 +53,8 @@ caught up (or, after ``quorum_timeout`` seconds without, leaves the run:
 :class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`); a member lost during a
 round's payload all-gather leaves the round open (each member acknowledges the payloads it
 holds before it decides), and the next quorum closes it without that member; a member whose
-vote (torchft's ``should_commit``) fails on a round the decision commits leaves the run
-(:class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`).
+vote (torchft's ``should_commit``) fails on a round the decision commits catches up on it at
+the next quorum (4.).
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ class DecoupledPort(Session):
     self._sent: dict = {}  # fragment -> the step of this replica's last payload of it
     self._landed = self._revert = None
     self._withdrawn: int | None = None  # the step of a push withdrawn, its line not written
+    self._outvoted = False  # its vote failed on the round this poll closed, which commits
     self._time = 0.0  # the last poll's time (seconds)
     # Restarted: its lines file holds lines of its last process; it heals before it closes.
     self._joining = self.log_path.exists() and self.log_path.stat().st_size > 0
@@ -292,7 +293,7 @@ class DecoupledPort(Session):
                                                  (self._time + now) / 2, False))
         self._withdrawn = None
       self._settle(now)
-      self._time = now
+      self._time, self._outvoted = now, False
     return True
 
   def _fragment(self) -> int | None:
@@ -451,11 +452,10 @@ class DecoupledPort(Session):
   def _close(self, heads: list[PollHeader], now: float) -> None:
     """The open round's payloads, decision, vote and commit; its line. If the payloads' or the
     acknowledgement's all-gather fails (a member lost in it), the round stays open: the next
-    poll's quorum is without that member.
-
-    Raises:
-      MissedRounds: this replica's vote failed on a round its decision commits (the others
-        commit it: it leaves rather than hold another global state).
+    poll's quorum is without that member. If this replica's vote fails on a round its decision
+    commits (torchft's step then stays behind the others'), it does not apply the commit nor
+    count the round closed: torchft heals it at the next quorum, a catch-up (module docstring,
+    4.); its payload is in the merge, its loop does not land it, and its line is the others'.
     """
     r, before, f = self._closed, self._global[0], self._fragment()
     version, e = self._versions.get(f, 0), self._entry
@@ -471,30 +471,30 @@ class DecoupledPort(Session):
       self.protocol, hs, [p[0] for _, p in ready], [h.received for h, _ in ready],
       version=version, min_replicas=self.engine.min_replicas, rule=self.engine.staleness_rule,
       max_staleness=self.engine.max_staleness)
-    if d.merged is not None and not self._vote():
-      raise MissedRounds(f"replica {self.slot}'s vote on round {r} failed (torchft's"
-                         " should_commit), which the others commit: it leaves the run")
+    self._outvoted = d.merged is not None and not self._vote()
     if d.merged is None:
       self._manager.report_error(RuntimeError(d.reason))
       self._vote()
+    after = self._global
     if d.merged is not None:
       voted = [p[1] for h, p in ready if h.slot in d.voters]
       collections = None if voted[0] is None else _exchange.merge_payloads(voted)
-      self._global = (decoupled.commit(self.protocol, before, d.merged, f), collections)
-      self._versions[f] = version + 1
+      after = (decoupled.commit(self.protocol, before, d.merged, f), collections)
+    if d.merged is not None and not self._outvoted:
+      self._global, self._versions[f] = after, version + 1
     rows = tuple((h.slot, h.step, h.weight, s, w, h.slot in d.voters)
                  for h, s, w in zip(hs, stale, weights, strict=True))
     lost = sum(h.weight for h in hs if h.slot not in d.voters)
     line = MergeLine(r, now, d.merged is not None, d.reason, version, rows, lost,
-                     decoupled.global_hash(*self._global), f)
+                     decoupled.global_hash(*after), f)
     with self._cv:
       if e is not None:  # this replica's payload was in the round
         if d.merged is None:
           self._revert = (r, f)
-        elif self.slot in d.voters and self._waiting is e:
+        elif self.slot in d.voters and self._waiting is e and not self._outvoted:
           self._landed = ((decoupled.global_state(before), d.merged, self._global[1]), f)
         self._entry = None
-      self._closed = r + 1
+      self._closed = r if self._outvoted else r + 1
       merged = e is not None and self.slot in d.voters
       mark, self._heal_mark = self._heal_mark, None  # its first line after a heal
       self._write(self.log_path, line, replica=self.slot, weight=e.tokens if merged else 0,
@@ -516,7 +516,9 @@ class DecoupledPort(Session):
     if e is None or (self._entry is e and now - e.arrival / 1e6 < self.engine.grace_window):
       return
     landed = self._landed
-    self._write(self.boundary_path, Boundary(self.slot, e.push.header.step, now,
+    # outvoted: its boundary before the close (it did not land), after the last poll's
+    t = (self._time + now) / 2 if self._outvoted else now
+    self._write(self.boundary_path, Boundary(self.slot, e.push.header.step, t,
                                              landed is not None))
     self._inner = jax.tree.map(jnp.copy, heal.inner_state(e.push.replica))
     self._give(landed)

@@ -72,8 +72,8 @@ class SettingsMismatch(RuntimeError):
 
 class MissedRounds(RuntimeError):
   """Decoupled rounds: a replica cannot hold the run's global state, so it leaves the run: its
-  quorum's members closed rounds it did not and no heal or catch-up reached it within the
-  quorum timeout, or its vote failed on a round the others commit."""
+  quorum's members closed rounds it did not (a round its vote failed on, which the others
+  commit, included) and no heal or catch-up reached it within the quorum timeout."""
 
 
 def _frame(state_dict: dict) -> bytes:
