@@ -545,8 +545,8 @@ def test_bad_decoupled_settings_raise_one_line_errors(kwargs, error, message):
 def test_decoupled_rounds_refuse_overlap():
   protocol = ft.RoundProtocol("streaming_diloco", optax.sgd(0.1), sync_period=4, num_fragments=2,
                               overlap=1)
-  with pytest.raises(ValueError, match=r"`InProcess\(speeds=...\)`: decoupled rounds take"
-                     r" RoundProtocol\(overlap=0\) .*, got overlap=1\.$"):
+  with pytest.raises(ValueError, match=r"`InProcess\(protocol=...\)` must have overlap=0 for"
+                     r" decoupled rounds .*, got overlap=1\.$"):
     ft.InProcess(protocol, num_replicas=2, speeds=(1, 1))
 
 

@@ -84,7 +84,8 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None
   Raises:
     ValueError: ``speeds`` not one finite number > 0 per replica; ``min_quorum`` not an int
       in [1, R]; ``grace_window`` not a number >= 0 (``math.inf`` allowed); ``staleness_rule``
-      not one of :data:`STALENESS_RULES`; ``max_staleness`` not an int >= 0;
+      not one of :data:`STALENESS_RULES`; ``max_staleness`` not an int >= 0; a ``protocol``
+      with ``overlap``;
       ``"delayed_nesterov"`` with an outer optimizer that is not
       :func:`optax_dist.delayed_nesterov`.
     TypeError: ``min_quorum`` or ``max_staleness`` not an int.
@@ -96,6 +97,10 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None
       for v in values)):
     raise ValueError(f"`{fn}(speeds=...)` must be one finite number > 0 per replica"
                      f" ({num_replicas}), got {speeds!r}.")
+  if protocol.overlap:
+    raise ValueError(f"`{fn}(protocol=...)` must have overlap=0 for decoupled rounds (each"
+                     " replica's local_step is its own there: no landing step is common), got"
+                     f" overlap={protocol.overlap}.")
   _checks.check_positive_int(fn, "min_quorum", min_quorum)
   if num_replicas is not None and min_quorum > num_replicas:
     raise ValueError(f"`{fn}(min_quorum=...)` must be at most num_replicas={num_replicas},"

@@ -116,7 +116,7 @@ class InProcess:
     ValueError: ``num_replicas`` or ``min_replicas`` not a positive int, or ``min_replicas >
       num_replicas``; a fault's kind not in :data:`LOOP_KINDS` or its replica >= R; the
       decoupled settings as :func:`~optax_dist.fault_tolerance.decoupled.check_settings`
-      raises, a protocol with ``overlap`` with them, ``min_replicas > min_quorum``, a
+      raises (a protocol with ``overlap`` among them), ``min_replicas > min_quorum``, a
       decoupled setting without ``speeds``, or a ``"straggle"`` fault with ``speeds``; a
       synchronous ``replay`` with ``faults``, a line that is not a :class:`RoundLog` or its
       JSON object, a replica >= R, or two lines of one round and replica.
@@ -166,10 +166,6 @@ class InProcess:
         raise ValueError(f"`{fn}(speeds=...)` must be given with decoupled rounds' settings, got"
                          f" {given} without speeds.")
       return
-    if self.protocol.overlap:
-      raise ValueError(f"`{fn}(speeds=...)`: decoupled rounds take RoundProtocol(overlap=0) (each"
-                       " replica's local_step is its own there: no landing step is common), got"
-                       f" overlap={self.protocol.overlap}.")
     min_quorum = self.num_replicas if min_quorum is None else min_quorum
     self.speeds = decoupled.check_settings(
       fn, self.protocol, num_replicas=self.num_replicas, speeds=speeds, min_quorum=min_quorum,
