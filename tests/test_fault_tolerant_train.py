@@ -55,8 +55,8 @@ def _without(example: list[str], flag: str) -> list[str]:
    " --exchange-device; a round's exchange is torchft's"),
   (EXAMPLE + ["--overlap", "1"], "argument --overlap: not with --fault-tolerant, got --overlap 1;"
    " overlapped rounds run on the in-process engines only for now"),
-  (EXAMPLE + ["--eager"], "argument --eager: not with --fault-tolerant, got --eager; it belongs"
-   " to decoupled rounds, not yet"),
+  (EXAMPLE + ["--eager"], "argument --eager: not with --fault-tolerant, got --eager; the eager"
+   " rule (Kale et al. 2025) applies the local pseudo-gradient"),
   (_without(EXAMPLE, "--algorithm") + ["--algorithm", "local_sgd", "--warmup-steps", "4"],
    "argument --warmup-steps: not with --fault-tolerant, got --warmup-steps 4; local_sgd's warm-up"
    " averages the gradients inside each step, before the inner update, and a round exchanges"

@@ -190,15 +190,15 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
                        f" {args.max_staleness}")
 
 
-_DECOUPLED = "it belongs to decoupled rounds, not yet"
-
 _REFUSED = (
   ("exchange_device", lambda a: a.exchange_device,
    "a round's exchange is torchft's, between the replica processes, outside their programs"),
   ("overlap", lambda a: a.overlap,
    ("overlapped rounds run on the in-process engines only for now (RoundProtocol(overlap=...));"
     " over torchft the exchange is not yet run beside the next steps")),
-  ("eager", lambda a: a.eager, _DECOUPLED),
+  ("eager", lambda a: a.eager,
+   ("the eager rule (Kale et al. 2025) applies the local pseudo-gradient while the exchange is in"
+    " flight; fault-tolerant rounds do not implement it")),
   ("warmup_steps", lambda a: a.warmup_steps,
    ("local_sgd's warm-up averages the gradients inside each step, before the inner update, and"
     " a round exchanges only after a step")),

@@ -275,8 +275,8 @@ def _streaming_hold(p: RoundProtocol, opt_state: Any, merged: Any, residual: Any
 
 
 def _streaming_land(target: Any, x: Any, x_new: Any, mixing: Any) -> Any:
-  r"""A leaf of the landing fragment: :math:`x + (	ilde	heta - x)`, :math:`	ilde	heta =
-  lpha x' + (1 - lpha) 	heta` (:func:`optax_dist.streaming_diloco_land`'s arithmetic, with
+  r"""A leaf of the landing fragment: :math:`x + (\tilde\theta - x)`, :math:`\tilde\theta =
+  \alpha x' + (1 - \alpha) \theta` (:func:`optax_dist.streaming_diloco_land`'s arithmetic, with
   :math:`x'` given and the update in the params' dtype)."""
   if not (isinstance(mixing, numbers.Real) and mixing == 0):
     target = mixing * x_new.astype(target.dtype) + (1 - mixing) * target
