@@ -1,9 +1,12 @@
 """The documentation: API coverage, runnable code blocks, quoted error messages, the Sphinx build.
 
 Convention for code in ``docs/*.md``: every fenced block opened with exactly ```` ```python ````
-is runnable. A page's blocks run in order, sharing one namespace, in a fresh Python process with
-eight emulated CPU devices. Python that must not run (TF 1.x code, multi-process scripts) is
-written as a ``{code-block} python`` directive instead, which this file does not collect.
+is runnable. A page's blocks run in order, sharing one namespace, with eight emulated CPU devices:
+every page in a fresh namespace and working directory of one Python process that the pages share,
+so that JAX and the package are imported once, not once a page. The package's submodules a page
+imported are forgotten after it, so a page that uses ``optax_dist.flax`` without importing it
+fails. Python that must not run (TF 1.x code, multi-process scripts) is written as a
+``{code-block} python`` directive instead, which this file does not collect.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import pathlib
 import re
+import select
 import subprocess
 import sys
 import warnings
@@ -29,17 +33,87 @@ PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts and p.na
 
 _OPEN = re.compile(r"^(?P<indent> *)(?P<fence>`{3,})python\s*$")
 
-# Runs the blocks of one page: each block is compiled with the page's path and its line numbers,
-# so a traceback points at the line of the .md file.
+# Runs pages, one a line of its standard input ({"cwd": ..., "blocks": [...]}), and answers each on
+# the file descriptor argv[1] with one line: the traceback (null if the page ran) and the page's
+# output. Each block is compiled with the page's path and its line numbers, so a traceback points
+# at the line of the .md file.
 _RUNNER = """
-import json, sys
+import contextlib, io, json, os, sys, traceback
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
-namespace = {"__name__": "__main__"}
-for path, first_line, source in json.load(open(sys.argv[1])):
-  code = compile("\\n" * (first_line - 1) + source, path, "exec")
-  exec(code, namespace)
+import optax_dist
+answers = os.fdopen(int(sys.argv[1]), "w")
+for request in sys.stdin:
+  page, loaded, output = json.loads(request), set(sys.modules), io.StringIO()
+  os.chdir(page["cwd"])
+  namespace, error = {"__name__": "__main__"}, None
+  try:
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+      for path, first_line, source in page["blocks"]:
+        exec(compile("\\n" * (first_line - 1) + source, path, "exec"), namespace)
+  except BaseException:
+    error = traceback.format_exc()
+  for name in sorted(set(sys.modules) - loaded, reverse=True):
+    if name.startswith("optax_dist."):  # the next page imports it again if it uses it
+      parent, _, child = name.rpartition(".")
+      del sys.modules[name]
+      if getattr(sys.modules.get(parent), child, None) is not None:
+        delattr(sys.modules[parent], child)
+  answers.write(json.dumps({"error": error, "output": output.getvalue()[-4000:]}) + "\\n")
+  answers.flush()
 """
+
+
+class _PageRunner:
+  """The process that runs the pages' blocks, started again if a page killed it."""
+
+  def __init__(self, log: pathlib.Path):
+    self.log, self.proc, self.answers = log, None, None
+
+  def _start(self):
+    read, write = os.pipe()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    with open(self.log, "a") as log:
+      self.proc = subprocess.Popen(
+        [sys.executable, "-c", _RUNNER, str(write)], stdin=subprocess.PIPE, stdout=log,
+        stderr=log, pass_fds=(write,), env=env, text=True,
+      )
+    os.close(write)
+    self.answers = os.fdopen(read)
+
+  def run(self, blocks, cwd: pathlib.Path, timeout: float) -> str | None:
+    """Runs one page's blocks; returns None, or why they failed."""
+    if self.proc is None or self.proc.poll() is not None:
+      self._start()
+    self.proc.stdin.write(json.dumps({"cwd": str(cwd), "blocks": blocks}) + "\n")
+    self.proc.stdin.flush()
+    if not select.select([self.answers], [], [], timeout)[0]:
+      self.close()
+      return f"no answer within {timeout} s"
+    line = self.answers.readline()
+    if not line:  # the process died: the page crashed it
+      self.close()
+      return f"the process running the pages died:\n{self.log.read_text()[-4000:]}"
+    answer = json.loads(line)
+    return answer["error"] and answer["output"] + answer["error"]
+
+  def close(self):
+    if self.proc is not None:
+      self.proc.stdin.close()
+      try:
+        self.proc.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait()
+      self.answers.close()
+      self.proc = None
+
+
+@pytest.fixture(scope="module")
+def page_runner(tmp_path_factory):
+  runner = _PageRunner(tmp_path_factory.mktemp("pages") / "runner.log")
+  yield runner
+  runner.close()
 
 
 def python_blocks(page: pathlib.Path) -> list[tuple[int, str]]:
@@ -123,18 +197,21 @@ def test_every_page_is_collected():
 @pytest.mark.parametrize(
   "page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.relative_to(DOCS).as_posix()
 )
-def test_code_blocks_run(page, tmp_path):
+def test_code_blocks_run(page, page_runner, tmp_path):
   blocks = [(str(page.relative_to(ROOT)), line, src) for line, src in python_blocks(page)]
   for path, line, src in blocks:
     ast.parse(src, filename=f"{path}:{line}")  # a syntax error names its block before any run
-  spec = tmp_path / "blocks.json"
-  spec.write_text(json.dumps(blocks))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
-  proc = subprocess.run(
-    [sys.executable, "-c", _RUNNER, str(spec)],
-    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-  )
-  assert proc.returncode == 0, f"{page.name}: a code block failed\n{proc.stderr[-4000:]}"
+  failure = page_runner.run(blocks, tmp_path, timeout=600)
+  assert failure is None, f"{page.name}: a code block failed\n{failure[-4000:]}"
+
+
+def test_page_runner_forgets_the_package_submodules_a_page_imported(page_runner, tmp_path):
+  """A page that uses ``optax_dist.flax`` unimported fails after one that imported it; a failure
+  names the page's line."""
+  assert page_runner.run([("a.md", 1, "import optax_dist.flax\n")], tmp_path, timeout=120) is None
+  failure = page_runner.run([("b.md", 3, "import optax_dist\n\noptax_dist.flax\n")], tmp_path,
+                            timeout=120)
+  assert 'File "b.md", line 5' in failure and "AttributeError" in failure, failure
 
 
 # ------------------------------------------------------------------------------------------
