@@ -350,21 +350,32 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
   if not payloads:
     raise ValueError("`merge_payloads(payloads=...)` must hold one payload per worker, got none.")
   if weights is None:
-    return jax.tree.map(lambda *xs: _mean(xs), *payloads)
+    return _means(payloads, np.int32(len(payloads)))
   weights = np.asarray(weights, np.float64)
   if weights.shape != (len(payloads),) or np.any(weights < 0) or not weights.sum() > 0:
     raise ValueError(
       f"`merge_payloads(weights=...)` must be {len(payloads)} non-negative numbers (one per"
       f" payload) with a positive sum, got {weights.tolist()!r}."
     )
-  return jax.tree.map(lambda *xs: _weighted_mean(xs, weights), *payloads)
+  return _weighted_sum(_weighted_terms(payloads, weights), weights.sum())
 
 
 def unpacked(payload: Any) -> Any:
   """A payload as :func:`merge_payloads` adds it: an ``Exchange(packed_payload=True)``'s codes
-  and scales decoded (:meth:`~optax_dist._quantize.QuantizedTree.decode`: bit for bit the
-  float32 payload of ``packed_payload=False``), any other payload as it is."""
-  return payload.decode() if isinstance(payload, _quantize.QuantizedTree) else payload
+  and scales decoded (:meth:`~optax_dist._quantize.QuantizedTree.decode`, one program per tree
+  structure: bit for bit the float32 payload of ``packed_payload=False``), any other payload as
+  it is."""
+  return _decoded(payload) if isinstance(payload, _quantize.QuantizedTree) else payload
+
+
+# The merge runs as a few jitted programs per tree structure (not one eager operation per leaf
+# and term), each computing what the eager operations did, bit for bit: every operation rounds
+# to its dtype (``xla_allow_excess_precision`` off: else a bfloat16 sum stays in float32 between
+# its additions), a division by the scalar N (or sum of weights) is what XLA makes of an eager
+# one (:func:`_divided`), and a weighted merge's products are a program of their own (XLA's CPU
+# backend fuses a product and the sum it feeds into one fused multiply-add).
+_EXACT = {"xla_allow_excess_precision": False}
+_decoded = jax.jit(lambda payload: payload.decode(), compiler_options=_EXACT)
 
 
 def _wide(x: jax.Array) -> Any:
@@ -372,12 +383,35 @@ def _wide(x: jax.Array) -> Any:
   return jnp.promote_types(jnp.result_type(x), jnp.float32)
 
 
-def _mean(xs: tuple) -> jax.Array:
-  total = functools.reduce(operator.add, (jnp.asarray(x) for x in xs))  # rank order
-  return total.astype(_wide(total)) / len(xs)
+def _divided(x: jax.Array, d: jax.Array) -> jax.Array:
+  """``x / d`` for a scalar ``d``, as XLA computes an eager division: ``x`` times the reciprocal
+  ``1 / d`` (rounded to ``x``'s dtype), a single value divided by ``d``."""
+  d = d.astype(x.dtype)
+  if x.size == 1:
+    return (x.reshape(()) / d).reshape(x.shape)
+  return x * (1 / d)
 
 
-def _weighted_mean(xs: tuple, weights: np.ndarray) -> jax.Array:
-  dtype = _wide(jnp.asarray(xs[0]))
-  terms = (jnp.asarray(x).astype(dtype) * dtype.type(w) for x, w in zip(xs, weights, strict=True))
-  return functools.reduce(operator.add, terms) / dtype.type(weights.sum())
+@functools.partial(jax.jit, compiler_options=_EXACT)
+def _means(payloads: list, n: jax.Array) -> Any:
+  """The mean's leaves: the sum in the payloads' dtype in rank order, divided by ``n``."""
+  def mean(*xs):
+    total = functools.reduce(operator.add, xs)  # rank order
+    return _divided(total.astype(_wide(total)), n)
+
+  return jax.tree.map(mean, *payloads)
+
+
+@functools.partial(jax.jit, compiler_options=_EXACT)
+def _weighted_terms(payloads: list, weights: jax.Array) -> list:
+  """Each payload times its weight, in its first payload's :func:`_wide` dtype."""
+  def term(i):
+    return lambda x0, x: x.astype(_wide(x0)) * weights[i].astype(_wide(x0))
+
+  return [jax.tree.map(term(i), payloads[0], p) for i, p in enumerate(payloads)]
+
+
+@functools.partial(jax.jit, compiler_options=_EXACT)
+def _weighted_sum(terms: list, total: jax.Array) -> Any:
+  """The terms summed in rank order, divided by the weights' ``total``."""
+  return jax.tree.map(lambda *ts: _divided(functools.reduce(operator.add, ts), total), *terms)
