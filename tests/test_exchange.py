@@ -278,3 +278,28 @@ def test_the_command_passes_the_block_size_only_with_a_block_format(comm):
   s = Settings(algorithm="diloco", comm_dtype=comm, sync_period=2)
   tx = algorithms.ALGORITHMS["diloco"].build(s, optax.sgd(0.1), "w")
   assert callable(tx.update)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_payloads_is_the_eager_operations_bit_for_bit(dtype):
+  """``merge_payloads`` (a few jitted programs per tree) computes what one eager operation per
+  leaf and term computes, bit for bit, for 3 payloads in rank order, equal and unequal weights,
+  single-value and larger leaves: the sum, its cast, the division by N (XLA's eager division by
+  a scalar multiplies by its reciprocal), the products by the weights (no fused multiply-add)
+  and a bfloat16 sum rounded at each addition."""
+  rng = np.random.default_rng(0)
+  shapes = {"one": (), "single": (1,), "row": (37,), "block": (5, 7)}
+  payloads = [{k: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 10.0 ** i, dtype)
+               for k, s in shapes.items()} for i in range(3)]
+
+  def eager(xs, weights):  # one eager operation after another, per leaf
+    if weights is None:
+      return (xs[0] + xs[1] + xs[2]).astype(jnp.float32) / 3
+    terms = [x.astype(jnp.float32) * np.float32(w) for x, w in zip(xs, weights, strict=True)]
+    return (terms[0] + terms[1] + terms[2]) / np.float32(sum(weights))
+
+  for weights in (None, [3.0, 7.0, 5.0]):
+    merged = optax_dist.merge_payloads(payloads, weights)
+    for k in shapes:
+      want = np.asarray(eager([p[k] for p in payloads], weights))
+      assert np.asarray(merged[k]).tobytes() == want.tobytes(), (weights, k)
