@@ -1444,3 +1444,35 @@ def test_a_replica_s_first_round_compiles_nothing_its_start_did_not(tmp_path, ca
               rounds=1)(replica)
   assert replica.last.committed
   assert not [r.getMessage()[:60] for r in caplog.records if "Compiling" in r.getMessage()]
+
+
+def test_a_replica_s_start_loads_a_few_programs_per_tree_not_one_per_leaf(caplog):
+  """``Replica.start``'s warm-up (the round's programs: payload, vote, merges, commit, abort,
+  copies, a heal's rebuild, the state hash) loads a few JAX programs for a model of 8 leaves,
+  not one per leaf and operation: 10 here (the halves, the three merge programs, the copy, the
+  heal's ``tx.init``, two scalar ones); with the vote, the merge and the copies run eagerly per
+  leaf it loaded 79 (8 more for any one operation run per leaf)."""
+  import logging
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from optax_dist import fault_tolerance as ft
+
+  # shapes of this test's own (JAX's programs of eager operations are the process's)
+  params = jax.device_put({f"w{i}": jnp.full((3, 23 + i), 0.5, jnp.float32) for i in range(8)},
+                          jax.devices()[0])
+  protocol = ft.RoundProtocol("diloco", optax.adam(0.1), optax.sgd(0.7), sync_period=2)
+  opt_state = protocol.tx_init(params)
+
+  class Engine:  # starts with no checkpoint
+    def start(self, replica):
+      return None
+
+  replica = ft.Replica(protocol, Engine(), slot=0, seed=0, tokens_per_step=1)
+  caplog.set_level(logging.WARNING, logger="jax")
+  with jax.log_compiles():
+    replica.start((params, opt_state))
+  compiled = [r.getMessage()[:60] for r in caplog.records if "Compiling" in r.getMessage()]
+  assert len(compiled) <= 12, compiled

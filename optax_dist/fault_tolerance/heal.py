@@ -56,7 +56,8 @@ def tree_bytes(tree: Any) -> bytes:
 
 def tree_from_bytes(data: bytes, like: Any) -> Any:
   """The inverse of :func:`tree_bytes`: ``like``'s tree, dtypes and shapes (arrays or shape
-  and dtype structs) rebuilt from ``data`` as ``jax.Array`` leaves.
+  and dtype structs) rebuilt from ``data`` as ``jax.Array`` leaves (copies, put on the default
+  device: no program).
 
   Raises:
     ValueError: ``data`` is not exactly the bytes ``like``'s leaves hold.
@@ -67,7 +68,8 @@ def tree_from_bytes(data: bytes, like: Any) -> Any:
     raise ValueError(f"{len(data)} bytes of data where the tree holds {total}.")
   arrays, offset = [], 0
   for x in leaves:
-    arrays.append(jnp.asarray(np.frombuffer(data, x.dtype, x.size, offset).reshape(x.shape)))
+    array = np.frombuffer(data, x.dtype, x.size, offset).reshape(x.shape)
+    arrays.append(jax.device_put(array, may_alias=False))
     offset += x.nbytes
   return jax.tree.unflatten(jax.tree.structure(like), arrays)
 
@@ -409,7 +411,7 @@ def local_state(protocol: RoundProtocol, received: GlobalState, params_like: Any
     :func:`inner_state` is ``inner``, if given).
   """
   params = protocol.restart(params_like, received.opt_state, received.average)
-  init = protocol.tx.init(params)
+  init = protocol.tx_init(params)
   if inner is not None:
     init = jax.tree.map(_taken, inner, init, is_leaf=lambda x: x is None)
   opt_state = jax.tree.map(_taken, received.opt_state, init, is_leaf=lambda x: x is None)

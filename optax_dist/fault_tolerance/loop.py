@@ -302,9 +302,9 @@ class Replica:
     (:attr:`step`: after a restore, a heal or a void round).
 
     Before the engine's start (so before its peers know this replica), the round's programs
-    are compiled on scratch copies (the payload, both merges, a commit, an abort, the copy of
-    the landing's origin, a heal's decoding and rebuild, the state hash): a round costs the
-    same from the first.
+    are compiled on scratch copies (the payload, the vote, both merges, a commit, an abort, the
+    copies, a heal's decoding and rebuild, the state hash): a round costs the same from the
+    first, and they are a few programs per tree structure, not one per leaf.
 
     Raises:
       TypeError: ``state`` not a kind :func:`get_parts` reads.
@@ -392,14 +392,17 @@ class Replica:
     boundary = self.protocol.round_steps(0)
     fragment = self.protocol.fragment(boundary)
     payload, residual = self.protocol.send_half(parts.opt_state, parts.params, fragment)
-    payload = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), payload)  # as a peer's arrives
+    sent = (payload, parts.collections)
+    payload, collections = heal.tree_from_bytes(heal.tree_bytes(sent), sent)  # as peers' arrive
     self.protocol.votes(payload)
     self.protocol.merge([payload] * 2, [1, 2])  # the weighted merge of a round with a heal
     merged = self.protocol.merge([payload] * 2, [1, 1])
     self.protocol.outer_half(parts.params, parts.params, parts.opt_state, self._replica.average,
                              merged, residual, fragment)
-    self.protocol.abort(self._replica)
-    jax.tree.map(jnp.copy, parts.params)  # the landing's origin (_keep_origin)
+    copied(self.protocol.abort(self._replica).params)
+    copied(parts.params)  # the landing's origin (_keep_origin)
+    if collections is not None:  # the members' merged collections, copied
+      copied(self.protocol.merge([collections] * 2, [1, 1]))
     donation = self.donation()
     healed, _ = self.receive(heal.decode_heal(heal.encode_heal(donation), donation,
                                               replica="self"))
@@ -412,7 +415,7 @@ class Replica:
     if self.step >= self._boundary:
       self._boundary = self.step + self.protocol.round_steps(self.step)
     if self.step == self._boundary - 1:
-      self._origin = jax.tree.map(jnp.copy, get_parts(state).params)
+      self._origin = copied(get_parts(state).params)
 
   def _send(self, state: Any) -> tuple[Parts, Any, Any, Any, ReplicaState, Header]:
     """The round's send at the boundary, no collective: ``(parts, fragment, payload,
@@ -438,7 +441,7 @@ class Replica:
       replica, collections = placed_as((self.receive(got.healed)), (mine, collections))
     if got.merged is None:  # the params back on the anchor: copies (the loop donates them)
       replica = self.protocol.abort(replica)
-      replica = replica._replace(params=jax.tree.map(jnp.copy, replica.params))
+      replica = replica._replace(params=copied(replica.params))
     elif got.healed is not None:  # it sent nothing of its own: it lands from the healed params
       replica, collections = self.protocol.commit(replica, got.merged[0]), got.merged[1]
     else:
@@ -447,8 +450,8 @@ class Replica:
         fragment)
       replica = ReplicaState(params, opt_state, mine.rounds + 1, average)
       collections = got.merged[1]
-    if got.merged is not None:  # the members' merged collections, a copy of this loop's own
-      collections = jax.tree.map(jnp.copy, collections)
+    if got.merged is not None and collections is not None:  # the members' merged ones, copied
+      collections = copied(collections)
     jumped = got.healed is not None or got.step > self.step
     if jumped and got.healed is None:  # a void round: it takes the round's step and counts
       replica = replica._replace(opt_state=advanced(replica.opt_state, got.step - self.step))
@@ -494,6 +497,13 @@ def mean_loss(losses: list) -> float | None:
   """The mean of ``losses`` (device arrays fetched in one ``device_get``) in float64, or
   ``None`` for none."""
   return float(np.mean(np.asarray(jax.device_get(losses), np.float64))) if losses else None
+
+
+@jax.jit
+def copied(tree: Any) -> Any:
+  """A copy of ``tree`` whose leaves share no buffer with its own, placed as they are: one
+  program per tree structure (eager, a program per leaf)."""
+  return jax.tree.map(jnp.copy, tree)
 
 
 def placed_as(tree: Any, like: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_dist import _checks, _exchange, _outer
@@ -258,12 +259,20 @@ class RoundProtocol:
     return _halves.leaf_fragments(self, params)
 
   def init(self, params: Any, opt_state: Any = None) -> ReplicaState:
-    """A replica at step 0: ``opt_state`` (default ``tx.init(params)``: a loop that built its
-    own gives it, and ``tx.init``'s per-leaf programs are not run again), zero rounds
-    (``local_sgd``: the average is ``params``)."""
+    """A replica at step 0: ``opt_state`` (default :attr:`tx_init` of ``params``: a loop that
+    built its own gives it, and ``tx.init`` is not run again), zero rounds (``local_sgd``: the
+    average is ``params``)."""
     average = self.halves.initial_average(params)
-    opt_state = self.tx.init(params) if opt_state is None else opt_state
+    opt_state = self.tx_init(params) if opt_state is None else opt_state
     return ReplicaState(params, opt_state, jnp.zeros([], jnp.int32), average)
+
+  @functools.cached_property
+  def tx_init(self):
+    """Jitted ``tx.init``: ``params -> opt_state`` in one program per tree structure (eager,
+    ``tx.init`` runs a program per leaf), its arrays placed as :attr:`inner_step`'s outputs are
+    (eager, its scalar counters are on no device in particular), so that step is compiled
+    once."""
+    return jax.jit(self.tx.init)
 
   @functools.cached_property
   def inner_step(self):
@@ -388,8 +397,9 @@ class RoundProtocol:
   @staticmethod
   def votes(payload: Any) -> bool:
     """A member's vote: yes iff every value of its payload is finite (a packed payload's
-    decoded values, :func:`optax_dist._exchange.unpacked`)."""
-    return all(bool(jnp.all(jnp.isfinite(x)))
+    decoded values, :func:`optax_dist._exchange.unpacked`), read on the host (NumPy: no
+    program per leaf)."""
+    return all(bool(np.isfinite(np.asarray(x)).all())
                for x in jax.tree.leaves(_exchange.unpacked(payload)))
 
 

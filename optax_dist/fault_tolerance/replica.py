@@ -90,10 +90,10 @@ def task_loop(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Cal
   would trace and compile it again, in the replica's first round)."""
   import jax
 
-  loss_grads, init = jax.jit(loss_and_grad), jax.jit(protocol.tx.init)
+  loss_grads = jax.jit(loss_and_grad)
 
   def train(replica: Any) -> Any:
-    state = params, init(params)
+    state = params, protocol.tx_init(params)
     first = batch_fn(replica.seed, replica.slot, 0)
     protocol.inner_step(*state, loss_grads(params, first)[1])  # compiled before it joins
     state = replica.start(state)
