@@ -146,13 +146,18 @@ def test_no_fault_equals_in_program(algorithm, fmt, n, exact, extra):
   for r in range(rounds):
     assert all(line.committed for line in engine.run(1))
     for i in range(n):
-      got = engine.replicas[i]
-      for g, w in zip(jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves(want[r][i]),
-                      strict=True):
-        if exact:
-          np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        else:
-          np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=1)
+      _assert_replica_is(engine.replicas[i], want[r][i], exact)
+
+
+def _assert_replica_is(got, want, exact):
+  """A replica's params and optimizer state against the in-program worker's ``want``: bit for
+  bit if ``exact``, else within one ulp."""
+  for g, w in zip(jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves(want),
+                  strict=True):
+    if exact:
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    else:
+      np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=1)
 
 
 @pytest.mark.parametrize("fmt, n, tau, mixing", [
@@ -174,12 +179,7 @@ def test_overlap_equals_in_program(fmt, n, tau, mixing):
     for i in range(n):
       got = engine.replicas[i]
       assert int(got.opt_state.in_flight_step[r % 2]) == 2 * (r + 1)  # held from the send
-      for g, w in zip(jax.tree.leaves((got.params, got.opt_state)), jax.tree.leaves(want[r][i]),
-                      strict=True):
-        if exact:
-          np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        else:
-          np.testing.assert_array_max_ulp(np.asarray(g), np.asarray(w), maxulp=1)
+      _assert_replica_is(got, want[r][i], exact)
 
 
 def test_a_death_at_a_round_boundary_equals_checkpoint_resize_and_resume():
