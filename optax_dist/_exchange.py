@@ -369,10 +369,11 @@ def unpacked(payload: Any) -> Any:
 
 
 # The merge runs as a few jitted programs per tree structure (not one eager operation per leaf
-# and term), each computing what the eager operations did, bit for bit: every operation rounds
-# to its dtype (``xla_allow_excess_precision`` off: else a bfloat16 sum stays in float32 between
-# its additions), a division by the scalar N (or sum of weights) is what XLA makes of an eager
-# one (:func:`_divided`), and a weighted merge's products are a program of their own (XLA's CPU
+# and term), each operation rounded in its dtype, the same bits on every version of XLA:
+# ``xla_allow_excess_precision`` off (else a bfloat16 sum stays in float32 between its
+# additions); the division by N (or the weights' sum) written as the multiplication by its
+# reciprocal, rounded (XLA's CPU backend computes a division of an array by a scalar so in some
+# versions and exactly in others); a weighted merge's products a program of their own (XLA's CPU
 # backend fuses a product and the sum it feeds into one fused multiply-add).
 _EXACT = {"xla_allow_excess_precision": False}
 _decoded = jax.jit(lambda payload: payload.decode(), compiler_options=_EXACT)
@@ -383,21 +384,13 @@ def _wide(x: jax.Array) -> Any:
   return jnp.promote_types(jnp.result_type(x), jnp.float32)
 
 
-def _divided(x: jax.Array, d: jax.Array) -> jax.Array:
-  """``x / d`` for a scalar ``d``, as XLA computes an eager division: ``x`` times the reciprocal
-  ``1 / d`` (rounded to ``x``'s dtype), a single value divided by ``d``."""
-  d = d.astype(x.dtype)
-  if x.size == 1:
-    return (x.reshape(()) / d).reshape(x.shape)
-  return x * (1 / d)
-
-
 @functools.partial(jax.jit, compiler_options=_EXACT)
 def _means(payloads: list, n: jax.Array) -> Any:
   """The mean's leaves: the sum in the payloads' dtype in rank order, divided by ``n``."""
   def mean(*xs):
     total = functools.reduce(operator.add, xs)  # rank order
-    return _divided(total.astype(_wide(total)), n)
+    total = total.astype(_wide(total))
+    return total * (1 / n.astype(total.dtype))
 
   return jax.tree.map(mean, *payloads)
 
@@ -414,4 +407,8 @@ def _weighted_terms(payloads: list, weights: jax.Array) -> list:
 @functools.partial(jax.jit, compiler_options=_EXACT)
 def _weighted_sum(terms: list, total: jax.Array) -> Any:
   """The terms summed in rank order, divided by the weights' ``total``."""
-  return jax.tree.map(lambda *ts: _divided(functools.reduce(operator.add, ts), total), *terms)
+  def mean(*ts):
+    summed = functools.reduce(operator.add, ts)  # rank order
+    return summed * (1 / total.astype(summed.dtype))
+
+  return jax.tree.map(mean, *terms)

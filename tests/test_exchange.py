@@ -281,25 +281,27 @@ def test_the_command_passes_the_block_size_only_with_a_block_format(comm):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_merge_payloads_is_the_eager_operations_bit_for_bit(dtype):
-  """``merge_payloads`` (a few jitted programs per tree) computes what one eager operation per
-  leaf and term computes, bit for bit, for 3 payloads in rank order, equal and unequal weights,
-  single-value and larger leaves: the sum, its cast, the division by N (XLA's eager division by
-  a scalar multiplies by its reciprocal), the products by the weights (no fused multiply-add)
-  and a bfloat16 sum rounded at each addition."""
+def test_merge_payloads_is_ieee_arithmetic_in_rank_order(dtype):
+  """``merge_payloads`` (a few jitted programs per tree) computes, bit for bit, what NumPy's
+  IEEE arithmetic does one operation at a time, for 3 payloads in rank order, equal and unequal
+  weights, single-value and larger leaves: the sum in the payloads' dtype (a bfloat16 sum
+  rounded at each addition), its cast to float32, the division by N or the weights' sum as the
+  multiplication by its rounded reciprocal (the same bits on every XLA version), and the products
+  by the weights (no fused multiply-add)."""
   rng = np.random.default_rng(0)
   shapes = {"one": (), "single": (1,), "row": (37,), "block": (5, 7)}
   payloads = [{k: jnp.asarray(rng.standard_normal(s).astype(np.float32) * 10.0 ** i, dtype)
                for k, s in shapes.items()} for i in range(3)]
 
-  def eager(xs, weights):  # one eager operation after another, per leaf
+  def reference(xs, weights):  # NumPy, one rounded operation after another
+    xs = [np.asarray(x) for x in xs]
     if weights is None:
-      return (xs[0] + xs[1] + xs[2]).astype(jnp.float32) / 3
-    terms = [x.astype(jnp.float32) * np.float32(w) for x, w in zip(xs, weights, strict=True)]
-    return (terms[0] + terms[1] + terms[2]) / np.float32(sum(weights))
+      return (xs[0] + xs[1] + xs[2]).astype(np.float32) * (np.float32(1) / np.float32(3))
+    terms = [x.astype(np.float32) * np.float32(w) for x, w in zip(xs, weights, strict=True)]
+    return (terms[0] + terms[1] + terms[2]) * (np.float32(1) / np.float32(sum(weights)))
 
   for weights in (None, [3.0, 7.0, 5.0]):
     merged = optax_dist.merge_payloads(payloads, weights)
     for k in shapes:
-      want = np.asarray(eager([p[k] for p in payloads], weights))
+      want = np.asarray(reference([p[k] for p in payloads], weights), np.float32)
       assert np.asarray(merged[k]).tobytes() == want.tobytes(), (weights, k)
