@@ -424,8 +424,8 @@ class Session:
 
   def _allgather(self, mine: torch.Tensor, everyone: bool = False) -> list[torch.Tensor] | None:
     """Every member's ``mine`` in rank order, or ``None`` (the error reported: a no vote).
-    ``everyone``: over the process group's size, every member of the quorum (with
-    ``allow_heal=False``, ``num_participants()`` counts only the members at its ``max_step``)."""
+    ``everyone``: over the process group's size, every member of the quorum
+    (``num_participants()`` counts only the members at its ``max_step``, not one it heals)."""
     count = self._pg.size() if everyone else self._manager.num_participants()
     outs = [torch.empty_like(mine) for _ in range(count)]
     try:
