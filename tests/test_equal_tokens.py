@@ -11,7 +11,8 @@ from benchmarks.studies import equal_tokens as b
 DP = {0: 2.0, 1: 2.1, 2: 2.2}
 """Data parallel's final validation loss by seed."""
 META = {"num_params": 279_424, "train_tokens": 4_218_880, "context": 64, "steps": 1380,
-        "seeds": [0, 1, 2], "invocations": [
+        "seeds": [0, 1, 2], "machine": {"cpu": "Test CPU", "cores": "3", "memory": "1.0 GiB"},
+        "invocations": [
           {"date": "d", "load_start": "1.00, 1.00, 1.00", "load_end": "2.00, 1.00, 1.00",
            "runs_trained": 25, "wall_s": 5000.0}]}
 
@@ -99,3 +100,4 @@ def test_markdown():
   assert "- MISSED: M = 8 within 5% of data parallel (M = 8: +6.0%)." in text
   assert "- met: M = 1 at or below data parallel (M = 1: -0.3%)." in text
   assert "20.2 per parameter" in text
+  assert "3 CPUs (Test CPU)" in text  # the machine of the runs, not the one rendering

@@ -260,15 +260,13 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
      f" H = {result['sync_period']} (DyLU: H_w = {', '.join(map(str, result['dylu_periods']))});"
      f" R = {result['rounds']} rounds: {result['inner_steps']:,} inner steps per run; batch"
      f" {result['batch_size']} per worker"
-     + (f" (recipe changed by `{' '.join(result['recipe_flags'])}`)"
-        if result.get("recipe_flags") else "")
+     + (f" (recipe changed by `{' '.join(result['recipe_flags'])}`)" if result["recipe"] else "")
      + (f"; transformer width {result['model'][0]}, depth {result['model'][1]}"
-        if result.get("model") else "")
+        if result["model"] else "")
      + f"; outer {result['outer'][0]:g}, momentum {result['outer'][1]:g}; delayed Nesterov"
-     f" N = {result.get('buffer_size', len(result['speeds']))}, c ="
-     f" {result.get('activation', 0.0):g}; shards: {SHARDS[result.get('shards', 'files')]};"
-     f" seeds {', '.join(map(str, result['seeds']))}. Simulated time:"
-     f" one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
+     f" N = {result['buffer_size']}, c = {result['activation']:g}; shards:"
+     f" {SHARDS[result['shards']]}; seeds {', '.join(map(str, result['seeds']))}. Simulated"
+     " time: one step of the fastest worker takes 1. Liu et al. (2024), Table 3 (20M params, 4"
      " workers, perplexity): DiLoCo 41.35, async DiLoCo 44.27, delayed Nesterov + DyLU 41.13. "
      + kit.load_text(result)), summary(result),
     f"![validation bits per byte against simulated time and inner steps]({plot_name})")

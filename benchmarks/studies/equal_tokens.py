@@ -165,7 +165,7 @@ def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float |
   best = dict(grid.fixed_lr)
   for m in grid.swept:
     sweep = [r for r in records if r["replicas"] == m and r["sync_period"] == grid.period
-             and r["seed"] == SWEEP_SEED and _momentum(r) == OUTER_MOMENTUM]
+             and r["seed"] == SWEEP_SEED and r["outer_momentum"] == OUTER_MOMENTUM]
     best[m] = min(sweep, key=lambda r: r["final"])["outer_lr"] if sweep else None
   return best
 
@@ -235,7 +235,7 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
   def runs(m: int, lr: float, h: int, momentum: float = OUTER_MOMENTUM) -> list[dict[str, Any]]:
     return [r for r in records if r["replicas"] == m and r["outer_lr"] == lr
-            and r["sync_period"] == h and _momentum(r) == momentum]
+            and r["sync_period"] == h and r["outer_momentum"] == momentum]
 
   rows = []
   for m in grid.replicas:
@@ -254,11 +254,6 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
   return {"dp": {"seeds": sorted(r["seed"] for r in dp), "loss": _stats([r["final"] for r in dp])},
           "rows": rows, "sweep": sweep, "periods": periods, "momenta": momenta,
           "targets": targets(rows)}
-
-
-def _momentum(record: dict[str, Any]) -> float:
-  """A cached run's outer momentum (runs cached before it was recorded had the default)."""
-  return record.get("outer_momentum", OUTER_MOMENTUM)
 
 
 def _one(runs: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -371,13 +366,13 @@ def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
     f" {tokens / 1e6:.2f}M tokens, {tokens / meta['num_params']:.1f} per parameter,"
     f" {tokens / meta['train_tokens']:.2f} epochs of the {meta['train_tokens'] / 1e6:.2f}M"
     f" training tokens. Seeds {', '.join(map(str, meta['seeds']))}."
-    f" {kit.machine()['cores']} CPUs ({kit.machine()['cpu']}). {loads}."
+    f" {meta['machine']['cores']} CPUs ({meta['machine']['cpu']}). {loads}."
     + (quick if grid is QUICK_GRID else ""))
 
 
 def runs_table(records: Sequence[dict[str, Any]]) -> str:
   ordered = sorted(records, key=lambda r: (r["replicas"] or 0, r["sync_period"] or 0,
-                                           r["outer_lr"] or 0, -_momentum(r), r["seed"]))
+                                           r["outer_lr"] or 0, -r["outer_momentum"], r["seed"]))
   rows = [[r["label"], str(r["seed"]), f"{r['devices']} × {r['batch_size']}", f"{r['final']:.4f}",
            f"{r['wall_s']:.0f}", f"{r['step_s']:.3f}", kit.loads(r["load_before"], r["load_after"])]
           for r in ordered]
@@ -470,7 +465,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   runs_dir, task = os.path.join(os.path.dirname(prefix), "equal_tokens_runs"), TASKS["lm"]
   train = task.load(0).train
   meta = {"invocations": [], "num_params": kit.num_params(kit.initial_params(task, train)),
-          "train_tokens": int(train["y"].size), "context": LM_CONTEXT, "seeds": seeds}
+          "train_tokens": int(train["y"].size), "context": LM_CONTEXT, "seeds": seeds,
+          "machine": kit.machine()}
   with contextlib.suppress(OSError, ValueError, KeyError):  # the earlier invocations
     meta["invocations"] = kit.read_json(f"{prefix}.json")["meta"]["invocations"]
   per_step = GLOBAL_BATCH * LM_CONTEXT
@@ -495,7 +491,7 @@ def load(prefix: str, config: Config) -> dict[str, Any]:
   saved = kit.read_json(f"{prefix}.json")
   runs_dir = os.path.join(os.path.dirname(prefix), "equal_tokens_runs")
   return result_of(_grid(saved), saved["meta"], runs_dir) | {
-    k: saved[k] for k in ("run",) if k in saved}
+    k: saved[k] for k in ("run", "versions") if k in saved}
 
 
 def result_of(grid: Grid, meta: dict[str, Any], runs_dir: str) -> dict[str, Any]:
