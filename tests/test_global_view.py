@@ -144,10 +144,9 @@ def assert_same_shardings(got, want):
 
 
 @pytest.mark.parametrize("name", PERIODIC)
-def test_unhinted_step_keeps_the_exchange_inside_a_conditional(name):
+def test_unhinted_step_keeps_the_exchange_inside_a_conditional(three_ways, name):
   tx = transformations()[name]
-  mesh = make_mesh(MESHES["2x4"])
-  params, state, replicas = placed(tx, mesh)
+  (params, state, replicas), *_ = three_ways[name, "2x4"]
   report = optax_dist.communication_report(
     global_view(tx), params, state, jnp.float32(1), replicas)
   # The exchange is conditional; outside it only the agreed predicates, one int32 pmax per
@@ -163,19 +162,45 @@ def test_unhinted_step_keeps_the_exchange_inside_a_conditional(name):
 # Every transformation: the global view, vmap on one device and partial-manual shard_map agree.
 
 
+def run_together(steps, inputs, steps_count=STEPS):
+  """:func:`run` of several steps, each on its own ``(params, state, replicas)``, all in one
+  program (one compilation instead of one per step function)."""
+
+  @jax.jit
+  def together(carries, t, replicas):
+    return [step(*carry, t, r) for step, carry, r in zip(steps, carries, replicas, strict=True)]
+
+  carries, replicas = [(p, s) for p, s, _ in inputs], [r for *_, r in inputs]
+  for t in range(1, steps_count + 1):
+    carries = together(carries, jnp.float32(t), replicas)
+  return carries
+
+
+@pytest.fixture(scope="module")
+def three_ways():
+  """Every transformation on each mesh, ``STEPS`` steps in the global view, under a
+  partial-manual ``shard_map`` and under vmap on one device: each way's steps of a mesh's cases
+  compiled as one program (one mesh a program: the global view's shardings name their mesh).
+  ``{(name, mesh_name): (inputs, global, manual, one device)}``."""
+  results = {}
+  for mesh_name, shape in MESHES.items():
+    mesh = make_mesh(shape)
+    txs = [transformations()[name] for name in NAMES]
+    inputs = [placed(tx, mesh) for tx in txs]
+    got = run_together([global_view(tx) for tx in txs], inputs)
+    manual = run_together([partial_manual(tx, mesh) for tx in txs], inputs)
+    want = run_together([emulated(tx) for tx in txs], jax.device_put(inputs, jax.devices()[0]))
+    for name, *result in zip(NAMES, inputs, got, manual, want, strict=True):
+      results[name, mesh_name] = result
+  return results
+
+
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("name", NAMES)
-def test_global_view_equals_vmap_and_partial_manual_shard_map(name, mesh_name):
-  tx = transformations()[name]
-  mesh = make_mesh(MESHES[mesh_name])
-  params, state, replicas = placed(tx, mesh)
-
-  got = run(global_view(tx), params, state, replicas)
+def test_global_view_equals_vmap_and_partial_manual_shard_map(three_ways, name, mesh_name):
+  (params, state, _), got, manual, want = three_ways[name, mesh_name]
   assert_same_shardings(got, (params, state))
-  manual = run(partial_manual(tx, mesh), params, state, replicas)
   assert_same_shardings(manual, (params, state))
-  one_device = jax.device_put((params, state, replicas), jax.devices()[0])
-  want = run(emulated(tx), *one_device)
   chex.assert_trees_all_close(jax.device_get(got), jax.device_get(want), rtol=RTOL, atol=ATOL)
   chex.assert_trees_all_close(jax.device_get(manual), jax.device_get(want), rtol=RTOL, atol=ATOL)
   # The params moved, and the replicas differ where the algorithm keeps them apart.
@@ -184,10 +209,9 @@ def test_global_view_equals_vmap_and_partial_manual_shard_map(name, mesh_name):
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("name", PERIODIC)
-def test_hinted_non_communication_step_has_no_collective(name, mesh_name):
+def test_hinted_non_communication_step_has_no_collective(three_ways, name, mesh_name):
   tx = transformations()[name]
-  mesh = make_mesh(MESHES[mesh_name])
-  params, state, replicas = placed(tx, mesh)
+  (params, state, replicas), *_ = three_ways[name, mesh_name]
   quiet = optax_dist.communication_report(
     global_view(tx, communicate=False), params, state, jnp.float32(1), replicas)
   assert not quiet.collectives, quiet.collectives
@@ -210,10 +234,9 @@ def expected_spec(path, leaf):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_state_shardings_places_a_new_state_like_the_params_inside_each_replica(name):
-  tx = transformations()[name]
+def test_state_shardings_places_a_new_state_like_the_params_inside_each_replica(three_ways, name):
   mesh = make_mesh(MESHES["2x4"])
-  _, state, _ = placed(tx, mesh)
+  (_, state, _), *_ = three_ways[name, "2x4"]
   leaves = jax.tree_util.tree_leaves_with_path(state)
   assert any(leaf.ndim > 1 for _, leaf in leaves)
   for path, leaf in leaves:

@@ -11,6 +11,7 @@ the stale one, a missing 1/N or swapped mixing weights move the params by.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -112,14 +113,38 @@ def worker_run(tx, x, c, d, state):
   return history, state
 
 
-def run(tx, x, c, d, state=None, mapping="vmap"):
-  """``x`` and ``c`` stacked over the workers, ``d`` steps first; history steps first."""
-  n = jax.tree.leaves(c)[0].shape[0]
+def as_inputs(tx, x, c, d, state=None):
+  """float32 arrays, ``d`` workers first, and the workers' initial state if none is given."""
   x = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), x)
   c, d = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), (c, d))
   d = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), d)
   if state is None:
     state = jax.vmap(tx.init, axis_name=AXIS)(x)
+  return x, c, d, state
+
+
+def steps_first(history):
+  return jax.tree.map(lambda a: np.swapaxes(np.asarray(a, np.float64), 0, 1), history)
+
+
+def run_together(runs):
+  """Several runs under vmap, ``runs`` a list of ``(tx, x, c, d)`` as :func:`run` takes them,
+  compiled as one program (each run's a part of it: one compilation instead of one per run);
+  a list of ``(history, state)``."""
+  txs = [tx for tx, *_ in runs]
+  inputs = [as_inputs(*run) for run in runs]
+
+  def together(inputs):
+    return [jax.vmap(functools.partial(worker_run, tx), axis_name=AXIS)(*args)
+            for tx, args in zip(txs, inputs, strict=True)]
+
+  return [(steps_first(history), state) for history, state in jax.jit(together)(inputs)]
+
+
+def run(tx, x, c, d, state=None, mapping="vmap"):
+  """``x`` and ``c`` stacked over the workers, ``d`` steps first; history steps first."""
+  n = jax.tree.leaves(c)[0].shape[0]
+  x, c, d, state = as_inputs(tx, x, c, d, state)
   fn = lambda *args: worker_run(tx, *args)  # noqa: E731
   if mapping == "vmap":
     history, state = jax.jit(jax.vmap(fn, axis_name=AXIS))(x, c, d, state)
@@ -132,8 +157,7 @@ def run(tx, x, c, d, state=None, mapping="vmap"):
     )
     put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(AXIS)))  # noqa: E731
     history, state = jax.jit(mapped)(put(x), put(c), put(d), put(state))
-  history = jax.tree.map(lambda a: np.swapaxes(np.asarray(a, np.float64), 0, 1), history)
-  return history, state
+  return steps_first(history), state
 
 
 def stacked(x0, n):
@@ -169,11 +193,21 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def vmap_runs():
+  """Every case of :data:`CASES` run under vmap, all in one compiled program."""
+  runs = []
+  for n, overlap, eager, mixing in CASES:
+    x0, c, d = problem(n)
+    runs.append((make(overlap, eager, mixing), stacked(x0, n), c, d))
+  return dict(zip(CASES, run_together(runs), strict=True))
+
+
 @pytest.mark.parametrize("n,overlap,eager,mixing", CASES)
-def test_matches_numpy_reference_under_vmap(n, overlap, eager, mixing):
+def test_matches_numpy_reference_under_vmap(vmap_runs, n, overlap, eager, mixing):
   """overlap 2 lands fragment 0 on fragment 1's send step; overlap 3 has both in flight."""
   x0, c, d = problem(n)
-  history, state = run(make(overlap, eager, mixing), stacked(x0, n), c, d)
+  history, state = vmap_runs[n, overlap, eager, mixing]
   ref_history, ref_state = reference(
     c, d, initial(x0, n), overlap=overlap, eager=eager, mixing=mixing
   )
@@ -200,8 +234,8 @@ def test_overlap_zero_is_the_default_bit_for_bit():
     optax.sgd(INNER_LR), optax.sgd(OUTER_LR, momentum=MOMENTUM), sync_period=H,
     num_fragments=F, fragments=FRAGMENTS, mixing=0.3, axis_name=AXIS,
   )
-  history, state = run(tx, stacked(x0, n), c, d)
-  history_0, state_0 = run(make(0, mixing=0.3), stacked(x0, n), c, d)
+  (history, state), (history_0, state_0) = run_together(
+    [(tx, stacked(x0, n), c, d), (make(0, mixing=0.3), stacked(x0, n), c, d)])
   for k in history:
     np.testing.assert_array_equal(history_0[k], history[k])
   jax.tree.map(np.testing.assert_array_equal, state_0, state)
