@@ -153,10 +153,6 @@ def control_lines(log: list[Any], c: Config) -> list[decoupled.MergeLine]:
                               "", r, row, 0, "") for r, row in enumerate(rows)]
 
 
-# ----------------------------------------------------------------------------------------------
-# The figures, from the lines alone.
-
-
 def curve(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
   """A run's evaluations against its committed tokens, with the time of its last commit."""
   commits = [x for x in lines if x["kind"] == "merge" and x["committed"]]
@@ -214,10 +210,6 @@ def load(prefix: str, config: Config) -> dict[str, Any]:
     lines = kit.read_json(path, lines=True)
     runs.append({**lines[0], "curve": curve(lines), "stats": rounds_stats(lines)})
   return {"runs": runs, **summarize(runs)}
-
-
-# ----------------------------------------------------------------------------------------------
-# The report.
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:

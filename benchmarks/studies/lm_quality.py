@@ -114,8 +114,7 @@ def _summarise(label: str, overrides: dict[str, Any], results: list[dict[str, An
 
 
 def sync_to(row: dict[str, Any], sync: dict[str, Any]) -> tuple[float, float] | None:
-  """``(step, bytes)`` where sync's mean curve first reaches ``row``'s final loss (linear
-  between evaluations), or ``None`` if it never does."""
+  """``(step, bytes)`` where sync's mean curve reaches ``row``'s final loss (:func:`kit.reach`)."""
   return kit.reach(sync["curve"], row["final"], sync["step"], sync["bytes"])
 
 

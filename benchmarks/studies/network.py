@@ -75,6 +75,7 @@ final losses of DiLoCo and streaming DiLoCo hardly differ between the two (3.149
 REPLICAS, BATCH, EVAL_EVERY = 2, 8, 20
 TIMEOUT = 1800
 """Seconds a run may take before it is stopped."""
+_fmt = functools.partial(kit.fmt, missing="–")
 GLOO_OPERAND_BYTES = 576
 """Bytes gloo sends beyond an all-reduce operand's own, per operand and direction between two
 processes (measured by ``probe_link_bytes.py`` with jax 0.10.2's gloo: 12 TCP segments per operand;
@@ -188,10 +189,6 @@ def _load() -> list[float]:
   return [round(x, 2) for x in os.getloadavg()]
 
 
-def _fmt(x: float | None, spec: str) -> str:
-  return kit.fmt(x, spec, "–")
-
-
 def payload(run: dict[str, Any], side: str = "a") -> float:
   """TCP payload bytes ``side`` sent: the veth's bytes less the headers of its packets."""
   to = f"{side}_to_{'b' if side == 'a' else 'a'}"
@@ -199,8 +196,7 @@ def payload(run: dict[str, Any], side: str = "a") -> float:
 
 
 def time_to(run: dict[str, Any], target: float) -> float | None:
-  """Training seconds until the validation bits per byte first reach ``target``, interpolated
-  linearly between evaluations; ``None`` if the run never reaches it."""
+  """Training seconds to ``target`` validation bits per byte (:func:`benchmarks.kit.reach`)."""
   at = kit.reach(run["curve"]["bits_per_byte"], target, run["curve"]["train_s"])
   return None if at is None else at[0]
 
