@@ -29,11 +29,8 @@ from the anchor before that merge and is stale by 1: the steps of the payload be
 merges. With W = 0 the round closes at their push and they land it (stale by 0), as a torchft
 replica that waits at its boundary for its round does.
 
-Usage: ``python -m benchmarks decoupled_staleness [--seeds 0 1 2] [--steps N] [--sync-period H]
-[--gamma G] [--rules R ...] [--quick] [--out PREFIX] [--report]`` writes each run's lines to
-``PREFIX/ARM_seedS.jsonl`` (a run already there is not run again) and PREFIX.json, .md and .png
-(default ``benchmarks/results/decoupled_staleness``); ``--report`` computes every figure again
-from the JSONL files alone.
+Each run's lines go to ``PREFIX/ARM_seedS.jsonl`` (a run already there is not run again);
+``--report`` computes every figure again from those files alone.
 """
 
 from __future__ import annotations
