@@ -97,28 +97,31 @@ def _unstack(tree):
 
 
 class Run:
-  """Init and step functions, data and shardings of one case."""
+  """Init and step functions, data and shardings of every case on ``num_workers`` workers.
 
-  def __init__(self, name, num_workers):
-    self.name, self.num_workers = name, num_workers
+  The cases' trees are keyed by name and share one init and one step program (one compile per
+  worker count, not per case); each case is its own transformation on its own params.
+  """
+
+  def __init__(self, num_workers):
+    self.num_workers = num_workers
     if num_workers == 1:
-      tx = make_tx(name, None)
+      txs = {name: make_tx(name, None) for name in NAMES}
       self.sharding = SingleDeviceSharding(jax.devices()[0])
-      self.init = jax.jit(tx.init)
-      self.step = jax.jit(lambda p, s, x, y, t: worker_step(tx, p, s, x[0], y[0], t))
+      self.init = jax.jit(lambda p: {name: tx.init(p[name]) for name, tx in txs.items()})
+      self.step = jax.jit(lambda p, s, x, y, t: _step_all(txs, p, s, x[0], y[0], t))
       self.data = (DATA_X[:1], DATA_Y[:1])
-      self.params = jax.device_put(INIT, self.sharding)
+      self.params = jax.device_put({name: INIT for name in NAMES}, self.sharding)
     else:
-      tx = make_tx(name, "w")
+      txs = {name: make_tx(name, "w") for name in NAMES}
       mesh = jax.make_mesh((num_workers,), ("w",))
       self.sharding = NamedSharding(mesh, P("w"))
 
       def init(p):
-        return _stack(tx.init(_unstack(p)))
+        return _stack({name: tx.init(_unstack(p[name])) for name, tx in txs.items()})
 
       def step(p, s, x, y, t):
-        p, s = worker_step(tx, _unstack(p), _unstack(s), x[0], y[0], t)
-        return _stack(p), _stack(s)
+        return _stack(_step_all(txs, _unstack(p), _unstack(s), x[0], y[0], t))
 
       spec = P("w")
       self.init = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -127,19 +130,33 @@ class Run:
       )
       self.data = jax.device_put((DATA_X, DATA_Y), self.sharding)
       stacked = jax.tree.map(lambda a: np.stack([a] * num_workers), INIT)  # same on every worker
-      self.params = jax.device_put(stacked, self.sharding)
+      self.params = jax.device_put({name: stacked for name in NAMES}, self.sharding)
 
-  def abstract_train_state(self):
-    """The train state's tree as ``jax.ShapeDtypeStruct`` leaves with their shardings."""
-    shapes = jax.eval_shape(lambda p: {"params": p, "opt_state": self.init(p)}, self.params)
-    return jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.sharding), shapes
-    )
+  def abstract_train_states(self):
+    """Each case's train state as ``jax.ShapeDtypeStruct`` leaves with their shardings."""
+    opt_states = jax.eval_shape(self.init, self.params)
+    return {name: jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.sharding),
+      {"params": self.params[name], "opt_state": opt_states[name]},
+    ) for name in NAMES}
 
   def train(self, params, opt_state, start, stop):
     for t in range(start, stop):
       params, opt_state = self.step(params, opt_state, *self.data, jnp.int32(t))
     return params, opt_state
+
+
+@functools.cache
+def run_of(num_workers):
+  """The :class:`Run` on ``num_workers`` workers, built once per process (its programs too)."""
+  return Run(num_workers)
+
+
+def _step_all(txs, params, opt_state, x, y, t):
+  """:func:`worker_step` of every case: ``(params, opt_state)``, each keyed by name."""
+  stepped = {name: worker_step(tx, params[name], opt_state[name], x, y, t)
+             for name, tx in txs.items()}
+  return {k: v[0] for k, v in stepped.items()}, {k: v[1] for k, v in stepped.items()}
 
 
 def case_dir(root, name, num_workers):
@@ -159,17 +176,20 @@ def bitwise_equal(a, b):
 
 def resume_all(ckpt_root, out_root):
   """The fresh process: restore every case at step SPLIT, train to STEPS, write the results."""
-  for name, n in CASES:
-    run = Run(name, n)
-    abstract = run.abstract_train_state()
-    with ocp.StandardCheckpointer() as ckpt:
-      restored = ckpt.restore(case_dir(ckpt_root, name, n), abstract)
-    assert jax.tree.structure(restored) == jax.tree.structure(abstract), name
-    for leaf in jax.tree.leaves(restored):
-      assert leaf.sharding.is_equivalent_to(run.sharding, leaf.ndim), (name, leaf.sharding)
-    params, opt_state = run.train(restored["params"], restored["opt_state"], SPLIT, STEPS)
-    tree = {"params": params, "opt_state": opt_state}
-    np.savez(case_dir(out_root, name, n) + ".npz", **flat(tree))
+  for n in (1, WORKERS):
+    run, restored = Run(n), {}
+    for name, abstract in run.abstract_train_states().items():
+      with ocp.StandardCheckpointer() as ckpt:
+        restored[name] = ckpt.restore(case_dir(ckpt_root, name, n), abstract)
+      assert jax.tree.structure(restored[name]) == jax.tree.structure(abstract), name
+      for leaf in jax.tree.leaves(restored[name]):
+        assert leaf.sharding.is_equivalent_to(run.sharding, leaf.ndim), (name, leaf.sharding)
+    params, opt_state = run.train({name: restored[name]["params"] for name in NAMES},
+                                  {name: restored[name]["opt_state"] for name in NAMES},
+                                  SPLIT, STEPS)
+    for name in NAMES:
+      tree = {"params": params[name], "opt_state": opt_state[name]}
+      np.savez(case_dir(out_root, name, n) + ".npz", **flat(tree))
 
 
 def _subprocess_env():
@@ -186,13 +206,16 @@ def resumed(tmp_path_factory):
   ckpt_root = tmp_path_factory.mktemp("ckpt")
   out_root = tmp_path_factory.mktemp("out")
   straight = {}
-  for name, n in CASES:
-    run = Run(name, n)
+  for n in (1, WORKERS):
+    run = run_of(n)
     params, opt_state = run.train(run.params, run.init(run.params), 0, SPLIT)
-    with ocp.StandardCheckpointer() as ckpt:
-      ckpt.save(case_dir(str(ckpt_root), name, n), {"params": params, "opt_state": opt_state})
+    for name in NAMES:
+      with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(case_dir(str(ckpt_root), name, n),
+                  {"params": params[name], "opt_state": opt_state[name]})
     params, opt_state = run.train(params, opt_state, SPLIT, STEPS)
-    straight[name, n] = flat({"params": params, "opt_state": opt_state})
+    for name in NAMES:
+      straight[name, n] = flat({"params": params[name], "opt_state": opt_state[name]})
   proc = subprocess.run(
     [sys.executable, os.path.abspath(__file__), "resume", str(ckpt_root), str(out_root)],
     env=_subprocess_env(), capture_output=True, text=True, timeout=600, check=False,
@@ -215,11 +238,13 @@ def test_resume_in_fresh_process_is_bitwise_exact(resumed, name, num_workers):
 
 def test_resume_cases_exercise_the_state():
   """The runs are not trivial: workers differ, a period is cut, and updates are dropped."""
-  run = Run("drop_stale_gradients", 1)
+  run = run_of(1)
   _, state = run.train(run.params, run.init(run.params), 0, STEPS)
+  state = state["drop_stale_gradients"]
   assert int(state.num_dropped) == 2 and int(state.global_step) == STEPS - 2
-  run = Run("elastic_average", WORKERS)
+  run = run_of(WORKERS)
   params, state = run.train(run.params, run.init(run.params), 0, SPLIT)
+  params, state = params["elastic_average"], state["elastic_average"]
   assert np.all(np.asarray(state.local_step) == SPLIT) and SPLIT % PERIOD != 0
   w = np.asarray(params["w"])
   assert not np.array_equal(w[0], w[1])  # the workers' params differ
@@ -254,31 +279,32 @@ def _mlp():
 
 def _accuracy(model, params, x, y):
   logits = jax.jit(model.apply)(params, x)
-  return float(np.mean(np.asarray(jnp.argmax(logits, -1)) == y))
+  return float(np.mean(np.argmax(np.asarray(logits), -1) == y))
 
 
 def _train(model, tx, train, num_workers, steps=100, batch=32):
-  x, y = jnp.asarray(train[0]), jnp.asarray(train[1])
-  params = jax.jit(model.init)(jax.random.key(0), x[:1])  # jitted: eager init is slow
-  idx = np.random.default_rng(1).integers(0, len(x), size=(steps, num_workers, batch))
+  """``model``'s init (key 0) trained ``steps`` steps on ``num_workers`` mapped workers, each
+  ``batch`` examples a step: ``(params, opt_state)``, from one compiled program."""
+  idx = np.random.default_rng(1).integers(0, len(train[0]), size=(steps, num_workers, batch))
 
-  def loss_fn(p, xb, yb):
-    return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, xb), yb).mean()
+  def run(x, y, idx):
+    def loss_fn(p, xb, yb):
+      return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, xb), yb).mean()
 
-  def step(carry, i):
-    p, s = carry
-    updates, s = tx.update(jax.grad(loss_fn)(p, x[i], y[i]), s, p)
-    return (optax.apply_updates(p, updates), s), None
+    def step(carry, i):
+      p, s = carry
+      updates, s = tx.update(jax.grad(loss_fn)(p, x[i], y[i]), s, p)
+      return (optax.apply_updates(p, updates), s), None
 
-  if num_workers == 1:
-    state = tx.init(params)
-    idx = idx[:, 0]
-  else:
+    params = model.init(jax.random.key(0), x[:1])
+    if num_workers == 1:
+      return jax.lax.scan(step, (params, tx.init(params)), idx[:, 0])[0]
     params = jax.tree.map(lambda a: jnp.stack([a] * num_workers), params)
     state = jax.vmap(tx.init, axis_name="workers")(params)
     step = jax.vmap(step, axis_name="workers", in_axes=((0, 0), 0))
-  run = jax.jit(lambda carry, idx: jax.lax.scan(step, carry, idx)[0])
-  return run((params, state), idx)
+    return jax.lax.scan(step, (params, state), idx)[0]
+
+  return jax.jit(run)(*train, idx)
 
 
 def _restore_into_plain_model(path, x):
@@ -305,10 +331,12 @@ def test_swapping_saver_restores_eval_params_into_plain_model(tmp_path, kind):
   expected = optax_dist.eval_params(state, params)
   if worker is not None:
     # The center is the same on every worker; saving any one of them is the plain model's params.
+    # (Rows taken on the host: indexing a JAX array compiles a program per shape.)
+    expected = jax.tree.map(np.asarray, expected)
     for leaf in jax.tree.leaves(expected):
       assert all(np.array_equal(leaf[0], leaf[i]) for i in range(n))
     expected = jax.tree.map(lambda a: a[worker], expected)
-    own_params = jax.tree.map(lambda a: a[worker], params)
+    own_params = jax.tree.map(lambda a: np.asarray(a)[worker], params)
   else:
     own_params = params
   # The average is what gets saved, and it is not the params.
@@ -380,13 +408,21 @@ def test_missing_orbax_is_a_clear_import_error(tmp_path, monkeypatch):
     restore_params(tmp_path / "x")
 
 
+@functools.cache
 def _stacked_elastic_average(num_workers):
+  """One step of ``num_workers`` mapped workers from zeros (one compiled program, once)."""
   tx = optax_dist.elastic_average(optax.sgd(1.0), communication_period=1, axis_name="workers")
-  params = {"w": jnp.zeros((num_workers, 3)), "b": jnp.zeros((num_workers,))}
-  state = jax.vmap(tx.init, axis_name="workers")(params)
-  grads = {"w": jnp.arange(3.0 * num_workers).reshape(num_workers, 3), "b": jnp.ones(num_workers)}
-  updates, state = jax.vmap(tx.update, axis_name="workers")(grads, state, params)
-  return tx, optax.apply_updates(params, updates), state
+
+  @jax.jit
+  def step(params, grads):
+    state = jax.vmap(tx.init, axis_name="workers")(params)
+    updates, state = jax.vmap(tx.update, axis_name="workers")(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = {"w": np.zeros((num_workers, 3), np.float32), "b": np.zeros(num_workers, np.float32)}
+  grads = {"w": np.arange(3.0 * num_workers, dtype=np.float32).reshape(num_workers, 3),
+           "b": np.ones(num_workers, np.float32)}
+  return (tx, *step(params, grads))
 
 
 def test_save_eval_params_worker_refuses_a_tree_not_stacked_over_workers(tmp_path):
