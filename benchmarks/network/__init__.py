@@ -1,4 +1,5 @@
-"""Network namespaces joined by a shaped veth pair (:mod:`benchmarks.network.netns`) and the probes
-run over them, each ``python -m benchmarks.network.PROBE`` (root and iproute2): what gloo sends per
-collective (``probe_link_bytes``), whether an exchange runs beside the steps on XLA CPU
-(``probe_overlap``); results in ``benchmarks/results/PROBE.json``."""
+"""Network namespaces joined by a shaped veth pair (:mod:`benchmarks.network.netns`) and the
+faults injected into them (:mod:`benchmarks.network.faults`). The two probes that calibrated the
+network study (what gloo sends per collective, whether an exchange runs beside the steps on XLA
+CPU) ran once; their results are in ``benchmarks/results/probe_*.json`` and their code at commit
+b6772f7 (``benchmarks/network/probe_*.py``)."""

@@ -23,9 +23,7 @@ Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable` says why not, befo
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import pathlib
 import re
@@ -34,9 +32,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from typing import Any, Callable, Self
+from typing import Any, Self
 
 PREFIX = "odist"
 """The first part of the namespaces' names (``odist-a-PID``)."""
@@ -53,13 +50,8 @@ PORT = 5201
 FRAME_OVERHEAD = 66
 """Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
 
-PROBE_TIMEOUT = 600
-"""Seconds the two processes of a probe may take."""
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The checkout, first on the ``PYTHONPATH`` of :meth:`Link.run_pair`'s processes."""
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
-"""Where the probes write their JSON by default."""
 
 _RECEIVER = """
 import socket, sys, time
@@ -151,71 +143,6 @@ def _remove_namespace(name: str) -> None:
       os.kill(int(pid), signal.SIGKILL)
   _run("ip", "netns", "del", name, check=False)
   shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
-
-
-def probe_main(argv: list[str], module: str, doc: str, port: int,
-               options: dict[str, dict[str, Any]], worker: Callable[[argparse.Namespace], Any],
-               drive: Callable[[argparse.Namespace, Callable[[Link], Any]], Any]) -> int:
-  """A probe's ``main`` (flags ``--out``, ``--port`` and ``options``): as process ``--worker``,
-  writes ``worker(args)`` to ``--result``; otherwise (if :func:`unavailable` says nothing) writes
-  ``drive(args, pair)`` to ``--out``, ``pair(link)`` running the probe (with ``argv``) as process 0
-  in namespace a and 1 in b and returning both processes' results and the 1-minute load average
-  before and after (``RuntimeError`` if one fails)."""
-  parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
-  parser.add_argument("--out", default=os.path.join(RESULTS, module.rsplit(".", 1)[1] + ".json"),
-                      help="a JSON file for the results")
-  parser.add_argument("--port", type=int, default=port, help="the coordinator's port")
-  for flag, kwargs in options.items():
-    parser.add_argument(flag, **kwargs)
-  for flag, kind in (("--worker", int), ("--coordinator", str), ("--device", str),
-                     ("--result", str)):
-    parser.add_argument(flag, type=kind, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.worker is not None:
-    with open(args.result, "w") as f:
-      json.dump(worker(args), f)
-    return 0
-  if skipped():
-    return 0
-
-  def pair(link: Link) -> tuple[list[Any], list[float]]:
-    load = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory() as logs:
-      paths = [os.path.join(logs, f"process{i}.json") for i in range(2)]
-      link.run_pair([[sys.executable, "-m", module, "--worker", str(i), "--coordinator",
-                      f"{link.addresses['a']}:{args.port}", "--device", link.devices[side],
-                      "--result", path, *argv] for i, (side, path) in enumerate(zip("ab", paths))],
-                    logs, PROBE_TIMEOUT, what="the probe")
-      results = [json.loads(pathlib.Path(path).read_text()) for path in paths]
-    return results, load + [os.getloadavg()[0]]
-
-  result = drive(args, pair)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"wrote {args.out}")
-  return 0
-
-
-def columns(header: list[str], rows: list[list[Any]]) -> str:
-  """A probe's table as text: ``rows`` under ``header``, each column right-aligned to its widest
-  cell, a number to 4 decimals (an integer as is), ``None`` a dash."""
-  cells = [header] + [["-" if c is None else f"{c:.4f}" if isinstance(c, float) else str(c)
-                       for c in row] for row in rows]
-  widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-  return "\n".join(" ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
-
-
-def join(args: argparse.Namespace, devices: int) -> list[list[Any]]:
-  """In a probe's process ``--worker``: JAX set up on ``devices`` CPU devices and joined to the
-  other process at ``--coordinator`` (gloo collectives, as the command's processes); each of the
-  two processes' devices, by id."""
-  import jax  # only the probes' processes need JAX
-
-  from optax_dist.cli.processes import init_jax
-
-  init_jax(devices, 2, args.worker, args.coordinator)
-  return [sorted((d for d in jax.devices() if d.process_index == i), key=lambda d: d.id)
-          for i in range(2)]
 
 
 class _Namespaces:

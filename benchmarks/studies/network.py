@@ -78,7 +78,7 @@ TIMEOUT = 1800
 _fmt = functools.partial(kit.fmt, missing="–")
 GLOO_OPERAND_BYTES = 576
 """Bytes gloo sends beyond an all-reduce operand's own, per operand and direction between two
-processes (measured by ``probe_link_bytes.py`` with jax 0.10.2's gloo: 12 TCP segments per operand;
+processes (``benchmarks/results/probe_link_bytes.json``, with jax 0.10.2's gloo: 12 TCP segments per operand;
 XLA combines a tree's leaves into one all-reduce of many operands, and gloo reduces each apart)."""
 
 

@@ -30,7 +30,7 @@ class ExchangeDeviceRun(Run):
 
   Why: XLA's CPU client runs the computations that span several devices of a process one after
   another, so an exchange dispatched as its own computation over the training devices would wait
-  for the steps, and the steps for it (``benchmarks/network/probe_overlap.py``); a computation
+  for the steps, and the steps for it (``benchmarks/results/probe_overlap.json``); a computation
   on one extra device of each process runs beside them. (A GPU would run it on a separate stream.)
 
   The step is :class:`Run`'s with ``streaming_diloco`` built over no axis across the replicas
