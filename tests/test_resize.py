@@ -173,28 +173,63 @@ def _programs(make, n, stale):
   return tx, mapped(tx.init), mapped(worker_train), put
 
 
-def _start(name):
-  case = CASES[name]
-  tx, init, train, put = _programs(case.make, N, case.stale)
-  x0 = {k: np.linspace(-1.0, 1.0, np.prod(s), dtype=np.float32).reshape(s)
-        for k, s in SHAPES.items()}
-  params = put({k: np.broadcast_to(v, (N, *v.shape)) for k, v in x0.items()})
-  c, d = _data(N, STEPS, 0, case.nan)
-  params, state = train(params, init(params), put(c), put(d))
-  return tx, params, state
+def _initial_params():
+  """The params every one of the ``N`` workers starts from, stacked."""
+  return {k: np.broadcast_to(np.linspace(-1.0, 1.0, np.prod(s), dtype=np.float32).reshape(s),
+                             (N, *s)) for k, s in SHAPES.items()}
+
+
+def _together(calls):
+  """Jitted functions called on their arguments, ``calls`` a list of ``(fn, args)``, compiled as
+  one program (one compilation instead of one per function); their results in order."""
+  fns = [fn for fn, _ in calls]
+  return jax.jit(lambda args: [fn(*a) for fn, a in zip(fns, args, strict=True)])(
+    [a for _, a in calls])
+
+
+@functools.cache
+def _trained_on_devices_all():
+  """Every case's init and ``STEPS`` steps on ``N`` workers under shard_map, the cases compiled
+  as one program: ``{name: (tx, params, state)}``, device arrays sharded ``P("workers")``."""
+  calls, txs = [], []
+  for name in sorted(CASES):
+    case = CASES[name]
+    tx, init, train, put = _programs(case.make, N, case.stale)
+    c, d = _data(N, STEPS, 0, case.nan)
+    calls.append((lambda p, c, d, init=init, train=train: train(p, init(p), c, d),
+                  (put(_initial_params()), put(c), put(d))))
+    txs.append(tx)
+  return {name: (tx, *result)
+          for name, tx, result in zip(sorted(CASES), txs, _together(calls), strict=True)}
 
 
 @functools.cache
 def _trained(name):
   """``name`` trained ``STEPS`` steps on ``N`` workers: (tx, params, state), as NumPy arrays."""
-  tx, params, state = _start(name)
+  tx, params, state = _trained_on_devices(name)
   return tx, jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state)
 
 
-@functools.cache
 def _trained_on_devices(name):
   """The same run's device arrays, sharded ``P("workers")`` over a mesh with explicit axes."""
-  return _start(name)
+  return _trained_on_devices_all()[name]
+
+
+@functools.cache
+def _resized_and_trained_on(m):
+  """Every case's run resized to ``m`` workers (``inner_state="reset"``, on the devices) and
+  trained ``MORE`` steps on ``m`` devices, the cases' trainings compiled as one program:
+  ``{name: (new_state, new_params, state2, params2)}`` as NumPy arrays."""
+  resized, calls = {}, []
+  for name in sorted(CASES):
+    tx, params, state = _trained_on_devices(name)
+    resized[name] = optax_dist.resize_state(tx, state, params, m, inner_state="reset")
+    _, _, train, put = _programs(CASES[name].make, m, CASES[name].stale)
+    c, d = _data(m, MORE, 1)
+    new_state, new_params = resized[name]
+    calls.append((train, (put(new_params), put(new_state), put(c), put(d))))
+  return {name: jax.tree.map(np.asarray, (*resized[name], state2, params2))
+          for name, (params2, state2) in zip(sorted(CASES), _together(calls), strict=True)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,12 +276,9 @@ def assert_identical_on_workers(tree):
 def test_resize_keeps_global_state_and_trains_on(name, m):
   case = CASES[name]
   tx, params, state = _trained(name)
-  _, on_devices_params, on_devices_state = _trained_on_devices(name)
+  _, on_devices_params, _ = _trained_on_devices(name)
   assert jax.tree.leaves(on_devices_params)[0].sharding.spec[0] == AXIS
-  new_state, new_params = optax_dist.resize_state(
-    tx, on_devices_state, on_devices_params, m, inner_state="reset"
-  )
-  new_state, new_params = jax.tree.map(np.asarray, new_state), jax.tree.map(np.asarray, new_params)
+  new_state, new_params, state2, params2 = _resized_and_trained_on(m)[name]
   assert jax.tree.structure(new_state) == jax.tree.structure(state)
   for leaf in jax.tree.leaves((new_state, new_params)):
     assert np.shape(leaf)[0] == m
@@ -286,11 +318,7 @@ def test_resize_keeps_global_state_and_trains_on(name, m):
       for g, w in zip(jax.tree.leaves(get(mean_state)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12)
 
-  # M workers on M devices train on, and communicate.
-  _, _, train, put = _programs(case.make, m, case.stale)
-  c, d = _data(m, MORE, 1)
-  params2, state2 = train(put(new_params), put(new_state), put(c), put(d))
-  params2, state2 = jax.tree.map(np.asarray, params2), jax.tree.map(np.asarray, state2)
+  # M workers on M devices trained on (the new state and params above), and communicated.
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params2))
   if case.calls is not None:  # the counters went on from where they were
     assert np.all(np.asarray(case.calls(state2)) == STEPS + MORE)
@@ -310,17 +338,17 @@ def test_cases_step_counters_continue():
   new_state, new_params = optax_dist.resize_state(tx, state, params, 2)
   assert np.all(np.asarray(new_state.local_step) == STEPS)
   _, _, train, put = _programs(CASES["diloco"].make, 2, False)
-  c, d = _data(2, 2, 1)  # steps 5 and 6: the sync at 6 = 2 * sync_period
-  _, state2 = train(put(new_params), put(new_state), put(c), put(d))
+  (_, state2), (_, state1) = _together([  # steps 5 and 6, and step 5 alone
+    (train, (put(new_params), put(new_state), *map(put, _data(2, steps, 1)))) for steps in (2, 1)
+  ])
+  # The sync at 6 = 2 * sync_period moves the anchor; step 5 alone does not sync.
   assert not np.array_equal(np.asarray(state2.anchor["a"]), np.asarray(new_state.anchor["a"]))
-  c, d = _data(2, 1, 1)  # step 5 alone does not sync
-  _, state1 = train(put(new_params), put(new_state), put(c), put(d))
   np.testing.assert_array_equal(np.asarray(state1.anchor["a"]), np.asarray(new_state.anchor["a"]))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_same_number_of_workers_returns_everything_unchanged(name):
-  tx, params, state = _start(name)  # device arrays, sharded over the workers
+  tx, params, state = _trained_on_devices(name)  # device arrays, sharded over the workers
   for mode in ("reset", "mean", "copy"):
     new_state, new_params = optax_dist.resize_state(tx, state, params, N, inner_state=mode)
     assert_tree_equal(new_state, state)
