@@ -16,6 +16,8 @@ The reference is a float64 NumPy loop over the grid of workers written from ALGO
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,43 +135,56 @@ def build(algorithm, nested, slice_axis=None):
                                     **common)
 
 
-def run(tx, mesh, grads, x0):
-  spec = P(("hosts", "gpus"))
+def run(txs, mesh, grads, x0):
+  """Trains each of ``txs`` from ``x0`` on ``grads`` (``STEPS x hosts x gpus``) in one compiled
+  program: each one's params after every step (shaped as ``grads``) and its final state."""
+  axes = ("hosts", "gpus")
   n = mesh.size
 
-  def per_worker(f):
-    def g(*args):
-      return jax.tree.map(lambda v: v[None], f(*jax.tree.map(lambda v: v[0], args)))
+  def train(grads, params):  # one worker's: grads (STEPS, 1, ...), params (1, ...)
+    def history(tx):
+      def step(carry, grad):
+        params, state = carry
+        updates, state = tx.update(grad, state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, state), params
 
-    return jax.jit(jax.shard_map(g, mesh=mesh, in_specs=spec, out_specs=spec))
+      (_, state), steps = jax.lax.scan(step, (params[0], tx.init(params[0])), grads[:, 0])
+      return steps[:, None], jax.tree.map(lambda v: v[None], state)
 
-  def step(grad, state, params):
-    updates, state = tx.update(grad, state, params)
-    return optax.apply_updates(params, updates), state
+    return [history(tx) for tx in txs]
 
-  def put(v):
-    return jax.device_put(jnp.asarray(v, jnp.float32), NamedSharding(mesh, spec))
-
-  params = put(np.broadcast_to(x0, (n, *x0.shape)))
-  state = per_worker(tx.init)(params)
-  step = per_worker(step)
-  history = []
-  for t in range(grads.shape[0]):
-    params, state = step(put(grads[t].reshape(n, *x0.shape)), state, params)
-    history.append(np.asarray(params).reshape(grads.shape[1:]))
-  return np.array(history), state
+  f = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(P(None, axes), P(axes)),
+                            out_specs=[(P(None, axes), P(axes))] * len(txs)))
+  params = np.broadcast_to(x0, (n, *x0.shape)).astype(np.float32)
+  put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+  flat = grads.reshape(grads.shape[0], n, *x0.shape).astype(np.float32)
+  return [(np.asarray(steps).reshape(grads.shape), state)
+          for steps, state in f(put(flat, P(None, axes)), put(params, P(axes)))]
 
 
-@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
-@pytest.mark.parametrize("algorithm", ["diloco", "local_sgd", "elastic_average", "agn",
-                                       "agn_mean"])
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_hierarchical_mesh_matches_numpy(shape, algorithm, nested):
+ALGORITHMS = ["diloco", "local_sgd", "elastic_average", "agn", "agn_mean"]
+
+
+@functools.cache
+def mesh_runs(shape):
+  """Every (algorithm, nested) case on a ``shape`` mesh, trained in one program: the case's
+  ``run`` and the gradients and start it was trained on."""
   mesh = jax.make_mesh(shape, ("hosts", "gpus"))
   rng = np.random.default_rng(sum(shape))
   grads = rng.normal(size=(STEPS, *shape, *SHAPE))
   x0 = rng.normal(size=SHAPE)
-  got, state = run(build(algorithm, nested), mesh, grads, x0)
+  cases = [(a, nested) for a in ALGORITHMS for nested in (True, False)]
+  got = run([build(a, nested) for a, nested in cases], mesh, grads, x0)
+  return dict(zip(cases, got)), grads, x0
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_hierarchical_mesh_matches_numpy(shape, algorithm, nested):
+  runs, grads, x0 = mesh_runs(shape)
+  got, state = runs[algorithm, nested]
   want = reference(algorithm, nested, grads, x0)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
   # The global state is identical on every device.
@@ -180,20 +195,30 @@ def test_hierarchical_mesh_matches_numpy(shape, algorithm, nested):
     np.testing.assert_array_equal(values, np.broadcast_to(values[0], values.shape))
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "streaming_diloco", "local_sgd",
-                                       "elastic_average", "agn", "agn_mean"])
+SLICED = ["diloco", "streaming_diloco", "local_sgd", "elastic_average", "agn", "agn_mean"]
+
+
+@functools.cache
+def sliced_runs():
+  """Every algorithm of :data:`SLICED` nested on a 2x4 mesh, with ``slice_axis="gpus"`` and
+  without, trained in one program: ``(sliced, unsliced)`` runs by algorithm, the gradients, the
+  start and the mesh."""
+  mesh = jax.make_mesh((2, 4), ("hosts", "gpus"))
+  rng = np.random.default_rng(11)
+  grads = rng.normal(size=(STEPS, 2, 4, *SHAPE))
+  x0 = rng.normal(size=SHAPE)
+  got = run([build(a, True, slice_axis=s) for a in SLICED for s in ("gpus", None)], mesh, grads,
+            x0)
+  return {a: (got[2 * i], got[2 * i + 1]) for i, a in enumerate(SLICED)}, grads, x0, mesh
+
+
+@pytest.mark.parametrize("algorithm", SLICED)
 def test_sliced_exchange_matches_numpy_and_sends_each_byte_once(algorithm):
   """slice_axis="gpus": the devices of a host hold identical params after the tower, so each
   sends 1/K of them across the hosts and gathers the rest inside the host; the values are the
   nested layout's (streaming_diloco with one fragment is diloco)."""
-  shape = (2, 4)
-  mesh = jax.make_mesh(shape, ("hosts", "gpus"))
-  rng = np.random.default_rng(11)
-  grads = rng.normal(size=(STEPS, *shape, *SHAPE))
-  x0 = rng.normal(size=SHAPE)
-  tx = build(algorithm, True, slice_axis="gpus")
-  got, _ = run(tx, mesh, grads, x0)
-  unsliced, _ = run(build(algorithm, True), mesh, grads, x0)
+  runs, grads, x0, mesh = sliced_runs()
+  (got, state), (unsliced, _) = runs[algorithm]
   np.testing.assert_allclose(got, unsliced, rtol=1e-6, atol=1e-7)
   reference_algorithm = "diloco" if algorithm == "streaming_diloco" else algorithm
   np.testing.assert_allclose(got, reference(reference_algorithm, True, grads, x0), rtol=2e-5,
@@ -204,17 +229,15 @@ def test_sliced_exchange_matches_numpy_and_sends_each_byte_once(algorithm):
   # the host's mean; its sequential commits gather both hosts' slices (8 sent, 16 received)
   # across, then the two slices of every device inside the host (16 sent, 64 received).
   spec = P(("hosts", "gpus"))
+  tx = build(algorithm, True, slice_axis="gpus")
 
   def step(grad, state, params):
     grad, state, params = jax.tree.map(lambda v: v[0], (grad, state, params))
     updates, state = tx.update(grad, state, params, communicate=True)
     return jax.tree.map(lambda v: v[None], (optax.apply_updates(params, updates), state))
 
-  put = lambda v: jax.device_put(jnp.asarray(v, jnp.float32), NamedSharding(mesh, spec))  # noqa: E731
+  put = lambda v: jax.device_put(np.asarray(v, np.float32), NamedSharding(mesh, spec))
   params = put(np.broadcast_to(x0, (8, *SHAPE)))
-  state = jax.jit(jax.shard_map(
-    lambda p: jax.tree.map(lambda v: v[None], tx.init(p[0])), mesh=mesh, in_specs=spec,
-    out_specs=spec))(params)
   report = optax_dist.communication_report(
     jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec), put(grads[0].reshape(8, *SHAPE)),
     state, params)
