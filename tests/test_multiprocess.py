@@ -1,12 +1,15 @@
 """``optax-dist`` over several ``jax.distributed`` processes: same params, faults, exact resume.
 
-Every run is a command in subprocesses, as a user would run it; the arguments refused before any
-process starts are checked in process. The independent runs start together
-(module fixture) so that they overlap on a multi-core machine.
+Every run over several processes is a command in subprocesses, as a user would run it; the
+one-process references run in the test's process, as do the arguments refused before any process
+starts. The independent runs start together (module fixture) so that they overlap on a multi-core
+machine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -102,8 +105,6 @@ def runs(root):
              f"127.0.0.1:{port}", "--heartbeat-timeout", str(HEARTBEAT_S),
              "--fail-at-step", "3"]
   started = {
-    "single": Run("compare", *ARGS, "--devices", "4", "--out", root / "single",
-                  "--save-params", root / "single.npz"),
     "multi": Run("compare", *ARGS, *MULTI, "--out", root / "multi",
                  "--save-params", root / "multi.npz"),
     "fault": Run(*EASGD, *MULTI, "--out", root / "fault", "--fail-at-step", str(FAIL_AT)),
@@ -126,8 +127,9 @@ def load(path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def single(runs, root):
-  returncode, _, stderr = runs["single"].result()
-  assert returncode == 0, stderr
+  """The reference, one process of 4 devices: in this process (4 of its 8), as the others run."""
+  assert main(["compare", *ARGS, "--devices", "4", "--out", str(root / "single"),
+               "--save-params", str(root / "single.npz")]) == 0
   return load(root / "single.npz")
 
 
@@ -310,13 +312,20 @@ LAYOUTS = {"shrink": ("elastic_average", [*EASGD, "--devices", "2"], 4, 2),
 @pytest.fixture(scope="module")
 def resized(runs, root, fault):
   """The ``fault`` run's copy (elastic_average, 2 processes and 4 workers, crashed at step
-  ``FAIL_AT``) resumed on 1 process (2 workers), ``shrink``; and the ``grow`` run (diloco, 1
-  process, crashed at the same step) resumed on 2: ``{name: (crashed, resumed)}``, each a
-  ``(returncode, stdout, stderr)``."""
+  ``FAIL_AT``) resumed on 1 process (2 workers; this process), ``shrink``; and the ``grow`` run
+  (diloco, 1 process, crashed at the same step) resumed on 2: ``{name: (crashed, resumed)}``,
+  each a ``(returncode, stdout, stderr)``."""
   crashed = {"shrink": fault, "grow": runs["grow"].result()}
-  resumed = {name: Run(*args, "--out", root / name, "--resume")
-             for name, (_, args, _, _) in LAYOUTS.items()}
-  return {name: (crashed[name], resumed[name].result()) for name in LAYOUTS}
+  grown = Run(*LAYOUTS["grow"][1], "--out", root / "grow", "--resume")
+  try:  # the resume on 1 process in this process (2 of its 8 devices) meanwhile
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+        contextlib.redirect_stderr(io.StringIO()) as err:
+      status = main([*map(str, LAYOUTS["shrink"][1]), "--out", str(root / "shrink"), "--resume"])
+  except BaseException:
+    grown.proc.kill()
+    raise
+  resumed = {"shrink": (status, out.getvalue(), err.getvalue()), "grow": grown.result()}
+  return {name: (crashed[name], resumed[name]) for name in LAYOUTS}
 
 
 @pytest.mark.slow
@@ -367,15 +376,16 @@ def test_the_global_view_over_two_processes_gives_the_params_of_one(root):
   """``--fsdp 2 --replicas 2`` over 2 processes of 2 devices (a replica each, its params sharded
   over its 2 devices) trains as one process of 4 devices."""
   args = ["train", "--algorithm", "diloco", "--replicas", "2", "--fsdp", "2", *ARGS]
-  started = {
-    "single": Run(*args, "--devices", "4", "--out", root / "fsdp_single",
-                  "--save-params", root / "fsdp_single.npz"),
-    "multi": Run(*args, *MULTI, "--out", root / "fsdp_multi",
-                 "--save-params", root / "fsdp_multi.npz"),
-  }
-  for run_ in started.values():
-    returncode, _, stderr = run_.result()
-    assert returncode == 0, stderr
+  started = Run(*args, *MULTI, "--out", root / "fsdp_multi",
+                "--save-params", root / "fsdp_multi.npz")
+  try:  # the reference in this process (4 of its 8 devices) meanwhile
+    assert main([*args, "--devices", "4", "--out", str(root / "fsdp_single"),
+                 "--save-params", str(root / "fsdp_single.npz")]) == 0
+  except BaseException:
+    started.proc.kill()
+    raise
+  returncode, _, stderr = started.result()
+  assert returncode == 0, stderr
   single, multi = load(root / "fsdp_single.npz"), load(root / "fsdp_multi.npz")
   assert set(single) == set(multi)
   assert all(value.shape[0] == 2 for value in single.values())  # one row per replica
