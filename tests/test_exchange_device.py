@@ -3,10 +3,10 @@ process, outside the step, give the in-step route's params; the combinations it 
 one-line errors.
 
 The runs are small (``--task digits``, 12 steps, H = 4, F = 2: fragment 0 sends on steps 2, 6, 10,
-fragment 1 on 4, 8, 12; τ = 2) and start together so that they overlap on a multi-core machine:
-two processes with ``--exchange-device``, the exchange inside the step (the reference, in the
-test's process), and two processes interrupted after a checkpoint taken with an exchange in flight,
-then resumed.
+fragment 1 on 4, 8, 12; τ = 2): two processes with ``--exchange-device`` and, meanwhile, the
+exchange inside the step (the reference, in the test's process); then two processes interrupted
+after a checkpoint taken with an exchange in flight, then resumed, which read the first run's
+programs from the compilation cache.
 """
 
 from __future__ import annotations
@@ -60,16 +60,17 @@ def _finish(proc: subprocess.Popen, returncode: int = 0) -> None:
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("exchange_device")
   out = {name: str(root / name) for name in ("exchange", "in_step", "resumed")}
-  started = [_start(out["exchange"], *TWO_PROCESSES),
-             _start(out["resumed"], *TWO_PROCESSES, *INTERRUPTED)]
+  started = [_start(out["exchange"], *TWO_PROCESSES)]
   try:
     # The reference runs in this process (its 8 devices, of which it takes 4) meanwhile.
     assert main([*ARGS, *OVERLAP, *ONE_PROCESS, "--out", out["in_step"],
                  "--save-params", out["in_step"] + ".npz"]) == 0
-    _finish(started[1], returncode=1)
-    started.append(_start(out["resumed"], *TWO_PROCESSES, *RESUMED))
-    for proc in started[:1] + started[2:]:
-      _finish(proc)
+    _finish(started[0])
+    # One after the other: the interrupted and resumed runs read the exchange run's programs
+    # from the compilation cache instead of compiling them again beside it.
+    for args, returncode in ((INTERRUPTED, 1), (RESUMED, 0)):
+      started.append(_start(out["resumed"], *TWO_PROCESSES, *args))
+      _finish(started[-1], returncode)
   finally:
     for proc in started:
       if proc.poll() is None:
