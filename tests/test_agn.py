@@ -13,7 +13,6 @@ from _helpers import (
   assert_ndarray_near,
   assert_near,
   assert_pulled,
-  constant_grads,
   error,
   sgd,
   sgd_step,
@@ -49,9 +48,9 @@ def test_agn_1_worker_4_period():
   """TF ``test1Workers2Period`` (one worker, period 4; the name is TF's)."""
   tx = optax_dist.agn(tf_agn_adam(), communication_period=4)
   step = sgd_step(tx)
-  params = {"v0": jnp.array(0.0), "v1": jnp.array(0.5)}
-  grads = constant_grads(params, -1.0)
-  state = tx.init(params)
+  params = {"v0": np.float32(0.0), "v1": np.float32(0.5)}
+  grads = host_constant(params, -1.0)
+  state = jax.jit(tx.init)(params)
 
   assert_all_equal(0.0, params["v0"])
   assert_all_equal(0.5, params["v1"])
@@ -85,12 +84,18 @@ def test_agn_1_worker_4_period():
 
 
 def _agn_two_worker_params():
-  return {"v0": jnp.array(0.0), "v1": jnp.array(0.5), "partition_var": jnp.zeros((2, 4))}
+  return {"v0": np.float32(0.0), "v1": np.float32(0.5),
+          "partition_var": np.zeros((2, 4), np.float32)}
+
+
+def host_constant(params, value):
+  """Gradients of ``value`` shaped as ``params``, made on the host (as a data loader gives them)."""
+  return jax.tree.map(lambda p: np.full(np.shape(p), value, np.float32), params)
 
 
 def _assert_agn_center(center, value):
   assert_near(value, center["v0"], 1e-6)
-  for part in jnp.split(center["partition_var"], 2):  # two [1, 4] parts, compared to a [4]
+  for part in np.split(np.asarray(center["partition_var"]), 2):  # two [1, 4] parts, to a [4]
     assert_ndarray_near([value] * 4, part, 1e-6)
 
 
@@ -100,8 +105,8 @@ def test_agn_2_worker_1_period_asynchronous_order():
   tx = optax_dist.agn(tf_agn_adam(), communication_period=1)
   step = sgd_step(tx)
   params = [_agn_two_worker_params()] * 2
-  states = [tx.init(p) for p in params]
-  grads = constant_grads(params[0], -1.0)
+  states = [jax.jit(tx.init)(p) for p in params]
+  grads = host_constant(params[0], -1.0)
 
   assert_all_equal(0.0, params[0]["v0"])
   assert_all_equal(0.5, params[0]["v1"])
@@ -137,11 +142,11 @@ def test_agn_2_worker_1_period_synchronous(center_update, per_round):
     tf_agn_adam(), communication_period=1, center_update=center_update, axis_name="w"
   )
   step = jax.jit(jax.vmap(sgd_step(tx), axis_name="w"))
-  params = jax.tree.map(lambda p: jnp.stack([p, p]), _agn_two_worker_params())
-  state = jax.vmap(tx.init, axis_name="w")(params)
-  grads = constant_grads(params, -1.0)
+  params = jax.tree.map(lambda p: np.stack([p, p]), _agn_two_worker_params())
+  state = jax.jit(jax.vmap(tx.init, axis_name="w"))(params)
+  grads = host_constant(params, -1.0)
   for round_ in range(1, 4):
-    params, state = step(params, state, grads)
+    params, state = jax.device_get(step(params, state, grads))
     for w in range(2):
       center = jax.tree.map(lambda a, w=w: a[w], state.center)
       _assert_agn_center(center, per_round * round_)
@@ -223,8 +228,8 @@ def test_agn_sequential_program_size_does_not_grow_with_workers():
   tx = optax_dist.agn(optax.adam(0.1), communication_period=1, axis_name=AXIS)
 
   def eqns(n):
-    params = jnp.zeros((n, 3))
-    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    params = jax.ShapeDtypeStruct((n, 3), jnp.float32)
+    state = jax.eval_shape(jax.vmap(tx.init, axis_name=AXIS), params)
     jaxpr = jax.make_jaxpr(jax.vmap(tx.update, axis_name=AXIS))(params, state, params)
     return _count_eqns(jaxpr.jaxpr)
 
