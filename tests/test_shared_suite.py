@@ -298,30 +298,66 @@ def assert_trees_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def compiled_together(computations):
+  """``{key: (fn, args)}`` -> ``{key: fn(*args)}``, every ``fn`` traced into one jitted program:
+  one compilation for all the cases of a test instead of one per case."""
+  keys = list(computations)
+  fns = [computations[k][0] for k in keys]
+  results = jax.jit(lambda args: [fn(*a) for fn, a in zip(fns, args, strict=True)])(
+    [computations[k][1] for k in keys])
+  return dict(zip(keys, results, strict=True))
+
+
+def each_case(params):
+  """``(case, inner)`` of each ``pytest.param`` of a parametrization above."""
+  return [p.values for p in params]
+
+
 # ----------------------------------------------------------------------------------------------
 # jit, recompilation, dtype and shape stability.
 
 
-@pytest.mark.parametrize("case,inner", CASE_INNER)
-def test_jit_no_recompilation_and_stable_state(case, inner):
-  tx = build(case, inner)  # constructed once, outside the step
+@pytest.fixture(scope="module")
+def jitted_steps():
+  """Every case's step (one jitted function for all of them, built once), called ``STEPS``
+  times from ``tx.init``: per case its initial state and each call's ``(params, state,
+  updates)``; and the step's traces and compiled programs. A case whose state or updates came
+  out with another shape or dtype than it went in with would trace the step a second time."""
+  cases = each_case(CASE_INNER)
+  txs = [build(case, inner) for case, inner in cases]  # constructed once, outside the step
   traces = []
 
   @jax.jit
-  def step(params, state, grads):
+  def step(carries, grads):
     traces.append(None)  # runs only while tracing
-    updates, state = per_worker(case, tx.update)(grads, state, params)
-    return optax.apply_updates(params, updates), state, updates
+    out = []
+    for (case, _), tx, (params, state), g in zip(cases, txs, carries, grads, strict=True):
+      updates, state = per_worker(case, tx.update)(g, state, params)
+      out.append((optax.apply_updates(params, updates), state, updates))
+    return out
 
-  params = make_params(case)
-  grads = make_grads(case)
-  state0 = per_worker(case, tx.init)(params)
-  state = state0
+  params = [make_params(case) for case, _ in cases]
+  state0 = [per_worker(case, tx.init)(p) for (case, _), tx, p in zip(cases, txs, params,
+                                                                     strict=True)]
+  grads = [make_grads(case) for case, _ in cases]
+  carries, calls = list(zip(params, state0, strict=True)), []
   for t in range(STEPS):
-    params, state, updates = step(params, state, step_at(grads, t))
+    calls.append(step(carries, [step_at(g, t) for g in grads]))
+    carries = [(p, s) for p, s, _ in calls[-1]]
+  per_case = {(case.name, inner): (s0, [c[i] for c in calls])
+              for i, ((case, inner), s0) in enumerate(zip(cases, state0, strict=True))}
+  return per_case, len(traces), step._cache_size()
+
+
+@pytest.mark.parametrize("case,inner", CASE_INNER)
+def test_jit_no_recompilation_and_stable_state(jitted_steps, case, inner):
+  per_case, traces, programs = jitted_steps
+  state0, calls = per_case[case.name, inner]
+  for params, _, updates in calls:
     assert shapes_and_dtypes(updates) == shapes_and_dtypes(params)
-  assert len(traces) == 1
-  assert step._cache_size() == 1
+  assert traces == 1
+  assert programs == 1
+  params, state, _ = calls[-1]
   assert shapes_and_dtypes(state) == shapes_and_dtypes(state0)
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
 
@@ -355,44 +391,65 @@ def test_update_and_identity_branches_of_cond_typecheck(case, inner):
 # Composition with optax wrappers.
 
 
-@pytest.mark.parametrize("case,inner", rotated(0))
-def test_chain_with_clipping_and_weight_decay(case, inner):
-  tx = build(case, inner)
-  clip, wd_before, wd_after = 0.5, 0.01, 0.02
-  chained = optax.chain(
-    optax.clip(clip),
-    optax.add_decayed_weights(wd_before),
-    tx,
-    optax.add_decayed_weights(wd_after),
-  )
-  params, grads = make_params(case), make_grads(case)
+CLIP, WD_BEFORE, WD_AFTER = 0.5, 0.01, 0.02
 
-  # Reference: the same transformation fed clipped, decayed gradients, then decayed once more
-  # (a lax.scan over the steps, as the chained run: one step in the compiled program each).
+
+def chained_and_reference(case, inner):
+  """The transformation chained between clipping and weight decays, and its reference: the same
+  transformation fed clipped, decayed gradients, then decayed once more (a lax.scan over the
+  steps, as the chained run: one step in the compiled program each). ``(fn, args)``."""
+  tx = build(case, inner)
+  chained = optax.chain(
+    optax.clip(CLIP),
+    optax.add_decayed_weights(WD_BEFORE),
+    tx,
+    optax.add_decayed_weights(WD_AFTER),
+  )
+
   def reference(params, grads):
     def step(carry, grads):
       params, state = carry
-      g = jax.tree.map(lambda g, p: jnp.clip(g, -clip, clip) + wd_before * p, grads, params)
+      g = jax.tree.map(lambda g, p: jnp.clip(g, -CLIP, CLIP) + WD_BEFORE * p, grads, params)
       u, state = per_worker(case, tx.update)(g, state, params)
-      u = jax.tree.map(lambda u, p: u + wd_after * p, u, params)
+      u = jax.tree.map(lambda u, p: u + WD_AFTER * p, u, params)
       return (optax.apply_updates(params, u), state), u
 
     return jax.lax.scan(step, (params, per_worker(case, tx.init)(params)), grads)[1]
 
   run = make_run(case, chained)
-  updates, expected = jax.jit(lambda p, g: (run(p, g)[0], reference(p, g)))(params, grads)
-  assert float(jnp.max(jnp.abs(grads["w"]))) > clip  # the clipping matters
+  return (lambda p, g: (run(p, g)[0], reference(p, g))), (make_params(case), make_grads(case))
+
+
+@pytest.fixture(scope="module")
+def chained():
+  return compiled_together({(case.name, inner): chained_and_reference(case, inner)
+                            for case, inner in each_case(rotated(0))})
+
+
+@pytest.mark.parametrize("case,inner", rotated(0))
+def test_chain_with_clipping_and_weight_decay(chained, case, inner):
+  updates, expected = chained[case.name, inner]
+  assert float(jnp.max(jnp.abs(make_grads(case)["w"]))) > CLIP  # the clipping matters
   assert_trees_close(updates, expected)
 
 
+def plain_and_injected(case, inner):
+  """The runs of the plain and the injected transformation: ``(fn, args)``."""
+  run_plain = make_run(case, build(case, inner))
+  run_injected = make_run(case, build_injected(case, inner))
+  return (lambda p, g: (run_plain(p, g), run_injected(p, g))), (make_params(case),
+                                                                make_grads(case))
+
+
+@pytest.fixture(scope="module")
+def injected():
+  return compiled_together({(case.name, inner): plain_and_injected(case, inner)
+                            for case, inner in each_case(rotated(1))})
+
+
 @pytest.mark.parametrize("case,inner", rotated(1))
-def test_inject_hyperparams_matches_plain_factory(case, inner):
-  plain, injected = build(case, inner), build_injected(case, inner)
-  params, grads = make_params(case), make_grads(case)
-  run_plain, run_injected = make_run(case, plain), make_run(case, injected)
-  (updates, new_params, _), (updates_inj, new_params_inj, state_inj) = jax.jit(
-    lambda p, g: (run_plain(p, g), run_injected(p, g))
-  )(params, grads)
+def test_inject_hyperparams_matches_plain_factory(injected, case, inner):
+  (updates, new_params, _), (updates_inj, new_params_inj, state_inj) = injected[case.name, inner]
   assert_trees_close(updates_inj, updates)
   assert_trees_close(new_params_inj, new_params)
   hyperparams = state_inj.hyperparams
@@ -401,24 +458,36 @@ def test_inject_hyperparams_matches_plain_factory(case, inner):
     np.testing.assert_allclose(hyperparams[name], value, rtol=1e-6)
 
 
-@pytest.mark.parametrize("case,inner", rotated(2))
-def test_inside_multi_steps_equals_updates_on_mean_gradients(case, inner):
+K = 2  # optax.MultiSteps' every_k_schedule
+
+
+def multi_and_reference(case, inner):
+  """The run inside ``optax.MultiSteps`` and its reference: one update every ``K`` steps on the
+  mean of the ``K`` gradients. ``(fn, args)``."""
   tx = build(case, inner)
-  k = 2
-  params, grads = make_params(case), make_grads(case)
-  # Reference: one update every k steps on the mean of the k gradients, zeros in between.
-  mean_grads = jax.tree.map(lambda g: g.reshape(-1, k, *g.shape[1:]).mean(axis=1), grads)
-  run_multi = make_run(case, optax.MultiSteps(tx, every_k_schedule=k))
+  grads = make_grads(case)
+  mean_grads = jax.tree.map(lambda g: g.reshape(-1, K, *g.shape[1:]).mean(axis=1), grads)
+  run_multi = make_run(case, optax.MultiSteps(tx, every_k_schedule=K))
   run_ref = make_run(case, tx)
-  updates, ref_updates = jax.jit(lambda p, g, m: (run_multi(p, g)[0], run_ref(p, m)[0]))(
-    params, grads, mean_grads
-  )
-  for t in range(STEPS):
+  return (lambda p, g, m: (run_multi(p, g)[0], run_ref(p, m)[0])), (make_params(case), grads,
+                                                                    mean_grads)
+
+
+@pytest.fixture(scope="module")
+def multi_steps():
+  return compiled_together({(case.name, inner): multi_and_reference(case, inner)
+                            for case, inner in each_case(rotated(2))})
+
+
+@pytest.mark.parametrize("case,inner", rotated(2))
+def test_inside_multi_steps_equals_updates_on_mean_gradients(multi_steps, case, inner):
+  updates, ref_updates = multi_steps[case.name, inner]
+  for t in range(STEPS):  # zeros in between
     u = step_at(updates, t)
-    if (t + 1) % k:
+    if (t + 1) % K:
       assert_trees_equal(u, optax.tree.zeros_like(u))
     else:
-      assert_trees_close(u, step_at(ref_updates, t // k), rtol=1e-5, atol=1e-6)
+      assert_trees_close(u, step_at(ref_updates, t // K), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -449,34 +518,59 @@ def recorded_scales(state) -> list[float]:
   return [float(np.ravel(r.scale)[0]) for r in found if isinstance(r, RecordState)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_unknown_extra_args_are_ignored(case):
-  # optax.scale is a plain GradientTransformation: its update takes no extra args at all.
+def plain_and_extra(case):
+  """One update without and with unknown extra args. optax.scale is a plain
+  GradientTransformation: its update takes no extra args at all. ``(fn, args)``."""
   inner = optax.scale(-LR)
   tx = build(case, "none") if not case.has_inner else case.build(inner, **case.hparams)
   params, grads = make_params(case), step_at(make_grads(case), 0)
   state = per_worker(case, tx.init)(params)
   plain = per_worker(case, lambda g, s, p: tx.update(g, s, p))
   extra = per_worker(case, lambda g, s, p: tx.update(g, s, p, foo=1, bar="x"))
-  out_plain, out_extra = jax.jit(lambda *a: (plain(*a), extra(*a)))(grads, state, params)
+  return (lambda *a: (plain(*a), extra(*a))), (grads, state, params)
+
+
+@pytest.fixture(scope="module")
+def unknown_extra_args():
+  return compiled_together({case.name: plain_and_extra(case) for case in CASES})
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_unknown_extra_args_are_ignored(unknown_extra_args, case):
+  out_plain, out_extra = unknown_extra_args[case.name]
   assert_trees_equal(out_extra, out_plain)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.has_inner], ids=str)
-def test_extra_args_are_forwarded_to_inner(case):
+def scaled_updates(case):
+  """One update with the extra arg ``scale`` forwarded to the inner ``scale_by_extra_arg``:
+  ``(fn, args)``, ``fn(scale)`` its updates and state."""
   tx = case.build(optax.chain(scale_by_extra_arg(), optax.sgd(LR)), **case.hparams)
   params, grads = make_params(case), step_at(make_grads(case), 0)
   state = per_worker(case, tx.init)(params)
   extra = {"grad_step": 0} if case.name == "drop_stale_gradients" else {}
 
+  def update(scale, grads, state, params):
+    return per_worker(case, lambda g, s, p: tx.update(g, s, p, scale=scale, **extra))(
+      grads, state, params)
+
+  return update, (grads, state, params)
+
+
+@pytest.fixture(scope="module")
+def scaled():
+  """Every case's update with ``scale`` 1 and 3: one program, called with each."""
+  computations = {case.name: scaled_updates(case) for case in CASES if case.has_inner}
+
   @jax.jit
   def update(scale):
-    return per_worker(case, lambda g, s, p: tx.update(g, s, p, scale=scale, **extra))(
-      grads, state, params
-    )
+    return {name: fn(scale, *args) for name, (fn, args) in computations.items()}
 
-  updates_1, _ = update(1.0)
-  updates_3, state_3 = update(3.0)
+  return update(1.0), update(3.0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.has_inner], ids=str)
+def test_extra_args_are_forwarded_to_inner(scaled, case):
+  (updates_1, _), (updates_3, state_3) = (by_case[case.name] for by_case in scaled)
   assert_trees_close(updates_3, jax.tree.map(lambda u: 3.0 * u, updates_1), atol=0)
   assert float(jnp.max(jnp.abs(updates_1["w"]))) > 0
   assert 3.0 in recorded_scales(state_3)
@@ -486,13 +580,22 @@ def test_extra_args_are_forwarded_to_inner(case):
 # dtypes.
 
 
+@pytest.fixture(scope="module")
+def bfloat16_runs():
+  """Every case of the test below run on bfloat16 params and gradients, in one program."""
+  return compiled_together({
+    (case.name, inner): (jax.jit(make_run(case, build(case, inner))),
+                         (make_params(case, jnp.bfloat16), make_grads(case, dtype=jnp.bfloat16)))
+    for case, inner in each_case(rotated(1))
+  })
+
+
 @pytest.mark.parametrize("case,inner", rotated(1))
-def test_bfloat16_params_keep_their_dtype(case, inner):
+def test_bfloat16_params_keep_their_dtype(bfloat16_runs, case, inner):
   tx = build(case, inner)
   params = make_params(case, jnp.bfloat16)
-  grads = make_grads(case, dtype=jnp.bfloat16)
   state0 = per_worker(case, tx.init)(params)
-  updates, new_params, state = jax.jit(make_run(case, tx))(params, grads)
+  updates, new_params, state = bfloat16_runs[case.name, inner]
   assert jax.tree.map(jnp.result_type, updates) == jax.tree.map(lambda _: jnp.bfloat16, params)
   assert jax.tree.map(jnp.result_type, new_params) == jax.tree.map(lambda _: jnp.bfloat16, params)
   assert shapes_and_dtypes(state) == shapes_and_dtypes(state0)
