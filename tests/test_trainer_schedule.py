@@ -16,6 +16,7 @@ program: the same params and state as a second compiled step, bit for bit in flo
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import pytest
@@ -47,10 +48,11 @@ LIBRARY = {  # each algorithm's schedule, called as the library documents it
 
 
 def trained(name, **kwargs):
+  """The result of training ``name`` on digits for 12 steps (:data:`CASES`' periods)."""
   task = TASKS["digits"]
   settings = Settings(algorithm=name, steps=12, eval_every=12, batch_size=8, **CASES[name],
                       **kwargs)
-  return trainer.train(task, task.load(0), settings, keep_state=True)["final_state"]
+  return trainer.train(task, task.load(0), settings, keep_state=True)
 
 
 def test_the_table_schedules_are_the_library_schedules():
@@ -103,21 +105,28 @@ def record_steps(monkeypatch) -> list[bool | None]:
   return calls
 
 
+@functools.cache
+def hinted(name):
+  """``(calls, result)``: the hints of the compiled steps the trainer called in ``trained(name)``,
+  and its result (trained once per process: the diloco run serves two tests)."""
+  with pytest.MonkeyPatch.context() as m:
+    calls = record_steps(m)
+    return calls, trained(name)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_hinted_steps_train_as_the_counter_rule(name, monkeypatch):
   settings = Settings(algorithm=name, steps=12, **CASES[name]).resolved()
   schedule = [bool(LIBRARY[name](settings, t)) for t in range(1, 13)]
   assert any(schedule) and not all(schedule)
-  with monkeypatch.context() as m:
-    calls = record_steps(m)
-    hinted = trained(name)
+  calls, result = hinted(name)
   assert calls == schedule
   if name != "streaming_diloco":
     return
   monkeypatch.setitem(algorithms.ALGORITHMS, name,
                       dataclasses.replace(ALGORITHMS[name], schedule=None))
-  ruled = trained(name)
-  chex.assert_trees_all_close(hinted, ruled, rtol=1e-5, atol=1e-6)
+  ruled = trained(name)["final_state"]
+  chex.assert_trees_all_close(result["final_state"], ruled, rtol=1e-5, atol=1e-6)
 
 
 def test_diloco_s_sync_apart_from_the_step_is_the_in_step_sync(monkeypatch):
@@ -127,18 +136,19 @@ def test_diloco_s_sync_apart_from_the_step_is_the_in_step_sync(monkeypatch):
   error feedback across replicas too, and the bytes recorded for a sync step are that step's."""
   cases = [{}, {"replicas": 2, "devices": 4, "comm_dtype": "int8", "comm_block_size": 8,
                 "error_feedback": True}]
+  assert CASES["diloco"] == {"sync_period": 4}  # the first case is test_hinted_...[diloco]'s run
   for kwargs in cases:
-    task = TASKS["digits"]
-    settings = Settings(algorithm="diloco", steps=12, eval_every=12, batch_size=8,
-                        sync_period=4, **kwargs)
-    with monkeypatch.context() as m:
-      calls = record_steps(m)
-      apart = trainer.train(task, task.load(0), settings, keep_state=True)
+    if kwargs:
+      with monkeypatch.context() as m:
+        calls = record_steps(m)
+        apart = trained("diloco", **kwargs)
+    else:
+      calls, apart = hinted("diloco")
     assert calls == [t % 4 == 0 for t in range(1, 13)]
     with monkeypatch.context() as m:
       m.setitem(algorithms.ALGORITHMS, "diloco",
                 dataclasses.replace(ALGORITHMS["diloco"], synchronize=None))
-      in_step = trainer.train(task, task.load(0), settings, keep_state=True)
+      in_step = trained("diloco", **kwargs)
     chex.assert_trees_all_equal(apart["final_state"], in_step["final_state"])
     assert apart["collective_bytes"] == in_step["collective_bytes"], kwargs
 
