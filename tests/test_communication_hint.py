@@ -104,11 +104,59 @@ def run_vmap(tx, hints):
   return params, state
 
 
+def run_vmap_together(runs):
+  """Several runs of :func:`run_vmap`'s steps, ``runs`` a list of ``(tx, hints, dtype)`` (the
+  params in ``dtype``, the gradients in float32), ``STEPS`` steps. One jitted program for each
+  value of the hint steps every run with that value; step ``t`` of a run is the result of the
+  program of its ``hints[t - 1]`` (a program for each hint for all the runs instead of one per
+  hint and transformation). Per run: its params and state, and the dtypes of its initial state
+  and of its state after each step."""
+  txs = [tx for tx, _, _ in runs]
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def step(hint, t, carries):
+    kwargs = {} if hint is None else {"communicate": hint}
+    out = []
+    for tx, (params, state) in zip(txs, carries, strict=True):
+      grads = jax.vmap(grads_at, in_axes=(None, 0, 0))(
+        t, jax.tree.map(lambda p: p.astype(jnp.float32), params), WORKERS)
+      updates, state = jax.vmap(functools.partial(tx.update, **kwargs), axis_name=AXIS)(
+        grads, state, params)
+      out.append((optax.apply_updates(params, updates), state))
+    return out
+
+  carries = []
+  for tx, _, dtype in runs:
+    params = jax.tree.map(lambda p, dtype=dtype: p.astype(dtype), worker_params())
+    carries.append((params, jax.vmap(tx.init, axis_name=AXIS)(params)))
+  states = [[state] for _, state in carries]
+  for t in range(STEPS):
+    hints = [hints[t] for _, hints, _ in runs]
+    stepped = {hint: step(hint, jnp.float32(t + 1), carries) for hint in set(hints)}
+    carries = [stepped[hint][i] for i, hint in enumerate(hints)]
+    for seen, (_, state) in zip(states, carries, strict=True):
+      seen.append(state)
+  dtypes = [[jax.tree.map(lambda x: x.dtype, state) for state in seen] for seen in states]
+  return [(params, state, seen[0], seen[1:])
+          for (params, state), seen in zip(carries, dtypes, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def vmap_runs():
+  """Every transformation on the counter rule's schedule and with the hints that agree with it,
+  float32 and bfloat16 params: ``{(name, dtype): (ruled, hinted)}``, each as
+  :func:`run_vmap_together` gives it (the ruled runs together, the hinted together)."""
+  keys = [(name, dtype) for name in NAMES for dtype in (jnp.float32, jnp.bfloat16)]
+  txs = transformations()
+  ruled = run_vmap_together([(txs[name], [None] * STEPS, dtype) for name, dtype in keys])
+  hinted = run_vmap_together([(txs[name], [rule(name, t) for t in range(1, STEPS + 1)], dtype)
+                              for name, dtype in keys])
+  return dict(zip(keys, zip(ruled, hinted, strict=True), strict=True))
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_hint_agreeing_with_the_rule_gives_the_rule_s_results_under_vmap(name):
-  tx = transformations()[name]
-  expected = run_vmap(tx, [None] * STEPS)
-  got = run_vmap(tx, [rule(name, t) for t in range(1, STEPS + 1)])
+def test_hint_agreeing_with_the_rule_gives_the_rule_s_results_under_vmap(vmap_runs, name):
+  (*expected, _, _), (*got, _, _) = vmap_runs[name, jnp.float32]
   chex.assert_trees_all_close(got, expected, rtol=RTOL, atol=ATOL)
 
 
@@ -354,27 +402,14 @@ def test_flax_train_state_on_a_2d_mesh_with_a_tuple_axis():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_hint_with_gradients_in_another_dtype(name):
+def test_hint_with_gradients_in_another_dtype(vmap_runs, name):
   """bfloat16 params and float32 gradients: the hinted steps give the rule's params and state
   (to two bfloat16 roundings, 2**-7 relative: one on each side), in the params' and the state's
   own dtypes. A sync one step early or late moves the params by ~1e-2, far more."""
-  tx = transformations()[name]
-
-  def run(hints):
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), worker_params())
-    state = jax.vmap(tx.init, axis_name=AXIS)(params)
-    dtypes = jax.tree.map(lambda x: x.dtype, state)
-    updates_of = vmapped_updates(tx)
-    for t, hint in enumerate(hints, start=1):
-      grads = jax.vmap(grads_at, in_axes=(None, 0, 0))(
-        t, jax.tree.map(lambda p: p.astype(jnp.float32), params), WORKERS)
-      updates, state = updates_of[hint](grads, state, params)
-      params = optax.apply_updates(params, updates)
-      assert jax.tree.map(lambda x: x.dtype, state) == dtypes
-    return params, state
-
-  ruled = run([None] * STEPS)
-  hinted = run([rule(name, t) for t in range(1, STEPS + 1)])
+  (*ruled, ruled_init, ruled_steps), (*hinted, hinted_init, hinted_steps) = vmap_runs[
+    name, jnp.bfloat16]
+  assert all(dtypes == ruled_init for dtypes in ruled_steps)
+  assert all(dtypes == hinted_init for dtypes in hinted_steps)
   chex.assert_trees_all_equal_dtypes(hinted, ruled)
   chex.assert_trees_all_close(
     jax.tree.map(lambda x: x.astype(jnp.float32), hinted),
