@@ -30,6 +30,10 @@ GRIDS = {  # magnitudes, in code order
 }
 FORMAT_MAX = {"int8": 127, "float4_e2m1fn": 6, "e3m0": 1}
 N = 4
+# encode and decode jitted, as a step runs them: one program per format and shape, where the eager
+# call compiled each of its operations for each shape.
+encode = jax.jit(_quantize.encode, static_argnums=(1, 2))
+decode = jax.jit(_quantize.decode, static_argnums=(1, 2, 3))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,11 +107,11 @@ test_data.__test__ = False
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_encode_matches_reference(fmt):
   x = test_data()
-  packed = _quantize.encode(jnp.asarray(x), fmt, 64)
+  packed = encode(jnp.asarray(x), fmt, 64)
   values, scales = ref_encode(x, fmt, 64)
   np.testing.assert_array_equal(np.asarray(packed.scales), scales)
   np.testing.assert_array_equal(ref_values(packed, fmt), values)
-  decoded = _quantize.decode(packed, fmt, x.shape, jnp.float32)
+  decoded = decode(packed, fmt, x.shape, jnp.float32)
   expected = ref_decode(values, scales, x.size).reshape(x.shape)
   np.testing.assert_array_equal(np.asarray(decoded), expected)
 
@@ -119,7 +123,7 @@ def test_ties_round_to_even(fmt):
   midpoints = (grid[:-1] + grid[1:]) / 2
   x = np.concatenate([[grid[-1]], midpoints, -midpoints]).astype(np.float32)
   x = np.pad(x, (0, -x.size % 2))
-  packed = _quantize.encode(jnp.asarray(x), fmt, x.size)
+  packed = encode(jnp.asarray(x), fmt, x.size)
   assert float(packed.scales[0]) == 1.0
   values, _ = ref_encode(x, fmt, x.size)
   np.testing.assert_array_equal(ref_values(packed, fmt), values)
@@ -132,7 +136,7 @@ def test_e2m1_matches_ml_dtypes():
   rng = np.random.default_rng(1)
   x = np.concatenate([[6.0], np.linspace(-6, 6, 4801), np.clip(rng.normal(size=1000) * 3, -6, 6)])
   x = x[: x.size - x.size % 2].astype(np.float32)
-  packed = _quantize.encode(jnp.asarray(x), "float4_e2m1fn", x.size)
+  packed = encode(jnp.asarray(x), "float4_e2m1fn", x.size)
   assert float(packed.scales[0]) == 1.0
   bits = np.asarray(x.astype(ml_dtypes.float4_e2m1fn)).view(np.uint8)
   codes = np.asarray(packed.codes)
@@ -143,8 +147,8 @@ def test_e2m1_matches_ml_dtypes():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_error_within_half_a_step(fmt):
   x = test_data(seed=2, shape=(8, 64))
-  packed = _quantize.encode(jnp.asarray(x), fmt, 64)
-  decoded = np.asarray(_quantize.decode(packed, fmt, x.shape, jnp.float32), np.float64)
+  packed = encode(jnp.asarray(x), fmt, 64)
+  decoded = np.asarray(decode(packed, fmt, x.shape, jnp.float32), np.float64)
   scales = np.asarray(packed.scales, np.float64)[:, None]
   magnitude = np.minimum(np.abs(x) / scales, FORMAT_MAX[fmt])
   bound = bracket_step(magnitude, fmt) / 2 * scales * (1 + 1e-6)
@@ -156,14 +160,14 @@ def test_round_trip_error_within_half_a_step(fmt):
 def test_every_4bit_code_survives_packing(fmt):
   codes = np.random.default_rng(3).permutation(np.tile(np.arange(16, dtype=np.uint8), 8))
   codes = codes.reshape(4, 32)
-  packed = np.asarray(_quantize._pack(jnp.asarray(codes)))
+  packed = np.asarray(jax.jit(_quantize._pack)(codes))
   assert packed.shape == (4, 16) and packed.dtype == np.uint8
   np.testing.assert_array_equal(packed, codes[:, 0::2] | (codes[:, 1::2] << 4))
-  np.testing.assert_array_equal(np.asarray(_quantize._unpack(jnp.asarray(packed))), codes)
+  np.testing.assert_array_equal(np.asarray(jax.jit(_quantize._unpack)(packed)), codes)
   # Every signed grid point, at scale 1, comes back exactly (negative zero included).
   grid = GRIDS[fmt].astype(np.float32)
   x = np.concatenate([grid, -grid])
-  decoded = np.asarray(_quantize.decode(_quantize.encode(jnp.asarray(x), fmt, 16), fmt, (16,)))
+  decoded = np.asarray(decode(encode(jnp.asarray(x), fmt, 16), fmt, (16,)))
   np.testing.assert_array_equal(decoded, x)
   np.testing.assert_array_equal(np.signbit(decoded), np.signbit(x))
 
@@ -172,14 +176,14 @@ def test_every_4bit_code_survives_packing(fmt):
 def test_padding_and_shapes(fmt):
   """103 values in blocks of 16: 7 blocks, the last one padded with 9 zeros."""
   x = test_data(seed=4, shape=(1, 103)).ravel()
-  packed = _quantize.encode(jnp.asarray(x), fmt, 16)
+  packed = encode(jnp.asarray(x), fmt, 16)
   width = 16 if fmt == "int8" else 8
   assert packed.codes.shape == (7, width) and packed.scales.shape == (7,)
   assert packed.scales.dtype == jnp.float32
   assert packed.codes.nbytes + packed.scales.nbytes == _quantize.wire_bytes(103, fmt, 16)
   np.testing.assert_array_equal(ref_values(packed, fmt)[-1, 103 - 96 :], 0.0)
-  assert _quantize.decode(packed, fmt, (103,), jnp.bfloat16).dtype == jnp.bfloat16
-  assert _quantize.decode(packed, fmt).shape == (112,)
+  assert decode(packed, fmt, (103,), jnp.bfloat16).dtype == jnp.bfloat16
+  assert decode(packed, fmt).shape == (112,)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -187,10 +191,10 @@ def test_zero_and_tiny_blocks_are_sent_as_zeros(fmt):
   """A zero block, and one whose scale would be below float32's smallest normal."""
   tiny = 2.0**-127 * FORMAT_MAX[fmt]  # the scale would be 2**-127
   x = np.concatenate([np.zeros(8), np.full(8, tiny), [1e-30] + [0] * 7]).astype(np.float32)
-  packed = _quantize.encode(jnp.asarray(x), fmt, 8)
+  packed = encode(jnp.asarray(x), fmt, 8)
   scales = np.asarray(packed.scales)
   assert scales[0] == 0.0 and scales[1] == 0.0 and scales[2] >= 2.0**-126
-  decoded = np.asarray(_quantize.decode(packed, fmt, (24,)))
+  decoded = np.asarray(decode(packed, fmt, (24,)))
   np.testing.assert_array_equal(decoded[:16], 0.0)
   np.testing.assert_allclose(decoded[16], 1e-30, rtol=2.0**-16)
   assert np.all(np.isfinite(decoded))
@@ -328,9 +332,8 @@ def test_quantized_sum_non_finite_block():
   trees = worker_trees(seed=7)
   trees["w"][2, 0, 5] = np.nan
   trees["w"][1, 2, 99] = np.inf
-  out = jax.vmap(lambda t: _quantize.quantized_sum(t, "w", "e3m0", 64), axis_name="w")(
-    jax.tree.map(jnp.asarray, trees)
-  )
+  out = jax.jit(jax.vmap(lambda t: _quantize.quantized_sum(t, "w", "e3m0", 64), axis_name="w"))(
+    trees)
   # "b" (7 values) then "w" end to end: w[j] is value 7 + j, in block (7 + j) // 64.
   w = np.asarray(out["w"][0]).ravel()
   assert not np.isfinite(np.asarray(out["b"][0], np.float32)).any()  # block 0: b and w[:57]
@@ -374,9 +377,10 @@ def test_error_feedback_loses_nothing(fmt):
 
 def test_error_feedback_bfloat16_input():
   x = jnp.asarray(np.linspace(-1, 1, 32), jnp.bfloat16)
-  packed, residual = _quantize.quantize_with_feedback(x, jnp.zeros(32, jnp.float32), "e3m0", 32)
+  packed, residual = jax.jit(_quantize.quantize_with_feedback, static_argnums=(2, 3))(
+    x, jnp.zeros(32, jnp.float32), "e3m0", 32)
   assert residual.dtype == jnp.float32 and residual.shape == (32,)
-  decoded = np.asarray(_quantize.decode(packed, "e3m0", (32,)))
+  decoded = np.asarray(decode(packed, "e3m0", (32,)))
   np.testing.assert_array_equal(decoded + np.asarray(residual), np.asarray(x, np.float32))
 
 
