@@ -126,8 +126,8 @@ def test_maxtext_diloco_numbers():
   tx = optax_dist.diloco(
     optax.sgd(0.1), optax.sgd(1.0, momentum=0.9, nesterov=True), sync_period=3, axis_name=AXIS
   )
-  inputs = jnp.array([[[0.0, 1.0], [1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]]])
-  labels = jnp.array([[[1.0], [2.0]], [[2.0], [3.0]]])
+  inputs = np.array([[[0.0, 1.0], [1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]]], np.float32)
+  labels = np.array([[[1.0], [2.0]], [[2.0], [3.0]]], np.float32)
 
   def loss_fn(params, x, y):
     return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
@@ -137,12 +137,12 @@ def test_maxtext_diloco_numbers():
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
-  params = {"w": jnp.array([[[2.0], [1.0]]] * 2), "b": jnp.ones((2, 1))}
-  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  params = {"w": np.array([[[2.0], [1.0]]] * 2, np.float32), "b": np.ones((2, 1), np.float32)}
+  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
   step = jax.jit(jax.vmap(step, axis_name=AXIS))
   losses = []
   for t in range(4):
-    params, state, loss = step(params, state, inputs, labels)
+    params, state, loss = jax.device_get(step(params, state, inputs, labels))
     losses.append(float(loss[0]))
     if t == 2:
       np.testing.assert_allclose(params["w"][:, :, 0], [[1.5345, 1.0494]] * 2, atol=1e-4)
@@ -167,14 +167,14 @@ def test_float8_exchange_sums_quantized_values_in_float32(mapping):
   tx = optax_dist.diloco(
     optax.sgd(1.0), optax.sgd(1.0), sync_period=1, axis_name=AXIS, comm_dtype=jnp.float8_e4m3fn
   )
-  params = {k: jnp.zeros((N, *s)) for k, s in SHAPES.items()}
+  params = {k: np.zeros((N, *s), np.float32) for k, s in SHAPES.items()}
   if mapping == "vmap":
-    state = jax.vmap(tx.init, axis_name=AXIS)(params)
+    state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
     _, state = jax.jit(jax.vmap(tx.update, axis_name=AXIS))(grads, state, params)
   else:
     init, step, put = shard_map_step(tx)
     params = put(params)
-    _, state = step(params, init(params), put(jax.tree.map(jnp.asarray, grads)))
+    _, state = step(params, init(params), put(grads))
   assert_identical_on_workers(state.anchor)
   for k, g in grads.items():
     quantized = g.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -190,12 +190,16 @@ def test_one_worker_diloco_is_an_outer_step_on_its_own_progress():
   # H = 2, inner SGD 1, outer Nesterov: after two steps of gradient -1 from 0, x' = 2,
   # delta = -2, trace = -2, anchor = 0 + 0.7 (2 + 0.9 * 2) = 2.66.
   tx = optax_dist.diloco(optax.sgd(1.0), sync_period=2)
-  params = jnp.zeros(1)
-  state = tx.init(params)
-  update = jax.jit(tx.update)
+  params = np.zeros(1, np.float32)
+  state = jax.jit(tx.init)(params)
+
+  @jax.jit
+  def step(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
   for _ in range(2):
-    updates, state = update(-jnp.ones(1), state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = step(-np.ones(1, np.float32), state, params)
   np.testing.assert_allclose(params, [2.66], rtol=1e-6)
   np.testing.assert_allclose(state.anchor, [2.66], rtol=1e-6)
   np.testing.assert_allclose(state.outer_state[0].trace, [-2.0])
