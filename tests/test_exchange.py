@@ -98,7 +98,7 @@ def test_one_worker_returns_its_own_tree():
 def test_sum_mean_and_gather_match_numpy():
   x = _values()
   exchange = optax_dist.Exchange("w")
-  run = lambda f: np.asarray(jax.vmap(f, axis_name="w")(x))  # noqa: E731
+  run = lambda f: np.asarray(jax.jit(jax.vmap(f, axis_name="w"))(x))
   np.testing.assert_array_equal(run(exchange.gather), np.broadcast_to(x, (N, *x.shape)))
   np.testing.assert_allclose(run(exchange.sum), np.broadcast_to(x.sum(0), x.shape), rtol=1e-6)
   np.testing.assert_allclose(run(exchange.mean), np.broadcast_to(x.mean(0), x.shape), rtol=1e-6)
@@ -106,7 +106,8 @@ def test_sum_mean_and_gather_match_numpy():
 
 def test_bfloat16_mean_rounds_each_term_and_the_sum():
   x = np.array([[1.0 + 2**-9], [1.0], [1.0], [1.0]], np.float32)  # 1 + 2^-9 is not a bfloat16
-  mean = jax.vmap(optax_dist.Exchange("w", comm_dtype=jnp.bfloat16).mean, axis_name="w")(x)
+  mean = jax.jit(jax.vmap(optax_dist.Exchange("w", comm_dtype=jnp.bfloat16).mean,
+                          axis_name="w"))(x)
   bf16 = x.astype(ml_dtypes.bfloat16).astype(np.float32)
   assert bf16[0, 0] == 1.0
   np.testing.assert_array_equal(np.asarray(mean), np.broadcast_to(bf16.sum(0) / N, x.shape))
@@ -116,11 +117,11 @@ def test_bfloat16_mean_rounds_each_term_and_the_sum():
 def test_mean_with_feedback_sends_what_it_does_not_keep(fmt):
   x, r = _values(1), 0.01 * _values(2)
   exchange = optax_dist.Exchange("w", comm_dtype=fmt, comm_block_size=2)
-  mean, kept = jax.vmap(exchange.mean_with_feedback, axis_name="w")(x, r)
+  mean, kept = jax.jit(jax.vmap(exchange.mean_with_feedback, axis_name="w"))(x, r)
   sent = x + r - np.asarray(kept)  # Q(t_i + r_i), per worker
   np.testing.assert_allclose(np.asarray(mean), np.broadcast_to(sent.sum(0) / N, x.shape),
                              rtol=1e-6, atol=1e-7)
-  plain = jax.vmap(exchange.mean, axis_name="w")(x + r)  # the same codes without the feedback
+  plain = jax.jit(jax.vmap(exchange.mean, axis_name="w"))(x + r)  # the same codes, no feedback
   np.testing.assert_array_equal(np.asarray(mean), np.asarray(plain))
   assert np.abs(np.asarray(kept)).max() > 0  # something was dropped, and kept
 
@@ -135,15 +136,17 @@ def test_a_packed_payload_is_the_codes_sent_and_merges_to_the_in_program_mean(fm
   packed = optax_dist.Exchange("w", comm_dtype=fmt, comm_block_size=4, packed_payload=True)
   plain = dataclasses.replace(packed, packed_payload=False)
   sent = []
+  payload, plain_payload = jax.jit(packed.payload), jax.jit(plain.payload)  # as a step runs them
   for i in range(N):
-    tree, residual = {"x": x[i], "n": jnp.arange(3)}, {"x": r[i], "n": jnp.zeros(3)}
-    wire, kept = packed.payload(tree, residual)
-    _, kept_plain = plain.payload(tree, residual)
+    tree = {"x": x[i], "n": np.arange(3, dtype=np.int32)}
+    residual = {"x": r[i], "n": np.zeros(3, np.float32)}
+    wire, kept = payload(tree, residual)
+    _, kept_plain = plain_payload(tree, residual)
     assert sum(np.asarray(a).nbytes for a in jax.tree.leaves(wire)) == (
       optax_dist._quantize.wire_bytes(10, fmt, 4) + 3 * 4)
     np.testing.assert_array_equal(np.asarray(kept["x"]), np.asarray(kept_plain["x"]))
     sent.append(wire)
-  mean, _ = jax.vmap(plain.mean_with_feedback, axis_name="w")(x, r)
+  mean, _ = jax.jit(jax.vmap(plain.mean_with_feedback, axis_name="w"))(x, r)
   merged = optax_dist.merge_payloads(sent)
   np.testing.assert_array_equal(np.asarray(merged["x"]), np.asarray(mean)[0])
   np.testing.assert_array_equal(np.asarray(merged["n"]), np.arange(3))
@@ -205,12 +208,14 @@ def test_float4_is_block_scaled_where_it_is_taken():
   zeros; every transformation that takes the format scales each block first."""
   g = 0.05 * np.random.default_rng(4).normal(size=(N, 64)).astype(np.float32)
   assert not np.any(g.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))  # a raw cast: zeros
-  mean = jax.vmap(optax_dist.Exchange("w", comm_dtype=jnp.float4_e2m1fn).mean, axis_name="w")(g)
+  mean = jax.jit(jax.vmap(optax_dist.Exchange("w", comm_dtype=jnp.float4_e2m1fn).mean,
+                          axis_name="w"))(g)
   np.testing.assert_allclose(np.asarray(mean)[0], g.mean(0), atol=0.25 * np.abs(g).max())
   tx = optax_dist.diloco(optax.sgd(1.0), optax.sgd(1.0), sync_period=1, axis_name="w",
                          comm_dtype=jnp.float4_e2m1fn)
-  params = jnp.zeros((N, 64))
-  updates, _ = jax.vmap(tx.update, axis_name="w")(g, jax.vmap(tx.init)(params), params)
+  params = np.zeros((N, 64), np.float32)
+  updates, _ = jax.jit(jax.vmap(lambda g, p: tx.update(g, tx.init(p), p), axis_name="w"))(
+    g, params)
   np.testing.assert_array_equal(np.asarray(updates), np.broadcast_to(-np.asarray(mean), g.shape))
 
 
