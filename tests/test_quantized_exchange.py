@@ -139,38 +139,60 @@ def _diloco(fmt, n, error_feedback, **kwargs):
   )
 
 
-def _run_diloco(fmt, n, error_feedback, syncs=3, seed=0):
-  """Runs diloco under vmap for ``syncs`` syncs; yields, at each sync, what the reference needs:
-  (anchor before, the workers' x', the state after, the params after)."""
-  rng = np.random.RandomState(seed)
-  start = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
-  params = _stack(start, n)
-  tx = _diloco(fmt, n, error_feedback)
-  state = jax.vmap(tx.init, axis_name=AXIS)(params)
-  step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
+def _run_diloco_together(cases, syncs=3, seed=0):
+  """Runs diloco under vmap for ``syncs`` syncs, for each ``(fmt, n, error_feedback)`` of
+  ``cases`` (each from its own generator of ``seed``); a step of every case is one jitted call
+  (one program for all the cases instead of one each). Per case, at each sync, what the
+  reference needs: (anchor before, the workers' x', the state after, the params after)."""
+  rngs = [np.random.RandomState(seed) for _ in cases]
+  params = [_stack({k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}, n)
+            for rng, (_, n, _) in zip(rngs, cases, strict=True)]
+  txs = [_diloco(*case) for case in cases]
+  states = [jax.vmap(tx.init, axis_name=AXIS)(p) for tx, p in zip(txs, params, strict=True)]
+  step = jax.jit(lambda *args: [jax.vmap(tx.update, axis_name=AXIS)(*a)
+                                for tx, a in zip(txs, zip(*args, strict=True), strict=True)])
+  synced = [[] for _ in cases]
   for s in range(1, syncs * H + 1):
-    grads = _gradients(rng, n)
-    anchor = {k: np.asarray(v[0]) for k, v in state.anchor.items()}
-    x_new = {k: (params[k] - grads[k]).astype(np.float32) for k in params}  # inner SGD(1)
-    updates, state = step(grads, state, params)
-    params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
-    if s % H == 0:
-      yield anchor, x_new, state, params
-    else:
-      np.testing.assert_array_equal(params["w"], x_new["w"])
+    grads = [_gradients(rng, n) for rng, (_, n, _) in zip(rngs, cases, strict=True)]
+    anchors = [{k: np.asarray(v[0]) for k, v in state.anchor.items()} for state in states]
+    x_new = [{k: (p[k] - g[k]).astype(np.float32) for k in p}  # inner SGD(1)
+             for p, g in zip(params, grads, strict=True)]
+    updates, states = zip(*step(grads, states, params), strict=True)
+    params = [{k: np.asarray(v) for k, v in optax.apply_updates(p, u).items()}
+              for p, u in zip(params, updates, strict=True)]
+    for i in range(len(cases)):
+      if s % H == 0:
+        synced[i].append((anchors[i], x_new[i], states[i], params[i]))
+      else:
+        np.testing.assert_array_equal(params[i]["w"], x_new[i]["w"])
+  return synced
+
+
+def _run_diloco(fmt, n, error_feedback, syncs=3, seed=0):
+  """:func:`_run_diloco_together` of one case."""
+  return _run_diloco_together([(fmt, n, error_feedback)], syncs, seed)[0]
 
 
 # ----------------------------------------------------------------------------------------------
 # diloco against the reference.
 
 
+DILOCO_CASES = [(fmt, n, error_feedback) for fmt in FORMATS for error_feedback in (False, True)
+                for n in (2, 4)]
+
+
+@pytest.fixture(scope="module")
+def diloco_syncs():
+  return dict(zip(DILOCO_CASES, _run_diloco_together(DILOCO_CASES), strict=True))
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "feedback"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_diloco_syncs_match_numpy_reference(fmt, error_feedback, n):
+def test_diloco_syncs_match_numpy_reference(diloco_syncs, fmt, error_feedback, n):
   """Each sync: anchor <- anchor - (1/N) sum_j Q(anchor - x'_j [+ r_j]), r_j <- the rest."""
   residual = {k: np.zeros((n, *s), np.float32) for k, s in SHAPES.items()}
-  for anchor, x_new, state, params in _run_diloco(fmt, n, error_feedback):
+  for anchor, x_new, state, params in diloco_syncs[fmt, n, error_feedback]:
     targets = [{k: (anchor[k] - x_new[k][j] + residual[k][j]).astype(np.float32)
                 for k in SHAPES} for j in range(n)]  # residual: zeros without feedback
     sent = [quantized_tree(target, fmt, BLOCK) for target in targets]
@@ -187,16 +209,23 @@ def test_diloco_syncs_match_numpy_reference(fmt, error_feedback, n):
       assert state.error_feedback is None
 
 
+@pytest.fixture(scope="module")
+def four_syncs():
+  """Each format on 4 workers, with and without feedback, 4 syncs of seed 3: one program."""
+  cases = [(fmt, 4, error_feedback) for fmt in FORMATS for error_feedback in (False, True)]
+  return dict(zip(cases, _run_diloco_together(cases, syncs=4, seed=3), strict=True))
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_error_feedback_sent_plus_residual_is_the_pseudo_gradients(fmt):
+def test_error_feedback_sent_plus_residual_is_the_pseudo_gradients(four_syncs, fmt):
   """Over K syncs, sum_k sum_j sent + sum_j r_j = sum_k sum_j (anchor_k - x'_jk), where the sent
   sum of sync k is read off the anchor: N (anchor_k - anchor_k+1) (outer SGD of rate 1)."""
-  n, syncs = 4, 4
+  n = 4
 
   def balance(error_feedback):
     sent = {k: np.zeros(s) for k, s in SHAPES.items()}
     given = {k: np.zeros(s) for k, s in SHAPES.items()}
-    for anchor, x_new, state, _ in _run_diloco(fmt, n, error_feedback, syncs=syncs, seed=3):
+    for anchor, x_new, state, _ in four_syncs[fmt, n, error_feedback]:
       for k in SHAPES:
         new_anchor = np.asarray(state.anchor[k][0], np.float64)
         sent[k] += n * (anchor[k].astype(np.float64) - new_anchor)
@@ -426,30 +455,52 @@ def test_agn_commits_quantized_gradients(center_update):
     np.testing.assert_array_equal(np.asarray(state.center[k]), _stack({k: expected}, n)[k])
 
 
+STREAMING_CASES = [(fmt, error_feedback, overlap) for fmt in FORMATS
+                   for error_feedback in (False, True) for overlap in (0, 1)]
+STREAMING_PERIOD = 4
+
+
+@pytest.fixture(scope="module")
+def streaming_runs():
+  """Each case of the test below, 2 workers, 3 periods from the start and gradients of seed 5,
+  a step of every case one jitted call (one program for all of them): ``{case: (start, per
+  step (the workers' x', the state after, the params after))}``."""
+  n, rng = 2, np.random.RandomState(5)
+  start = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+  txs = [optax_dist.streaming_diloco(
+    optax.sgd(1.0), optax.sgd(1.0), sync_period=STREAMING_PERIOD, num_fragments=2,
+    fragments={"b": 1, "w": 0}, overlap=overlap, axis_name=AXIS, comm_dtype=FORMATS[fmt],
+    comm_block_size=BLOCK, error_feedback=error_feedback)
+    for fmt, error_feedback, overlap in STREAMING_CASES]
+  params = [_stack(start, n)] * len(txs)
+  states = [jax.vmap(tx.init, axis_name=AXIS)(p) for tx, p in zip(txs, params, strict=True)]
+  step = jax.jit(lambda grads, states, params: [
+    jax.vmap(tx.update, axis_name=AXIS)(grads, s, p)
+    for tx, s, p in zip(txs, states, params, strict=True)])
+  history = []
+  for _ in range(3 * STREAMING_PERIOD):
+    grads = _gradients(rng, n)  # the same for every case
+    x_new = [{k: (p[k] - grads[k]).astype(np.float32) for k in p} for p in params]
+    updates, states = zip(*step(grads, states, params), strict=True)
+    params = [{k: np.asarray(v) for k, v in optax.apply_updates(p, u).items()}
+              for p, u in zip(params, updates, strict=True)]
+    history.append(list(zip(x_new, states, params, strict=True)))
+  return {case: (start, [at[i] for at in history]) for i, case in enumerate(STREAMING_CASES)}
+
+
 @pytest.mark.parametrize("overlap", [0, 1])
 @pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "feedback"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_streaming_diloco_matches_numpy_reference(fmt, error_feedback, overlap):
+def test_streaming_diloco_matches_numpy_reference(streaming_runs, fmt, error_feedback, overlap):
   """Fragment f ("w" then "b") syncs on its own steps and quantizes t_j = theta_f - x'_j,f (plus
   r_j,f with error feedback, which keeps r_j,f <- t_j - Q(t_j)); theta_f <- theta_f - mean_j
   Q(t_j) lands ``overlap`` steps later; the other fragment's anchor stays."""
-  n, sync_period, rng = 2, 4, np.random.RandomState(5)
-  start = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
-  params = _stack(start, n)
-  tx = optax_dist.streaming_diloco(
-    optax.sgd(1.0), optax.sgd(1.0), sync_period=sync_period, num_fragments=2,
-    fragments={"b": 1, "w": 0}, overlap=overlap, axis_name=AXIS, comm_dtype=FORMATS[fmt],
-    comm_block_size=BLOCK, error_feedback=error_feedback)
-  state = jax.vmap(tx.init, axis_name=AXIS)(params)
-  step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
+  n, sync_period = 2, STREAMING_PERIOD
+  start, history = streaming_runs[fmt, error_feedback, overlap]
   expected = dict(start)
   residual = {k: np.zeros((n, *s), np.float32) for k, s in SHAPES.items()}
   landing = {}  # fragment's leaf -> (step, mean)
-  for t in range(1, 3 * sync_period + 1):
-    grads = _gradients(rng, n)
-    x_new = {k: (params[k] - grads[k]).astype(np.float32) for k in params}
-    updates, state = step(grads, state, params)
-    params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
+  for t, (x_new, state, _) in enumerate(history, start=1):
     for f, k in enumerate(("w", "b")):
       if optax_dist.streaming_diloco_syncs(t, sync_period=sync_period, num_fragments=2,
                                            fragment=f):
