@@ -272,11 +272,14 @@ def test_a_mistake_said_by_process_zero_is_its_one_line(capfd):
   assert capfd.readouterr().err.strip().splitlines() == [said]
 
 
-def test_a_crash_after_a_mistake_is_reported(capfd):
+def test_a_crash_after_a_mistake_is_reported(capfd, tmp_path):
+  """Process 1 exits with status 2 (a mistake); process 0 crashes after it, within the grace."""
   from optax_dist.cli import processes
 
-  procs = [_process("import time, os; time.sleep(1.0); os._exit(1)"),
-           _process("import sys; sys.exit(2)")]
+  said = tmp_path / "mistake"
+  procs = [_process(f"import os, time\nwhile not os.path.exists({str(said)!r}): time.sleep(0.01)\n"
+                    "time.sleep(0.2); os._exit(1)"),
+           _process(f"import sys; open({str(said)!r}, 'w').close(); sys.exit(2)")]
   assert processes._watch(procs) == 1
   lines = capfd.readouterr().err.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(
