@@ -94,16 +94,33 @@ def _rank_ordered(payloads, n: int) -> list:
   return [_worker(payloads, i) for i in range(n)]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize(
-  "fmt, feedback", [(f, False) for f in FORMATS] + [(f, True) for f in QUANTIZED])
-def test_diloco_halves_equal_update(n, fmt, feedback):
+def _rounds_together(cases, rounds):
+  """``rounds`` rounds of each ``(tx, step, n)`` of ``cases`` from ``_params(n)``, ``step`` the
+  unjitted per-worker ``(grads, state, params) -> (updates, new_state, ...)``: a round of every
+  case is one jitted call (one program for all the cases instead of one each). Per case, per
+  round: ``(params, state)`` before it and the step's outputs."""
+  steps = [jax.vmap(step, axis_name=AXIS) for _, step, _ in cases]
+  together = jax.jit(lambda args: [step(*a) for step, a in zip(steps, args, strict=True)])
+  params = [_params(n) for _, _, n in cases]
+  states = jax.jit(lambda ps: [jax.vmap(tx.init, axis_name=AXIS)(p)
+                               for (tx, _, _), p in zip(cases, ps, strict=True)])(params)
+  history = [[] for _ in cases]
+  for t in range(rounds):
+    outs = together([(_grads(n, t), s, p)
+                     for (_, _, n), s, p in zip(cases, states, params, strict=True)])
+    for seen, p, s, out in zip(history, params, states, outs, strict=True):
+      seen.append(((p, s), out))
+    params = [optax.apply_updates(p, out[0]) for p, out in zip(params, outs, strict=True)]
+    states = [out[1] for out in outs]
+  return history
+
+
+def _diloco_case(n, fmt, feedback):
+  """diloco, and a step that runs its update and, from the same state, the local half."""
   kw = dict(axis_name=AXIS, **_wire(fmt))
   tx = optax_dist.diloco(_inner(), _outer(), sync_period=1, error_feedback=feedback, **kw)
   exchange = optax_dist.Exchange(**kw, call="diloco")
 
-  @jax.jit
-  @functools.partial(jax.vmap, axis_name=AXIS)
   def step(grads, state, params):
     updates, new_state = tx.update(grads, state, params)
     new_params = _inner_params(grads, state, params)
@@ -111,11 +128,25 @@ def test_diloco_halves_equal_update(n, fmt, feedback):
       exchange, state.anchor, new_params, state.error_feedback)
     return updates, new_state, payload, residual
 
+  return tx, step, n
+
+
+DILOCO_CASES = [(n, fmt, feedback) for n in (2, 4)
+                for fmt, feedback in [(f, False) for f in FORMATS] + [(f, True) for f in QUANTIZED]]
+
+
+@pytest.fixture(scope="module")
+def diloco_rounds():
+  return dict(zip(DILOCO_CASES, _rounds_together(
+    [_diloco_case(*case) for case in DILOCO_CASES], ROUNDS), strict=True))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(
+  "fmt, feedback", [(f, False) for f in FORMATS] + [(f, True) for f in QUANTIZED])
+def test_diloco_halves_equal_update(diloco_rounds, n, fmt, feedback):
   outer_half = jax.jit(lambda *a: optax_dist.diloco_outer_step(_outer(), *a))
-  params = _params(n)
-  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
-  for t in range(ROUNDS):
-    updates, new_state, payloads, residual = step(_grads(n, t), state, params)
+  for (params, state), (updates, new_state, payloads, residual) in diloco_rounds[n, fmt, feedback]:
     merged = optax_dist.merge_payloads(_rank_ordered(payloads, n))
     anchor, outer_state = outer_half(_worker(state.anchor, 0), _worker(state.outer_state, 0),
                                      merged)
@@ -127,7 +158,6 @@ def test_diloco_halves_equal_update(n, fmt, feedback):
       _assert_close(_worker(updates, i), moved, exact)
       if feedback:  # the candidate residual is the state's, bit for bit
         _assert_close(_worker(residual, i), _worker(new_state.error_feedback, i), True)
-    params, state = optax.apply_updates(params, updates), new_state
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -207,30 +237,38 @@ def test_streaming_diloco_halves_per_fragment(fmt, overlap):
   assert not in_flight
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_local_sgd_halves_equal_update(n, fmt):
+def _local_sgd_case(n, fmt):
+  """local_sgd, and a step that runs its update and, from the same state, the local half."""
   kw = dict(axis_name=AXIS, **_wire(fmt))
   tx = optax_dist.local_sgd(_inner(), sync_period=1, **kw)
   exchange = optax_dist.Exchange(**kw, call="local_sgd")
 
-  @jax.jit
-  @functools.partial(jax.vmap, axis_name=AXIS)
   def step(grads, state, params):
     updates, new_state = tx.update(grads, state, params)
     new_params = _inner_params(grads, state, params)
     return updates, new_state, optax_dist.local_sgd_payload(exchange, new_params)
 
-  params = _params(n)
-  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
-  for t in range(2):
-    updates, state, payloads = step(_grads(n, t), state, params)
+  return tx, step, n
+
+
+LOCAL_SGD_CASES = [(n, fmt) for n in (2, 4) for fmt in FORMATS]
+
+
+@pytest.fixture(scope="module")
+def local_sgd_rounds():
+  return dict(zip(LOCAL_SGD_CASES, _rounds_together(
+    [_local_sgd_case(*case) for case in LOCAL_SGD_CASES], 2), strict=True))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_local_sgd_halves_equal_update(local_sgd_rounds, n, fmt):
+  for (params, _), (updates, _, payloads) in local_sgd_rounds[n, fmt]:
     merged = optax_dist.merge_payloads(_rank_ordered(payloads, n))
     for i in range(n):  # every worker lands on the average
       average = optax_dist.local_sgd_outer_step(merged, _worker(params, i))
       moved = jax.tree.map(jnp.subtract, average, _worker(params, i))
       _assert_close(_worker(updates, i), moved, _exact(fmt, n))
-    params = optax.apply_updates(params, updates)
 
 
 def test_payload_dtypes_are_the_wire_formats():
