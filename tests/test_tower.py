@@ -300,14 +300,11 @@ def test_tower_matches_numpy(mapping, reduction, inner_name):
 # A tuple axis on a 2-D mesh, 8-bit communication.
 
 
-@pytest.mark.parametrize("hierarchical", [False, True])
-@pytest.mark.parametrize("reduction,expected", [("sum", -10.0), ("mean", -2.5)])
-@pytest.mark.parametrize("params_spec", [P(), P("hosts"), P("gpus"), P(("hosts", "gpus"))])
-def test_tower_tuple_axis_counts_each_tower_once(reduction, expected, params_spec, hierarchical):
-  """Per-tower gradients 1..4 on a 2x2 mesh: sum -10, mean -2.5 with sgd(1), whichever axes the
-  params are replicated over (autodiff has then summed over those; the psum runs over the rest),
-  flat or hierarchical."""
-  mesh = jax.make_mesh((2, 2), ("hosts", "gpus"))
+TUPLE_AXIS_SPECS = [P(), P("hosts"), P("gpus"), P(("hosts", "gpus"))]
+
+
+def _tuple_axis_updates(mesh, reduction, params_spec, hierarchical):
+  """sgd(1)'s updates of the per-tower gradients 1..4 on ``mesh`` (unjitted) and its inputs."""
   tx = optax_dist.tower(optax.sgd(1.0), ("hosts", "gpus"), reduction=reduction,
                         hierarchical=hierarchical)
   n_params = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(params_spec))]))
@@ -319,8 +316,32 @@ def test_tower_tuple_axis_counts_each_tower_once(reduction, expected, params_spe
     updates, _ = tx.update(grads, tx.init(p), p)
     return updates
 
-  updates = jax.shard_map(step, mesh=mesh, in_specs=(params_spec, P(("hosts", "gpus"))),
-                          out_specs=params_spec)(params, x)
+  return jax.shard_map(step, mesh=mesh, in_specs=(params_spec, P(("hosts", "gpus"))),
+                       out_specs=params_spec), (params, x)
+
+
+@pytest.fixture(scope="module")
+def tuple_axis_updates():
+  """Every case of the test below on one 2x2 mesh, all compiled as one program."""
+  mesh = jax.make_mesh((2, 2), ("hosts", "gpus"))
+  cases = [(reduction, spec, hierarchical) for reduction in ("sum", "mean")
+           for spec in TUPLE_AXIS_SPECS for hierarchical in (False, True)]
+  fns, args = zip(*(_tuple_axis_updates(mesh, *case) for case in cases), strict=True)
+  updates = jax.jit(lambda args: [fn(*a) for fn, a in zip(fns, args, strict=True)])(list(args))
+  return dict(zip(cases, updates, strict=True))
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("reduction,expected", [("sum", -10.0), ("mean", -2.5)])
+@pytest.mark.parametrize("params_spec", TUPLE_AXIS_SPECS)
+def test_tower_tuple_axis_counts_each_tower_once(
+  tuple_axis_updates, reduction, expected, params_spec, hierarchical
+):
+  """Per-tower gradients 1..4 on a 2x2 mesh: sum -10, mean -2.5 with sgd(1), whichever axes the
+  params are replicated over (autodiff has then summed over those; the psum runs over the rest),
+  flat or hierarchical."""
+  updates = tuple_axis_updates[reduction, params_spec, hierarchical]
+  n_params = 2 ** len(jax.tree.leaves(tuple(params_spec)))  # a param per device it spans
   np.testing.assert_allclose(updates, np.full(n_params, expected))
 
 
@@ -336,11 +357,12 @@ def test_tower_float8_comm_dtype_sums_quantized_values_in_float32(mapping):
     return tx.update(g, tx.init(g))[0]
 
   if mapping == "vmap":
-    got = jax.vmap(step, axis_name=AXIS)(grads)
+    got = jax.jit(jax.vmap(step, axis_name=AXIS))(grads)
   else:
     mesh = jax.make_mesh((n,), (AXIS,))
-    got = jax.shard_map(lambda g: step(g[0])[None], mesh=mesh, in_specs=P(AXIS),
-                        out_specs=P(AXIS))(jax.device_put(grads, NamedSharding(mesh, P(AXIS))))
+    got = jax.jit(jax.shard_map(lambda g: step(g[0])[None], mesh=mesh, in_specs=P(AXIS),
+                                out_specs=P(AXIS)))(
+      jax.device_put(grads, NamedSharding(mesh, P(AXIS))))
   quantized = np.asarray(grads.astype(jnp.float8_e4m3fn).astype(jnp.float32))
   want = -quantized.sum(axis=0)  # well past 448
   assert np.all(np.abs(want) > 448)
@@ -443,7 +465,7 @@ def test_hierarchical_all_reduce_matches_numpy(layout, reduction, mapping):
   tx = optax_dist.all_reduce((HOSTS, GPUS), reduction, hierarchical=True)
   if mapping == "vmap":
     update = lambda g: tx.update(g, tx.init(g))[0]  # noqa: E731
-    out = jax.vmap(jax.vmap(update, axis_name=GPUS), axis_name=HOSTS)(grads)
+    out = jax.jit(jax.vmap(jax.vmap(update, axis_name=GPUS), axis_name=HOSTS))(grads)
   else:
     mesh = jax.make_mesh(layout, (HOSTS, GPUS), axis_types=(AxisType.Auto,) * 2)
     fn, placed = _hierarchical_shard_map(tx, mesh, grads)
