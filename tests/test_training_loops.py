@@ -54,9 +54,12 @@ NAMES = list(transformations(None))
 
 
 def params_tree(dtype=jnp.float32):
-  return {"w": jnp.linspace(-1.0, 1.0, 6, dtype=dtype).reshape(3, 2), "b": jnp.ones(2, dtype)}
+  """Made on the host and put on the device, as a checkpoint or an initializer gives them."""
+  return jax.device_put({"w": np.linspace(-1.0, 1.0, 6).astype(dtype).reshape(3, 2),
+                         "b": np.ones(2, dtype)})
 
 
+@jax.jit
 def grads_at(step, params):
   return jax.tree.map(lambda p: jnp.cos(p * (step + 1.0)).astype(p.dtype), params)
 
@@ -124,33 +127,39 @@ MESHES = {  # name: (2-D mesh shape, 1-D device count)
 
 def run_per_worker(tx, mesh, axes, params, grads):
   """``NUM_STEPS`` steps under ``shard_map`` with per-worker params and state sharded over
-  ``axes``; ``params`` and each of ``grads`` have a leading worker axis."""
-  spec = P(axes)
-  shard = lambda tree: jax.device_put(tree, NamedSharding(mesh, spec))
+  ``axes``, init and steps in one program; ``params`` and each of ``grads`` have a leading worker
+  axis."""
   unstack = lambda tree: jax.tree.map(lambda x: x[0], tree)
   stack = lambda tree: jax.tree.map(lambda x: x[None], tree)
 
-  init = jax.jit(jax.shard_map(lambda p: stack(tx.init(unstack(p))), mesh=mesh,
-                               in_specs=spec, out_specs=spec))
+  def train(p, gs):  # one worker's: p (1, ...), gs (NUM_STEPS, 1, ...)
+    def step(carry, g):
+      p, s = carry
+      updates, s = tx.update(g, s, p)
+      return (optax.apply_updates(p, updates), s), None
 
-  def step(p, s, g):
-    p, s, g = unstack((p, s, g))
-    updates, s = tx.update(g, s, p)
-    return stack((optax.apply_updates(p, updates), s))
+    p = unstack(p)
+    # The state varies over the workers, as it would passed between steps sharded over axes.
+    state = jax.tree.map(varying, tx.init(p))
+    return stack(jax.lax.scan(step, (p, state), jax.tree.map(lambda x: x[:, 0], gs))[0])
 
-  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
-  params = shard(params)
-  state = init(params)
-  for g in grads:
-    params, state = step(params, state, shard(g))
-  return params, state
+  def varying(x):
+    names = (axes,) if isinstance(axes, str) else axes
+    missing = tuple(a for a in names if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  train = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(P(axes), P(None, axes)),
+                                out_specs=P(axes)))
+  grads = jax.tree.map(lambda *g: np.stack(g), *grads)
+  return train(jax.device_put(params, NamedSharding(mesh, P(axes))),
+               jax.device_put(grads, NamedSharding(mesh, P(None, axes))))
 
 
 def worker_inputs(n):
-  params = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params_tree())
+  params = jax.tree.map(lambda p: np.broadcast_to(p, (n, *p.shape)), jax.device_get(params_tree()))
   rng = np.random.default_rng(0)
   grads = [
-    jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
     for _ in range(NUM_STEPS)
   ]
   return params, grads
