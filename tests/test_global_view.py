@@ -179,20 +179,22 @@ def run_together(steps, inputs, steps_count=STEPS):
 @pytest.fixture(scope="module")
 def three_ways():
   """Every transformation on each mesh, ``STEPS`` steps in the global view, under a
-  partial-manual ``shard_map`` and under vmap on one device: each way's steps of a mesh's cases
-  compiled as one program (one mesh a program: the global view's shardings name their mesh).
+  partial-manual ``shard_map`` and under vmap on one device: the global view's and the
+  partial-manual steps of a mesh's cases compiled as one program each (one mesh a program: the
+  global view's shardings name their mesh), the one-device steps of every case as one.
   ``{(name, mesh_name): (inputs, global, manual, one device)}``."""
-  results = {}
+  cases = [(name, mesh_name) for mesh_name in MESHES for name in NAMES]
+  txs = [transformations()[name] for name, _ in cases]
+  inputs, got, manual = [], [], []
   for mesh_name, shape in MESHES.items():
     mesh = make_mesh(shape)
-    txs = [transformations()[name] for name in NAMES]
-    inputs = [placed(tx, mesh) for tx in txs]
-    got = run_together([global_view(tx) for tx in txs], inputs)
-    manual = run_together([partial_manual(tx, mesh) for tx in txs], inputs)
-    want = run_together([emulated(tx) for tx in txs], jax.device_put(inputs, jax.devices()[0]))
-    for name, *result in zip(NAMES, inputs, got, manual, want, strict=True):
-      results[name, mesh_name] = result
-  return results
+    on_mesh = [tx for tx, (_, m) in zip(txs, cases, strict=True) if m == mesh_name]
+    placed_here = [placed(tx, mesh) for tx in on_mesh]
+    inputs += placed_here
+    got += run_together([global_view(tx) for tx in on_mesh], placed_here)
+    manual += run_together([partial_manual(tx, mesh) for tx in on_mesh], placed_here)
+  want = run_together([emulated(tx) for tx in txs], jax.device_put(inputs, jax.devices()[0]))
+  return dict(zip(cases, zip(inputs, got, manual, want, strict=True), strict=True))
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
