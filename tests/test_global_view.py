@@ -455,31 +455,28 @@ def test_multisteps_inside_diloco_exchanges_once_per_sync_with_the_results_of_ou
   micro-steps of a sync window, so the exchange runs k times per sync. The same algorithm as
   ``diloco(optax.MultiSteps(inner, k), sync_period=H * k)`` exchanges once."""
   k, h, syncs = 2, 2, 2
-  outer_calls = []
+  outer_calls = {"outside": [], "inside": []}
 
-  def counted_outer():  # the outer step runs only in the exchange's branch
+  def counted_outer(calls):  # the outer step runs only in the exchange's branch
     def update(updates, state, params=None):
-      jax.debug.callback(lambda: outer_calls.append(1))
+      jax.debug.callback(lambda: calls.append(1))
       return updates, state
 
     return optax.chain(optax.sgd(0.7, momentum=0.9), optax.GradientTransformation(
       lambda params: optax.EmptyState(), update))
 
-  outside = optax.MultiSteps(
-    optax_dist.diloco(optax.adam(1e-2), counted_outer(), sync_period=h, axis_name=R), k)
-  inside = optax_dist.diloco(
-    optax.MultiSteps(optax.adam(1e-2), k), counted_outer(), sync_period=h * k, axis_name=R)
+  outside = optax.MultiSteps(optax_dist.diloco(
+    optax.adam(1e-2), counted_outer(outer_calls["outside"]), sync_period=h, axis_name=R), k)
+  inside = optax_dist.diloco(optax.MultiSteps(optax.adam(1e-2), k),
+                             counted_outer(outer_calls["inside"]), sync_period=h * k, axis_name=R)
   mesh = make_mesh(MESHES["2x4"])
-  results = {}
-  for name, tx in (("outside", outside), ("inside", inside)):
-    outer_calls.clear()
-    params, state, replicas = placed(tx, mesh)
-    results[name] = run(global_view(tx), params, state, replicas, steps=k * h * syncs)[0]
-    jax.effects_barrier()
-    results[name + " exchanges"] = len(outer_calls)
-  assert results["outside exchanges"] == k * syncs
-  assert results["inside exchanges"] == syncs
-  chex.assert_trees_all_close(results["inside"], results["outside"], rtol=RTOL, atol=ATOL)
+  (got_outside, _), (got_inside, _) = run_together(  # both in one program
+    [global_view(outside), global_view(inside)], [placed(outside, mesh), placed(inside, mesh)],
+    steps_count=k * h * syncs)
+  jax.effects_barrier()
+  assert len(outer_calls["outside"]) == k * syncs
+  assert len(outer_calls["inside"]) == syncs
+  chex.assert_trees_all_close(got_inside, got_outside, rtol=RTOL, atol=ATOL)
 
 
 # ----------------------------------------------------------------------------------------------
