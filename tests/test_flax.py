@@ -78,6 +78,11 @@ def test_flax_is_imported_only_by_the_flax_module():
 _MODEL = nn.Dense(D_OUT)
 
 
+@jax.jit
+def _linen_init(x):
+  return _MODEL.init(jax.random.key(0), x)
+
+
 def _linen_loss(params, x, y):
   return jnp.mean((_MODEL.apply(params, x) - y) ** 2)
 
@@ -125,7 +130,7 @@ def _linen_runs(tx, params, xs, ys, grad_steps=None):
 @pytest.mark.parametrize("name", list(TRANSFORMATIONS))
 def test_linen_train_state_equals_plain_loop(name):
   xs, ys = _data()
-  params = _MODEL.init(jax.random.key(0), xs[0])
+  params = _linen_init(xs[0])
   (ref_params, ref_state), (flax_state, ours) = _linen_runs(TRANSFORMATIONS[name](), params, xs, ys)
   for state in (flax_state, ours):
     assert int(state.step) == STEPS
@@ -138,7 +143,7 @@ def test_linen_train_state_equals_plain_loop(name):
 
 def test_train_state_forwards_grad_step():
   xs, ys = _data()
-  params = _MODEL.init(jax.random.key(0), xs[0])
+  params = _linen_init(xs[0])
   tx = TRANSFORMATIONS["drop_stale_gradients"]()
   (ref_params, ref_state), (_, state) = _linen_runs(tx, params, xs, ys, GRAD_STEPS)
   assert int(state.step) == STEPS  # every call, accepted or not
@@ -258,7 +263,7 @@ def test_per_worker_train_state_under_shard_map_elastic_average():
   rng = np.random.default_rng(2)
   xs = rng.normal(size=(4, N, B, D_IN)).astype(np.float32)
   ys = rng.normal(size=(4, N, B, 1)).astype(np.float32)
-  params = model.init(jax.random.key(1), xs[0, 0])
+  params = jax.jit(lambda x: model.init(jax.random.key(1), x))(xs[0, 0])
   tx = optax_dist.elastic_average(optax.sgd(LR), communication_period=PERIOD,
                                   moving_rate=ALPHA, axis_name="w")
   mesh = Mesh(np.array(jax.devices()[:N]), ("w",))
@@ -337,8 +342,11 @@ def _numpy_bn_stats(x, kernel, bias):
 
 
 def _scores(logits, y):
-  """Accuracy and mean cross-entropy on the test set."""
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  """Accuracy and mean cross-entropy on the test set (in NumPy, float64)."""
+  logits = np.asarray(logits, np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  log_p = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  loss = -np.take_along_axis(log_p, y[:, None], -1).mean()
   return float(np.mean(np.argmax(logits, -1) == y)), float(loss)
 
 
@@ -399,7 +407,7 @@ def _linen_worker(xs, ys, est, variables):
 @functools.cache
 def _linen_bn_run():
   xs, ys, est = _digits_batches()
-  variables = _BNNet().init(jax.random.key(0), xs[0, 0], train=False)
+  variables = jax.jit(lambda x: _BNNet().init(jax.random.key(0), x, train=False))(xs[0, 0])
   mesh = Mesh(np.array(jax.devices()[:N]), ("w",))
   f = jax.jit(
     jax.shard_map(
@@ -457,9 +465,10 @@ def test_update_bn_keeps_other_leaves_and_checks_its_arguments():
       h = nn.SpectralNorm(nn.Dense(3))(x, update_stats=train)
       return nn.BatchNorm(use_running_average=not train)(h)
 
-  model, x = SpectralBN(), jnp.arange(12.0).reshape(1, 4, 3)
-  variables = model.init(jax.random.key(0), x[0], train=False)
-  stats = optax_dist.flax.update_bn(model.apply, variables, x, train=True)
+  model, x = SpectralBN(), np.arange(12.0, dtype=np.float32).reshape(1, 4, 3)
+  variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(x[0])
+  stats = jax.jit(lambda v, x: optax_dist.flax.update_bn(model.apply, v, x, train=True))(
+    variables, x)
   _assert_close(stats["SpectralNorm_0"], variables["batch_stats"]["SpectralNorm_0"])
   with pytest.raises(ValueError, match=r"update_bn.*use_running_average=True.*train=True"):
     optax_dist.flax.update_bn(model.apply, variables, x, train=False)
@@ -474,8 +483,9 @@ def test_update_bn_keeps_other_leaves_and_checks_its_arguments():
   with pytest.raises(ValueError, match=r"nnx_update_bn\(model=...\).*no nnx.BatchNorm"):
     optax_dist.flax.nnx_update_bn(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), x)
   # Integer leaves are not averaged.
-  stats = {"mean": jnp.array([0.0, 2.0]), "count": jnp.array([1, 4], jnp.int32)}
-  synced = jax.vmap(lambda s: optax_dist.flax.sync_batch_stats(s, "w"), axis_name="w")(stats)
+  stats = {"mean": np.array([0.0, 2.0], np.float32), "count": np.array([1, 4], np.int32)}
+  synced = jax.jit(jax.vmap(lambda s: optax_dist.flax.sync_batch_stats(s, "w"), axis_name="w"))(
+    stats)
   np.testing.assert_array_equal(synced["mean"], [1.0, 1.0])
   np.testing.assert_array_equal(synced["count"], [1, 4])
 
@@ -540,8 +550,9 @@ def test_nnx_update_bn_matches_numpy_and_evaluates_at_least_as_well():
   model = _NNXBNNet(nnx.Rngs(0))
   nnx.update(model, jax.tree.map(lambda leaf: leaf[0], center))
   model.bn.use_running_average = True
-  own = _scores(model(x), y)
+  forward = nnx.jit(lambda model, x: model(x))
+  own = _scores(forward(model, x), y)
   nnx.update(model, jax.tree.map(lambda leaf: leaf[0], estimated))
-  reestimated = _scores(model(x), y)
+  reestimated = _scores(forward(model, x), y)
   print(f"NNX center: (accuracy, loss) with worker 0's stats {own}, re-estimated {reestimated}")
   assert reestimated[0] >= own[0] and reestimated[1] < own[1]
