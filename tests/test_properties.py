@@ -75,14 +75,16 @@ tree_specs = _specs.filter(lambda spec: len(jax.tree.leaves(spec)) > 0)
 
 
 def build(spec, rng, lead=(), scale=1.0):
-  """Random arrays for ``spec``, each with leading dimensions ``lead``."""
+  """Random arrays for ``spec``, each with leading dimensions ``lead`` (NumPy, on the host: a
+  conversion on the device would compile a program per shape and dtype)."""
   return jax.tree.map(
-    lambda leaf: jnp.asarray(scale * rng.normal(size=lead + leaf.shape), leaf.dtype), spec
+    lambda leaf: (scale * rng.normal(size=lead + leaf.shape)).astype(np.float32).astype(leaf.dtype),
+    spec,
   )
 
 
 def stack(tree, n):
-  return jax.tree.map(lambda x: jnp.stack([x] * n), tree)
+  return jax.tree.map(lambda x: np.stack([x] * n), tree)
 
 
 def bits(x):
