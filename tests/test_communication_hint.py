@@ -187,25 +187,37 @@ def mesh_of_workers():
   return jax.make_mesh((N,), (AXIS,), devices=jax.devices()[:N])
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_hint_under_shard_map_with_donation(name):
-  """Two steps compiled from one function (``communicate`` static), params and state donated
-  right after an eager ``init``: the same results as the rule's single compiled step."""
-  tx = transformations()[name]
+@pytest.fixture(scope="module")
+def shard_map_runs():
+  """Every transformation's ``STEPS`` steps under ``shard_map``, params and state donated right
+  after an eager ``init``, on the rule's schedule and with the hints that agree with it; a step
+  of every transformation is one call of one jitted function (``communicate`` static: a program
+  for each combination of the transformations' hints). ``{name: (ruled, hinted)}``."""
+  txs = [transformations()[name] for name in NAMES]
   mesh = mesh_of_workers()
   split = NamedSharding(mesh, P(AXIS))
-  jitted = jax.jit(lambda params, state, t, communicate=None: sharded_step(
-    tx, mesh, communicate)(params, state, t), static_argnames="communicate",
-    donate_argnums=(0, 1))
+  jitted = jax.jit(lambda carries, t, communicate: [
+    sharded_step(tx, mesh, hint)(*carry, t)
+    for tx, hint, carry in zip(txs, communicate, carries, strict=True)
+  ], static_argnames="communicate", donate_argnums=0)
   results = []
   for hinted in (False, True):
-    params = jax.device_put(worker_params(), split)
-    state = jax.device_put(jax.vmap(tx.init, axis_name=AXIS)(worker_params()), split)
+    carries = [(jax.device_put(worker_params(), split),
+                jax.device_put(jax.vmap(tx.init, axis_name=AXIS)(worker_params()), split))
+               for tx in txs]
     for t in range(1, STEPS + 1):
-      hint = rule(name, t) if hinted else None
-      params, state = jitted(params, state, jnp.float32(t), communicate=hint)
-    results.append(jax.device_get((params, state)))
-  chex.assert_trees_all_close(results[1], results[0], rtol=RTOL, atol=ATOL)
+      hints = tuple(rule(name, t) if hinted else None for name in NAMES)
+      carries = jitted(carries, jnp.float32(t), communicate=hints)
+    results.append(jax.device_get(carries))
+  return dict(zip(NAMES, zip(*results, strict=True), strict=True))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hint_under_shard_map_with_donation(shard_map_runs, name):
+  """Steps compiled from one function (``communicate`` static), params and state donated right
+  after an eager ``init``: the same results as the rule's compiled step."""
+  ruled, hinted = shard_map_runs[name]
+  chex.assert_trees_all_close(hinted, ruled, rtol=RTOL, atol=ATOL)
 
 
 def primitives(jaxpr):
