@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -125,23 +127,25 @@ MESHES = {  # name: (2-D mesh shape, 1-D device count)
 }
 
 
-def run_per_worker(tx, mesh, axes, params, grads):
-  """``NUM_STEPS`` steps under ``shard_map`` with per-worker params and state sharded over
-  ``axes``, init and steps in one program; ``params`` and each of ``grads`` have a leading worker
-  axis."""
+def run_per_worker(txs, mesh, axes, params, grads):
+  """``NUM_STEPS`` steps of each of ``txs`` under ``shard_map`` with per-worker params and state
+  sharded over ``axes``, every init and step in one program: each one's final params and state.
+  ``params`` and each of ``grads`` have a leading worker axis."""
   unstack = lambda tree: jax.tree.map(lambda x: x[0], tree)
   stack = lambda tree: jax.tree.map(lambda x: x[None], tree)
 
   def train(p, gs):  # one worker's: p (1, ...), gs (NUM_STEPS, 1, ...)
-    def step(carry, g):
-      p, s = carry
-      updates, s = tx.update(g, s, p)
-      return (optax.apply_updates(p, updates), s), None
+    def run(tx):
+      def step(carry, g):
+        p, s = carry
+        updates, s = tx.update(g, s, p)
+        return (optax.apply_updates(p, updates), s), None
 
-    p = unstack(p)
-    # The state varies over the workers, as it would passed between steps sharded over axes.
-    state = jax.tree.map(varying, tx.init(p))
-    return stack(jax.lax.scan(step, (p, state), jax.tree.map(lambda x: x[:, 0], gs))[0])
+      # The state varies over the workers, as it would passed between steps sharded over axes.
+      state = jax.tree.map(varying, tx.init(unstack(p)))
+      return stack(jax.lax.scan(step, (unstack(p), state), jax.tree.map(lambda x: x[:, 0], gs))[0])
+
+    return [run(tx) for tx in txs]
 
   def varying(x):
     names = (axes,) if isinstance(axes, str) else axes
@@ -165,16 +169,30 @@ def worker_inputs(n):
   return params, grads
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
-@pytest.mark.parametrize("name", [n for n in NAMES if not n.startswith(("moving", "drop"))])
-def test_tuple_axis_per_worker_params_matches_1d(name, mesh_name):
+TUPLE_NAMES = [n for n in NAMES if not n.startswith(("moving", "drop"))]
+
+
+@functools.cache
+def tuple_axis_runs(mesh_name):
+  """Every transformation of :data:`TUPLE_NAMES` on the 2-D mesh (``axis_name=("hosts",
+  "gpus")``) and on a 1-D mesh of as many devices, each mesh's runs in one program: the two
+  runs by name, and the gradients."""
   shape, n = MESHES[mesh_name]
   params, grads = worker_inputs(n)
   mesh_2d = jax.make_mesh(shape, ("hosts", "gpus"))
   mesh_1d = jax.make_mesh((n,), (AXIS,))
-  got = run_per_worker(transformations(("hosts", "gpus"))[name], mesh_2d, ("hosts", "gpus"),
-                       params, grads)
-  want = run_per_worker(transformations(AXIS)[name], mesh_1d, AXIS, params, grads)
+  got = run_per_worker([transformations(("hosts", "gpus"))[name] for name in TUPLE_NAMES],
+                       mesh_2d, ("hosts", "gpus"), params, grads)
+  want = run_per_worker([transformations(AXIS)[name] for name in TUPLE_NAMES], mesh_1d, AXIS,
+                        params, grads)
+  return dict(zip(TUPLE_NAMES, zip(got, want))), grads
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", TUPLE_NAMES)
+def test_tuple_axis_per_worker_params_matches_1d(name, mesh_name):
+  runs, grads = tuple_axis_runs(mesh_name)
+  got, want = runs[name]
   chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
   # The workers differ, so a tuple axis that reduced over one mesh axis only would differ too.
   assert not np.allclose(grads[0]["w"][0], grads[0]["w"][-1])
