@@ -127,10 +127,10 @@ def test_torchft_streaming_fixture(mixing):
   tx = optax_dist.streaming_diloco(
     optax.sgd(1.0), optax.sgd(2.0), sync_period=6, num_fragments=2, mixing=mixing, axis_name=AXIS
   )
-  params = {"layers.0.weight": jnp.ones((2, 1, 1)), "layers.1.weight": jnp.ones((2, 1, 1))}
-  state = jax.vmap(tx.init, axis_name=AXIS)(params)
-  step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
-  grads = jax.tree.map(lambda p: jnp.full_like(p, 2.0), params)
+  params = {k: np.ones((2, 1, 1), np.float32) for k in ("layers.0.weight", "layers.1.weight")}
+  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
+  step = jax.jit(jax.vmap(sgd_step(tx), axis_name=AXIS))
+  grads = jax.tree.map(lambda p: np.full_like(p, 2.0), params)
   for t in range(16):
     got = [np.asarray(params[k])[:, 0, 0] for k in sorted(params)]
     np.testing.assert_array_equal(got[0], [layer0[t]] * 2, err_msg=f"layer 0, step {t}")
@@ -138,24 +138,32 @@ def test_torchft_streaming_fixture(mixing):
     if t in anchors:
       anchor = [np.asarray(state.anchor[k])[:, 0, 0] for k in sorted(params)]
       np.testing.assert_array_equal(np.stack(anchor, 1), [anchors[t]] * 2)
-    updates, state = step(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = step(grads, state, params)
 
 
 # ----------------------------------------------------------------------------------------------
 # Schedules, fragments and per-fragment outer state.
 
 
+def sgd_step(tx):
+  """``(grads, state, params) -> (params, state)``: ``tx``'s update applied."""
+
+  def step(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
 def synced_steps(tx, params, steps):
   """For each leaf, the steps on which its anchor changed (one worker, gradients -1)."""
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  grads = jax.tree.map(lambda p: -jnp.ones_like(p), params)
+  state = jax.jit(tx.init)(params)
+  step = jax.jit(sgd_step(tx))
+  grads = jax.tree.map(lambda p: -np.ones_like(p), params)
   changes = {k: [] for k in params}
   for t in range(1, steps + 1):
     before = state.anchor
-    updates, state = update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = step(grads, state, params)
     for k in params:
       if not np.array_equal(before[k], state.anchor[k]):
         changes[k].append(t)
@@ -173,7 +181,7 @@ def synced_steps(tx, params, steps):
   ],
 )
 def test_streaming_sync_schedule(sync_period, num_fragments, expected):
-  params = {"a": jnp.zeros(4), "b": jnp.zeros(4), "c": jnp.zeros(4)}
+  params = {k: np.zeros(4, np.float32) for k in "abc"}
   tx = optax_dist.streaming_diloco(
     optax.sgd(1.0), optax.sgd(1.0), sync_period=sync_period, num_fragments=num_fragments
   )
@@ -191,7 +199,7 @@ def test_streaming_sync_schedule(sync_period, num_fragments, expected):
   ],
 )
 def test_default_fragment_assignment(sizes, num_fragments, expected):
-  params = {f"p{j}": jnp.zeros(s) for j, s in enumerate(sizes)}
+  params = {f"p{j}": np.zeros(s, np.float32) for j, s in enumerate(sizes)}
   tx = optax_dist.streaming_diloco(optax.sgd(0.1), num_fragments=num_fragments)
   if len(set(expected)) < num_fragments:
     pattern = (
@@ -204,7 +212,7 @@ def test_default_fragment_assignment(sizes, num_fragments, expected):
       tx.init(params)
     return
   assert optax_dist.streaming_diloco_fragments(params, num_fragments) == expected
-  state = tx.init(params)
+  state = jax.eval_shape(tx.init, params)
   for f, outer_state in enumerate(state.outer_state):  # masked like optax.masked
     trace = outer_state[0].trace
     for j, k in enumerate(sorted(params)):
@@ -212,15 +220,14 @@ def test_default_fragment_assignment(sizes, num_fragments, expected):
 
 
 def test_outer_state_advances_only_on_its_fragment_sync():
-  params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+  params = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
   tx = optax_dist.streaming_diloco(optax.sgd(0.1), sync_period=4, num_fragments=2)  # s_f = 2, 4
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  grads = {"a": -jnp.ones(2), "b": -jnp.ones(2)}
+  state = jax.jit(tx.init)(params)
+  step = jax.jit(sgd_step(tx))
+  grads = {"a": -np.ones(2, np.float32), "b": -np.ones(2, np.float32)}
   traces = []
   for _ in range(4):
-    updates, state = update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = step(grads, state, params)
     traces.append([state.outer_state[0][0].trace["a"][0], state.outer_state[1][0].trace["b"][0]])
   traces = np.asarray(traces)
   np.testing.assert_array_equal(traces[:2, 1], 0.0)  # fragment 1 untouched before step 4
