@@ -168,11 +168,6 @@ def _run_diloco_together(cases, syncs=3, seed=0):
   return synced
 
 
-def _run_diloco(fmt, n, error_feedback, syncs=3, seed=0):
-  """:func:`_run_diloco_together` of one case."""
-  return _run_diloco_together([(fmt, n, error_feedback)], syncs, seed)[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # diloco against the reference.
 
@@ -254,9 +249,9 @@ def _assert_resized_to_the_mean(tx, state, params, residual):
     )
 
 
-def test_error_feedback_residual_is_mean_on_resize_and_eval_params_is_the_anchor():
+def test_error_feedback_residual_is_mean_on_resize_and_eval_params_is_the_anchor(diloco_syncs):
   n = 4
-  *_, (_, _, state, params) = _run_diloco("e3m0", n, True, syncs=2)
+  _, (_, _, state, params), _ = diloco_syncs["e3m0", n, True]  # after its second sync
   tx = _diloco("e3m0", n, True)
   residual = {k: np.asarray(v) for k, v in state.error_feedback.items()}
   assert all(np.abs(r).max() > 0 for r in residual.values())
