@@ -45,7 +45,7 @@ def by_hand(task, data, replicas):
   else:
     step = jax.vmap(jax.vmap(step, axis_name="data"), axis_name="replica")
     init = jax.vmap(jax.vmap(tx.init))
-  step = jax.jit(step)
+  step, init = jax.jit(step), jax.jit(init)
   example = tuple((k, (1,) + v.shape[1:], str(v.dtype)) for k, v in data.train.items())
   params = runs.initial_params(task, 0, example)
   grid = (replicas, size) if replicas > 1 else (WORKERS,)
@@ -124,15 +124,15 @@ def test_evaluation_over_replicas_is_the_mean_over_every_worker(algorithm, repli
                       batch_size=BATCH, eval_every=4, learning_rate=0.05, sync_period=10,
                       communication_period=10)
   result = trainer.train(task, data, settings, keep_state=True)
-  final = result["final_state"]
+  final = jax.device_get(result["final_state"])  # each worker's slice taken on the host
   metric = jax.jit(task.metric_fn(task.model()))
 
   def each_worker(tree):
-    return np.array([metric(jax.tree.map(lambda x: x[i], tree), data.test)
+    return np.array([metric(jax.tree.map(lambda x, i=i: x[i], tree), data.test)
                      for i in range(WORKERS)])
 
   workers = each_worker(final["params"])
-  evaluated = each_worker(optax_dist.eval_params(final["opt_state"], final["params"]))
+  evaluated = each_worker(jax.jit(optax_dist.eval_params)(final["opt_state"], final["params"]))
   by_replica = workers.reshape(replicas, -1)
   np.testing.assert_array_equal(by_replica, by_replica[:, :1].repeat(WORKERS // replicas, 1))
   if algorithm != "moving_average":  # a tower over every worker: all hold the same params
