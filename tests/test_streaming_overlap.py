@@ -329,20 +329,39 @@ def test_hinted_false_on_a_send_step_sends_nothing_and_nothing_lands():
   jax.tree.map(np.testing.assert_array_equal, state.anchor, anchor0)
 
 
+RESIZE_N, RESIZE_M, RESIZE_OVERLAP, RESIZE_MIXING = 4, 2, 3, 0.3
+
+
+@pytest.fixture(scope="module")
+def resized_runs():
+  """Both eager settings of the test below: ``RESIZE_N`` workers for 4 steps, resized to
+  ``RESIZE_M``, then the remaining steps; each phase of the two settings one program.
+  ``{eager: (state after step 4, the resized state and params, history and state after)}``."""
+  n, m = RESIZE_N, RESIZE_M
+  x0, c, d = problem(n)
+  txs = [make(RESIZE_OVERLAP, eager, RESIZE_MIXING) for eager in (False, True)]
+  first = run_together([(tx, stacked(x0, n), c, {k: v[:4] for k, v in d.items()}) for tx in txs])
+  resized = [optax_dist.resize_state(
+    tx, state, {k: jnp.asarray(history[k][-1], jnp.float32) for k in history}, m)
+    for tx, (history, state) in zip(txs, first, strict=True)]
+  c_m, rest = {k: v[:m] for k, v in c.items()}, {k: v[4:, :m] for k, v in d.items()}
+  after = run_together([(tx, new_params, c_m, rest, new_state)
+                        for tx, (new_state, new_params) in zip(txs, resized, strict=True)])
+  return {eager: (state, *new, *later)
+          for eager, (_, state), new, later in zip((False, True), first, resized, after,
+                                                    strict=True)}
+
+
 @pytest.mark.parametrize("eager", [False, True])
-def test_resize_with_exchanges_in_flight(eager):
+def test_resize_with_exchanges_in_flight(resized_runs, eager):
   """overlap=3, after step 4: fragment 0 (sent on 2) and fragment 1 (sent on 4) in flight. Four
   workers become two: the exchanges in flight are kept and land on steps 5 and 7 as scheduled;
   the params restart from the anchor; each new worker's own share (eager) is the old mean."""
-  n, m, overlap, mixing = 4, 2, 3, 0.3
+  n, m, overlap, mixing = RESIZE_N, RESIZE_M, RESIZE_OVERLAP, RESIZE_MIXING
   x0, c, d = problem(n)
-  tx = make(overlap, eager, mixing)
-  first = {k: v[:4] for k, v in d.items()}
-  history, state = run(tx, stacked(x0, n), c, first)
+  state, new_state, new_params, history, state2 = resized_runs[eager]
   _, ref = reference(c, d, initial(x0, n), overlap=overlap, eager=eager, mixing=mixing, stop=4)
   assert np.all(np.asarray(state.in_flight_step) == [2, 4])
-  params = {k: jnp.asarray(history[k][-1], jnp.float32) for k in history}
-  new_state, new_params = optax_dist.resize_state(tx, state, params, m)
 
   assert np.asarray(new_state.in_flight_step).shape == (m, F)
   assert np.all(np.asarray(new_state.in_flight_step) == [2, 4])
@@ -366,11 +385,10 @@ def test_resize_with_exchanges_in_flight(eager):
   }
   c_m = {k: v[:m] for k, v in c.items()}
   d_m = {k: v[:, :m] for k, v in d.items()}
-  history, state = run(tx, new_params, c_m, {k: v[4:] for k, v in d_m.items()}, new_state)
   ref_history, ref_state = reference(c_m, d_m, resized, overlap=overlap, eager=eager,
                                      mixing=mixing, start=4)
   assert_history_close(history, ref_history, first_step=5)
-  assert_anchor_close(state, ref_state)
+  assert_anchor_close(state2, ref_state)
 
 
 def test_eval_params_returns_the_anchor_without_the_exchange_in_flight():
