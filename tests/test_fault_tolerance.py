@@ -49,6 +49,7 @@ def _outer():
   return optax.sgd(1.0, momentum=0.5, nesterov=True)
 
 
+@jax.jit
 def _params():
   keys = jax.random.split(jax.random.key(0), len(SHAPES))
   return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, SHAPES.items(), strict=True)}
@@ -116,15 +117,16 @@ def _in_program(algorithm, fmt, n, rounds, extra=()):
     updates, state = tx.update(_grad(params, batch), state, params)
     return optax.apply_updates(params, updates), state
 
-  params = jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), _params())
-  state = jax.vmap(tx.init, axis_name=AXIS)(params)
+  params = jax.tree.map(lambda p: np.broadcast_to(p, (n, *p.shape)), jax.device_get(_params()))
+  state = jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params)
   after = []
   for t in range(rounds * H):
-    # the engine's batches: the same program computes them
+    # the engine's batches: the same program computes them (stacked on the host)
     batches = [_batch(0, i, t) for i in range(n)]
-    params, state = step(params, state, jax.tree.map(lambda *b: jnp.stack(b), *batches))
+    params, state = step(params, state, jax.tree.map(lambda *b: np.stack(b), *batches))
     if (t + 1) % H == 0:
-      after.append([jax.tree.map(lambda x: x[i], (params, state)) for i in range(n)])
+      host = jax.device_get((params, state))
+      after.append([jax.tree.map(lambda x, i=i: x[i], host) for i in range(n)])
   return after
 
 
@@ -208,18 +210,19 @@ def test_a_death_at_a_round_boundary_equals_checkpoint_resize_and_resume():
   def steps(params, state, n, first, last):
     for t in range(first, last):
       batches = [_batch(0, i, t) for i in range(n)]
-      params, state = step(params, state, jax.tree.map(lambda *b: jnp.stack(b), *batches))
+      params, state = step(params, state, jax.tree.map(lambda *b: np.stack(b), *batches))
     return params, state
 
-  params = jax.tree.map(lambda p: jnp.broadcast_to(p, (3, *p.shape)), _params())
-  params, state = steps(params, jax.vmap(tx.init, axis_name=AXIS)(params), 3, 0, 2 * H)
+  params = jax.tree.map(lambda p: np.broadcast_to(p, (3, *p.shape)), jax.device_get(_params()))
+  params, state = steps(params, jax.jit(jax.vmap(tx.init, axis_name=AXIS))(params), 3, 0, 2 * H)
   state, params = optax_dist.resize_state(tx, state, params, 2)
   for r in (2, 3):
     params, state = steps(params, state, 2, r * H, (r + 1) * H)
     engine.run(3 if r == 2 else 1)
     assert [line.members for line in engine.log if line.round == r] == [(0, 1)] * 2
+    host = jax.device_get((params, state))
     for i in (0, 1):
-      _assert_trees_equal(engine.replicas[i].opt_state, jax.tree.map(lambda x, i=i: x[i], state))
+      _assert_trees_equal(engine.replicas[i].opt_state, jax.tree.map(lambda x, i=i: x[i], host[1]))
       for got, want in zip(jax.tree.leaves(engine.replicas[i].params), jax.tree.leaves(params),
                            strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want[i]), rtol=1e-6, atol=0)
