@@ -160,11 +160,9 @@ def test_diloco_halves_equal_update(diloco_rounds, n, fmt, feedback):
         _assert_close(_worker(residual, i), _worker(new_state.error_feedback, i), True)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_merged_payloads_equal_in_program_mean(n, fmt):
-  """With the paper's outer optimizer out of the way: merge_payloads of the payloads is
-  Exchange.mean of the pseudo-gradients (with feedback: mean_with_feedback), cast alike."""
+def _mean_and_payloads(n, fmt):
+  """Exchange.mean of the pseudo-gradients (with feedback: mean_with_feedback) and the
+  payloads of the same workers, under vmap: ``(fn, args)``."""
   exchange = optax_dist.Exchange(AXIS, **_wire(fmt))
   anchor, new_params = _params(n), jax.tree.map(jnp.add, _params(n), _grads(n, 0))
   residual = jax.tree.map(lambda g: 0.01 * g, _grads(n, 1)) if fmt in QUANTIZED else None
@@ -176,9 +174,28 @@ def test_merged_payloads_equal_in_program_mean(n, fmt):
             else exchange.mean_with_feedback(delta, residual)[0])
     return mean, optax_dist.diloco_payload(exchange, anchor, new_params, residual)[0]
 
-  mean, payloads = jax.jit(both)(anchor, new_params, residual)
+  return both, (anchor, new_params, residual)
+
+
+MEAN_CASES = [(n, fmt) for n in (2, 4) for fmt in FORMATS]
+
+
+@pytest.fixture(scope="module")
+def means_and_payloads():
+  """Every case of the test below in one program."""
+  fns, args = zip(*(_mean_and_payloads(*case) for case in MEAN_CASES), strict=True)
+  results = jax.jit(lambda args: [fn(*a) for fn, a in zip(fns, args, strict=True)])(list(args))
+  return dict(zip(MEAN_CASES, results, strict=True))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_merged_payloads_equal_in_program_mean(means_and_payloads, n, fmt):
+  """With the paper's outer optimizer out of the way: merge_payloads of the payloads is
+  Exchange.mean of the pseudo-gradients (with feedback: mean_with_feedback), cast alike."""
+  mean, payloads = means_and_payloads[n, fmt]
   merged = optax_dist.merge_payloads(_rank_ordered(payloads, n))
-  merged = jax.tree.map(lambda m, a: m.astype(a.dtype), merged, _worker(anchor, 0))
+  merged = jax.tree.map(lambda m, a: m.astype(a.dtype), merged, _worker(_params(n), 0))
   _assert_close(merged, _worker(mean, 0), _exact(fmt, n))
 
 
