@@ -168,6 +168,30 @@ def _run_diloco_together(cases, syncs=3, seed=0):
   return synced
 
 
+def _steps_together(txs, n, steps, seed):
+  """``steps`` steps of each of ``txs`` under vmap on ``n`` workers, all from the start and
+  gradients one generator of ``seed`` draws (as each test drew them for itself), a step of every
+  transformation one jitted call (one program for all of them). Per transformation, per step:
+  ``(params, state)`` before it, the gradients, and ``(params, state)`` after it."""
+  rng = np.random.RandomState(seed)
+  start = _stack({k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}, n)
+  params = [start] * len(txs)
+  states = [jax.vmap(tx.init, axis_name=AXIS)(start) for tx in txs]
+  step = jax.jit(lambda grads, states, params: [
+    jax.vmap(tx.update, axis_name=AXIS)(grads, s, p)
+    for tx, s, p in zip(txs, states, params, strict=True)])
+  history = [[] for _ in txs]
+  for _ in range(steps):
+    grads = _gradients(rng, n)
+    updates, new_states = zip(*step(grads, states, params), strict=True)
+    new_params = [{k: np.asarray(v) for k, v in optax.apply_updates(p, u).items()}
+                  for p, u in zip(params, updates, strict=True)]
+    for seen, *at in zip(history, params, states, new_params, new_states, strict=True):
+      seen.append((at[0], at[1], grads, at[2], at[3]))
+    params, states = new_params, list(new_states)
+  return history
+
+
 # ----------------------------------------------------------------------------------------------
 # diloco against the reference.
 
@@ -370,22 +394,19 @@ def test_shard_map_sync_gathers_packed_codes_and_scales(fmt):
 # local_sgd, elastic_average, agn.
 
 
+@pytest.fixture(scope="module")
+def local_sgd_runs():
+  """local_sgd in each format, 4 workers, two periods from seed 2: one program."""
+  txs = [optax_dist.local_sgd(optax.sgd(1.0), sync_period=H, axis_name=AXIS,
+                              comm_dtype=FORMATS[fmt], comm_block_size=BLOCK) for fmt in FORMATS]
+  return dict(zip(FORMATS, _steps_together(txs, 4, 2 * H, 2), strict=True))
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_local_sgd_averages_quantized_params(fmt):
+def test_local_sgd_averages_quantized_params(local_sgd_runs, fmt):
   n = 4
-  tx = optax_dist.local_sgd(
-    optax.sgd(1.0), sync_period=H, axis_name=AXIS, comm_dtype=FORMATS[fmt],
-    comm_block_size=BLOCK,
-  )
-  rng = np.random.RandomState(2)
-  params = _stack({k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}, n)
-  state = jax.vmap(tx.init, axis_name=AXIS)(params)
-  step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
-  for s in range(1, 2 * H + 1):
-    grads = _gradients(rng, n)
-    before, x_new = params, {k: params[k] - grads[k] for k in params}
-    updates, state = step(grads, state, params)
-    params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
+  for s, (before, _, grads, params, _) in enumerate(local_sgd_runs[fmt], start=1):
+    x_new = {k: before[k] - grads[k] for k in before}
     sent = [quantized_tree({k: x_new[k][j] for k in SHAPES}, fmt, BLOCK) for j in range(n)]
     for k in SHAPES:
       if s % H:
@@ -397,23 +418,24 @@ def test_local_sgd_averages_quantized_params(fmt):
       np.testing.assert_array_equal(params[k], expected)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "e3m0"])
-def test_elastic_average_center_receives_quantized_moves(fmt):
-  n, alpha = 2, 0.25
-  tx = optax_dist.elastic_average(
-    optax.sgd(1.0), communication_period=1, moving_rate=alpha, axis_name=AXIS,
-    comm_dtype=FORMATS[fmt], comm_block_size=BLOCK,
-  )
-  rng = np.random.RandomState(4)
-  params = _stack({k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}, n)
-  state = jax.vmap(tx.init, axis_name=AXIS)(params)
-  step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
-  for _ in range(3):
-    grads = _gradients(rng, n)
-    center = {k: np.asarray(v[0]) for k, v in state.center.items()}
-    x_new = {k: params[k] - grads[k] for k in params}
-    updates, state = step(grads, state, params)
-    params = {k: np.asarray(v) for k, v in optax.apply_updates(params, updates).items()}
+EA_FORMATS, EA_RATE = ("int8", "e3m0"), 0.25
+
+
+@pytest.fixture(scope="module")
+def elastic_average_runs():
+  """elastic_average in each of EA_FORMATS, 2 workers, 3 steps from seed 4: one program."""
+  txs = [optax_dist.elastic_average(
+    optax.sgd(1.0), communication_period=1, moving_rate=EA_RATE, axis_name=AXIS,
+    comm_dtype=FORMATS[fmt], comm_block_size=BLOCK) for fmt in EA_FORMATS]
+  return dict(zip(EA_FORMATS, _steps_together(txs, 2, 3, 4), strict=True))
+
+
+@pytest.mark.parametrize("fmt", EA_FORMATS)
+def test_elastic_average_center_receives_quantized_moves(elastic_average_runs, fmt):
+  n, alpha = 2, EA_RATE
+  for before, state_before, grads, params, state in elastic_average_runs[fmt]:
+    center = {k: np.asarray(v[0]) for k, v in state_before.center.items()}
+    x_new = {k: before[k] - grads[k] for k in before}
     moves = [{k: (np.float32(alpha) * (x_new[k][j] - center[k])).astype(np.float32)
               for k in SHAPES} for j in range(n)]
     sent = [quantized_tree(move, fmt, BLOCK) for move in moves]
@@ -458,29 +480,15 @@ STREAMING_PERIOD = 4
 @pytest.fixture(scope="module")
 def streaming_runs():
   """Each case of the test below, 2 workers, 3 periods from the start and gradients of seed 5,
-  a step of every case one jitted call (one program for all of them): ``{case: (start, per
-  step (the workers' x', the state after, the params after))}``."""
-  n, rng = 2, np.random.RandomState(5)
-  start = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+  in one program: ``{case: per step (params before, state before, grads, params after, state
+  after)}``."""
   txs = [optax_dist.streaming_diloco(
     optax.sgd(1.0), optax.sgd(1.0), sync_period=STREAMING_PERIOD, num_fragments=2,
     fragments={"b": 1, "w": 0}, overlap=overlap, axis_name=AXIS, comm_dtype=FORMATS[fmt],
     comm_block_size=BLOCK, error_feedback=error_feedback)
     for fmt, error_feedback, overlap in STREAMING_CASES]
-  params = [_stack(start, n)] * len(txs)
-  states = [jax.vmap(tx.init, axis_name=AXIS)(p) for tx, p in zip(txs, params, strict=True)]
-  step = jax.jit(lambda grads, states, params: [
-    jax.vmap(tx.update, axis_name=AXIS)(grads, s, p)
-    for tx, s, p in zip(txs, states, params, strict=True)])
-  history = []
-  for _ in range(3 * STREAMING_PERIOD):
-    grads = _gradients(rng, n)  # the same for every case
-    x_new = [{k: (p[k] - grads[k]).astype(np.float32) for k in p} for p in params]
-    updates, states = zip(*step(grads, states, params), strict=True)
-    params = [{k: np.asarray(v) for k, v in optax.apply_updates(p, u).items()}
-              for p, u in zip(params, updates, strict=True)]
-    history.append(list(zip(x_new, states, params, strict=True)))
-  return {case: (start, [at[i] for at in history]) for i, case in enumerate(STREAMING_CASES)}
+  return dict(zip(STREAMING_CASES, _steps_together(txs, 2, 3 * STREAMING_PERIOD, 5),
+                  strict=True))
 
 
 @pytest.mark.parametrize("overlap", [0, 1])
@@ -491,11 +499,12 @@ def test_streaming_diloco_matches_numpy_reference(streaming_runs, fmt, error_fee
   r_j,f with error feedback, which keeps r_j,f <- t_j - Q(t_j)); theta_f <- theta_f - mean_j
   Q(t_j) lands ``overlap`` steps later; the other fragment's anchor stays."""
   n, sync_period = 2, STREAMING_PERIOD
-  start, history = streaming_runs[fmt, error_feedback, overlap]
-  expected = dict(start)
+  history = streaming_runs[fmt, error_feedback, overlap]
+  expected = {k: v[0] for k, v in history[0][0].items()}  # the start
   residual = {k: np.zeros((n, *s), np.float32) for k, s in SHAPES.items()}
   landing = {}  # fragment's leaf -> (step, mean)
-  for t, (x_new, state, _) in enumerate(history, start=1):
+  for t, (params, _, grads, _, state) in enumerate(history, start=1):
+    x_new = {k: (params[k] - grads[k]).astype(np.float32) for k in params}
     for f, k in enumerate(("w", "b")):
       if optax_dist.streaming_diloco_syncs(t, sync_period=sync_period, num_fragments=2,
                                            fragment=f):
