@@ -202,9 +202,10 @@ def test_resume_onto_another_number_of_devices_says_it_resized(tmp_path, capsys)
   """The global view's state is per replica: 2 replicas of 2 devices resume as 2 replicas of 4
   (two data groups each), restored onto the new mesh as it is, and the command says so."""
   out = tmp_path / "out"
+  # On 8 devices the run of trainings("diloco", 2): its programs are in the compilation cache.
   argv = ["train", "--algorithm", "diloco", "--replicas", "2", "--fsdp", "2", "--steps", "6",
-          "--sync-period", "3", "--batch-size", "16", "--checkpoint-every", "3", "--no-progress",
-          "--out", str(out)]
+          "--sync-period", "3", "--batch-size", str(BATCH), "--checkpoint-every", "3",
+          "--no-progress", "--out", str(out)]
   assert len(jax.devices()) == 8  # the backend started: the command's --devices leave it be
   assert main.main([*argv, "--devices", "4"]) == 0
   checkpoints = out / "checkpoints" / "diloco"
