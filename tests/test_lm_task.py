@@ -6,7 +6,9 @@ tests train a few steps with the command, in process, and resume a run cut after
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import shutil
 import sys
@@ -17,8 +19,8 @@ import pytest
 pytest.importorskip("flax")
 
 from optax_dist.cli import tasks, text
-from optax_dist.cli.orbax_checkpoints import saved_steps
 from optax_dist.cli.main import main
+from optax_dist.cli.orbax_checkpoints import saved_steps
 from optax_dist.cli.runs import initial_params
 
 # ----------------------------------------------------------------------------------------------
@@ -132,35 +134,44 @@ def check_bits_per_byte(out, stdout, algorithm, param_dtype):
   assert f"Python {sys.version.split()[0]}" in result["config"]["dataset"]["provenance"]
 
 
-def test_train_lm_reports_bits_per_byte(tmp_path, capsys):
-  """elastic_average in float32; diloco in bfloat16 is the uninterrupted run below."""
-  assert main(["train", "--algorithm", "elastic_average", *TINY, "--param-dtype", "float32",
-               "--out", str(tmp_path)]) == 0
-  check_bits_per_byte(tmp_path, capsys.readouterr().out, "elastic_average", "float32")
+RESUMED = ["train", "--algorithm", "diloco", *TINY, "--param-dtype", "bfloat16",
+           "--checkpoint-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+  """diloco in bfloat16, uninterrupted: its directory, its printout and its saved params (one run
+  for the report's test and the resume's reference)."""
+  root = tmp_path_factory.mktemp("lm")
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    assert main([*RESUMED, "--out", str(root / "whole"),
+                 "--save-params", str(root / "whole.npz")]) == 0
+  return root, stdout.getvalue()
+
+
+def test_train_lm_reports_bits_per_byte(whole):
+  root, stdout = whole
+  check_bits_per_byte(root / "whole", stdout, "diloco", "bfloat16")
 
 
 @pytest.mark.slow
-def test_lm_resume_after_a_crash_ends_with_the_uninterrupted_params(tmp_path, capsys):
-  """diloco in bfloat16: the uninterrupted run reports bits per byte; the same run cut after its
-  checkpoint of step 4 (its later checkpoint removed, as a crash at step 5 leaves the directory)
-  resumes to the uninterrupted run's params and state, bitwise. A real crash and its resume are
-  tested over processes in test_multiprocess."""
-  args = ["train", "--algorithm", "diloco", *TINY, "--param-dtype", "bfloat16",
-          "--checkpoint-every", "2"]
-  assert main([*args, "--out", str(tmp_path / "whole"),
-               "--save-params", str(tmp_path / "whole.npz")]) == 0
-  check_bits_per_byte(tmp_path / "whole", capsys.readouterr().out, "diloco", "bfloat16")
+def test_lm_resume_after_a_crash_ends_with_the_uninterrupted_params(whole, tmp_path, capsys):
+  """The uninterrupted run cut after its checkpoint of step 4 (its later checkpoint removed, as a
+  crash at step 5 leaves the directory) resumes to the uninterrupted run's params and state,
+  bitwise. A real crash and its resume are tested over processes in test_multiprocess."""
+  root, _ = whole
   checkpoints = tmp_path / "cut" / "checkpoints" / "diloco"
-  shutil.copytree(tmp_path / "whole" / "checkpoints" / "diloco", checkpoints)
+  shutil.copytree(root / "whole" / "checkpoints" / "diloco", checkpoints)
   assert saved_steps(str(checkpoints)) == [4, 6]  # Orbax keeps the newest two
   shutil.rmtree(checkpoints / "6")
-  assert main([*args, "--out", str(tmp_path / "cut"), "--resume",
+  assert main([*RESUMED, "--out", str(tmp_path / "cut"), "--resume",
                "--save-params", str(tmp_path / "resumed.npz")]) == 0
   assert "resumed from the checkpoint of step 4" in capsys.readouterr().out
-  whole, again = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
-  assert sorted(whole) == sorted(again)
-  for key in whole:
-    np.testing.assert_array_equal(whole[key], again[key], err_msg=key)
+  whole_params, again = np.load(root / "whole.npz"), np.load(tmp_path / "resumed.npz")
+  assert sorted(whole_params) == sorted(again)
+  for key in whole_params:
+    np.testing.assert_array_equal(whole_params[key], again[key], err_msg=key)
 
 
 @pytest.mark.parametrize("steps,periods", [(300, (10, 50)), (5, (5, 5))])
