@@ -240,7 +240,7 @@ def test_a_grain_iterator_seeks_its_slot_s_stream_to_the_healed_step():
   `[step]`, a stateless function of (seed, slot, step))."""
   grain = pytest.importorskip("grain")
   protocol = ft.RoundProtocol("diloco", optax.sgd(0.5), optax.sgd(1.0), sync_period=H)
-  data = jax.random.normal(jax.random.key(1), (64, 4))
+  data = np.random.default_rng(1).normal(size=(64, 4)).astype(np.float32)  # indexed on the host
   dataset = grain.MapDataset.range(64).seed(0).shuffle().repeat().batch(8)
   step_fn = jax.jit(lambda p, o, x: protocol.inner_step(p, o, p - x.mean(0)))
 
@@ -276,15 +276,16 @@ def test_a_healed_replica_s_next_payload_is_its_peers_size():
   from sklearn.datasets import load_digits
 
   x_all, y_all = load_digits(return_X_y=True)
-  x_all, y_all = jnp.asarray(x_all / 16.0, jnp.float32), jnp.asarray(y_all)
+  x_all, y_all = jnp.asarray((x_all / 16.0).astype(np.float32)), jnp.asarray(y_all, np.int32)
   steps, period = 200, 10
   schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, steps, 3e-4)
   inner = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.adamw(schedule, b2=0.99, weight_decay=0.1))
   protocol = ft.RoundProtocol("diloco", inner, sync_period=period)
-  k1, k2 = jax.random.split(jax.random.key(0))
-  params0 = {"w1": 0.1 * jax.random.normal(k1, (64, 64)), "b1": jnp.zeros(64),
-             "w2": 0.1 * jax.random.normal(k2, (64, 10)), "b2": jnp.zeros(10)}
+  params0 = jax.jit(lambda k1, k2: {  # one program, not one per operation
+    "w1": 0.1 * jax.random.normal(k1, (64, 64)), "b1": jnp.zeros(64),
+    "w2": 0.1 * jax.random.normal(k2, (64, 10)), "b2": jnp.zeros(10)})(
+      *jax.random.split(jax.random.key(0)))
 
   def loss(p, x, y):
     logits = jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
@@ -296,6 +297,8 @@ def test_a_healed_replica_s_next_payload_is_its_peers_size():
     updates, o = protocol.tx.update(jax.grad(loss)(p, x_all[index], y_all[index]), o, p)
     return optax.apply_updates(p, updates), o
 
+  pseudo_gradient_norm = jax.jit(
+    lambda anchor, p: optax.tree.norm(jax.tree.map(jnp.subtract, anchor, p)))
   norms = {}  # (slot, step) -> the norm of its pseudo-gradient at that round boundary
 
   def train(replica):
@@ -303,8 +306,8 @@ def test_a_healed_replica_s_next_payload_is_its_peers_size():
     while replica.rounds < steps // period:
       state = train_step(*state, ft.step_key(0, replica.slot, replica.step))
       if (replica.step + 1) % period == 0:  # the round's last step
-        norms[replica.slot, replica.step + 1] = float(optax.tree.norm(
-          jax.tree.map(jnp.subtract, state[1].anchor, state[0])))
+        norms[replica.slot, replica.step + 1] = float(pseudo_gradient_norm(state[1].anchor,
+                                                                           state[0]))
       state = replica.after_step(state)
 
   faults = [ft.Fault(r + k, slot, kind) for r, slot in ((2, 1), (8, 2), (14, 3))
