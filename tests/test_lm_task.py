@@ -142,7 +142,10 @@ RESUMED = ["train", "--algorithm", "diloco", *TINY, "--param-dtype", "bfloat16",
 def whole(tmp_path_factory):
   """diloco in bfloat16, uninterrupted: its directory, its printout and its saved params (one run
   for the report's test and the resume's reference)."""
+  import jax
+
   root = tmp_path_factory.mktemp("lm")
+  jax.devices()  # JAX initialised with the tests' devices, before main asks for its --devices
   stdout = io.StringIO()
   with contextlib.redirect_stdout(stdout):
     assert main([*RESUMED, "--out", str(root / "whole"),
