@@ -78,8 +78,9 @@ TIMEOUT = 1800
 _fmt = functools.partial(kit.fmt, missing="–")
 GLOO_OPERAND_BYTES = 576
 """Bytes gloo sends beyond an all-reduce operand's own, per operand and direction between two
-processes (``benchmarks/results/probe_link_bytes.json``, with jax 0.10.2's gloo: 12 TCP segments per operand;
-XLA combines a tree's leaves into one all-reduce of many operands, and gloo reduces each apart)."""
+processes (``benchmarks/results/probe_link_bytes.json``, with jax 0.10.2's gloo: 12 TCP segments
+per operand; XLA combines a tree's leaves into one all-reduce of many operands, and gloo reduces
+each apart)."""
 
 
 def command(algorithm: str, process_id: int, coordinator: str, out: str, *, steps: int,
