@@ -508,6 +508,65 @@ def test_a_dead_replica_s_thread_ending_after_its_joiner_started_leaves_the_join
     _leaves_equal(replayed[i][0], results[i][0])
 
 
+
+# K = R, W = inf, speeds 1 : 1, 12 inner steps per loop: every boundary lands at its round's close
+# (a torchft run's boundaries are these). Replica 1 dies at its push at step 4 (round 1) and its
+# loop starts again when round 1 closes (t=4): it heals at its first boundary (t=6, round 3).
+KILL = {"speeds": (1.0, 1.0), "tokens_per_step": TOKENS,
+        "faults": [ft.Fault(1, 1, "die_inner"), ft.Fault(2, 1, "join")]}
+
+
+@functools.cache
+def _killed_run():
+  """The run, its JSON lines and the torchft engine's log of it: the round lines of replica 0
+  (the survivor), then each replica's boundary lines (time: the close it landed in) and replica
+  1's Heal line between its two processes' boundaries."""
+  protocol = ft.RoundProtocol("diloco", optax.adam(0.1), optax.sgd(0.7, momentum=0.9,
+                                                                    nesterov=True), sync_period=H)
+  engine, train = ft.InProcess(protocol, num_replicas=2, **KILL), _loop(protocol, 6 * H)
+  results = engine.run(train)
+  (healed,) = [x for x in engine.log if isinstance(x, decoupled.Heal)]
+  bounds = [decoupled.Boundary(0, b, float(b), True) for b in range(H, 6 * H + 1, H)]
+  bounds += [decoupled.Boundary(1, H, float(H), True), healed]  # its first process: one boundary
+  bounds += [decoupled.Boundary(1, b, 2 * H + b, b > H) for b in range(H, 6 * H + 1, H)]
+  lines = [x for x in engine.log if isinstance(x, MergeLine)] + bounds
+  return protocol, train, engine, results, [json.loads(json.dumps(dataclasses.asdict(x)))
+                                            for x in lines]
+
+
+@pytest.mark.parametrize("kill", ["after_its_boundary_line", "before_its_boundary_line"])
+def test_a_killed_process_s_log_replays_whether_or_not_its_last_boundary_line_was_written(kill):
+  """E3 for every prefix a ``kill -9`` can leave: replica 1's first process is killed after round
+  0 (holding its payload) closed, with its boundary line of that round written or not (killed
+  between its round line and its boundary line, or after the round's payloads were all-gathered
+  and before either). The replay of the torchft engine's log (no faults given: the restart is the
+  log's) closes the same rounds with the same payloads and hashes, heals replica 1 from replica 0
+  at the same boundary, and ends with every replica's state bit for bit the run's."""
+  protocol, train, engine, results, lines = _killed_run()
+  assert [x.payloads[0][:2] + x.payloads[1][:2] for x in engine.log[:1]] == [(0, H, 1, H)]
+  if kill == "before_its_boundary_line":
+    lines = [x for x in lines if x.get("replica") != 1 or x.get("time") != H]
+  replay = ft.InProcess(protocol, num_replicas=2, replay=lines, speeds=(1.0, 1.0),
+                        tokens_per_step=TOKENS)
+  replayed = replay.run(train)
+  assert [x for x in replay.log if isinstance(x, MergeLine)] == [
+    x for x in engine.log if isinstance(x, MergeLine)]
+  assert [x for x in replay.log if isinstance(x, decoupled.Heal)] == [
+    x for x in engine.log if isinstance(x, decoupled.Heal)]
+  for i in range(2):
+    _leaves_equal(replayed[i][0], results[i][0])
+
+
+def test_a_replay_fills_in_no_boundary_a_kill_cannot_have_left_unwritten():
+  """Only the last payload of a process can miss its boundary line: a log without replica 1's
+  restarted process's boundary at step 4 (a later one written) diverges."""
+  protocol, train, _, _, lines = _killed_run()
+  broken = [x for x in lines if (x.get("replica"), x.get("step"), x.get("time")) != (1, 2 * H, 8)]
+  assert len(broken) == len(lines) - 1
+  with pytest.raises(RuntimeError, match="replay diverges from its log at round 3"):
+    ft.InProcess(protocol, num_replicas=2, replay=broken, speeds=(1.0, 1.0),
+                 tokens_per_step=TOKENS).run(train)
+
 # ------------------------------------------------------------------------------------------------
 # Bad settings.
 

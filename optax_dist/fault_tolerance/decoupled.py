@@ -40,6 +40,7 @@ References:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import numbers
@@ -308,19 +309,51 @@ def boundaries(lines: Sequence[Any]) -> dict[tuple[int, int, int], float] | None
   """``(replica, incarnation, step) -> time`` of the :class:`Boundary` lines (or their JSON
   objects) among ``lines``; ``None`` if there are none. A replica's incarnation is the number of
   its :class:`Heal` lines before the boundary's, in the order given (a restarted process heals
-  at its first boundary, and its ``local_step`` starts again at 0)."""
-  names = {f.name for f in dataclasses.fields(Boundary)}
-  heal_names = {f.name for f in dataclasses.fields(Heal)}
-  found, healed = {}, Counter()
-  for line in lines:
-    if isinstance(line, dict) and "committed" not in line:
-      line = (Boundary(**{k: line[k] for k in names}) if names <= set(line)
-              else Heal(**{k: line[k] for k in heal_names}) if heal_names <= set(line) else line)
-    if isinstance(line, Heal):
+  at its first boundary, and its ``local_step`` starts again at 0).
+
+  A process killed after a round's payloads were all-gathered and before it wrote its boundary
+  line leaves a :class:`MergeLine` among ``lines`` (a survivor's) holding a payload of it whose
+  boundary is not logged: the first such payload of an incarnation, past its last logged
+  boundary, is at that round's close time (its loop was waiting for that round, so its boundary
+  would have been written at that poll). The incarnation of a round's payload is the number of
+  its replica's :class:`Heal` lines of an earlier or the same round (a restarted process's
+  payloads enter rounds from its heal's round on, its predecessor's before it)."""
+  found, healed, heal_rounds, rounds = {}, Counter(), {}, []
+  for line in map(_parsed, lines):
+    if isinstance(line, MergeLine):
+      rounds.append(line)
+    elif isinstance(line, Heal):
       healed[line.replica] += 1
+      heal_rounds.setdefault(line.replica, []).append(line.round)
     elif isinstance(line, Boundary):
       found[line.replica, healed[line.replica], line.step] = line.time
-  return found or None
+  return _unwritten(found, rounds, heal_rounds) if found else None
+
+
+def _parsed(line: Any) -> Any:
+  """A JSON object of a :class:`MergeLine`, :class:`Boundary` or :class:`Heal` as one (by its
+  keys); any other line as given."""
+  if not isinstance(line, dict):
+    return line
+  for kind in (MergeLine, Boundary, Heal):
+    names = {f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING}
+    if names <= set(line) and (kind is MergeLine) == ("committed" in line):
+      return kind(**{f.name: line[f.name] for f in dataclasses.fields(kind) if f.name in line})
+  return line
+
+
+def _unwritten(found: dict, rounds: list, heal_rounds: dict) -> dict:
+  """``found`` with the boundary a kill left unwritten, of each incarnation at most one
+  (:func:`boundaries`)."""
+  done = set()
+  for line in sorted(rounds, key=lambda x: x.round):
+    for replica, step, *_ in line.payloads:
+      key = (replica, bisect.bisect_right(heal_rounds.get(replica, []), line.round))
+      last = max((s for i, n, s in found if (i, n) == key), default=-1)
+      if step > last and key not in done:
+        found[(*key, step)] = line.time
+        done.add(key)
+  return found
 
 
 @dataclasses.dataclass(frozen=True)
