@@ -217,6 +217,43 @@ def test_the_schedule_does_not_depend_on_the_threads_timing():
 
 
 # ------------------------------------------------------------------------------------------------
+# The auto window: gamma times the least slack.
+
+
+def _windowed_log(**window):
+  """The hand-made schedule's run (K = 2) with the grace window ``window`` gives; its log."""
+  protocol = ft.RoundProtocol("diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR), sync_period=H)
+  engine = ft.InProcess(protocol, num_replicas=4, speeds=SPEEDS, min_quorum=2,
+                        tokens_per_step=TOKENS, **window)
+  engine.run(_loop(protocol, 4 * H))
+  return engine.log
+
+
+def test_the_auto_window_is_gamma_times_the_least_slack_of_the_speeds():
+  """``grace_window="auto"``: W = gamma max(0, min_i xi_i), xi_i = c_i n_i - x_i, on the clock
+  c_i = 1 / v_i, n_i = H and x_i = 0 (NumPy): the first round closes W after its second payload
+  (at 2 s), and the run is the one of that fixed window (at gamma 0.5, W = 1 s: the hand-made
+  run). The mean slack (4 s) or the largest (8 s) would close other rounds."""
+  slacks = (1 / np.asarray(SPEEDS)) * H - 0.0
+  assert decoupled.auto_window([decoupled.slack(1 / v, H, 0.0) for v in SPEEDS], 0.5) == (
+    0.5 * slacks.min())
+  assert decoupled.auto_window([-1.0, 3.0], 2.0) == 0.0 == decoupled.auto_window([], 2.0)
+  for gamma in (0.5, 0.75):
+    window = gamma * max(0.0, slacks.min())
+    log = _windowed_log(grace_window="auto", grace_gamma=gamma)
+    assert log[0].time == 2.0 + window
+    assert log == (_hand_run()[0].log if gamma == 0.5 else _windowed_log(grace_window=window))
+
+
+@pytest.mark.parametrize(("gamma", "window"), [(1e12, math.inf), (0.0, 0.0)])
+def test_auto_with_a_huge_gamma_waits_for_every_payload_and_with_gamma_0_not_at_all(gamma,
+                                                                                     window):
+  """A huge gamma closes the rounds of W = inf, gamma 0 those of W = 0: the same lines."""
+  assert _windowed_log(grace_window="auto", grace_gamma=gamma) == _windowed_log(
+    grace_window=window)
+
+
+# ------------------------------------------------------------------------------------------------
 # Fragments: a hand-made schedule against a NumPy reference.
 
 # streaming_diloco, sync period 4, F = 2 (leaf "a" fragment 0, "b" fragment 1): a boundary every
@@ -580,6 +617,10 @@ BAD = [
   ({"speeds": (1, 1, 1), "min_quorum": 1.5}, TypeError, r"`InProcess\(min_quorum=...\)`"),
   ({"speeds": (1, 1, 1), "grace_window": -1.0}, ValueError, r"`InProcess\(grace_window=...\)`"),
   ({"speeds": (1, 1, 1), "grace_window": "1"}, TypeError, r"`InProcess\(grace_window=...\)`"),
+  ({"speeds": (1, 1, 1), "grace_window": "auto", "grace_gamma": -1.0}, ValueError,
+   r"`InProcess\(grace_gamma=...\)` must be a finite number >= 0, got -1.0"),
+  ({"speeds": (1, 1, 1), "grace_window": "auto", "grace_gamma": math.inf}, ValueError,
+   r"`InProcess\(grace_gamma=...\)` must be a finite number >= 0, got inf"),
   ({"speeds": (1, 1, 1), "staleness_rule": "fifo"}, ValueError,
    r"`InProcess\(staleness_rule=...\)` must be one of 'none', 'dylu'"),
   ({"speeds": (1, 1, 1), "max_staleness": -1}, ValueError, r"`InProcess\(max_staleness=...\)`"),
@@ -589,6 +630,7 @@ BAD = [
    r"`InProcess\(min_replicas=...\)` must be at most min_quorum=1"),
   ({"min_quorum": 2}, ValueError, r"`InProcess\(speeds=...\)` must be given"),
   ({"grace_window": 1.0}, ValueError, r"`InProcess\(speeds=...\)` must be given"),
+  ({"grace_window": "auto"}, ValueError, r"`InProcess\(speeds=...\)` must be given"),
   ({"speeds": (1, 1, 1), "faults": [ft.Fault(0, 1, "straggle")]}, ValueError,
    r"decoupled rounds have no 'straggle' faults"),
 ]

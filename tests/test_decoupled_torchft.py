@@ -556,10 +556,14 @@ def test_a_catch_up_enters_a_waiting_payload_again_for_the_round_s_fragment(tmp_
   (["--min-quorum", "1"], "argument --min-quorum: needs --decoupled"),
   (["--decoupled", "--min-quorum", "3"], ("argument --min-quorum: must be at most --replicas (2),"
    " got 3")),
-  (["--decoupled", "--grace-window", "auto"], ("argument --grace-window: auto (the window bounded"
-   " by the measured slack) is not built yet")),
-  (["--decoupled", "--grace-window", "-1"], ("argument --grace-window: must be seconds >= 0 or"
-   " inf, got '-1'")),
+  (["--grace-window", "auto"], "argument --grace-window: needs --decoupled"),
+  (["--decoupled", "--grace-window", "-1"], ("argument --grace-window: must be seconds >= 0, inf"
+   " or auto, got '-1'")),
+  (["--decoupled", "--grace-window", "auto", "--grace-gamma", "-1"],
+   "argument --grace-gamma: must be a number >= 0, got -1"),
+  (["--decoupled", "--grace-gamma", "2"], "argument --grace-gamma: needs --grace-window auto"),
+  (["--decoupled", "--grace-window", "0.3", "--grace-gamma", "2"],
+   "argument --grace-gamma: needs --grace-window auto, got --grace-window 0.3"),
   (["--decoupled", "--standby"], ("argument --standby: not with --decoupled, got --standby;"
    " decoupled rounds over torchft do not take it yet")),
   (["--decoupled", "--processes", "2"], ("argument --processes: not with --decoupled, got"
@@ -579,6 +583,64 @@ def test_refusals_are_one_line(flags, said, tmp_path, capsys):
   assert not (tmp_path / "replicas").exists()
 
 
+def test_the_command_takes_grace_window_auto_to_the_replica_s_engine(tmp_path):
+  """``--grace-window auto`` resolves (gamma 0.5 by default, or ``--grace-gamma``), the
+  command's check of the protocol takes it, and a replica's engine is made with it as
+  ``optax-dist replica`` makes it."""
+  from optax_dist.cli import ft_flags, ft_task, ft_train
+  from optax_dist.cli.main import build_parser
+  from optax_dist.cli.tasks import TASKS
+  from optax_dist.fault_tolerance import engine
+
+  for extra, gamma in (([], 0.5), (["--grace-gamma", "2"], 2.0)):
+    args = build_parser().parse_args([*RUN, "--steps", "200", "--grace-window", "auto", *extra,
+                                      "--out", str(tmp_path)])
+    ft_flags.resolve(args)
+    assert (args.grace_window, args.grace_gamma) == ("auto", gamma)
+  task = TASKS[args.task]
+  s = ft_task.settings(args, task, lambda: task.load(args.seed))
+  ft_train._check_decoupled(args, s)
+  options = {name: getattr(args, name) for name in (*ft_flags.DECOUPLED, "max_staleness")}
+  made = engine("torchft", ft_task.protocol(s), num_replicas=2, lighthouse="http://127.0.0.1:1",
+                replica_id=0, out=tmp_path, **options)
+  assert (made.grace_window, made.grace_gamma) == ("auto", 2.0)
+
+
+def test_the_auto_window_is_gamma_times_the_least_slack_in_the_members_headers(tmp_path):
+  """With ``grace_window="auto"`` a poll's window is gamma times the least slack its headers
+  carry of the members whose loops have not returned, 0 before any measured one: K = 1, a
+  payload in at 1 s, slacks 0.4 s and 0.1 s (a returned member's 0.01 s not counted), gamma 0.5:
+  W = 0.05 s, the round closes at a poll at 1.06 s, not at 1.04 s. A replica's slack at its push
+  is its seconds since its last pull over the steps between, times its steps to its next
+  boundary, less its last close's transport (the seconds of its payload all-gathers): 0.3 s
+  over 2 steps, 2 steps, 0.05 s: 0.25 s. Its header carries it."""
+  import types
+
+  from optax_dist.fault_tolerance import torchft_decoupled as td
+
+  _, port = _ports(tmp_path, behind_restarted=False)
+  port.engine.__dict__.update(min_quorum=1, grace_window="auto", grace_gamma=0.5)
+  fingerprint = port.replica.fingerprint
+
+  def head(slot, ready, slack, done=0):
+    return td.PollHeader(slot, 1, fingerprint, ready, 8, 2, 0, ready * 1_000_000, 1_000_000,
+                         done, 0, 0, 0, slack)
+
+  heads = [head(0, 1, 400_000), head(1, 0, 100_000), head(2, 0, 10_000, done=1)]
+  port._take_window(heads)
+  assert port._window() == 0.5 * 0.1
+  assert not port._due(heads, 1.04) and port._due(heads, 1.06)
+  port._take_window([head(0, 1, td.NO_SLACK), head(1, 0, td.NO_SLACK)])
+  assert port._window() == 0.0
+  port._pulled, port._transport = (2, time.monotonic() - 0.3), 0.05
+  with port._cv:
+    port._measure(4)
+  assert port._slack == pytest.approx(0.3 / 2 * 2e6 - 0.05e6, abs=20_000)
+  port._manager = types.SimpleNamespace(errored=lambda: None)
+  assert td.PollHeader(*port._header().tolist()).slack == port._slack
+  assert 0 <= _closed_by(tmp_path / "closed", True)._transport < 1.0
+
+
 def test_a_decoupled_flag_without_fault_tolerance_is_refused(tmp_path, capsys):
   line = one_line_error(capsys, "train", "--decoupled", "--out", str(tmp_path))
   assert line == "optax-dist: error: argument --decoupled: needs --fault-tolerant", line
@@ -587,6 +649,8 @@ def test_a_decoupled_flag_without_fault_tolerance_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("options, said", [
   ({"min_quorum": 0}, "`Torchft(min_quorum=...)` must be a positive int, got 0."),
   ({"grace_window": -1.0}, "`Torchft(grace_window=...)`"),
+  ({"grace_window": "auto", "grace_gamma": -1.0},
+   "`Torchft(grace_gamma=...)` must be a finite number >= 0, got -1.0."),
   ({"staleness_rule": "fifo"}, "`Torchft(staleness_rule=...)` must be one of 'none', 'dylu'"),
   ({"min_quorum": 1, "min_replicas": 2},
    "`Torchft(min_replicas=...)` must be at most min_quorum=1, got 2."),

@@ -16,7 +16,8 @@ from optax_dist.cli.arguments import (integer_at_least_0, non_negative_float, po
                                       positive_int)
 from optax_dist.cli.errors import CommandError
 from optax_dist.fault_tolerance import SUPPORTED, halves
-from optax_dist.fault_tolerance.decoupled import DEFAULT_STALENESS_RULE, STALENESS_RULES
+from optax_dist.fault_tolerance.decoupled import (AUTO, DEFAULT_GRACE_GAMMA,
+                                                  DEFAULT_STALENESS_RULE, STALENESS_RULES)
 from optax_dist.fault_tolerance.launcher import LaunchConfig, majority
 
 FT_HINT = 'needs the "ft" extra: pip install "optax-dist[ft]"'
@@ -32,25 +33,23 @@ DEFAULTS = {name: _FIELDS[name] for name in (
 
 
 DECOUPLED = {"decoupled": False, "min_quorum": None, "grace_window": math.inf,
-             "staleness_rule": DEFAULT_STALENESS_RULE}
+             "staleness_rule": DEFAULT_STALENESS_RULE, "grace_gamma": DEFAULT_GRACE_GAMMA}
 """The decoupled rounds' flags and their defaults (``min_quorum``: R); each flag's parser
 default is ``None``, so that one given without ``--fault-tolerant`` (or, but ``--decoupled``,
 without ``--decoupled``) is refused. ``--staleness-rule age_gate``'s bound is ``train``'s
-``--max-staleness``."""
+``--max-staleness``; ``--grace-gamma`` is refused without ``--grace-window auto``."""
 
 
-def _grace_window(text: str) -> float:
-  """``--grace-window``'s type: seconds >= 0, or ``inf``; ``auto`` refused (not built)."""
-  if text == "auto":
-    raise argparse.ArgumentTypeError(
-      "auto (the window bounded by the measured slack) is not built yet; give seconds >= 0 or"
-      " inf")
+def _grace_window(text: str) -> float | str:
+  """``--grace-window``'s type: seconds >= 0, ``inf``, or ``auto`` (kept as the string)."""
+  if text == AUTO:
+    return AUTO
   try:
     value = float(text)
   except ValueError:
     value = math.nan
   if not value >= 0:
-    raise argparse.ArgumentTypeError(f"must be seconds >= 0 or inf, got {text!r}")
+    raise argparse.ArgumentTypeError(f"must be seconds >= 0, inf or auto, got {text!r}")
   return value
 
 
@@ -66,7 +65,12 @@ def _add_decoupled(group: Any) -> None:
                      " live replica's is in (default: --replicas)")
   group.add_argument("--grace-window", type=_grace_window, default=None, metavar="SECONDS",
                      help="with --decoupled: seconds a round stays open after its K-th payload,"
-                     " or inf (default: inf)")
+                     " inf, or auto: --grace-gamma times the least slack the replicas measure"
+                     " (a replica's inner-step time times its steps to its next boundary, less"
+                     " its round's transport time; docs/decoupled.md) (default: inf)")
+  group.add_argument("--grace-gamma", type=non_negative_float, default=None, metavar="GAMMA",
+                     help="with --grace-window auto: the window over the slack (default:"
+                     f" {DEFAULT_GRACE_GAMMA:g})")
   group.add_argument("--staleness-rule", choices=STALENESS_RULES, default=None,
                      help="with --decoupled: the weight of a stale payload (default:"
                      f" {DEFAULT_STALENESS_RULE})")
@@ -160,8 +164,8 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
   Raises:
     CommandError: a decoupled flag without ``--decoupled``; with it, a setting decoupled rounds
       over torchft do not take (``--processes`` > 1, ``--standby``, ``--checkpoint-every``,
-      ``--resume``, ``--exchange-retries`` > 0), ``--min-quorum`` above ``--replicas``, or a
-      negative ``--max-staleness``.
+      ``--resume``, ``--exchange-retries`` > 0), ``--min-quorum`` above ``--replicas``, a
+      negative ``--max-staleness``, or ``--grace-gamma`` without ``--grace-window auto``.
   """
   if not args.decoupled:
     given = [name for name in DECOUPLED if getattr(args, name) is not None]
@@ -169,6 +173,9 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
       raise CommandError(f"argument {algorithms.flag(given[0])}: needs --decoupled")
     args.decoupled = False
     return
+  if args.grace_gamma is not None and args.grace_window != AUTO:
+    shown = "" if args.grace_window is None else f", got --grace-window {args.grace_window:g}"
+    raise CommandError(f"argument --grace-gamma: needs --grace-window auto{shown}")
   refused = (("processes", args.processes > 1), ("standby", args.standby),
              ("checkpoint_every", args.checkpoint_every), ("resume", args.resume),
              ("exchange_retries", args.exchange_retries))

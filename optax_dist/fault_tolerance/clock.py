@@ -9,7 +9,10 @@ holding back every later one. At one time the pushes come first (in id order), t
 of loops that returned, then the pulls; a round closes (:func:`~optax_dist.fault_tolerance.
 decoupled.close_time`) before the first event after its close time, or at once when every live
 replica's payload is in. A loop that returned counts as live until the time of the boundary
-it did not reach.
+it did not reach. With ``grace_window="auto"`` a round's window is fixed when it opens (its
+first payload): :math:`\gamma` times the least slack of the live replicas, each's
+:math:`n_i / v_i` (:func:`~optax_dist.fault_tolerance.decoupled.auto_window`), a function of
+the speeds and the schedule alone.
 
 Faults are scripted on that clock too: a ``"die_inner"`` fault of round :math:`r` kills its
 replica at its first push once :math:`r` rounds have closed (the push and its pending payload
@@ -92,6 +95,8 @@ class Clock:
     self._base: dict[int, int] = {}  # replica -> the step it started or healed at
     self._incarnation: dict[int, int] = {}  # replica -> its loop's starts, less 1
     self._failure: BaseException | None = None  # an error of the clock's: every loop stops
+    self._slacks: dict[int, float] = {}  # replica -> the slack of the round after its last push
+    self._grace = 0.0  # the open round's grace window
     plan, fields = engine.replay, [f.name for f in dataclasses.fields(MergeLine)]
     self._plan = None if plan is None else [
       MergeLine(**{k: line[k] for k in fields if k in line}) if isinstance(line, dict) else line
@@ -130,6 +135,7 @@ class Clock:
     self._t0[i], self._seen[i], self._live[i] = t0, self._closed, replica
     self._incarnation[i] = self._incarnation.get(i, -1) + 1
     self._received[i], self._sent[i], self._base[i] = dict(self._versions), {}, 0
+    self._slacks[i] = self._slack(i, 0)
     if self._closed:  # a join: it heals at its first pull
       self._joining.add(i)
     self._at[i] = [self._time(i, self.protocol.round_steps(0)), "run"]
@@ -229,6 +235,7 @@ class Clock:
         self._start(i, t)
       return
     self._at[i][1] = "pull"
+    self._slacks[i] = self._slack(i, push.header.step)
     if i in self._joining:  # its first payload enters no round: it heals at its pull
       self._pushes[i] = push
       return
@@ -237,9 +244,27 @@ class Clock:
     if f != self.protocol.fragment(push.header.step):  # the round's fragment, not its step's
       payload = self.protocol.send_half(push.replica.opt_state, push.replica.params, f)[0]
     tokens = self._tokens(i, push, f) + (pending.tokens if pending else 0)
+    if not self._open:  # a round opens: its window
+      self._grace = self._window()
     self._open[i] = _Entry(t, push, tokens, payload, self._received[i].get(f, 0))
     self._sent[i][f] = push.header.step
     self._last[i] = push
+
+  def _slack(self, i: int, step: int) -> float:
+    """Replica ``i``'s slack from its boundary at ``step`` (:func:`~optax_dist.fault_tolerance.
+    decoupled.slack`): its inner step's :math:`1 / v_i` simulated seconds times its steps to
+    its next boundary, no transfer time on this clock."""
+    return decoupled.slack(1 / self.engine.speeds[i], self.protocol.round_steps(step), 0.0)
+
+  def _window(self) -> float:
+    """The grace window of a round opening now: the engine's, or with ``"auto"``
+    :func:`~optax_dist.fault_tolerance.decoupled.auto_window` of the slacks of the live
+    replicas that are not joining, each of the round after its last push (or its start)."""
+    e = self.engine
+    if e.grace_window != decoupled.AUTO:
+      return e.grace_window
+    live = [self._slacks[i] for i in sorted(self._at) if i not in self._joining]
+    return decoupled.auto_window(live, e.grace_gamma)
 
   def _fragment(self) -> int | None:
     """The open round's fragment: the schedule on the committed-round counter."""
@@ -329,7 +354,7 @@ class Clock:
       return self._plan[self._closed].time if self._closed < len(self._plan) else math.inf
     return decoupled.close_time([e.time for e in self._open.values()], all_in=False,
                                 min_quorum=self.engine.min_quorum,
-                                grace_window=self.engine.grace_window)
+                                grace_window=self._grace)
 
   def _close_due(self, t: float, phase: int) -> None:
     """Closes the open round if its time has come before event ``(t, phase)``."""

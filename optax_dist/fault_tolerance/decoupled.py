@@ -44,6 +44,7 @@ import bisect
 import dataclasses
 import math
 import numbers
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -72,24 +73,37 @@ engine, ``diloco`` on the ``lm`` task at speeds 1 : 1 : 0.5 : 0.25, K = 1, seeds
 (``benchmarks/results/decoupled_staleness_w0.md``)."""
 
 
+AUTO = "auto"
+r"""``grace_window=AUTO``: the window of each round is :func:`auto_window`, :math:`\gamma` times
+the measured slack (:func:`slack`)."""
+
+DEFAULT_GRACE_GAMMA = 0.5
+r""":math:`\gamma` when none is given: a window of half the slack, the in-process study's setting
+(``benchmarks/studies/decoupled_staleness.py``, ``--gamma``); Decoupled DiLoCo's Eq. 3 bounds
+the window by :math:`\gamma` times the slack, and no value of its own is taken here."""
+
+
 # ----------------------------------------------------------------------------------------------
 # The settings.
 
 
 def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None, speeds: Any,
                    min_quorum: Any, grace_window: Any, staleness_rule: Any,
-                   max_staleness: Any) -> tuple[float, ...] | None:
+                   max_staleness: Any,
+                   grace_gamma: Any = DEFAULT_GRACE_GAMMA) -> tuple[float, ...] | None:
   """Checks a decoupled run's settings; returns the speeds as floats (``None``: not checked, an
   engine of real replicas, whose ``num_replicas`` may be ``None``: K not bounded by it here).
 
   Raises:
     ValueError: ``speeds`` not one finite number > 0 per replica; ``min_quorum`` not an int
-      in [1, R]; ``grace_window`` not a number >= 0 (``math.inf`` allowed); ``staleness_rule``
+      in [1, R]; ``grace_window`` not a number >= 0 (``math.inf`` allowed) nor :data:`AUTO`;
+      ``grace_gamma`` not a finite number >= 0; ``staleness_rule``
       not one of :data:`STALENESS_RULES`; ``max_staleness`` not an int >= 0; a ``protocol``
       with ``overlap``;
       ``"delayed_nesterov"`` with an outer optimizer that is not
       :func:`optax_dist.delayed_nesterov`.
-    TypeError: ``min_quorum`` or ``max_staleness`` not an int.
+    TypeError: ``min_quorum`` or ``max_staleness`` not an int; ``grace_window`` or
+      ``grace_gamma`` not a number (nor :data:`AUTO`).
   """
   values = () if isinstance(speeds, (str, bytes)) or not hasattr(speeds, "__iter__") else (
     tuple(speeds))
@@ -106,8 +120,11 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None
   if num_replicas is not None and min_quorum > num_replicas:
     raise ValueError(f"`{fn}(min_quorum=...)` must be at most num_replicas={num_replicas},"
                      f" got {min_quorum}.")
-  _checks.check_number(fn, "grace_window", grace_window, lower=0.0,
-                       constraint="a number of seconds >= 0 (math.inf allowed)")
+  if not (isinstance(grace_window, str) and grace_window == AUTO):
+    _checks.check_number(fn, "grace_window", grace_window, lower=0.0,
+                         constraint=f"a number of seconds >= 0 (math.inf allowed) or {AUTO!r}")
+  _checks.check_number(fn, "grace_gamma", grace_gamma, lower=0.0, upper=sys.float_info.max,
+                       constraint="a finite number >= 0")
   _checks.check_choice(fn, "staleness_rule", staleness_rule, STALENESS_RULES)
   _checks.check_non_negative_int(fn, "max_staleness", max_staleness)
   outer_state = (jax.eval_shape(protocol.outer_tx.init, jnp.zeros([1]))
@@ -152,6 +169,39 @@ def close_time(arrivals: Sequence[float], *, all_in: bool, min_quorum: int,
   if len(times) >= min_quorum:
     close = min(close, times[min_quorum - 1] + grace_window)
   return close
+
+
+def slack(step_seconds: float, steps: int, transport_seconds: float) -> float:
+  r"""A replica's slack: the seconds its exchange leaves idle before its next boundary.
+
+  .. math::
+
+    \xi_i = c_i \, n_i - x_i
+
+  with :math:`c_i` its inner step's seconds, :math:`n_i` its inner steps from its boundary to
+  its next (:meth:`RoundProtocol.round_steps`) and :math:`x_i` the seconds of its round's
+  exchange (its transport); negative when the exchange takes longer than the steps beside it.
+  The in-process clock's: :math:`c_i = 1 / v_i`, :math:`x_i = 0`; the torchft engine's:
+  measured (:mod:`~optax_dist.fault_tolerance.torchft_decoupled`). In seconds.
+  """
+  return step_seconds * steps - transport_seconds
+
+
+def auto_window(slacks: Sequence[float], gamma: float) -> float:
+  r"""The grace window of ``grace_window=AUTO``: :math:`\gamma` times the slack of the tightest
+  member (Decoupled DiLoCo's Eq. 3, :math:`\xi_{\mathrm{grace}} \le \gamma \,
+  \xi_{\mathrm{slack}}`).
+
+  .. math::
+
+    W = \gamma \max\bigl(0, \min_i \xi_i\bigr)
+
+  over the members' slacks :math:`\xi_i` (:func:`slack`, in seconds); 0 without any: no
+  slack is known, so no replica's idle time is there to wait in. The minimum is the fastest
+  replica's slack at equal steps and transport: a wider window keeps it waiting. In seconds;
+  a function of the list alone, so every member given the same list decides the same window.
+  """
+  return gamma * max(0.0, min(slacks)) if slacks else 0.0
 
 
 def round_fragment(protocol: RoundProtocol, committed: int) -> int | None:

@@ -81,7 +81,13 @@ class InProcess:
     min_quorum: K, the payloads that may close a decoupled round before every live replica's
       is in (default R); an int in [1, R].
     grace_window: W, simulated seconds a decoupled round stays open after its K-th arrival
-      (default ``math.inf``: until every live replica's payload is in); >= 0.
+      (default ``math.inf``: until every live replica's payload is in); >= 0, or ``"auto"``
+      (:data:`~optax_dist.fault_tolerance.decoupled.AUTO`): ``grace_gamma`` times the slack
+      (:func:`~optax_dist.fault_tolerance.decoupled.auto_window`; on this clock replica
+      :math:`i`'s slack is its round's :math:`n_i / v_i` seconds, no transfer time), fixed when
+      a round opens (its first payload) over the replicas live then.
+    grace_gamma: :math:`\gamma` of ``grace_window="auto"``, a finite number >= 0 (default
+      :data:`~optax_dist.fault_tolerance.decoupled.DEFAULT_GRACE_GAMMA`, 0.5).
     staleness_rule: the weight of a payload of staleness :math:`s` and :math:`T` tokens, one of
       :data:`~optax_dist.fault_tolerance.decoupled.STALENESS_RULES` (default
       :data:`~optax_dist.fault_tolerance.decoupled.DEFAULT_STALENESS_RULE`, ``"dylu"``:
@@ -125,9 +131,10 @@ class InProcess:
   def __init__(self, protocol: RoundProtocol, *, num_replicas: int, faults: Sequence[Fault] = (),
                min_replicas: int | None = None, seed: int = 0, tokens_per_step: int = 1,
                speeds: Sequence[float] | None = None, min_quorum: int | None = None,
-               grace_window: float = math.inf,
+               grace_window: float | str = math.inf,
                staleness_rule: str = decoupled.DEFAULT_STALENESS_RULE,
-               max_staleness: int = 1, replay: Sequence[Any] | None = None):
+               max_staleness: int = 1, replay: Sequence[Any] | None = None,
+               grace_gamma: float = decoupled.DEFAULT_GRACE_GAMMA):
     fn = "InProcess"
     if not isinstance(protocol, RoundProtocol):
       raise TypeError(f"`{fn}(protocol=...)` must be a RoundProtocol, got {protocol!r}.")
@@ -151,6 +158,7 @@ class InProcess:
     self.log: list[RoundLog] = []
     self.heals: list[tuple[int, int, int]] = []
     self.state: tuple[Any, Any] | None = None
+    self.grace_gamma = grace_gamma
     self._decoupled(fn, speeds, min_quorum, grace_window, staleness_rule, max_staleness, replay)
     self._replay_schedule(fn)
 
@@ -160,7 +168,8 @@ class InProcess:
     self.speeds, self.replay = speeds, replay
     if speeds is None:
       settings = {"min_quorum": (min_quorum, None), "grace_window": (grace_window, math.inf),
-                  "staleness_rule": (staleness_rule, decoupled.DEFAULT_STALENESS_RULE)}
+                  "staleness_rule": (staleness_rule, decoupled.DEFAULT_STALENESS_RULE),
+                  "grace_gamma": (self.grace_gamma, decoupled.DEFAULT_GRACE_GAMMA)}
       given = {k: v for k, (v, default) in settings.items() if v != default}
       if given:
         raise ValueError(f"`{fn}(speeds=...)` must be given with decoupled rounds' settings, got"
@@ -169,7 +178,8 @@ class InProcess:
     min_quorum = self.num_replicas if min_quorum is None else min_quorum
     self.speeds = decoupled.check_settings(
       fn, self.protocol, num_replicas=self.num_replicas, speeds=speeds, min_quorum=min_quorum,
-      grace_window=grace_window, staleness_rule=staleness_rule, max_staleness=max_staleness)
+      grace_window=grace_window, staleness_rule=staleness_rule, max_staleness=max_staleness,
+      grace_gamma=self.grace_gamma)
     if self.min_replicas > min_quorum:
       raise ValueError(f"`{fn}(min_replicas=...)` must be at most min_quorum={min_quorum}, got"
                        f" {self.min_replicas}.")
@@ -177,7 +187,8 @@ class InProcess:
     if other:
       raise ValueError(f"`{fn}(faults=...)`: decoupled rounds have no 'straggle' faults (a slow"
                        f" replica is a speed), got {other[0]!r}.")
-    self.min_quorum, self.grace_window = min_quorum, float(grace_window)
+    auto = isinstance(grace_window, str)  # decoupled.AUTO, checked
+    self.min_quorum, self.grace_window = min_quorum, grace_window if auto else float(grace_window)
     self.staleness_rule, self.max_staleness = staleness_rule, max_staleness
 
   def _events(self, r: int, kind: str) -> set:

@@ -47,6 +47,17 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    form quorums of its own and commit rounds that no other replica holds); a member that
    missed aborted rounds only takes their count.
 
+**The auto window** (``grace_window="auto"``): each member measures its slack
+(:func:`~optax_dist.fault_tolerance.decoupled.slack`) at its loop's push, in seconds of its
+monotonic clock, :math:`\xi_i = c_i n_i - x_i`: :math:`c_i` its loop's seconds from its last
+pull to this push over the inner steps between them (its inner step's time, the wait at its
+boundary left out), :math:`n_i` its steps from this boundary to its next, and :math:`x_i` the
+transport of the last round it closed (the seconds of that round's payload all-gather and its
+acknowledgement); none until it has both. Its header carries it (:attr:`PollHeader.slack`), and
+every member takes the poll's window from the same headers: :math:`\gamma` times the least
+slack of the members whose loops have not returned
+(:func:`~optax_dist.fault_tolerance.decoupled.auto_window`; 0 before any member measured one).
+
 With K = R and :math:`W = \infty` every replica waits for every payload: the synchronous round,
 bit for bit. Members whose closed rounds differ skip their polls until the one behind has
 caught up (or, after ``quorum_timeout`` seconds without, leaves the run:
@@ -88,6 +99,9 @@ from optax_dist.fault_tolerance.torchft_session import (
 POLL_S = 0.02
 """Seconds an idle exchange thread waits for its loop's push before its next poll."""
 
+NO_SLACK = -(2**62)
+""":attr:`PollHeader.slack` of a member that has not measured its slack yet."""
+
 
 class PollHeader(NamedTuple):
   """What a member says at each poll (int64s on the wire; times in microseconds of its wall
@@ -107,6 +121,8 @@ class PollHeader(NamedTuple):
     closed: the rounds it has closed.
     rounds: the rounds it has committed (torchft's step).
     joining: 1 while it was restarted and has not healed (no member closes a round then).
+    slack: its slack at its last push, in microseconds (:func:`~optax_dist.fault_tolerance.
+      decoupled.slack`, the module docstring's auto window), or :data:`NO_SLACK`.
   """
 
   slot: int
@@ -122,6 +138,7 @@ class PollHeader(NamedTuple):
   closed: int
   rounds: int
   joining: int
+  slack: int = NO_SLACK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +191,9 @@ class DecoupledPort(Session):
     self._healed = None  # (heal pull, donor, quorum seconds) until the loop's next push
     self._heal_mark = None  # (donor, quorum seconds) for this replica's next round line
     self._behind_since: float | None = None  # when its polls began to be skipped for it
+    self._pulled: tuple[int, float] | None = None  # (step, monotonic seconds) of its last pull
+    self._transport: float | None = None  # seconds of the last round's payload exchange
+    self._slack, self._auto = NO_SLACK, 0.0  # its slack (microseconds), the auto window
 
   # The loop's side.
 
@@ -210,12 +230,24 @@ class DecoupledPort(Session):
     """
     with self._cv:
       self._push, self._pushed_at = push, time.time_ns() // 1000
+      self._measure(push.header.step)
       self._cv.notify_all()
       self._cv.wait_for(lambda: self._pull is not None or self._error is not None)
       if self._pull is None:
         raise self._error
       got, self._pull = self._pull, None
+      self._pulled = (push.header.step, time.monotonic())
       return got
+
+  def _measure(self, step: int) -> None:
+    """This replica's slack at its push at ``step`` (the module docstring's auto window), once
+    it has pulled and closed a round before (the lock held)."""
+    if self._pulled is None or self._transport is None or step <= self._pulled[0]:
+      return
+    last, at = self._pulled
+    step_seconds = (time.monotonic() - at) / (step - last)
+    self._slack = round(1e6 * decoupled.slack(step_seconds, self.protocol.round_steps(step),
+                                              self._transport))
 
   def record(self, line: Any) -> None:  # the exchange thread writes the lines
     del line
@@ -285,6 +317,7 @@ class DecoupledPort(Session):
     now = max(h.now for h in heads) / 1e6
     if all(h.done and not h.ready for h in heads):
       return False
+    self._take_window(heads)
     if self._due(heads, now):
       self._close(heads, now)
     with self._cv:
@@ -349,7 +382,8 @@ class DecoupledPort(Session):
     fields = (self.slot, int(self._manager.errored() is None), self.replica.fingerprint,
               int(e is not None), e.tokens if e else 0, e.push.header.step if e else 0,
               e.received if e else 0, e.arrival if e else 0, time.time_ns() // 1000,
-              int(self._done), self._closed, int(self._global[0].rounds), int(self._joining))
+              int(self._done), self._closed, int(self._global[0].rounds), int(self._joining),
+              self._slack)
     return np.asarray(fields, np.int64)
 
   def _headers(self, head: np.ndarray) -> list[PollHeader] | None:
@@ -447,7 +481,21 @@ class DecoupledPort(Session):
     all_in = all(h.ready or h.done for h in heads)
     return bool(ready) and decoupled.close_time(
       ready, all_in=all_in, min_quorum=self.engine.min_quorum,
-      grace_window=self.engine.grace_window) <= now
+      grace_window=self._window()) <= now
+
+  def _take_window(self, heads: list[PollHeader]) -> None:
+    r"""With ``"auto"``, this poll's window from its headers: :math:`\gamma` times the least
+    slack of the members whose loops have not returned (the module docstring's auto window)."""
+    if self.engine.grace_window == decoupled.AUTO:
+      self._auto = decoupled.auto_window(
+        [h.slack / 1e6 for h in heads if h.slack != NO_SLACK and not h.done],
+        self.engine.grace_gamma)
+
+  def _window(self) -> float:
+    """The grace window of this poll, in seconds: the engine's, or with ``"auto"`` the one
+    this poll's headers give (the module docstring's auto window)."""
+    w = self.engine.grace_window
+    return self._auto if w == decoupled.AUTO else w
 
   def _close(self, heads: list[PollHeader], now: float) -> None:
     """The open round's payloads, decision, vote and commit; its line. If the payloads' or the
@@ -460,11 +508,13 @@ class DecoupledPort(Session):
     r, before, f = self._closed, self._global[0], self._fragment()
     version, e = self._versions.get(f, 0), self._entry
     mine = (e.payload, e.push.payload[1]) if e is not None else self._blank(f)
+    start = time.monotonic()
     outs = self._allgather(pack(mine), everyone=True)
     # The acknowledgement: a member decides only once it holds every member's, so no member
     # closes a round whose payloads' all-gather failed on another.
     if outs is None or self._allgather(torch.ones(1, dtype=torch.int64), everyone=True) is None:
       return
+    transport = time.monotonic() - start
     ready = [(h, unpack(out, mine)) for h, out in zip(heads, outs, strict=True) if h.ready]
     hs = [Header(h.slot, h.tokens, h.ok, h.fingerprint, h.step) for h, _ in ready]
     d, stale, weights = decoupled.decide_round(
@@ -494,7 +544,7 @@ class DecoupledPort(Session):
         elif self.slot in d.voters and self._waiting is e and not self._outvoted:
           self._landed = ((decoupled.global_state(before), d.merged, self._global[1]), f)
         self._entry = None
-      self._closed = r if self._outvoted else r + 1
+      self._closed, self._transport = r if self._outvoted else r + 1, transport
       merged = e is not None and self.slot in d.voters
       mark, self._heal_mark = self._heal_mark, None  # its first line after a heal
       self._write(self.log_path, line, replica=self.slot, weight=e.tokens if merged else 0,
@@ -513,7 +563,7 @@ class DecoupledPort(Session):
     """The waiting loop's outcome, once its payload's round closed or the window ran out since
     it pushed (the lock held)."""
     e = self._waiting
-    if e is None or (self._entry is e and now - e.arrival / 1e6 < self.engine.grace_window):
+    if e is None or (self._entry is e and now - e.arrival / 1e6 < self._window()):
       return
     landed = self._landed
     # outvoted: its boundary before the close (it did not land), after the last poll's
@@ -551,7 +601,7 @@ def check(engine: Any, protocol: Any) -> None:
   decoupled.check_settings(fn, protocol, num_replicas=None, speeds=None,
                            min_quorum=engine.min_quorum, grace_window=engine.grace_window,
                            staleness_rule=engine.staleness_rule,
-                           max_staleness=engine.max_staleness)
+                           max_staleness=engine.max_staleness, grace_gamma=engine.grace_gamma)
   if engine.min_replicas > engine.min_quorum:
     raise ValueError(f"`{fn}(min_replicas=...)` must be at most min_quorum={engine.min_quorum},"
                      f" got {engine.min_replicas}.")

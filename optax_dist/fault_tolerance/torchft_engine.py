@@ -136,7 +136,11 @@ class Torchft:
     min_quorum: K, the payloads that may close a decoupled round before every live replica's
       is in; a positive int, at least ``min_replicas`` (default: ``min_replicas``).
     grace_window: W, seconds of wall clock a decoupled round stays open after its K-th arrival
-      (``math.inf``, the default: until every live replica's payload is in); >= 0.
+      (``math.inf``, the default: until every live replica's payload is in); >= 0, or
+      ``"auto"``: ``grace_gamma`` times the least slack the members measured
+      (:mod:`~optax_dist.fault_tolerance.torchft_decoupled`), decided at each poll.
+    grace_gamma: :math:`\gamma` of ``grace_window="auto"``, a finite number >= 0 (default
+      :data:`~optax_dist.fault_tolerance.decoupled.DEFAULT_GRACE_GAMMA`, 0.5).
     staleness_rule: one of :data:`~optax_dist.fault_tolerance.decoupled.STALENESS_RULES`
       (default: :data:`~optax_dist.fault_tolerance.decoupled.DEFAULT_STALENESS_RULE`, the
       in-process engine's).
@@ -158,8 +162,9 @@ class Torchft:
                exchange_retries: int = 0, checkpoint_every: int | None = None,
                last_round: int | None = None, on_ready: Callable[[], None] | None = None,
                standby: Callable[[], None] | None = None, decoupled: bool = False,
-               min_quorum: int | None = None, grace_window: float = math.inf,
-               staleness_rule: str | None = None, max_staleness: int = 1):
+               min_quorum: int | None = None, grace_window: float | str = math.inf,
+               staleness_rule: str | None = None, max_staleness: int = 1,
+               grace_gamma: float = decoupled_rules.DEFAULT_GRACE_GAMMA):
     fn = "Torchft"
     lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse.startswith("http://"):
@@ -187,7 +192,7 @@ class Torchft:
     self.checkpoint_every, self.last_round = checkpoint_every, last_round
     self.on_ready, self.standby = on_ready, standby
     self.decoupled, self.min_quorum = decoupled, min_replicas if min_quorum is None else min_quorum
-    self.grace_window = grace_window
+    self.grace_window, self.grace_gamma = grace_window, grace_gamma
     self.staleness_rule = staleness_rule or decoupled_rules.DEFAULT_STALENESS_RULE
     self.max_staleness = max_staleness
     if decoupled:
