@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import pathlib
 import sys
 
 SCRIPT = pathlib.Path(__file__).resolve()
 
 
-def linear_task(dim: int, batch: int):
-  """``(params0, loss_and_grad, batch_fn)`` of the synthetic linear regression."""
+def linear_task(dim: int, batch: int, leaves: int = 1):
+  """``(params0, loss_and_grad, batch_fn)`` of the synthetic linear regression; with
+  ``leaves`` > 1, :math:`w` is a tuple of that many consecutive parts (``streaming_diloco``'s
+  fragments take whole leaves)."""
   import jax
   import jax.numpy as jnp
 
@@ -41,9 +44,23 @@ def linear_task(dim: int, batch: int):
 
   def loss_and_grad(w, data):
     x, y = data
-    return jax.value_and_grad(lambda w: jnp.sum((x @ w - y) ** 2) / batch)(w)
+    whole = (lambda w: jnp.concatenate(w)) if leaves > 1 else (lambda w: w)
+    return jax.value_and_grad(lambda w: jnp.sum((x @ whole(w) - y) ** 2) / batch)(w)
 
-  return jnp.zeros(dim, jnp.float32), loss_and_grad, batch_fn
+  w = jnp.zeros(dim, jnp.float32)
+  return (tuple(jnp.array_split(w, leaves)) if leaves > 1 else w), loss_and_grad, batch_fn
+
+
+def linear_protocol(algorithm: str, sync_period: int, **streaming):
+  """The toy run's :class:`~optax_dist.fault_tolerance.RoundProtocol`: inner SGD, the DiLoCo
+  paper's outer Nesterov (``local_sgd``: none), ``streaming`` (``num_fragments``, ``overlap``,
+  ``mixing``) as given."""
+  import optax
+
+  from optax_dist.fault_tolerance import RoundProtocol
+
+  outer = None if algorithm == "local_sgd" else optax.sgd(0.7, momentum=0.9, nesterov=True)
+  return RoundProtocol(algorithm, optax.sgd(0.02), outer, sync_period=sync_period, **streaming)
 
 
 def replica_parser() -> argparse.ArgumentParser:
@@ -52,7 +69,13 @@ def replica_parser() -> argparse.ArgumentParser:
   p.add_argument("--replica-id", type=int, required=True)
   p.add_argument("--out", required=True)
   p.add_argument("--host", default="127.0.0.1")
-  p.add_argument("--algorithm", default="diloco", choices=("diloco", "local_sgd"))
+  p.add_argument("--algorithm", default="diloco",
+                 choices=("diloco", "local_sgd", "streaming_diloco"))
+  p.add_argument("--num-fragments", type=int, default=None)
+  p.add_argument("--overlap", type=int, default=0)
+  p.add_argument("--mixing", type=float, default=0.0)
+  p.add_argument("--meet", type=int, default=None,
+                 help="a start barrier of this many replicas (files in OUT/replicas)")
   p.add_argument("--steps", type=int, default=100)
   p.add_argument("--sync-period", type=int, default=5)
   p.add_argument("--min-replicas", type=int, default=1)
@@ -74,23 +97,26 @@ def replica(argv: list[str]) -> int:
   args = replica_parser().parse_args(argv)
   ft_replica.start_process(args.parent_death, args.wait_for_takeover)
   ft_replica.load_engine()
-  import optax
-
-  from optax_dist.fault_tolerance import RoundProtocol
-
-  params, loss_and_grad, batch_fn = linear_task(args.dim, args.batch)
-  outer = None if args.algorithm == "local_sgd" else optax.sgd(0.7, momentum=0.9, nesterov=True)
+  params, loss_and_grad, batch_fn = linear_task(args.dim, args.batch, args.num_fragments or 1)
   try:
-    protocol = RoundProtocol(args.algorithm, optax.sgd(0.02), outer, sync_period=args.sync_period)
+    protocol = linear_protocol(args.algorithm, args.sync_period, num_fragments=args.num_fragments,
+                               overlap=args.overlap, mixing=args.mixing)
   except ValueError as e:
     raise ft_replica.ReplicaError(str(e)) from None
+  on_ready = None
+  if args.meet is not None:
+    from optax_dist.cli.ft_replica import _meet
+    from optax_dist.fault_tolerance.rundir import RunDir
+
+    on_ready = functools.partial(_meet, RunDir(args.out), args.replica_id, args.meet,
+                                 args.quorum_timeout)
   ft_replica.serve(
     protocol, params, loss_and_grad, batch_fn, steps=args.steps, seed=args.seed,
     tokens_per_step=args.batch, lighthouse=args.lighthouse, replica_id=args.replica_id,
     out=args.out, host=args.host, min_replicas=args.min_replicas,
     quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
     checkpoint_every=args.checkpoint_every, standby=args.wait_for_takeover,
-    exchange_retries=args.exchange_retries)
+    exchange_retries=args.exchange_retries, on_ready=on_ready)
   return 0
 
 

@@ -53,8 +53,10 @@ def _without(example: list[str], flag: str) -> list[str]:
    " --fail-at-step 3; it scripts a process exit"),
   (EXAMPLE + ["--exchange-device"], "argument --exchange-device: not with --fault-tolerant, got"
    " --exchange-device; a round's exchange is torchft's"),
-  (EXAMPLE + ["--overlap", "1"], "argument --overlap: not with --fault-tolerant, got --overlap 1;"
-   " overlapped rounds run on the in-process engines only for now"),
+  (_without(EXAMPLE, "--algorithm") + ["--algorithm", "streaming_diloco", "--decoupled",
+                                         "--overlap", "1"],
+   "argument --overlap: not with --decoupled, got --overlap 1; decoupled rounds over torchft do"
+   " not take it yet"),
   (EXAMPLE + ["--eager"], "argument --eager: not with --fault-tolerant, got --eager; the eager"
    " rule (Kale et al. 2025) applies the local pseudo-gradient"),
   (_without(EXAMPLE, "--algorithm") + ["--algorithm", "local_sgd", "--warmup-steps", "4"],
@@ -122,6 +124,22 @@ def test_min_replicas_defaults_to_a_majority(monkeypatch):
     ft_flags.resolve(args)
     assert args.min_replicas == majority
     assert args.quorum_timeout == ft_flags.DEFAULTS["quorum_timeout"]
+
+
+def test_overlap_is_taken_and_built_into_the_replicas_protocol(monkeypatch):
+  """``--fault-tolerant --overlap`` (each round's exchange beside the next steps) resolves, and
+  the replicas' protocol has the run's overlap and mixing."""
+  from optax_dist.cli.tasks import TASKS
+
+  monkeypatch.setattr(ft_flags.errors, "require", lambda *a, **k: None)  # no extra needed
+  args = build_parser().parse_args(
+    [*_without(EXAMPLE, "--algorithm"), "--algorithm", "streaming_diloco", "--num-fragments",
+     "2", "--overlap", "2", "--mixing", "0.5"])
+  ft_flags.resolve(args)
+  task = TASKS[args.task]
+  rounds = ft_task.protocol(ft_task.settings(args, task, lambda: task.load(args.seed)))
+  assert (rounds.algorithm, rounds.overlap, rounds.mixing, rounds.num_fragments) == (
+    "streaming_diloco", 2, 0.5, 2)
 
 
 def test_replicas_draw_the_trainers_minibatches():

@@ -164,7 +164,8 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
   Raises:
     CommandError: a decoupled flag without ``--decoupled``; with it, a setting decoupled rounds
       over torchft do not take (``--processes`` > 1, ``--standby``, ``--checkpoint-every``,
-      ``--resume``, ``--exchange-retries`` > 0), ``--min-quorum`` above ``--replicas``, a
+      ``--resume``, ``--exchange-retries`` > 0, ``--overlap`` > 0), ``--min-quorum`` above
+      ``--replicas``, a
       negative ``--max-staleness``, or ``--grace-gamma`` without ``--grace-window auto``.
   """
   if not args.decoupled:
@@ -178,7 +179,7 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
     raise CommandError(f"argument --grace-gamma: needs --grace-window auto{shown}")
   refused = (("processes", args.processes > 1), ("standby", args.standby),
              ("checkpoint_every", args.checkpoint_every), ("resume", args.resume),
-             ("exchange_retries", args.exchange_retries))
+             ("exchange_retries", args.exchange_retries), ("overlap", args.overlap))
   for name, given in refused:
     if given:
       value, flag = getattr(args, name), algorithms.flag(name)
@@ -200,9 +201,6 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
 _REFUSED = (
   ("exchange_device", lambda a: a.exchange_device,
    "a round's exchange is torchft's, between the replica processes, outside their programs"),
-  ("overlap", lambda a: a.overlap,
-   ("overlapped rounds run on the in-process engines only for now (RoundProtocol(overlap=...));"
-    " over torchft the exchange is not yet run beside the next steps")),
   ("eager", lambda a: a.eager,
    ("the eager rule (Kale et al. 2025) applies the local pseudo-gradient while the exchange is in"
     " flight; fault-tolerant rounds do not implement it")),

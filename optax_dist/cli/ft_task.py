@@ -43,9 +43,10 @@ def settings(args: argparse.Namespace, task: Task, load: Callable[[], Data]) -> 
 
 def protocol(s: Settings) -> RoundProtocol:
   """The :class:`~optax_dist.fault_tolerance.RoundProtocol` of ``s``: the command's inner
-  optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`), outer optimizer and exchange;
-  with low-precision params (``param_dtype`` not float32), the anchor of ``diloco`` and
-  ``streaming_diloco`` in float32, as ``train`` keeps it (``local_sgd`` keeps none)."""
+  optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`), outer optimizer, exchange,
+  mixing and overlap; with low-precision params (``param_dtype`` not float32), the anchor of
+  ``diloco`` and ``streaming_diloco`` in float32, as ``train`` keeps it (``local_sgd`` keeps
+  none)."""
   row = halves.row(s.algorithm)  # the settings the algorithm's row takes
   outer = algorithms.outer_optimizer(s) if row.takes_outer else None
   anchor_dtype = "float32" if row.takes_outer and s.param_dtype != "float32" else None
@@ -53,7 +54,7 @@ def protocol(s: Settings) -> RoundProtocol:
     s.algorithm, algorithms.inner_optimizer(s), outer, sync_period=s.sync_period,
     error_feedback=s.error_feedback,
     num_fragments=s.num_fragments if row.takes_fragments else None, mixing=s.mixing,
-    anchor_dtype=anchor_dtype, **algorithms.exchange_options(s))
+    overlap=s.overlap, anchor_dtype=anchor_dtype, **algorithms.exchange_options(s))
 
 
 def check_protocol(task: Task, data: Data, s: Settings) -> None:

@@ -52,6 +52,7 @@ bitwise for gathered formats and two replicas, within one ulp otherwise.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -250,6 +251,50 @@ class RoundResult:
   line: RoundLog
 
 
+class _Exchange:
+  """An engine's exchange of one round (``exchange(sent) -> Received``), run here or on a
+  daemon thread of its own (a kill of the process ends it with the process, as a kill of a
+  synchronous exchange does); :meth:`result` waits for it and raises what it raised."""
+
+  def __init__(self, exchange: Callable[[Sent], Received], sent: Sent, *, thread: bool):
+    self._got, self._error, self._thread = None, None, None
+    if not thread:
+      self._got = exchange(sent)
+      return
+    self._thread = threading.Thread(target=self._run, args=(exchange, sent), daemon=True,
+                                    name="optax_dist-exchange")
+    self._thread.start()
+
+  def _run(self, exchange: Callable[[Sent], Received], sent: Sent) -> None:
+    try:
+      self._got = exchange(sent)
+    except BaseException as e:  # raised again at the join, on the loop's thread
+      self._error = e
+
+  def result(self) -> Received:
+    if self._thread is not None:
+      self._thread.join()
+    if self._error is not None:
+      raise self._error
+    return self._got
+
+
+@dataclasses.dataclass(frozen=True)
+class _Round:
+  """A round between its send and its join: its send step (``local_step`` then), fragment,
+  landing origin, residual candidate, tokens and losses, its exchange, and the step that
+  joins it."""
+
+  step: int
+  fragment: int | None
+  origin: Any
+  residual: Any
+  tokens: int
+  losses: list
+  exchange: _Exchange
+  join_at: int
+
+
 class Replica:
   r"""One replica of a fault-tolerant run, in the user's loop: the round driver.
 
@@ -288,6 +333,8 @@ class Replica:
     self._collections = self._origin = self._seek = self._params_like = None
     self._round_start = self._boundary = 0
     self._losses: list = []  # the losses reported since the last boundary, unread
+    self._pending: _Round | None = None  # a round sent and not yet joined
+    self._latest = None
 
   @property
   def healed(self) -> bool:
@@ -337,7 +384,11 @@ class Replica:
 
     On the round's boundary step it runs the round (send, exchange, decision, land) and sets
     :attr:`last`; on the step before, it keeps a copy of the params (the commit lands from
-    them). Between boundaries it reads nothing from the device.
+    them). Between boundaries it reads nothing from the device. With ``overlap`` :math:`\tau`
+    over an engine that exchanges beside the steps (the torchft engine), the boundary step
+    :math:`s` sends and starts the exchange on a thread, and step :math:`s + \tau - 1` (or the
+    next boundary, if it comes first: one exchange in flight) joins it and runs the rest there
+    (:meth:`_join`), blocking until the exchange has finished.
 
     Args:
       state: the loop's state after the step.
@@ -348,16 +399,37 @@ class Replica:
 
     Raises:
       RuntimeError: called before :meth:`start`.
+      Whatever the round's exchange raised on its thread (at the join).
     """
     if self._replica is None:
       raise RuntimeError("`Replica.after_step` before `Replica.start`: call start first.")
     self.step += 1
     if loss is not None:
       self._losses.append(loss)
+    if self._pending is not None and self.step == self._boundary:  # one exchange in flight
+      state = self._join(state)
     if self.step == self._boundary:
       state = self._round(state)
+    if self._pending is not None:
+      self._latest = state  # what finish() joins with if the loop ends first
+      if self.step >= self._pending.join_at:
+        state = self._join(state)
     self._keep_origin(state)
     return state
+
+  def finish(self, state: Any = None) -> Any:
+    r"""Joins a round whose exchange is still in flight when the loop ends (overlap
+    :math:`\tau` over an engine that runs the exchange beside the steps, when the loop stops
+    before step :math:`s + \tau - 1`) and returns the state with its outcome; returns ``state``
+    when none is. ``state``: the loop's state after its last step (default: the one last handed
+    to :meth:`after_step`). The torchft engine calls it once the training function returns.
+
+    Raises:
+      Whatever the round's exchange raised on its thread.
+    """
+    if self._pending is None:
+      return state
+    return self._join(self._latest if state is None else state)
 
   @property
   def replica_state(self) -> ReplicaState:
@@ -431,14 +503,47 @@ class Replica:
     return parts, fragment, payload, residual, mine, header
 
   def _round(self, state: Any) -> Any:
-    """The round at the boundary: send, exchange and decision (the engine's), land."""
+    """The round at the boundary: :meth:`_send`, then the engine's exchange, started on a
+    thread beside the next steps (:meth:`_beside`: what it reads is copied first, as the
+    loop's step may donate the state) or run here; its outcome is :meth:`_join`'s."""
     parts, fragment, payload, residual, mine, header = self._send(state)
-    tokens = header.weight
-    got = self.engine.exchange(Sent(header, (payload, parts.collections), int(mine.rounds),
-                                    self.donation(mine, parts.collections)))
+    donation = self.donation(mine, parts.collections)
+    beside = self._beside()
+    if beside:
+      donation = copied(donation)
+    sent = Sent(header, (payload, copied(parts.collections) if beside else parts.collections),
+                int(mine.rounds), donation)
+    exchange = _Exchange(self.engine.exchange, sent, thread=beside)
+    join_at = self.step + (self.protocol.overlap - 1 if beside else 0)
+    self._pending = _Round(self.step, fragment, self._origin, residual, header.weight,
+                           self._losses, exchange, join_at)
+    self._losses, self._round_start = [], self.step
+    return state
+
+  def _beside(self) -> bool:
+    """Whether the round's exchange runs on a thread beside the next steps: with ``overlap``
+    over an engine that says so (``exchanges_beside_steps``); else on the send step."""
+    return bool(self.protocol.overlap) and getattr(self.engine, "exchanges_beside_steps", False)
+
+  def _join(self, state: Any) -> Any:
+    """The round's outcome, on the loop's thread: waits for its exchange (its error raised
+    here), then heal, commit or abort, the data position and the round's line.
+
+    A commit holds or lands as on the send step (the round's fragment and send step are the
+    ones its state's ``local_step`` had there); an abort puts the fragment's params back on the
+    anchor at the join; a heal replaces the state with the donor's, whose ``local_step`` (its
+    send step) the data position jumps to: the steps taken since the send are dropped."""
+    p, self._pending, self._latest = self._pending, None, None
+    got = p.exchange.result()
+    parts = get_parts(state)
+    mine = self._replica._replace(params=parts.params, opt_state=parts.opt_state)
     replica, collections = mine, parts.collections
+    since = 0 if got.healed is not None else self.step - p.step  # own steps since the send
+    later = since > 0
     if got.healed is not None:  # placed as the loop's own state is (e.g. sharded over a mesh)
       replica, collections = placed_as((self.receive(got.healed)), (mine, collections))
+    elif later:
+      replica = _with_step(replica, _placed_like(p.step, parts.opt_state.local_step))
     if got.merged is None:  # the params back on the anchor: copies (the loop donates them)
       replica = self.protocol.abort(replica)
       replica = replica._replace(params=copied(replica.params))
@@ -446,22 +551,27 @@ class Replica:
       replica, collections = self.protocol.commit(replica, got.merged[0]), got.merged[1]
     else:
       params, opt_state, average = self.protocol.outer_half(
-        self._origin, parts.params, parts.opt_state, mine.average, got.merged[0], residual,
-        fragment)
-      replica = ReplicaState(params, opt_state, mine.rounds + 1, average)
+        p.origin, replica.params, replica.opt_state, replica.average, got.merged[0],
+        p.residual, p.fragment)
+      replica = ReplicaState(params, opt_state, replica.rounds + 1, average)
       collections = got.merged[1]
+    if later:
+      replica = _with_step(replica, parts.opt_state.local_step)
     if got.merged is not None and collections is not None:  # the members' merged ones, copied
       collections = copied(collections)
-    jumped = got.healed is not None or got.step > self.step
+    jumped = got.healed is not None or got.step > p.step
     if jumped and got.healed is None:  # a void round: it takes the round's step and counts
-      replica = replica._replace(opt_state=advanced(replica.opt_state, got.step - self.step))
-    loss = mean_loss(self._losses)  # before _take, which starts the next round's
+      replica = replica._replace(opt_state=advanced(replica.opt_state, got.step - p.step))
+    kept = self._losses, self._round_start
     state = self._take(state, replica, collections, jumped)
+    if not jumped:  # the steps since the send are the next round's
+      self._losses, self._round_start = kept
+    step = self.step - since  # the round's step (a heal's: the donor's send step)
     line = RoundLog(
-      round=self.protocol.rounds_until(self.step) - 1, replica=self.slot, step=self.step,
+      round=self.protocol.rounds_until(step) - 1, replica=self.slot, step=step,
       quorum_id=got.quorum_id, members=got.members, committed=got.merged is not None,
-      weight=0 if jumped else tokens, healed=got.healed is not None,
-      state_hash=self.state_hash(), tokens=tokens, loss=loss)
+      weight=0 if jumped else p.tokens, healed=got.healed is not None,
+      state_hash=self._round_hash(since), tokens=p.tokens, loss=mean_loss(p.losses))
     self.engine.record(line)
     self.last = RoundResult(line.committed, line.healed, self.step, line)
     return state
@@ -469,6 +579,16 @@ class Replica:
   def state_hash(self) -> str:
     """:func:`state_hash` of this replica's global state (with its collections, if any)."""
     tree = global_state(self._replica)
+    return state_hash(tree if self._collections is None else (tree, self._collections))
+
+  def _round_hash(self, since: int) -> str:
+    """:meth:`state_hash` as of the round's step, ``since`` steps before this one (its
+    ``local_step``, part of the global state, that many back): what a member that joined the
+    round on its send step holds."""
+    if not since:
+      return self.state_hash()
+    step = self._replica.opt_state.local_step
+    tree = global_state(_with_step(self._replica, np.asarray(step) - since))
     return state_hash(tree if self._collections is None else (tree, self._collections))
 
   def _take(self, state: Any, replica: ReplicaState, collections: Any, jumped: bool) -> Any:
@@ -512,6 +632,11 @@ def placed_as(tree: Any, like: Any) -> Any:
   def place(x, old):
     return jax.device_put(x, old.sharding) if getattr(old, "committed", False) else x
   return jax.tree.map(place, tree, like)
+
+
+def _with_step(replica: ReplicaState, local_step: Any) -> ReplicaState:
+  """``replica`` with its optimizer state's ``local_step`` replaced by ``local_step``."""
+  return replica._replace(opt_state=replica.opt_state._replace(local_step=local_step))
 
 
 def _at_step(opt_state: Any, step: int) -> Any:

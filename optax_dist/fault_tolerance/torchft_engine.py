@@ -222,6 +222,8 @@ class Torchft:
       result = train(port.replica)
       if self.decoupled:  # its exchange polls on until every replica's loop has returned
         port.finish()
+      else:  # a round whose exchange is still in flight (overlap): its outcome and line
+        port.replica.finish()
       return {self.replica_id: result}
     finally:
       port.shutdown()
@@ -239,7 +241,12 @@ class _Attempts:
 
 class _Port(Session):
   """A replica's end of the torchft engine: its session, the round's exchange, its
-  checkpoints and its log."""
+  checkpoints and its log. With overlap the exchange (quorum, heal, all-gathers, decision,
+  vote) runs on a thread beside the replica's next steps (``exchanges_beside_steps``;
+  :meth:`~optax_dist.fault_tolerance.Replica.after_step`); it reads only what the round's
+  :class:`Sent` holds, copies the loop's steps do not donate."""
+
+  exchanges_beside_steps = True
 
   def __init__(self, engine: Torchft):
     self.engine, self.protocol, self.slot = engine, engine.protocol, engine.replica_id
