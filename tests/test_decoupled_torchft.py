@@ -169,6 +169,9 @@ def test_k_equal_r_and_no_window_is_the_synchronous_round_bit_for_bit(runs):
     assert x["committed"] and x["payloads"] == [[0, step, 1600, 0, 1600, True],
                                                 [1, step, 1600, 0, 1600, True]], x
   assert all(b["landed"] for i in (0, 1) for b in run.boundaries(i))
+  for b in run.boundaries(0) + run.boundaries(1):  # its push, its time, its pull in that order
+    assert b["pushed"] <= b["time"] <= b["pushed"] + b["waited"] + 1e-3, b
+  assert max(b["waited"] for b in run.boundaries(0)) > STOP_S / 2  # replica 1's stop waited out
   args, protocol, train, tokens = _engine_inputs(run)
   decoupled = InProcess(protocol, tokens_per_step=tokens, **_decoupled_options(args))
   decoupled.run(train)

@@ -188,6 +188,8 @@ def test_kill_restart_heal_and_stop_keep_committed_states_equal(tmp_path):
   assert heal["healed"] and heal["weight"] == 0 and heal["committed"]
   assert heal["donor"] in (0, 1) and heal["donor"] in heal["members"]  # torchft's source rank
   assert all(0.0 <= line["loss"] < float("inf") for i in range(3) for line in run.lines(i))
+  assert all(0.0 < line["quorum_seconds"] <= line["exchange_seconds"]  # the quorum in it
+             for i in range(3) for line in run.lines(i))
   # Restored, a replica's first round ends H after the checkpoint (one that started late heals
   # from one restored).
   assert all(line["healed"] or line["step"] == restored + 5 for line in firsts), firsts

@@ -12,7 +12,8 @@ A run's directory ``OUT`` holds, by writer:
   ``replica_<i>.rank_<r>.log`` and ``replica_<i>.rank_<r>.pid``;
 * replica ``i``: ``replicas/replica_<i>.jsonl``, one JSON line per round (``round``, ``step``,
   ``quorum_id``, ``members``, ``committed``, ``weight``, ``healed``, ``state_hash``,
-  ``tokens``, ``loss``, ``time``, ``pid``, ``quorum_seconds``, ``attempts``, ``donor``),
+  ``tokens``, ``loss``, ``time``, ``pid``, ``quorum_seconds``, ``attempts``, ``donor``,
+  ``exchange_seconds``),
   opened for appending: a
   restarted replica adds to its file; rank ``r`` > 0 of a replica group writes its own,
   ``replicas/replica_<i>.rank_<r>.jsonl``; a replica of ``optax-dist replica`` also writes

@@ -28,7 +28,9 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line at the time of the poll it
    stopped at (with a :class:`~optax_dist.fault_tolerance.decoupled.Revert` line, in the same
    file, for a payload withdrawn after an abort), so ``InProcess(replay=lines)`` runs the same
-   schedule and writes the same lines;
+   schedule and writes the same lines; a boundary its loop waited at also has ``pushed`` (the
+   Unix time of its push, its inner steps done) and ``waited`` (the seconds from its push to
+   its pull);
 4. a member whose committed rounds are behind a member's (torchft's step, its ``max_step``)
    receives, within the quorum (torchft's heal over the session's
    :class:`~optax_dist.fault_tolerance.torchft_session.HealTransport`, the synchronous engine's),
@@ -569,7 +571,8 @@ class DecoupledPort(Session):
     # outvoted: its boundary before the close (it did not land), after the last poll's
     t = (self._time + now) / 2 if self._outvoted else now
     self._write(self.boundary_path, Boundary(self.slot, e.push.header.step, t,
-                                             landed is not None))
+                                             landed is not None),
+                pushed=e.arrival / 1e6, waited=time.time() - e.arrival / 1e6)
     self._inner = jax.tree.map(jnp.copy, heal.inner_state(e.push.replica))
     self._give(landed)
 

@@ -50,7 +50,8 @@ built). Per round, at the loop's boundary
    acknowledgement. A member whose acknowledgement failed aborts (it heals at its next quorum).
 5. **Commit or abort** by the loop's driver, then one JSON line in
    ``OUT/replicas/replica_<i>.jsonl`` (rank ``r`` > 0 of a group: ``replica_<i>.rank_<r>.jsonl``;
-   with ``attempts``: the round's quorums, and ``quorum_seconds``), and a checkpoint on the
+   with ``attempts``: the round's quorums, ``quorum_seconds``, and ``exchange_seconds``: the
+   seconds of the whole exchange, quorums to vote), and a checkpoint on the
    quorum's rank 0 (its group's rank 0) when one is due.
 
 Needs the ``ft`` extra (``torch`` and ``torchft``); the rest of optax_dist does not import
@@ -237,6 +238,8 @@ class _Attempts:
   count: int = 0
   quorum_seconds: float = 0.0
   donor: int | None = None
+  start: float = 0.0  # time.monotonic() at the exchange's start
+  seconds: float = 0.0  # the exchange's, once it returned
 
 
 class _Port(Session):
@@ -325,7 +328,7 @@ class _Port(Session):
     """Quorum (and heal), exchange and decision, again in a new quorum up to
     ``exchange_retries`` times while the exchange fails before its acknowledgement; then the
     vote."""
-    self._sent, self._healed, self._attempts = sent, None, _Attempts()
+    self._sent, self._healed, self._attempts = sent, None, _Attempts(start=time.monotonic())
     bound = heal.heal_bound(sent.donation)  # what a heal may read: its own donation's size
     got, retryable = None, True
     while got is None or (got.merged is None and retryable
@@ -338,7 +341,7 @@ class _Port(Session):
     elif got.merged is None:
       self._manager.report_error(RuntimeError(got.reason))
       self._vote()
-    self._sent = None
+    self._sent, self._attempts.seconds = None, time.monotonic() - self._attempts.start
     return got
 
   def _attempt(self, sent: Sent) -> tuple[Received, bool]:
@@ -412,13 +415,14 @@ class _Port(Session):
     return zeros, collections
 
   def record(self, line: RoundLog) -> None:
-    """Appends the round's line (with ``time``, ``pid``, ``quorum_seconds``, ``attempts`` and
-    ``donor``) and, on the quorum's rank 0 after a committed round that crosses a multiple of
-    ``checkpoint_every``, queues a checkpoint; on every member, its local state of the round
+    """Appends the round's line (with ``time``, ``pid``, ``quorum_seconds``, ``attempts``,
+    ``donor`` and ``exchange_seconds``, :meth:`exchange`'s) and, on the quorum's rank 0 after a
+    committed round that crosses a multiple of ``checkpoint_every``, queues a checkpoint; on
+    every member, its local state of the round
     (:meth:`_write_local`)."""
     row = dict(dataclasses.asdict(line), time=time.time(), pid=os.getpid(),
                quorum_seconds=self._attempts.quorum_seconds, attempts=self._attempts.count,
-               donor=self._attempts.donor)
+               donor=self._attempts.donor, exchange_seconds=self._attempts.seconds)
     with open(self.log_path, "a") as f:
       f.write(json.dumps(row) + "\n")
     self._write_local(line)
