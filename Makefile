@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens bench-lm-exchanges \
-  bench-async-dylu bench-decoupled-staleness bench-chaos dist clean
+  bench-async-dylu bench-decoupled-staleness bench-chaos bench-decoupled dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,17 @@ bench-chaos: $(VENV)/.bench,ft
 	@if [ "$$(id -u)" != 0 ]; then echo "bench-chaos: skipped: needs root"; exit 0; fi; \
 	mkdir -p benchmarks/results/chaos; \
 	$(BIN)/python -m benchmarks chaos --out benchmarks/results/chaos/chaos $(BENCH_CHAOS_ARGS)
+
+# Decoupled rounds over torchft (4 replica processes of speeds 1 : 1 : 0.5 : 0.25, each capped
+# at its share of 1.6 CPUs a pair, the lm task): synchronous rounds, K = 1 with W = 0 and with
+# a window of 2 s, each beside a control, seeds 0 and 1 (about 1 h); in
+# benchmarks/results/chaos/, the raw logs in speeds_raw.tar.xz. The chaos study's speeds mode:
+# needs root and the ft extra; BENCH_DECOUPLED_ARGS=--quick checks the program.
+bench-decoupled: $(VENV)/.bench,ft
+	@if [ "$$(id -u)" != 0 ]; then echo "bench-decoupled: skipped: needs root"; exit 0; fi; \
+	mkdir -p benchmarks/results/chaos; \
+	$(BIN)/python -m benchmarks chaos --speeds 1 1 0.5 0.25 --cpus 1.6 --seeds 0 1 \
+	  --steps 1200 --out benchmarks/results/chaos/speeds $(BENCH_DECOUPLED_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist

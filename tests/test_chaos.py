@@ -264,6 +264,132 @@ def test_the_report_recomputed_from_its_archive_equals_the_one_computed_from_the
   assert capsys.readouterr().out == text + "\n"
 
 
+def speeds_sync_run():
+  """Two replicas from t0 = 100 s, a round every 2 s (rounds 0 to 3), replica 0 1.1 s of each
+  in its exchange, replica 1 0.1 s; round r's loss 4 - r on both."""
+  return RECORD | {"t0": 100.0, "boundaries": [], "events": [], "lines": [
+    {**line(r, i, 100.0 + 2 * r), "members": [0, 1], "exchange_seconds": 1.1 - i,
+     "loss": 4.0 - r} for r in range(4) for i in (0, 1)]}
+
+
+def speeds_decoupled_run():
+  """K = 1 from t0 = 200 s: replica 0 pushes at 199.9 s + k and waits 0.1 s (rounds 0 to 3 at
+  200 + k s), replica 1 pushes at 200.5 s and 202.5 s and waits 0.5 s and 0.3 s, its payloads
+  stale by 1 in rounds 1 and 3 (a catch-up line between)."""
+  mine = {1: [1, 10, 10, 1, 5.0, True], 3: [1, 20, 10, 1, 5.0, True]}
+  losses = [3.0, 2.0, 1.0, 0.5]
+  lines = [{"round": r, "replica": i, "time": 200.0 + r, "committed": True,
+            "payloads": [[0, 10 * (r + 1), 10, 0, 10.0, True]] + [mine.get(r)] * (r in mine),
+            "weight": 10 if i == 0 or r in mine else 0,
+            "loss": losses[r] if i == 0 or r in mine else None} for r in range(4) for i in (0, 1)]
+  bounds = [{"replica": 0, "step": 10 * (k + 1), "time": 200.0 + k, "landed": True,
+             "pushed": 199.9 + k, "waited": 0.1} for k in range(4)]
+  bounds += [{"replica": 1, "step": 10 * k, "time": 198.5 + 2.2 * k, "landed": False,
+              "pushed": 198.5 + 2 * k, "waited": 0.7 - 0.2 * k} for k in (1, 2)]
+  bounds.insert(5, {"round": 2, "replica": 1, "donor": 0, "missed": 1, "rounds": 2})
+  return RECORD | {"t0": 200.0, "lines": lines, "boundaries": bounds, "events": []}
+
+
+def test_speeds_figures_from_hand_written_logs_and_the_report_from_its_archive(tmp_path, capsys):
+  """Inner steps of 0.05 s and 0.1 s alone, H = 10. Synchronous: rounds 1 to 3 in the 6 s span,
+  utilization (30 * 0.05 + 30 * 0.1) / (6 * 2); decoupled: 3 and 2 rounds in 3 s, (30 * 0.05 +
+  20 * 0.1) / (3 * 2); the smoothed decoupled loss (means of the last 2 lines: 1.5 at 2 s, 0.75
+  at 3 s) reaches the synchronous control's final 1.0 at 2 + 2/3 s, 0.444 of its span. Read
+  back from the archive, the same figures and report."""
+  from benchmarks.studies.chaos import speeds
+
+  cfg = dataclasses.asdict(runs.Config(seeds=(0,), replicas=2, sync_period=10,
+                                       speeds=(1.0, 0.5), windows=(2.0,)))
+  study = {"config": cfg, "seeds": {"0": {"order": ["sync", "k1_w2"]}}, "calibration": {
+    "t_solo": [0.05, 0.1], "share": [2 / 3, 1 / 3], "expected": [2 / 3, 1 / 3],
+    "caps": [0.67, 0.33], "within": [True, True]}}
+  found = {"sync_control": speeds_sync_run(), "sync": speeds_sync_run(),
+           "k1_w2_control": speeds_decoupled_run(), "k1_w2": speeds_decoupled_run()}
+  got = speeds.result(study, {"0": found})
+  sync, late = got["seeds"]["0"]["runs"]["sync_control"], got["seeds"]["0"]["runs"]["k1_w2"]
+  assert sync["utilization"] == pytest.approx(4.5 / 12) and sync["tokens_per_s"] == 10
+  assert (sync["partial_share"], sync["staleness"]) == (0, {"0": 8})
+  assert sync["wait_s"] == [pytest.approx([1.1] * 3), pytest.approx([0.1] * 3)]
+  assert sync["inner_step_s"] == pytest.approx([0.09, 0.19])  # (2 s - its exchange) / H
+  assert (sync["final_loss"], sync["final"], sync["reach"]) == (1.0, 1.0, 1.0)
+  assert late["utilization"] == pytest.approx(3.5 / 6)
+  assert late["tokens_per_s"] == pytest.approx(50 / 3)  # rounds 1 to 3: 30 + 20 tokens
+  assert (late["partial_share"], late["staleness"]) == (0.5, {"0": 4, "1": 2})
+  assert late["wait_s"] == [pytest.approx([0.1] * 3), pytest.approx([0.4, 0.498, 0.5])]
+  assert late["inner_step_s"] == pytest.approx([0.09, 0.15])  # (202.5 s - 201 s) / H
+  assert late["reach"] == pytest.approx((2 + 2 / 3) / 6)
+  text = report.markdown(got, "speeds.png")
+  assert "- K = 1, W = 2 s: utilization ≥ 0.95 (sync's 0.375): 0.583, **missed**" in text
+  assert "final loss within half its span: 0.444, **met**" in text
+  assert "wait p99 (s) ≤ the window, 2 s: 0.498, **met**" in text
+  prefix = str(tmp_path / "speeds")
+  for name, run in found.items():
+    replicas = tmp_path / f"speeds_runs/seed0/{name}/replicas"
+    replicas.mkdir(parents=True)
+    for i in (0, 1):
+      (replicas / f"replica_{i}.jsonl").write_text("".join(
+        json.dumps(x) + "\n" for x in run["lines"] if x["replica"] == i))
+  report.write_archive(f"{prefix}_raw.tar.xz", study, {"0": found}, prefix)
+  again = report.result(*report.read_archive(f"{prefix}_raw.tar.xz"))
+  assert json.dumps(again, sort_keys=True) == json.dumps(got, sort_keys=True)
+  report.plot(got, str(tmp_path / "speeds.png"))
+  report.main(["--recompute", f"{prefix}_raw.tar.xz"])
+  assert capsys.readouterr().out == text + "\n"
+
+
+def test_speeds_arms_caps_and_their_commands():
+  """The arms' commands parse and pass the command's checks (a decoupled run takes neither
+  --exchange-retries nor --checkpoint-every); each replica's quota is its share of the CPUs."""
+  from benchmarks.studies.chaos import speeds
+  from optax_dist.cli import ft_flags
+  from optax_dist.cli.main import build_parser
+
+  config = runs.Config(speeds=(1.0, 1.0, 0.5, 0.25), steps=100, windows=(0.0, 2.0))
+  got = speeds.arms(config)
+  assert [name for name, _ in got] == ["sync", "k1_w0", "k1_w2"]
+  for name, c in got:
+    args = build_parser().parse_args(runs.command(c, "OUT")[3:])
+    ft_flags.resolve(args)
+    assert (args.decoupled, args.steps, args.checkpoint_every) == (
+      name != "sync", 100 if name == "sync" else 400, None)
+    assert args.decoupled is False or (args.min_quorum, args.grace_window) == (1, c.decoupled)
+  shares = faults_.CpuShares(4, 1.6, speeds=config.speeds, period_us=20_000)
+  assert shares.quotas == [11636, 11636, 5818, 2909]  # 20 ms * 1.6 * (1, 1, .5, .25) / 2.75
+  assert faults_.CpuShares(4, 0.04).quotas == [1000] * 4  # the chaos study's equal shares
+  with pytest.raises(ValueError, match="a quota of 181 us, under 1000 us"):
+    faults_.CpuShares(4, 0.1, speeds=config.speeds, period_us=20_000)
+
+
+def test_speeds_arms_run_in_turn_reversed_every_other_seed_each_beside_its_control(tmp_path,
+                                                                                  monkeypatch):
+  """``speeds.run_seed`` with stand-in runs: seed 1 runs the arms in reverse order, each pair a
+  control without faults and a second run, faulted only with ``speed_faults`` (the seed's
+  schedule); a decoupled arm runs R * steps."""
+  from benchmarks.studies.chaos import speeds
+
+  calls = []
+
+  def together(made, timeout):
+    calls.append([(r.config.decoupled, r.config.steps, len(r.pending), r.tag) for r in made])
+    for r in made:
+      os.makedirs(r.out, exist_ok=True)
+    return [control_run(), control_run()]
+
+  monkeypatch.setattr(runs, "together", together)
+  config = runs.Config(replicas=2, steps=100, speeds=(1.0, 0.5), windows=(0.0, 2.0))
+  for seed, faulted in ((0, False), (1, True)):
+    calls.clear()
+    c = dataclasses.replace(config, speed_faults=faulted)
+    meta, found = speeds.run_seed(c, seed, str(tmp_path / f"speeds{seed}"))
+    order = ["sync", "k1_w0", "k1_w2"][::1 - 2 * seed]
+    assert meta == {"order": order} and len(found) == 6 and f"{order[0]}_control" in found
+    windows = {"sync": None, "k1_w0": 0.0, "k1_w2": 2.0}
+    faults = len(schedule(seed, c.fault_rate, c.timeout, 2)) if faulted else 0
+    assert calls == [[(windows[a], 100 if a == "sync" else 200, 0, "c"),
+                      (windows[a], 100 if a == "sync" else 200, faults, "f")] for a in order]
+    assert faults > 0 or not faulted
+
+
 def test_young_daly_s_interval_and_the_synchronous_arm_s_settings():
   # sqrt(2 * 2 s * 45 s) = 13.42 s, in steps of 0.1 s
   assert runs.young_daly(2.0, 45.0, 0.1) == 134

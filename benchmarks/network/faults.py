@@ -10,6 +10,7 @@ import os
 import pathlib
 import signal
 import time
+from collections.abc import Sequence
 from typing import Self
 
 from optax_dist.fault_tolerance.rundir import RunDir
@@ -77,17 +78,21 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 class CpuShares:
-  """One cgroup per replica, each allowed ``cpus / replicas`` CPUs (v2's ``cpu.max``, v1's CFS
-  quota): a stopped or restarting replica's share stays idle. :meth:`add` moves a process into
-  its replica's group; on exit the groups are removed, their processes moved back. ``cpus`` 0:
-  no caps. ``tag`` tells apart the runs of one process. Raises ``RuntimeError`` for caps
-  without a cgroup ``cpu`` controller."""
+  """One cgroup per replica, each allowed ``cpus / replicas`` CPUs (with ``speeds``, ``cpus``
+  times ``speeds[i] / sum(speeds)``; v2's ``cpu.max``, v1's CFS quota per ``period_us``): a
+  stopped or restarting replica's share stays idle. :meth:`add` moves a process into its
+  replica's group; on exit the groups are removed, their processes moved back. ``cpus`` 0: no
+  caps. ``tag`` tells apart the runs of one process. Raises ``RuntimeError`` for caps without
+  a cgroup ``cpu`` controller, ``ValueError`` for a quota under the kernel's 1 ms."""
 
-  PERIOD_US = 100_000
-
-  def __init__(self, replicas: int, cpus: float, tag: str = ""):
-    self.quota_us = int(self.PERIOD_US * cpus / replicas) if cpus else 0
-    self.root, self.v2 = self._controller() if self.quota_us else (None, False)
+  def __init__(self, replicas: int, cpus: float, tag: str = "",
+               speeds: Sequence[float] = (), period_us: int = 100_000):
+    shares = [s / sum(speeds) for s in speeds] if speeds else [1 / replicas] * replicas
+    self.period_us, self.quotas = period_us, [int(period_us * cpus * s) for s in shares]
+    if cpus and min(self.quotas) < 1000:
+      raise ValueError(f"CpuShares: a quota of {min(self.quotas)} us, under 1000 us (cpus={cpus},"
+                       f" speeds={tuple(speeds)}, period_us={period_us})")
+    self.root, self.v2 = self._controller() if cpus else (None, False)
     name = f"optax_dist_chaos_{os.getpid()}{tag}"
     self.groups = [self.root / f"{name}_{i}" for i in range(replicas)] if self.root else []
 
@@ -104,13 +109,13 @@ class CpuShares:
   def __enter__(self) -> Self:
     if self.v2:
       (self.root / "cgroup.subtree_control").write_text("+cpu")
-    for group in self.groups:
+    for group, quota in zip(self.groups, self.quotas):
       group.mkdir()
       if self.v2:
-        (group / "cpu.max").write_text(f"{self.quota_us} {self.PERIOD_US}")
+        (group / "cpu.max").write_text(f"{quota} {self.period_us}")
       else:
-        (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+        (group / "cpu.cfs_period_us").write_text(str(self.period_us))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
     return self
 
   def add(self, replica: int, pid: int) -> None:

@@ -27,7 +27,9 @@ Every figure is the median and range over the seeds, computed again from the raw
   second half of the checkpoints against the control's at equal tokens.
 
 Every process, cgroup and namespace of a run is removed when it ends, also on an exception or
-Ctrl-C. Needs root (``make bench-chaos``); says so and exits with 0 otherwise.
+Ctrl-C. Needs root (``make bench-chaos``); says so and exits with 0 otherwise. With
+``--speeds``, the speeds mode (:mod:`~benchmarks.studies.chaos.speeds`, ``make
+bench-decoupled``) runs instead: decoupled rounds where the replicas' speeds differ.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import signal
 import sys
 from typing import Any
 
-from benchmarks.studies.chaos import accounting, report, runs, schedule
+from benchmarks.studies.chaos import accounting, report, runs, schedule, speeds
 from benchmarks.studies.chaos.report import markdown, plot
 from benchmarks.studies.chaos.runs import QUICK, Config
 
@@ -47,15 +49,19 @@ __all__ = ["QUICK", "Config", "markdown", "measure", "plot"]
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
-  """Every seed's runs (:func:`run_seed`), archived in ``PREFIX_raw.tar.xz``, and the figures.
-  A ``SIGTERM`` ends the study as Ctrl-C does, the runs in progress removed first."""
+  """Every seed's runs (:func:`run_seed`; with ``speeds``, the speeds' calibration and
+  :func:`speeds.run_seed`), archived in ``PREFIX_raw.tar.xz``, and the figures. A ``SIGTERM``
+  ends the study as Ctrl-C does, the runs in progress removed first."""
   if os.geteuid() != 0:
     print("[chaos] skipped: needs root (make bench-chaos)", file=sys.stderr)
     return None
   signal.signal(signal.SIGTERM, _interrupted)
   study, records = {"config": dataclasses.asdict(config), "seeds": {}}, {}
+  if config.speeds:
+    study["calibration"] = speeds.calibrate(config)
   for seed in config.seeds:
-    study["seeds"][str(seed)], records[str(seed)] = run_seed(config, seed, prefix)
+    study["seeds"][str(seed)], records[str(seed)] = (
+      speeds.run_seed if config.speeds else run_seed)(config, seed, prefix)
   report.write_archive(f"{prefix}_raw.tar.xz", study, records, prefix)
   return report.result(study, records)
 

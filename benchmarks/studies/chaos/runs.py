@@ -59,6 +59,12 @@ class Config:
   standby: bool = kit.option(False, "spares in both arms (--standby; sync: no restart delay)")
   checkpoint_every: int = kit.option(200, "the fault-tolerant runs' --checkpoint-every; 0: none")
   equal_tokens_control: bool = kit.option(True, "a control of the faulted run's tokens")
+  speeds: tuple[float, ...] = kit.option((), "the speeds mode (make bench-decoupled): the"
+                                         " replicas' CPU caps in this ratio")
+  windows: tuple[float, ...] = kit.option((0.0, 2.0), "speeds: the K = 1 arms' --grace-window")
+  decoupled_steps: int | None = kit.option(None, "speeds: a decoupled arm's --steps (R * steps)")
+  speed_faults: bool = kit.option(False, "speeds: the runs beside the controls faulted")
+  decoupled: float | None = kit.option(None, "a run's --decoupled --min-quorum 1 --grace-window")
 
 
 QUICK = {"steps": 400, "fault_rate": 1 / 8, "lighthouse_kill": 15.0, "checkpoint_every": 100,
@@ -73,13 +79,16 @@ def command(config: Config, out: str, star: netns.Star | None = None) -> list[st
            ("--min-replicas", c.min_replicas), ("--devices", 1), ("--task", c.task),
            ("--steps", c.steps), ("--sync-period", c.sync_period),
            ("--restart-delay", c.restart_delay), ("--max-restarts", 1000),
-           ("--exchange-timeout", c.exchange_timeout), ("--exchange-retries", c.exchange_retries),
+           ("--exchange-timeout", c.exchange_timeout),
+           *[("--exchange-retries", c.exchange_retries)] * (c.decoupled is None),
            ("--join-timeout", c.join_timeout), ("--finish-grace", c.finish_grace),
            ("--lighthouse-heartbeat-timeout", c.heartbeat_timeout), ("--no-progress",),
            ("--out", out)]
   flags += [] if star is None else [("--host", star.address), ("--replica-netns", star.pattern)]
   flags += [("--checkpoint-every", c.checkpoint_every)] * bool(c.checkpoint_every) + [
     ("--standby",)] * c.standby
+  flags += [] if c.decoupled is None else [("--decoupled",), ("--min-quorum", 1),
+                                           ("--grace-window", c.decoupled)]
   return ([] if star is None else star.exec_prefix()) + _train(flags)
 
 
@@ -122,8 +131,9 @@ class Run:
     with contextlib.ExitStack() as self.stack:  # closed at once if a step fails
       self.stack.enter_context(self.timed)
       self.log = self.stack.enter_context(open(os.path.join(self.out, "command.log"), "w"))
-      self.shares = self.stack.enter_context(
-        inflicted.CpuShares(self.config.replicas, self.cpus, self.tag))
+      self.shares = self.stack.enter_context(inflicted.CpuShares(
+        self.config.replicas, self.cpus, self.tag, self.config.speeds,
+        20_000 if self.config.speeds else 100_000))  # speeds: CFS periods of 20 ms
       self.star = self._network()
       self.proc = self._start(resume=False)
       self.stack.callback(lambda: (inflicted.kill_all(self.out), self.proc.wait()))
@@ -159,7 +169,8 @@ class Run:
     for i, pid in pids.items():
       if self.seen.get(i) != pid:
         self.seen[i] = pid
-        self.shares.add(i, pid)
+        if not self.config.speeds:  # capped once ready (FaultTolerantRun.tick) with speeds
+          self.shares.add(i, pid)
         self.events.append([now, "start", i, pid])
     for undo in [u for u in self.undo if u[0] <= now]:
       self.undo.remove(undo)
@@ -189,8 +200,9 @@ class Run:
 class FaultTolerantRun(Run):
   """:func:`command` in a :class:`netns.Star`, on the clock of its first commit. Its record:
   ``t0``, ``events`` (``[t, kind, replica, pid]``: ``start``, ``ready`` (its ``ready_<i>``),
-  the faults, ``cont``, ``up``, ``unapplied``), ``lines``, ``final``, ``curve``
-  (:func:`ft_task.checkpoint_metrics`), ``standby_cpu_s``, ``status``, ``wall_s``, loads."""
+  the faults, ``cont``, ``up``, ``unapplied``), ``lines``, ``boundaries`` (a decoupled run's),
+  ``final``, ``curve`` (:func:`ft_task.checkpoint_metrics`), ``standby_cpu_s``, ``status``,
+  ``wall_s``, loads. With ``speeds``, a replica process is capped from its ``ready`` on."""
 
   flag, group = "--replica-id", True
 
@@ -208,6 +220,8 @@ class FaultTolerantRun(Run):
         if self.ready.get(i) != (mark := self.dir.ready_file(i).stat().st_mtime):
           self.ready[i] = mark
           self.events.append([mark - (self.t0 or mark), "ready", i, self.seen.get(i)])
+          if self.config.speeds:
+            self.shares.add(i, self.seen.get(i))
     for pid in inflicted.process_ids(self.out, self.flag, standbys=True).values():
       self.standby_cpu[pid] = inflicted.cpu_seconds(pid) or self.standby_cpu.get(pid, 0.0)
     return self.proc.poll() is None
@@ -215,7 +229,9 @@ class FaultTolerantRun(Run):
   def record(self) -> dict[str, Any]:
     args = build_parser().parse_args(command(self.config, self.out)[3:])
     return {**super().record(), "lines": self.dir.lines(), "final": [*self.dir.final().values()],
-            "curve": ft_task.checkpoint_metrics(args),
+            "curve": ft_task.checkpoint_metrics(args), "boundaries": [
+              x for path in sorted(self.dir.replicas.glob("boundaries_*.jsonl"))
+              for x in kit.read_json(str(path), lines=True)],
             "standby_cpu_s": sum(self.standby_cpu.values())}
 
 
