@@ -8,6 +8,7 @@ accounted for.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -560,8 +561,15 @@ def _killed_run():
   1's Heal line between its two processes' boundaries."""
   protocol = ft.RoundProtocol("diloco", optax.adam(0.1), optax.sgd(0.7, momentum=0.9,
                                                                     nesterov=True), sync_period=H)
-  engine, train = ft.InProcess(protocol, num_replicas=2, **KILL), _loop(protocol, 6 * H)
+  steps = collections.Counter()  # each replica's inner steps (all its loops), the loop's count
+
+  def count(slot, step):
+    steps[slot] += 1
+    return 0.0
+
+  engine, train = ft.InProcess(protocol, num_replicas=2, **KILL), _loop(protocol, 6 * H, count)
   results = engine.run(train)
+  train.steps, train.ran = steps, dict(steps)  # the counter, and the run's count
   (healed,) = [x for x in engine.log if isinstance(x, decoupled.Heal)]
   bounds = [decoupled.Boundary(0, b, float(b), True) for b in range(H, 6 * H + 1, H)]
   bounds += [decoupled.Boundary(1, H, float(H), True), healed]  # its first process: one boundary
@@ -585,13 +593,74 @@ def test_a_killed_process_s_log_replays_whether_or_not_its_last_boundary_line_wa
     lines = [x for x in lines if x.get("replica") != 1 or x.get("time") != H]
   replay = ft.InProcess(protocol, num_replicas=2, replay=lines, speeds=(1.0, 1.0),
                         tokens_per_step=TOKENS)
+  train.steps.clear()
   replayed = replay.run(train)
+  assert dict(train.steps) == train.ran
   assert [x for x in replay.log if isinstance(x, MergeLine)] == [
     x for x in engine.log if isinstance(x, MergeLine)]
   assert [x for x in replay.log if isinstance(x, decoupled.Heal)] == [
     x for x in engine.log if isinstance(x, decoupled.Heal)]
   for i in range(2):
     _leaves_equal(replayed[i][0], results[i][0])
+  # the killed process's steps after its last boundary: no line of the log counts them, the
+  # estimate (to its next boundary, where it died) does, and so does the replay's Death line
+  tokens = {i: TOKENS * n for i, n in sorted(train.ran.items())}
+  estimated = decoupled.unlogged(lines, protocol, TOKENS)
+  assert estimated == {1: TOKENS * H}
+  assert {i: n + estimated.get(i, 0) for i, n in _tokens(lines).items()} == tokens
+  assert _tokens(replay.log) == tokens
+
+
+def _tokens(lines):
+  """Each replica's tokens merged or lost (``decoupled.accounts``; the merged ones, summed over
+  the replicas, those of the round lines' merged rows: each round's line is given once)."""
+  got = decoupled.accounts(lines)
+  rows = [row for x in lines for row in (x if isinstance(x, dict) else dataclasses.asdict(x)).get(
+    "payloads", ())]
+  assert sum(v["merged"] for v in got.values()) == sum(row[2] for row in rows if row[5])
+  return {i: v["merged"] + v["lost"] for i, v in got.items()}
+
+
+def test_every_token_of_a_run_with_a_kill_and_a_join_is_merged_or_lost_once_per_replica():
+  """Per replica, its tokens merged into committed rounds plus those its lines count lost (its
+  dead loop's Death line, its joiner's Heal line) are its loops' inner steps, counted by the
+  loops themselves, times 3 tokens a step; the JSON lines count the same, and a round's line
+  given once per replica (as every torchft replica writes it) is counted once."""
+  _, train, engine, _, _ = _killed_run()
+  assert train.ran == {0: 6 * H, 1: 2 * H + 6 * H}
+  want = {i: {"merged": TOKENS * n, "lost": 0} for i, n in train.ran.items()}
+  want[1] = {"merged": TOKENS * (H + 5 * H), "lost": TOKENS * (H + H)}  # its Death and Heal
+  assert {i: sum(v.values()) for i, v in want.items()} == {
+    i: TOKENS * n for i, n in train.ran.items()}
+  assert decoupled.accounts(engine.log) == want
+  lines = [json.loads(json.dumps(dataclasses.asdict(x))) for x in engine.log]
+  twice = [x for x in lines if "committed" in x] + lines
+  assert decoupled.accounts(twice) == want
+
+
+def test_a_killed_process_s_unlogged_steps_run_from_its_last_counted_payload_to_its_next_boundary():
+  """Hand-written torchft lines, 100 steps a round, 16 tokens a step: replica 1's first process
+  has its payload of step 100 in round 0 and its boundary of step 200 in no round (the round
+  closed without it), then is killed: 200 + 100 - 100 steps; its second process heals at step
+  100, its payload of step 200 is withdrawn (a Revert line), then it is killed: 200 + 100 - 200
+  steps; its third process is alive. Replica 0 was never killed."""
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), sync_period=100)
+
+  def merge(r, rows):
+    return {"round": r, "time": r + 1.0, "committed": True, "reason": "", "version": r,
+            "payloads": [[i, step, 1600, 0, 1600.0, True] for i, step in rows], "lost": 0,
+            "state_hash": str(r), "fragment": None, "replica": 0}
+
+  def bound(step, t):
+    return dataclasses.asdict(decoupled.Boundary(1, step, t, False))
+
+  lines = [merge(0, [(0, 100), (1, 100)]), merge(1, [(0, 200)]), merge(2, [(0, 300)]),
+           bound(100, 1.0), bound(200, 1.9), dataclasses.asdict(decoupled.Heal(2, 1, 0, 100, 1600)),
+           bound(100, 2.9), dataclasses.asdict(Revert(2, 1, 200, 1600)), bound(200, 3.1),
+           dataclasses.asdict(decoupled.Heal(3, 1, 0, 100, 1600)), bound(100, 4.0)]
+  steps = (200 + 100 - 100) + (200 + 100 - 200)
+  assert decoupled.unlogged(lines, protocol, 16) == {1: 16 * steps}
+  assert decoupled.unlogged(lines[:3], protocol, 16) == {}
 
 
 def test_a_replay_fills_in_no_boundary_a_kill_cannot_have_left_unwritten():

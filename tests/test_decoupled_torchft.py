@@ -282,6 +282,12 @@ def test_a_restarted_replica_heals_then_commits_with_the_others(killed):
   assert all(len(h) == 1 for h in by_round.values()), by_round
   assert all(c for (h, c), in by_round.values())
   assert "the state hashes agree on every committed round" in run.stdout
+  # each replica's 300 steps, and the killed process's 100 to its first boundary and the 100
+  # after it (estimated: to its next boundary), 16 tokens a step, merged or lost once
+  tokens = json.loads((run.out / "fault_tolerant_diloco.json").read_text())["tokens"]
+  assert tokens == {"0": {"merged": 16 * 300, "lost": 0, "unlogged": 0},
+                    "1": {"merged": 16 * 300, "lost": 16 * 100, "unlogged": 16 * 100}}, tokens
+  assert "tokens: 9,600 merged, 3,200 lost (1,600 of them killed processes'" in run.stdout
 
 
 @pytest.mark.slow
@@ -308,6 +314,10 @@ def test_the_run_with_a_restart_replays_in_process_with_the_same_hashes(killed):
     (x["round"], x["state_hash"], x["payloads"]) for x in merges]
   heals = [dataclasses.asdict(x) for x in replay.log if isinstance(x, decoupled.Heal)]
   assert heals == [x for x in run.boundaries(1) if "donor" in x], heals
+  # the replay's Death line counts what the run's summary estimates for the killed process
+  tokens = json.loads((run.out / "fault_tolerant_diloco.json").read_text())["tokens"]
+  assert {str(i): v["merged"] + v["lost"] for i, v in decoupled.accounts(replay.log).items()} == {
+    i: sum(v.values()) for i, v in tokens.items()}
   for i in (0, 1):
     got = json.loads((run.out / "replicas" / f"final_{i}.json").read_text())
     assert state_hash(final[i]) == got["replica_hash"]

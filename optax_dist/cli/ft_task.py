@@ -90,8 +90,14 @@ def fingerprint(task: Task, data: Data, s: Settings, replicas: int) -> int:
 
   params = jax.tree.map(lambda p: np.broadcast_to(np.zeros((), p.dtype), p.shape),  # views
                         _param_shapes(task, data, s))
-  tokens = s.devices // replicas * s.batch_size * tokens_per_example(data)
-  return settings_fingerprint(protocol(s), params, seed=s.seed, tokens_per_step=tokens)
+  return settings_fingerprint(protocol(s), params, seed=s.seed,
+                              tokens_per_step=tokens_per_step(data, s, replicas))
+
+
+def tokens_per_step(data: Data, s: Settings, replicas: int) -> int:
+  """The tokens of a replica's inner step (:func:`task_engine`'s): its ``s.devices // replicas``
+  workers' batches of ``s.batch_size`` examples of :func:`tokens_per_example` each."""
+  return s.devices // replicas * s.batch_size * tokens_per_example(data)
 
 
 def task_engine(task: Task, data: Data, s: Settings, replicas: int) -> tuple[Any, ...]:

@@ -20,7 +20,8 @@ optimizers, and the same minibatches. Each replica writes ``OUT/replicas/replica
 (one line per round) and, once finished, ``OUT/replicas/final_<i>.json``
 (:class:`~optax_dist.fault_tolerance.rundir.RunDir`). The command then prints the run's
 :meth:`~optax_dist.fault_tolerance.rundir.RunDir.summary` and writes it to
-``OUT/fault_tolerant_<algorithm>.json``, and plots the replicas' training loss against
+``OUT/fault_tolerant_<algorithm>.json`` (in decoupled rounds with each replica's tokens merged,
+lost and estimated lost at kills: ``tokens``), and plots the replicas' training loss against
 wall-clock seconds, their restarts and heals marked, in
 ``OUT/fault_tolerant_loss_<algorithm>.png`` (:func:`~optax_dist.cli.reports.plot_loss`). While
 the run goes on it shows on stderr the committed rounds and tokens, the tokens per second, the
@@ -94,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
                            args.processes)
   result.update(algorithm=args.algorithm, task=task.name, replicas=args.replicas,
                 min_replicas=args.min_replicas, launcher_status=status)
+  if args.decoupled:
+    result["tokens"] = _tokens(run_dir, args.replicas, ft_task.protocol(s),
+                               ft_task.tokens_per_step(data, s, args.replicas))
   (run_dir.out / f"fault_tolerant_{args.algorithm}.json").write_text(
     json.dumps(result, indent=1) + "\n")
   plot = _plot_loss(run_dir, args, task, started)
@@ -174,8 +178,22 @@ def _count(n: int, thing: str) -> str:
   return f"{n} {thing}{'s' * (n != 1)}"
 
 
+def _tokens(run_dir: RunDir, replicas: int, protocol: Any,
+            tokens_per_step: int) -> dict[str, dict[str, int]]:
+  """A decoupled run's tokens by replica: ``merged`` and ``lost`` as its round and boundary
+  lines count them (:func:`~optax_dist.fault_tolerance.decoupled.accounts`), and ``unlogged``,
+  its killed processes' steps no line counts, estimated
+  (:func:`~optax_dist.fault_tolerance.decoupled.unlogged`: to their next boundary) and lost."""
+  lines = [x for i in range(replicas) for x in run_dir.lines(i)]
+  lines += [x for i in range(replicas) for x in run_dir.boundaries(i)]
+  estimated = decoupled.unlogged(lines, protocol, tokens_per_step)
+  return {str(i): {**v, "unlogged": estimated.get(i, 0)}
+          for i, v in decoupled.accounts(lines).items()}
+
+
 def _describe(result: dict[str, Any], task: Task) -> str:
-  """Two lines: the rounds, restarts, heals and hashes; the final test metric."""
+  """Two lines (three in decoupled rounds: the tokens): the rounds, restarts, heals and hashes;
+  the final test metric."""
   heals = result["heal_seconds"]
   healed = f" ({max(heals):.2f} s at most)" if heals else ""
   agree = ("the state hashes agree on every committed round" if result["hashes_agree"]
@@ -185,6 +203,11 @@ def _describe(result: dict[str, Any], task: Task) -> str:
            f" committed, {result['rounds_aborted']} aborted,"
            f" {_count(result['restarts'], 'restart')}, {_count(len(heals), 'heal')}{healed};"
            f" {agree}")
+  if "tokens" in result:
+    merged, lost, unlogged = (sum(v[k] for v in result["tokens"].values())
+                              for k in ("merged", "lost", "unlogged"))
+    first += (f"\ntokens: {merged:,} merged, {lost + unlogged:,} lost ({unlogged:,} of them"
+              " killed processes' steps after their last boundary, estimated)")
   if not result["final"]:
     return first + "\nno replica finished"
   values = {f"{v[f'test_{task.metric_key}']:.4f}" for v in result["final"].values()}

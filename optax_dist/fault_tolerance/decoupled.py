@@ -381,11 +381,12 @@ def boundaries(lines: Sequence[Any]) -> dict[tuple[int, int, int], float] | None
 
 
 def _parsed(line: Any) -> Any:
-  """A JSON object of a :class:`MergeLine`, :class:`Boundary` or :class:`Heal` as one (by its
-  keys); any other line as given."""
+  """A JSON object of a :class:`MergeLine`, :class:`Boundary`, :class:`Heal` or :class:`Revert`
+  as one (by its keys; a :class:`Death` line's, of the same keys, as a ``Revert``); any other
+  line as given."""
   if not isinstance(line, dict):
     return line
-  for kind in (MergeLine, Boundary, Heal):
+  for kind in (MergeLine, Boundary, Heal, Revert):
     names = {f.name for f in dataclasses.fields(kind) if f.default is dataclasses.MISSING}
     if names <= set(line) and (kind is MergeLine) == ("committed" in line):
       return kind(**{f.name: line[f.name] for f in dataclasses.fields(kind) if f.name in line})
@@ -485,6 +486,72 @@ class CatchUp:
   missed: int
   rounds: int
 
+
+
+def accounts(lines: Sequence[Any]) -> dict[int, dict[str, int]]:
+  """Each replica's tokens as a decoupled run's lines count them (:class:`MergeLine`,
+  :class:`Revert`, :class:`Death` and :class:`Heal` lines, or their JSON objects; other lines
+  are not read; the first line of each round, so every replica's copy of a round's line may be
+  given): ``merged``, those of its payloads merged into a committed round, and ``lost``, those
+  of its payloads in no merge (an aborted round's, an age-gated one's) and of its ``Revert``,
+  ``Death`` and ``Heal`` lines.
+
+  Every token a replica's loop processed up to its last boundary is in exactly one of the two:
+  ``merged + lost`` is its inner steps (of all its loops, a joiner's too) times its tokens per
+  step. A process killed outside its boundaries (``kill -9`` over torchft) writes no ``Death``
+  line: its steps since its last boundary are left out, and its payload at that boundary too if
+  no round line holds it; ``InProcess(replay=...)`` of its log writes that ``Death`` line.
+
+  Returns:
+    ``{replica: {"merged": tokens, "lost": tokens}}``, by replica id in order.
+  """
+  merged, lost, rounds = Counter(), Counter(), set()
+  for line in lines:
+    x = dataclasses.asdict(line) if dataclasses.is_dataclass(line) else line
+    if "committed" in x and x["round"] not in rounds:
+      rounds.add(x["round"])
+      for replica, _, tokens, _, _, into in x["payloads"]:
+        (merged if into else lost)[replica] += tokens
+    elif "committed" not in x and "lost" in x:  # a Revert, Death or Heal line
+      lost[x["replica"]] += x["lost"]
+  return {i: {"merged": merged[i], "lost": lost[i]} for i in sorted(merged.keys() | lost.keys())}
+
+
+def unlogged(lines: Sequence[Any], protocol: RoundProtocol, tokens_per_step: int) -> dict[int, int]:
+  r"""The tokens of each replica's killed processes that no line of an engine of real replicas
+  counts (:func:`accounts` leaves them out), estimated: a process whose replica has a later
+  :class:`Heal` line (its restarted process's) was killed; it ran from :math:`a`, its last
+  payload in a round line or a :class:`Revert` line (else its start: 0, or its own heal's step),
+  to its next boundary after its last one :math:`b` (:func:`boundaries`, one a kill left
+  unwritten included), :math:`(b + n(b) - a)` steps times ``tokens_per_step``, :math:`n(b)`
+  the protocol's inner steps from :math:`b` (:meth:`RoundProtocol.round_steps`). The steps
+  ``InProcess(replay=lines)`` runs and counts in its :class:`Death` line: an upper bound, the
+  kill may have come before that boundary. Whole-tree steps (a streaming run's per-fragment
+  weights are not split). A process killed and not restarted is not counted.
+
+  Returns:
+    ``{replica: tokens}`` of the replicas with a restart, by replica id in order.
+  """
+  heals, counted, rounds = {}, {}, []  # counted: (replica, incarnation) -> payload steps
+  for line in map(_parsed, lines):
+    if isinstance(line, Heal):
+      heals.setdefault(line.replica, []).append(line)
+    elif isinstance(line, MergeLine):
+      rounds.append(line)
+    elif isinstance(line, Revert):  # in its process's order: its incarnation's
+      counted.setdefault((line.replica, len(heals.get(line.replica, ()))), []).append(line.step)
+  for line in rounds:
+    for replica, step, *_ in line.payloads:
+      at = bisect.bisect_right([h.round for h in heals.get(replica, ())], line.round)
+      counted.setdefault((replica, at), []).append(step)
+  times, out = boundaries(lines) or {}, {}
+  for replica, healed in sorted(heals.items()):
+    for k in range(len(healed)):  # each killed process: those before its replica's last heal
+      start = healed[k - 1].step if k else 0
+      a = max(counted.get((replica, k), []), default=start)
+      b = max((s for i, n, s in times if (i, n) == (replica, k)), default=start)
+      out[replica] = out.get(replica, 0) + (b + protocol.round_steps(b) - a) * tokens_per_step
+  return out
 
 # ----------------------------------------------------------------------------------------------
 # The replica's side.

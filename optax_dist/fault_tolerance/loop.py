@@ -268,7 +268,7 @@ class _Exchange:
   def _run(self, exchange: Callable[[Sent], Received], sent: Sent) -> None:
     try:
       self._got = exchange(sent)
-    except BaseException as e:  # raised again at the join, on the loop's thread
+    except BaseException as e:  # noqa: BLE001 (raised again at the join, on the loop's thread)
       self._error = e
 
   def result(self) -> Received:
@@ -387,8 +387,9 @@ class Replica:
     them). Between boundaries it reads nothing from the device. With ``overlap`` :math:`\tau`
     over an engine that exchanges beside the steps (the torchft engine), the boundary step
     :math:`s` sends and starts the exchange on a thread, and step :math:`s + \tau - 1` (or the
-    next boundary, if it comes first: one exchange in flight) joins it and runs the rest there
-    (:meth:`_join`), blocking until the exchange has finished.
+    next boundary, if it comes first: one exchange in flight) joins it, blocking until the
+    exchange has finished, and holds the commit's merge, reverts an abort's fragment or takes a
+    heal there, and writes the round's line.
 
     Args:
       state: the loop's state after the step.
@@ -476,6 +477,8 @@ class Replica:
     if collections is not None:  # the members' merged collections, copied
       copied(self.protocol.merge([collections] * 2, [1, 1]))
     donation = self.donation()
+    if self._beside():  # the send's copy of what the exchange's thread reads
+      copied(donation)
     healed, _ = self.receive(heal.decode_heal(heal.encode_heal(donation), donation,
                                               replica="self"))
     self.protocol.commit(healed._replace(opt_state=_at_step(healed.opt_state, boundary)), merged)

@@ -18,7 +18,8 @@ A run's directory ``OUT`` holds, by writer:
   restarted replica adds to its file; rank ``r`` > 0 of a replica group writes its own,
   ``replicas/replica_<i>.rank_<r>.jsonl``; a replica of ``optax-dist replica`` also writes
   ``replicas/ready_<i>`` at its start and ``replicas/final_<i>.json`` (its test metric and
-  the hash of its whole state) once finished;
+  the hash of its whole state) once finished; in decoupled rounds also
+  ``replicas/boundaries_<i>.jsonl`` (:meth:`RunDir.boundaries`);
 * the quorum's rank 0: the checkpoints, ``replicas/checkpoints/step_<step>.{heal,json}``, and
   each member its local state beside them, ``step_<step>.replica_<i>.local``
   (:mod:`optax_dist.fault_tolerance.checkpoints`).
@@ -80,6 +81,11 @@ class RunDir:
     """The JSONL file of replica ``i``'s process ``rank``: one line per round."""
     return self.replicas / f"replica_{i}{_rank(rank)}.jsonl"
 
+  def boundaries_file(self, i: int) -> pathlib.Path:
+    """The JSONL file of replica ``i``'s boundaries in decoupled rounds (its ``Boundary``,
+    ``Heal``, ``Revert`` and ``CatchUp`` lines, :mod:`~optax_dist.fault_tolerance.decoupled`)."""
+    return self.replicas / f"boundaries_{i}.jsonl"
+
   def final_file(self, i: int) -> pathlib.Path:
     """Replica ``i``'s evaluation once finished."""
     return self.replicas / f"final_{i}.json"
@@ -97,6 +103,11 @@ class RunDir:
     ids = sorted(int(m.group(1)) for path in self.replicas.glob("replica_*.jsonl")
                  if (m := re.fullmatch(r"replica_(\d+)\.jsonl", path.name)))
     return sorted((x for i in ids for x in self.lines(i)), key=lambda line: line["time"])
+
+  def boundaries(self, replica: int) -> list[dict[str, Any]]:
+    """The lines of replica ``replica``'s :meth:`boundaries_file` in the order written; ``[]``
+    before any."""
+    return _jsonl(self.boundaries_file(replica))
 
   def add_restart(self, replica: int, status: int) -> None:
     """Appends to ``restarts.jsonl`` that replica ``replica`` exited with ``status`` (negative:

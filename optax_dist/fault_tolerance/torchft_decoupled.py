@@ -170,7 +170,7 @@ class DecoupledPort(Session):
     run_dir = RunDir(engine.out)
     run_dir.replicas.mkdir(parents=True, exist_ok=True)
     self.log_path = run_dir.lines_file(self.slot)
-    self.boundary_path = run_dir.replicas / f"boundaries_{self.slot}.jsonl"
+    self.boundary_path = run_dir.boundaries_file(self.slot)
     self._cv = threading.Condition()
     self._push: Push | None = None  # deposited by the loop, not entered yet
     self._pushed_at = 0  # when (microseconds): its payload's arrival
