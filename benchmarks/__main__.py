@@ -67,6 +67,8 @@ SECTIONS = (
   ("communication", None, "python -m benchmarks communication"),
   ("chaos/chaos", "Training through failures: fault-tolerant DiLoCo under faults",
    "make bench-chaos"),
+  ("chaos/speeds", "Decoupled rounds over torchft: replicas of different speeds",
+   "make bench-decoupled"),
 )
 
 INTRO = (

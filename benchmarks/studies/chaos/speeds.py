@@ -102,8 +102,9 @@ def calibrate(config: runs.Config, rounds: int = 5) -> dict[str, Any]:
 def arms(config: runs.Config) -> list[tuple[str, runs.Config]]:
   """The arms' names and settings: synchronous rounds, then ``--decoupled --min-quorum 1
   --grace-window W`` for each of ``windows`` (``decoupled_steps`` steps); no checkpoints (a
-  decoupled run takes none)."""
-  base = dataclasses.replace(config, checkpoint_every=0, decoupled=None)
+  decoupled run takes none); a minute's ``--finish-grace`` (a capped replica's evaluation)."""
+  base = dataclasses.replace(config, checkpoint_every=0, decoupled=None,
+                             finish_grace=max(config.finish_grace, 60.0))
   steps = config.decoupled_steps or config.replicas * config.steps
   return [("sync", base)] + [(f"k1_w{w:g}", dataclasses.replace(base, decoupled=w, steps=steps))
                              for w in config.windows]
