@@ -67,6 +67,8 @@ class Config:
   decoupled: float | None = kit.option(None, "a run's --decoupled --min-quorum 1 --grace-window")
 
 
+SPEEDS_PERIOD_US = 20_000  # the CFS period of the speeds mode's caps (short: a cap is smooth)
+
 QUICK = {"steps": 400, "fault_rate": 1 / 8, "lighthouse_kill": 15.0, "checkpoint_every": 100,
          "seeds": (0,), "min_faults": 0}
 
@@ -133,7 +135,7 @@ class Run:
       self.log = self.stack.enter_context(open(os.path.join(self.out, "command.log"), "w"))
       self.shares = self.stack.enter_context(inflicted.CpuShares(
         self.config.replicas, self.cpus, self.tag, self.config.speeds,
-        20_000 if self.config.speeds else 100_000))  # speeds: CFS periods of 20 ms
+        SPEEDS_PERIOD_US if self.config.speeds else 100_000))
       self.star = self._network()
       self.proc = self._start(resume=False)
       self.stack.callback(lambda: (inflicted.kill_all(self.out), self.proc.wait()))

@@ -39,7 +39,6 @@ from benchmarks.studies.chaos import runs, schedule
 from benchmarks.studies.chaos.accounting import final_metric
 from optax_dist.fault_tolerance.rundir import by_round
 
-PERIOD_US = 20_000  # the CFS period of the replicas' caps
 TOLERANCE = 0.1  # a replica's measured speed within this of its share of the ratio
 
 
@@ -81,7 +80,7 @@ def calibrate(config: runs.Config, rounds: int = 5) -> dict[str, Any]:
   whether it is within :data:`TOLERANCE` of ``speeds[i] / sum(speeds)``."""
   cfg = json.loads(json.dumps(dataclasses.asdict(config)))
   with inflicted.CpuShares(config.replicas, config.cpus / 2, "k", config.speeds,
-                           PERIOD_US) as shares:
+                           runs.SPEEDS_PERIOD_US) as shares:
     code = "from benchmarks.studies.chaos import speeds; print(speeds.solo_seconds({}))"
     procs = [subprocess.Popen([sys.executable, "-c", code.format(f"{cfg!r}, {i}, '{g}', {rounds}")],
                               stdout=subprocess.PIPE)
@@ -225,7 +224,8 @@ def markdown(result: dict[str, Any], figure: str) -> str:
       ["replica", "cap (CPUs)", "inner step (s)", "share of speed", "ratio's share", "±10%"],
       [[i, *(f"{x:.4f}" for x in row[:4]), row[4]] for i, row in enumerate(zip(*(cal[k] for k in (
         "caps", "t_solo", "share", "expected", "within")), strict=True))]),
-    "## Targets", *("\n".join(targets(seeds[s]["runs"], cfg["windows"])) for s in seeds),
+    "## Targets", *(f"Seed {s}:\n\n" + "\n".join(targets(seeds[s]["runs"], cfg["windows"]))
+                    for s in seeds),
     "## Each run", kit.table([""] + [f"seed {s}, {k}" for s, k in names], [
       [label, *(cell(seeds[s]["runs"][k]) for s, k in names)] for label, cell in ROWS]),
     "Order of the arms: " + "; ".join(f"seed {s}: {', '.join(seeds[s]['order'])}"
