@@ -37,9 +37,9 @@ STEPS, BATCH = 40, 16  # 20 rounds
 KILL_AFTER = 10  # replica 1's round lines before its kill (of 20)
 
 
-def _protocol():
+def _protocol(overlap=OVERLAP):
   return linear_protocol("streaming_diloco", SYNC_PERIOD, num_fragments=FRAGMENTS,
-                         overlap=OVERLAP, mixing=MIXING)
+                         overlap=overlap, mixing=MIXING)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,31 @@ def test_the_exchange_runs_beside_the_next_steps_and_lands_as_the_in_process_rou
   assert engine.beside == [(True, True)] * 6
   assert [(line.round, line.step, line.committed, line.state_hash) for line in engine.lines] == [
     (line.round, line.step, line.committed, line.state_hash) for line in reference.log]
+
+
+def test_with_tau_above_the_gap_between_sends_a_round_is_joined_at_the_next_send():
+  """tau = 3, a send every 2 steps: each round is joined before the next send (one exchange in
+  flight), still before the step that lands it, so the loop ends on the in-process engine's
+  state, bit for bit."""
+  import jax
+  import numpy as np
+
+  from optax_dist import fault_tolerance as ft
+  from optax_dist.fault_tolerance.loop import Replica
+
+  protocol, taken = _protocol(overlap=3), [0]
+  engine = _Alone(protocol, taken)
+  replica = Replica(protocol, engine, slot=0, seed=0, tokens_per_step=BATCH)
+  _donating_loop(protocol, 12, taken)(replica)
+  taken[0] += 1  # lets the last exchange's wait end (no step follows it)
+  final = replica.finish()
+  reference = ft.InProcess(protocol, num_replicas=1, min_replicas=1, tokens_per_step=BATCH)
+  expected = reference.run(_donating_loop(protocol, 12, [0]))[0]
+  assert engine.beside == [(True, True)] * 6
+  assert [(line.step, line.committed) for line in engine.lines] == [
+    (line.step, line.committed) for line in reference.log]
+  for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_an_error_on_the_exchange_s_thread_is_raised_at_the_join():
