@@ -326,7 +326,7 @@ def test_the_run_with_a_restart_replays_in_process_with_the_same_hashes(killed):
 def _ports(tmp_path, behind_restarted: bool, protocol=None):
   """Two exchange ends of replicas 0 and 1 (no torchft session: their thread is not started):
   replica 0 the donor, two rounds committed of three closed; replica 1 at the run's start,
-  restarted (its lines file holds a line) or live."""
+  restarted (an earlier process of it made its boundaries file) or live."""
   import types
 
   import jax
@@ -339,11 +339,10 @@ def _ports(tmp_path, behind_restarted: bool, protocol=None):
                                        sync_period=2)
   ports = []
   for slot in (0, 1):
-    if slot == 1 and behind_restarted:
-      (tmp_path / "replicas").mkdir(exist_ok=True)
-      (tmp_path / "replicas" / "replica_1.jsonl").write_text("{}\n")
     engine = types.SimpleNamespace(protocol=protocol, replica_id=slot, seed=0,
                                    tokens_per_step=4, out=tmp_path)
+    if slot == 1 and behind_restarted:
+      torchft_decoupled.DecoupledPort(engine)  # its last process, killed before any line
     port = torchft_decoupled.DecoupledPort(engine)
     port.start = port._hold  # the replica's start without a session
     params = {"w": jnp.arange(3.0) + slot, "b": jnp.ones(3), "c": jnp.full(3, -1.0)}
@@ -434,7 +433,7 @@ def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_
   assert joiner._joining and joiner._closed == 0
   joiner.replica.fingerprint -= 1
   _received(joiner, donor._heal_bytes())
-  assert not joiner._joining and joiner._closed == 3 and not joiner.boundary_path.exists()
+  assert not joiner._joining and joiner._closed == 3 and not joiner.boundary_path.read_text()
   mine = joiner.replica.replica_state
   joiner._push = Push(Header(1, 8, 1, joiner.replica.fingerprint, 2), None, mine)
   with joiner._cv:
@@ -446,6 +445,40 @@ def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_
   assert decoupled.global_hash(healed) == decoupled.global_hash(donor._global[0])
   jax.tree.map(np.testing.assert_array_equal, heal.inner_state(healed), donor._inner)
   assert joiner._base == 2 and joiner._received == {None: 2}
+
+
+def test_a_process_restarted_before_its_first_line_waits_for_a_heal_unless_none_committed(
+    tmp_path):
+  """A restarted process is known by its boundaries file, which its last process made at its
+  start (here killed before it wrote any line); a first process is not. The restarted one waits
+  for a heal (no member closes a round while its header says so) beside a member that committed
+  a round (torchft heals it there) and alone (a member of another quorum may have); in a quorum
+  of more than itself where no member committed a round there is nothing to heal from, and it
+  goes on as a fresh process from its next poll."""
+  import types
+
+  import numpy as np
+
+  from optax_dist.fault_tolerance import torchft_decoupled as td
+
+  _, joiner = _ports(tmp_path, behind_restarted=True)
+  assert joiner._joining and not joiner.log_path.exists()
+  assert not _ports(tmp_path / "first", behind_restarted=False)[1]._joining
+  joiner._manager = types.SimpleNamespace(state_dict=dict)
+  joiner.transport, joiner._quorum = types.SimpleNamespace(source=None), lambda: None
+  joiner.quorum_timeout = 60.0
+
+  def poll(rounds: dict):
+    heads = [np.asarray(td.PollHeader(i, 1, joiner.replica.fingerprint, 0, 0, 0, 0, 0, 10**6,
+                                      0, 0, r, int(i == 1 and joiner._joining)), np.int64)
+             for i, r in rounds.items()]
+    joiner._allgather = lambda head, everyone: heads
+    return joiner._headers(heads[-1])
+
+  for rounds in ({0: 1, 1: 0}, {1: 0}):
+    assert poll(rounds) is None and joiner._joining
+  assert poll({0: 0, 1: 0}) is None and not joiner._joining
+  assert [h.joining for h in poll({0: 0, 1: 0})] == [0, 0]
 
 
 def test_a_member_donates_the_inner_state_of_its_last_boundary_s_push(tmp_path):

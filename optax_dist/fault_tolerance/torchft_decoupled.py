@@ -38,16 +38,18 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    (of its last push whose boundary it wrote: the in-process clock's donor's) and model
    collections, its closed rounds and fragment versions (one
    :func:`~optax_dist.fault_tolerance.heal.encode_heal` payload, checked against this replica's
-   own tree and fingerprint). A replica whose process was restarted (its lines file holds its
-   last process's lines) **heals**: its loop's next push enters no round (weight 0, its tokens
-   lost: a :class:`~optax_dist.fault_tolerance.decoupled.Heal` line) and its pull rebuilds its
-   params and inner state from it, its ``local_step`` and data position its own. A live one
+   own tree and fingerprint). A replica whose process was restarted (its boundaries file,
+   which each process makes at its start, exists) **heals**: its loop's next push enters no
+   round (weight 0, its tokens lost: a :class:`~optax_dist.fault_tolerance.decoupled.Heal`
+   line) and its pull rebuilds its params and inner state from it, its ``local_step`` and data
+   position its own. A live one
    **catches up** (a :class:`~optax_dist.fault_tolerance.decoupled.CatchUp` line): it takes the
    global state alone; its loop keeps its params, inner state and residual, and its next
    payload is measured from the anchor it received, with its token weight. Until a restarted
    replica has healed no member closes a round (on a Lighthouse quorum of 1 it could otherwise
    form quorums of its own and commit rounds that no other replica holds); a member that
-   missed aborted rounds only takes their count.
+   missed aborted rounds only takes their count. A restarted replica whose quorum (of more
+   members than itself) has committed no round has nothing to heal from and closes rounds.
 
 **The auto window** (``grace_window="auto"``): each member measures its slack
 (:func:`~optax_dist.fault_tolerance.decoupled.slack`) at its loop's push, in seconds of its
@@ -187,8 +189,10 @@ class DecoupledPort(Session):
     self._withdrawn: int | None = None  # the step of a push withdrawn, its line not written
     self._outvoted = False  # its vote failed on the round this poll closed, which commits
     self._time = 0.0  # the last poll's time (seconds)
-    # Restarted: its lines file holds lines of its last process; it heals before it closes.
-    self._joining = self.log_path.exists() and self.log_path.stat().st_size > 0
+    # Restarted: a process of this replica started before in this run (each start makes its
+    # boundaries file, before its payloads can enter a round); it heals before it closes.
+    self._joining = self.boundary_path.exists()
+    self.boundary_path.touch()
     self._got = None  # a donation torchft received at this quorum, decoded
     self._healed = None  # (heal pull, donor, quorum seconds) until the loop's next push
     self._heal_mark = None  # (donor, quorum seconds) for this replica's next round line
@@ -415,6 +419,8 @@ class DecoupledPort(Session):
                              f" replica {self.slot}")
     if self._got is not None:
       self._take(heads, seconds)
+    elif self._joining and len(heads) > 1 and {h.rounds for h in heads} == {0}:
+      self._joining = False  # no member committed a round: nothing to heal from (alone, it waits)
     closed = {h.slot: h.closed for h in heads}
     ahead = max(heads, key=lambda h: h.closed)
     if self._closed < ahead.closed and int(self._global[0].rounds) == ahead.rounds:
