@@ -407,14 +407,34 @@ def test_a_live_replica_behind_catches_up_on_the_global_state_alone(tmp_path):
   assert late._received == {None: 2}  # its next payload's staleness counts from version 2
 
 
-def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_no(tmp_path):
+def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_no(tmp_path,
+                                                                                    monkeypatch):
   """A restarted replica takes the donation as a heal: no CatchUp line; its next push enters no
   round (a Heal line: donor 0, its tokens lost; its boundary at the time of the poll it healed
-  at, which no poll of its own had before) and its pull rebuilds it from the global state and
-  the donor's inner optimizer state (E2: its global hash and inner state are the donor's).
-  A donation of another run (fingerprint) is refused: reported to torchft, its counters put
-  back, nothing taken."""
+  at, which no poll of its own had before, in the same write: a kill leaves both or neither)
+  and its pull rebuilds it from the global state and the donor's inner optimizer state (E2: its
+  global hash and inner state are the donor's). A donation of another run (fingerprint) is
+  refused: reported to torchft, its counters put back, nothing taken."""
   import types
+
+  from optax_dist.fault_tolerance import torchft_decoupled as td
+
+  writes = []
+
+  class Recorded:  # the port's file, each write recorded
+    def __init__(self, path, mode):
+      self.path, self.mode = path, mode
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *error):
+      return False
+
+    def write(self, text):
+      writes.append(text)
+      with open(self.path, self.mode) as f:
+        f.write(text)
 
   import jax
   import numpy as np
@@ -436,8 +456,10 @@ def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_
   assert not joiner._joining and joiner._closed == 3 and not joiner.boundary_path.read_text()
   mine = joiner.replica.replica_state
   joiner._push = Push(Header(1, 8, 1, joiner.replica.fingerprint, 2), None, mine)
+  monkeypatch.setattr(td, "open", Recorded, raising=False)
   with joiner._cv:
     assert joiner._enter() is None and joiner._entry is None
+  assert [text.count("\n") for text in writes] == [2]
   heals = [json.loads(x) for x in joiner.boundary_path.read_text().splitlines()]
   assert heals[0] == {"round": 3, "replica": 1, "donor": 0, "step": 2, "lost": 8}, heals
   assert heals[1]["time"] == 2.0  # its boundary at the poll it healed at, however soon it pushed

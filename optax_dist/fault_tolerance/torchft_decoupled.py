@@ -375,9 +375,10 @@ class DecoupledPort(Session):
     collections = collections if self._global[1] is None else self._global[1]
     given = jax.tree.map(jnp.copy, given if collections is None else (given, collections))
     step = push.header.step
-    self._write(self.boundary_path, decoupled.Heal(self._closed, self.slot, donor, step,
-                                                   push.header.weight))
-    self._write(self.boundary_path, Boundary(self.slot, step, self._time, False))
+    # one write: a Heal line without its boundary would start an incarnation no replay can run
+    self._write(self.boundary_path,
+                decoupled.Heal(self._closed, self.slot, donor, step, push.header.weight),
+                Boundary(self.slot, step, self._time, False))
     self._sent, self._base = {}, step
     self._pull = Pull(None, None, False, healed=given)
     self._received, self._seen = dict(self._versions), self._closed
@@ -593,9 +594,12 @@ class DecoupledPort(Session):
     self._cv.notify_all()
 
   @staticmethod
-  def _write(path: Any, line: Any, **extra: Any) -> None:
+  def _write(path: Any, *lines: Any, **extra: Any) -> None:
+    """Appends ``lines`` (their JSON objects, ``extra`` in each) in one write: a ``kill -9``
+    leaves all of them or none."""
+    text = "".join(json.dumps(dict(dataclasses.asdict(x), **extra)) + "\n" for x in lines)
     with open(path, "a") as f:
-      f.write(json.dumps(dict(dataclasses.asdict(line), **extra)) + "\n")
+      f.write(text)
 
 
 def check(engine: Any, protocol: Any) -> None:
