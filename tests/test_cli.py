@@ -364,10 +364,11 @@ def test_replica_mistakes_are_one_line(tmp_path, capsys, monkeypatch):
 
 def test_command_imports_without_the_extra(tmp_path):
   """A fresh process where no module of the ``examples`` extra is installed: importing the command
-  needs none of them, and running it says so in one line, status 2."""
+  and every subcommand's module needs none of them, and running it says so in one line, status
+  2."""
   hidden = [*TRAINING_EXTRA, "mlxtend"]
   code = (f"import sys; sys.modules.update(dict.fromkeys({hidden!r})); "
-          "from optax_dist.cli.main import main; "
+          "from optax_dist.cli.main import build_parser, main; build_parser(); "
           f"sys.exit(main(['train', '--out', {str(tmp_path / 'runs')!r}]))")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=120, check=False)

@@ -107,6 +107,32 @@ def test_a_launch_refusal_names_its_flag_inone_line_error(tmp_path, capsys):
   assert not list(tmp_path.glob("replica_*.log"))
 
 
+NOT_BEFORE_READY = ("matplotlib", "orbax", "sklearn", "flax.nnx", "IPython", "treescope",
+                    "optax_dist.async_emulator", "optax_dist.cli.train", "optax_dist.cli.compare",
+                    "optax_dist.cli.plan", "optax_dist.cli.ft_train", "optax_dist.cli.reports")
+"""What a replica's process does not import before its session is up (a restart's start-up
+CPU): plotting, checkpoint libraries, NNX, the other subcommands."""
+
+
+def test_a_replica_s_process_imports_nothing_it_does_not_use_before_it_is_ready():
+  """A fresh process does what ``optax-dist replica`` does before its session on ``lm``: the
+  command line's parse, the engine's import (torch, torchft), the task's model, a loop state's
+  parts; none of :data:`NOT_BEFORE_READY` is imported."""
+  _require_ft()
+  code = ("import sys, contextlib, io\n"
+          "from optax_dist.cli.main import main\n"
+          "with contextlib.suppress(SystemExit), contextlib.redirect_stderr(io.StringIO()):\n"
+          "  main(['replica'])  # its flags missing: the parse alone\n"
+          "from optax_dist.cli import ft_task, meshes, runs\n"
+          "from optax_dist.cli.tasks import TASKS\n"
+          "from optax_dist.fault_tolerance import loop, replica\n"
+          "replica.load_engine(), TASKS['lm'].model(), loop.get_parts(({}, ()))\n"
+          f"print(sorted(m for m in {NOT_BEFORE_READY!r} if m in sys.modules))\n")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=300, check=True)
+  assert done.stdout.strip() == "[]", done.stdout
+
+
 def test_timing_flags_are_float_seconds_beside_the_integer_heartbeat_timeout():
   args = build_parser().parse_args(
     [*EXAMPLE, "--quorum-timeout", "2.5", "--join-timeout", "0.25", "--restart-delay", "0.5",

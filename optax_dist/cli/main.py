@@ -14,20 +14,29 @@ extra), as ``train --fault-tolerant`` starts them. A mistake is one line,
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Sequence
+from types import ModuleType
 
 from optax_dist import __version__
-from optax_dist.cli import async_run, compare, errors, ft_replica, plan, train
+from optax_dist.cli import errors
 from optax_dist.cli.arguments import EPILOG, Formatter, Parser
 from optax_dist.cli.errors import PROG, CommandError
 
-COMMANDS = {"train": train, "compare": compare, "async": async_run, "plan": plan,
-            "replica": ft_replica}
-"""The module of each subcommand, in the order of the help."""
+COMMANDS = {"train": "train", "compare": "compare", "async": "async_run", "plan": "plan",
+            "replica": "ft_replica"}
+"""The module under ``optax_dist.cli`` of each subcommand, in the order of the help."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """The argument parser of ``optax-dist``: one subparser per module of :data:`COMMANDS`."""
+def command(name: str) -> ModuleType:
+  """The module of subcommand ``name`` (:data:`COMMANDS`), imported."""
+  return importlib.import_module(f"optax_dist.cli.{COMMANDS[name]}")
+
+
+def build_parser(commands: Sequence[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+  """The argument parser of ``optax-dist``: one subparser per subcommand of ``commands``
+  (default: every one of :data:`COMMANDS`; the usage names them all either way)."""
   parser = Parser(
     prog=PROG,
     description="Data-parallel training with the optax_dist transformations (an MLP on"
@@ -37,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
   subparsers = parser.add_subparsers(dest="command", required=True,
                                      metavar="{" + ",".join(COMMANDS) + "}")
-  for module in COMMANDS.values():
-    module.add_parser(subparsers)
+  for name in commands:
+    command(name).add_parser(subparsers)
   return parser
 
 
@@ -46,13 +55,17 @@ def main(argv: list[str] | None = None) -> int:
   """Runs ``optax-dist``; returns the exit status (2 for a mistake, said in one line).
 
   ``args.argv`` holds the command line, with which ``train`` and ``compare`` start the other
-  local processes (:func:`optax_dist.cli.processes.launch`).
+  local processes (:func:`optax_dist.cli.processes.launch`). A command line that starts with a
+  subcommand imports that subcommand's module alone (a replica's process, restarted after a
+  fault, imports neither training, plotting nor the emulator); any other builds the whole
+  parser.
   """
   argv = list(sys.argv[1:] if argv is None else argv)
-  args = build_parser().parse_args(argv)
+  commands = argv[:1] if argv and argv[0] in COMMANDS else tuple(COMMANDS)
+  args = build_parser(commands).parse_args(argv)
   args.argv = argv
   try:
-    return COMMANDS[args.command].run(args)
+    return command(args.command).run(args)
   except errors.SaidByProcessZero:
     pass
   except CommandError as e:
