@@ -81,7 +81,8 @@ def calibrate(config: runs.Config, rounds: int = 5) -> dict[str, Any]:
   cfg = json.loads(json.dumps(dataclasses.asdict(config)))
   with inflicted.CpuShares(config.replicas, config.cpus / 2, "k", config.speeds,
                            runs.SPEEDS_PERIOD_US) as shares:
-    code = "from benchmarks.studies.chaos import speeds; print(speeds.solo_seconds({}))"
+    code = ("from optax_dist.cli.processes import init_jax; init_jax(1)\n"  # a replica's device
+            "from benchmarks.studies.chaos import speeds; print(speeds.solo_seconds({}))")
     procs = [subprocess.Popen([sys.executable, "-c", code.format(f"{cfg!r}, {i}, '{g}', {rounds}")],
                               stdout=subprocess.PIPE)
              for i, g in enumerate(shares.groups or [""] * config.replicas)]
