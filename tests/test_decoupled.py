@@ -663,6 +663,48 @@ def test_a_killed_process_s_unlogged_steps_run_from_its_last_counted_payload_to_
   assert decoupled.unlogged(lines[:3], protocol, 16) == {}
 
 
+def test_a_dead_loop_waking_after_its_joiner_healed_leaves_the_joiner_its_pull(monkeypatch):
+  """The killed loop's thread is slow to wake at each of its boundaries (as on a loaded machine),
+  its death among them, so its slot's joiner (started at the close its death completed) heals
+  at its first boundary before the dead one has woken: each takes its own outcome, and the run
+  is the one where the dead loop wakes at once."""
+  import threading
+
+  from optax_dist.fault_tolerance import clock
+
+  protocol, train, engine, results, _ = _killed_run()
+  doomed = []
+
+  class Late(threading.Condition):
+    def wait_for(self, predicate, timeout=None):
+      got = super().wait_for(predicate, timeout)
+      if threading.current_thread() in doomed:
+        self.release()
+        time.sleep(0.5)
+        self.acquire()
+      return got
+
+  init = clock.Clock.__init__
+
+  def late(self, engine):
+    init(self, engine)
+    self._cv = Late()
+
+  def marked(replica):
+    if replica.slot == 1 and not doomed:
+      doomed.append(threading.current_thread())
+    return train(replica)
+
+  monkeypatch.setattr(clock.Clock, "__init__", late)
+  again, out = ft.InProcess(protocol, num_replicas=2, **KILL), {}
+  runner = threading.Thread(target=lambda: out.update(again.run(marked)), daemon=True)
+  runner.start()
+  runner.join(60)
+  assert not runner.is_alive() and again.log == engine.log
+  for i in range(2):
+    _leaves_equal(out[i][0], results[i][0])
+
+
 def test_a_replay_fills_in_no_boundary_a_kill_cannot_have_left_unwritten():
   """Only the last payload of a process can miss its boundary line: a log without replica 1's
   restarted process's boundary at step 4 (a later one written) diverges."""

@@ -83,6 +83,7 @@ class Clock:
     self._landed: dict[int, Any] = {}  # replica -> (what it lands, the round's fragment)
     self._reverts: dict[int, tuple] = {}  # replica -> (aborted round, its fragment)
     self._results: dict[int, Pull] = {}
+    self._killed: set[int] = set()  # the pushes (ids) at which their loop died
     self._threads, self._errors, self._returned = [], [], {}
     self._t0: dict[int, float] = {}  # replica -> the simulated time its loop (re)started at
     self._live: dict[int, DecoupledReplica] = {}  # replica -> its loop's, a joiner's after a death
@@ -184,13 +185,14 @@ class Clock:
       self._pushes[i], self._steps[i] = push, push.header.step
       self._at[i] = [self._time(i, push.header.step), "push"]
       self._pump()
-      self._cv.wait_for(lambda: i in self._results or self._failure is not None)
+      self._cv.wait_for(lambda: id(push) in self._killed or i in self._results
+                        or self._failure is not None)
+      if id(push) in self._killed:  # it died here (a result for ``i`` is its joiner's)
+        self._killed.discard(id(push))
+        raise Killed
       if i not in self._results:
         raise _Stopped
-      got = self._results.pop(i)
-      if got is None:  # it died at this boundary
-        raise Killed
-      return got
+      return self._results.pop(i)
 
   # --------------------------------------------------------------------------------------------
   # The events, in the clock's order (the lock held).
@@ -294,7 +296,7 @@ class Clock:
     for pending_outcome in (self._landed, self._reverts):
       pending_outcome.pop(i, None)
     self._joining.discard(i)
-    self._results[i] = None
+    self._killed.add(id(push))
     return True
 
   def _pull(self, i: int, t: float) -> None:
