@@ -736,7 +736,7 @@ def test_a_request_lost_or_answered_by_a_restarted_lighthouse_gets_a_new_manager
 
   replica, made = object.__new__(te.Session), []
   replica._make_manager = lambda: ScriptedManager(script, made)
-  replica._lighthouse_restarted = lambda: restarted
+  replica._lighthouse_restarted, replica._lighthouse_down = lambda: restarted, lambda: False
   replica._manager_args, replica.quorum_timeout, replica._renew = (), 60.0, False
   replica._manager, replica._torchft_quorum_id = replica._make_manager(), 11
   replica._quorum()
@@ -747,6 +747,44 @@ def test_a_request_lost_or_answered_by_a_restarted_lighthouse_gets_a_new_manager
   replica._quorum()
   assert len(made) == managers + renew and not replica._renew
   assert [m.steps for m in made[1:]] == [{"step": 9}] * (managers + renew - 1)
+
+
+@pytest.mark.parametrize("script", [[12], [RuntimeError("failed to connect"), 12]])
+def test_a_request_due_while_the_lighthouse_is_down_goes_through_a_new_manager(script):
+  """A request sent while the Lighthouse is down is lost, also once it is back (torchft
+  0.2.0's manager server does not send it again), and waits out its attempt: with nothing
+  accepting on the Lighthouse's address, replica 1 makes a new manager (torchft's step kept;
+  made again while the Lighthouse is not up yet) before it sends its request, which is then
+  answered: no request times out."""
+  from optax_dist.fault_tolerance import torchft_session as te
+
+  replica, made = object.__new__(te.Session), []
+  replica._make_manager = lambda: ScriptedManager(script, made)
+  replica._lighthouse_down = lambda: True
+  replica._lighthouse_restarted = lambda: pytest.fail("a request timed out")
+  replica._manager_args, replica.quorum_timeout, replica._renew = (), 60.0, False
+  first = ScriptedManager([0], made)  # the manager of before (its request would be lost)
+  replica._manager, replica._torchft_quorum_id = first, 11
+  replica._quorum()
+  assert len(made) == 2 and first.shut and made[1].steps == {"step": 9} and not script
+  assert made[1]._quorum_id == 12 and replica._manager is made[1] and not replica._renew
+
+
+def test_the_lighthouse_is_down_when_nothing_accepts_on_its_address():
+  """``_lighthouse_down`` connects to the Lighthouse's address: a listener there is up, a
+  port nothing listens on is down."""
+  import socket
+
+  from optax_dist.fault_tolerance import torchft_session as te
+
+  listener = socket.create_server(("127.0.0.1", 0))
+  replica = object.__new__(te.Session)
+  replica._manager_args = (f"http://127.0.0.1:{listener.getsockname()[1]}",)
+  try:
+    assert not replica._lighthouse_down()
+  finally:
+    listener.close()
+  assert replica._lighthouse_down()
 
 
 @pytest.mark.parametrize("page, last, restarted", [

@@ -15,7 +15,8 @@ built). Per round, at the loop's boundary
 
 1. **Quorum**: ``Manager.start_quorum`` (:class:`~optax_dist.fault_tolerance.torchft_session.
    Session`: requests of at most ``QUORUM_ATTEMPT_S`` seconds until ``quorum_timeout``, a new
-   ``Manager`` when the Lighthouse lost the request or was restarted). A replica behind the
+   ``Manager`` when the Lighthouse lost the request or was restarted, or is down when a request
+   is due). A replica behind the
    quorum's most advanced (torchft's step: committed rounds) heals inside the call from a live
    peer: the peer's donation (:meth:`~optax_dist.fault_tolerance.Replica.donation`) as
    :func:`encode_heal` bytes over HTTP (at most its own donation's size), checked by

@@ -3,11 +3,12 @@ internals.
 
 :class:`Session` holds torchft's ``Manager`` with its ``TCPStore``, ``ProcessGroupGloo`` and
 :class:`HealTransport`; it asks for quorums (again after a timeout, through a new ``Manager``
-when the Lighthouse lost the request or was restarted), all-gathers buffers over the quorum's
-process group and casts the vote. The round itself (what is gathered, the decision, commit or
-abort) is the engine's, :class:`~optax_dist.fault_tolerance.torchft_engine.Torchft`. torchft
-0.2.0's private ``Manager._quorum_future`` and ``Manager._quorum_id`` and
-the text of its Lighthouse's ``/status`` page are read here only.
+when the Lighthouse lost the request or was restarted, and before a request when the Lighthouse
+is down), all-gathers buffers over the quorum's process group and casts the vote. The round
+itself (what is gathered, the decision, commit or abort) is the engine's,
+:class:`~optax_dist.fault_tolerance.torchft_engine.Torchft`. torchft 0.2.0's private
+``Manager._quorum_future`` and ``Manager._quorum_id`` and the text of its Lighthouse's
+``/status`` page are read here only.
 
 What the session opens listens on the address given (``host``): the ``TCPStore`` (on a socket
 bound here), the gloo process group's device (:class:`_GlooOnHost`) and the heal server.
@@ -349,13 +350,14 @@ class Session:
 
   def _quorum(self) -> None:
     """``start_quorum`` in requests of at most ``QUORUM_ATTEMPT_S`` seconds, until one is
-    answered or ``quorum_timeout`` seconds have passed.
+    answered or ``quorum_timeout`` seconds have passed; through a new manager first when the
+    Lighthouse is down (:meth:`_lighthouse_down`).
 
     Raises:
       TimeoutError: no request answered within ``quorum_timeout`` seconds.
     """
     deadline = time.monotonic() + self.quorum_timeout
-    if self._renew:
+    if self._renew or self._lighthouse_down():
       self._renew_manager(deadline)
     while True:
       attempt = min(QUORUM_ATTEMPT_S, deadline - time.monotonic())
@@ -374,6 +376,19 @@ class Session:
     quorum_id = self._manager._quorum_id
     self._renew = quorum_id < self._torchft_quorum_id
     self._torchft_quorum_id = quorum_id
+
+  def _lighthouse_down(self) -> bool:
+    """Whether nothing accepts a TCP connection on the Lighthouse's address within 1 s (it is
+    down or being restarted, or this replica is cut off from it). A request sent then is lost,
+    also once the Lighthouse is back: torchft 0.2.0's manager server does not send it again, and
+    it waits out its whole attempt (``QUORUM_ATTEMPT_S``); a new manager connects to the
+    Lighthouse once it is back."""
+    address = urllib.parse.urlsplit(self._manager_args[0])
+    try:
+      socket.create_connection((address.hostname, address.port), timeout=1.0).close()
+    except OSError:
+      return True
+    return False
 
   def _lighthouse_restarted(self) -> bool:
     """Whether the Lighthouse may have lost this replica's request: it does not answer (it is
