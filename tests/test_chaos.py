@@ -120,7 +120,8 @@ def test_accounting_of_a_hand_written_log():
   assert got["longest_stall_s"] == pytest.approx(2.0)  # round 1 at 1 s, round 3 at 3 s
   # restarted at 2.5 s, ready at 2.8 s, first commit (round 3) at 3 s; no round in between
   assert got["returns"] == [{"kind": "kill", "seconds": pytest.approx(0.5), "rounds": 0,
-                             "startup": pytest.approx(0.3), "heal": pytest.approx(0.2)}]
+                             "startup": pytest.approx(0.3), "heal": pytest.approx(0.2),
+                             "heal_rounds": 0}]
   assert got["applied"] == {"kill": 1, "stop": 0, "link": 0, "lighthouse": 0, "unapplied": 0}
   assert got["full_round_s"] == pytest.approx(1.0)  # rounds 1, 3 and 4 (2 aborted, 3 after it)
   assert got["hash_mismatches"] == 0
@@ -160,11 +161,26 @@ def test_returns_per_kind_from_a_sigcont_a_link_up_and_a_restart():
   assert [(r["kind"], r["seconds"], r["rounds"]) for r in got] == [
     ("stop", 2.5, 2), ("link", 0.5, 0), ("kill", 2.0, 2)]
   assert got[2]["startup"] is None and got[2]["heal"] is None
+  # no start-up: the heal is all of the return
+  assert [(r["heal"], r["heal_rounds"]) for r in got[:2]] == [(2.5, 2), (0.5, 0)]
   p95 = accounting.p95(got + [{"kind": "stop", "seconds": 4.5, "rounds": 0, "startup": None,
-                               "heal": None}])
+                               "heal": 4.5, "heal_rounds": 0}])
   assert p95["stop"] == {"seconds": pytest.approx(np.percentile([2.5, 4.5], 95)),
-                         "rounds": pytest.approx(np.percentile([2, 0], 95)), "n": 2}
+                         "rounds": pytest.approx(np.percentile([2, 0], 95)),
+                         "heal": pytest.approx(np.percentile([2.5, 4.5], 95)),
+                         "heal_rounds": pytest.approx(np.percentile([2, 0], 95)), "n": 2}
   assert p95["kill"]["n"] == 1 and "startup" not in p95["kill"]
+
+
+def test_a_stop_in_a_restarts_start_up_returns_from_its_ready_mark():
+  """Restarted at 1 s, stopped at 2 s (still starting), SIGCONT at 3 s, ready at 9 s, first
+  commit at 10 s: 7 s from SIGCONT (the run's rounds at 3 to 9 s: 7), of which 6 s the start-up
+  left and 1 s the heal (the round at 9 s: 1)."""
+  events = [[0.5, "kill", 0, 1], [1.0, "start", 0, 2], [2.0, "stop", 0, 2], [3.0, "cont", 0, 2],
+            [9.0, "ready", 0, 2]]
+  got = accounting.returns(events, lambda i: [10.0], commits=range(1, 11))
+  assert [tuple(r.values()) for r in got] == [
+    ("kill", 9.0, 9, 8.0, 1.0, 1), ("stop", 7.0, 7, 6.0, 1.0, 1)]
 
 
 def test_the_validation_curve_and_the_median_gap_over_its_second_half_at_equal_tokens():
@@ -219,7 +235,7 @@ def test_sync_accounting_counts_checkpointed_steps_and_returns_to_the_next_check
   assert got["timeline"] == [[0.0, 0.0], [10.0, 6400.0], [25.0, 12800.0]]
   assert got["applied"]["kill"] == 1 and got["applied"]["stop"] == 0
   assert got["returns"] == [{"kind": "kill", "seconds": 11.0, "rounds": None, "startup": None,
-                             "heal": None}]
+                             "heal": None, "heal_rounds": None}]
   longer = accounting.sync_accounting(sync_run(), span=40.0, tokens_per_step=64.0)
   assert [(r["kind"], r["seconds"]) for r in longer["returns"]] == [("kill", 11.0),
                                                                      ("stop", 7.0)]

@@ -22,7 +22,9 @@ Every figure is the median and range over the seeds, computed again from the raw
   seconds;
 * returns, p95 by kind: from the replica's return (a new process, ``SIGCONT``, link up;
   ``--resume``) to its first commit (checkpoint), in seconds and in the run's rounds meanwhile;
-  a restart split at its ``ready`` mark (session up) into start-up and heal;
+  a return whose process was starting (a restart; a stop or cut in a restart's start-up) split
+  at its ``ready`` mark (session up) into start-up and heal (a stop's or cut's heal: all of it
+  otherwise);
 * validation: the final metric against the equal-tokens control's, and the median gap over the
   second half of the checkpoints against the control's at equal tokens.
 

@@ -30,17 +30,22 @@ def returns(events: list[list[Any]], own: Callable[[int], Sequence[float]],
             back: dict[str, tuple[str, ...]] = BACK) -> list[dict[str, Any]]:
   """Per applied fault with a return (``back``'s first event after it on its replica or on -1) and
   a commit after that (``own(replica)``): ``seconds`` between, ``rounds`` of ``commits`` between,
-  and for a kill with a ``ready`` event between, ``startup`` (to ready) and ``heal``."""
+  and ``heal`` (seconds) and ``heal_rounds``: from the replica's ``ready`` mark between, split
+  off as ``startup`` (a restart, or a stop or cut that fell in a restart's start-up), else from
+  the return (none for a kill without a ready mark)."""
   out = []
   for at, kind, replica, _ in events:
     back_at = next((e[0] for e in events if e[1] in back.get(kind, ()) and e[2] in (replica, -1)
                     and e[0] >= at), math.inf)
     if (first := next((t for t in own(replica) if t > back_at), None)) is not None:
-      ready = next((e[0] for e in events if kind == "kill" and e[1] == "ready" and
-                    e[2] == replica and back_at <= e[0] <= first), None)
+      ready = next((e[0] for e in events if e[1] == "ready" and e[2] == replica and
+                    back_at <= e[0] <= first), None)
+      start, split = (back_at, kind != "kill") if ready is None else (ready, True)
       out.append({"kind": kind, "seconds": first - back_at, "rounds": None if commits is None
-                  else sum(back_at <= c < first for c in commits), "startup": None, "heal": None}
-                 | ({} if ready is None else {"startup": ready - back_at, "heal": first - ready}))
+                  else sum(back_at <= c < first for c in commits),
+                  "startup": None if ready is None else ready - back_at,
+                  "heal": first - start if split else None, "heal_rounds": None if commits is None
+                  or not split else sum(start <= c < first for c in commits)})
   return out
 
 
@@ -48,7 +53,7 @@ def p95(returned: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
   """The 95th percentile of each of :func:`returns`' figures with values, and ``n``, by kind."""
   rows = {kind: [r for r in returned if r["kind"] == kind] for kind in BACK}
   return {kind: {"n": len(got)} | {key: float(np.percentile(values, 95)) for key in (
-    "seconds", "rounds", "startup", "heal") if (values := [
+    "seconds", "rounds", "startup", "heal", "heal_rounds") if (values := [
       r[key] for r in got if r[key] is not None])} for kind, got in rows.items()}
 
 

@@ -92,8 +92,11 @@ FIGURES = (  # the figures' table: a label, the value in an arm's figures, its f
   ("committed work lost per applied fault (s)", lambda f: f["lost_per_fault_s"], ".1f"),
   *((f"{k} return p95: {unit}", lambda f, k=k, key=key: f["returns"][k].get(key), spec)
     for k in BACK for key, unit, spec in (("seconds", "s", ".1f"), ("rounds", "rounds", ".1f"))),
-  *((f"restart p95: {what}", lambda f, k=k: f["returns"]["kill"].get(k), ".1f") for k, what in (
-    ("startup", "start-up (s), process start to ready"), ("heal", "heal (s), ready to commit"))),
+  ("restart p95: start-up (s), process start to ready",
+   lambda f: f["returns"]["kill"].get("startup"), ".1f"),
+  *((f"{k} return p95: heal {unit}, to commit from its return or ready mark",
+     lambda f, k=k, key=key: f["returns"][k].get(key), ".1f")
+    for k in BACK for key, unit in (("heal", "(s)"), ("heal_rounds", "(rounds)"))),
   ("longest stall (s)", lambda f: f["longest_stall_s"], ".1f"),
   ("state-hash mismatches", lambda f: f.get("hash_mismatches"), ".0f"),
   ("spare (standby) CPU-seconds", lambda f: f.get("standby_cpu_s"), ".0f"),
