@@ -165,8 +165,8 @@ def _resolve_decoupled(args: argparse.Namespace) -> None:
     CommandError: a decoupled flag without ``--decoupled``; with it, a setting decoupled rounds
       over torchft do not take (``--processes`` > 1, ``--standby``, ``--checkpoint-every``,
       ``--resume``, ``--exchange-retries`` > 0, ``--overlap`` > 0), ``--min-quorum`` above
-      ``--replicas``, a
-      negative ``--max-staleness``, or ``--grace-gamma`` without ``--grace-window auto``.
+      ``--replicas``, a negative ``--max-staleness``, or ``--grace-gamma`` without
+      ``--grace-window auto``.
   """
   if not args.decoupled:
     given = [name for name in DECOUPLED if getattr(args, name) is not None]
