@@ -149,6 +149,18 @@ def alive(pid: int) -> bool:
   return state not in ("Z", "X")
 
 
+def kill_groups(procs) -> None:
+  """Kills the process group of each of ``procs`` (started with ``start_new_session=True``)
+  that still runs, and reaps it: a fixture's teardown, also after a failure."""
+  import os
+  import signal
+
+  for proc in procs:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+
+
 SHAPES = {"a": (4, 3), "b": (5,)}
 """The leaves of :func:`tree_params` and :func:`tree_batch`."""
 

@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from _helpers import require_ft
+from _helpers import kill_groups, require_ft
 
 require_ft()
 
@@ -64,10 +64,7 @@ def killed_run(tmp_path_factory):
     status = {name: proc.wait(timeout=300) for name, proc in procs.items()}
     yield status, {i: _lines(out, i) for i in range(2)}, out
   finally:
-    for proc in procs.values():
-      if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_groups(procs.values())
     lighthouse.shutdown()
 
 

@@ -24,7 +24,7 @@ import time
 
 import pytest
 from _ft_linear import linear_protocol, linear_task
-from _helpers import require_ft
+from _helpers import kill_groups, require_ft
 
 require_ft()
 
@@ -214,10 +214,7 @@ def killed_run(tmp_path_factory):
     status = {i: proc.wait(timeout=300) for i, proc in procs.items()}
     yield status, {i: _lines(out, i) for i in range(2)}, out
   finally:
-    for proc in procs.values():
-      if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_groups(procs.values())
     lighthouse.shutdown()
 
 
