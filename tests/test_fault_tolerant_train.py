@@ -73,6 +73,10 @@ def _without(example: list[str], flag: str) -> list[str]:
   (EXAMPLE + ["--join-timeout", "-1"], "argument --join-timeout: must be a number >= 0"),
   (["replica", "--lighthouse", "http://127.0.0.1:1", "--replica-id", "3", "--replicas", "3"],
    "argument --replica-id: must be in 0..2 (--replicas 3), got 3"),
+  (_without(EXAMPLE, "--algorithm") + ["--algorithm", "local_sgd", "--decoupled",
+                                         "--staleness-rule", "delayed_nesterov"],
+   "argument --staleness-rule: `train(staleness_rule='delayed_nesterov')` needs"
+   " RoundProtocol(outer=optax_dist.delayed_nesterov(...))"),
 ])
 def test_refusals_areone_line_error(args, said, tmp_path, capsys):
   line = one_line_error(capsys, *args, "--out", str(tmp_path))
@@ -166,6 +170,58 @@ def test_overlap_is_taken_and_built_into_the_replicas_protocol(monkeypatch):
   rounds = ft_task.protocol(ft_task.settings(args, task, lambda: task.load(args.seed)))
   assert (rounds.algorithm, rounds.overlap, rounds.mixing, rounds.num_fragments) == (
     "streaming_diloco", 2, 0.5, 2)
+
+
+def test_decoupled_rounds_default_to_delayed_nesterov_built_into_every_replica_s_protocol(
+    monkeypatch, tmp_path):
+  """``--decoupled`` defaults to ``--staleness-rule delayed_nesterov`` (``local_sgd``, which has
+  no outer optimizer: ``dylu``), and with that rule the command's and each replica's protocol
+  has delayed Nesterov of buffer size N = R = 3 at ``--outer-learning-rate`` 0.5 and
+  ``--outer-momentum`` 0.8: on a pseudo-gradient of 1 every update, plain steps of -0.5 / 3 and
+  on the third the momentum m = 1 moved, -0.5 (0.8 m + 1 / 3) (the equations of
+  :func:`optax_dist.delayed_nesterov`); a replica's torchft engine's check takes it. Another
+  rule, or no ``--decoupled``, keeps Nesterov SGD: -0.5 (1 + 0.8 · 1), then with the trace 1.8,
+  -0.5 (1 + 0.8 · 1.8)."""
+  import jax.numpy as jnp
+
+  from optax_dist.cli import ft_train
+  from optax_dist.cli.tasks import TASKS
+  from optax_dist.fault_tolerance import decoupled
+
+  monkeypatch.setattr(ft_flags.errors, "require", lambda *a, **k: None)  # no extra needed
+  delayed, nesterov = [-0.5 / 3, -0.5 / 3, -0.5 * (0.8 + 1 / 3), -0.5 / 3], [-0.9, -1.22]
+
+  def resolved(*flags, command="train"):
+    args = build_parser().parse_args([command, *EXAMPLE[1:], "--outer-learning-rate", "0.5",
+                                      "--outer-momentum", "0.8", *flags, "--out", str(tmp_path)])
+    ft_flags.resolve(args)
+    task = TASKS[args.task]
+    s = ft_task.settings(args, task, lambda: task.load(args.seed))
+    return args, s, ft_task.protocol(s, args.staleness_rule)
+
+  def steps(protocol, n):
+    state, out = protocol.outer_tx.init(jnp.zeros(())), []
+    for _ in range(n):
+      update, state = protocol.outer_tx.update(jnp.ones(()), state)
+      out.append(float(update))
+    return out
+
+  args, s, protocol = resolved("--decoupled")
+  assert args.staleness_rule == "delayed_nesterov" == ft_flags.DECOUPLED["staleness_rule"]
+  ft_train._check_decoupled(args, s)  # the command's check before any replica starts
+  assert steps(protocol, 4) == pytest.approx(delayed, rel=1e-6)
+  replica, _, replica_protocol = resolved(
+    "--decoupled", "--lighthouse", "http://127.0.0.1:1", "--replica-id", "1",
+    command="replica")
+  assert replica.staleness_rule == "delayed_nesterov"
+  assert steps(replica_protocol, 4) == pytest.approx(delayed, rel=1e-6)
+  options = {name: getattr(replica, name) for name in (*ft_flags.DECOUPLED, "max_staleness")}
+  del options["decoupled"]
+  decoupled.check_settings("Torchft", replica_protocol, num_replicas=None, speeds=None,
+                           **options)  # what the replica's engine checks
+  for flags in (("--decoupled", "--staleness-rule", "dylu"), ()):
+    assert steps(resolved(*flags)[2], 2) == pytest.approx(nesterov, rel=1e-6)
+  assert resolved("--decoupled", "--algorithm", "local_sgd")[0].staleness_rule == "dylu"
 
 
 def test_replicas_draw_the_trainers_minibatches():

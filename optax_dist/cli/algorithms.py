@@ -215,9 +215,17 @@ def _global_dtype(settings: Settings) -> Any:
   return "float32" if settings.param_dtype != "float32" else None
 
 
-def outer_optimizer(settings: Settings) -> optax.GradientTransformation:
-  """DiLoCo's outer optimizer: Nesterov SGD (plain SGD with ``outer_momentum`` 0)."""
+def outer_optimizer(settings: Settings,
+                    buffer_size: int | None = None) -> optax.GradientTransformation:
+  """DiLoCo's outer optimizer: Nesterov SGD (plain SGD with ``outer_momentum`` 0); with
+  ``buffer_size`` N, delayed Nesterov (:func:`optax_dist.delayed_nesterov` of
+  ``outer_learning_rate`` and ``outer_momentum``: the momentum moves once per N outer steps,
+  plain steps of the pseudo-gradient over N in between; Liu et al. 2024), the outer optimizer
+  of decoupled rounds' ``staleness_rule="delayed_nesterov"``."""
   s = settings
+  if buffer_size is not None:
+    return optax_dist.delayed_nesterov(s.outer_learning_rate, s.outer_momentum,
+                                       buffer_size=buffer_size)
   return optax.sgd(s.outer_learning_rate, momentum=s.outer_momentum or None,
                    nesterov=bool(s.outer_momentum))
 

@@ -73,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
   run_dir = RunDir(args.out)
   try:
     state = ft_replica.serve(
-      ft_task.protocol(s), params, loss_and_grad, batch_fn, steps=s.steps, seed=s.seed,
-      tokens_per_step=tokens, lighthouse=args.lighthouse, replica_id=args.replica_id,
-      out=args.out, host=args.host, min_replicas=1 if args.decoupled else args.min_replicas,
+      ft_task.protocol(s, args.staleness_rule), params, loss_and_grad, batch_fn,
+      steps=s.steps, seed=s.seed, tokens_per_step=tokens, lighthouse=args.lighthouse,
+      replica_id=args.replica_id, out=args.out, host=args.host,
+      min_replicas=1 if args.decoupled else args.min_replicas,
       quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
       on_ready=lambda: _meet(run_dir, args.replica_id, args.replicas, args.quorum_timeout),
       checkpoint_every=args.checkpoint_every, standby=args.wait_for_takeover,

@@ -41,14 +41,19 @@ def settings(args: argparse.Namespace, task: Task, load: Callable[[], Data]) -> 
   return s
 
 
-def protocol(s: Settings) -> RoundProtocol:
+def protocol(s: Settings, staleness_rule: str | None = None) -> RoundProtocol:
   """The :class:`~optax_dist.fault_tolerance.RoundProtocol` of ``s``: the command's inner
   optimizer (:func:`optax_dist.cli.algorithms.inner_optimizer`), outer optimizer, exchange,
   mixing and overlap; with low-precision params (``param_dtype`` not float32), the anchor of
   ``diloco`` and ``streaming_diloco`` in float32, as ``train`` keeps it (``local_sgd`` keeps
-  none)."""
+  none). The outer optimizer is Nesterov SGD, or with ``staleness_rule`` ``"delayed_nesterov"``
+  (``--decoupled --staleness-rule``; ``None``: not decoupled) delayed Nesterov of buffer size
+  N = R (``s.replicas``), the asynchronous emulator's (:func:`algorithms.outer_optimizer
+  <optax_dist.cli.algorithms.outer_optimizer>`): every replica process of a run builds it from
+  the same flags."""
   row = halves.row(s.algorithm)  # the settings the algorithm's row takes
-  outer = algorithms.outer_optimizer(s) if row.takes_outer else None
+  delayed = s.replicas if staleness_rule == "delayed_nesterov" else None
+  outer = algorithms.outer_optimizer(s, delayed) if row.takes_outer else None
   anchor_dtype = "float32" if row.takes_outer and s.param_dtype != "float32" else None
   return RoundProtocol(
     s.algorithm, algorithms.inner_optimizer(s), outer, sync_period=s.sync_period,

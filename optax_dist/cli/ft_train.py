@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
   data = task.load(args.seed)
   s = ft_task.settings(args, task, lambda: data)
   ft_task.check_protocol(task, data, s)
+  protocol = ft_task.protocol(s, args.staleness_rule)
   if args.decoupled:
     _check_decoupled(args, s)
   config = ft_flags.launch_config(args, REPLICA_COMMAND)
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                      f" {args.replicas} replicas of {args.processes} process(es)"
                      f" (logs: {args.out}/replica_<i>.log)\n")
     sys.stderr.flush()
-  started, rounds = time.time(), ft_task.protocol(s).rounds_until(s.steps)
+  started, rounds = time.time(), protocol.rounds_until(s.steps)
   try:
     with ft_progress.Watch(run_dir, rounds, enabled=not args.no_progress):
       status = launcher.run()
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
   result.update(algorithm=args.algorithm, task=task.name, replicas=args.replicas,
                 min_replicas=args.min_replicas, launcher_status=status)
   if args.decoupled:
-    result["tokens"] = _tokens(run_dir, args.replicas, ft_task.protocol(s),
+    result["tokens"] = _tokens(run_dir, args.replicas, protocol,
                                ft_task.tokens_per_step(data, s, args.replicas))
   (run_dir.out / f"fault_tolerant_{args.algorithm}.json").write_text(
     json.dumps(result, indent=1) + "\n")
@@ -107,10 +108,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_decoupled(args: argparse.Namespace, s: Any) -> None:
-  """Raises :class:`CommandError` if the protocol refuses ``--staleness-rule`` (the rule
-  ``delayed_nesterov`` needs the outer optimizer of that name), before any replica starts."""
+  """Raises :class:`CommandError` if the replicas' protocol refuses ``--staleness-rule``, before
+  any replica starts: ``delayed_nesterov`` needs an outer optimizer, which ``local_sgd`` does not
+  have (with ``diloco`` and ``streaming_diloco`` the protocol's is then delayed Nesterov)."""
   try:
-    decoupled.check_settings("train", ft_task.protocol(s), num_replicas=args.replicas,
+    decoupled.check_settings("train", ft_task.protocol(s, args.staleness_rule),
+                             num_replicas=args.replicas,
                              speeds=None, min_quorum=args.min_quorum,
                              grace_window=args.grace_window, staleness_rule=args.staleness_rule,
                              max_staleness=args.max_staleness)
