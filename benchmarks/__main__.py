@@ -57,10 +57,10 @@ SECTIONS = (
    " benchmarks/results/async_dylu_constant"),
   ("async_dylu_settings", "Asynchronous DiLoCo: the gap across settings",
    "python -m benchmarks async_dylu --seeds 0 --outer LR MOMENTUM ..."),
-  ("decoupled_staleness", None, "make bench-decoupled-staleness"),
-  ("decoupled_staleness_w0", "The same without a window (W = 0): the rule chosen",
-   "python -m benchmarks decoupled_staleness --gamma 0 --out"
-   " benchmarks/results/decoupled_staleness_w0"),
+  ("decoupled_staleness_w0", None, "make bench-decoupled-staleness"),
+  ("decoupled_staleness", "Staleness rules with a window (W = 25 s) at speeds 1 : 1 : 0.5 : 0.25",
+   "python -m benchmarks decoupled_staleness --steps 300 --sync-period 50 --speeds 1 1 0.5 0.25"
+   " --gamma 0.5 --out benchmarks/results/decoupled_staleness"),
   ("lm_quality", None, "python -m benchmarks lm_quality"),
   ("lm_overhead", None, "python -m benchmarks lm_overhead"),
   ("mlp_overhead", None, "python -m benchmarks mlp_overhead"),

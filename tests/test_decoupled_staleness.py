@@ -5,8 +5,10 @@ against numbers computed by hand. Trains nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks import kit
@@ -62,9 +64,22 @@ def test_equal_token_metric_median_range_and_the_chosen_rule(tmp_path, dylu_shif
   assert none["lost"] == 3 * 150 and none["commits"] == [2] * 3
   text = b.markdown(result, "plot.png")
   assert f"Chosen: **`{chosen}`**" in text and "5.0200 [5.0000, 5.0400]" in text
+  assert text.startswith("# Decoupled rounds: the staleness rule at speeds 1 : 1 : 0.5 : 0.25\n")
 
 
 def test_spread():
   assert kit.spread([3.0, 1.0, 2.0], ".1f") == "2.0 [1.0, 3.0]"
   assert kit.spread([1.0, 1.0], ".1f") == "1.0"
   assert kit.spread([1.0, None], ".1f") == "—"
+
+
+def test_the_default_schedule_is_the_torchft_benchmark_s():
+  """The speeds are the CPU shares the torchft speeds benchmark measured under its caps (0.373,
+  0.364, 0.177, 0.086) over the fastest's, to 3 decimals; H = 20 and 200 steps give each replica
+  its whole sync periods of the fastest's simulated time (floor(200 v / 20) · 20), and ``--quick``
+  leaves every replica a round."""
+  shares = np.array([0.373, 0.364, 0.177, 0.086])
+  c = b.Config()
+  assert c.speeds == tuple(np.round(shares / shares[0], 3)) and c.gamma == 0
+  assert b.replica_steps(c) == [200, 180, 80, 40]
+  assert b.replica_steps(dataclasses.replace(c, **b.QUICK)) == [20, 16, 8, 4]

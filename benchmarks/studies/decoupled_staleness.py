@@ -1,20 +1,21 @@
-"""Decoupled rounds' staleness rules on the in-process engine, at the benchmark's speeds.
+"""Decoupled rounds' staleness rules on the in-process engine, at the torchft benchmark's speeds.
 
-Four replicas of speeds 1 : 1 : 0.5 : 0.25 (replica i's inner step takes 1 / v_i simulated
-seconds: ``InProcess(speeds=...)``, a run deterministic per seed) train the ``lm`` task with
-``diloco`` as ``optax-dist train --fault-tolerant`` does by default (``--steps 300``, H = 50,
-the task's AdamW recipe keyed to each replica's own inner steps, batch 8, outer Nesterov 0.7 and
-0.9). Each replica trains for the simulated time the fastest needs for the command's steps, its
-steps rounded down to whole sync periods (300, 300, 150, 50: 800 in all). Arms, per seed:
+Four replicas of speeds 1 : 0.976 : 0.475 : 0.231 (replica i's inner step takes 1 / v_i simulated
+seconds: ``InProcess(speeds=...)``, a run deterministic per seed), the CPU shares the torchft
+speeds benchmark measured under its caps for the ratio 1 : 1 : 0.5 : 0.25 (0.373, 0.364, 0.177,
+0.086), train the ``lm`` task with ``diloco`` as that benchmark does (``--steps 200``, H = 20, the
+task's AdamW recipe keyed to each replica's own inner steps, batch 8, outer Nesterov 0.7 and 0.9).
+Each replica trains for the simulated time the fastest needs for the command's steps, its steps
+rounded down to whole sync periods (200, 180, 80, 40: 500 in all). Arms, per seed:
 
 * K = 1 (``min_quorum``) with a grace window W = γ · H / max v, bounded by the slack H / max v,
   the fastest replica's time between two boundaries (the merge it pulls at its next boundary
-  may take that long without anyone waiting; the clock has no transfer time and τ = 0); γ = 0.5
-  (``--gamma``): W = 25 s. One arm per staleness rule: ``none``, ``dylu``, ``age_gate``
-  (``max_staleness`` 1) and ``delayed_nesterov`` (the asynchronous emulator's outer optimizer,
-  N = R = 4);
+  may take that long without anyone waiting; the clock has no transfer time and τ = 0); γ = 0
+  (``--gamma``): W = 0, the benchmark's K = 1 arm. One arm per staleness rule: ``none``,
+  ``dylu``, ``age_gate`` (``max_staleness`` 1) and ``delayed_nesterov`` (the asynchronous
+  emulator's outer optimizer, N = R = 4);
 * the control: synchronous rounds (``InProcess`` without speeds, K = R: what K = R, an infinite
-  window and equal speeds are bit for bit), 6 rounds of 4 × 50 steps.
+  window and equal speeds are bit for bit), 10 rounds of 4 × 20 steps.
 
 The metric is the anchor's validation bits per byte, evaluated at every committed-round count a
 replica reaches at a boundary and after the run, against the committed tokens (those of the
@@ -23,11 +24,12 @@ the most committed tokens every run reaches. Median and range over the seeds. Th
 the one of lowest median; when its range overlaps that of ``none``, the rules are not told apart
 and the simplest, ``none``, is kept.
 
-On this clock a replica pulls at the instant it pushes. With 0 < W < H / max v a round opened by
-the fast replicas' payloads closes after their pull, so each of their next payloads is measured
-from the anchor before that merge and is stale by 1: the steps of the payload before enter two
-merges. With W = 0 the round closes at their push and they land it (stale by 0), as a torchft
-replica that waits at its boundary for its round does.
+On this clock a replica pulls at the instant it pushes. Exactly equal speeds are degenerate:
+two replicas of speed 1 push at the same instants, so their payloads always enter one round
+together (6 commits in 300 steps at H = 50), which replicas a few percent apart never keep. At
+these speeds the fast replicas drift apart and a round with W = 0 closes on one payload, landed
+at its push: the outer optimizer steps once per payload (``none`` and ``dylu`` merge the same, a
+mean of one) and each fast payload misses the other's merge (stale by 1).
 
 Each run's lines go to ``PREFIX/ARM_seedS.jsonl`` (a run already there is not run again);
 ``--report`` computes every figure again from those files alone.
@@ -61,15 +63,15 @@ SIMPLEST = "none"
 @dataclasses.dataclass(frozen=True)
 class Config:
   seeds: tuple[int, ...] = kit.option((0, 1, 2), "the seeds")
-  steps: int = kit.option(300, "the command's --steps: the fastest replica's inner steps")
-  sync_period: int = kit.option(50, "H")
-  speeds: tuple[float, ...] = kit.option((1.0, 1.0, 0.5, 0.25), "one speed per replica")
-  gamma: float = kit.option(0.5, "the grace window over the slack H / max speed")
+  steps: int = kit.option(200, "the command's --steps: the fastest replica's inner steps")
+  sync_period: int = kit.option(20, "H")
+  speeds: tuple[float, ...] = kit.option((1.0, 0.976, 0.475, 0.231), "one speed per replica")
+  gamma: float = kit.option(0.0, "the grace window over the slack H / max speed")
   max_staleness: int = kit.option(1, "age_gate's bound")
   rules: tuple[str, ...] = kit.option(decoupled.STALENESS_RULES, "the staleness rules")
 
 
-QUICK = {"seeds": (0,), "steps": 16, "sync_period": 4, "rules": ("none", "dylu")}
+QUICK = {"seeds": (0,), "steps": 20, "sync_period": 4, "rules": ("none", "dylu")}
 
 
 def replica_steps(c: Config) -> list[int]:
@@ -95,10 +97,7 @@ def run(c: Config, arm: str, seed: int) -> list[dict[str, Any]]:
                    seed=seed).resolved()
   params, loss_and_grad, batch_fn, tokens, evaluate = ft_task.task_engine(
     task, task.load(seed), s, r)
-  protocol = ft_task.protocol(s)
-  if arm == "delayed_nesterov":
-    protocol = dataclasses.replace(protocol, outer=optax_dist.delayed_nesterov(
-      s.outer_learning_rate, s.outer_momentum, buffer_size=r))
+  protocol = ft_task.protocol(dataclasses.replace(s, replicas=r), arm)  # N = R: the command's
   rules = {} if arm == CONTROL else {
     "speeds": c.speeds, "min_quorum": 1, "grace_window": c.gamma * c.sync_period / max(c.speeds),
     "staleness_rule": arm, "max_staleness": c.max_staleness}
@@ -212,6 +211,7 @@ def load(prefix: str, config: Config) -> dict[str, Any]:
 def markdown(result: dict[str, Any], plot_name: str) -> str:
   arms, runs, rule = result["arms"], result["runs"], result["chosen"]
   one = next(r for r in runs if r["arm"] != CONTROL)
+  speeds = " : ".join(f"{v:g}" for v in one["speeds"])
   rows = [[f"`{name}`" + " (chosen)" * (name == rule), kit.spread([*a["by_seed"].values()], ".4f"),
            "—" if name == CONTROL else f"{a['median'] / arms[CONTROL]['median'] - 1:+.2%}",
            kit.spread(a["final"], ".4f"), kit.spread([t / 1e6 for t in a["tokens"]], ".3f"),
@@ -227,12 +227,12 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
          if rule != SIMPLEST else "the range of `none` overlaps that of the lowest median (or"
          " `none` has it): the rules are not told apart, and `none` is the simplest")
   return kit.blocks(
-    "# Decoupled rounds: the staleness rule at speeds 1 : 1 : 0.5 : 0.25",
+    f"# Decoupled rounds: the staleness rule at speeds {speeds}",
     kit.doc_markdown(__doc__, 1, 4),
-    (f"As run: speeds {' : '.join(f'{v:g}' for v in one['speeds'])}; replica steps"
-     f" {', '.join(map(str, one['replica_steps']))}; H = {one['settings']['sync_period']};"
-     f" K = {one['min_quorum']}, W = {one['grace_window']:g} simulated s; max_staleness"
-     f" {one['max_staleness']}; {one['tokens_per_step']} tokens per step; seeds"
+    (f"As run: speeds {speeds}; replica steps {', '.join(map(str, one['replica_steps']))};"
+     f" H = {one['settings']['sync_period']}; K = {one['min_quorum']}, W ="
+     f" {one['grace_window']:g} simulated s; max_staleness {one['max_staleness']};"
+     f" {one['tokens_per_step']} tokens per step; seeds"
      f" {', '.join(map(str, sorted({r['seed'] for r in runs})))}. Equal tokens:"
      f" {result['common_tokens']:,.0f} committed tokens. The 1-minute load average from"
      f" {min(load):.2f} to {max(load):.2f} before and after the runs; in all"
