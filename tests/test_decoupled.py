@@ -25,7 +25,7 @@ from _helpers import tree_batch, tree_params
 
 import optax_dist
 from optax_dist import fault_tolerance as ft
-from optax_dist.fault_tolerance import decoupled, heal
+from optax_dist.fault_tolerance import decoupled, halves, heal
 from optax_dist.fault_tolerance.decoupled import MergeLine, Revert
 
 H = 2
@@ -105,22 +105,26 @@ def test_k_equal_to_r_with_an_infinite_window_is_the_synchronous_engine(case):
 # A hand-made schedule against a NumPy reference.
 
 # Speeds 1 : 1 : 0.5 : 0.25, H = 2, K = 2, W = 1, 8 inner steps each, 3 tokens a step: replica
-# i's boundary at local_step b comes at b / v_i. Pushes at one time come first, then pulls; a
-# pull receives the global state (a catch-up) unless the round holding its payload closed at
-# that time ("land": it lands on the new anchor).
+# i's boundary at local_step b comes at b / v_i. At one time the settles come first (each
+# replica's push follows its own), then the pulls. At its settle a replica whose payload was
+# merged after it went on lands late (x <- anchor + (x - x_b), x_b its params at that push);
+# one that missed rounds moves onto the new anchor with its own steps kept (x <- anchor +
+# (x - its anchor)); one whose payload is still in the open round pushes nothing ("skip"). A
+# pull lands it if the round holding its payload closed at that time ("land"); a payload's
+# staleness counts the rounds since its replica's last pull.
 SCHEDULE = [
   ("push", 0, 2), ("push", 1, 2), ("pull", 0), ("pull", 1),  # t=2: 2 in, the window to t=3
   ("close",),  # t=3: round 0 = {0@2, 1@2}
   ("push", 0, 4), ("push", 1, 4), ("push", 2, 2), ("pull", 0), ("pull", 1), ("pull", 2),
-  ("close",),  # t=5: round 1 = {0@4, 1@4, 2@2}, all measured from version 0
+  ("close",),  # t=5: round 1 = {0@4, 1@4, 2@2}, all stale by round 0
   ("push", 0, 6), ("push", 1, 6), ("pull", 0), ("pull", 1),
   ("close",),  # t=7: round 2
   ("push", 0, 8), ("push", 1, 8), ("push", 2, 4), ("push", 3, 2),
-  ("close",),  # t=8: every live payload in; replica 3's measured from version 0
+  ("close",),  # t=8: every live payload in; replica 3's stale by rounds 0-2
   ("land", 0), ("land", 1), ("land", 2), ("land", 3),  # replicas 0 and 1 are done
   ("push", 2, 6), ("pull", 2),  # t=12: alone in the open round, K=2
-  ("push", 2, 8), ("push", 3, 4),  # t=16: replica 2's second payload replaces its first
-  ("close",), ("land", 2), ("land", 3),
+  ("skip", 2, 8), ("push", 3, 4),  # t=16: replica 2's payload still in flight, its last steps
+  ("close",), ("land", 3),  # unsent; the round closes with every live one in
   ("push", 3, 6), ("close",), ("land", 3),  # t=24, t=32: replica 3 alone (every live one)
   ("push", 3, 8), ("close",), ("land", 3),
 ]
@@ -130,7 +134,7 @@ ROWS = [  # (replica, step, tokens, staleness) of each round
   [(0, 4, 6, 1), (1, 4, 6, 1), (2, 2, 6, 1)],
   [(0, 6, 6, 1), (1, 6, 6, 1)],
   [(0, 8, 6, 1), (1, 8, 6, 1), (2, 4, 6, 2), (3, 2, 6, 3)],
-  [(2, 8, 12, 0), (3, 4, 6, 0)],
+  [(2, 6, 6, 0), (3, 4, 6, 0)],
   [(3, 6, 6, 0)],
   [(3, 8, 6, 0)],
 ]
@@ -143,32 +147,45 @@ def _reference():
   def host(tree):
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
 
+  def moved(i, ref):  # x_i onto the anchor, its steps since ref kept
+    x[i] = [a + (p - r) for a, p, r in zip(anchor, x[i], ref, strict=True)]
+    held[i] = (list(anchor), version)
+
   x = {i: host(tree_params()) for i in range(4)}
   anchor, version = host(tree_params()), 0
-  mine = {i: (list(anchor), 0, 0) for i in range(4)}  # (anchor, version, step) last received
-  step, pending, rows = dict.fromkeys(range(4), 0), {}, []
+  held = {i: (list(anchor), 0) for i in range(4)}  # the anchor its params are on, its version
+  seen = dict.fromkeys(range(4), 0)  # the version at its last pull
+  step, sent, pending, late, rows = dict.fromkeys(range(4), 0), dict.fromkeys(range(4), 0), {}, {}, []
   for event in SCHEDULE:
-    if event[0] == "push":
+    if event[0] in ("push", "skip"):
       _, i, b = event
       for t in range(step[i], b):
         x[i] = [p - INNER_LR * (p - d) for p, d in zip(x[i], host(tree_batch(0, i, t)), strict=True)]
       step[i] = b
-      carried = pending[i][1] if i in pending else 0
-      delta = [a - p for a, p in zip(mine[i][0], x[i], strict=True)]
-      pending[i] = (delta, carried + TOKENS * (b - mine[i][2]), mine[i][1], b)
+      if event[0] == "skip":
+        continue
+      if i in late:
+        moved(i, late.pop(i))
+      elif held[i][1] != version:
+        moved(i, held[i][0])
+      delta = [a - p for a, p in zip(anchor, x[i], strict=True)]
+      pending[i] = (delta, TOKENS * (b - sent[i]), seen[i], b, list(x[i]))
+      sent[i] = b
     elif event[0] == "close":
       entries = [pending[i] for i in sorted(pending)]
-      weights = [t / (1 + version - v) for _, t, v, _ in entries]
+      weights = [t / (1 + version - v) for _, t, v, _, _ in entries]
       mean = [sum(w * d[k] for w, (d, *_) in zip(weights, entries, strict=True)) / sum(weights)
               for k in range(len(anchor))]
       anchor = [a - OUTER_LR * m for a, m in zip(anchor, mean, strict=True)]
-      rows.append([(i, b, t, version - v) for i, (_, t, v, b) in sorted(pending.items())])
+      rows.append([(i, b, t, version - v) for i, (_, t, v, b, _) in sorted(pending.items())])
+      late.update({i: xb for i, (*_, xb) in pending.items()})
       version, pending = version + 1, {}
     else:
       _, i = event
-      mine[i] = (list(anchor), version, step[i])
+      seen[i] = version
       if event[0] == "land":
-        x[i] = list(anchor)
+        x[i], held[i] = list(anchor), (list(anchor), version)
+        late.pop(i)
   return x, anchor, rows
 
 
@@ -176,30 +193,34 @@ def _reference():
 def _hand_run():
   protocol = ft.RoundProtocol("diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR), sync_period=H)
   engine = ft.InProcess(protocol, num_replicas=4, speeds=SPEEDS, min_quorum=2, grace_window=1.0,
-                        tokens_per_step=TOKENS)  # the default staleness rule: "dylu"
+                        staleness_rule="dylu", tokens_per_step=TOKENS)
   return engine, engine.run(_loop(protocol, 4 * H))
 
 
 def test_token_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_schedule():
   """The rounds close when the hand schedule says, with the payloads, tokens and staleness it
   says (and the reference computes); weights T / (1 + s); each replica's params and anchor are
-  the reference's; each replica ends on the hash of the last round it landed on."""
+  the reference's; each replica ends on the hash of the last global state it took."""
   engine, results = _hand_run()
   x, anchor, rows = _reference()
   assert rows == ROWS
-  assert [line.time for line in engine.log] == CLOSES
-  assert [[row[:4] for row in line.payloads] for line in engine.log] == ROWS
-  for line in engine.log:
+  merges = [line for line in engine.log if isinstance(line, MergeLine)]
+  assert [line.time for line in merges] == CLOSES
+  assert [[row[:4] for row in line.payloads] for line in merges] == ROWS
+  # replica 2's loop returned after skipping its boundary at step 8 (t = 16): steps 6-8 unsent
+  assert [x for x in engine.log if not isinstance(x, MergeLine)] == [
+    decoupled.Unsent(4, 2, 8, 2 * TOKENS)]
+  for line in merges:
     assert line.committed and line.lost == 0 and all(row[5] for row in line.payloads)
     for _, _, tokens, stale, weight, _ in line.payloads:
       assert weight == pytest.approx(tokens / (1 + stale))
-  assert heal.state_hash(engine.state[0]) == engine.log[-1].state_hash  # after every loop
+  assert heal.state_hash(engine.state[0]) == merges[-1].state_hash  # after every loop
   for i, (state, _, replica) in results.items():
     params, opt_state = state
     for got, want in zip(jax.tree.leaves(params), x[i], strict=True):
       np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
-    last = {0: 3, 1: 3, 2: 4, 3: 6}[i]
-    assert replica.state_hash() == engine.log[last].state_hash
+    last = {0: 3, 1: 3, 2: 3, 3: 6}[i]
+    assert replica.state_hash() == merges[last].state_hash
     if i == 3:
       for got, want in zip(jax.tree.leaves(opt_state.anchor), anchor, strict=True):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
@@ -261,8 +282,9 @@ def test_auto_with_a_huge_gamma_waits_for_every_payload_and_with_gamma_0_not_at_
 # 2 inner steps; round r's fragment is the schedule's on the committed-round counter (0, 1, 0,
 # ...), not the one a replica's own step names. Speeds 1 : 0.25, K = 1, W = 0 (a round closes
 # at its first arrival, before that time's pulls), 8 inner steps each, 3 tokens a step. At t=8
-# replica 1's first payload (its step 2 names fragment 0) is of round 3's fragment 1, staleness
-# 1 (fragment 1 committed once since its start); at t=16 its fragment-0 payload carries the
+# replica 1 moves onto the anchor of rounds 0-2 (its own steps kept); its first payload (its
+# step 2 names fragment 0) is of round 3's fragment 1, staleness 1 (fragment 1 committed once
+# since its start); at t=16 its fragment-0 payload carries the
 # tokens of 4 steps (it never sent fragment 0 before), at t=24 its fragment-1 payload those
 # since its step 2.
 FRAGMENT_SCHEDULE = [
@@ -280,18 +302,19 @@ FRAGMENT_ROWS = [  # (replica, step, tokens, staleness) of each round; its fragm
 
 
 def _fragment_reference():
-  """The fragment schedule in float64 NumPy: inner SGD on 0.5 |x - batch|^2; round r of
-  fragment f = r % 2 merges f's pseudo-gradients anchor_f - x_f (the anchor its replica last
-  received) with the dylu weights T / (1 + s), T the tokens since the replica's last payload
-  of f (or its start), s the updates of f since the version of f it last received; the outer
-  SGD step moves anchor_f; a landing replica's f leaf becomes the new anchor_f, its other leaf
-  its own."""
+  """The fragment schedule in float64 NumPy: inner SGD on 0.5 |x - batch|^2; at its push a
+  replica that missed rounds moves onto the anchor, its own steps kept (x <- anchor + (x - the
+  anchor it was on)); round r of fragment f = r % 2 merges f's pseudo-gradients anchor_f - x_f
+  with the dylu weights T / (1 + s), T the tokens since the replica's last payload of f (or its
+  start), s the updates of f since its last pull; the outer SGD step moves anchor_f; a landing
+  replica's f leaf becomes the new anchor_f, its other leaf its own."""
   def host(tree):
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
 
   x = {i: host(tree_params()) for i in range(2)}
   anchor, versions, rows, pending = host(tree_params()), [0, 0], [], {}
-  mine = {i: (list(anchor), [0, 0]) for i in range(2)}  # (anchor, versions) last received
+  held = {i: (list(anchor), [0, 0]) for i in range(2)}  # the anchor its params are on, versions
+  seen = {i: [0, 0] for i in range(2)}  # the versions at its last pull
   step, sent = dict.fromkeys(range(2), 0), {i: [0, 0] for i in range(2)}
   for event in FRAGMENT_SCHEDULE:
     f = len(rows) % 2
@@ -300,7 +323,9 @@ def _fragment_reference():
       for t in range(step[i], b):
         x[i] = [p - INNER_LR * (p - d) for p, d in zip(x[i], host(tree_batch(0, i, t)), strict=True)]
       step[i] = b
-      pending[i] = (mine[i][0][f] - x[i][f], TOKENS * (b - sent[i][f]), mine[i][1][f], b)
+      if held[i][1] != versions:
+        x[i] = [a + (p - h) for a, p, h in zip(anchor, x[i], held[i][0], strict=True)]
+      pending[i] = (anchor[f] - x[i][f], TOKENS * (b - sent[i][f]), seen[i][f], b)
       sent[i][f] = b
     elif event[0] == "close":
       entries = [pending[i] for i in sorted(pending)]
@@ -313,7 +338,8 @@ def _fragment_reference():
     else:
       _, i = event
       landed = (len(rows) - 1) % 2  # the other fragment's leaf stays its own
-      mine[i], x[i][landed] = (list(anchor), list(versions)), anchor[landed]
+      x[i][landed] = anchor[landed]
+      held[i], seen[i] = (list(anchor), list(versions)), list(versions)
   return x, anchor, rows
 
 
@@ -446,7 +472,10 @@ def test_boundary_lines_give_a_replay_its_boundaries_times_whatever_the_speeds()
            "tokens_per_step": TOKENS}
   again = ft.InProcess(protocol, replay=lines + bounds, **equal)
   again.run(_loop(protocol, 4 * H))
-  assert [dataclasses.asdict(line) for line in again.log] == lines
+  replayed = [dataclasses.asdict(line) for line in again.log]
+  # a loop's return is not a logged boundary: its Unsent line comes once the replay ends
+  assert replayed == [x for x in lines if "committed" in x] + [
+    x for x in lines if "committed" not in x]
   with pytest.raises(RuntimeError, match="replay diverges from its log"):
     ft.InProcess(protocol, replay=lines, **equal).run(_loop(protocol, 4 * H))
 
@@ -455,11 +484,13 @@ def test_boundary_lines_give_a_replay_its_boundaries_times_whatever_the_speeds()
 # A death and a join.
 
 # Speeds 1 : 1 : 0.5, K = 2, W = 1, 12 inner steps per loop, 3 tokens a step. t=3: round 0 =
-# {0@2, 1@2}. t=4: replica 1 dies at its push (round 1 has closed; its 6 tokens lost); round 1
-# = {0@4, 2@2}, every live payload in. t=8: round 2 = {0@8 (12 tokens), 2@4}; the join of
-# round 3 starts replica 1's loop at t=8. t=10: it heals at its first boundary (round 3 open)
-# from replica 0, its 6 tokens lost. t=12: round 3 = {0@12, 1@4, 2@6}; then rounds 4-6 of
-# replicas 1 and 2. Adam's moments and count are the donor's in the heal.
+# {0@2, 1@2}. t=4: replica 1 dies at its boundary (round 1 has closed; its 6 tokens lost); round
+# 1 = {0@4, 2@2}, every live payload in. t=8: replica 0 skips (0@6 still open); round 2 =
+# {0@6, 2@4}; the join of round 3 starts replica 1's loop at t=8. t=10: it heals at its first
+# boundary (round 3 open) from replica 0, its 6 tokens lost. t=12: replica 0 skips its last
+# boundary (0@10 open: steps 10-12 unsent); round 3 = {0@10 (12 tokens), 1@4, 2@6}; then
+# rounds 4-6 of replicas 1 and 2 (replica 1 skips at t=16 and its last boundary, t=20). Adam's
+# moments and count are the donor's in the heal.
 DEATH = {"speeds": (1.0, 1.0, 0.5), "min_quorum": 2, "grace_window": 1.0,
          "staleness_rule": "dylu", "tokens_per_step": TOKENS,
          "faults": [ft.Fault(1, 1, "die_inner"), ft.Fault(3, 1, "join")]}
@@ -491,6 +522,8 @@ def test_a_joiner_heals_to_its_donors_global_state_and_every_token_is_accounted_
   deaths = [line for line in engine.log if isinstance(line, decoupled.Death)]
   heals = [line for line in engine.log if isinstance(line, decoupled.Heal)]
   reverts = [line for line in engine.log if isinstance(line, Revert)]
+  unsent = [line for line in engine.log if isinstance(line, decoupled.Unsent)]
+  assert unsent == [decoupled.Unsent(3, 0, 12, 2 * TOKENS), decoupled.Unsent(5, 1, 12, 2 * TOKENS)]
   assert [(d.round, d.replica) for d in deaths] == [(1, 1)] and deaths[0].lost > 0
   assert [(h.round, h.replica, h.donor, h.step, h.lost) for h in heals] == [
     (3, 1, 0, H, H * TOKENS)]
@@ -498,7 +531,7 @@ def test_a_joiner_heals_to_its_donors_global_state_and_every_token_is_accounted_
   assert [m.round for m in merges] == list(range(len(merges)))
   assert all(m.committed for m in merges)
   assert [[row[:3] for row in m.payloads] for m in merges[1:4]] == [
-    [(0, 4, 6), (2, 2, 6)], [(0, 8, 12), (2, 4, 6)], [(0, 12, 12), (1, 4, 6), (2, 6, 6)]]
+    [(0, 4, 6), (2, 2, 6)], [(0, 6, 6), (2, 4, 6)], [(0, 10, 12), (1, 4, 6), (2, 6, 6)]]
   _, hashes, joiner = results[1]
   assert joiner.last is not None and hashes[0] == merges[heals[0].round - 1].state_hash
   assert hashes[0] == results[0][1][4]  # the donor's after its boundary at step 10
@@ -510,7 +543,7 @@ def test_a_joiner_heals_to_its_donors_global_state_and_every_token_is_accounted_
     assert set(held) <= {*committed, initial}
   total = TOKENS * (3 * 6 * H + deaths[0].step)
   merged = sum(row[2] for m in merges for row in m.payloads if row[5])
-  lost = sum(line.lost for line in merges + deaths + heals + reverts)
+  lost = sum(line.lost for line in merges + deaths + heals + reverts + unsent)
   assert merged + lost == total
 
 
@@ -769,3 +802,37 @@ def test_decoupled_rounds_take_the_rules_they_name():
   engine = ft.InProcess(nesterov, num_replicas=2, speeds=(1, 0.5), grace_window=math.inf,
                         staleness_rule="delayed_nesterov")
   assert engine.min_quorum == 2 and engine.min_replicas == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The rebase: a replica moved onto a received anchor, its own steps kept.
+
+
+@pytest.mark.parametrize("fragment", [None, 1])
+def test_rebase_moves_bfloat16_params_by_the_float32_anchor_s_change_against_numpy(fragment):
+  """``RoundProtocol.rebase``: every leaf x_new + (theta - x_old), except the late landing's
+  fragment (all leaves with ``None``), where x_new + (theta - theta_b); in float32, cast to the
+  params' bfloat16 (NumPy float64, rounded to bfloat16)."""
+  protocol = ft.RoundProtocol("streaming_diloco", optax.sgd(0.1), optax.sgd(0.7), sync_period=4,
+                              num_fragments=2, anchor_dtype="float32")
+  params = {"a": jnp.asarray([1.0, -2.0], jnp.bfloat16), "b": jnp.asarray([3.0], jnp.bfloat16)}
+  before = protocol.init(params)
+  old = {"a": np.asarray([0.5, -1.25]), "b": np.asarray([2.5])}
+  new = {"a": np.asarray([0.75, -1.0]), "b": np.asarray([2.0])}
+  sent = {"a": jnp.asarray([0.875, -1.5], jnp.bfloat16), "b": jnp.asarray([2.75], jnp.bfloat16)}
+
+  def at(anchor):
+    tree = {k: jnp.asarray(v, jnp.float32) for k, v in anchor.items()}
+    return before.opt_state._replace(anchor=tree), before.average
+
+  got = protocol.rebase(params, sent, at(old), at(new), fragment)
+  ids = dict(zip("ab", halves.leaf_fragments(protocol, params), strict=True))
+  for k in "ab":
+    ref = np.asarray(sent[k], np.float64) if ids[k] == fragment or fragment is None else old[k]
+    want = (new[k] + np.asarray(params[k], np.float64) - ref).astype(jnp.bfloat16)
+    assert got[k].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got[k]), want)
+  plain = protocol.rebase(params, None, at(old), at(new), None)  # a catch-up: every leaf
+  for k in "ab":
+    want = (new[k] + np.asarray(params[k], np.float64) - old[k]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(plain[k]), want)

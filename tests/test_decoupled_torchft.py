@@ -104,7 +104,7 @@ def runs(tmp_path_factory):
     done["sync"].stops = _stop_after_boundaries(done["sync"], 1, tries=1)
     done["sync"].finish()
     done["late"] = Run(tmp_path_factory.mktemp("late"), "--steps", "1000", "--min-quorum", "1",
-                       "--grace-window", "0.3")
+                       "--grace-window", "0.3", "--staleness-rule", "dylu")
     done["late"].stops = _stop_after_boundaries(done["late"], 1)
     done["late"].finish()
     yield done
@@ -127,7 +127,7 @@ def _engine_inputs(run: Run):
   data = task.load(args.seed)
   s = ft_task.settings(args, task, lambda: data)
   params, loss_and_grad, batch_fn, tokens, _ = ft_task.task_engine(task, data, s, args.replicas)
-  protocol = ft_task.protocol(s)
+  protocol = ft_task.protocol(s, args.staleness_rule)
   train = task_loop(protocol, params, loss_and_grad, batch_fn,
                     rounds=protocol.rounds_until(s.steps))
   return args, protocol, train, tokens
@@ -190,7 +190,7 @@ def test_a_late_replica_s_rounds_close_without_it_and_its_payload_counts_once(ru
   """K = 1, W = 0.3 s: a round closes without the stopped replica; it does not heal (stopped for
   less than the heartbeat timeout, it stays a member) and its next payload enters exactly one
   merge with the tokens of its steps since its last merged payload, stale by the rounds it
-  missed, and weighs T / (1 + s) (the default rule, ``"dylu"``)."""
+  missed, and weighs T / (1 + s) (the rule the run names, ``"dylu"``)."""
   run = runs["late"]
   assert run.stops, "the run ended before replica 1 was stopped"
   _one_hash_per_round(run, 2)
@@ -526,6 +526,7 @@ def test_a_member_donates_the_inner_state_of_its_last_boundary_s_push(tmp_path):
   mine = mine._replace(opt_state=jax.tree.map(lambda x: x + 1, mine.opt_state))
   payload = port.protocol.send_half(mine.opt_state, mine.params, None)[0]
   port._push = Push(Header(1, 8, 1, port.replica.fingerprint, 2), (payload, None), mine)
+  port._waits = True  # its loop waits at its boundary
   with port._cv:
     port._enter()
     jax.tree.map(np.testing.assert_array_equal, port._inner, first)
@@ -533,7 +534,7 @@ def test_a_member_donates_the_inner_state_of_its_last_boundary_s_push(tmp_path):
     port._settle(1.0)
   jax.tree.map(np.testing.assert_array_equal, port._inner, heal.inner_state(mine))
   assert _scheduled(json.loads(port.boundary_path.read_text())) == {
-    "replica": 1, "step": 2, "time": 1.0, "landed": False}
+    "replica": 1, "step": 2, "time": 1.0, "landed": False, "settled": 0.0}
 
 
 def _closed_by(tmp_path, vote: bool):
@@ -556,6 +557,7 @@ def _closed_by(tmp_path, vote: bool):
   mine = mine._replace(params={k: v + 1 for k, v in mine.params.items()})
   payload = port.protocol.send_half(mine.opt_state, mine.params, None)[0]
   port._push = Push(Header(1, 8, 1, port.replica.fingerprint, 2), (payload, None), mine)
+  port._waits = True  # its loop waits at its boundary
   with port._cv:
     port._enter()
   heads = [td.PollHeader(i, 1, port.replica.fingerprint, 1, 8, 2, 0, 0, 3_000_000, 0, 0, 0, 0)
@@ -570,8 +572,9 @@ def test_a_vote_that_fails_on_a_round_the_others_commit_is_caught_up_on(tmp_path
   """A member whose vote fails on a round the decision commits (its torchft step stays behind
   the others') does not apply the commit nor count the round closed: its round line is the
   others' (the committed hash), its loop does not land its payload (its boundary before the
-  close, at 2 s, received nothing), and the next quorum's donation is a catch-up on that one
-  round (a CatchUp line, missed 1) to the others' global state."""
+  close, at 2 s, received nothing; it lands it late at its next settle), and the next quorum's
+  donation is a catch-up on that one round (a CatchUp line, missed 1) to the others' global
+  state."""
   from optax_dist.fault_tolerance import decoupled
 
   voter, outvoted = _closed_by(tmp_path / "a", True), _closed_by(tmp_path / "b", False)
@@ -581,9 +584,10 @@ def test_a_vote_that_fails_on_a_round_the_others_commit_is_caught_up_on(tmp_path
   assert decoupled.global_hash(*voter._global) == lines[0]["state_hash"] != start
   assert decoupled.global_hash(*outvoted._global) == start and outvoted._closed == 0
   bounds = _scheduled(json.loads(outvoted.boundary_path.read_text().splitlines()[-1]))
-  assert bounds == {"replica": 1, "step": 2, "time": 2.0, "landed": False}
+  assert bounds == {"replica": 1, "step": 2, "time": 2.0, "landed": False, "settled": 0.0}
   assert outvoted._pull.landed is None and outvoted._pull.received is None
-  assert voter._pull.landed is not None
+  assert outvoted._late == (0, None)  # its payload is in the merge: it lands late
+  assert voter._pull.landed is not None and voter._late is None
   _received(outvoted, voter._heal_bytes())
   assert decoupled.global_hash(*outvoted._global) == decoupled.global_hash(*voter._global)
   caught = json.loads(outvoted.boundary_path.read_text().splitlines()[-1])
@@ -612,6 +616,7 @@ def test_a_catch_up_enters_a_waiting_payload_again_for_the_round_s_fragment(tmp_
                                "c": mine.params["c"] + 3})  # its inner steps, off the anchor
   payload = protocol.send_half(mine.opt_state, mine.params, 0)[0]
   late._push = Push(Header(1, 4, 1, late.replica.fingerprint, 1), (payload, None), mine)
+  late._waits = True  # its loop waits at its boundary
   with late._cv:
     late._enter()
   first = late._entry
@@ -646,8 +651,6 @@ def test_a_catch_up_enters_a_waiting_payload_again_for_the_round_s_fragment(tmp_
    " --decoupled, got --checkpoint-every 5")),
   (["--decoupled", "--staleness-rule", "age_gate", "--max-staleness", "-1"],
    "argument --max-staleness: must be an integer >= 0 with --decoupled, got -1"),
-  (["--decoupled", "--staleness-rule", "delayed_nesterov"], ("argument --staleness-rule:"
-   " `train(staleness_rule='delayed_nesterov')` needs RoundProtocol(outer=")),
 ])
 def test_refusals_are_one_line(flags, said, tmp_path, capsys):
   base = ["train", "--algorithm", "diloco", "--fault-tolerant", "--replicas", "2", "--devices",
@@ -675,7 +678,7 @@ def test_the_command_takes_grace_window_auto_to_the_replica_s_engine(tmp_path):
   s = ft_task.settings(args, task, lambda: task.load(args.seed))
   ft_train._check_decoupled(args, s)
   options = {name: getattr(args, name) for name in (*ft_flags.DECOUPLED, "max_staleness")}
-  made = engine("torchft", ft_task.protocol(s), num_replicas=2, lighthouse="http://127.0.0.1:1",
+  made = engine("torchft", ft_task.protocol(s, args.staleness_rule), num_replicas=2, lighthouse="http://127.0.0.1:1",
                 replica_id=0, out=tmp_path, **options)
   assert (made.grace_window, made.grace_gamma) == ("auto", 2.0)
 

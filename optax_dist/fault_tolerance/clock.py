@@ -49,7 +49,7 @@ from optax_dist.fault_tolerance.decoupled import DecoupledReplica, MergeLine, Pu
 from optax_dist.fault_tolerance.engine import Killed, nan_like
 from optax_dist.fault_tolerance.protocol import ReplicaState
 
-_PHASE = {"run": 0, "push": 0, "end": 1, "pull": 2}
+_PHASE = {"run": 0, "settle": 0, "push": 1, "end": 2, "pull": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,9 @@ class Clock:
     self._global: tuple[ReplicaState, Any] | None = None
     self._closed, self._seen = 0, {}
     self._landed: dict[int, Any] = {}  # replica -> (what it lands, the round's fragment)
+    self._late: dict[int, tuple] = {}  # replica -> (its round merged after it left, fragment)
+    self._settles: dict[int, Any] = {}  # replica -> (step, token) of its settle not processed
+    self._skipped: dict[int, int] = {}  # replica -> the open round at its boundary it skipped
     self._reverts: dict[int, tuple] = {}  # replica -> (aborted round, its fragment)
     self._results: dict[int, Pull] = {}
     self._killed: set[int] = set()  # the pushes (ids) at which their loop died
@@ -104,6 +107,7 @@ class Clock:
       for line in plan
       if isinstance(line, MergeLine) or (isinstance(line, dict) and "committed" in line)]
     self._times = None if plan is None else decoupled.boundaries(plan)  # a real run's
+    self._settled = None if plan is None else decoupled.boundaries(plan, "settled")
 
   def run(self, train: Callable[[Any], Any]) -> dict[int, Any]:
     """Runs ``train(replica)`` for every replica until each returns; returns their values.
@@ -160,18 +164,20 @@ class Clock:
         with contextlib.suppress(Exception):  # kept as the clock's failure, raised by run
           self._pump()
 
-  def _time(self, i: int, step: int) -> float:
+  def _time(self, i: int, step: int, times: dict | None = None) -> float:
     """Replica ``i``'s boundary at ``step``: by its speed, or as a replayed real run logged it
-    (:class:`~optax_dist.fault_tolerance.decoupled.Boundary` of its loop's incarnation; one it
-    did not log, its loop's end, never comes; if its process was restarted, its death comes at
-    its last logged boundary's time)."""
-    if self._times is None:
+    (:class:`~optax_dist.fault_tolerance.decoupled.Boundary` of its loop's incarnation, its
+    push's ``times``, default :attr:`_times`, or its settle's; one it did not log, its loop's
+    end, never comes; if its process was restarted, its death comes at its last logged
+    boundary's time)."""
+    times = self._times if times is None else times
+    if times is None:
       return self._t0[i] + step / self.engine.speeds[i]
     k = self._incarnation[i]
-    if (i, k, step) not in self._times and self._restarted(i):
-      return max((t for (j, n, _), t in self._times.items() if (j, n) == (i, k)),
+    if (i, k, step) not in times and self._restarted(i):
+      return max((t for (j, n, _), t in times.items() if (j, n) == (i, k)),
                  default=self._t0[i])
-    return self._times.get((i, k, step), math.inf)
+    return times.get((i, k, step), math.inf)
 
   def _restarted(self, i: int) -> bool:
     """In a replay, whether the log holds boundaries of a later incarnation of ``i``'s loop (a
@@ -179,20 +185,37 @@ class Clock:
     k = self._incarnation[i] + 1
     return self._times is not None and any((j, n) == (i, k) for j, n, _ in self._times)
 
+  def settle(self, i: int, step: int) -> Pull | None:
+    """Replica ``i``'s boundary at ``step``, before its push (in the clock's order): what
+    resolved since its last boundary, ``None`` if its payload is still in the open round."""
+    token = object()
+    with self._cv:
+      self._settles[i] = (step, token)
+      self._at[i] = [self._time(i, step, self._settled), "settle"]
+      return self._wait(i, token)
+
   def exchange(self, i: int, push: Push) -> Pull:
-    """Replica ``i``'s boundary: its push, then (in the clock's order) its pull."""
+    """Replica ``i``'s push at its boundary, then (in the clock's order) its pull."""
     with self._cv:
       self._pushes[i], self._steps[i] = push, push.header.step
       self._at[i] = [self._time(i, push.header.step), "push"]
-      self._pump()
-      self._cv.wait_for(lambda: id(push) in self._killed or i in self._results
-                        or self._failure is not None)
-      if id(push) in self._killed:  # it died here (a result for ``i`` is its joiner's)
-        self._killed.discard(id(push))
-        raise Killed
-      if i not in self._results:
-        raise _Stopped
-      return self._results.pop(i)
+      return self._wait(i, None)
+
+  def _wait(self, i: int, token: Any) -> Any:
+    """Processes the events, then waits for ``i``'s result (the lock held).
+
+    Raises:
+      Killed: ``i`` died at this settle (``token``; a result for ``i`` is its joiner's).
+    """
+    self._pump()
+    self._cv.wait_for(lambda: id(token) in self._killed or i in self._results
+                      or self._failure is not None)
+    if id(token) in self._killed:
+      self._killed.discard(id(token))
+      raise Killed
+    if i not in self._results:
+      raise _Stopped
+    return self._results.pop(i)
 
   # --------------------------------------------------------------------------------------------
   # The events, in the clock's order (the lock held).
@@ -217,25 +240,52 @@ class Clock:
       if kind == "run":
         break
       self._close_due(t, phase)
-      if kind == "push":
+      if kind == "settle":
+        self._settle(i, t)
+      elif kind == "push":
         self._push(i, t)
       elif kind == "end":
-        del self._at[i]
+        self._end(i)
       else:
         self._pull(i, t)
-      if kind != "pull":
+      if kind in ("push", "end"):
         self._close_if_complete(t)
     if not self._at and self._open:  # every loop returned: the last payloads' round
       self._close(max(e.time for e in self._open.values()))
+
+  def _settle(self, i: int, t: float) -> None:
+    """``i``'s settle: its death, if due; nothing while its payload is in the open round (its
+    next boundary next); else what resolved since (a late landing, an abort, the global state
+    if rounds closed), and its push next, at once; after an abort, no push: its next boundary.
+    """
+    step, token = self._settles.pop(i)
+    self._steps[i] = step
+    if self._dies(i, step, token):
+      if self._restarted(i):  # the restarted process: its loop from its beginning, a joiner
+        self._start(i, t)
+      return
+    if i in self._open:
+      self._results[i], self._skipped[i] = None, self._closed
+      self._next(i, received=False)
+      return
+    late, aborted = self._late.pop(i, None), self._reverts.pop(i, None)
+    fresh = (self._closed > self._seen[i] or late is not None) and i not in self._joining
+    received = (decoupled.global_state(self._global[0]), self._global[1]) if fresh else None
+    f = late[1] if late is not None else aborted[1] if aborted is not None else None
+    self._results[i] = Pull(None, received, aborted is not None, f, late=late is not None)
+    if aborted is not None:  # the steps since its payload's push are lost
+      lost = self._tokens(i, step, f)
+      self.engine.log.append(Revert(aborted[0], i, step, lost))
+      self._sent[i][f] = step
+      self._next(i)
+      return
+    self._seen[i] = self._closed
+    self._at[i] = [self._time(i, step), "run"]
 
   def _push(self, i: int, t: float) -> None:
     push = self._pushes.pop(i)
     if self._global is None:  # the initial global state (copies: the loop donates its own)
       self._global = (jax.tree.map(jnp.copy, push.replica), None)
-    if self._dies(i, push):
-      if self._restarted(i):  # the restarted process: its loop from its beginning, a joiner
-        self._start(i, t)
-      return
     self._at[i][1] = "pull"
     self._slacks[i] = self._slack(i, push.header.step)
     if i in self._joining:  # its first payload enters no round: it heals at its pull
@@ -245,7 +295,7 @@ class Clock:
     payload = push.payload[0]
     if f != self.protocol.fragment(push.header.step):  # the round's fragment, not its step's
       payload = self.protocol.send_half(push.replica.opt_state, push.replica.params, f)[0]
-    tokens = self._tokens(i, push, f) + (pending.tokens if pending else 0)
+    tokens = self._tokens(i, push.header.step, f) + (pending.tokens if pending else 0)
     if not self._open:  # a round opens: its window
       self._grace = self._window()
     self._open[i] = _Entry(t, push, tokens, payload, self._received[i].get(f, 0))
@@ -272,31 +322,32 @@ class Clock:
     """The open round's fragment: the schedule on the committed-round counter."""
     return decoupled.round_fragment(self.protocol, int(self._global[0].rounds))
 
-  def _tokens(self, i: int, push: Push, f: int | None) -> int:
-    """The tokens of ``push``'s payload of fragment ``f``: those since ``i``'s last payload of
-    ``f`` (or its start or heal). The whole tree's: those since its last boundary."""
+  def _tokens(self, i: int, step: int, f: int | None) -> int:
+    """The tokens of ``i``'s steps up to ``step`` for fragment ``f``: those since its last
+    payload of ``f`` (or its start or heal). The whole tree's: those since its last payload."""
     since = self._sent[i].get(f, self._base[i])
-    return (push.header.step - since) * self.engine.tokens_per_step
+    return (step - since) * self.engine.tokens_per_step
 
-  def _dies(self, i: int, push: Push) -> bool:
-    """Whether ``i`` dies at its push now (a ``"die_inner"`` fault of a round closed or open,
-    not done yet; in a replay, a boundary its incarnation did not log while a later one
-    logged boundaries); if so, drops its payloads and logs its :class:`Death`."""
+  def _dies(self, i: int, step: int, token: Any) -> bool:
+    """Whether ``i`` dies at its boundary at ``step`` now (a ``"die_inner"`` fault of a round
+    closed or open, not done yet; in a replay, a boundary its incarnation did not log while a
+    later one logged boundaries); if so, drops its payload in flight and logs its
+    :class:`Death` (the tokens of that payload and of its steps since)."""
     due = [f for f in self.engine.faults if f.kind == "die_inner" and f.replica == i
            and f.round <= self._closed and f not in self._died]
     replayed = self._restarted(i) and (
-      (i, self._incarnation[i], push.header.step) not in self._times)
+      (i, self._incarnation[i], step) not in self._times)
     if not (due or replayed):
       return False
     self._died.update(due[:1])
     pending = self._open.pop(i, None)
-    lost = self._tokens(i, push, self._fragment()) + (pending.tokens if pending else 0)
-    self.engine.log.append(decoupled.Death(self._closed, i, push.header.step, lost))
+    lost = self._tokens(i, step, self._fragment()) + (pending.tokens if pending else 0)
+    self.engine.log.append(decoupled.Death(self._closed, i, step, lost))
     del self._at[i]
-    for pending_outcome in (self._landed, self._reverts):
+    for pending_outcome in (self._landed, self._reverts, self._late):
       pending_outcome.pop(i, None)
     self._joining.discard(i)
-    self._killed.add(id(push))
+    self._killed.add(id(token))
     return True
 
   def _pull(self, i: int, t: float) -> None:
@@ -304,9 +355,6 @@ class Clock:
       self._heal(i)
       return
     landed, aborted = self._landed.pop(i, None), self._reverts.pop(i, None)
-    if aborted is not None and i in self._open:  # its newer payload withdrawn
-      entry = self._open.pop(i)
-      self.engine.log.append(Revert(aborted[0], i, entry.push.header.step, entry.tokens))
     fresh = self._closed > self._seen[i] and landed is None
     received = (decoupled.global_state(self._global[0]), self._global[1]) if fresh else None
     f = landed[1] if landed is not None else aborted[1] if aborted is not None else None
@@ -314,9 +362,21 @@ class Clock:
     self._received[i] = dict(self._versions)
     self._next(i)
 
-  def _next(self, i: int) -> None:
-    """``i``'s pull done: its next event is its next boundary."""
-    self._seen[i] = self._closed
+  def _end(self, i: int) -> None:
+    """``i``'s loop returned: the steps up to its last boundary that no payload holds (it
+    skipped that boundary, its payload in flight) are lost (an :class:`~optax_dist.
+    fault_tolerance.decoupled.Unsent` line, of the round open at that boundary)."""
+    del self._at[i]
+    last = max(self._sent[i].values(), default=self._base[i])  # its last payload's step
+    lost = (self._steps.get(i, last) - last) * self.engine.tokens_per_step
+    if lost > 0:
+      self.engine.log.append(decoupled.Unsent(self._skipped[i], i, self._steps[i], lost))
+
+  def _next(self, i: int, received: bool = True) -> None:
+    """``i``'s boundary done (``received``: it took the closes so far): its next event is its
+    next boundary."""
+    if received:
+      self._seen[i] = self._closed
     step = self._steps[i]
     self._at[i] = [self._time(i, step + self.protocol.round_steps(step)), "run"]
 
@@ -361,7 +421,7 @@ class Clock:
   def _close_due(self, t: float, phase: int) -> None:
     """Closes the open round if its time has come before event ``(t, phase)``."""
     due = self._due()
-    if self._open and (due < t or (due <= t and phase >= 1)):
+    if self._open and (due < t or (due <= t and phase >= _PHASE["end"])):
       self._close(due)
 
   def _close_if_complete(self, t: float) -> None:
@@ -408,6 +468,8 @@ class Clock:
         self._reverts[i] = (r, f)
       elif i in d.voters and self._at.get(i) == [x.time, "pull"]:
         self._landed[i] = ((decoupled.global_state(before), d.merged, self._global[1]), f)
+      elif i in d.voters:  # it went on: it lands late at its next settle
+        self._late[i] = (r, f)
     self._open, self._closed = {}, r + 1
     for i in sorted(self.engine._events(r + 1, "join")):
       self._start(i, t)
@@ -446,6 +508,9 @@ class _Port:
   def start(self, replica: Any) -> None:
     """Nothing to restore: a replica starts from the loop's initial state."""
     del replica
+
+  def settle(self, step: int) -> Pull | None:
+    return self._clock.settle(self._slot, step)
 
   def exchange(self, push: Push) -> Pull:
     return self._clock.exchange(self._slot, push)

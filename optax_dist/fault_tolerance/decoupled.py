@@ -18,19 +18,25 @@ simulated clock):
   :math:`w_i`, and the merge is :math:`\sum_i w_i \Delta_i / \sum_i w_i` over the round's
   contributors in rank order (:func:`decide_round`, through the one commit decision
   :func:`~optax_dist.fault_tolerance.decision.decide`);
-* **state split** (:func:`global_state`, :func:`catch_up`): ``local_step`` and the data
-  position are each replica's own; the global state is the anchor, the outer state, the
-  committed-round counter (a whole-tree round's version), the model average and the model
-  collections. A catch-up takes the global state only: the replica keeps its params, inner
-  state and residual, so its next payload is :math:`\Delta_i = \theta - x_i` from the current
-  anchor.
+* **state split** (:func:`global_state`, :func:`catch_up`, :func:`rebased`): ``local_step``
+  and the data position are each replica's own; the global state is the anchor, the outer
+  state, the committed-round counter (a whole-tree round's version), the model average and the
+  model collections. A catch-up takes the global state only: the replica keeps its inner state
+  and residual and moves its params onto the new anchor with its own steps kept,
+  :math:`\theta \leftarrow x_{\mathrm{new}} + (\theta - x_{\mathrm{old}})`, so its next
+  payload :math:`\Delta_i = x_{\mathrm{new}} - \theta` holds its own steps and none of the
+  others'; a **late landing** (its own payload merged after it went on) keeps only the steps
+  since that payload's send, :math:`\theta \leftarrow x_{\mathrm{new}} + (\theta -
+  \theta_b)`, so no step enters two merges.
 
-:class:`DecoupledReplica` is the replica's side: at each of its round boundaries it pushes its
-payload and pulls what the engine has committed since (:class:`Push`, :class:`Pull`). Each
-closed round is one :class:`MergeLine` (its JSON line); a member that learns of an abort after
-taking more steps withdraws its pending payload (:class:`Revert`); a replica that dies drops its
-payloads (:class:`Death`); a joiner heals at its first boundary (:class:`Heal`: the global
-state and a donor's inner optimizer state, as a synchronous heal sends them; not a catch-up).
+:class:`DecoupledReplica` is the replica's side: at each of its round boundaries it settles what
+resolved since its last one, then pushes its payload, one payload in flight (:class:`Push`,
+:class:`Pull`). Each closed round is one :class:`MergeLine` (its JSON line); a member whose
+payload's round aborted reverts and pushes nothing at that boundary (:class:`Revert`); a
+replica that dies drops its payloads (:class:`Death`); a loop that returns with steps no payload
+holds leaves them unsent (:class:`Unsent`); a joiner heals at its first boundary
+(:class:`Heal`: the global state and a donor's inner optimizer state, as a synchronous heal
+sends them; not a catch-up).
 
 References:
   Decoupled DiLoCo, `arXiv:2604.21428 <https://arxiv.org/abs/2604.21428>`_ (minimum quorum
@@ -56,7 +62,14 @@ from optax_dist import _checks
 from optax_dist._delayed_nesterov import DelayedNesterovState
 from optax_dist.fault_tolerance import heal
 from optax_dist.fault_tolerance.decision import Decision, Header, decide
-from optax_dist.fault_tolerance.loop import Replica, RoundResult, mean_loss, placed_as
+from optax_dist.fault_tolerance.loop import (
+  Replica,
+  RoundResult,
+  copied,
+  get_parts,
+  mean_loss,
+  placed_as,
+)
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 STALENESS_RULES = ("none", "dylu", "age_gate", "delayed_nesterov")
@@ -308,6 +321,39 @@ def catch_up(replica: ReplicaState, received: heal.GlobalState) -> ReplicaState:
   return ReplicaState(replica.params, opt_state, received.rounds, received.average)
 
 
+def rebased(protocol: RoundProtocol, replica: ReplicaState, received: heal.GlobalState,
+            flight: tuple | None = None, fragment: int | None = None) -> ReplicaState:
+  r"""``replica`` on a received global state, its own steps kept: the global state taken
+  (:func:`catch_up`) and its params moved by the anchor's change,
+  :math:`\theta \leftarrow x_{\mathrm{new}} + (\theta - x_{\mathrm{old}})`
+  (:attr:`RoundProtocol.rebase`), so its next payload, measured from :math:`x_{\mathrm{new}}`,
+  holds its own steps since :math:`x_{\mathrm{old}}` and none of the merged ones. With
+  ``flight`` its payload in flight was merged into a committed round of ``fragment`` after it
+  went on (a **late landing**): on that fragment's leaves the steps kept are those since the
+  payload's send, :math:`\theta \leftarrow x_{\mathrm{new}} + (\theta - \theta_b)`, and
+  its residual candidate is taken.
+
+  Args:
+    protocol: the run's :class:`RoundProtocol`.
+    replica: its state now (params, inner state, residual; its anchor :math:`x_{\mathrm{old}}`).
+    received: the global state now (:func:`global_state`).
+    flight: ``(state, residual, fragment)`` of its push: its state at the send (the params
+      :math:`\theta_b`), its residual candidate and the fragment it was measured for.
+    fragment: the merged round's fragment (with ``flight``).
+  """
+  caught = catch_up(replica, received)
+  sent = None if flight is None else flight[0].params
+  params = protocol.rebase(replica.params, sent, (replica.opt_state, replica.average),
+                           (caught.opt_state, caught.average), fragment)
+  opt_state = caught.opt_state
+  if flight is not None and protocol.error_feedback:
+    state, residual, measured = flight
+    if fragment != measured:  # the round's fragment: its residual candidate
+      residual = protocol.send_half(state.opt_state, state.params, fragment)[1]
+    opt_state = opt_state._replace(error_feedback=residual)
+  return caught._replace(params=params, opt_state=opt_state)
+
+
 # ----------------------------------------------------------------------------------------------
 # The log.
 
@@ -346,9 +392,9 @@ class MergeLine:
 @dataclasses.dataclass(frozen=True)
 class Boundary:
   """A replica's boundary on an engine of real replicas (:class:`~optax_dist.fault_tolerance.
-  torchft_engine.Torchft`): the time, on its :class:`MergeLine`\\ s' clock, at which its push
-  and pull count; ``InProcess(replay=...)`` runs a boundary logged so at its time instead of
-  the one its speed gives.
+  torchft_engine.Torchft`): the times, on its :class:`MergeLine`\\ s' clock, at which its
+  settle, push and pull count; ``InProcess(replay=...)`` runs a boundary logged so at its times
+  instead of the one its speed gives.
 
   Attributes:
     replica: the replica.
@@ -356,17 +402,22 @@ class Boundary:
     time: the time its push and pull count at: the close of the round it landed in, else a
       time after the closes its pull received and before the next.
     landed: whether it landed a round.
+    settled: the time its settle counts at, after the closes it received there and before the
+      next (``None``: ``time``; a settle and its push are apart when rounds close between them).
   """
 
   replica: int
   step: int
   time: float
   landed: bool
+  settled: float | None = None
 
 
-def boundaries(lines: Sequence[Any]) -> dict[tuple[int, int, int], float] | None:
+def boundaries(lines: Sequence[Any], field: str = "time"
+               ) -> dict[tuple[int, int, int], float] | None:
   """``(replica, incarnation, step) -> time`` of the :class:`Boundary` lines (or their JSON
-  objects) among ``lines``; ``None`` if there are none. A replica's incarnation is the number of
+  objects) among ``lines`` (``field="settled"``: their settles' times); ``None`` if there are
+  none. A replica's incarnation is the number of
   its :class:`Heal` lines before the boundary's, in the order given (a restarted process heals
   at its first boundary, and its ``local_step`` starts again at 0).
 
@@ -385,7 +436,8 @@ def boundaries(lines: Sequence[Any]) -> dict[tuple[int, int, int], float] | None
       healed[line.replica] += 1
       heal_rounds.setdefault(line.replica, []).append(line.round)
     elif isinstance(line, Boundary):
-      found[line.replica, healed[line.replica], line.step] = line.time
+      at = getattr(line, field)
+      found[line.replica, healed[line.replica], line.step] = line.time if at is None else at
   return _unwritten(found, rounds, heal_rounds) if found else None
 
 
@@ -453,6 +505,24 @@ class Death:
 
 
 @dataclasses.dataclass(frozen=True)
+class Unsent:
+  """A replica whose loop returned after a boundary it skipped (its payload in flight then):
+  its steps since its last payload entered no round, their tokens lost.
+
+  Attributes:
+    round: the open round at that boundary.
+    replica: the replica.
+    step: its ``local_step`` at that boundary.
+    lost: the tokens of its steps since its last payload.
+  """
+
+  round: int
+  replica: int
+  step: int
+  lost: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Heal:
   """A joiner (a scripted ``"join"``: its loop started again with no usable state) healed at
   its first boundary: it took the global state and the donor's inner optimizer state, and its
@@ -499,11 +569,11 @@ class CatchUp:
 
 def accounts(lines: Sequence[Any]) -> dict[int, dict[str, int]]:
   """Each replica's tokens as a decoupled run's lines count them (:class:`MergeLine`,
-  :class:`Revert`, :class:`Death` and :class:`Heal` lines, or their JSON objects; other lines
-  are not read; the first line of each round, so every replica's copy of a round's line may be
-  given): ``merged``, those of its payloads merged into a committed round, and ``lost``, those
-  of its payloads in no merge (an aborted round's, an age-gated one's) and of its ``Revert``,
-  ``Death`` and ``Heal`` lines.
+  :class:`Revert`, :class:`Death`, :class:`Unsent` and :class:`Heal` lines, or their JSON
+  objects; other lines are not read; the first line of each round, so every replica's copy of a
+  round's line may be given): ``merged``, those of its payloads merged into a committed round,
+  and ``lost``, those of its payloads in no merge (an aborted round's, an age-gated one's) and
+  of its ``Revert``, ``Death``, ``Unsent`` and ``Heal`` lines.
 
   Every token a replica's loop processed up to its last boundary is in exactly one of the two:
   ``merged + lost`` is its inner steps (of all its loops, a joiner's too) times its tokens per
@@ -521,7 +591,7 @@ def accounts(lines: Sequence[Any]) -> dict[int, dict[str, int]]:
       rounds.add(x["round"])
       for replica, _, tokens, _, _, into in x["payloads"]:
         (merged if into else lost)[replica] += tokens
-    elif "committed" not in x and "lost" in x:  # a Revert, Death or Heal line
+    elif "committed" not in x and "lost" in x:  # a Revert, Death, Unsent or Heal line
       lost[x["replica"]] += x["lost"]
   return {i: {"merged": merged[i], "lost": lost[i]} for i in sorted(merged.keys() | lost.keys())}
 
@@ -607,6 +677,9 @@ class Pull:
     healed: a joiner's first pull: the decoded donation it heals from (the global state now
       and the donor's inner optimizer state, :func:`~optax_dist.fault_tolerance.heal.
       heal_state`), else ``None``.
+    late: at a settle (:meth:`DecoupledReplica`'s boundary, before its push): its payload in
+      flight was merged into a committed round after it went on (``received`` is the global
+      state now, ``fragment`` the round's): it lands late (:func:`rebased`).
   """
 
   landed: Any
@@ -614,19 +687,24 @@ class Pull:
   revert: bool
   fragment: int | None = None
   healed: Any = None
+  late: bool = False
 
 
 class DecoupledReplica(Replica):
   """A :class:`~optax_dist.fault_tolerance.Replica` of a decoupled run: at each boundary it
-  pushes its payload and pulls what committed since, without waiting for the round to close.
+  settles what resolved since its last one, then pushes its payload, with one payload in flight.
 
-  When the round its payload entered closes at its own boundary (the others' payloads were
-  in, or the window ran out then), it lands as a synchronous round lands it (the outer half
-  from the params before its last inner step). Otherwise it catches up (:func:`catch_up`):
-  it keeps its params, inner state and residual, and its next payload is measured from the
-  anchor it received. On an abort of a round holding its payload its params go back to the
-  anchor. ``local_step`` never jumps. :attr:`last` says whether it landed (``committed``);
-  its ``line`` is ``None``: a decoupled round's line is the engine's :class:`MergeLine`.
+  At its boundary it first **settles** (the engine's ``settle``): if its payload in flight is
+  still in an open round it pushes nothing and goes on (its steps go into its next payload);
+  if that payload's round aborted, its params of the round's fragment go back to the anchor and
+  it pushes nothing (the steps since are lost: a :class:`Revert` line); if that round
+  committed after it went on, it **lands late**; rounds that closed without its payload it
+  catches up on, its own steps kept (both :func:`rebased`). Then it pushes its payload, measured
+  from the anchor it now holds, and the engine hands back the outcome if its round closed at
+  its boundary (within the window: it lands as a synchronous round lands it, from the params
+  before its last inner step). ``local_step`` never jumps. :attr:`last` says whether it
+  landed (``committed``); its ``line`` is ``None``: a decoupled round's line is the engine's
+  :class:`MergeLine`.
   """
 
   def start(self, state: Any, **kwargs: Any) -> Any:
@@ -634,12 +712,49 @@ class DecoupledReplica(Replica):
     an engine reads it after the loop has donated its params."""
     state = super().start(state, **kwargs)
     self._replica = self._replica._replace(average=jax.tree.map(jnp.copy, self._replica.average))
+    self._flight = None  # (its state at the push, residual candidate, fragment) in flight
     return state
 
   def _round(self, state: Any) -> Any:
+    got = self.engine.settle(self.step)
+    if got is not None and (got.late or got.received is not None):
+      state = self._settle(state, got)
+    if got is None or got.revert:  # in flight still, or its round aborted: nothing pushed
+      if got is None:  # its state now (the loop's; its losses kept for its next payload)
+        parts = get_parts(state)
+        self._replica = self._replica._replace(params=parts.params, opt_state=parts.opt_state)
+      else:
+        state = self._revert(state, got.fragment)
+      self.last = RoundResult(False, False, self.step, None)
+      return state
+    return self._push(state)
+
+  def _settle(self, state: Any, got: Pull) -> Any:
+    """The global state received (copies: the engine's) at a settle, or with its payload in no
+    merge: :func:`rebased`, a late landing if ``got.late``."""
+    received, collections = jax.tree.map(jnp.copy, got.received)
+    parts = get_parts(state)
+    mine = self._replica._replace(params=parts.params, opt_state=parts.opt_state)
+    replica = rebased(self.protocol, mine, received, self._flight if got.late else None,
+                      got.fragment)
+    collections = parts.collections if collections is None else collections
+    return self._take(state, replica, collections, False)
+
+  def _revert(self, state: Any, fragment: int | None) -> Any:
+    """Its params of ``fragment`` back on the anchor (copies), after an aborted round."""
+    parts = get_parts(state)
+    params = self.protocol.restart(parts.params, parts.opt_state, self._replica.average,
+                                   fragment)
+    replica = self._replica._replace(params=jax.tree.map(jnp.copy, params),
+                                     opt_state=parts.opt_state)
+    return self._take(state, replica, parts.collections, False)
+
+  def _push(self, state: Any) -> Any:
     parts, fragment, payload, residual, mine, header = self._send(state)
+    kept = copied(mine)  # the engine and a late landing read it after the loop donated its own
     collections = jax.tree.map(jnp.copy, parts.collections)  # merged after the loop moves on
-    got = self.engine.exchange(Push(header, (payload, collections), mine,
+    self._flight = (kept, residual, fragment)
+    got = self.engine.exchange(Push(header, (payload, collections), kept,
                                     mean_loss(self._losses)))
     replica, collections = mine, parts.collections
     if got.landed is not None:  # as a synchronous round lands it, on the state it merged into
@@ -651,19 +766,22 @@ class DecoupledReplica(Replica):
       params, opt_state, average = self.protocol.outer_half(
         self._origin, parts.params, opt_state, before.average, merged, residual, got.fragment)
       replica = ReplicaState(params, opt_state, before.rounds + 1, average)
+      self._flight = None
     elif got.healed is not None:  # the local state rebuilt (params: a copy of the anchor, the
       replica, collections = placed_as(self.receive(got.healed), (mine, collections))
       replica = replica._replace(  # loop donates both), the data position its own
         params=jax.tree.map(jnp.copy, replica.params),
         opt_state=replica.opt_state._replace(local_step=mine.opt_state.local_step))
-    elif got.received is not None:  # copies: the loop may donate its state
+      self._flight = None
+    elif got.received is not None:  # its payload in no merge; rounds closed: its steps kept
       received, received_collections = jax.tree.map(jnp.copy, got.received)
-      replica = catch_up(mine, received)
+      replica = rebased(self.protocol, mine, received)
       collections = collections if received_collections is None else received_collections
     if got.revert:  # the round's fragment's params back on the anchor: copies
       params = self.protocol.restart(replica.params, replica.opt_state, replica.average,
                                      got.fragment)
       replica = replica._replace(params=jax.tree.map(jnp.copy, params))
+      self._flight = None
     if got.landed is not None and collections is not None:
       collections = jax.tree.map(jnp.copy, collections)
     state = self._take(state, replica, collections, False)

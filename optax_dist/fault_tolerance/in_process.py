@@ -55,15 +55,17 @@ class InProcess:
 
   **Decoupled rounds** (``speeds`` given; :mod:`~optax_dist.fault_tolerance.decoupled`, run by
   :class:`~optax_dist.fault_tolerance.clock.Clock`): replica :math:`i` takes an inner step every
-  :math:`1/v_i` simulated seconds and does not wait at its boundary: it pushes its payload and
-  pulls what committed since. A round closes when every live replica's payload is in, or when
-  K (``min_quorum``) are in and ``grace_window`` has run out since the K-th arrival; a payload
-  that arrives after a round closed enters the next one, weighted by its tokens under the
-  staleness rule; a replica that missed committed rounds catches up (the global state only;
-  it keeps its params, inner state and residual). The schedule is a function of the speeds and
-  the settings, not of the threads' timing. ``log`` holds
-  :class:`~optax_dist.fault_tolerance.decoupled.MergeLine` and
-  :class:`~optax_dist.fault_tolerance.decoupled.Revert` lines. With K = R, an infinite window
+  :math:`1/v_i` simulated seconds and does not wait at its boundary: it settles what resolved
+  since its last one (a late landing, an abort, the global state of the rounds it missed: the
+  global state only, its inner state and residual kept, its params moved onto the new anchor
+  with its own steps kept), then pushes its payload unless its last one is still in the open
+  round (one payload in flight). A round closes when every live replica's payload is in, or
+  when K (``min_quorum``) are in and ``grace_window`` has run out since the K-th arrival; a
+  payload is weighted by its tokens under the staleness rule. The schedule is a function of
+  the speeds and the settings, not of the threads' timing. ``log`` holds
+  :class:`~optax_dist.fault_tolerance.decoupled.MergeLine`,
+  :class:`~optax_dist.fault_tolerance.decoupled.Revert` and the other lines of
+  :func:`~optax_dist.fault_tolerance.decoupled.accounts`. With K = R, an infinite window
   and equal speeds it is the synchronous engine bit for bit. Faults: ``"nonfinite"`` (its
   round is the closed round its payload enters), ``"die_inner"`` and ``"join"`` (a joiner
   heals at its first boundary; :mod:`~optax_dist.fault_tolerance.clock`).

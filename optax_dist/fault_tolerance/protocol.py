@@ -341,6 +341,30 @@ class RoundProtocol:
       jnp.asarray(a, jnp.result_type(p)) if i == fragment else p
       for a, p, i in zip(jax.tree.leaves(point), leaves, ids, strict=True)])
 
+  @functools.cached_property
+  def rebase(self):
+    r"""Jitted ``(params, sent, before, after, fragment) -> params``: a replica of decoupled
+    rounds (:mod:`~optax_dist.fault_tolerance.decoupled`) moved onto a received anchor with
+    its own steps kept, :math:`\theta \leftarrow x_{\mathrm{new}} + (\theta - \theta_0)`,
+    every leaf: :math:`x_{\mathrm{new}}` the anchor of ``after`` and :math:`\theta_0` the
+    anchor of ``before`` (each an ``(opt_state, average)`` pair; ``local_sgd``: the average),
+    except on ``fragment``'s leaves (every leaf with ``None``) when ``sent`` is given: there
+    :math:`\theta_0` is ``sent``, the params its merged payload was measured at (a late
+    landing). In the wider of the anchor's and the leaf's dtypes, cast to the leaf's;
+    ``fragment`` is static."""
+
+    def rebased(params, sent, before, after, fragment):
+      old = jax.tree.leaves(self.halves.restart_point(*before))
+      new = jax.tree.leaves(self.halves.restart_point(*after))
+      leaves, treedef = jax.tree.flatten(params)
+      ids = self._ids(params) if fragment is not None else [None] * len(leaves)
+      refs = [None] * len(leaves) if sent is None else jax.tree.leaves(sent)
+      return treedef.unflatten([
+        _moved(n, p, o if b is None or i != fragment else b)
+        for n, o, p, b, i in zip(new, old, leaves, refs, ids, strict=True)])
+
+    return jax.jit(rebased, static_argnums=4)
+
   def run_round(self, replica: ReplicaState, grads: Callable[[Any, int], Any]
                 ) -> tuple[ReplicaState, Sent]:
     """The replica's inner steps up to the round boundary, the last with the local half.
@@ -415,3 +439,10 @@ def _inner_steps_only(tx: optax.GradientTransformationExtraArgs
 
 def _step(opt_state: Any) -> int:
   return int(opt_state.local_step)
+
+
+def _moved(anchor: Any, params: Any, ref: Any) -> Any:
+  """``anchor + (params - ref)`` in the wider of ``anchor``'s and ``params``' dtypes, cast to
+  ``params``'."""
+  wide = jnp.promote_types(anchor.dtype, params.dtype)
+  return (anchor.astype(wide) + (params.astype(wide) - ref.astype(wide))).astype(params.dtype)

@@ -22,15 +22,21 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    applies a commit to its own copy of the global state and writes the round's
    :class:`~optax_dist.fault_tolerance.decoupled.MergeLine`: a late member receives every merge
    in its own polls, so its **catch-up** costs no bytes;
-3. the replica's loop, at its boundary, waits until the round holding its payload closes (it
-   lands it, as a synchronous round lands) or :math:`W` has passed since it pushed (it goes
-   on, and catches up at a later boundary); each boundary is a
-   :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line at the time of the poll it
-   stopped at (with a :class:`~optax_dist.fault_tolerance.decoupled.Revert` line, in the same
-   file, for a payload withdrawn after an abort), so ``InProcess(replay=lines)`` runs the same
-   schedule and writes the same lines; a boundary its loop waited at also has ``pushed`` (the
-   Unix time of its push, its inner steps done) and ``waited`` (the seconds from its push to
-   its pull);
+3. the replica's loop, at its boundary, first **settles** (:meth:`DecoupledPort.settle`): while
+   its payload is still in flight it pushes nothing (one payload in flight: a
+   :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line, its steps go into its next
+   payload); else it takes what resolved since its last boundary (a late landing of its payload
+   merged after it went on, an abort: a :class:`~optax_dist.fault_tolerance.decoupled.Revert`
+   line and no push, the global state if rounds closed: :func:`~optax_dist.fault_tolerance.
+   decoupled.rebased`). Then it pushes and waits until the round holding its payload closes (it
+   lands it, as a synchronous round lands) or :math:`W` has passed since it pushed, on its own
+   clock (it goes on; a joiner waits until it has healed). Each boundary is a
+   :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line, at the time of the poll that
+   closed its round or just after the last close it received (``settled``: its settle's), so
+   ``InProcess(replay=lines)`` runs the same schedule and writes the same lines; a boundary its
+   loop pushed at also has ``pushed`` (the Unix time of its push, its inner steps done) and
+   ``waited`` (the seconds from its push to its pull); a loop that returns after a skipped
+   boundary writes an :class:`~optax_dist.fault_tolerance.decoupled.Unsent` line;
 4. a member whose committed rounds are behind a member's (torchft's step, its ``max_step``)
    receives, within the quorum (torchft's heal over the session's
    :class:`~optax_dist.fault_tolerance.torchft_session.HealTransport`, the synchronous engine's),
@@ -44,8 +50,9 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    line) and its pull rebuilds its params and inner state from it, its ``local_step`` and data
    position its own. A live one
    **catches up** (a :class:`~optax_dist.fault_tolerance.decoupled.CatchUp` line): it takes the
-   global state alone; its loop keeps its params, inner state and residual, and its next
-   payload is measured from the anchor it received, with its token weight. Until a restarted
+   global state alone; its loop, at its next settle, keeps its inner state and residual and
+   moves its params onto the anchor it received with its own steps kept, its next payload
+   measured from that anchor, with its token weight. Until a restarted
    replica has healed no member closes a round (on a Lighthouse quorum of 1 it could otherwise
    form quorums of its own and commit rounds that no other replica holds); a member that
    missed aborted rounds only takes their count. A restarted replica whose quorum (of more
@@ -76,6 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -179,6 +187,7 @@ class DecoupledPort(Session):
     self._pull: Pull | None = None  # the loop's outcome, not taken yet
     self._entry: _Entry | None = None
     self._waiting: _Entry | None = None  # the entry whose loop waits at its boundary
+    self._waits = False  # whether the loop waits for its last push (not left at the window)
     self._done, self._error, self._thread, self._manager = False, None, None, None
     self._global: tuple[Any, Any] | None = None
     self._closed = self._seen = self._base = 0
@@ -186,7 +195,10 @@ class DecoupledPort(Session):
     self._received: dict = {}  # the versions this replica last received
     self._sent: dict = {}  # fragment -> the step of this replica's last payload of it
     self._landed = self._revert = None
-    self._withdrawn: int | None = None  # the step of a push withdrawn, its line not written
+    self._late = None  # (round, fragment): its payload merged after its loop went on
+    self._skipped = None  # (open round, step) of the boundary its loop last skipped
+    self._stamped = 0.0  # the time of the last close applied (seconds)
+    self._settled = 0.0  # the time its loop's last settle counts at (seconds)
     self._outvoted = False  # its vote failed on the round this poll closed, which commits
     self._time = 0.0  # the last poll's time (seconds)
     # Restarted: a process of this replica started before in this run (each start makes its
@@ -227,23 +239,76 @@ class DecoupledPort(Session):
       range(self.protocol.num_fragments))
     self._donation_like = (replica.donation(), np.zeros(2 + len(self._keys), np.int32))
 
+  def settle(self, step: int) -> Pull | None:
+    """The boundary at ``step``, before its push (module docstring, 3.): ``None`` while this
+    replica's payload is in flight (its loop pushes nothing there); else what resolved since its
+    last boundary (a late landing, an abort, the global state if rounds closed).
+
+    Raises:
+      Exception: the exchange thread's error.
+    """
+    with self._cv:
+      if self._error is not None:
+        raise self._error
+      if self._push is not None or self._entry is not None:  # one payload in flight
+        self._skipped = (self._closed, step)
+        self._write(self.boundary_path, Boundary(self.slot, step, self._stamp(), False))
+        return None
+      self._skipped, self._settled = None, self._stamp()
+      if self._joining or self._healed is not None:  # it heals at its push
+        return Pull(None, None, False)
+      late, aborted, self._late, self._revert = self._late, self._revert, None, None
+      fresh = self._closed > self._seen or late is not None
+      received = (decoupled.global_state(self._global[0]), self._global[1]) if fresh else None
+      f = late[1] if late is not None else aborted[1] if aborted is not None else None
+      self._seen = self._closed
+      if aborted is not None:  # its steps since the aborted payload are lost; no push
+        tokens = (step - self._sent.get(f, self._base)) * self.engine.tokens_per_step
+        self._sent[f] = step
+        self._write(self.boundary_path, decoupled.Revert(aborted[0], self.slot, step, tokens),
+                    Boundary(self.slot, step, self._stamp(), False))
+      return Pull(None, received, aborted is not None, f, late=late is not None)
+
   def exchange(self, push: Push) -> Pull:
-    """The boundary: deposits ``push`` and waits for its outcome (module docstring, 3.).
+    """The boundary's push: deposits ``push`` and waits for its round to close, at most the
+    grace window (module docstring, 3.; a joiner until it has healed).
 
     Raises:
       Exception: the exchange thread's error (e.g. ``TimeoutError``: no quorum in time;
         :class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`).
     """
     with self._cv:
-      self._push, self._pushed_at = push, time.time_ns() // 1000
+      self._push, self._pushed_at, self._waits = push, time.time_ns() // 1000, True
       self._measure(push.header.step)
       self._cv.notify_all()
-      self._cv.wait_for(lambda: self._pull is not None or self._error is not None)
-      if self._pull is None:
-        raise self._error
-      got, self._pull = self._pull, None
+      window = math.inf if self._joining or self._healed is not None else self._window()
+      self._cv.wait_for(lambda: self._pull is not None or self._error is not None,
+                        None if window == math.inf else max(0.0, window))
       self._pulled = (push.header.step, time.monotonic())
-      return got
+      if self._pull is not None:
+        got, self._pull = self._pull, None
+        return got
+      if self._error is not None:
+        raise self._error
+      self._leave(push)
+      return Pull(None, None, False)
+
+  def _leave(self, push: Push) -> None:
+    """The window ran out before the round holding ``push`` closed: the loop goes on, its
+    payload in flight (the lock held)."""
+    self._waits, self._received = False, dict(self._versions)  # its pull, as a landing's
+    if self._waiting is not None and self._waiting.push is push:
+      self._waiting = None
+    self._write(self.boundary_path, Boundary(self.slot, push.header.step, self._stamp(), False,
+                                             self._settled),
+                pushed=self._pushed_at / 1e6, waited=time.time() - self._pushed_at / 1e6)
+    self._inner = jax.tree.map(jnp.copy, heal.inner_state(push.replica))
+
+  def _stamp(self) -> float:
+    """A boundary's time between the closes its loop has received and the next: just after
+    the last poll's and the last close's (every header of a later poll is later than every one
+    of an earlier poll; the lock held)."""
+    return max(self._time, self._stamped) + 1e-6
 
   def _measure(self, step: int) -> None:
     """This replica's slack at its push at ``step`` (the module docstring's auto window), once
@@ -294,6 +359,11 @@ class DecoupledPort(Session):
     self._thread.join()
     if self._error is not None:
       raise self._error
+    if self._skipped is not None:  # its steps since its last payload entered no round
+      last = max(self._sent.values(), default=self._base)
+      round_, step = self._skipped
+      self._write(self.boundary_path, decoupled.Unsent(
+        round_, self.slot, step, (step - last) * self.engine.tokens_per_step))
 
   def shutdown(self) -> None:
     if self._manager is not None:
@@ -315,7 +385,7 @@ class DecoupledPort(Session):
     with self._cv:
       self._cv.wait_for(lambda: self._push is not None or self._done or self._waiting,
                         POLL_S)
-      self._withdrawn = self._enter() if self._withdrawn is None else self._withdrawn
+      self._enter()
       head = self._header()
     heads = self._headers(head)
     if heads is None:  # a member lost, or one behind: the next quorums are without it
@@ -327,10 +397,6 @@ class DecoupledPort(Session):
     if self._due(heads, now):
       self._close(heads, now)
     with self._cv:
-      if self._withdrawn is not None:  # between the closes its pull received and the next
-        self._write(self.boundary_path, Boundary(self.slot, self._withdrawn,
-                                                 (self._time + now) / 2, False))
-        self._withdrawn = None
       self._settle(now)
       self._time, self._outvoted = now, False
     return True
@@ -338,16 +404,15 @@ class DecoupledPort(Session):
   def _fragment(self) -> int | None:
     return decoupled.round_fragment(self.protocol, int(self._global[0].rounds))
 
-  def _enter(self) -> int | None:
-    """The loop's push into the open round (as the in-process clock's push); a push after an
-    aborted round that held this replica's payload is withdrawn at once (its step returned)."""
+  def _enter(self) -> None:
+    """The loop's push into the open round (as the in-process clock's push)."""
     push = self._push
     if push is None or self._waiting is not None or self._joining:
-      return None
+      return
     if self._healed is not None:
       self._push = None
       self._heal_pull(push)
-      return None
+      return
     self._push, f = None, self._fragment()
     payload = push.payload[0]
     if f != self.protocol.fragment(push.header.step):  # the round's fragment, not its step's
@@ -357,14 +422,7 @@ class DecoupledPort(Session):
               + (self._entry.tokens if self._entry else 0))
     entry = _Entry(self._pushed_at, push, tokens, payload, self._received.get(f, 0), f, since)
     self._sent[f] = push.header.step
-    if self._revert is not None:  # its boundary now: its inner state is the one donated
-      self._inner = jax.tree.map(jnp.copy, heal.inner_state(push.replica))
-      self._write(self.boundary_path, decoupled.Revert(self._revert[0], self.slot,
-                                                       push.header.step, tokens))
-      self._give(None)
-      return push.header.step
-    self._entry = self._waiting = entry
-    return None
+    self._entry, self._waiting = entry, entry if self._waits else None
 
   def _heal_pull(self, push: Push) -> None:
     """A restarted replica's first push after its heal enters no round (weight 0, its tokens
@@ -539,19 +597,22 @@ class DecoupledPort(Session):
       voted = [p[1] for h, p in ready if h.slot in d.voters]
       collections = None if voted[0] is None else _exchange.merge_payloads(voted)
       after = (decoupled.commit(self.protocol, before, d.merged, f), collections)
-    if d.merged is not None and not self._outvoted:
-      self._global, self._versions[f] = after, version + 1
     rows = tuple((h.slot, h.step, h.weight, s, w, h.slot in d.voters)
                  for h, s, w in zip(hs, stale, weights, strict=True))
     lost = sum(h.weight for h in hs if h.slot not in d.voters)
     line = MergeLine(r, now, d.merged is not None, d.reason, version, rows, lost,
                      decoupled.global_hash(*after), f)
-    with self._cv:
+    with self._cv:  # a settle receives this close with its time (_stamp)
+      if d.merged is not None and not self._outvoted:
+        self._global, self._versions[f] = after, version + 1
+      self._stamped = now
       if e is not None:  # this replica's payload was in the round
         if d.merged is None:
           self._revert = (r, f)
         elif self.slot in d.voters and self._waiting is e and not self._outvoted:
           self._landed = ((decoupled.global_state(before), d.merged, self._global[1]), f)
+        elif self.slot in d.voters:  # its loop went on (or its vote failed): it lands late
+          self._late = (r, f)
         self._entry = None
       self._closed, self._transport = r if self._outvoted else r + 1, transport
       merged = e is not None and self.slot in d.voters
@@ -569,16 +630,16 @@ class DecoupledPort(Session):
     return jax.tree.map(np.zeros_like, payload), self._blank_collections
 
   def _settle(self, now: float) -> None:
-    """The waiting loop's outcome, once its payload's round closed or the window ran out since
-    it pushed (the lock held)."""
+    """The waiting loop's outcome, once its payload's round closed (the lock held; the loop
+    leaves by itself when the window runs out first)."""
     e = self._waiting
-    if e is None or (self._entry is e and now - e.arrival / 1e6 < self._window()):
+    if e is None or self._entry is e:
       return
     landed = self._landed
     # outvoted: its boundary before the close (it did not land), after the last poll's
     t = (self._time + now) / 2 if self._outvoted else now
     self._write(self.boundary_path, Boundary(self.slot, e.push.header.step, t,
-                                             landed is not None),
+                                             landed is not None, self._settled),
                 pushed=e.arrival / 1e6, waited=time.time() - e.arrival / 1e6)
     self._inner = jax.tree.map(jnp.copy, heal.inner_state(e.push.replica))
     self._give(landed)
