@@ -291,7 +291,8 @@ def speeds_sync_run():
 def speeds_decoupled_run():
   """K = 1 from t0 = 200 s: replica 0 pushes at 199.9 s + k and waits 0.1 s (rounds 0 to 3 at
   200 + k s), replica 1 pushes at 200.5 s and 202.5 s and waits 0.5 s and 0.3 s, its payloads
-  stale by 1 in rounds 1 and 3 (a catch-up line between)."""
+  stale by 1 in rounds 1 and 3 (a catch-up line between), then at 203 s skips its boundary (its
+  payload in flight: no wait)."""
   mine = {1: [1, 10, 10, 1, 5.0, True], 3: [1, 20, 10, 1, 5.0, True]}
   losses = [3.0, 2.0, 1.0, 0.5]
   lines = [{"round": r, "replica": i, "time": 200.0 + r, "committed": True,
@@ -303,13 +304,14 @@ def speeds_decoupled_run():
   bounds += [{"replica": 1, "step": 10 * k, "time": 198.5 + 2.2 * k, "landed": False,
               "pushed": 198.5 + 2 * k, "waited": 0.7 - 0.2 * k} for k in (1, 2)]
   bounds.insert(5, {"round": 2, "replica": 1, "donor": 0, "missed": 1, "rounds": 2})
+  bounds.append({"replica": 1, "step": 30, "time": 202.0, "landed": False, "at": 203.0})
   return RECORD | {"t0": 200.0, "lines": lines, "boundaries": bounds, "events": []}
 
 
 def test_speeds_figures_from_hand_written_logs_and_the_report_from_its_archive(tmp_path, capsys):
   """Inner steps of 0.05 s and 0.1 s alone, H = 10. Synchronous: rounds 1 to 3 in the 6 s span,
-  utilization (30 * 0.05 + 30 * 0.1) / (6 * 2); decoupled: 3 and 2 rounds in 3 s, (30 * 0.05 +
-  20 * 0.1) / (3 * 2); the smoothed decoupled loss (means of the last 2 lines: 1.5 at 2 s, 0.75
+  utilization (30 * 0.05 + 30 * 0.1) / (6 * 2); decoupled: 3 and 3 boundaries in 3 s (one
+  skipped), (30 * 0.05 + 30 * 0.1) / (3 * 2); the smoothed decoupled loss (means of the last 2 lines: 1.5 at 2 s, 0.75
   at 3 s) reaches the synchronous control's final 1.0 at 2 + 2/3 s, 0.444 of its span. Read
   back from the archive, the same figures and report."""
   from benchmarks.studies.chaos import speeds
@@ -328,16 +330,16 @@ def test_speeds_figures_from_hand_written_logs_and_the_report_from_its_archive(t
   assert sync["wait_s"] == [pytest.approx([1.1] * 3), pytest.approx([0.1] * 3)]
   assert sync["inner_step_s"] == pytest.approx([0.09, 0.19])  # (2 s - its exchange) / H
   assert (sync["final_loss"], sync["final"], sync["reach"]) == (1.0, 1.0, 1.0)
-  assert late["utilization"] == pytest.approx(3.5 / 6)
+  assert late["utilization"] == pytest.approx(4.5 / 6)
   assert late["tokens_per_s"] == pytest.approx(50 / 3)  # rounds 1 to 3: 30 + 20 tokens
   assert (late["partial_share"], late["staleness"]) == (0.5, {"0": 4, "1": 2})
-  assert late["wait_s"] == [pytest.approx([0.1] * 3), pytest.approx([0.4, 0.498, 0.5])]
-  assert late["inner_step_s"] == pytest.approx([0.09, 0.15])  # (202.5 s - 201 s) / H
+  assert late["wait_s"] == [pytest.approx([0.1] * 3), pytest.approx([0.3, 0.496, 0.5])]
+  assert late["inner_step_s"] == pytest.approx([0.09, 0.085])  # of (202.5 - 201) and (203 - 202.8)
   assert late["reach"] == pytest.approx((2 + 2 / 3) / 6)
   text = report.markdown(got, "speeds.png")
-  assert "- K = 1, W = 2 s: utilization ≥ 0.95 (sync's 0.375): 0.583, **missed**" in text
+  assert "- K = 1, W = 2 s: utilization ≥ 0.95 (sync's 0.375): 0.750, **missed**" in text
   assert "final loss within half its span: 0.444, **met**" in text
-  assert "wait p99 (s) ≤ the window, 2 s: 0.498, **met**" in text
+  assert "wait p99 (s) ≤ the window, 2 s: 0.496, **met**" in text
   prefix = str(tmp_path / "speeds")
   for name, run in found.items():
     replicas = tmp_path / f"speeds_runs/seed0/{name}/replicas"

@@ -35,8 +35,9 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    closed its round or just after the last close it received (``settled``: its settle's), so
    ``InProcess(replay=lines)`` runs the same schedule and writes the same lines; a boundary its
    loop pushed at also has ``pushed`` (the Unix time of its push, its inner steps done) and
-   ``waited`` (the seconds from its push to its pull); a loop that returns after a skipped
-   boundary writes an :class:`~optax_dist.fault_tolerance.decoupled.Unsent` line;
+   ``waited`` (the seconds from its push to its pull), one it pushed nothing at ``at`` (the
+   Unix time of its settle); a loop that returns after a skipped boundary writes an
+   :class:`~optax_dist.fault_tolerance.decoupled.Unsent` line;
 4. a member whose committed rounds are behind a member's (torchft's step, its ``max_step``)
    receives, within the quorum (torchft's heal over the session's
    :class:`~optax_dist.fault_tolerance.torchft_session.HealTransport`, the synchronous engine's),
@@ -252,7 +253,8 @@ class DecoupledPort(Session):
         raise self._error
       if self._push is not None or self._entry is not None:  # one payload in flight
         self._skipped = (self._closed, step)
-        self._write(self.boundary_path, Boundary(self.slot, step, self._stamp(), False))
+        self._write(self.boundary_path, Boundary(self.slot, step, self._stamp(), False),
+                    at=time.time())
         return None
       self._skipped, self._settled = None, self._stamp()
       if self._joining or self._healed is not None:  # it heals at its push
@@ -266,7 +268,7 @@ class DecoupledPort(Session):
         tokens = (step - self._sent.get(f, self._base)) * self.engine.tokens_per_step
         self._sent[f] = step
         self._write(self.boundary_path, decoupled.Revert(aborted[0], self.slot, step, tokens),
-                    Boundary(self.slot, step, self._stamp(), False))
+                    Boundary(self.slot, step, self._stamp(), False), at=time.time())
       return Pull(None, received, aborted is not None, f, late=late is not None)
 
   def exchange(self, push: Push) -> Pull:
@@ -621,6 +623,8 @@ class DecoupledPort(Session):
                   loss=e.push.loss if merged else None, healed=mark is not None,
                   donor=mark and mark[0], quorum_seconds=mark[1] if mark else 0.0,
                   pid=os.getpid())
+      self._settle(now)  # with the close, under one lock: a loop leaving at its window
+      # either lands this round or never sees it as its own (then it lands late)
 
   def _blank(self, fragment: int | None) -> Any:
     """What a member without a payload in the round sends: zeros of the round's payload and

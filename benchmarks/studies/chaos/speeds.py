@@ -9,10 +9,10 @@ a control beside a second run (``--speed-faults``: under the study's fault sched
 synchronous rounds, and ``--decoupled --min-quorum 1 --grace-window W`` for each of
 ``--windows``. Each run's figures come from its replicas' JSONL logs over its span (first commit
 to last): the compute utilization ``sum_i steps_i t_i / (span R)`` (``steps_i``: the inner steps
-of replica ``i``'s rounds ended in the span); a replica's wait per round, its loop's seconds in
-the round's exchange (a decoupled boundary's ``waited``, from its push, its inner steps done; a
-synchronous line's ``exchange_seconds``, also holding the end of the steps JAX dispatched
-ahead); its median inner step, a round's seconds outside that over ``H``; the training loss,
+of replica ``i``'s boundaries in the span); a replica's wait per boundary, its loop's seconds in
+the round's exchange (a decoupled boundary's ``waited``, from its push, its inner steps done, 0
+where it pushed nothing, its payload in flight; a synchronous line's ``exchange_seconds``, also
+holding the end of the steps JAX dispatched ahead); its median inner step, a round's seconds outside that over ``H``; the training loss,
 the mean of the last R committed lines', and where it reaches the synchronous control's final
 one, over that control's span.
 """
@@ -135,9 +135,10 @@ def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> di
   merges = [group[0] for group in by_round(committed).values()]
   stale = collections.Counter(p[3] for x in merges for p in x.get("payloads", []) if p[5]) or {
     0: sum(len(x.get("members", ())) for x in merges)}  # synchronous: every member's, fresh
-  if run["boundaries"]:  # each replica's rounds: (when its loop went on, its wait)
-    mine = {i: [(b["pushed"] + b["waited"], b["waited"]) for b in run["boundaries"]
-                if b["replica"] == i and "waited" in b] for i in range(replicas)}
+  if run["boundaries"]:  # each replica's boundaries: (when its loop went on, its wait)
+    mine = {i: [(b["pushed"] + b["waited"], b["waited"]) if "waited" in b else (b["at"], 0.0)
+                for b in run["boundaries"] if b["replica"] == i and "step" in b
+                and ("waited" in b or "at" in b)] for i in range(replicas)}
   else:
     mine = {i: [(x["time"], x["exchange_seconds"]) for x in lines if x["replica"] == i]
             for i in range(replicas)}
