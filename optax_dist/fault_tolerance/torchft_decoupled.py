@@ -28,9 +28,11 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    payload); else it takes what resolved since its last boundary (a late landing of its payload
    merged after it went on, an abort: a :class:`~optax_dist.fault_tolerance.decoupled.Revert`
    line and no push, the global state if rounds closed: :func:`~optax_dist.fault_tolerance.
-   decoupled.rebased`). Then it pushes and waits until the round holding its payload closes (it
-   lands it, as a synchronous round lands) or :math:`W` has passed since it pushed, on its own
-   clock (it goes on; a joiner waits until it has healed). Each boundary is a
+   decoupled.rebased`). Then it pushes and goes on at once: the window is the round's (how long
+   it stays open after its K-th payload), no replica waits in it; it lands its payload late, at
+   a later settle. With :math:`W = \infty` it waits until the round holding its payload closes
+   and lands it there, as a synchronous round lands (a barrier; a joiner waits until it has
+   healed, whatever the window). Each boundary is a
    :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line, at the time of the poll that
    closed its round or just after the last close it received (``settled``: its settle's), so
    ``InProcess(replay=lines)`` runs the same schedule and writes the same lines; a boundary its
@@ -194,6 +196,8 @@ class DecoupledPort(Session):
     self._closed = self._seen = self._base = 0
     self._versions: dict = {}  # fragment -> its committed updates
     self._received: dict = {}  # the versions this replica last received
+    self._prior: dict = {}  # those of its pull before its last push
+    self._sent_step = 0  # the step of its last push
     self._sent: dict = {}  # fragment -> the step of this replica's last payload of it
     self._landed = self._revert = None
     self._late = None  # (round, fragment): its payload merged after its loop went on
@@ -247,11 +251,19 @@ class DecoupledPort(Session):
 
     Raises:
       Exception: the exchange thread's error.
+      TimeoutError: its payload in flight for more than ``quorum_timeout`` seconds (no round
+        closed: its loop would train on without end).
     """
     with self._cv:
       if self._error is not None:
         raise self._error
       if self._push is not None or self._entry is not None:  # one payload in flight
+        flight = time.time() - self._pushed_at / 1e6
+        if flight > self.quorum_timeout:
+          raise TimeoutError(
+            f"decoupled rounds: replica {self.slot}'s payload of step {self._sent_step} has been"
+            f" in flight {flight:.0f} s, more than quorum_timeout={self.quorum_timeout} s: no"
+            " round closed")
         self._skipped = (self._closed, step)
         self._write(self.boundary_path, Boundary(self.slot, step, self._stamp(), False),
                     at=time.time())
@@ -272,8 +284,8 @@ class DecoupledPort(Session):
       return Pull(None, received, aborted is not None, f, late=late is not None)
 
   def exchange(self, push: Push) -> Pull:
-    """The boundary's push: deposits ``push`` and waits for its round to close, at most the
-    grace window (module docstring, 3.; a joiner until it has healed).
+    """The boundary's push: deposits ``push``; with an infinite grace window (or a joiner, until
+    it has healed) waits for its round to close, else goes on at once (module docstring, 3.).
 
     Raises:
       Exception: the exchange thread's error (e.g. ``TimeoutError``: no quorum in time;
@@ -281,11 +293,14 @@ class DecoupledPort(Session):
     """
     with self._cv:
       self._push, self._pushed_at, self._waits = push, time.time_ns() // 1000, True
+      self._prior = dict(self._received)  # its payload's staleness counts from its last pull
+      self._sent_step = push.header.step
       self._measure(push.header.step)
       self._cv.notify_all()
-      window = math.inf if self._joining or self._healed is not None else self._window()
+      barrier = (self._joining or self._healed is not None
+                 or self.engine.grace_window == math.inf)
       self._cv.wait_for(lambda: self._pull is not None or self._error is not None,
-                        None if window == math.inf else max(0.0, window))
+                        None if barrier else 0.0)
       self._pulled = (push.header.step, time.monotonic())
       if self._pull is not None:
         got, self._pull = self._pull, None
@@ -296,8 +311,8 @@ class DecoupledPort(Session):
       return Pull(None, None, False)
 
   def _leave(self, push: Push) -> None:
-    """The window ran out before the round holding ``push`` closed: the loop goes on, its
-    payload in flight (the lock held)."""
+    """The loop goes on before the round holding ``push`` closed, its payload in flight (the
+    lock held)."""
     self._waits, self._received = False, dict(self._versions)  # its pull, as a landing's
     if self._waiting is not None and self._waiting.push is push:
       self._waiting = None
@@ -422,7 +437,7 @@ class DecoupledPort(Session):
     since = self._sent.get(f, self._base)
     tokens = ((push.header.step - since) * self.engine.tokens_per_step
               + (self._entry.tokens if self._entry else 0))
-    entry = _Entry(self._pushed_at, push, tokens, payload, self._received.get(f, 0), f, since)
+    entry = _Entry(self._pushed_at, push, tokens, payload, self._prior.get(f, 0), f, since)
     self._sent[f] = push.header.step
     self._entry, self._waiting = entry, entry if self._waits else None
 
