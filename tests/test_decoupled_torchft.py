@@ -192,7 +192,8 @@ def test_a_replica_never_waits_and_every_payload_counts_once(runs):
   polls, so no round closes then): replica 0 goes on at every boundary (no wait: its pushes
   leave at once) and pushes nothing while its payload is in flight (skipped boundaries); every
   payload of either replica enters exactly one merge with the tokens of its steps since its
-  previous payload, and weighs T / (1 + s) (the rule the run names, ``"dylu"``); no heal."""
+  previous payload, and weighs T / (1 + s) (the rule the run names, ``"dylu"``), its line
+  holding its steps' mean loss; no heal."""
   run = runs["late"]
   assert run.stops, "the run ended before replica 1 was stopped"
   _one_hash_per_round(run, 2)
@@ -208,6 +209,8 @@ def test_a_replica_never_waits_and_every_payload_counts_once(runs):
     assert steps == sorted(set(steps)) and all(p[5] for p in mine)
     for previous, (_, step, tokens, stale, weight, _) in zip([0, *steps], mine):
       assert tokens == 16 * (step - previous) and weight == tokens / (1 + stale), mine
+  for i in (0, 1):  # a merged payload's line has its steps' mean loss, after a settle too
+    assert all(x["loss"] is not None for x in run.merges(i) if x["weight"]), run.merges(i)
   assert not any(x.get("healed") for x in run.jsonl("replica_1.jsonl"))
 
 

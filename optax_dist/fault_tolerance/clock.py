@@ -5,8 +5,8 @@ does, but replica :math:`i` takes an inner step every :math:`1/v_i` simulated se
 boundary at ``local_step`` :math:`b` comes at :math:`b / v_i`. What happens at the boundaries
 is decided on that clock, never on the threads' timing: the engine processes the replicas'
 events in the order (time, phase, replica id), a thread that has not reached its next event
-holding back every later one. At one time the pushes come first (in id order), then the ends
-of loops that returned, then the pulls; a round closes (:func:`~optax_dist.fault_tolerance.
+holding back every later one. At one time the settles come first (in id order; a replica's
+push follows its own), then the ends of loops that returned, then the pulls; a round closes (:func:`~optax_dist.fault_tolerance.
 decoupled.close_time`) before the first event after its close time, or at once when every live
 replica's payload is in. A loop that returned counts as live until the time of the boundary
 it did not reach. With ``grace_window="auto"`` a round's window is fixed when it opens (its
@@ -15,8 +15,9 @@ first payload): :math:`\gamma` times the least slack of the live replicas, each'
 the speeds and the schedule alone.
 
 Faults are scripted on that clock too: a ``"die_inner"`` fault of round :math:`r` kills its
-replica at its first push once :math:`r` rounds have closed (the push and its pending payload
-dropped, their tokens lost: a :class:`~optax_dist.fault_tolerance.decoupled.Death` line); a
+replica at its first boundary once :math:`r` rounds have closed (its payload in flight and its
+steps since its last payload dropped, their tokens lost: a :class:`~optax_dist.fault_tolerance.
+decoupled.Death` line); a
 ``"join"`` fault of round :math:`r` starts its replica's loop again when round :math:`r - 1`
 closes, its clock from that close time. A joiner is not waited for until it has healed: at its
 first pull it takes the global state and the inner optimizer state of the first live replica
@@ -54,9 +55,9 @@ _PHASE = {"run": 0, "settle": 0, "push": 1, "end": 2, "pull": 3}
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-  """A payload in the open round: its arrival time, its push, the tokens it carries (with
-  those of a pending payload of its replica it replaced), the payload of the round's fragment
-  and the version of that fragment its replica last received."""
+  """A payload in the open round: its arrival time, its push, the tokens it carries, the
+  payload of the round's fragment and the version of that fragment at its replica's pull before
+  the push."""
 
   time: float
   push: Push
@@ -291,11 +292,11 @@ class Clock:
     if i in self._joining:  # its first payload enters no round: it heals at its pull
       self._pushes[i] = push
       return
-    pending, f = self._open.get(i), self._fragment()
+    f = self._fragment()
     payload = push.payload[0]
     if f != self.protocol.fragment(push.header.step):  # the round's fragment, not its step's
       payload = self.protocol.send_half(push.replica.opt_state, push.replica.params, f)[0]
-    tokens = self._tokens(i, push.header.step, f) + (pending.tokens if pending else 0)
+    tokens = self._tokens(i, push.header.step, f)
     if not self._open:  # a round opens: its window
       self._grace = self._window()
     self._open[i] = _Entry(t, push, tokens, payload, self._received[i].get(f, 0))

@@ -12,7 +12,7 @@ simulated clock):
   and each fragment has its own version (its committed updates);
 * **weight and staleness** (:func:`staleness`, :func:`weights`): payload :math:`i` of fragment
   :math:`f` carries :math:`T_i`, the tokens its replica processed since its last payload of
-  :math:`f` (or its start or heal; the whole tree's: since its last boundary), and
+  :math:`f` (or its start or heal; the whole tree's: since its last payload), and
   :math:`s_i = v - v_i`, the committed updates of :math:`f` between the version :math:`v_i`
   it last received and the version :math:`v` it is merged into; the staleness rule gives its weight
   :math:`w_i`, and the merge is :math:`\sum_i w_i \Delta_i / \sum_i w_i` over the round's
@@ -470,14 +470,15 @@ def _unwritten(found: dict, rounds: list, heal_rounds: dict) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Revert:
-  """A member that learned of an aborted round after its next push: its params went back to
-  the anchor and its pending payload was withdrawn, its tokens lost.
+  """A member that learned at its settle that the round holding its payload aborted: its
+  params of the round's fragment went back to the anchor, the tokens of its steps since that
+  payload lost (it pushes nothing at that boundary).
 
   Attributes:
     round: the aborted round.
     replica: the member.
-    step: the ``local_step`` of the withdrawn payload (and of the revert).
-    lost: the withdrawn payload's tokens.
+    step: its ``local_step`` at the revert.
+    lost: the tokens of its steps since the aborted payload.
   """
 
   round: int
@@ -488,14 +489,14 @@ class Revert:
 
 @dataclasses.dataclass(frozen=True)
 class Death:
-  """A replica whose loop died at its boundary (a scripted ``"die_inner"``): its payload of
-  that boundary and its pending one in the open round were dropped, their tokens lost.
+  """A replica whose loop died at its boundary (a scripted ``"die_inner"``): its payload in
+  flight and its steps since its last payload were dropped, their tokens lost.
 
   Attributes:
     round: the open round when it died.
     replica: the replica.
     step: its ``local_step`` at its death.
-    lost: the dropped payloads' tokens.
+    lost: the dropped tokens.
   """
 
   round: int
@@ -641,9 +642,8 @@ class Push:
   """What a replica brings to its boundary (the engine's input).
 
   Attributes:
-    header: its header: ``weight`` the tokens of its steps since its previous boundary (the
-      engine adds those of a payload of its still open, which this one replaces), ``step``
-      its ``local_step``.
+    header: its header: ``weight`` the tokens of its steps since its previous push (the
+      engine counts a payload's own, per fragment), ``step`` its ``local_step``.
     payload: ``(payload, collections)`` (the payload of the fragment its ``local_step``
       names; the engine measures the round's own fragment from ``replica`` where it differs).
     replica: its :class:`ReplicaState` at the boundary (the engine's template of the global
@@ -738,7 +738,10 @@ class DecoupledReplica(Replica):
     replica = rebased(self.protocol, mine, received, self._flight if got.late else None,
                       got.fragment)
     collections = parts.collections if collections is None else collections
-    return self._take(state, replica, collections, False)
+    losses, start = self._losses, self._round_start  # those of the payload it pushes next
+    state = self._take(state, replica, collections, False)
+    self._losses, self._round_start = losses, start
+    return state
 
   def _revert(self, state: Any, fragment: int | None) -> Any:
     """Its params of ``fragment`` back on the anchor (copies), after an aborted round."""

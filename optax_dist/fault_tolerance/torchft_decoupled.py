@@ -10,9 +10,8 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
 
 1. a replica's push (its payload at its boundary, :class:`~optax_dist.fault_tolerance.
    decoupled.Push`) enters the open round at the first poll after it (its arrival: when its
-   loop pushed it), with its tokens (since
-   its last payload of the round's fragment that entered a round; a payload of it still open is
-   replaced and its tokens carried) and the version of that fragment it last received;
+   loop pushed it), with its tokens (since its last payload of the round's fragment that entered
+   a round) and the version of that fragment at its pull before the push;
 2. the round closes when every live member's payload is in (a member whose loop returned is
    not live), or when at least K are and the window :math:`W` has run out since the K-th
    arrival (:func:`~optax_dist.fault_tolerance.decoupled.close_time`, on the members' wall
@@ -198,6 +197,7 @@ class DecoupledPort(Session):
     self._received: dict = {}  # the versions this replica last received
     self._prior: dict = {}  # those of its pull before its last push
     self._sent_step = 0  # the step of its last push
+    self._queue: list = []  # (step, settled, extra, push) of boundaries whose lines wait
     self._sent: dict = {}  # fragment -> the step of this replica's last payload of it
     self._landed = self._revert = None
     self._late = None  # (round, fragment): its payload merged after its loop went on
@@ -265,8 +265,9 @@ class DecoupledPort(Session):
             f" in flight {flight:.0f} s, more than quorum_timeout={self.quorum_timeout} s: no"
             " round closed")
         self._skipped = (self._closed, step)
-        self._write(self.boundary_path, Boundary(self.slot, step, self._stamp(), False),
-                    at=time.time())
+        self._queue.append((step, None, {"at": time.time()}, None))
+        if self._push is None:  # entered: else its push's line comes first, at its entry
+          self._flush()
         return None
       self._skipped, self._settled = None, self._stamp()
       if self._joining or self._healed is not None:  # it heals at its push
@@ -312,14 +313,28 @@ class DecoupledPort(Session):
 
   def _leave(self, push: Push) -> None:
     """The loop goes on before the round holding ``push`` closed, its payload in flight (the
-    lock held)."""
-    self._waits, self._received = False, dict(self._versions)  # its pull, as a landing's
+    lock held); its boundary line is written once the push has entered a round (its time after
+    the closes before that round: :meth:`_flush`)."""
+    self._waits = False
     if self._waiting is not None and self._waiting.push is push:
       self._waiting = None
-    self._write(self.boundary_path, Boundary(self.slot, push.header.step, self._stamp(), False,
-                                             self._settled),
-                pushed=self._pushed_at / 1e6, waited=time.time() - self._pushed_at / 1e6)
-    self._inner = jax.tree.map(jnp.copy, heal.inner_state(push.replica))
+    self._queue.append((push.header.step, self._settled, {
+      "pushed": self._pushed_at / 1e6, "waited": time.time() - self._pushed_at / 1e6}, push))
+    if self._push is not push:
+      self._flush()
+
+  def _flush(self) -> None:
+    """Writes the boundary lines of the loop's boundaries that did not wait (one write, at
+    :meth:`_stamp`); a push's is its pull, as a landing's (the lock held)."""
+    stamp, lines = self._stamp(), self._queue
+    self._queue = []
+    self._write_each(self.boundary_path, [
+      (Boundary(self.slot, step, stamp, False, settled), extra)
+      for step, settled, extra, _ in lines])
+    for *_, push in lines:
+      if push is not None:
+        self._received = dict(self._versions)
+        self._inner = jax.tree.map(jnp.copy, heal.inner_state(push.replica))
 
   def _stamp(self) -> float:
     """A boundary's time between the closes its loop has received and the next: just after
@@ -435,11 +450,12 @@ class DecoupledPort(Session):
     if f != self.protocol.fragment(push.header.step):  # the round's fragment, not its step's
       payload = self.protocol.send_half(push.replica.opt_state, push.replica.params, f)[0]
     since = self._sent.get(f, self._base)
-    tokens = ((push.header.step - since) * self.engine.tokens_per_step
-              + (self._entry.tokens if self._entry else 0))
+    tokens = (push.header.step - since) * self.engine.tokens_per_step
     entry = _Entry(self._pushed_at, push, tokens, payload, self._prior.get(f, 0), f, since)
     self._sent[f] = push.header.step
     self._entry, self._waiting = entry, entry if self._waits else None
+    if self._queue:
+      self._flush()
 
   def _heal_pull(self, push: Push) -> None:
     """A restarted replica's first push after its heal enters no round (weight 0, its tokens
@@ -677,7 +693,13 @@ class DecoupledPort(Session):
   def _write(path: Any, *lines: Any, **extra: Any) -> None:
     """Appends ``lines`` (their JSON objects, ``extra`` in each) in one write: a ``kill -9``
     leaves all of them or none."""
-    text = "".join(json.dumps(dict(dataclasses.asdict(x), **extra)) + "\n" for x in lines)
+    DecoupledPort._write_each(path, [(x, extra) for x in lines])
+
+  @staticmethod
+  def _write_each(path: Any, lines: list) -> None:
+    """Appends ``(line, extra)`` pairs (each line's JSON object with its ``extra``) in one
+    write."""
+    text = "".join(json.dumps(dict(dataclasses.asdict(x), **extra)) + "\n" for x, extra in lines)
     with open(path, "a") as f:
       f.write(text)
 
