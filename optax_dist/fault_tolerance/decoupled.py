@@ -87,7 +87,7 @@ is not :func:`optax_dist.delayed_nesterov`). When rounds close on fewer than R p
 buffer_size=R))``, as ``optax-dist train --fault-tolerant --decoupled`` does by default: with
 K = 1 and W = 0 at the speeds the torchft benchmark measures (1 : 0.976 : 0.475 : 0.231,
 ``diloco`` on ``lm``, seeds 0, 1, 2) each merge holds one payload and the outer Nesterov step runs
-once per payload; ``"none"`` and ``"dylu"`` (alike on one payload) diverge, 14.88 validation bits
+once per payload; ``"none"`` and ``"dylu"`` (alike on one payload) diverge, 14.87 validation bits
 per byte at equal committed tokens against 3.634 for synchronous rounds, and
 ``"delayed_nesterov"`` reaches 3.783 (+4.1%) (``benchmarks/results/decoupled_staleness_w0.md``).
 ``"dylu"`` was the best rule where the fast replicas' payloads merged together (exactly equal
