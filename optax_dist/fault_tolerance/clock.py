@@ -356,12 +356,13 @@ class Clock:
       self._heal(i)
       return
     landed, aborted = self._landed.pop(i, None), self._reverts.pop(i, None)
-    fresh = self._closed > self._seen[i] and landed is None
+    flight = i in self._open  # its payload in flight: it takes nothing until it resolves
+    fresh = self._closed > self._seen[i] and landed is None and not flight
     received = (decoupled.global_state(self._global[0]), self._global[1]) if fresh else None
     f = landed[1] if landed is not None else aborted[1] if aborted is not None else None
     self._results[i] = Pull(landed and landed[0], received, aborted is not None, f)
     self._received[i] = dict(self._versions)
-    self._next(i)
+    self._next(i, received=not flight)
 
   def _end(self, i: int) -> None:
     """``i``'s loop returned: the steps up to its last boundary that no payload holds (it
