@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
       quorum_timeout=args.quorum_timeout, timeout=args.exchange_timeout,
       on_ready=lambda: _meet(run_dir, args.replica_id, args.replicas, args.quorum_timeout),
       checkpoint_every=args.checkpoint_every, standby=args.wait_for_takeover,
-      exchange_retries=args.exchange_retries,
+      exchange_retries=args.exchange_retries, num_replicas=args.replicas,
       **({name: getattr(args, name) for name in (*ft_flags.DECOUPLED, "max_staleness")}
          if args.decoupled else {}))
   except ft_replica.ReplicaError as e:

@@ -506,6 +506,7 @@ class _Port:
 
   def __init__(self, clock: Clock, slot: int):
     self._clock, self._slot = clock, slot
+    self.num_replicas = clock.engine.num_replicas  # the most payloads a merge holds
 
   def start(self, replica: Any) -> None:
     """Nothing to restore: a replica starts from the loop's initial state."""

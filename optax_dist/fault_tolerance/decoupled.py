@@ -715,6 +715,16 @@ class DecoupledReplica(Replica):
     self._flight = None  # (its state at the push, residual candidate, fragment) in flight
     return state
 
+  def _warm_up(self, parts: Any) -> None:
+    """:meth:`Replica._warm_up`, and the rebases of a catch-up and of a late landing
+    (:func:`rebased`) on scratch copies."""
+    super()._warm_up(parts)
+    fragment = self.protocol.fragment(self.protocol.round_steps(0))
+    residual = self.protocol.send_half(parts.opt_state, parts.params, fragment)[1]
+    mine = self._replica
+    for flight in (None, (mine, residual, fragment)):
+      copied(rebased(self.protocol, mine, global_state(mine), flight, fragment).params)
+
   def _round(self, state: Any) -> Any:
     got = self.engine.settle(self.step)
     if got is not None and (got.late or got.received is not None):

@@ -391,6 +391,7 @@ class _Port:
 
   def __init__(self, engine: InProcess, slot: int):
     self._engine, self._slot = engine, slot
+    self.num_replicas = engine.num_replicas  # the most payloads a merge holds
 
   def start(self, replica: Replica) -> None:
     """Nothing to restore: a replica starts from the loop's initial state."""

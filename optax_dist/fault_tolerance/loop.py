@@ -307,7 +307,8 @@ class Replica:
     engine: the transport (an engine's per-replica end): ``start(replica)`` (joins the run;
       returns a decoded donation to start from, e.g. a checkpoint's, a :class:`Restored`, or
       ``None``),
-      ``exchange(sent) -> Received`` and ``record(line)``.
+      ``exchange(sent) -> Received``, ``record(line)`` and ``num_replicas`` (the most payloads
+      a merge holds, ``None`` if unknown: :meth:`start` compiles the merges up to it).
     slot: this replica's id and data slot.
     seed: the data seed.
     tokens_per_step: the tokens of one batch (a round's weight is its inner steps times it).
@@ -468,14 +469,13 @@ class Replica:
     sent = (payload, parts.collections)
     payload, collections = heal.tree_from_bytes(heal.tree_bytes(sent), sent)  # as peers' arrive
     self.protocol.votes(payload)
-    self.protocol.merge([payload] * 2, [1, 2])  # the weighted merge of a round with a heal
-    merged = self.protocol.merge([payload] * 2, [1, 1])
+    merged = self._warm_merges(payload)
     self.protocol.outer_half(parts.params, parts.params, parts.opt_state, self._replica.average,
                              merged, residual, fragment)
     copied(self.protocol.abort(self._replica).params)
     copied(parts.params)  # the landing's origin (_keep_origin)
     if collections is not None:  # the members' merged collections, copied
-      copied(self.protocol.merge([collections] * 2, [1, 1]))
+      copied(self._warm_merges(collections))
     donation = self.donation()
     if self._beside():  # the send's copy of what the exchange's thread reads
       copied(donation)
@@ -483,6 +483,16 @@ class Replica:
                                               replica="self"))
     self.protocol.commit(healed._replace(opt_state=_at_step(healed.opt_state, boundary)), merged)
     self.state_hash()
+
+  def _warm_merges(self, payload: Any) -> Any:
+    """The merges of 1 to R copies of ``payload`` (R: the engine's ``num_replicas``, 2 if
+    unknown), with equal weights and, from 2 on, unequal ones (a round with a heal, or
+    token-weighted): each count and kind is a program of its own. Returns the merge of two."""
+    for n in range(1, max(2, self.engine.num_replicas or 2) + 1):
+      self.protocol.merge([payload] * n, [1] * n)
+      if n > 1:
+        self.protocol.merge([payload] * n, [1] * (n - 1) + [2])
+    return self.protocol.merge([payload] * 2, [1, 1])
 
   def _keep_origin(self, state: Any) -> None:
     """Sets the next round boundary; on the step before it, copies the params (the landing's

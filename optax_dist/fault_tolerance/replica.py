@@ -109,7 +109,8 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
           seed: int, tokens_per_step: int, lighthouse: str, replica_id: int, out: str,
           host: str, min_replicas: int, quorum_timeout: float, timeout: float,
           on_ready: Callable[[], None] | None = None, checkpoint_every: int | None = None,
-          standby: bool = False, exchange_retries: int = 0, **decoupled: Any) -> Any:
+          standby: bool = False, exchange_retries: int = 0, num_replicas: int | None = None,
+          **decoupled: Any) -> Any:
   """Trains one replica of ``protocol`` on ``(params, loss_and_grad, batch_fn)`` over torchft
   until the run has committed ``steps`` inner steps' worth of rounds; returns its final
   :class:`~optax_dist.fault_tolerance.ReplicaState`.
@@ -135,7 +136,7 @@ def serve(protocol: Any, params: Any, loss_and_grad: Callable, batch_fn: Callabl
       tokens_per_step=tokens_per_step, min_replicas=min_replicas,
       quorum_timeout=quorum_timeout, timeout=timeout, exchange_retries=exchange_retries,
       checkpoint_every=checkpoint_every, last_round=target, on_ready=on_ready,
-      standby=wait_for_takeover if standby else None, **decoupled)
+      standby=wait_for_takeover if standby else None, num_replicas=num_replicas, **decoupled)
   except ValueError as e:
     raise ReplicaError(str(e)) from None
   try:

@@ -706,14 +706,14 @@ class DecoupledPort(Session):
 
 def check(engine: Any, protocol: Any) -> None:
   """Checks a :class:`~optax_dist.fault_tolerance.torchft_engine.Torchft` engine's decoupled
-  settings (:func:`~optax_dist.fault_tolerance.decoupled.check_settings`, K unbounded here: the
-  launcher knows R), and ``min_replicas <= min_quorum``.
+  settings (:func:`~optax_dist.fault_tolerance.decoupled.check_settings`, K bounded by its
+  ``num_replicas`` if given), and ``min_replicas <= min_quorum``.
 
   Raises:
     ValueError: as :func:`~optax_dist.fault_tolerance.decoupled.check_settings`.
   """
   fn = "Torchft"
-  decoupled.check_settings(fn, protocol, num_replicas=None, speeds=None,
+  decoupled.check_settings(fn, protocol, num_replicas=engine.num_replicas, speeds=None,
                            min_quorum=engine.min_quorum, grace_window=engine.grace_window,
                            staleness_rule=engine.staleness_rule,
                            max_staleness=engine.max_staleness, grace_gamma=engine.grace_gamma)

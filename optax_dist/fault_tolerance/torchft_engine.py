@@ -147,11 +147,16 @@ class Torchft:
       (default: :data:`~optax_dist.fault_tolerance.decoupled.DEFAULT_STALENESS_RULE`, the
       in-process engine's).
     max_staleness: ``"age_gate"``'s bound, an int >= 0.
+    num_replicas: the replicas the run is started with (the command's ``--replicas``), so the
+      most payloads a merge holds: before the replica's first round its warm-up compiles the
+      merges of 1 to this many payloads (each count is a program of its own); a positive int,
+      or ``None``: of 1 and 2 (a larger merge compiles in the round that first holds one).
 
   Raises:
     ValueError: no Lighthouse or replica id given nor in the environment; a lighthouse not an
       ``http://`` URL; a replica id or ``exchange_retries`` not an int >= 0;
-      ``tokens_per_step``, ``min_replicas`` or ``checkpoint_every`` not a positive int; a
+      ``tokens_per_step``, ``min_replicas``, ``checkpoint_every`` or ``num_replicas`` not a
+      positive int; a
       timeout not a positive number; a host that does not resolve or is unspecified; the
       decoupled settings as :func:`~optax_dist.fault_tolerance.decoupled.check_settings`
       raises, ``min_replicas > min_quorum``, or ``decoupled`` with a setting it does not take.
@@ -166,7 +171,8 @@ class Torchft:
                standby: Callable[[], None] | None = None, decoupled: bool = False,
                min_quorum: int | None = None, grace_window: float | str = math.inf,
                staleness_rule: str | None = None, max_staleness: int = 1,
-               grace_gamma: float = decoupled_rules.DEFAULT_GRACE_GAMMA):
+               grace_gamma: float = decoupled_rules.DEFAULT_GRACE_GAMMA,
+               num_replicas: int | None = None):
     fn = "Torchft"
     lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not lighthouse.startswith("http://"):
@@ -178,8 +184,9 @@ class Torchft:
     _checks.check_positive_int(fn, "tokens_per_step", tokens_per_step)
     _checks.check_positive_int(fn, "min_replicas", min_replicas)
     _checks.check_non_negative_int(fn, "exchange_retries", exchange_retries)
-    if checkpoint_every is not None:
-      _checks.check_positive_int(fn, "checkpoint_every", checkpoint_every)
+    for name, value in (("checkpoint_every", checkpoint_every), ("num_replicas", num_replicas)):
+      if value is not None:
+        _checks.check_positive_int(fn, name, value)
     for name, value in (("quorum_timeout", quorum_timeout), ("timeout", timeout)):
       if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"`{fn}({name}=...)` must be a positive number of seconds, got {value!r}.")
@@ -196,7 +203,7 @@ class Torchft:
     self.decoupled, self.min_quorum = decoupled, min_replicas if min_quorum is None else min_quorum
     self.grace_window, self.grace_gamma = grace_window, grace_gamma
     self.staleness_rule = staleness_rule or decoupled_rules.DEFAULT_STALENESS_RULE
-    self.max_staleness = max_staleness
+    self.max_staleness, self.num_replicas = max_staleness, num_replicas
     if decoupled:
       self._check_decoupled()
 

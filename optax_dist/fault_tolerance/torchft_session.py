@@ -313,6 +313,11 @@ class Session:
   group_rank: int = 0
   group_size: int = 1
 
+  @property
+  def num_replicas(self) -> int | None:
+    """The engine's ``num_replicas``: the most payloads a merge holds, if known."""
+    return self.engine.num_replicas
+
   def _open(self, lighthouse: str, host: str, min_replicas: int, quorum_timeout: float,
             timeout: float) -> None:
     """Starts the session: a ``Manager`` that heartbeats to ``lighthouse``."""
