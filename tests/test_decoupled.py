@@ -12,8 +12,10 @@ import collections
 import dataclasses
 import functools
 import json
+import logging
 import math
 import random
+import threading
 import time
 
 import jax
@@ -236,6 +238,56 @@ def test_the_schedule_does_not_depend_on_the_threads_timing():
   jitter = random.Random(0)
   again.run(_loop(protocol, 4 * H, pause=lambda slot, step: 0.01 * jitter.random() * (slot < 2)))
   assert again.log == engine.log
+
+
+def test_a_replica_compiles_no_round_program_once_it_has_started(monkeypatch):
+  """Every program of a round (the merges of 1 to R payloads, equal weights or not, a
+  catch-up's and a late landing's rebase, the outer step) is compiled by the replicas' warm-up,
+  before they join: a K = 1 run at speeds 1 : 1 : 0.5 : 0.25 (merges of one to four payloads,
+  catch-ups, late landings) compiles nothing once every replica has started but its loop's own
+  step and the copies of single leaves. Its params' shapes are no other test's, so no program
+  of theirs is in the cache."""
+  protocol = ft.RoundProtocol("diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR), sync_period=H)
+  engine = ft.InProcess(protocol, num_replicas=4, speeds=SPEEDS, min_quorum=1, grace_window=1.0,
+                        staleness_rule="dylu", tokens_per_step=TOKENS)
+  joined, compiled, rebases = threading.Event(), set(), collections.Counter()
+  started, rebased = threading.Barrier(4, action=joined.set), decoupled.rebased
+
+  class Compiles(logging.Handler):
+    def emit(self, record):
+      message = record.getMessage()
+      if joined.is_set() and message.startswith("Finished XLA compilation"):
+        compiled.add(message.split()[4])
+
+  def spy(protocol, replica, received, flight=None, fragment=None):
+    rebases["late" if flight else "catch-up"] += joined.is_set()
+    return rebased(protocol, replica, received, flight, fragment)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, step):
+    grads = jax.tree.map(lambda p: p - jnp.sin(step + p.size), params)
+    updates, opt_state = protocol.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def train(replica):
+    params = {"w": jnp.full((7, 11), 0.1 * replica.slot, jnp.float32), "v": jnp.zeros(13)}
+    state = replica.start((params, protocol.tx.init(params)))
+    started.wait()
+    while replica.step < 8 * H:
+      state = replica.after_step(train_step(*state, float(replica.step)))
+
+  monkeypatch.setattr(decoupled, "rebased", spy)
+  handler = Compiles()
+  logging.getLogger("jax").addHandler(handler)
+  jax.config.update("jax_log_compiles", True)  # on every thread (the context manager's: its own)
+  try:
+    engine.run(train)
+  finally:
+    jax.config.update("jax_log_compiles", False)
+    logging.getLogger("jax").removeHandler(handler)
+  assert {len(x.payloads) for x in engine.log if isinstance(x, MergeLine)} == {1, 2, 3, 4}
+  assert rebases["late"] and rebases["catch-up"], rebases
+  assert compiled <= {"jit(train_step)", "jit(copy)"}, compiled
 
 
 # ------------------------------------------------------------------------------------------------

@@ -716,12 +716,12 @@ class DecoupledReplica(Replica):
     return state
 
   def _warm_up(self, parts: Any) -> None:
-    """:meth:`Replica._warm_up`, and the rebases of a catch-up and of a late landing
-    (:func:`rebased`) on scratch copies."""
+    """:meth:`Replica._warm_up`, the push's copy of the replica's state, and the rebases of
+    a catch-up and of a late landing (:func:`rebased`), on scratch copies."""
     super()._warm_up(parts)
     fragment = self.protocol.fragment(self.protocol.round_steps(0))
     residual = self.protocol.send_half(parts.opt_state, parts.params, fragment)[1]
-    mine = self._replica
+    mine = copied(self._replica)
     for flight in (None, (mine, residual, fragment)):
       copied(rebased(self.protocol, mine, global_state(mine), flight, fragment).params)
 

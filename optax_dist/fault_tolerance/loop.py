@@ -307,8 +307,8 @@ class Replica:
     engine: the transport (an engine's per-replica end): ``start(replica)`` (joins the run;
       returns a decoded donation to start from, e.g. a checkpoint's, a :class:`Restored`, or
       ``None``),
-      ``exchange(sent) -> Received``, ``record(line)`` and ``num_replicas`` (the most payloads
-      a merge holds, ``None`` if unknown: :meth:`start` compiles the merges up to it).
+      ``exchange(sent) -> Received``, ``record(line)``, and optionally ``num_replicas`` (the
+      most payloads a merge holds: :meth:`start` compiles the merges up to it; else up to 2).
     slot: this replica's id and data slot.
     seed: the data seed.
     tokens_per_step: the tokens of one batch (a round's weight is its inner steps times it).
@@ -488,7 +488,7 @@ class Replica:
     """The merges of 1 to R copies of ``payload`` (R: the engine's ``num_replicas``, 2 if
     unknown), with equal weights and, from 2 on, unequal ones (a round with a heal, or
     token-weighted): each count and kind is a program of its own. Returns the merge of two."""
-    for n in range(1, max(2, self.engine.num_replicas or 2) + 1):
+    for n in range(1, max(2, getattr(self.engine, "num_replicas", None) or 2) + 1):
       self.protocol.merge([payload] * n, [1] * n)
       if n > 1:
         self.protocol.merge([payload] * n, [1] * (n - 1) + [2])
