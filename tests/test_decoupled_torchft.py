@@ -540,7 +540,7 @@ def test_a_member_donates_the_inner_state_of_its_last_boundary_s_push(tmp_path):
 
 def _closed_by(tmp_path, vote: bool):
   """Replica 1's port, fresh, with its payload (step 2, 8 tokens) in the open round beside
-  replica 0's same payload, closes it (the all-gathers stubbed: both hold its payload), its
+  replica 0's same payload, closes it (the collectives stubbed: both hold its payload), its
   vote (torchft's ``should_commit``) ``vote``; its last poll at 1 s, this one at 3 s."""
   import types
 
@@ -553,6 +553,7 @@ def _closed_by(tmp_path, vote: bool):
                               grace_window=float("inf"))
   port._manager = types.SimpleNamespace(report_error=lambda e: None)
   port._allgather = lambda mine, everyone: [mine, mine]
+  port._broadcasts = lambda mine, roots, rank: [mine] * len(roots)
   port._vote, port._time = lambda: vote, 1.0
   mine = port.replica.replica_state
   mine = mine._replace(params={k: v + 1 for k, v in mine.params.items()})
@@ -760,3 +761,27 @@ def test_a_payload_in_flight_longer_than_the_quorum_timeout_stops_the_loop(tmp_p
   port._pushed_at = int((time.time() - 31) * 1e6)
   with pytest.raises(TimeoutError, match="payload of step 7 has been in flight 31 s"):
     port.settle(9)
+
+
+def test_a_round_s_payloads_are_broadcast_by_their_members_only(tmp_path):
+  """A closing round moves each payload in it once, from its member (a broadcast rooted at its
+  process-group rank, in rank order); a member without one sends nothing, and receives each
+  into a buffer of its own payload's size."""
+  import types
+
+  import torch
+
+  _, port = _ports(tmp_path, behind_restarted=False)
+  sent = []
+
+  def broadcast(buffers, opts):
+    sent.append((opts.rootRank, buffers[0].numel()))
+    buffers[0].fill_(opts.rootRank)
+    return types.SimpleNamespace(wait=lambda: None)
+
+  port._pg = types.SimpleNamespace(broadcast=broadcast)
+  mine = torch.full((5,), 9, dtype=torch.uint8)
+  outs = port._broadcasts(mine, [0, 2], rank=1)
+  assert sent == [(0, 5), (2, 5)] and [x.tolist() for x in outs] == [[0] * 5, [2] * 5]
+  sent.clear()
+  assert port._broadcasts(mine, [1], rank=1)[0] is mine and sent == [(1, 5)]

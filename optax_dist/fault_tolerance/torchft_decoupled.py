@@ -15,8 +15,9 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
 2. the round closes when every live member's payload is in (a member whose loop returned is
    not live), or when at least K are and the window :math:`W` has run out since the K-th
    arrival (:func:`~optax_dist.fault_tolerance.decoupled.close_time`, on the members' wall
-   clocks as their headers carry them; the poll's time is its latest header's): then every
-   member all-gathers its payload (one not in the round sends zeros of its size), decides
+   clocks as their headers carry them; the poll's time is its latest header's): then each
+   member with a payload in the round broadcasts it (one broadcast per payload, in rank order;
+   a member without one sends nothing), every member acknowledges, decides
    (:func:`~optax_dist.fault_tolerance.decoupled.decide_round`), votes (``should_commit``),
    applies a commit to its own copy of the global state and writes the round's
    :class:`~optax_dist.fault_tolerance.decoupled.MergeLine`: a late member receives every merge
@@ -65,7 +66,7 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
 monotonic clock, :math:`\xi_i = c_i n_i - x_i`: :math:`c_i` its loop's seconds from its last
 pull to this push over the inner steps between them (its inner step's time, the wait at its
 boundary left out), :math:`n_i` its steps from this boundary to its next, and :math:`x_i` the
-transport of the last round it closed (the seconds of that round's payload all-gather and its
+transport of the last round it closed (the seconds of that round's payloads' broadcasts and its
 acknowledgement); none until it has both. Its header carries it (:attr:`PollHeader.slack`), and
 every member takes the poll's window from the same headers: :math:`\gamma` times the least
 slack of the members whose loops have not returned
@@ -75,7 +76,7 @@ With K = R and :math:`W = \infty` every replica waits for every payload: the syn
 bit for bit. Members whose closed rounds differ skip their polls until the one behind has
 caught up (or, after ``quorum_timeout`` seconds without, leaves the run:
 :class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`); a member lost during a
-round's payload all-gather leaves the round open (each member acknowledges the payloads it
+round's payloads' broadcasts leaves the round open (each member acknowledges the payloads it
 holds before it decides), and the next quorum closes it without that member; a member whose
 vote (torchft's ``should_commit``) fails on a round the decision commits catches up on it at
 the next quorum (4.).
@@ -240,6 +241,7 @@ class DecoupledPort(Session):
     self._inner = heal.inner_state(self._global[0])
     self._collections = split_donation(replica.donation())[1]
     self._blank_collections = jax.tree.map(np.zeros_like, self._collections)
+    self._blanks: dict = {}  # fragment -> _blank's
     self._keys = [None] if self.protocol.num_fragments is None else list(
       range(self.protocol.num_fragments))
     self._donation_like = (replica.donation(), np.zeros(2 + len(self._keys), np.int32))
@@ -598,8 +600,8 @@ class DecoupledPort(Session):
     return self._auto if w == decoupled.AUTO else w
 
   def _close(self, heads: list[PollHeader], now: float) -> None:
-    """The open round's payloads, decision, vote and commit; its line. If the payloads' or the
-    acknowledgement's all-gather fails (a member lost in it), the round stays open: the next
+    """The open round's payloads, decision, vote and commit; its line. If the payloads'
+    broadcasts or the acknowledgement's all-gather fail (a member lost in them), the round stays open: the next
     poll's quorum is without that member. If this replica's vote fails on a round its decision
     commits (torchft's step then stays behind the others'), it does not apply the commit nor
     count the round closed: torchft heals it at the next quorum, a catch-up (module docstring,
@@ -608,14 +610,15 @@ class DecoupledPort(Session):
     r, before, f = self._closed, self._global[0], self._fragment()
     version, e = self._versions.get(f, 0), self._entry
     mine = (e.payload, e.push.payload[1]) if e is not None else self._blank(f)
-    start = time.monotonic()
-    outs = self._allgather(pack(mine), everyone=True)
+    start, roots = time.monotonic(), [i for i, h in enumerate(heads) if h.ready]
+    rank = next(i for i, h in enumerate(heads) if h.slot == self.slot)
+    outs = self._broadcasts(pack(mine), roots, rank)
     # The acknowledgement: a member decides only once it holds every member's, so no member
-    # closes a round whose payloads' all-gather failed on another.
+    # closes a round whose payloads' broadcasts failed on another.
     if outs is None or self._allgather(torch.ones(1, dtype=torch.int64), everyone=True) is None:
       return
     transport = time.monotonic() - start
-    ready = [(h, unpack(out, mine)) for h, out in zip(heads, outs, strict=True) if h.ready]
+    ready = [(heads[i], unpack(out, mine)) for i, out in zip(roots, outs, strict=True)]
     hs = [Header(h.slot, h.tokens, h.ok, h.fingerprint, h.step) for h, _ in ready]
     d, stale, weights = decoupled.decide_round(
       self.protocol, hs, [p[0] for _, p in ready], [h.received for h, _ in ready],
@@ -658,11 +661,13 @@ class DecoupledPort(Session):
       # either lands this round or never sees it as its own (then it lands late)
 
   def _blank(self, fragment: int | None) -> Any:
-    """What a member without a payload in the round sends: zeros of the round's payload and
-    collections (one buffer size in the all-gather)."""
-    g = self._global[0]
-    payload = self.protocol.send_half(g.opt_state, g.params, fragment)[0]
-    return jax.tree.map(np.zeros_like, payload), self._blank_collections
+    """The size of the round's payload for a member without one in it: zeros of the round's
+    payload and collections (made once per fragment)."""
+    if fragment not in self._blanks:
+      g = self._global[0]
+      payload = self.protocol.send_half(g.opt_state, g.params, fragment)[0]
+      self._blanks[fragment] = jax.tree.map(np.zeros_like, payload), self._blank_collections
+    return self._blanks[fragment]
 
   def _settle(self, now: float) -> None:
     """The waiting loop's outcome, once its payload's round closed (the lock held; the loop

@@ -49,7 +49,7 @@ INSTALL_HINT = 'the torchft engine needs the "ft" extra: pip install "optax-dist
 try:
   import torch
   import torch.distributed as dist
-  from torch.distributed.distributed_c10d import AllgatherOptions
+  from torch.distributed.distributed_c10d import AllgatherOptions, BroadcastOptions
   from torchft.checkpointing.transport import CheckpointTransport
   from torchft.manager import Manager
   from torchft.process_group import ProcessGroupGloo
@@ -441,6 +441,23 @@ class Session:
     except TimeoutError as e:
       self._manager.report_error(e)
       return False
+
+  def _broadcasts(self, mine: torch.Tensor, roots: list[int], rank: int
+                  ) -> list[torch.Tensor] | None:
+    """The buffers of the members at process-group ranks ``roots``, in that order, each
+    broadcast by its member (this member, at ``rank``, sends ``mine``; each is ``mine``'s
+    size), or ``None`` (the error reported: a no vote). A member outside ``roots`` sends
+    nothing, where an all-gather sends every member's buffer."""
+    outs = [mine if root == rank else torch.empty_like(mine) for root in roots]
+    try:
+      for root, buffer in zip(roots, outs, strict=True):
+        opts = BroadcastOptions()
+        opts.rootRank = root
+        self._pg.broadcast([buffer], opts).wait()
+    except Exception as e:  # noqa: BLE001 (any failure of the collective is a no vote)
+      self._manager.report_error(e)
+      return None
+    return outs
 
   def _allgather(self, mine: torch.Tensor, everyone: bool = False) -> list[torch.Tensor] | None:
     """Every member's ``mine`` in rank order, or ``None`` (the error reported: a no vote).
