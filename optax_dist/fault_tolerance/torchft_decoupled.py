@@ -601,10 +601,10 @@ class DecoupledPort(Session):
 
   def _close(self, heads: list[PollHeader], now: float) -> None:
     """The open round's payloads, decision, vote and commit; its line. If the payloads'
-    broadcasts or the acknowledgement's all-gather fail (a member lost in them), the round stays open: the next
-    poll's quorum is without that member. If this replica's vote fails on a round its decision
-    commits (torchft's step then stays behind the others'), it does not apply the commit nor
-    count the round closed: torchft heals it at the next quorum, a catch-up (module docstring,
+    broadcasts or the acknowledgement's all-gather fail (a member lost in them), the round stays
+    open: the next poll's quorum is without that member. If this replica's vote fails on a round its
+    decision commits (torchft's step then stays behind the others'), it does not apply the commit
+    nor count the round closed: torchft heals it at the next quorum, a catch-up (module docstring,
     4.); its payload is in the merge, its loop does not land it, and its line is the others'.
     """
     r, before, f = self._closed, self._global[0], self._fragment()

@@ -156,10 +156,9 @@ class Torchft:
     ValueError: no Lighthouse or replica id given nor in the environment; a lighthouse not an
       ``http://`` URL; a replica id or ``exchange_retries`` not an int >= 0;
       ``tokens_per_step``, ``min_replicas``, ``checkpoint_every`` or ``num_replicas`` not a
-      positive int; a
-      timeout not a positive number; a host that does not resolve or is unspecified; the
-      decoupled settings as :func:`~optax_dist.fault_tolerance.decoupled.check_settings`
-      raises, ``min_replicas > min_quorum``, or ``decoupled`` with a setting it does not take.
+      positive int; a timeout not a positive number; a host that does not resolve or is unspecified;
+      the decoupled settings as :func:`~optax_dist.fault_tolerance.decoupled.check_settings` raises,
+      ``min_replicas > min_quorum``, or ``decoupled`` with a setting it does not take.
   """
 
   def __init__(self, protocol: RoundProtocol, *, lighthouse: str | None = None,
