@@ -113,7 +113,9 @@ def arms(config: runs.Config) -> list[tuple[str, runs.Config]]:
 def run_seed(config: runs.Config, seed: int, prefix: str) -> tuple[dict[str, Any], dict]:
   """Seed ``seed``'s arms (:func:`arms`, reversed for an odd seed), each a control beside a
   second run (with ``speed_faults``, under the seed's fault schedule) in
-  ``PREFIX_runs/seed<SEED>/<ARM>{_control,}``: ``{"order": [arm, ...]}`` and the records."""
+  ``PREFIX_runs/seed<SEED>/<ARM>{_control,}``, then for each K = 1 arm an equal-speed
+  synchronous run alone (speeds all 1, the pair's CPUs) of the committed tokens of its control
+  (``<ARM>_equal_tokens``): ``{"order": [arm, ...]}`` and the records."""
   order, found = arms(config)[::-1 if seed % 2 else 1], {}
   faults = schedule.schedule(seed, config.fault_rate, config.timeout, config.replicas, tuple(
     config.stop_seconds), tuple(config.link_seconds)) if config.speed_faults else []
@@ -123,6 +125,14 @@ def run_seed(config: runs.Config, seed: int, prefix: str) -> tuple[dict[str, Any
         runs.together([runs.FaultTolerantRun(c, out[0], [], c.cpus / 2, "c", seed),
                        runs.FaultTolerantRun(c, out[1], faults, c.cpus / 2, "f", seed)],
                       c.timeout)))
+  per_round = config.replicas * max(x["tokens"] for x in found["sync_control"]["lines"])
+  for name, c in arms(config)[1:]:
+    tokens = sum(x["weight"] for x in found[f"{name}_control"]["lines"] if x["committed"])
+    e = dataclasses.replace(arms(config)[0][1], speeds=(1.0,) * config.replicas, steps=max(
+      1, round(tokens / per_round)) * config.sync_period)
+    (found[f"{name}_equal_tokens"],) = runs.records(
+      e, prefix, (f"seed{seed}/{name}_equal_tokens",), lambda out, e=e: runs.together(
+        [runs.FaultTolerantRun(e, out[0], [], e.cpus / 2, "e", seed)], e.timeout))
   return {"order": [name for name, _ in order]}, found
 
 
@@ -199,8 +209,14 @@ ROWS = (  # each run's table: a label, its cell from the run's figures
 
 def targets(got: dict[str, Any], windows: list[float]) -> list[str]:
   """Each windowed arm's control against the synchronous control: utilization >= 0.95, the
-  sync control's final loss within half its span, wait p99 <= the window; met or missed."""
+  sync control's final loss within half its span, wait p99 <= the window; each K = 1 arm's
+  control's final validation metric within 1% of its equal-tokens run's; met or missed."""
   out = []
+  for w in (w for w in windows if f"k1_w{w:g}_equal_tokens" in got):
+    a, e = got[f"k1_w{w:g}_control"]["final"], got[f"k1_w{w:g}_equal_tokens"]["final"]
+    out.append(f"- K = 1, W = {w:g} s: final validation metric {kit.fmt(a, '.4f')} within 1% of"
+               f" the equal-speed synchronous run's at equal tokens, {kit.fmt(e, '.4f')}: "
+               f"{a / e - 1:+.2%}, **" + ("met**" if a <= 1.01 * e else "missed**"))
   for w in (w for w in windows if w > 0):
     a = got[f"k1_w{w:g}_control"]
     p99 = max((x[1] for x in a["wait_s"] if x), default=math.inf)
