@@ -382,16 +382,19 @@ def test_speeds_arms_run_in_turn_reversed_every_other_seed_each_beside_its_contr
                                                                                   monkeypatch):
   """``speeds.run_seed`` with stand-in runs: seed 1 runs the arms in reverse order, each pair a
   control without faults and a second run, faulted only with ``speed_faults`` (the seed's
-  schedule); a decoupled arm runs R * steps."""
+  schedule); a decoupled arm runs R * steps. Then, for each K = 1 arm, an equal-speed
+  synchronous run alone of its control's committed tokens (12 lines of 10 tokens, rounds of
+  2 x 10: 6 rounds)."""
   from benchmarks.studies.chaos import speeds
 
   calls = []
 
   def together(made, timeout):
-    calls.append([(r.config.decoupled, r.config.steps, len(r.pending), r.tag) for r in made])
+    calls.append([(r.config.decoupled, r.config.steps, len(r.pending), r.tag, r.config.speeds)
+                  for r in made])
     for r in made:
       os.makedirs(r.out, exist_ok=True)
-    return [control_run(), control_run()]
+    return [control_run() for _ in made]
 
   monkeypatch.setattr(runs, "together", together)
   config = runs.Config(replicas=2, steps=100, speeds=(1.0, 0.5), windows=(0.0, 2.0))
@@ -400,11 +403,14 @@ def test_speeds_arms_run_in_turn_reversed_every_other_seed_each_beside_its_contr
     c = dataclasses.replace(config, speed_faults=faulted)
     meta, found = speeds.run_seed(c, seed, str(tmp_path / f"speeds{seed}"))
     order = ["sync", "k1_w0", "k1_w2"][::1 - 2 * seed]
-    assert meta == {"order": order} and len(found) == 6 and f"{order[0]}_control" in found
+    assert meta == {"order": order} and len(found) == 8 and f"{order[0]}_control" in found
+    assert {"k1_w0_equal_tokens", "k1_w2_equal_tokens"} <= found.keys()
     windows = {"sync": None, "k1_w0": 0.0, "k1_w2": 2.0}
     faults = len(schedule(seed, c.fault_rate, c.timeout, 2)) if faulted else 0
-    assert calls == [[(windows[a], 100 if a == "sync" else 200, 0, "c"),
-                      (windows[a], 100 if a == "sync" else 200, faults, "f")] for a in order]
+    equal = [(None, 6 * c.sync_period, 0, "e", (1.0, 1.0))]
+    assert calls == [[(windows[a], 100 if a == "sync" else 200, 0, "c", (1.0, 0.5)),
+                      (windows[a], 100 if a == "sync" else 200, faults, "f", (1.0, 0.5))]
+                     for a in order] + [equal, equal]
     assert faults > 0 or not faulted
 
 
