@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -296,7 +297,8 @@ def check_exchange(fn: str, exchange: Any) -> None:
     raise TypeError(f"`{fn}(exchange=...)` must be an optax_dist.Exchange, got {exchange!r}.")
 
 
-def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None) -> Any:
+def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None, *,
+                   total: float | None = None) -> Any:
   r"""The workers' mean of their :meth:`Exchange.payload`\ s, merged where they arrive.
 
   With :math:`N` payloads :math:`p_0, \dots, p_{N-1}` in the workers' (rank) order:
@@ -307,7 +309,8 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
     \qquad \text{or} \qquad
     \bar p = \frac{\sum_i w_i\, p_i}{\sum_i w_i}
 
-  per leaf. Equal weights (``weights=None``): the sum in the payloads' dtype, term after term
+  per leaf (with ``total``: :math:`\sum_i w_i p_i / \mathrm{total}`). Equal weights
+  (``weights=None``): the sum in the payloads' dtype, term after term
   in rank order, then divided by N in float32 (or the payload's dtype if wider). This is
   :meth:`Exchange.mean`'s arithmetic: cast to the leaves' dtypes (as ``diloco_outer_step``
   does), it is bit for bit the in-program mean for the gathered formats (8-bit floats and the
@@ -324,6 +327,9 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
       those of an ``Exchange(packed_payload=True)``, codes and scales, are decoded first:
       :func:`unpacked`).
     weights: ``None`` or one non-negative number per payload, not all zero.
+    total: with ``weights``, the divisor in place of their sum (e.g. the tokens a round of
+      every replica holds, where a merge of fewer payloads should move the anchor less:
+      ``staleness_rule="token_share"`` of decoupled rounds); ``None``: their sum.
 
   Returns:
     The payloads' tree and shapes, each leaf in float32 (or its dtype if wider).
@@ -333,7 +339,8 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
 
   Raises:
     ValueError: ``payloads`` empty; ``weights`` not of ``len(payloads)``, negative or summing
-      to zero; the payloads' structures differ (raised by ``jax.tree.map``).
+      to zero; ``total`` given without ``weights`` or not a finite number > 0; the payloads'
+      structures differ (raised by ``jax.tree.map``).
 
   Examples:
     >>> import jax.numpy as jnp, optax_dist
@@ -349,6 +356,9 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
   payloads = [unpacked(p) for p in payloads]
   if not payloads:
     raise ValueError("`merge_payloads(payloads=...)` must hold one payload per worker, got none.")
+  if total is not None and (weights is None or not 0 < total < math.inf):
+    raise ValueError(f"`merge_payloads(total=...)` must be a finite number > 0 given with"
+                     f" weights, got total={total!r} and weights={weights!r}.")
   if weights is None:
     return _means(payloads, np.int32(len(payloads)))
   weights = np.asarray(weights, np.float64)
@@ -357,7 +367,8 @@ def merge_payloads(payloads: Sequence[Any], weights: Sequence[Any] | None = None
       f"`merge_payloads(weights=...)` must be {len(payloads)} non-negative numbers (one per"
       f" payload) with a positive sum, got {weights.tolist()!r}."
     )
-  return _weighted_sum(_weighted_terms(payloads, weights), weights.sum())
+  return _weighted_sum(_weighted_terms(payloads, weights),
+                       weights.sum() if total is None else np.float64(total))
 
 
 def unpacked(payload: Any) -> Any:

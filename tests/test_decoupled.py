@@ -92,7 +92,9 @@ def test_k_equal_to_r_with_an_infinite_window_is_the_synchronous_engine(case):
                                 comm_dtype="int8", comm_block_size=4, error_feedback=True)
   rounds = 3
   sync = ft.InProcess(protocol, num_replicas=3).run(_loop(protocol, rounds * H))
-  engine = ft.InProcess(protocol, num_replicas=3, speeds=(1.0,) * 3)
+  # token_share: the mean of R payloads of equal tokens, bit for bit
+  rule = "token_share" if case == "streaming_feedback" else decoupled.DEFAULT_STALENESS_RULE
+  engine = ft.InProcess(protocol, num_replicas=3, speeds=(1.0,) * 3, staleness_rule=rule)
   got = engine.run(_loop(protocol, rounds * H))
   assert [line.round for line in engine.log] == list(range(rounds))
   assert [line.fragment for line in engine.log] == [
@@ -143,9 +145,10 @@ ROWS = [  # (replica, step, tokens, staleness) of each round
 INNER_LR, OUTER_LR, TOKENS = 0.5, 0.7, 3
 
 
-def _reference():
+def _reference(rule):
   """The schedule in float64 NumPy: inner SGD on 0.5 |x - batch|^2, pseudo-gradients
-  anchor - x, the dylu weights T / (1 + s), the outer SGD step on their weighted mean."""
+  anchor - x, the outer SGD step on their merge: ``"dylu"``: the mean weighted by T / (1 + s);
+  ``"token_share"``: sum_i T_i delta_i / (R max_j T_j)."""
   def host(tree):
     return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
 
@@ -175,8 +178,9 @@ def _reference():
       sent[i] = b
     elif event[0] == "close":
       entries = [pending[i] for i in sorted(pending)]
-      weights = [t / (1 + version - v) for _, t, v, _, _ in entries]
-      mean = [sum(w * d[k] for w, (d, *_) in zip(weights, entries, strict=True)) / sum(weights)
+      weights = [t / (1 + version - v) if rule == "dylu" else t for _, t, v, _, _ in entries]
+      total = sum(weights) if rule == "dylu" else 4 * max(weights)
+      mean = [sum(w * d[k] for w, (d, *_) in zip(weights, entries, strict=True)) / total
               for k in range(len(anchor))]
       anchor = [a - OUTER_LR * m for a, m in zip(anchor, mean, strict=True)]
       rows.append([(i, b, t, version - v) for i, (_, t, v, b, _) in sorted(pending.items())])
@@ -192,19 +196,21 @@ def _reference():
 
 
 @functools.cache
-def _hand_run():
+def _hand_run(rule="dylu"):
   protocol = ft.RoundProtocol("diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR), sync_period=H)
   engine = ft.InProcess(protocol, num_replicas=4, speeds=SPEEDS, min_quorum=2, grace_window=1.0,
-                        staleness_rule="dylu", tokens_per_step=TOKENS)
+                        staleness_rule=rule, tokens_per_step=TOKENS)
   return engine, engine.run(_loop(protocol, 4 * H))
 
 
-def test_token_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_schedule():
+@pytest.mark.parametrize("rule", ["dylu", "token_share"])
+def test_token_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_schedule(rule):
   """The rounds close when the hand schedule says, with the payloads, tokens and staleness it
-  says (and the reference computes); weights T / (1 + s); each replica's params and anchor are
-  the reference's; each replica ends on the hash of the last global state it took."""
-  engine, results = _hand_run()
-  x, anchor, rows = _reference()
+  says (and the reference computes); weights T / (1 + s) (``"token_share"``: T, the merge over
+  R times the largest); each replica's params and anchor are the reference's; each
+  replica ends on the hash of the last global state it took."""
+  engine, results = _hand_run(rule)
+  x, anchor, rows = _reference(rule)
   assert rows == ROWS
   merges = [line for line in engine.log if isinstance(line, MergeLine)]
   assert [line.time for line in merges] == CLOSES
@@ -215,7 +221,7 @@ def test_token_weights_and_staleness_match_a_numpy_reference_of_a_hand_made_sche
   for line in merges:
     assert line.committed and line.lost == 0 and all(row[5] for row in line.payloads)
     for _, _, tokens, stale, weight, _ in line.payloads:
-      assert weight == pytest.approx(tokens / (1 + stale))
+      assert weight == pytest.approx(tokens / (1 + stale) if rule == "dylu" else tokens)
   assert heal.state_hash(engine.state[0]) == merges[-1].state_hash  # after every loop
   for i, (state, _, replica) in results.items():
     params, opt_state = state
@@ -837,6 +843,14 @@ def test_bad_decoupled_settings_raise_one_line_errors(kwargs, error, message):
   with pytest.raises(error, match=message) as info:
     ft.InProcess(PROTOCOL, num_replicas=3, **kwargs)
   assert "\n" not in str(info.value)
+
+
+def test_token_share_needs_the_number_of_replicas():
+  """An engine of real replicas may not know R; token_share's divisor needs it."""
+  with pytest.raises(ValueError, match=r"^`Torchft\(staleness_rule='token_share'\)` needs"
+                     r" num_replicas \(R: .*\), got None\.$"):
+    decoupled.check_settings("Torchft", PROTOCOL, num_replicas=None, speeds=None, min_quorum=1,
+                             grace_window=0.0, staleness_rule="token_share", max_staleness=1)
 
 
 def test_decoupled_rounds_refuse_overlap():

@@ -303,10 +303,10 @@ def test_merge_payloads_is_ieee_arithmetic_in_rank_order(dtype):
     if weights is None:
       return (xs[0] + xs[1] + xs[2]).astype(np.float32) * (np.float32(1) / np.float32(3))
     terms = [x.astype(np.float32) * np.float32(w) for x, w in zip(xs, weights, strict=True)]
-    return (terms[0] + terms[1] + terms[2]) * (np.float32(1) / np.float32(sum(weights)))
+    return (terms[0] + terms[1] + terms[2]) * (np.float32(1) / np.float32(total or sum(weights)))
 
-  for weights in (None, [3.0, 7.0, 5.0]):
-    merged = optax_dist.merge_payloads(payloads, weights)
+  for weights, total in ((None, None), ([3.0, 7.0, 5.0], None), ([3.0, 7.0, 5.0], 40)):
+    merged = optax_dist.merge_payloads(payloads, weights, total=total)
     for k in shapes:
       want = np.asarray(reference([p[k] for p in payloads], weights), np.float32)
-      assert np.asarray(merged[k]).tobytes() == want.tobytes(), (weights, k)
+      assert np.asarray(merged[k]).tobytes() == want.tobytes(), (weights, total, k)

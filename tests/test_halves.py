@@ -17,6 +17,8 @@ an ulp or so whatever the halves do.
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -318,6 +320,15 @@ def test_merge_payloads_weighted_and_rank_order():
 def test_merge_payloads_errors(payloads, weights, match):
   with pytest.raises(ValueError, match=match):
     optax_dist.merge_payloads(payloads, weights)
+
+
+@pytest.mark.parametrize("weights, total", [(None, 2.0), ([1.0, 1.0], 0.0),
+                                            ([1.0, 1.0], math.inf)])
+def test_merge_payloads_total_errors(weights, total):
+  with pytest.raises(ValueError, match=re.escape(
+      f"`merge_payloads(total=...)` must be a finite number > 0 given with weights, got"
+      f" total={total!r} and weights={weights!r}.")):
+    optax_dist.merge_payloads([jnp.ones(1)] * 2, weights, total=total)
 
 
 def test_halves_errors():

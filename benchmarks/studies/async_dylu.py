@@ -66,8 +66,7 @@ SHARDS = {
   "files": "the command's shards: worker i holds the i-th quarter of the training windows, in"
            " corpus order (whole files, so the shards differ in content)",
   "shuffled": "the training windows dealt to the workers at random (each shard a uniform"
-              " sample, as Liu et al.'s workers each sample C4)",
-}
+              " sample, as Liu et al.'s workers each sample C4)"}
 PROTOCOLS = ("async diloco", "async + delayed nesterov", "async + delayed nesterov + dylu")
 
 

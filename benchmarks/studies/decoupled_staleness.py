@@ -4,7 +4,8 @@ Four replicas of speeds 1 : 0.976 : 0.475 : 0.231 (replica i's inner step takes 
 seconds: ``InProcess(speeds=...)``, a run deterministic per seed), the CPU shares the torchft
 speeds benchmark measured under its caps for the ratio 1 : 1 : 0.5 : 0.25 (0.373, 0.364, 0.177,
 0.086), train the ``lm`` task with ``diloco`` as that benchmark does (``--steps 200``, H = 20, the
-task's AdamW recipe keyed to each replica's own inner steps, batch 8, outer Nesterov 0.7 and 0.9).
+task's AdamW recipe keyed to each replica's own inner steps, batch 8, outer Nesterov 0.7 and 0.9
+but as ``--flags`` sets, for every arm).
 Each replica trains for the simulated time the fastest needs for the command's steps, its steps
 rounded down to whole sync periods (200, 180, 80, 40: 500 in all). Arms, per seed:
 
@@ -12,8 +13,8 @@ rounded down to whole sync periods (200, 180, 80, 40: 500 in all). Arms, per see
   the fastest replica's time between two boundaries (the merge it pulls at its next boundary
   may take that long without anyone waiting; the clock has no transfer time and τ = 0); γ = 0
   (``--gamma``): W = 0, the benchmark's K = 1 arm. One arm per staleness rule: ``none``,
-  ``dylu``, ``age_gate`` (``max_staleness`` 1) and ``delayed_nesterov`` (the asynchronous
-  emulator's outer optimizer, N = R = 4);
+  ``dylu``, ``age_gate`` (``max_staleness`` 1), ``delayed_nesterov`` (the asynchronous
+  emulator's outer optimizer, N = R = 4) and ``token_share`` (a merge over R times its tokens);
 * the control: synchronous rounds (``InProcess`` without speeds, K = R: what K = R, an infinite
   window and equal speeds are bit for bit), 10 rounds of 4 × 20 steps.
 
@@ -69,6 +70,7 @@ class Config:
   gamma: float = kit.option(0.0, "the grace window over the slack H / max speed")
   max_staleness: int = kit.option(1, "age_gate's bound")
   rules: tuple[str, ...] = kit.option(decoupled.STALENESS_RULES, "the staleness rules")
+  flags: str = kit.option("", "more train flags of every arm, e.g. '--outer-momentum 0'")
 
 
 QUICK = {"seeds": (0,), "steps": 20, "sync_period": 4, "rules": ("none", "dylu")}
@@ -93,8 +95,8 @@ def measure(c: Config, prefix: str) -> dict[str, Any]:
 def run(c: Config, arm: str, seed: int) -> list[dict[str, Any]]:
   """One run's lines: its record, its rounds (``MergeLine`` objects) and its evaluations."""
   r, task = len(c.speeds), TASKS["lm"]
-  s = kit.settings(algorithm="diloco", devices=r, steps=c.steps, sync_period=c.sync_period,
-                   seed=seed).resolved()
+  s = kit.settings(c.flags.split(), algorithm="diloco", devices=r, steps=c.steps,
+                   sync_period=c.sync_period, seed=seed).resolved()
   params, loss_and_grad, batch_fn, tokens, evaluate = ft_task.task_engine(
     task, task.load(seed), s, r)
   protocol = ft_task.protocol(dataclasses.replace(s, replicas=r), arm)  # N = R: the command's
@@ -230,7 +232,9 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
     f"# Decoupled rounds: the staleness rule at speeds {speeds}",
     kit.doc_markdown(__doc__, 1, 4),
     (f"As run: speeds {speeds}; replica steps {', '.join(map(str, one['replica_steps']))};"
-     f" H = {one['settings']['sync_period']}; K = {one['min_quorum']}, W ="
+     f" H = {one['settings']['sync_period']}; outer learning rate"
+     f" {one['settings']['outer_learning_rate']:g}, momentum {one['settings']['outer_momentum']:g};"
+     f" K = {one['min_quorum']}, W ="
      f" {one['grace_window']:g} simulated s; max_staleness {one['max_staleness']};"
      f" {one['tokens_per_step']} tokens per step; seeds"
      f" {', '.join(map(str, sorted({r['seed'] for r in runs})))}. Equal tokens:"

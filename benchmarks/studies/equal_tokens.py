@@ -182,8 +182,7 @@ def record(spec: Spec, result: dict[str, Any], load_before: str) -> dict[str, An
     "curve": {"step": history["step"], "bits_per_byte": history["test_bits_per_byte_eval_params"]},
     "wall_s": result["wall_time_s"], "train_s": sum(result["step_times"]),
     "step_s": statistics.median(result["step_times"]),
-    "load_before": load_before, "load_after": kit.load_average(), "date": kit.now(),
-  }
+    "load_before": load_before, "load_after": kit.load_average(), "date": kit.now()}
 
 
 def load_records(runs_dir: str) -> dict[str, dict[str, Any]]:

@@ -110,8 +110,7 @@ def run(row: dict[str, Any], data: Any, steps: int, period: int) -> dict[str, An
     "communication_rounds": result["communication_rounds"], "total_bytes": cumulative[-1],
     "exchange_bytes": exchange, "collective_bytes": result["collective_bytes"],
     "wall_s": result["wall_time_s"], "median_step_s": kit.median(result["step_times"][1:]),
-    "load_before": timed.load_before, "load_after": timed.load_after,
-  }
+    "load_before": timed.load_before, "load_after": timed.load_after}
   print(f"[lm_exchanges] {row['label']}: {out['final']:.4f} bits/byte,"
         f" {kit.human_bytes(out['total_bytes'])} sent, {out['wall_s']:.0f} s", flush=True)
   return out

@@ -32,8 +32,7 @@ RUNS = (
   ("diloco H=50", {"algorithm": "diloco", "sync_period": 50}),
   ("diloco H=100", {"algorithm": "diloco", "sync_period": 100}),
   ("streaming_diloco H=50 F=4", {"algorithm": "streaming_diloco", "sync_period": 50,
-                                 "num_fragments": 4}),
-)
+                                 "num_fragments": 4}))
 EXTRA_OUTER = {"outer_learning_rate": 1.0, "outer_momentum": 0.0}
 """The extra row's outer optimizer: plain SGD at 1.0, i.e. the workers' params averaged."""
 
@@ -109,8 +108,7 @@ def _summarise(label: str, overrides: dict[str, Any], results: list[dict[str, An
     "final": float(np.mean(finals)), "final_sd": float(np.std(finals)),
     "final_workers": float(workers[:, -1].mean()),
     "communication_rounds": int(rounds[-1]), "total_bytes": float(sent[-1]),
-    "wall_s": float(np.mean([r["wall_time_s"] for r in results])), "extra": extra,
-  }
+    "wall_s": float(np.mean([r["wall_time_s"] for r in results])), "extra": extra}
 
 
 def sync_to(row: dict[str, Any], sync: dict[str, Any]) -> tuple[float, float] | None:

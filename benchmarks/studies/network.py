@@ -166,8 +166,7 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
     "curve": {"step": history["step"], "train_s": [sum(times[:s]) for s in history["step"]],
               "bits_per_byte": history["test_bits_per_byte_eval_params"]},
     "bits_per_byte": result["test_bits_per_byte_eval_params"],
-    "load_before": load_before, "load_after": _load(),
-  }
+    "load_before": load_before, "load_after": _load()}
 
 
 def outer_sweep(*, steps: int, period: int, extra: list[str]) -> list[dict[str, Any]]:

@@ -484,7 +484,8 @@ class Clock:
                 else x.payload for x in entries]
     d, stale, weights = decoupled.decide_round(
       self.protocol, heads, payloads, [x.received for x in entries], version=version,
-      min_replicas=e.min_replicas, rule=e.staleness_rule, max_staleness=e.max_staleness)
+      min_replicas=e.min_replicas, rule=e.staleness_rule, max_staleness=e.max_staleness,
+      num_replicas=e.num_replicas)
     if self._plan is not None and not self._plan[r].committed:
       d = d._replace(merged=None, voters=(), reason=self._plan[r].reason)
     elif self._plan is not None and d.merged is None:

@@ -144,19 +144,21 @@ def check_headers(protocol: Any, heads: Sequence[Header], *, min_replicas: int) 
 
 
 def decide(protocol: Any, heads: Sequence[Header], payloads: Sequence[Any], *,
-           min_replicas: int) -> Decision:
+           min_replicas: int, total: float | None = None) -> Decision:
   """The round's outcome from its members' headers and payloads (rank order).
 
   The round commits iff :func:`check_headers` finds nothing and every voter's payload votes
   yes (:meth:`RoundProtocol.votes`: every value finite). The voters are the members with
   weight > 0 at the round's step; their payloads are merged in rank order, token-weighted when
-  the weights differ (:meth:`RoundProtocol.merge`).
+  the weights differ (:meth:`RoundProtocol.merge`; over ``total`` in place of the voters'
+  weights' sum if given).
 
   Args:
     protocol: the run's :class:`RoundProtocol`.
     heads: the members' :class:`Header`\\ s, in rank order (non-empty).
     payloads: one per member, in rank order; a non-voter's is not read (``None`` allowed).
     min_replicas: the smallest quorum that commits.
+    total: the merge's divisor (``None``: the voters' weights' sum).
 
   Returns:
     A :class:`Decision`.
@@ -170,5 +172,5 @@ def decide(protocol: Any, heads: Sequence[Header], payloads: Sequence[Any], *,
   bad = [h.slot for h, p in voters if not protocol.votes(p)]
   if bad:
     return Decision(None, (), step, f"replicas {bad}: a non-finite payload")
-  merged = protocol.merge([p for _, p in voters], [h.weight for h, _ in voters])
+  merged = protocol.merge([p for _, p in voters], [h.weight for h, _ in voters], total)
   return Decision(merged, tuple(h.slot for h, _ in voters), step, "")

@@ -72,12 +72,16 @@ from optax_dist.fault_tolerance.loop import (
 )
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
-STALENESS_RULES = ("none", "dylu", "age_gate", "delayed_nesterov")
+STALENESS_RULES = ("none", "dylu", "age_gate", "delayed_nesterov", "token_share")
 r"""The staleness rules :func:`weights` applies (``T`` tokens, ``s`` staleness):
 ``"none"``: :math:`w = T`; ``"dylu"``: :math:`w = T / (1 + s)`; ``"age_gate"``:
 :math:`w = T` if :math:`s \le` ``max_staleness`` else 0 (the payload is dropped, its tokens
 lost); ``"delayed_nesterov"``: :math:`w = T`, the protocol's outer optimizer being
-:func:`optax_dist.delayed_nesterov`."""
+:func:`optax_dist.delayed_nesterov`; ``"token_share"``: :math:`w = T` and the merge divided by
+the tokens of a full round, R payloads of the largest voter's tokens, instead of the voters'
+sum, :math:`\sum_i T_i \Delta_i / (R \max_j T_j)`: a merge of fewer payloads moves the anchor
+by its share of a round, as asynchronous Local-SGD's server steps by :math:`1/N` per worker's
+update (Liu et al. 2024); with every payload in and equal tokens it is the mean, bit for bit."""
 
 DEFAULT_STALENESS_RULE = "dylu"
 """The staleness rule when none is named (``InProcess``, ``Torchft``): one that takes any outer
@@ -120,7 +124,8 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None
     ValueError: ``speeds`` not one finite number > 0 per replica; ``min_quorum`` not an int
       in [1, R]; ``grace_window`` not a number >= 0 (``math.inf`` allowed) nor :data:`AUTO`;
       ``grace_gamma`` not a finite number >= 0; ``staleness_rule``
-      not one of :data:`STALENESS_RULES`; ``max_staleness`` not an int >= 0; a ``protocol``
+      not one of :data:`STALENESS_RULES`; ``"token_share"`` without ``num_replicas``;
+      ``max_staleness`` not an int >= 0; a ``protocol``
       with ``overlap``;
       ``"delayed_nesterov"`` with an outer optimizer that is not
       :func:`optax_dist.delayed_nesterov`.
@@ -148,6 +153,9 @@ def check_settings(fn: str, protocol: RoundProtocol, *, num_replicas: int | None
   _checks.check_number(fn, "grace_gamma", grace_gamma, lower=0.0, upper=sys.float_info.max,
                        constraint="a finite number >= 0")
   _checks.check_choice(fn, "staleness_rule", staleness_rule, STALENESS_RULES)
+  if staleness_rule == "token_share" and num_replicas is None:
+    raise ValueError(f"`{fn}(staleness_rule='token_share')` needs num_replicas (R: its"
+                     " divisor is R times the largest voter's tokens), got None.")
   _checks.check_non_negative_int(fn, "max_staleness", max_staleness)
   outer_state = (jax.eval_shape(protocol.outer_tx.init, jnp.zeros([1]))
                  if staleness_rule == "delayed_nesterov" else None)
@@ -255,7 +263,8 @@ def weights(rule: str, tokens: Sequence[int], stale: Sequence[int], *,
 
 def decide_round(protocol: RoundProtocol, heads: Sequence[Header], payloads: Sequence[Any],
                  received: Sequence[int], *, version: int, min_replicas: int, rule: str,
-                 max_staleness: int) -> tuple[Decision, list[int], list[float]]:
+                 max_staleness: int, num_replicas: int | None = None
+                 ) -> tuple[Decision, list[int], list[float]]:
   """A closed round's outcome: the staleness rule's weights, then the one commit decision.
 
   Args:
@@ -268,6 +277,7 @@ def decide_round(protocol: RoundProtocol, heads: Sequence[Header], payloads: Seq
     min_replicas: the fewest contributors with weight > 0 that commit.
     rule: the staleness rule, one of :data:`STALENESS_RULES`.
     max_staleness: the age gate's bound.
+    num_replicas: R (``"token_share"``'s divisor is R times the largest voter's tokens).
 
   Returns:
     ``(decision, staleness, weights)``: :func:`~optax_dist.fault_tolerance.decision.decide`'s
@@ -281,7 +291,8 @@ def decide_round(protocol: RoundProtocol, heads: Sequence[Header], payloads: Seq
   if kept < min_replicas:  # the age gate left too few
     return Decision(None, (), 0, f"{kept} payloads of weight > 0, fewer than"
                     f" min_replicas={min_replicas}"), stale, w
-  return decide(protocol, voting, payloads, min_replicas=min_replicas), stale, w
+  total = num_replicas * max(w) if rule == "token_share" else None
+  return decide(protocol, voting, payloads, min_replicas=min_replicas, total=total), stale, w
 
 
 def commit(protocol: RoundProtocol, before: ReplicaState, merged: Any,

@@ -486,12 +486,11 @@ class Replica:
 
   def _warm_merges(self, payload: Any) -> Any:
     """The merges of 1 to R copies of ``payload`` (R: the engine's ``num_replicas``, 2 if
-    unknown), with equal weights and, from 2 on, unequal ones (a round with a heal, or
-    token-weighted): each count and kind is a program of its own. Returns the merge of two."""
+    unknown), the mean and the weighted one (a round with a heal, token-weighted, or over a
+    ``total``): each count and kind is a program of its own. Returns the merge of two."""
     for n in range(1, max(2, getattr(self.engine, "num_replicas", None) or 2) + 1):
       self.protocol.merge([payload] * n, [1] * n)
-      if n > 1:
-        self.protocol.merge([payload] * n, [1] * (n - 1) + [2])
+      self.protocol.merge([payload] * n, [1] * n, n + 1)
     return self.protocol.merge([payload] * 2, [1, 1])
 
   def _keep_origin(self, state: Any) -> None:

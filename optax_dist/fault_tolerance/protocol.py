@@ -410,13 +410,14 @@ class RoundProtocol:
     return replica._replace(params=params)
 
   @staticmethod
-  def merge(payloads: list, weights: list) -> Any:
+  def merge(payloads: list, weights: list, total: float | None = None) -> Any:
     """The members' payloads merged in rank order: :func:`optax_dist.merge_payloads` of them
-    (packed ones decoded first), unweighted when every weight is equal (:math:`\\sum_i p_i / n`), else token-weighted
-    (:math:`\\sum_i w_i p_i / \\sum_i w_i`)."""
-    if len(set(weights)) == 1:
+    (packed ones decoded first), unweighted when every weight is equal and ``total`` is
+    ``None`` or their sum (:math:`\\sum_i p_i / n`), else token-weighted
+    (:math:`\\sum_i w_i p_i / \\sum_i w_i`, or over ``total``)."""
+    if len(set(weights)) == 1 and total in (None, sum(weights)):
       return _exchange.merge_payloads(payloads)
-    return _exchange.merge_payloads(payloads, weights)
+    return _exchange.merge_payloads(payloads, weights, total=total)
 
   @staticmethod
   def votes(payload: Any) -> bool:

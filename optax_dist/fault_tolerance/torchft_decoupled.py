@@ -623,7 +623,7 @@ class DecoupledPort(Session):
     d, stale, weights = decoupled.decide_round(
       self.protocol, hs, [p[0] for _, p in ready], [h.received for h, _ in ready],
       version=version, min_replicas=self.engine.min_replicas, rule=self.engine.staleness_rule,
-      max_staleness=self.engine.max_staleness)
+      max_staleness=self.engine.max_staleness, num_replicas=self.engine.num_replicas)
     self._outvoted = d.merged is not None and not self._vote()
     if d.merged is None:
       self._manager.report_error(RuntimeError(d.reason))

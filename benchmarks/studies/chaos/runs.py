@@ -65,6 +65,7 @@ class Config:
   decoupled_steps: int | None = kit.option(None, "speeds: a decoupled arm's --steps (R * steps)")
   speed_faults: bool = kit.option(False, "speeds: the runs beside the controls faulted")
   decoupled: float | None = kit.option(None, "a run's --decoupled --min-quorum 1 --grace-window")
+  flags: str = kit.option("", "more train flags of every fault-tolerant run")
 
 
 SPEEDS_PERIOD_US = 20_000  # the CFS period of the speeds mode's caps (short: a cap is smooth)
@@ -91,6 +92,7 @@ def command(config: Config, out: str, star: netns.Star | None = None) -> list[st
     ("--standby",)] * c.standby
   flags += [] if c.decoupled is None else [("--decoupled",), ("--min-quorum", 1),
                                            ("--grace-window", c.decoupled)]
+  flags += [(x,) for x in c.flags.split()]
   return ([] if star is None else star.exec_prefix()) + _train(flags)
 
 
