@@ -68,8 +68,7 @@ SECTIONS = (
   ("chaos/chaos", "Training through failures: fault-tolerant DiLoCo under faults",
    "make bench-chaos"),
   ("chaos/speeds", "Decoupled rounds over torchft: replicas of different speeds",
-   "make bench-decoupled"),
-)
+   "make bench-decoupled"))
 
 INTRO = (
   "Written by `python -m benchmarks STUDY` (`make bench` and the `bench-*` targets), each study's"

@@ -295,7 +295,8 @@ def speeds_decoupled_run():
   payload in flight: no wait)."""
   mine = {1: [1, 10, 10, 1, 5.0, True], 3: [1, 20, 10, 1, 5.0, True]}
   losses = [3.0, 2.0, 1.0, 0.5]
-  lines = [{"round": r, "replica": i, "time": 200.0 + r, "committed": True,
+  lines = [{"round": r, "replica": i, "time": 200.0 + r, "committed": True, "healed": False,
+            "state_hash": f"h{r}",
             "payloads": [[0, 10 * (r + 1), 10, 0, 10.0, True]] + [mine.get(r)] * (r in mine),
             "weight": 10 if i == 0 or r in mine else 0,
             "loss": losses[r] if i == 0 or r in mine else None} for r in range(4) for i in (0, 1)]
@@ -313,18 +314,23 @@ def test_speeds_figures_from_hand_written_logs_and_the_report_from_its_archive(t
   utilization (30 * 0.05 + 30 * 0.1) / (6 * 2); decoupled: 3 and 3 boundaries in 3 s (one
   skipped), (30 * 0.05 + 30 * 0.1) / (3 * 2); the smoothed decoupled loss (means of the last 2 lines: 1.5 at 2 s, 0.75
   at 3 s) reaches the synchronous control's final 1.0 at 2 + 2/3 s, 0.444 of its span. Read
-  back from the archive, the same figures and report."""
+  back from the archive, the same figures and report. The faulted decoupled run's replica 1
+  ends round 3 on another hash with weight 0: goodput 40 / 50 tokens, one mismatch."""
   from benchmarks.studies.chaos import speeds
 
   cfg = dataclasses.asdict(runs.Config(seeds=(0,), replicas=2, sync_period=10,
-                                       speeds=(1.0, 0.5), windows=(2.0,)))
+                                       speeds=(1.0, 0.5), windows=(2.0,), speed_faults=True))
   study = {"config": cfg, "seeds": {"0": {"order": ["sync", "k1_w2"]}}, "calibration": {
     "t_solo": [0.05, 0.1], "share": [2 / 3, 1 / 3], "expected": [2 / 3, 1 / 3],
     "caps": [0.67, 0.33], "within": [True, True]}}
   found = {"sync_control": speeds_sync_run(), "sync": speeds_sync_run(),
            "k1_w2_control": speeds_decoupled_run(), "k1_w2": speeds_decoupled_run()}
+  found["k1_w2"]["lines"][-1] |= {"weight": 0, "state_hash": "x"}  # replica 1, round 3
   got = speeds.result(study, {"0": found})
-  sync, late = got["seeds"]["0"]["runs"]["sync_control"], got["seeds"]["0"]["runs"]["k1_w2"]
+  sync, late = (got["seeds"]["0"]["runs"][k] for k in ("sync_control", "k1_w2_control"))
+  faulted = got["seeds"]["0"]["runs"]["k1_w2"]["faults"]
+  assert (faulted["goodput"], faulted["hash_mismatches"]) == (pytest.approx(0.8), 1)
+  assert got["seeds"]["0"]["runs"]["sync"]["faults"]["goodput"] == 1.0
   assert sync["utilization"] == pytest.approx(4.5 / 12) and sync["tokens_per_s"] == 10
   assert (sync["partial_share"], sync["staleness"]) == (0, {"0": 8})
   assert sync["wait_s"] == [pytest.approx([1.1] * 3), pytest.approx([0.1] * 3)]
@@ -340,6 +346,8 @@ def test_speeds_figures_from_hand_written_logs_and_the_report_from_its_archive(t
   assert "- K = 1, W = 2 s: utilization ≥ 0.95 (sync's 0.375): 0.750, **missed**" in text
   assert "final loss within half its span: 0.444, **met**" in text
   assert "wait p99 (s) ≤ the window, 2 s: 0.496, **met**" in text
+  assert "goodput under the chaos schedule ≥ 0.95: 0.800, **missed**" in text
+  assert "hash mismatches = 0: 1, **missed**" in text
   prefix = str(tmp_path / "speeds")
   for name, run in found.items():
     replicas = tmp_path / f"speeds_runs/seed0/{name}/replicas"

@@ -5,9 +5,8 @@ seconds: ``InProcess(speeds=...)``, a run deterministic per seed), the CPU share
 speeds benchmark measured under its caps for the ratio 1 : 1 : 0.5 : 0.25 (0.373, 0.364, 0.177,
 0.086), train the ``lm`` task with ``diloco`` as that benchmark does (``--steps 200``, H = 20, the
 task's AdamW recipe keyed to each replica's own inner steps, batch 8, outer Nesterov 0.7 and 0.9
-but as ``--flags`` sets, for every arm).
-Each replica trains for the simulated time the fastest needs for the command's steps, its steps
-rounded down to whole sync periods (200, 180, 80, 40: 500 in all). Arms, per seed:
+or as ``--flags`` sets, for every arm). Each replica trains for the simulated time the fastest
+needs for the command's steps, rounded down to whole sync periods (200, 180, 80, 40). Arms:
 
 * K = 1 (``min_quorum``) with a grace window W = γ · H / max v, bounded by the slack H / max v,
   the fastest replica's time between two boundaries (the merge it pulls at its next boundary
@@ -25,12 +24,9 @@ the most committed tokens every run reaches. Median and range over the seeds. Th
 the one of lowest median; when its range overlaps that of ``none``, the rules are not told apart
 and the simplest, ``none``, is kept.
 
-On this clock a replica pulls at the instant it pushes. Exactly equal speeds are degenerate:
-two replicas of speed 1 push at the same instants, so their payloads always enter one round
-together (6 commits in 300 steps at H = 50), which replicas a few percent apart never keep. At
-these speeds the fast replicas drift apart and a round with W = 0 closes on one payload, landed
-at its push: the outer optimizer steps once per payload (``none`` and ``dylu`` merge the same, a
-mean of one) and each fast payload misses the other's merge (stale by 1).
+Exactly equal speeds are degenerate on this clock: two replicas of speed 1 push at the same
+instants, so their payloads always merge together. At these speeds a round with W = 0 closes on
+one payload, landed at its push: the outer optimizer steps once per payload.
 
 Each run's lines go to ``PREFIX/ARM_seedS.jsonl`` (a run already there is not run again);
 ``--report`` computes every figure again from those files alone.

@@ -131,8 +131,7 @@ def variants() -> list[Variant]:
              ("fragment 0's sync", offset - 1, True, None)),
             why=f"as `diloco`, once per fragment: {FRAGMENTS} conditionals, each taking its"
                 " fragment's updates, anchor and outer momentum as operands",
-            hinted_why=HINTED_WHY.format(what=" (the anchor and the outer momenta)", n="two")),
-  ]
+            hinted_why=HINTED_WHY.format(what=" (the anchor and the outer momenta)", n="two"))]
 
 
 def lm_problem(bound: bool, seed: int = 0) -> Problem:

@@ -146,8 +146,7 @@ def headline_table(result: dict[str, Any]) -> str:
       "—" if r["to_target_bytes"] is None else kit.human_bytes(r["to_target_bytes"]),
       "—" if match is None else f"{match[0]:.0f}",
       "—" if match is None or r is sync else f"{match[1] / r['total_bytes']:.1f}×",
-      f"{r['wall_s']:.0f}",
-    ])
+      f"{r['wall_s']:.0f}"])
   return kit.table(header, table)
 
 

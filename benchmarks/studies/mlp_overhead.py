@@ -93,8 +93,7 @@ def variants() -> list[Variant]:
              ("reducing micro-step", EVERY_K - 1, True, None)), counter="mini_step", needed=3,
             need_note="adam 2× + accumulator 1×", why=(
               "the accumulator a += g is one more read-modify-write of a params-sized buffer,"
-              " and the `lax.cond` passes the accumulator and adam's state through")),
-  ]
+              " and the `lax.cond` passes the accumulator and adam's state through"))]
 
 
 def problem(hidden: tuple[int, ...], seed: int = 0, devices: int = 1,

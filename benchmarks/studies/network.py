@@ -58,8 +58,7 @@ METHODS = {
   "diloco_e3m0_feedback": ("diloco", (*OUTER, "--comm-dtype", "e3m0", "--error-feedback")),
   "streaming_diloco_overlap": ("streaming_diloco", (*OUTER, "--overlap", "2")),
   "streaming_diloco_overlap_device": ("streaming_diloco",
-                                      (*OUTER, "--overlap", "2", "--exchange-device")),
-}
+                                      (*OUTER, "--overlap", "2", "--exchange-device"))}
 """The methods: a label, and its ``--algorithm`` and command-line flags."""
 DEFAULT_METHODS = ("sync", "diloco", "streaming_diloco", "local_sgd", "elastic_average")
 """The methods compared by default; the others (exchange formats, overlap) by ``--methods``."""

@@ -1,20 +1,20 @@
 """The chaos study's speeds mode (``--speeds``, ``make bench-decoupled``): decoupled rounds over
 torchft when the replicas' speeds differ.
 
-Replica ``i`` of a run is capped at ``--cpus / 2`` times ``speeds[i] / sum(speeds)`` CPUs (a
-cgroup, CFS period 20 ms) once started. Its inner step alone under its cap, ``t_i`` (the median
-of a round's seconds over ``H``), gives its speed's share ``(1 / t_i) / sum_j (1 / t_j)``,
-checked within ±10% of the ratio's. Per seed the arms in turn (reversed every other seed), each
-a control beside a second run (``--speed-faults``: under the study's fault schedule):
-synchronous rounds, and ``--decoupled --min-quorum 1 --grace-window W`` for each of
-``--windows``. Each run's figures come from its replicas' JSONL logs over its span (first commit
-to last): the compute utilization ``sum_i steps_i t_i / (span R)`` (``steps_i``: the inner steps
-of replica ``i``'s boundaries in the span); a replica's wait per boundary, its loop's seconds in
-the round's exchange (a decoupled boundary's ``waited``, from its push, its inner steps done, 0
-where it pushed nothing, its payload in flight; a synchronous line's ``exchange_seconds``, also
-holding the end of the steps JAX dispatched ahead); its median inner step, a round's seconds outside that over ``H``; the training loss,
-the mean of the last R committed lines', and where it reaches the synchronous control's final
-one, over that control's span.
+Replica ``i`` of a run is capped at ``--cpus / 2`` times ``speeds[i] / sum(speeds)`` CPUs (a cgroup,
+CFS period 20 ms) once started. Its inner step alone under its cap, ``t_i`` (the median of a round's
+seconds over ``H``), gives its speed's share ``(1 / t_i) / sum_j (1 / t_j)``, checked within ±10% of
+the ratio's. Per seed the arms in turn (reversed every other seed), each a control beside a second
+run (``--speed-faults``: under the study's fault schedule): synchronous rounds, and ``--decoupled
+--min-quorum 1 --grace-window W`` for each of ``--windows``. Each run's figures come from its
+replicas' JSONL logs over its span (first commit to last): the compute utilization ``sum_i steps_i
+t_i / (span R)`` (``steps_i``: the inner steps of replica ``i``'s boundaries in the span); a
+replica's wait per boundary, its loop's seconds in the round's exchange (a decoupled boundary's
+``waited``, from its push, its inner steps done, 0 where it pushed nothing, its payload in flight; a
+synchronous line's ``exchange_seconds``, also holding the end of the steps JAX dispatched ahead);
+its median inner step, a round's seconds outside that over ``H``; the training loss, the mean of the
+last R committed lines', and where it reaches the synchronous control's final one, over that
+control's span.
 """
 
 from __future__ import annotations
@@ -31,12 +31,16 @@ import sys
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from benchmarks import kit
 from benchmarks.network import faults as inflicted
 from benchmarks.studies.chaos import runs, schedule
-from benchmarks.studies.chaos.accounting import final_metric
+from benchmarks.studies.chaos.accounting import compare, figures, final_metric
+from optax_dist.cli import ft_flags, ft_task
+from optax_dist.cli.main import build_parser
+from optax_dist.cli.tasks import TASKS
 from optax_dist.fault_tolerance.rundir import by_round
 
 TOLERANCE = 0.1  # a replica's measured speed within this of its share of the ratio
@@ -46,12 +50,6 @@ def solo_seconds(config: dict[str, Any], replica: int, group: str, rounds: int) 
   """Replica ``replica``'s median seconds per inner step, alone: its task, compiled, then this
   process moved into the cgroup ``group`` ("": none), ``rounds`` rounds of ``H`` steps timed,
   each ended by a read of its loss (as a round's boundary reads them)."""
-  import jax
-
-  from optax_dist.cli import ft_flags, ft_task
-  from optax_dist.cli.main import build_parser
-  from optax_dist.cli.tasks import TASKS
-
   c = runs.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()})
   args = build_parser().parse_args(runs.command(c, "solo")[3:])
   ft_flags.resolve(args)
@@ -112,10 +110,9 @@ def arms(config: runs.Config) -> list[tuple[str, runs.Config]]:
 
 def run_seed(config: runs.Config, seed: int, prefix: str) -> tuple[dict[str, Any], dict]:
   """Seed ``seed``'s arms (:func:`arms`, reversed for an odd seed), each a control beside a
-  second run (with ``speed_faults``, under the seed's fault schedule) in
-  ``PREFIX_runs/seed<SEED>/<ARM>{_control,}``, then for each K = 1 arm an equal-speed
-  synchronous run alone (speeds all 1, the pair's CPUs) of the committed tokens of its control
-  (``<ARM>_equal_tokens``): ``{"order": [arm, ...]}`` and the records."""
+  second run (``speed_faults``: faulted) in ``PREFIX_runs/seed<SEED>/<ARM>{_control,}``, then
+  for each K = 1 arm an equal-speed synchronous run alone (speeds all 1, the pair's CPUs) of
+  its control's committed tokens (``<ARM>_equal_tokens``): ``{"order": [...]}``, the records."""
   order, found = arms(config)[::-1 if seed % 2 else 1], {}
   faults = schedule.schedule(seed, config.fault_rate, config.timeout, config.replicas, tuple(
     config.stop_seconds), tuple(config.link_seconds)) if config.speed_faults else []
@@ -137,8 +134,7 @@ def run_seed(config: runs.Config, seed: int, prefix: str) -> tuple[dict[str, Any
 
 
 def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> dict[str, Any]:
-  """A run's figures over its span, from its first commit ``t0`` to its last (the module's
-  docstring)."""
+  """A run's figures over its span, first commit ``t0`` to last (the module's docstring)."""
   lines, t0, replicas = run["lines"], run["t0"], len(t_solo)
   committed = [x for x in lines if x["committed"]]
   span = max(x["time"] for x in committed) - t0
@@ -176,7 +172,8 @@ def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> di
 
 def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[str, Any]:
   """Every run's :func:`accounting`, and per seed each run's seconds to reach the synchronous
-  control's final training loss, over that control's span (``reach``)."""
+  control's final training loss, over that control's span (``reach``); with ``speed_faults``
+  each faulted run's ``faults``: the chaos study's figures against its control, hash mismatches."""
   cfg, calibration = study["config"], study["calibration"]
   seeds = {}
   for seed, found in records.items():
@@ -186,6 +183,10 @@ def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[st
       curve = np.array(a["loss_curve"] or [[0.0, np.inf]])
       hit = kit.reach(curve[:, 1], sync["final_loss"], curve[:, 0])
       a["reach"] = None if hit is None else hit[0] / sync["span_s"]
+    for k in [k for k in found if f"{k}_control" in found and cfg["speed_faults"]]:
+      both = compare(found[f"{k}_control"], found[k])
+      got[k]["faults"] = figures(both["faulted"], both["control"], both["span_s"]) | {
+        "hash_mismatches": both["faulted"]["hash_mismatches"]}
     seeds[seed] = {"order": study["seeds"][seed]["order"], "runs": got}
   return {"config": cfg, "calibration": calibration, "seeds": seeds}
 
@@ -203,6 +204,9 @@ ROWS = (  # each run's table: a label, its cell from the run's figures
   ("final validation metric / training loss", lambda a: kit.fmt(a["final"], ".4f") + " / "
    + kit.fmt(a["final_loss"], ".4f")),
   ("reaches the sync control's final loss at (its span's)", lambda a: kit.fmt(a["reach"], ".2f")),
+  ("faulted: goodput; applied faults; lost per fault (s); hash mismatches", lambda a: "; ".join([
+    f"{(f := a['faults'])['goodput']:.3f}", ", ".join(f"{k} {v}" for k, v in f["applied"].items()),
+    kit.fmt(f["lost_per_fault_s"], ".2f"), str(f["hash_mismatches"])]) if "faults" in a else "—"),
   ("span (s); exit status, wall clock (s), load", lambda a: f"{a['span_s']:.0f}; {a['status']},"
    f" {a['wall_s']:.0f}, {kit.loads(a['load_before'], a['load_after'])}"))
 
@@ -224,8 +228,12 @@ def targets(got: dict[str, Any], windows: list[float]) -> list[str]:
         (f"utilization ≥ 0.95 (sync's {got['sync_control']['utilization']:.3f})",
          a["utilization"], a["utilization"] >= 0.95),
         ("the sync control's final loss within half its span", a["reach"], (a["reach"] or 1) <= .5),
-        (f"wait p99 (s) ≤ the window, {w:g} s", p99, p99 <= w)):
-      out.append(f"- K = 1, W = {w:g} s: {what}: {kit.fmt(value, '.3f')}, **"
+        (f"wait p99 (s) ≤ the window, {w:g} s", p99, p99 <= w), *([
+          ("goodput under the chaos schedule ≥ 0.95", f["goodput"], f["goodput"] >= 0.95),
+          ("hash mismatches = 0", f["hash_mismatches"], not f["hash_mismatches"])]
+          if (f := got[f"k1_w{w:g}"].get("faults")) else [])):
+      spec = "d" if isinstance(value, int) else ".3f"
+      out.append(f"- K = 1, W = {w:g} s: {what}: {kit.fmt(value, spec)}, **"
                  + ("met**" if met else "missed**"))
   return out
 
