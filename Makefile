@@ -85,15 +85,18 @@ bench-lm-exchanges: $(VENV)/.bench
 bench-async-dylu: $(VENV)/.bench
 	$(BIN)/python -m benchmarks async_dylu $(BENCH_ASYNC_DYLU_ARGS)
 
-# Decoupled rounds' staleness rules (none, dylu, age_gate, delayed_nesterov) on the in-process
-# engine: 4 replicas at the speeds the torchft benchmark measures (1 : 0.976 : 0.475 : 0.231),
-# diloco on the lm task, K = 1 and W = 0, seeds 0, 1, 2, and a synchronous control (about 8 min
-# of CPU); each run's lines in benchmarks/results/decoupled_staleness_w0/ (a run there is not run
-# again; --report recomputes from them). BENCH_DECOUPLED_STALENESS_ARGS=--quick checks the program.
+# Decoupled rounds' staleness rules (none, dylu, age_gate, delayed_nesterov, token_share) on the
+# in-process engine: 4 replicas at the speeds the torchft benchmark measures (1 : 0.976 : 0.475 :
+# 0.231), diloco on the lm task with outer SGD at 1.4 without momentum, K = 1 and W = 0, seeds 0,
+# 1, 2, and a synchronous control (about 11 min of CPU); each run's lines in
+# benchmarks/results/decoupled_staleness_w0/ (a run there is not run again; --report recomputes
+# from them). BENCH_DECOUPLED_STALENESS_ARGS=--quick checks the program.
 DECOUPLED_STALENESS := benchmarks/results/decoupled_staleness_w0
 bench-decoupled-staleness: $(VENV)/.bench
-	$(BIN)/python -m benchmarks decoupled_staleness $(BENCH_DECOUPLED_STALENESS_ARGS) $(if \
-	  $(findstring --quick,$(BENCH_DECOUPLED_STALENESS_ARGS)),,--out $(DECOUPLED_STALENESS))
+	$(BIN)/python -m benchmarks decoupled_staleness --flags "$(DECOUPLED_OUTER)" \
+	  $(BENCH_DECOUPLED_STALENESS_ARGS) $(if $(findstring --quick,$(BENCH_DECOUPLED_STALENESS_ARGS)),,\
+	  --out $(DECOUPLED_STALENESS))
+DECOUPLED_OUTER := --outer-learning-rate 1.4 --outer-momentum 0
 
 # Fault-tolerant DiLoCo (4 replica processes over torchft, the lm task) and synchronous data
 # parallelism with checkpoint-restart, each under fixed-seed Poisson schedules of kill -9, SIGSTOP
@@ -108,15 +111,17 @@ bench-chaos: $(VENV)/.bench,ft
 	$(BIN)/python -m benchmarks chaos --out benchmarks/results/chaos/chaos $(BENCH_CHAOS_ARGS)
 
 # Decoupled rounds over torchft (4 replica processes of speeds 1 : 1 : 0.5 : 0.25, each capped
-# at its share of 1.6 CPUs a pair, the lm task): synchronous rounds, K = 1 with W = 0 and with
-# a window of 2 s, each beside a control, seeds 0 and 1 (about 1 h); in
+# at its share of 1.6 CPUs a pair, the lm task, outer SGD at 1.4 without momentum, the decoupled
+# runs' staleness rule token_share): synchronous rounds, K = 1 with W = 0 and with a window of
+# 1 s, each control beside a run under the chaos schedule, seeds 0, 1 and 2 (about 1 h); in
 # benchmarks/results/chaos/, the raw logs in speeds_raw.tar.xz. The chaos study's speeds mode:
 # needs root and the ft extra; BENCH_DECOUPLED_ARGS=--quick checks the program.
 bench-decoupled: $(VENV)/.bench,ft
 	@if [ "$$(id -u)" != 0 ]; then echo "bench-decoupled: skipped: needs root"; exit 0; fi; \
 	mkdir -p benchmarks/results/chaos; \
-	$(BIN)/python -m benchmarks chaos --speeds 1 1 0.5 0.25 --cpus 1.6 --seeds 0 1 \
-	  --steps 1200 --out benchmarks/results/chaos/speeds $(BENCH_DECOUPLED_ARGS)
+	$(BIN)/python -m benchmarks chaos --speeds 1 1 0.5 0.25 --cpus 1.6 --seeds 0 1 2 \
+	  --steps 200 --windows 0 1 --speed-faults --flags "$(DECOUPLED_OUTER)" \
+	  --out benchmarks/results/chaos/speeds $(BENCH_DECOUPLED_ARGS)
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist

@@ -66,6 +66,7 @@ class Config:
   speed_faults: bool = kit.option(False, "speeds: the runs beside the controls faulted")
   decoupled: float | None = kit.option(None, "a run's --decoupled --min-quorum 1 --grace-window")
   flags: str = kit.option("", "more train flags of every fault-tolerant run")
+  staleness_rule: str = kit.option("token_share", "a decoupled run's --staleness-rule")
 
 
 SPEEDS_PERIOD_US = 20_000  # the CFS period of the speeds mode's caps (short: a cap is smooth)
@@ -90,8 +91,8 @@ def command(config: Config, out: str, star: netns.Star | None = None) -> list[st
   flags += [] if star is None else [("--host", star.address), ("--replica-netns", star.pattern)]
   flags += [("--checkpoint-every", c.checkpoint_every)] * bool(c.checkpoint_every) + [
     ("--standby",)] * c.standby
-  flags += [] if c.decoupled is None else [("--decoupled",), ("--min-quorum", 1),
-                                           ("--grace-window", c.decoupled)]
+  flags += [] if c.decoupled is None else [("--decoupled",), ("--min-quorum", 1), (
+    "--grace-window", c.decoupled), ("--staleness-rule", c.staleness_rule)]
   flags += [(x,) for x in c.flags.split()]
   return ([] if star is None else star.exec_prefix()) + _train(flags)
 
