@@ -58,9 +58,9 @@ SECTIONS = (
   ("async_dylu_settings", "Asynchronous DiLoCo: the gap across settings",
    "python -m benchmarks async_dylu --seeds 0 --outer LR MOMENTUM ..."),
   ("decoupled_staleness_w0", None, "make bench-decoupled-staleness"),
-  ("decoupled_staleness", "Staleness rules with a window (W = 25 s) at speeds 1 : 1 : 0.5 : 0.25",
-   "python -m benchmarks decoupled_staleness --steps 300 --sync-period 50 --speeds 1 1 0.5 0.25"
-   " --gamma 0.5 --out benchmarks/results/decoupled_staleness"),
+  ("decoupled_staleness", "Staleness rules with a window of half the slack (W = 10 s)",
+   "python -m benchmarks decoupled_staleness --gamma 0.5 --flags '--outer-learning-rate 1.4"
+   " --outer-momentum 0' --out benchmarks/results/decoupled_staleness"),
   ("lm_quality", None, "python -m benchmarks lm_quality"),
   ("lm_overhead", None, "python -m benchmarks lm_overhead"),
   ("mlp_overhead", None, "python -m benchmarks mlp_overhead"),

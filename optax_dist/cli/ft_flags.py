@@ -43,12 +43,13 @@ refused without ``--grace-window auto``."""
 
 def default_staleness_rule(algorithm: str) -> str:
   """``--staleness-rule``'s default for ``algorithm``: ``delayed_nesterov``, with which the
-  replicas' outer optimizer is delayed Nesterov (:func:`optax_dist.cli.ft_task.protocol`): of
-  the four rules, the lowest validation loss at equal committed tokens with K = 1 and W = 0 at
-  the speeds the torchft benchmark measures (``diloco`` on ``lm``, seeds 0, 1, 2: 4.1% above
-  synchronous rounds, where ``none`` and ``dylu`` diverge;
-  ``benchmarks/results/decoupled_staleness_w0.md``). ``local_sgd`` has no outer optimizer: the
-  library's ``decoupled.DEFAULT_STALENESS_RULE``."""
+  replicas' outer optimizer is delayed Nesterov (:func:`optax_dist.cli.ft_task.protocol`): with
+  the default outer optimizer (Nesterov 0.7, momentum 0.9), K = 1 and W = 0 at the speeds the
+  torchft benchmark measures (``diloco`` on ``lm``, seeds 0, 1, 2), 8.0% above synchronous
+  rounds at equal committed tokens, where ``token_share`` is 29.3% above
+  (``benchmarks/results/decoupled_staleness_nesterov.md``). With
+  ``--outer-momentum 0`` use ``token_share`` (``docs/decoupled.md``). ``local_sgd`` has no outer
+  optimizer: the library's ``decoupled.DEFAULT_STALENESS_RULE``."""
   takes_outer = algorithm in SUPPORTED and halves.row(algorithm).takes_outer
   return DECOUPLED["staleness_rule"] if takes_outer else DEFAULT_STALENESS_RULE
 

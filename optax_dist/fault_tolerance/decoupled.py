@@ -85,17 +85,14 @@ update (Liu et al. 2024); with every payload in and equal tokens it is the mean,
 
 DEFAULT_STALENESS_RULE = "dylu"
 """The staleness rule when none is named (``InProcess``, ``Torchft``): one that takes any outer
-optimizer (a default of ``"delayed_nesterov"`` would refuse every protocol whose outer optimizer
-is not :func:`optax_dist.delayed_nesterov`). When rounds close on fewer than R payloads, use
-``"delayed_nesterov"`` with ``RoundProtocol(outer=optax_dist.delayed_nesterov(lr, momentum,
-buffer_size=R))``, as ``optax-dist train --fault-tolerant --decoupled`` does by default: with
-K = 1 and W = 0 at the speeds the torchft benchmark measures (1 : 0.976 : 0.475 : 0.231,
-``diloco`` on ``lm``, seeds 0, 1, 2) each merge holds one payload and the outer Nesterov step runs
-once per payload; ``"none"`` and ``"dylu"`` (alike on one payload) diverge, 14.87 validation bits
-per byte at equal committed tokens against 3.634 for synchronous rounds, and
-``"delayed_nesterov"`` reaches 3.783 (+4.1%) (``benchmarks/results/decoupled_staleness_w0.md``).
-``"dylu"`` was the best rule where the fast replicas' payloads merged together (exactly equal
-speeds 1 : 1 : 0.5 : 0.25: 0.3% above synchronous rounds; ``docs/decoupled.md``)."""
+optimizer and any engine (``"delayed_nesterov"`` refuses every protocol whose outer optimizer is
+not :func:`optax_dist.delayed_nesterov`; ``"token_share"`` needs ``num_replicas``, which
+``Torchft`` does not require). When rounds close on fewer than R payloads, use
+``"token_share"`` with an outer optimizer without momentum: at the speeds the torchft benchmark
+measures (1 : 0.976 : 0.475 : 0.231, ``diloco`` on ``lm``, K = 1, outer SGD at 1.4, seeds 0, 1,
+2) it is 0.5% below synchronous rounds at equal committed tokens with W = 0 and 0.9% above them
+with a window of half the slack, where ``"dylu"`` is 19.4% and 1.5% above
+(``benchmarks/results/decoupled_staleness_w0.md``, ``decoupled_staleness.md``)."""
 
 
 AUTO = "auto"
