@@ -341,7 +341,7 @@ def _ports(tmp_path, behind_restarted: bool, protocol=None):
   ports = []
   for slot in (0, 1):
     engine = types.SimpleNamespace(protocol=protocol, replica_id=slot, seed=0,
-                                   tokens_per_step=4, out=tmp_path)
+                                   tokens_per_step=4, out=tmp_path, num_replicas=2)
     if slot == 1 and behind_restarted:
       torchft_decoupled.DecoupledPort(engine)  # its last process, killed before any line
     port = torchft_decoupled.DecoupledPort(engine)
@@ -785,3 +785,23 @@ def test_a_round_s_payloads_are_broadcast_by_their_members_only(tmp_path):
   assert sent == [(0, 5), (2, 5)] and [x.tolist() for x in outs] == [[0] * 5, [2] * 5]
   sent.clear()
   assert port._broadcasts(mine, [1], rank=1)[0] is mine and sent == [(1, 5)]
+
+
+def test_a_process_group_whose_configuration_failed_is_a_failed_all_gather(tmp_path):
+  """torchft leaves no process group when its configuration fails in the quorum (a member
+  killed while the others connected), and its ``size()`` then raises: the poll's all-gather
+  fails, reported to torchft (the next quorum configures a new one), and the exchange thread
+  goes on."""
+  import types
+
+  import torch
+
+  def unconfigured():
+    raise AssertionError("process group not initialized")  # torchft 0.2.0's
+
+  _, port = _ports(tmp_path, behind_restarted=False)
+  errors = []
+  port._pg = types.SimpleNamespace(size=unconfigured)
+  port._manager = types.SimpleNamespace(report_error=errors.append)
+  assert port._allgather(torch.ones(1), everyone=True) is None
+  assert [str(e) for e in errors] == ["process group not initialized"]

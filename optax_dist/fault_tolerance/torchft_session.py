@@ -462,10 +462,12 @@ class Session:
   def _allgather(self, mine: torch.Tensor, everyone: bool = False) -> list[torch.Tensor] | None:
     """Every member's ``mine`` in rank order, or ``None`` (the error reported: a no vote).
     ``everyone``: over the process group's size, every member of the quorum
-    (``num_participants()`` counts only the members at its ``max_step``, not one it heals)."""
-    count = self._pg.size() if everyone else self._manager.num_participants()
-    outs = [torch.empty_like(mine) for _ in range(count)]
+    (``num_participants()`` counts only the members at its ``max_step``, not one it heals).
+    A process group whose configuration failed in the quorum (a member lost while it connected:
+    torchft then has none, and its ``size()`` raises) is a failed collective too."""
     try:
+      count = self._pg.size() if everyone else self._manager.num_participants()
+      outs = [torch.empty_like(mine) for _ in range(count)]
       self._pg.allgather([outs], [mine], AllgatherOptions()).wait()
     except Exception as e:  # noqa: BLE001 (any failure of the collective is a no vote)
       self._manager.report_error(e)
