@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import threading
@@ -110,6 +111,8 @@ from optax_dist.fault_tolerance.torchft_session import (
   torch,
   unpack,
 )
+
+_LOG = logging.getLogger(__name__)
 
 POLL_S = 0.02
 """Seconds an idle exchange thread waits for its loop's push before its next poll."""
@@ -215,6 +218,7 @@ class DecoupledPort(Session):
     self._healed = None  # (heal pull, donor, quorum seconds) until the loop's next push
     self._heal_mark = None  # (donor, quorum seconds) for this replica's next round line
     self._behind_since: float | None = None  # when its polls began to be skipped for it
+    self._skip_reason = ""  # why its last poll was skipped, logged once per change
     self._pulled: tuple[int, float] | None = None  # (step, monotonic seconds) of its last pull
     self._transport: float | None = None  # seconds of the last round's payload exchange
     self._slack, self._auto = NO_SLACK, 0.0  # its slack (microseconds), the auto window
@@ -520,10 +524,21 @@ class DecoupledPort(Session):
     if self._closed < ahead.closed and int(self._global[0].rounds) == ahead.rounds:
       self._closed = ahead.closed  # it missed aborted rounds only: the global state is theirs
     if any(h.joining for h in heads) or len(set(closed.values())) > 1:
+      self._log_skip(f"members' closed rounds {closed}, restarted and not healed"
+                     f" {[h.slot for h in heads if h.joining]}")
       self._behind(closed, heads)
       return None
     self._behind_since = None
+    self._log_skip("")
     return heads
+
+  def _log_skip(self, reason: str) -> None:
+    """Logs (a warning, on the process's stderr) why this replica's polls are skipped, once
+    per change of the reason, and when they go on again (``reason`` empty)."""
+    if reason != self._skip_reason:
+      _LOG.warning("replica %d: %s", self.slot, f"polls skipped: {reason}" if reason else
+                   "polls go on")
+      self._skip_reason = reason
 
   def _behind(self, closed: dict, heads: list[PollHeader]) -> None:
     """A skipped poll: this replica, if it is the one behind (or restarted, not healed), leaves
@@ -616,6 +631,8 @@ class DecoupledPort(Session):
     # The acknowledgement: a member decides only once it holds every member's, so no member
     # closes a round whose payloads' broadcasts failed on another.
     if outs is None or self._allgather(torch.ones(1, dtype=torch.int64), everyone=True) is None:
+      _LOG.warning("replica %d: round %d stays open: its payloads' broadcasts or their"
+                   " acknowledgement failed", self.slot, r)
       return
     transport = time.monotonic() - start
     ready = [(heads[i], unpack(out, mine)) for i, out in zip(roots, outs, strict=True)]
