@@ -128,12 +128,13 @@ def compare(control: dict[str, Any], faulted: dict[str, Any]) -> dict[str, Any]:
 def figures(faulted: dict[str, Any], control: dict[str, Any], span: float) -> dict[str, Any]:
   """An arm's figures from its runs' accounting over ``span`` seconds: the goodput (committed
   tokens over the control's), the applied faults per minute, the work lost per applied fault
-  (``(1 - goodput) * span / faults`` seconds), the returns' p95."""
+  (``(1 - goodput) * span / faults`` seconds), the returns' p95, the hash mismatches."""
   goodput = faulted["committed_tokens"] / control["committed_tokens"]
   faults = sum(faulted["applied"][k] for k in FAULTS)
   return {"goodput": goodput, "applied": faulted["applied"], "per_minute": faults / span * 60,
           "lost_per_fault_s": (1 - goodput) * span / faults if faults else None,
-          "returns": p95(faulted["returns"]), "longest_stall_s": faulted["longest_stall_s"]}
+          "returns": p95(faulted["returns"]), "longest_stall_s": faulted["longest_stall_s"],
+          "hash_mismatches": faulted.get("hash_mismatches")}
 
 
 def sync_accounting(run: dict[str, Any], span: float, tokens_per_step: float) -> dict[str, Any]:

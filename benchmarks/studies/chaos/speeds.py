@@ -37,7 +37,8 @@ import numpy as np
 from benchmarks import kit
 from benchmarks.network import faults as inflicted
 from benchmarks.studies.chaos import runs, schedule
-from benchmarks.studies.chaos.accounting import compare, figures, final_metric
+from benchmarks.studies.chaos.accounting import accounting as over_span
+from benchmarks.studies.chaos.accounting import figures, final_metric
 from optax_dist.cli import ft_flags, ft_task
 from optax_dist.cli.main import build_parser
 from optax_dist.cli.tasks import TASKS
@@ -53,8 +54,7 @@ def solo_seconds(config: dict[str, Any], replica: int, group: str, rounds: int) 
   c = runs.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()})
   args = build_parser().parse_args(runs.command(c, "solo")[3:])
   ft_flags.resolve(args)
-  task = TASKS[args.task]
-  data = task.load(args.seed)
+  data = (task := TASKS[args.task]).load(args.seed)
   s = ft_task.settings(args, task, lambda: data)
   params, loss_and_grad, batch_fn, _, _ = ft_task.task_engine(task, data, s, args.replicas)
   protocol, loss_grads = ft_task.protocol(s), jax.jit(loss_and_grad)
@@ -98,9 +98,8 @@ def calibrate(config: runs.Config, rounds: int = 5) -> dict[str, Any]:
 
 
 def arms(config: runs.Config) -> list[tuple[str, runs.Config]]:
-  """The arms' names and settings: synchronous rounds, then ``--decoupled --min-quorum 1
-  --grace-window W`` for each of ``windows`` (``decoupled_steps`` steps); no checkpoints (a
-  decoupled run takes none); a minute's ``--finish-grace`` (a capped replica's evaluation)."""
+  """The arms: synchronous rounds, then ``--decoupled --min-quorum 1 --grace-window W`` per
+  ``windows`` (``decoupled_steps`` steps), no checkpoints, a minute's ``--finish-grace``."""
   base = dataclasses.replace(config, checkpoint_every=0, decoupled=None,
                              finish_grace=max(config.finish_grace, 60.0))
   steps = config.decoupled_steps or config.replicas * config.steps
@@ -173,7 +172,7 @@ def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> di
 def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[str, Any]:
   """Every run's :func:`accounting`, and per seed each run's seconds to reach the synchronous
   control's final training loss, over that control's span (``reach``); with ``speed_faults``
-  each faulted run's ``faults``: the chaos study's figures against its control, hash mismatches."""
+  each faulted run's ``faults``: the chaos study's figures over its control's span."""
   cfg, calibration = study["config"], study["calibration"]
   seeds = {}
   for seed, found in records.items():
@@ -184,9 +183,9 @@ def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[st
       hit = kit.reach(curve[:, 1], sync["final_loss"], curve[:, 0])
       a["reach"] = None if hit is None else hit[0] / sync["span_s"]
     for k in [k for k in found if f"{k}_control" in found and cfg["speed_faults"]]:
-      both = compare(found[f"{k}_control"], found[k])
-      got[k]["faults"] = figures(both["faulted"], both["control"], both["span_s"]) | {
-        "hash_mismatches": both["faulted"]["hash_mismatches"]}
+      c = found[f"{k}_control"]  # over its span: a faulted run that stopped may end early
+      span = max(x["time"] for x in c["lines"]) - c["t0"]
+      got[k]["faults"] = figures(over_span(found[k], span), over_span(c, span), span)
     seeds[seed] = {"order": study["seeds"][seed]["order"], "runs": got}
   return {"config": cfg, "calibration": calibration, "seeds": seeds}
 
