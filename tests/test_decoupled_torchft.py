@@ -504,6 +504,37 @@ def test_a_process_restarted_before_its_first_line_waits_for_a_heal_unless_none_
   assert [h.joining for h in poll({0: 0, 1: 0})] == [0, 0]
 
 
+def test_a_restarted_replica_refuses_to_start_the_run_again_when_its_rounds_are_lost(tmp_path):
+  """Every replica restarted after the run committed rounds: no member holds its global state
+  (decoupled rounds keep no checkpoint). A restarted replica whose earlier process logged a
+  committed round leaves with :class:`StateLost` instead of training again from the initial
+  state under round numbers the run already used; one whose did not starts as before."""
+  import json
+  import types
+
+  import numpy as np
+
+  from optax_dist.fault_tolerance import torchft_decoupled as td
+  from optax_dist.fault_tolerance.torchft_session import StateLost
+
+  _, fresh = _ports(tmp_path, behind_restarted=True)
+  fresh.log_path.write_text(json.dumps({"round": 0, "replica": 1, "committed": True}) + "\n")
+  lost = td.DecoupledPort(fresh.engine)  # its next process, after the line
+  lost.start = lost._hold
+  lost.replica.start((fresh.replica.replica_state.params, fresh.replica.replica_state.opt_state))
+  for port in (fresh, lost):
+    port._manager = types.SimpleNamespace(state_dict=dict)
+    port.transport, port._quorum = types.SimpleNamespace(source=None), lambda: None
+    port.quorum_timeout = 60.0
+    heads = [np.asarray(td.PollHeader(i, 1, port.replica.fingerprint, 0, 0, 0, 0, 0, 10**6, 0,
+                                      0, 0, int(i == 1)), np.int64) for i in (0, 1)]
+    port._allgather = lambda head, everyone, heads=heads: heads
+  assert fresh._headers(heads[-1]) is None and not fresh._joining
+  with pytest.raises(StateLost, match=r"^decoupled rounds: replica 1 restarted after the run"
+                     r" committed rounds, and no member of its quorum \[0, 1\] holds"):
+    lost._headers(heads[-1])
+
+
 def _scheduled(boundary: dict) -> dict:
   """A boundary line without its wall-clock fields (``pushed``, ``waited``: the K = R run's
   test checks them), which these stubbed ports' clocks do not drive."""

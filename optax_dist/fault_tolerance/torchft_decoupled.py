@@ -59,7 +59,11 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    replica has healed no member closes a round (on a Lighthouse quorum of 1 it could otherwise
    form quorums of its own and commit rounds that no other replica holds); a member that
    missed aborted rounds only takes their count. A restarted replica whose quorum (of more
-   members than itself) has committed no round has nothing to heal from and closes rounds.
+   members than itself) has committed no round has nothing to heal from and closes rounds, unless
+an earlier process of it saw rounds committed: then every member restarted, the run's global
+state is lost (decoupled rounds keep no checkpoint), and it leaves with
+:class:`~optax_dist.fault_tolerance.torchft_session.StateLost` rather than train again from the
+initial state under round numbers the run already used.
 
 **The auto window** (``grace_window="auto"``): each member measures its slack
 (:func:`~optax_dist.fault_tolerance.decoupled.slack`) at its loop's push, in seconds of its
@@ -107,6 +111,7 @@ from optax_dist.fault_tolerance.torchft_session import (
   MissedRounds,
   Session,
   SettingsMismatch,
+  StateLost,
   pack,
   torch,
   unpack,
@@ -214,6 +219,10 @@ class DecoupledPort(Session):
     # boundaries file, before its payloads can enter a round); it heals before it closes.
     self._joining = self.boundary_path.exists()
     self.boundary_path.touch()
+    # whether an earlier process of this replica saw rounds committed (their global state is
+    # lost if no live member holds it: _headers)
+    self._committed_before = self._joining and any(
+      x.get("committed") for x in run_dir.lines(self.slot))
     self._got = None  # a donation torchft received at this quorum, decoded
     self._healed = None  # (heal pull, donor, quorum seconds) until the loop's next push
     self._heal_mark = None  # (donor, quorum seconds) for this replica's next round line
@@ -500,6 +509,8 @@ class DecoupledPort(Session):
 
     Raises:
       SettingsMismatch: members of other settings.
+      StateLost: this replica restarted after the run committed rounds, and no member holds
+        the run's global state.
       MissedRounds: this replica's polls were skipped for it (it could not heal or catch up)
         for ``quorum_timeout`` seconds.
     """
@@ -518,6 +529,12 @@ class DecoupledPort(Session):
     if self._got is not None:
       self._take(heads, seconds)
     elif self._joining and len(heads) > 1 and {h.rounds for h in heads} == {0}:
+      if self._committed_before:
+        raise StateLost(
+          f"decoupled rounds: replica {self.slot} restarted after the run committed rounds, and"
+          f" no member of its quorum {sorted(h.slot for h in heads)} holds the run's global"
+          " state (every one restarted; decoupled rounds keep no checkpoint): the run cannot go"
+          " on; start a new one")
       self._joining = False  # no member committed a round: nothing to heal from (alone, it waits)
     closed = {h.slot: h.closed for h in heads}
     ahead = max(heads, key=lambda h: h.closed)

@@ -71,6 +71,12 @@ class SettingsMismatch(RuntimeError):
   """A replica's settings differ from the run's: it leaves the run."""
 
 
+class StateLost(RuntimeError):
+  """Decoupled rounds: every live replica restarted after the run committed rounds, so no member
+  holds its global state, and decoupled rounds keep no checkpoint: the run cannot go on (it does
+  not start again from its initial state under the same round numbers)."""
+
+
 class MissedRounds(RuntimeError):
   """Decoupled rounds: a replica cannot hold the run's global state, so it leaves the run: its
   quorum's members closed rounds it did not (a round its vote failed on, which the others

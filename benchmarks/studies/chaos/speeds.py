@@ -2,19 +2,16 @@
 torchft when the replicas' speeds differ.
 
 Replica ``i`` of a run is capped at ``--cpus / 2`` times ``speeds[i] / sum(speeds)`` CPUs (a cgroup,
-CFS period 20 ms) once started. Its inner step alone under its cap, ``t_i`` (the median of a round's
-seconds over ``H``), gives its speed's share ``(1 / t_i) / sum_j (1 / t_j)``, checked within ±10% of
-the ratio's. Per seed the arms in turn (reversed every other seed), each a control beside a second
-run (``--speed-faults``: under the study's fault schedule): synchronous rounds, and ``--decoupled
---min-quorum 1 --grace-window W`` for each of ``--windows``. Each run's figures come from its
-replicas' JSONL logs over its span (first commit to last): the compute utilization ``sum_i steps_i
-t_i / (span R)`` (``steps_i``: the inner steps of replica ``i``'s boundaries in the span); a
-replica's wait per boundary, its loop's seconds in the round's exchange (a decoupled boundary's
-``waited``, from its push, its inner steps done, 0 where it pushed nothing, its payload in flight; a
-synchronous line's ``exchange_seconds``, also holding the end of the steps JAX dispatched ahead);
-its median inner step, a round's seconds outside that over ``H``; the training loss, the mean of the
-last R committed lines', and where it reaches the synchronous control's final one, over that
-control's span.
+CFS period 20 ms) once started; its inner step alone under its cap, ``t_i``, gives its speed's share
+``(1 / t_i) / sum_j (1 / t_j)``, checked within ±10% of the ratio's. Per seed the arms in turn
+(reversed every other seed), each a control beside a second run (``--speed-faults``: under the
+study's fault schedule): synchronous rounds, and ``--decoupled --min-quorum 1 --grace-window W`` for
+each of ``--windows``. From the replicas' JSONL logs over a run's span (first commit to last): the
+compute utilization ``sum_i steps_i t_i / (span R)`` (``steps_i``: replica ``i``'s inner steps at
+its boundaries in the span); each replica's wait per boundary (a decoupled boundary's ``waited``,
+from its push to its pull, 0 where it pushed nothing; a synchronous line's ``exchange_seconds``,
+with the end of the steps JAX dispatched ahead); its median inner step; the training loss (the mean
+of the last R committed lines') and where it reaches the synchronous control's final one.
 """
 
 from __future__ import annotations
@@ -170,23 +167,25 @@ def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> di
 
 
 def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-  """Every run's :func:`accounting`, and per seed each run's seconds to reach the synchronous
-  control's final training loss, over that control's span (``reach``); with ``speed_faults``
-  each faulted run's ``faults``: the chaos study's figures over its control's span."""
+  """Every run's :func:`accounting` (``failed``: the runs that committed no round, without); per
+  seed each run's ``reach`` of the synchronous control's final loss over that control's span;
+  with ``speed_faults`` each faulted run's ``faults``: the chaos figures over its control's span."""
   cfg, calibration = study["config"], study["calibration"]
   seeds = {}
   for seed, found in records.items():
-    got = {k: accounting(r, calibration["t_solo"], cfg["sync_period"]) for k, r in found.items()}
+    failed = sorted(k for k, r in found.items() if not any(x["committed"] for x in r["lines"]))
+    got = {k: accounting(r, calibration["t_solo"], cfg["sync_period"]) for k, r in found.items()
+           if k not in failed}
     sync = got["sync_control"]
     for a in got.values():
       curve = np.array(a["loss_curve"] or [[0.0, np.inf]])
       hit = kit.reach(curve[:, 1], sync["final_loss"], curve[:, 0])
       a["reach"] = None if hit is None else hit[0] / sync["span_s"]
-    for k in [k for k in found if f"{k}_control" in found and cfg["speed_faults"]]:
+    for k in [k for k in got if f"{k}_control" in got and cfg["speed_faults"]]:
       c = found[f"{k}_control"]  # over its span: a faulted run that stopped may end early
       span = max(x["time"] for x in c["lines"]) - c["t0"]
       got[k]["faults"] = figures(over_span(found[k], span), over_span(c, span), span)
-    seeds[seed] = {"order": study["seeds"][seed]["order"], "runs": got}
+    seeds[seed] = {"order": study["seeds"][seed]["order"], "runs": got, "failed": failed}
   return {"config": cfg, "calibration": calibration, "seeds": seeds}
 
 
@@ -215,12 +214,12 @@ def targets(got: dict[str, Any], windows: list[float]) -> list[str]:
   sync control's final loss within half its span, wait p99 <= the window; each K = 1 arm's
   control's final validation metric within 1% of its equal-tokens run's; met or missed."""
   out = []
-  for w in (w for w in windows if f"k1_w{w:g}_equal_tokens" in got):
+  for w in (w for w in windows if {f"k1_w{w:g}_equal_tokens", f"k1_w{w:g}_control"} <= set(got)):
     a, e = got[f"k1_w{w:g}_control"]["final"], got[f"k1_w{w:g}_equal_tokens"]["final"]
     out.append(f"- K = 1, W = {w:g} s: final validation metric {kit.fmt(a, '.4f')} within 1% of"
                f" the equal-speed synchronous run's at equal tokens, {kit.fmt(e, '.4f')}: "
                f"{a / e - 1:+.2%}, **" + ("met**" if a <= 1.01 * e else "missed**"))
-  for w in (w for w in windows if w > 0):
+  for w in (w for w in windows if w > 0 and f"k1_w{w:g}_control" in got):
     a = got[f"k1_w{w:g}_control"]
     p99 = max((x[1] for x in a["wait_s"] if x), default=math.inf)
     for what, value, met in (
@@ -253,8 +252,9 @@ def markdown(result: dict[str, Any], figure: str) -> str:
                     for s in seeds),
     "## Each run", kit.table([""] + [f"seed {s}, {k}" for s, k in names], [
       [label, *(cell(seeds[s]["runs"][k]) for s, k in names)] for label, cell in ROWS]),
-    "Order of the arms: " + "; ".join(f"seed {s}: {', '.join(seeds[s]['order'])}"
-                                      for s in seeds) + f".\n\n![training loss]({figure})",
+    "Order of the arms: " + "; ".join(f"seed {s}: {', '.join(seeds[s]['order'])}" + "".join(
+      f" ({', '.join(f)}: no round committed)" for f in [seeds[s]["failed"]] if f)
+      for s in seeds) + f".\n\n![training loss]({figure})",
     *([f"Run {r['date']}: `{r['command']}`, {r['seconds']:.0f} s."] if (r := result.get(
       "run")) else [])])
 
