@@ -59,11 +59,11 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    replica has healed no member closes a round (on a Lighthouse quorum of 1 it could otherwise
    form quorums of its own and commit rounds that no other replica holds); a member that
    missed aborted rounds only takes their count. A restarted replica whose quorum (of more
-   members than itself) has committed no round has nothing to heal from and closes rounds, unless
-an earlier process of it saw rounds committed: then every member restarted, the run's global
-state is lost (decoupled rounds keep no checkpoint), and it leaves with
-:class:`~optax_dist.fault_tolerance.torchft_session.StateLost` rather than train again from the
-initial state under round numbers the run already used.
+   members than itself) has committed no round has nothing to heal from and closes rounds,
+   unless an earlier process of it saw rounds committed: then every member restarted, the
+   run's global state is lost (decoupled rounds keep no checkpoint), and it leaves with
+   :class:`~optax_dist.fault_tolerance.torchft_session.StateLost` rather than train again from
+   the initial state under round numbers the run already used.
 
 **The auto window** (``grace_window="auto"``): each member measures its slack
 (:func:`~optax_dist.fault_tolerance.decoupled.slack`) at its loop's push, in seconds of its
