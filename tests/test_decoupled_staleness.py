@@ -30,7 +30,8 @@ DECOUPLED = [(True, [payload(0, 100), payload(1, 100)]),
 
 def write(tmp_path, arm, seed, rounds, evals):
   record = {"kind": "run", "arm": arm, "seed": seed, "replicas": 4, "replica_steps": [3, 3, 2, 1],
-            "tokens_per_step": 50, "settings": {"sync_period": 1}, "load_before": "1.00",
+            "tokens_per_step": 50, "settings": {"sync_period": 1, "outer_learning_rate": 1.4,
+                                                  "outer_momentum": 0.0}, "load_before": "1.00",
             "load_after": "2.00", "wall_s": 60.0, "cpu_s": 30.0}
   if arm != b.CONTROL:
     record |= {"speeds": [1, 1, 0.5, 0.25], "min_quorum": 1, "grace_window": 0.5,
