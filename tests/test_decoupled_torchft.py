@@ -821,8 +821,8 @@ def test_a_round_s_payloads_are_broadcast_by_their_members_only(tmp_path):
 def test_a_process_group_whose_configuration_failed_is_a_failed_all_gather(tmp_path):
   """torchft leaves no process group when its configuration fails in the quorum (a member
   killed while the others connected), and its ``size()`` then raises: the poll's all-gather
-  fails, reported to torchft (the next quorum configures a new one), and the exchange thread
-  goes on."""
+  fails, reported to torchft with a no vote (the next quorum configures a new one), and the
+  exchange thread goes on."""
   import types
 
   import torch
@@ -831,8 +831,45 @@ def test_a_process_group_whose_configuration_failed_is_a_failed_all_gather(tmp_p
     raise AssertionError("process group not initialized")  # torchft 0.2.0's
 
   _, port = _ports(tmp_path, behind_restarted=False)
-  errors = []
+  errors, votes = [], []
   port._pg = types.SimpleNamespace(size=unconfigured)
-  port._manager = types.SimpleNamespace(report_error=errors.append)
+  port._manager = types.SimpleNamespace(report_error=errors.append,
+                                        should_commit=lambda: votes.append(errors[:]) or False)
   assert port._allgather(torch.ones(1), everyone=True) is None
-  assert [str(e) for e in errors] == ["process group not initialized"]
+  assert [str(e) for e in errors] == ["process group not initialized"] and len(votes) == 1
+  assert votes[0] == errors  # the vote after the report: a no
+
+
+def test_after_a_failed_collective_the_next_quorum_configures_a_new_process_group(tmp_path):
+  """A poll's collective that times out (here: a member alone in an all-gather) closes the gloo
+  group's connections, and torchft configures a new group only on a new quorum id: the
+  failing member votes no at once, so the Lighthouse gives the next quorum of the same members
+  a new id and the next poll's all-gather goes through (without the vote it failed again, and
+  every later poll, until a member left)."""
+  import concurrent.futures
+
+  import torch
+  from torchft._torchft import LighthouseServer
+
+  lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100,
+                                quorum_tick_ms=10)
+  ports = _ports(tmp_path, behind_restarted=False)
+  try:
+    for port in ports:
+      port._open(f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}", "127.0.0.1", 2,
+                 quorum_timeout=10.0, timeout=1.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      def poll():
+        list(pool.map(lambda p: p._quorum(), ports))
+        ids = {p._manager._quorum_id for p in ports}
+        return ids, list(pool.map(lambda p: p._allgather(torch.tensor([p.slot])), ports))
+
+      first, _ = poll()
+      assert ports[0]._allgather(torch.tensor([0])) is None  # alone: it times out
+      second, gathered = poll()
+  finally:
+    for port in ports:
+      port.shutdown()
+    lighthouse.shutdown()
+  assert len(first) == len(second) == 1 and second != first
+  assert [[int(t) for t in outs] for outs in gathered] == [[0, 1]] * 2

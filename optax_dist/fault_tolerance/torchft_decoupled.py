@@ -370,6 +370,16 @@ class DecoupledPort(Session):
   def record(self, line: Any) -> None:  # the exchange thread writes the lines
     del line
 
+  def _failed(self, error: Exception) -> None:
+    """A collective of a poll failed: reported, and a no vote cast at once. A gloo process group
+    whose collective failed (timed out: a member slow to join it, stopped or cut off) is
+    unusable, its connections closed, until torchft configures a new one, which it does only on
+    a new quorum id; the Lighthouse gives one when the members change or one of them counts a
+    failed vote. Without the vote a poll's failure among the same members would fail every
+    later poll until a member leaves (``quorum_timeout``: no round closes meanwhile)."""
+    super()._failed(error)
+    self._vote()
+
   # torchft's heal callbacks (module docstring, 4.), on the exchange thread within its quorum.
 
   def _heal_bytes(self) -> bytes:

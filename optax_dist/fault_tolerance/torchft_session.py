@@ -448,6 +448,11 @@ class Session:
       self._manager.report_error(e)
       return False
 
+  def _failed(self, error: Exception) -> None:
+    """A collective of this member failed with ``error``: reported to torchft (its next vote is
+    a no)."""
+    self._manager.report_error(error)
+
   def _broadcasts(self, mine: torch.Tensor, roots: list[int], rank: int
                   ) -> list[torch.Tensor] | None:
     """The buffers of the members at process-group ranks ``roots``, in that order, each
@@ -461,7 +466,7 @@ class Session:
         opts.rootRank = root
         self._pg.broadcast([buffer], opts).wait()
     except Exception as e:  # noqa: BLE001 (any failure of the collective is a no vote)
-      self._manager.report_error(e)
+      self._failed(e)
       return None
     return outs
 
@@ -476,7 +481,7 @@ class Session:
       outs = [torch.empty_like(mine) for _ in range(count)]
       self._pg.allgather([outs], [mine], AllgatherOptions()).wait()
     except Exception as e:  # noqa: BLE001 (any failure of the collective is a no vote)
-      self._manager.report_error(e)
+      self._failed(e)
       return None
     return outs
 
