@@ -324,10 +324,11 @@ def test_the_run_with_a_restart_replays_in_process_with_the_same_hashes(killed):
     assert state_hash(final[i]) == got["replica_hash"]
 
 
-def _ports(tmp_path, behind_restarted: bool, protocol=None):
+def _ports(tmp_path, behind_restarted: bool, protocol=None, committed=False):
   """Two exchange ends of replicas 0 and 1 (no torchft session: their thread is not started):
   replica 0 the donor, two rounds committed of three closed; replica 1 at the run's start,
-  restarted (an earlier process of it made its boundaries file) or live."""
+  restarted (an earlier process of it made its boundaries file) or live. ``committed``: their
+  params committed to the first device, as a command's are to its mesh."""
   import types
 
   import jax
@@ -347,6 +348,8 @@ def _ports(tmp_path, behind_restarted: bool, protocol=None):
     port = torchft_decoupled.DecoupledPort(engine)
     port.start = port._hold  # the replica's start without a session
     params = {"w": jnp.arange(3.0) + slot, "b": jnp.ones(3), "c": jnp.full(3, -1.0)}
+    if committed:
+      params = jax.device_put(params, jax.devices()[0])
     port.replica.start((params, protocol.tx.init(params)))
     ports.append(port)
   donor = ports[0]
@@ -406,6 +409,22 @@ def test_a_live_replica_behind_catches_up_on_the_global_state_alone(tmp_path):
                (caught.opt_state.local_step, mine.opt_state.local_step)]:
     jax.tree.map(np.testing.assert_array_equal, a, b)
   assert late._received == {None: 2}  # its next payload's staleness counts from version 2
+
+
+def test_a_received_donation_is_placed_as_the_replica_s_own_arrays(tmp_path):
+  """The arrays of a donation (built from bytes: on no device in particular) are placed as the
+  receiver's own, committed to its device: the catch-up's programs are then those its warm-up
+  compiled, where arrays of another placement compiled them again inside the run (a restarted
+  replica compiled for about a minute under its CPU share in the speeds benchmark)."""
+  import jax
+
+  donor, late = _ports(tmp_path, behind_restarted=False, committed=True)
+  _received(late, donor._heal_bytes())
+  mine = jax.tree.leaves(late.replica.replica_state)
+  caught = jax.tree.leaves(late._global[0])
+  assert len(caught) == len(mine) and sum(x.committed for x in mine) >= 3  # the params
+  assert [x.committed for x in caught] == [x.committed for x in mine]
+  assert [x.sharding for x in caught] == [x.sharding for x in mine]
 
 
 def test_a_restarted_replica_heals_at_its_next_push_and_a_refused_donation_is_a_no(tmp_path,

@@ -105,7 +105,7 @@ from optax_dist import _exchange
 from optax_dist.fault_tolerance import decoupled, heal
 from optax_dist.fault_tolerance.decision import Header
 from optax_dist.fault_tolerance.decoupled import Boundary, DecoupledReplica, MergeLine, Pull, Push
-from optax_dist.fault_tolerance.loop import split_donation
+from optax_dist.fault_tolerance.loop import placed_as, split_donation
 from optax_dist.fault_tolerance.rundir import RunDir
 from optax_dist.fault_tolerance.torchft_session import (
   MissedRounds,
@@ -395,11 +395,15 @@ class DecoupledPort(Session):
     return heal.encode_heal((tree, counters), fingerprint=self.replica.fingerprint)
 
   def _load(self, payload: bytes) -> None:
-    """A donor's donation, checked against this replica's own tree and fingerprint; refused,
-    it is reported to torchft (a no vote) and torchft's counters go back to this replica's."""
+    """A donor's donation, checked against this replica's own tree and fingerprint, its arrays
+    placed as this replica's own (a jitted program is compiled per placement of its arguments:
+    so the catch-up's and heal's programs are those its warm-up compiled, not compiled inside the
+    run under the replica's CPU share); refused, it is reported to torchft (a no vote) and
+    torchft's counters go back to this replica's."""
     try:
-      self._got = heal.decode_heal(payload, self._donation_like, replica="donor",
-                                   fingerprint=self.replica.fingerprint)
+      got = heal.decode_heal(payload, self._donation_like, replica="donor",
+                             fingerprint=self.replica.fingerprint)
+      self._got = placed_as(got, self._donation_like)
     except (TypeError, ValueError) as e:
       self._manager.load_state_dict(self._steps)
       self._manager.report_error(e)
