@@ -81,7 +81,9 @@ bit for bit. Members whose closed rounds differ skip their polls until the one b
 caught up (or, after ``quorum_timeout`` seconds without, leaves the run:
 :class:`~optax_dist.fault_tolerance.torchft_session.MissedRounds`); a member lost during a
 round's payloads' broadcasts leaves the round open (each member acknowledges the payloads it
-holds before it decides), and the next quorum closes it without that member; a member whose
+holds before it decides), and the next quorum closes it without that member (a member whose
+collective failed votes no at once: the next quorum has a new id, on which torchft configures a
+new process group, as a failed gloo collective leaves the old one unusable); a member whose
 vote (torchft's ``should_commit``) fails on a round the decision commits catches up on it at
 the next quorum (4.).
 """
