@@ -7,7 +7,8 @@ boundary in each: K = R with an infinite window (the synchronous round, bit for 
 waits for it) and K = 1 with a window of 0.3 s (rounds close without it); a third, K = R,
 replica 1 killed (``kill -9``) and restarted (it heals); the late run and the restarted one
 are replayed in process (E3). The heal and the catch-up of the exchange thread are also
-checked in process, on two ports without a session. Every process a
+checked in process, on two ports without a session, and a failed collective's no vote on
+two ports over a Lighthouse in this process. Every process a
 run starts is killed at the end of the module, also after a failure.
 
 Needs the ``ft`` extra; with ``OPTAX_DIST_REQUIRE_FT=1`` (``make test``) a missing extra fails
