@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-lowest docs bench bench-network bench-equal-tokens bench-lm-exchanges \
-  bench-async-dylu bench-decoupled-staleness bench-chaos bench-decoupled dist clean
+  bench-async-dylu bench-decoupled-staleness bench-chaos bench-decoupled bench-ft-link dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -122,6 +122,19 @@ bench-decoupled: $(VENV)/.bench,ft
 	$(BIN)/python -m benchmarks chaos --speeds 1 1 0.5 0.25 --cpus 1.6 --seeds 0 1 2 \
 	  --steps 200 --windows 0 1 --speed-faults --flags "$(DECOUPLED_OUTER)" \
 	  --out benchmarks/results/chaos/speeds $(BENCH_DECOUPLED_ARGS)
+
+# Fault-tolerant streaming DiLoCo over a 10 Mbit/s link (2 replica processes over torchft, each
+# of 4 devices in its own namespace, capped at 0.8 CPU; H = 20, F = 2): each run shaped and
+# unshaped, one after the other, with overlap 8 and without, seeds 0, 1 and 2 (about 25 min); in
+# benchmarks/results/chaos/, the raw logs in link_raw.tar.xz. The chaos study's link mode: needs
+# root and the ft extra.
+bench-ft-link: $(VENV)/.bench,ft
+	@if [ "$$(id -u)" != 0 ]; then echo "bench-ft-link: skipped: needs root"; exit 0; fi; \
+	mkdir -p benchmarks/results/chaos; \
+	$(BIN)/python -m benchmarks chaos --rate 10mbit --replicas 2 --min-replicas 2 \
+	  --algorithm streaming_diloco --steps 400 --seeds 0 1 2 --overlaps 8 0 --lighthouse-kill 0 \
+	  --checkpoint-every 0 --cpus 1.6 --flags "--devices 4 --num-fragments 2 \
+	  --outer-learning-rate 0.7 --outer-momentum 0.5" --out benchmarks/results/chaos/link
 
 # The sdist and the wheel, in dist/, checked as PyPI would check them.
 dist: $(VENV)/.dist

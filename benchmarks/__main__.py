@@ -68,7 +68,8 @@ SECTIONS = (
   ("chaos/chaos", "Training through failures: fault-tolerant DiLoCo under faults",
    "make bench-chaos"),
   ("chaos/speeds", "Decoupled rounds over torchft: replicas of different speeds",
-   "make bench-decoupled"))
+   "make bench-decoupled"),
+  ("chaos/link", "Fault-tolerant rounds over torchft and a 10 Mbit/s link", "make bench-ft-link"))
 
 INTRO = (
   "Written by `python -m benchmarks STUDY` (`make bench` and the `bench-*` targets), each study's"

@@ -11,8 +11,8 @@ directions at rate R), or left unshaped; :meth:`Link.shape` changes the rate in 
 the namespaces and their ``/etc/netns`` directories.
 
 :class:`Star` joins a hub namespace to several leaf namespaces, each by a veth pair on a bridge
-in the hub (one private /24), and takes a leaf's link down and up: the chaos study's replicas cut
-off from the Lighthouse and from each other.
+in the hub (one private /24), shaped as a :class:`Link`'s or not, and takes a leaf's link down and
+up: the chaos study's replicas cut off from the Lighthouse and from each other.
 
 Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable` says why not, before any change::
 
@@ -122,6 +122,16 @@ def _run(*argv: str, check: bool = True) -> str:
   return done.stdout
 
 
+def shape(namespace: str, device: str, rate: str | None) -> None:
+  """Shapes ``device``'s egress in ``namespace`` at ``rate`` with tbf (``None``/``"unshaped"``:
+  removes the shaping)."""
+  _run("ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root",
+       check=False)  # none there: fails
+  if bits_per_second(rate) is not None:
+    _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+         "rate", rate, "burst", str(burst(rate)), "latency", LATENCY)
+
+
 def namespaces() -> list[str]:
   return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
 
@@ -207,11 +217,13 @@ class Star(_Namespaces):
   stars of one process. Addresses ``10.213.X.1`` for the hub's bridge (:attr:`address`) and
   ``10.213.X.(I+2)`` for leaf ``I`` (:attr:`addresses`), of one /24 with ``X`` = 128 + PID mod
   128 (a :class:`Link`'s ``X`` is PID mod 128): each star's hub is a network of its own, so the
-  stars of one process share the addresses. Unshaped.
+  stars of one process share the addresses. With ``rate``, each leaf's link is shaped both ways
+  (its ``eth0`` and its bridge port) as :class:`Link`'s.
   """
 
-  def __init__(self, leaves: int, tag: str = ""):
+  def __init__(self, leaves: int, tag: str = "", rate: str | None = None):
     super().__init__()
+    self.rate = rate
     if not re.fullmatch("[a-z]?", tag):
       raise ValueError(f"Star(tag={tag!r}): a tag is one lower-case letter or empty")
     pid = os.getpid()
@@ -233,10 +245,17 @@ class Star(_Namespaces):
       _run("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
       _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
       _run("ip", "-n", name, "link", "set", "eth0", "up")
+      shape(name, "eth0", self.rate)
+      shape(self.hub, port, self.rate)
 
   def set_link(self, leaf: int, up: bool) -> None:
     """Takes leaf ``leaf``'s link down (its bridge port: nothing passes either way) or up."""
     _run("ip", "-n", self.hub, "link", "set", self.ports[leaf], "up" if up else "down")
+
+  def counters(self) -> list[dict[str, int]]:
+    """Each leaf's ``{"tx_bytes", "rx_bytes"}``: what its ``eth0`` sent and received."""
+    return [{k: int(_run("ip", "netns", "exec", name, "cat", f"/sys/class/net/eth0/statistics/{k}"))
+             for k in ("tx_bytes", "rx_bytes")} for name in self.names]
 
   def exec_prefix(self) -> list[str]:
     """The command line's start that runs a program in the hub."""
@@ -269,11 +288,7 @@ class Link(_Namespaces):
     """Shapes both directions at ``rate`` (``None``/``"unshaped"``: removes the shaping)."""
     self.rate = rate
     for side in "ab":
-      dev = self.devices[side]
-      self.run(side, ["tc", "qdisc", "del", "dev", dev, "root"], check=False)  # none: fails
-      if bits_per_second(rate) is not None:
-        self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
-                        str(burst(rate)), "latency", LATENCY])
+      shape(self.names[side], self.devices[side], rate)
 
   def run(self, side: str, argv: list[str], check: bool = True) -> str:
     """Runs ``argv`` in namespace ``side``; its stdout (raises ``RuntimeError`` on failure,

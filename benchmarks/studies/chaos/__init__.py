@@ -31,7 +31,8 @@ Every figure is the median and range over the seeds, computed again from the raw
 Every process, cgroup and namespace of a run is removed when it ends, also on an exception or
 Ctrl-C. Needs root (``make bench-chaos``); says so and exits with 0 otherwise. With
 ``--speeds``, the speeds mode (:mod:`~benchmarks.studies.chaos.speeds`, ``make
-bench-decoupled``) runs instead: decoupled rounds where the replicas' speeds differ.
+bench-decoupled``) runs instead: decoupled rounds where the replicas' speeds differ; with ``--rate``,
+the link mode (:mod:`~benchmarks.studies.chaos.link`): fault-tolerant rounds over a shaped link.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ __all__ = ["QUICK", "Config", "markdown", "measure", "plot"]
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:
-  """Every seed's runs (:func:`run_seed`; with ``speeds``, the speeds' calibration and
-  :func:`speeds.run_seed`), archived in ``PREFIX_raw.tar.xz``, and the figures. A ``SIGTERM``
-  ends the study as Ctrl-C does, the runs in progress removed first."""
+  """Every seed's runs (:func:`run_seed`; a mode's, :func:`report.mode`: its ``run_seed``, with
+  ``speeds`` after the speeds' calibration), archived in ``PREFIX_raw.tar.xz``, and the
+  figures. A ``SIGTERM`` ends the study as Ctrl-C does, the runs in progress removed first."""
   if os.geteuid() != 0:
     print("[chaos] skipped: needs root (make bench-chaos)", file=sys.stderr)
     return None
@@ -62,8 +63,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
   if config.speeds:
     study["calibration"] = speeds.calibrate(config)
   for seed in config.seeds:
-    study["seeds"][str(seed)], records[str(seed)] = (
-      speeds.run_seed if config.speeds else run_seed)(config, seed, prefix)
+    study["seeds"][str(seed)], records[str(seed)] = getattr(
+      report.mode(study["config"]), "run_seed", run_seed)(config, seed, prefix)
   report.write_archive(f"{prefix}_raw.tar.xz", study, records, prefix)
   return report.result(study, records)
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import kit
-from benchmarks.studies.chaos import accounting, runs, speeds
+from benchmarks.studies.chaos import accounting, link, runs, speeds
 from benchmarks.studies.chaos.accounting import BACK
 from optax_dist.fault_tolerance.rundir import RunDir
 
@@ -52,11 +52,16 @@ def read_archive(path: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
   return study, study.pop("records")
 
 
+def mode(config: dict[str, Any]) -> Any:
+  """The module of ``config``'s mode (:mod:`speeds`, :mod:`link`), or ``None``: the study's own."""
+  return speeds if config.get("speeds") else link if config.get("rate") else None
+
+
 def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-  """Each seed's numbers (:func:`seed_result`) and the figures' table (:data:`FIGURES`); the
-  speeds mode's: :func:`speeds.result`."""
-  if study["config"].get("speeds"):
-    return speeds.result(study, records)
+  """Each seed's numbers (:func:`seed_result`) and the figures' table (:data:`FIGURES`); a
+  mode's: its ``result``."""
+  if other := mode(study["config"]):
+    return other.result(study, records)
   seeds = {seed: seed_result(study["seeds"][seed], found) for seed, found in records.items()}
   figures = [s["figures"] for s in seeds.values()]
   return {"config": study["config"], "seeds": seeds, "summary": [
@@ -121,8 +126,8 @@ ROWS = (  # each seed's table: a label, a run's cell from its accounting and rec
 
 
 def markdown(result: dict[str, Any], figure: str) -> str:
-  if "calibration" in result:
-    return speeds.markdown(result, figure)
+  if other := mode(result["config"]):
+    return other.markdown(result, figure)
   cfg, seeds = result["config"], result["seeds"]
   doc = importlib.import_module("benchmarks.studies.chaos").__doc__
   settings = runs.Config(**cfg | {"sync_checkpoint_every": "N"})
@@ -158,9 +163,9 @@ COLORS = {"kill": "red", "stop": "orange", "cont": "green", "start": "grey",
 
 def plot(result: dict[str, Any], path: str) -> None:
   """Per seed, committed tokens (both arms) and the checkpoints' held-out metric against wall
-  clock, the faulted run's events marked (the speeds mode: :func:`speeds.plot`)."""
-  if "calibration" in result:
-    return speeds.plot(result, path)
+  clock, the faulted run's events marked (a mode's: its ``plot``)."""
+  if other := mode(result["config"]):
+    return other.plot(result, path)
   seeds = result["seeds"]
   fig, axes = kit.plt.subplots(len(seeds), 1, figsize=(10, 3.5 * len(seeds)), squeeze=False)
   for (ax,), (seed, got) in zip(axes, seeds.items(), strict=True):

@@ -67,6 +67,8 @@ class Config:
   decoupled: float | None = kit.option(None, "a run's --decoupled --min-quorum 1 --grace-window")
   flags: str = kit.option("", "more train flags of every fault-tolerant run")
   staleness_rule: str = kit.option("token_share", "a decoupled run's --staleness-rule")
+  rate: str | None = kit.option(None, "the link mode: the replicas' links shaped at this rate")
+  overlaps: tuple[int, ...] = kit.option((0,), "the link mode: each pair's --overlap")
 
 
 SPEEDS_PERIOD_US = 20_000  # the CFS period of the speeds mode's caps (short: a cap is smooth)
@@ -122,8 +124,8 @@ class Run:
   flag, group = "", False  # the flag of a process's index; a kill of its process group
 
   def __init__(self, config: Config, out: str, faults: list[TimedFault], cpus: float, tag: str,
-               seed: int = 0):
-    self.config, self.out, self.cpus, self.tag = config, out, cpus, tag
+               seed: int = 0, rate: str | None = None):
+    self.config, self.out, self.cpus, self.tag, self.rate = config, out, cpus, tag, rate
     self.timed, self.dir = kit.Timed(), RunDir(out)
     self.pending, self.rng = sorted(faults, key=lambda f: f.at), redraw_rng(seed)
     self.events: list[list[Any]] = []  # [t, kind, replica, pid]
@@ -212,7 +214,9 @@ class FaultTolerantRun(Run):
   flag, group = "--replica-id", True
 
   def _network(self) -> netns.Star:
-    return self.stack.enter_context(netns.Star(self.config.replicas, self.tag))
+    star = self.stack.enter_context(netns.Star(self.config.replicas, self.tag, self.rate))
+    self.stack.callback(lambda: setattr(self, "link_bytes", star.counters()))  # its processes
+    return star  # killed first
 
   def _command(self, resume: bool) -> list[str]:
     return command(self.config, self.out, self.star)
@@ -237,7 +241,8 @@ class FaultTolerantRun(Run):
             "curve": ft_task.checkpoint_metrics(args), "boundaries": [
               x for path in sorted(self.dir.replicas.glob("boundaries_*.jsonl"))
               for x in kit.read_json(str(path), lines=True)],
-            "standby_cpu_s": sum(self.standby_cpu.values())}
+            "standby_cpu_s": sum(self.standby_cpu.values()),
+            "link_bytes": getattr(self, "link_bytes", None)}
 
 
 class SyncRun(Run):
