@@ -507,7 +507,7 @@ def test_a_process_restarted_before_its_first_line_waits_for_a_heal_unless_none_
   _, joiner = _ports(tmp_path, behind_restarted=True)
   assert joiner._joining and not joiner.log_path.exists()
   assert not _ports(tmp_path / "first", behind_restarted=False)[1]._joining
-  joiner._manager = types.SimpleNamespace(state_dict=dict)
+  joiner._manager = types.SimpleNamespace(state_dict=dict, errored=lambda: None)
   joiner.transport, joiner._quorum = types.SimpleNamespace(source=None), lambda: None
   joiner.quorum_timeout = 60.0
 
@@ -543,7 +543,7 @@ def test_a_restarted_replica_refuses_to_start_the_run_again_when_its_rounds_are_
   lost.start = lost._hold
   lost.replica.start((fresh.replica.replica_state.params, fresh.replica.replica_state.opt_state))
   for port in (fresh, lost):
-    port._manager = types.SimpleNamespace(state_dict=dict)
+    port._manager = types.SimpleNamespace(state_dict=dict, errored=lambda: None)
     port.transport, port._quorum = types.SimpleNamespace(source=None), lambda: None
     port.quorum_timeout = 60.0
     heads = [np.asarray(td.PollHeader(i, 1, port.replica.fingerprint, 0, 0, 0, 0, 0, 10**6, 0,
@@ -766,7 +766,6 @@ def test_the_auto_window_is_gamma_times_the_least_slack_in_the_members_headers(t
   with port._cv:
     port._measure(4)
   assert port._slack == pytest.approx(0.3 / 2 * 2e6 - 0.05e6, abs=20_000)
-  port._manager = types.SimpleNamespace(errored=lambda: None)
   assert td.PollHeader(*port._header().tolist()).slack == port._slack
   assert 0 <= _closed_by(tmp_path / "closed", True)._transport < 1.0
 
@@ -860,12 +859,14 @@ def test_a_process_group_whose_configuration_failed_is_a_failed_all_gather(tmp_p
   assert votes[0] == errors  # the vote after the report: a no
 
 
-def test_after_a_failed_collective_the_next_quorum_configures_a_new_process_group(tmp_path):
+def test_after_a_failed_collective_the_next_poll_goes_through_and_says_ok(tmp_path):
   """A poll's collective that times out (here: a member alone in an all-gather) closes the gloo
   group's connections, and torchft configures a new group only on a new quorum id: the
   failing member votes no at once, so the Lighthouse gives the next quorum of the same members
-  a new id and the next poll's all-gather goes through (without the vote it failed again, and
-  every later poll, until a member left)."""
+  a new id and the next poll's headers' all-gather goes through (without the vote it failed
+  again, and every later poll, until a member left). Each header's ``ok`` is its own quorum's:
+  the failure of the poll before does not abort the round the next poll closes (it did when
+  the header was made before the quorum cleared torchft's error)."""
   import concurrent.futures
 
   import torch
@@ -886,10 +887,12 @@ def test_after_a_failed_collective_the_next_quorum_configures_a_new_process_grou
 
       first, _ = poll()
       assert ports[0]._allgather(torch.tensor([0])) is None  # alone: it times out
-      second, gathered = poll()
+      ports[0]._closed = ports[1]._closed  # the two closed the same rounds
+      heads = list(pool.map(lambda p: p._headers(p._header()), ports))
+      second = {p._manager._quorum_id for p in ports}
   finally:
     for port in ports:
       port.shutdown()
     lighthouse.shutdown()
   assert len(first) == len(second) == 1 and second != first
-  assert [[int(t) for t in outs] for outs in gathered] == [[0, 1]] * 2
+  assert [[(h.slot, h.ok) for h in got] for got in heads] == [[(0, 1), (1, 1)]] * 2

@@ -134,7 +134,7 @@ class PollHeader(NamedTuple):
 
   Attributes:
     slot: its replica id.
-    ok: 1 unless its quorum failed.
+    ok: 1 unless its quorum or its heal in this poll failed.
     fingerprint: its settings fingerprint.
     ready: 1 if its payload is in the open round.
     tokens: that payload's tokens.
@@ -508,7 +508,7 @@ class DecoupledPort(Session):
 
   def _header(self) -> np.ndarray:
     e = self._entry
-    fields = (self.slot, int(self._manager.errored() is None), self.replica.fingerprint,
+    fields = (self.slot, 0, self.replica.fingerprint,  # ok: after the quorum (_headers)
               int(e is not None), e.tokens if e else 0, e.push.header.step if e else 0,
               e.received if e else 0, e.arrival if e else 0, time.time_ns() // 1000,
               int(self._done), self._closed, int(self._global[0].rounds), int(self._joining),
@@ -534,6 +534,8 @@ class DecoupledPort(Session):
     start = time.monotonic()
     self._quorum()
     seconds = time.monotonic() - start
+    head[1] = self._manager.errored() is None  # this quorum's (its heal's): torchft clears an
+    # earlier poll's error at the quorum's start, so a failed collective aborts no later round
     outs = self._allgather(torch.from_numpy(head), everyone=True)
     if outs is None:
       return None
