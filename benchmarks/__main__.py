@@ -38,8 +38,7 @@ STUDIES = ("lm_quality", "lm_overhead", "mlp_overhead", "communication", "fsdp",
 BENCH = ("lm_quality", "lm_overhead", "mlp_overhead", "communication")
 """The studies of ``make bench`` (``python -m benchmarks bench``)."""
 
-SECTIONS = (
-  # report, title (None: the report's own), how it is measured
+SECTIONS = (  # report, title (None: the report's own), how it is measured
   ("network", "Language model over a bandwidth-limited link (two network namespaces)",
    "make bench-network"),
   ("network_formats", "Quantized exchanges over the 10 Mbit/s link (H = 20)",
@@ -61,10 +60,7 @@ SECTIONS = (
   ("decoupled_staleness", "Staleness rules with a window of half the slack (W = 10 s)",
    "python -m benchmarks decoupled_staleness --gamma 0.5 --flags '--outer-learning-rate 1.4"
    " --outer-momentum 0' --out benchmarks/results/decoupled_staleness"),
-  ("lm_quality", None, "python -m benchmarks lm_quality"),
-  ("lm_overhead", None, "python -m benchmarks lm_overhead"),
-  ("mlp_overhead", None, "python -m benchmarks mlp_overhead"),
-  ("communication", None, "python -m benchmarks communication"),
+  *((name, None, f"python -m benchmarks {name}") for name in BENCH),
   ("chaos/chaos", "Training through failures: fault-tolerant DiLoCo under faults",
    "make bench-chaos"),
   ("chaos/speeds", "Decoupled rounds over torchft: replicas of different speeds",
@@ -126,12 +122,10 @@ def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argpars
                                    description=study.__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="a short run that checks the program, not a measurement")
-  parser.add_argument("--out", default=None, metavar="PREFIX",
-                      help=f"writes PREFIX.json, PREFIX.md and PREFIX.png (default"
-                           f" benchmarks/results/{name}; with --quick, a temporary directory)")
-  parser.add_argument("--report", action="store_true",
-                      help="render PREFIX.md and PREFIX.png again from the saved result;"
-                           " measures nothing")
+  parser.add_argument("--out", metavar="PREFIX", help="writes PREFIX.json, PREFIX.md and PREFIX.png"
+                      f" (default benchmarks/results/{name}; with --quick, a temporary directory)")
+  parser.add_argument("--report", action="store_true", help="render PREFIX.md and PREFIX.png"
+                      " again from the saved result; measures nothing")
   hints, fields = typing.get_type_hints(study.Config), dataclasses.fields(study.Config)
   for field in fields:
     kind, kwargs = hints[field.name], dict(field.metadata)
@@ -150,16 +144,14 @@ def parse(study: types.ModuleType, argv: Sequence[str]) -> tuple[object, argpars
   given = {f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
   given |= {key: tuple(x for v in value for x in (v.split(",") if isinstance(v, str) else [v]))
             for key, value in given.items() if isinstance(value, list)}
-  config = dataclasses.replace(study.Config(), **(study.QUICK if args.quick else {}) | given)
-  return config, args
+  return dataclasses.replace(study.Config(), **(study.QUICK if args.quick else {}) | given), args
 
 
 def write_results(path: str) -> None:
   """``benchmarks/RESULTS.md``: every study's report of ``benchmarks/results/``, in one document;
   a report not written yet is a section saying how to measure it."""
   lines = ["# Benchmarks", "", INTRO, "", machine_table(), "", LOAD, ""]
-  for name, title, how in SECTIONS:
-    lines += section(name, title, how)
+  lines += [line for name, title, how in SECTIONS for line in section(name, title, how)]
   pathlib.Path(path).write_text("\n".join(lines))
 
 
@@ -172,9 +164,8 @@ def section(name: str, title: str | None, how: str) -> list[str]:
   text = pathlib.Path(path).read_text()
   if title is not None:
     text = f"## {title}\n" + text.split("\n", 1)[1]
-  lines = text.splitlines()
-  if text.startswith("# "):
-    lines = [("#" + line if line.startswith("#") else line) for line in lines]
+  down = "#" if text.startswith("# ") else ""  # a document's headings one level down
+  lines = [down + x if x.startswith("#") else x for x in text.splitlines()]
   folder = os.path.join("results", os.path.dirname(name), "")
   return [line.replace("](", "](" + folder) if line.startswith("![") else line
           for line in lines] + [""]
@@ -189,8 +180,7 @@ def machine_table() -> str:
       runs[name] = result["run"]
   last = max(runs.values(), key=lambda r: r["date"], default={})
   m, v = last.get("machine", {}), last.get("versions", {})
-  rows = [["CPU", m.get("cpu", "")], ["cores", m.get("cores", "")],
-          ["memory", m.get("memory", "")],
+  rows = [["CPU", m.get("cpu", "")], ["cores", m.get("cores", "")], ["memory", m.get("memory", "")],
           ["versions", ", ".join(f"{k} {val}" for k, val in v.items())],
           ["JAX devices", f"{kit.DEVICES} emulated CPU devices (`jax_num_cpu_devices`)"]]
   rows += [[f"`{name}`", f"{r['date']}, `{r['command']}`: {r['seconds'] / 60:.1f} min; load"

@@ -69,8 +69,7 @@ def flag_values(flags: Sequence[str]) -> dict[str, Any]:
   """``{"lr_schedule": "constant", "eager": True}`` of ``["--lr-schedule", "constant",
   "--eager"]``; a value is read as JSON (numbers), else kept as text. Raises ``ValueError`` for a
   name that is no field of :class:`Settings`."""
-  names = {f.name for f in dataclasses.fields(Settings)}
-  out, key = {}, None
+  names, out, key = {f.name for f in dataclasses.fields(Settings)}, {}, None
   for flag in flags:
     if flag.startswith("--"):
       key = flag[2:].replace("-", "_")
@@ -198,10 +197,8 @@ def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
   """A Markdown table; ``align``: ``l`` or ``r`` per column (default: ``l`` then ``r``)."""
   align = align or "l" + "r" * (len(header) - 1)
-  rule = ["---:" if a == "r" else "---" for a in align]
-  lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
-  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-  return "\n".join(lines)
+  rows = [header, ["---:" if a == "r" else "---" for a in align], *rows]
+  return "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
 
 
 def blocks(*parts: str) -> str:
@@ -250,8 +247,7 @@ def human_bytes(nbytes: float) -> str:
 
 def doc_markdown(doc: str, first: int, last: int | None = None) -> str:
   """Paragraphs ``first`` to ``last`` of a module docstring as Markdown (bullets kept)."""
-  paragraphs = doc.strip().split("\n\n")[first:None if last is None else last + 1]
-  out = []
+  paragraphs, out = doc.strip().split("\n\n")[first:None if last is None else last + 1], []
   for p in paragraphs:
     bulleted = p.lstrip().startswith("* ")
     items = re.split(r"\n\s*\* ", "\n" + p.strip()) if bulleted else [p]
