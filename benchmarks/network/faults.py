@@ -20,12 +20,10 @@ def processes(out: str) -> dict[int, str]:
   """The live processes whose command line holds ``--out OUT``: pid -> command line."""
   found = {}
   for entry in pathlib.Path("/proc").iterdir():
-    try:
+    with contextlib.suppress(OSError):  # a process gone meanwhile
       args = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
-    except OSError:
-      continue
-    if any(a == b"--out" and b == out.encode() for a, b in itertools.pairwise(args)):
-      found[int(entry.name)] = " ".join(a.decode() for a in args)
+      if any(a == b"--out" and b == out.encode() for a, b in itertools.pairwise(args)):
+        found[int(entry.name)] = " ".join(a.decode() for a in args)
   return found
 
 
@@ -58,8 +56,7 @@ def inflict(kind: str, pid: int, group: bool = False) -> bool:
 def kill_all(out: str) -> None:
   """SIGKILLs (and SIGCONTs) every process of the run ``out`` until none is left."""
   for _ in range(50):
-    found = processes(out)
-    if not found:
+    if not (found := processes(out)):
       return
     for pid, sig in itertools.product(found, (signal.SIGKILL, signal.SIGCONT)):
       with contextlib.suppress(ProcessLookupError):

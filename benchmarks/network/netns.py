@@ -1,18 +1,13 @@
 """Two Linux network namespaces joined by a veth pair, each direction shaped by a token bucket.
 
-:class:`Link` creates namespaces ``PREFIX-a-PID`` and ``PREFIX-b-PID``, a veth pair between them
-with the addresses ``10.213.X.1`` (a) and ``10.213.X.2`` (b) of a private /30, brings up ``lo`` in
-each, and writes ``/etc/netns/NAME/hosts`` mapping this machine's host name to that namespace's
-address (``ip netns exec`` bind-mounts it over ``/etc/hosts``: gloo binds to the address the host
-name resolves to, which would otherwise be 127.0.0.1, unreachable from the other namespace).
-Each veth's egress is shaped with ``tc qdisc ... root tbf rate R burst B latency L`` (both
-directions at rate R), or left unshaped; :meth:`Link.shape` changes the rate in place. Leaving the
-``with`` block, on any exit, kills what still runs in the namespaces and removes the veth pair,
-the namespaces and their ``/etc/netns`` directories.
-
-:class:`Star` joins a hub namespace to several leaf namespaces, each by a veth pair on a bridge
-in the hub (one private /24), shaped as a :class:`Link`'s or not, and takes a leaf's link down and
-up: the chaos study's replicas cut off from the Lighthouse and from each other.
+:class:`Link` creates namespaces ``PREFIX-a-PID`` and ``PREFIX-b-PID`` joined by a veth pair
+(``10.213.X.1`` and ``.2``, a private /30), each with an ``/etc/netns/NAME/hosts`` of its address:
+gloo binds to the address the host name resolves to, else 127.0.0.1, unreachable from the other
+namespace. Each veth's egress is shaped with ``tc qdisc ... root tbf rate R burst B latency L``, or
+left unshaped (:meth:`Link.shape` changes the rate in place). :class:`Star` joins a hub namespace to
+leaf namespaces on a bridge, shaped as a :class:`Link` or not, and takes a leaf's link down and up:
+the chaos study's replicas cut off. Leaving the ``with`` block, on any exit, kills what still runs
+in the namespaces and removes them, their veths and ``/etc/netns``.
 
 Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable` says why not, before any change::
 
@@ -37,19 +32,14 @@ from typing import Any, Self
 
 PREFIX = "odist"
 """The first part of the namespaces' names (``odist-a-PID``)."""
-
 LATENCY = "50ms"
 """tbf's latency: the longest a packet may wait in the bucket's queue before it is dropped."""
-
 MIN_BURST = 32 * 1024
 """tbf's smallest bucket, in bytes (see :func:`burst`)."""
-
 PORT = 5201
 """The TCP port of :meth:`Link.measure_rate`'s receiver."""
-
 FRAME_OVERHEAD = 66
 """Bytes of headers per packet on the veth: Ethernet 14, IPv4 20, TCP 32 (with timestamps)."""
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The checkout, first on the ``PYTHONPATH`` of :meth:`Link.run_pair`'s processes."""
 
@@ -61,8 +51,7 @@ conn, _ = server.accept()
 total, first, last = 0, None, None
 while chunk := conn.recv(1 << 20):
   last = time.perf_counter()
-  first = first or last
-  total += len(chunk)
+  first, total = first or last, total + len(chunk)
 print(total, first and last - first, flush=True)
 """
 
@@ -123,8 +112,7 @@ def _run(*argv: str, check: bool = True) -> str:
 
 
 def shape(namespace: str, device: str, rate: str | None) -> None:
-  """Shapes ``device``'s egress in ``namespace`` at ``rate`` with tbf (``None``/``"unshaped"``:
-  removes the shaping)."""
+  """(Re)shapes ``device``'s egress in ``namespace`` by tbf at ``rate`` (``"unshaped"``: none)."""
   _run("ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root",
        check=False)  # none there: fails
   if bits_per_second(rate) is not None:
@@ -162,11 +150,7 @@ class _Namespaces:
   :func:`unavailable`, or ``ip netns add`` failed)."""
 
   def __init__(self):
-    self._made: list[str] = []
-    self._previous_handlers: dict[int, Any] = {}
-
-  def _create(self) -> None:
-    raise NotImplementedError
+    self._made, self._previous_handlers = [], {}  # names; signal -> its handler before
 
   def __enter__(self) -> Self:
     if (reason := unavailable()) is not None:
@@ -210,23 +194,19 @@ class _Namespaces:
 
 
 class Star(_Namespaces):
-  """A hub namespace with a bridge, and ``leaves`` namespaces each joined to it by a veth pair.
-
-  Namespaces ``PREFIX-hubTAG-PID`` (:attr:`hub`) and ``PREFIX-TAGI-PID`` (:attr:`names`, the
-  pattern :attr:`pattern` with ``{i}``); ``tag``, one lower-case letter or none, tells apart the
-  stars of one process. Addresses ``10.213.X.1`` for the hub's bridge (:attr:`address`) and
-  ``10.213.X.(I+2)`` for leaf ``I`` (:attr:`addresses`), of one /24 with ``X`` = 128 + PID mod
-  128 (a :class:`Link`'s ``X`` is PID mod 128): each star's hub is a network of its own, so the
-  stars of one process share the addresses. With ``rate``, each leaf's link is shaped both ways
-  (its ``eth0`` and its bridge port) as :class:`Link`'s.
-  """
+  """A hub namespace with a bridge, and ``leaves`` namespaces each joined to it by a veth pair:
+  ``PREFIX-hubTAG-PID`` (:attr:`hub`) and ``PREFIX-TAGI-PID`` (:attr:`names`; :attr:`pattern`
+  with ``{i}``), ``tag`` (one lower-case letter or none) telling apart the stars of one process.
+  Addresses ``10.213.X.1`` for the hub's bridge (:attr:`address`), ``10.213.X.(I+2)`` for leaf
+  ``I`` (:attr:`addresses`), one /24 with ``X`` = 128 + PID mod 128 (a :class:`Link`'s is PID mod
+  128): each hub a network of its own, so the stars of one process share the addresses. With
+  ``rate``, each leaf's link is shaped both ways (its ``eth0`` and its bridge port)."""
 
   def __init__(self, leaves: int, tag: str = "", rate: str | None = None):
     super().__init__()
-    self.rate = rate
     if not re.fullmatch("[a-z]?", tag):
       raise ValueError(f"Star(tag={tag!r}): a tag is one lower-case letter or empty")
-    pid = os.getpid()
+    pid, self.rate = os.getpid(), rate
     self.hub, self.pattern = f"{PREFIX}-hub{tag}-{pid}", f"{PREFIX}-{tag}{{i}}-{pid}"
     self.names = [self.pattern.format(i=i) for i in range(leaves)]
     net = f"10.213.{128 + pid % 128}"
@@ -291,8 +271,7 @@ class Link(_Namespaces):
       shape(self.names[side], self.devices[side], rate)
 
   def run(self, side: str, argv: list[str], check: bool = True) -> str:
-    """Runs ``argv`` in namespace ``side``; its stdout (raises ``RuntimeError`` on failure,
-    unless not ``check``)."""
+    """``argv``'s stdout, run in namespace ``side`` (:func:`_run`)."""
     return _run("ip", "netns", "exec", self.names[side], *argv, check=check)
 
   def popen(self, side: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:
@@ -311,10 +290,9 @@ class Link(_Namespaces):
         with open(path, "w") as log:  # the child keeps its own descriptor
           procs.append(self.popen(side, argv, env=env, cwd=ROOT, stdout=log,
                                   stderr=subprocess.STDOUT))
-      for p in procs:
-        p.wait(timeout=max(deadline - time.perf_counter(), 1))
-    except subprocess.TimeoutExpired:
-      pass
+      with contextlib.suppress(subprocess.TimeoutExpired):
+        for p in procs:
+          p.wait(timeout=max(deadline - time.perf_counter(), 1))
     finally:
       for p in procs:
         if p.poll() is None:
