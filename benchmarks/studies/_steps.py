@@ -1,11 +1,10 @@
 """The one hand-written training step of the benchmarks, and its interleaved timing.
 
 ``lm_overhead``, ``mlp_overhead`` and ``communication`` measure a transformation's *step* against
-bare adam's: each call timed between two adam calls, with the step counter set before the call
-so that it is the communication step or not, the params and state donated or not, the axis bound
-(``jax.shard_map``) or not, and the compiled program's memory analysis and collectives. The
-trainer (:func:`optax_dist.cli.trainer.train`) runs whole trainings of one algorithm and exposes
-none of these knobs, so these studies compile their step here instead.
+bare adam's with knobs the trainer (:func:`optax_dist.cli.trainer.train`: whole trainings of one
+algorithm) does not expose: each call timed between two adam calls, the step counter set before
+it (the communication step or not), the params and state donated or not, the axis bound
+(``jax.shard_map``) or not, and the compiled program's memory analysis and collectives.
 """
 
 from __future__ import annotations
@@ -60,15 +59,12 @@ class Variant:
 
 
 class Problem:
-  """One worker's ``params`` and ``loss_fn(params, *batch)`` over ``devices`` workers.
-
-  Every array is placed with ``P("w")`` (scalars with ``P()``): each leaf's first axis is the
-  workers' blocks end to end, so nothing is reshaped; on one device each worker holds the whole
-  array, typed varying over ``"w"`` as a worker's own params are (stacking a leading worker axis
-  of size 1 instead makes XLA copy the donated params and adam's moments on every step).
-  ``batch``: the arrays of every worker, end to end; ``loss_fn`` ``None``: the batch is the
-  gradients (the optimizer alone, the loss 0).
-  """
+  """One worker's ``params`` and ``loss_fn(params, *batch)`` (``None``: the batch is the gradients,
+  the loss 0) over ``devices`` workers; ``batch``: the arrays of every worker, end to end. Every
+  array is placed with ``P("w")`` (scalars with ``P()``): each leaf's first axis is the workers'
+  blocks end to end, so nothing is reshaped; on one device each worker holds the whole array, typed
+  varying over ``"w"`` as a worker's own params are (stacking a leading worker axis of size 1
+  instead makes XLA copy the donated params and adam's moments on every step)."""
 
   def __init__(self, params: Any, loss_fn: Callable | None, batch: Sequence[np.ndarray],
                devices: int):
@@ -83,9 +79,7 @@ class Problem:
   def put(self, tree: Any, tile: bool = True) -> Any:
     """``tree`` on the devices; ``tile``: one worker's values repeated for every worker."""
     def one(x, s):
-      x = np.asarray(x)
-      if tile and x.ndim:
-        x = np.concatenate([x] * self.n)
+      x = np.concatenate([x] * self.n) if tile and np.ndim(x) else np.asarray(x)
       return jax.device_put(x, NamedSharding(self.mesh, s))
 
     return jax.tree.map(one, tree, self.spec(tree))
@@ -107,10 +101,8 @@ class Problem:
     loss_fn = self.loss_fn
 
     def step(params, opt_state, *batch):
-      if loss_fn is None:
-        loss, grads = jnp.zeros(()), batch[0]
-      else:
-        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+      loss, grads = ((jnp.zeros(()), batch[0]) if loss_fn is None
+                     else jax.value_and_grad(loss_fn)(params, *batch))
       kwargs = {"grad_step": opt_state.global_step} if grad_step else {}
       kwargs |= {} if communicate is None else {"communicate": communicate}
       updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
@@ -163,8 +155,7 @@ def interleaved(baseline: Runner, runners: Sequence[Runner], rounds: int,
   rng = np.random.default_rng(seed)
   base, times, ratios = [], [[] for _ in runners], [[] for _ in runners]
   for _ in range(rounds):
-    previous = baseline()
-    base.append(previous)
+    base.append(previous := baseline())
     for i in rng.permutation(len(runners)):
       t, after = runners[i](), baseline()
       base.append(after)
@@ -201,11 +192,9 @@ def time_variants(problem: Problem, adam: Any, variants: Sequence[Variant], roun
   ``phase``, ``hint``, ``communicates``, ``sync_phase``, ``passes``, :func:`memory`, the timing)."""
   with kit.Timed() as compiling:
     base_step = problem.compiled(adam, donate=donate, bound=bound)
-    baseline = Runner(problem, base_step, problem.init(adam))
-    runners, meta = [], []
+    baseline, runners, meta = Runner(problem, base_step, problem.init(adam)), [], []
     for v in variants:
-      tx = v.make(adam, AXIS if bound else None)
-      steps = {}  # one compiled step per value of the hint
+      tx, steps = v.make(adam, AXIS if bound else None), {}  # one compiled step per hint value
       for phase, value, communicates, passes, hint in v.timed():
         if hint not in steps:
           steps[hint] = problem.compiled(tx, donate=donate, bound=bound, grad_step=v.grad_step,

@@ -55,8 +55,7 @@ from optax_dist.cli import async_run, tasks
 from optax_dist.cli.algorithms import inner_optimizer
 from optax_dist.cli.models import Transformer
 
-SPEEDS = (1.0, 1.0, 0.5, 0.25)
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+SPEEDS, OUTER_LR, OUTER_MOMENTUM = (1.0, 1.0, 0.5, 0.25), 0.7, 0.9
 ROUNDS, PERIOD = 12, 30
 """R synchronous rounds of H inner steps: 4 × 12 × 30 = 1,440 inner steps per run."""
 EVALS_PER_ROUND = 2
@@ -78,9 +77,8 @@ class Config:
   task: str = kit.option("lm", "an optax-dist task")
   recipe: str = kit.option("", "flags of `optax-dist train` changing the inner recipe, e.g."
                            " '--lr-schedule constant' (default: none, the task's recipe)")
-  outer: tuple[float, float] = kit.option((OUTER_LR, OUTER_MOMENTUM),
-                                          "the outer learning rate and momentum of every run",
-                                          metavar=("LR", "MOMENTUM"))
+  outer: tuple[float, float] = kit.option((OUTER_LR, OUTER_MOMENTUM), "the outer learning rate"
+                                          " and momentum of every run", metavar=("LR", "MOMENTUM"))
   speeds: tuple[float, ...] = kit.option(SPEEDS, "one relative speed per worker")
   shards: str = kit.option("files", "; ".join(f"{k}: {v}" for k, v in SHARDS.items()),
                            choices=tuple(SHARDS))
@@ -135,8 +133,7 @@ def sync_diloco(problem: dict[str, Any], inner: Any, *, h: int, rounds: int, bat
 
 
 def protocols(inner: Any, setting: Config) -> dict[str, Any]:
-  h, outer = setting.sync_period, setting.outer
-  buffer = setting.buffer_size or len(setting.speeds)
+  h, outer, buffer = setting.sync_period, setting.outer, setting.buffer_size or len(setting.speeds)
   delayed = optax_dist.delayed_nesterov(*outer, buffer_size=buffer, activation=setting.activation)
   return dict(zip(PROTOCOLS, (ae.diloco(inner, optax.sgd(*outer, nesterov=True), sync_period=h),
                               ae.diloco(inner, delayed, sync_period=h),
@@ -202,10 +199,8 @@ def measure(st: Config, prefix: str) -> dict[str, Any]:
 
 
 def finals(result: dict[str, Any]) -> dict[str, dict[int, float]]:
-  out: dict[str, dict[int, float]] = {}
-  for r in result["runs"]:
-    out.setdefault(r["name"], {})[r["seed"]] = r["metric"][-1]
-  return out
+  names = dict.fromkeys(r["name"] for r in result["runs"])
+  return {n: {r["seed"]: r["metric"][-1] for r in result["runs"] if r["name"] == n} for n in names}
 
 
 def sync_at(result: dict[str, Any], seed: int, t: float) -> float:
@@ -217,12 +212,10 @@ def sync_at(result: dict[str, Any], seed: int, t: float) -> float:
 def summary(result: dict[str, Any]) -> str:
   """The table of final metrics and their gaps to synchronous DiLoCo (at equal inner steps and at
   the run's end time), with the targets."""
-  by_name, sync = finals(result), finals(result)["sync diloco"]
-  rows = []
+  by_name, sync, rows = finals(result), finals(result)["sync diloco"], []
   for name, values in by_name.items():
-    seeds = sorted(values)
-    v = np.asarray([values[s] for s in seeds])
-    gaps = np.asarray([values[s] / sync[s] - 1 for s in seeds])
+    v = np.asarray([values[s] for s in sorted(values)])
+    gaps = np.asarray([values[s] / sync[s] - 1 for s in sorted(values)])
     runs = [r for r in result["runs"] if r["name"] == name]
     then = np.mean([sync_at(result, r["seed"], r["time"][-1]) for r in runs])
     rows.append([name, f"{v.mean():.4f} ± {v.std():.4f}",

@@ -65,11 +65,9 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     compiled = optax_dist.communication_report(step, *args)
     lowered = optax_dist.communication_report(step, *args, stage="lowered")
     comm, rounds = compiled.communication_step, STEPS // every
-
-    def per_steps(report, rounds=rounds):
-      c, q = report.communication_step.bytes, report.non_communication_step.bytes
-      return rounds * c + (STEPS - rounds) * q
-
+    per_compiled, per_lowered = (  # bytes per STEPS steps
+      rounds * r.communication_step.bytes + (STEPS - rounds) * r.non_communication_step.bytes
+      for r in (compiled, lowered))
     rows.append({
       "algorithm": algorithm, "comm_dtype": dtype_name, "every": every, "comm_step": str(comm),
       "comm_bytes": comm.bytes, "comm_received": comm.result_bytes,
@@ -77,7 +75,7 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
       "quiet_count": compiled.non_communication_step.count,
       "lowered_comm_bytes": lowered.communication_step.bytes,
       "lowered_comm_step": str(lowered.communication_step), "rounds": rounds,
-      "bytes_per_1000": per_steps(compiled), "lowered_bytes_per_1000": per_steps(lowered)})
+      "bytes_per_1000": per_compiled, "lowered_bytes_per_1000": per_lowered})
   return {"num_params": problem.num_params, "params_bytes": problem.params_bytes, "rows": rows,
           "hidden": hidden}
 

@@ -53,8 +53,7 @@ from optax_dist.cli import ft_task
 from optax_dist.cli.tasks import TASKS
 from optax_dist.fault_tolerance import decoupled
 
-CONTROL = "synchronous"
-SIMPLEST = "none"
+CONTROL, SIMPLEST = "synchronous", "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +81,7 @@ def measure(c: Config, prefix: str) -> dict[str, Any]:
   for seed, arm in ((seed, arm) for seed in c.seeds for arm in (CONTROL, *c.rules)):
     path = os.path.join(prefix, f"{arm}_seed{seed}.jsonl")
     if not os.path.exists(path):  # a stopped study resumes
-      out = run(c, arm, seed)
-      kit.write_json(path, out, lines=True)
+      kit.write_json(path, out := run(c, arm, seed), lines=True)
       print(f"[bench] {arm} seed {seed}: {out[0]['wall_s']:.0f} s", flush=True)
   return load(prefix, c)
 
@@ -169,8 +167,7 @@ def rounds_stats(lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-  """Each arm's metric at the common token count (by seed) and its rounds' figures; the
-  chosen rule."""
+  """Each arm's metric at the common token count (by seed) and rounds' figures; the chosen rule."""
   common, arms = min(r["curve"]["tokens"][-1] for r in runs), {}
   for r in runs:
     a = arms.setdefault(r["arm"], {"by_seed": {}, "staleness": Counter(), "lost": 0})
@@ -192,17 +189,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def choose(arms: dict[str, Any]) -> str:
   """The rule of lowest median; ``none`` when its range overlaps the best's."""
   rules = {k: a for k, a in arms.items() if k != CONTROL}
-  best = min(rules, key=lambda k: rules[k]["median"])
-  plain = rules.get(SIMPLEST)
+  best, plain = min(rules, key=lambda k: rules[k]["median"]), rules.get(SIMPLEST)
   return SIMPLEST if plain is not None and plain["min"] <= rules[best]["max"] else best
 
 
 def load(prefix: str, config: Config) -> dict[str, Any]:
   """The result computed from ``PREFIX/*.jsonl`` alone."""
-  runs = []
-  for path in sorted(glob.glob(os.path.join(prefix, "*.jsonl"))):
-    lines = kit.read_json(path, lines=True)
-    runs.append({**lines[0], "curve": curve(lines), "stats": rounds_stats(lines)})
+  files = [kit.read_json(path, lines=True) for path in sorted(glob.glob(f"{prefix}/*.jsonl"))]
+  runs = [{**lines[0], "curve": curve(lines), "stats": rounds_stats(lines)} for lines in files]
   return {"runs": runs, **summarize(runs)}
 
 
@@ -227,12 +221,11 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
   return kit.blocks(
     f"# Decoupled rounds: the staleness rule at speeds {speeds}",
     kit.doc_markdown(__doc__, 1, 4),
-    (f"As run: speeds {speeds}; replica steps {', '.join(map(str, one['replica_steps']))};"
-     f" H = {one['settings']['sync_period']}; outer learning rate"
+    (f"As run: speeds {speeds}; replica steps {', '.join(map(str, one['replica_steps']))}; H ="
+     f" {one['settings']['sync_period']}; outer learning rate"
      f" {one['settings']['outer_learning_rate']:g}, momentum {one['settings']['outer_momentum']:g};"
-     f" K = {one['min_quorum']}, W ="
-     f" {one['grace_window']:g} simulated s; max_staleness {one['max_staleness']};"
-     f" {one['tokens_per_step']} tokens per step; seeds"
+     f" K = {one['min_quorum']}, W = {one['grace_window']:g} simulated s; max_staleness"
+     f" {one['max_staleness']}; {one['tokens_per_step']} tokens per step; seeds"
      f" {', '.join(map(str, sorted({r['seed'] for r in runs})))}. Equal tokens:"
      f" {result['common_tokens']:,.0f} committed tokens. The 1-minute load average from"
      f" {min(load):.2f} to {max(load):.2f} before and after the runs; in all"

@@ -59,9 +59,8 @@ from optax_dist.cli.tasks import LM_CONTEXT, TASKS
 
 GLOBAL_BATCH = 64
 """Windows per step, of every run: 8 workers × the ``lm`` task's batch of 8 (4,096 tokens)."""
-EVAL_EVERY, OUTER_MOMENTUM, TOKENS_PER_PARAM = 100, 0.9, 20
-SWEEP_SEED = 0
-"""The seed of the outer-learning-rate and H sweeps; the best setting is chosen on it."""
+EVAL_EVERY, OUTER_MOMENTUM, TOKENS_PER_PARAM, SWEEP_SEED = 100, 0.9, 20, 0
+"""SWEEP_SEED: the outer-learning-rate and H sweeps' seed; the best setting is chosen on it."""
 PAPER_GAP = {1: None, 2: 0.007, 4: 0.020, 8: 0.039}
 """Scaling Laws for DiLoCo, Table 4 (35M, H = 30): DiLoCo's final eval loss over data parallel's,
 less 1 (``None``: slightly below 0, M = 1)."""
@@ -69,14 +68,12 @@ TOLERANCE = {2: 0.02, 8: 0.05}
 """The targets: the gap of M within this of data parallel."""
 SECONDS_PER_STEP, SECONDS_PER_RUN = 0.14, 25.0
 """The estimate before any run is cached: a step, and a run's start-up and compilation."""
-QUICK_STEPS = 30
 
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-  """The runs of a study: ``momentum_runs``, ``(M, outer lr, outer momentum)`` of the runs (seed
-  :data:`SWEEP_SEED`, H = ``period``) with another outer momentum than :data:`OUTER_MOMENTUM`,
-  are trained first."""
+  """The runs of a study; ``momentum_runs``, ``(M, outer lr, outer momentum)`` of the runs (seed
+  :data:`SWEEP_SEED`, H = ``period``) not at :data:`OUTER_MOMENTUM`, are trained first."""
 
   replicas: tuple[int, ...]  # the M compared with data parallel, at H = period
   swept: tuple[int, ...]  # the M whose outer learning rate is swept over outer_lrs
@@ -95,7 +92,7 @@ FULL = Grid(replicas=(1, 2, 4, 8), swept=(2, 8), outer_lrs=(0.4, 0.6, 0.8, 1.0),
 ``OUTER``), the best with momentum there at 20 outer steps."""
 QUICK_GRID = Grid(replicas=(1, 2), swept=(2,), outer_lrs=(0.6, 1.0), fixed_lr={1: 0.6},
                   period=10, periods=(5, 10))
-"""``--quick``: 5 runs of :data:`QUICK_STEPS` steps on one seed, to check the program only."""
+"""``--quick``: 5 runs of 30 steps (``QUICK``'s) on one seed, to check the program only."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +123,11 @@ class Spec:
 
   def settings(self, steps: int) -> Any:
     m = self.replicas or kit.DEVICES
-    fields = {"steps": steps, "eval_every": min(EVAL_EVERY, steps), "seed": self.seed,
-              "devices": m, "batch_size": GLOBAL_BATCH // m}
-    if self.replicas is None:
-      return kit.settings(**fields, algorithm="sync")
-    return kit.settings(**fields, algorithm="diloco", sync_period=self.sync_period,
-                        outer_learning_rate=self.outer_lr, outer_momentum=self.outer_momentum)
+    algorithm = {"algorithm": "sync"} if self.replicas is None else {
+      "algorithm": "diloco", "sync_period": self.sync_period, "outer_learning_rate": self.outer_lr,
+      "outer_momentum": self.outer_momentum}
+    return kit.settings(steps=steps, eval_every=min(EVAL_EVERY, steps), seed=self.seed, devices=m,
+                        batch_size=GLOBAL_BATCH // m, **algorithm)
 
 
 def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
@@ -139,10 +135,8 @@ def first_runs(grid: Grid, seeds: Sequence[int]) -> list[Spec]:
   runs = [Spec(m, SWEEP_SEED, grid.period, lr, mom) for m, lr, mom in grid.momentum_runs]
   runs += [Spec(None, s) for s in seeds]
   for m in grid.replicas:
-    if m in grid.swept:
-      runs += [Spec(m, SWEEP_SEED, grid.period, lr) for lr in grid.outer_lrs]
-    else:
-      runs += [Spec(m, s, grid.period, grid.fixed_lr[m]) for s in seeds]
+    runs += ([Spec(m, SWEEP_SEED, grid.period, lr) for lr in grid.outer_lrs] if m in grid.swept
+             else [Spec(m, s, grid.period, grid.fixed_lr[m]) for s in seeds])
   return runs
 
 
@@ -204,15 +198,13 @@ def plan_text(grid: Grid, seeds: Sequence[int], steps: int,
   if len(cached) == len(first):  # the best outer learning rates are known
     second = second_runs(grid, seeds, best_lrs(grid, [records[s.key(steps)] for s in cached]))
     cached += [s for s in second if s.key(steps) in records]
-  total, step, start = run_count(grid, seeds), SECONDS_PER_STEP, SECONDS_PER_RUN
+  total, done = run_count(grid, seeds), records.values()
+  step = statistics.median(r["step_s"] for r in done) if done else SECONDS_PER_STEP
+  start = statistics.median(r["wall_s"] - r["train_s"] for r in done) if done else SECONDS_PER_RUN
   todo = total - len(cached)
-  if records:
-    step = statistics.median(r["step_s"] for r in records.values())
-    start = statistics.median(r["wall_s"] - r["train_s"] for r in records.values())
-  seconds = todo * (start + steps * step)
   return (f"[equal-tokens] {total} runs planned ({len(first)} first, {total - len(first)} at the"
           f" swept M's best outer learning rate), {len(cached)} cached, {todo} to train: about"
-          f" {seconds / 60:.0f} min at {steps} steps each")
+          f" {todo * (start + steps * step) / 60:.0f} min at {steps} steps each")
 
 
 def gaps(records: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> list[float]:
@@ -236,13 +228,10 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return [r for r in records if r["replicas"] == m and r["outer_lr"] == lr
             and r["sync_period"] == h and r["outer_momentum"] == momentum]
 
-  rows = []
-  for m in grid.replicas:
-    mine = runs(m, best[m], grid.period)
-    rows.append({"replicas": m, "outer_lr": best[m], "swept": m in grid.swept,
-                 "seeds": sorted(r["seed"] for r in mine),
-                 "loss": _stats([r["final"] for r in mine]), "gap": _stats(gaps(mine, dp)),
-                 "paper": PAPER_GAP.get(m)})
+  rows = [{"replicas": m, "outer_lr": best[m], "swept": m in grid.swept,
+           "seeds": sorted(r["seed"] for r in mine), "loss": _stats([r["final"] for r in mine]),
+           "gap": _stats(gaps(mine, dp)), "paper": PAPER_GAP.get(m)}
+          for m in grid.replicas for mine in [runs(m, best[m], grid.period)]]
   sweep = {m: {lr: _one(runs(m, lr, grid.period), dp) for lr in grid.outer_lrs} for m in grid.swept}
   m = grid.period_replicas
   periods = {h: _one(runs(m, best[m], h), dp) for h in grid.periods}
@@ -256,28 +245,24 @@ def summary(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _one(runs: Sequence[dict[str, Any]], dp: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-  """The :data:`SWEEP_SEED` run of ``runs``: its final loss, gap, rounds and the workers' loss
-  (``None``: no such run)."""
+  """The :data:`SWEEP_SEED` run of ``runs``: final loss, gap, rounds, workers' loss; or ``None``."""
   if (run := next((r for r in runs if r["seed"] == SWEEP_SEED), None)) is None:
     return None
-  gap = gaps([run], dp)
-  return {"loss": run["final"], "gap": gap[0] if gap else None,
+  return {"loss": run["final"], "gap": next(iter(gaps([run], dp)), None),
           "rounds": run["communication_rounds"], "workers": run["final_workers"]}
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """Each target with ``met`` (``None``: not measured) and its numbers, from the rows' mean gaps."""
   gap = {r["replicas"]: r["gap"][0] for r in rows if r["gap"] is not None}
-  out = [{"text": "M = 1 at or below data parallel",
-          "met": gap[1] <= 0 if 1 in gap else None, "gaps": {1: gap.get(1)}}]
   ordered = sorted(gap.items())
-  out.append({"text": "the gap grows with M", "gaps": dict(ordered),
-              "met": all(a < b for (_, a), (_, b) in zip(ordered, ordered[1:]))
-              if len(ordered) > 1 else None})
-  for m, tolerance in TOLERANCE.items():
-    out.append({"text": f"M = {m} within {tolerance:.0%} of data parallel",
-                "met": gap[m] <= tolerance if m in gap else None, "gaps": {m: gap.get(m)}})
-  return out
+  return [{"text": "M = 1 at or below data parallel", "met": gap[1] <= 0 if 1 in gap else None,
+           "gaps": {1: gap.get(1)}},
+          {"text": "the gap grows with M", "gaps": dict(ordered), "met": all(
+            a < b for (_, a), (_, b) in zip(ordered, ordered[1:])) if len(ordered) > 1 else None},
+          *({"text": f"M = {m} within {tolerance:.0%} of data parallel",
+             "met": gap[m] <= tolerance if m in gap else None, "gaps": {m: gap.get(m)}}
+            for m, tolerance in TOLERANCE.items())]
 
 
 def _mean_sd(stats: tuple[float, float] | None, spec: str = ".4f") -> str:
@@ -299,12 +284,10 @@ def comparison_table(s: dict[str, Any]) -> str:
 
 
 def target_lines(s: dict[str, Any]) -> list[str]:
-  lines = []
-  for t in s["targets"]:
-    verdict = "not measured" if t["met"] is None else "met" if t["met"] else "MISSED"
-    numbers = ", ".join(f"M = {m}: {kit.fmt(g, '+.1%')}" for m, g in t["gaps"].items())
-    lines.append(f"- {verdict}: {t['text']} ({numbers}).")
-  return lines
+  verdict = {None: "not measured", True: "met", False: "MISSED"}
+  return [f"- {verdict[t['met']]}: {t['text']} ("
+          + ", ".join(f"M = {m}: {kit.fmt(g, '+.1%')}" for m, g in t["gaps"].items()) + ")."
+          for t in s["targets"]]
 
 
 def _cell(p: dict[str, Any] | None) -> str:
@@ -335,8 +318,7 @@ def periods_table(s: dict[str, Any]) -> str:
 
 def document(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any],
              plot_name: str) -> str:
-  s = summary(grid, records)
-  m, best = grid.period_replicas, best_lrs(grid, records)
+  s, m, best = summary(grid, records), grid.period_replicas, best_lrs(grid, records)
   return kit.blocks(
     "# DiLoCo against data parallel at equal tokens", kit.doc_markdown(__doc__, 1, 4),
     setup_text(grid, meta), f"## Final validation loss, H = {grid.period}", comparison_table(s),
@@ -359,14 +341,13 @@ def setup_text(grid: Grid, meta: dict[str, Any]) -> str:
                     f" {i['load_end']} at the end, runs trained: {i['runs_trained']} in"
                     f" {i['wall_s'] / 60:.1f} min" for i in meta["invocations"])
   quick = " **`--quick`: a tiny grid that checks the program, not a measurement.**"
-  return (
-    f"{meta['num_params']:,} params; {GLOBAL_BATCH} × {meta['context']} ="
-    f" {GLOBAL_BATCH * meta['context']:,} tokens per step for {meta['steps']:,} steps:"
-    f" {tokens / 1e6:.2f}M tokens, {tokens / meta['num_params']:.1f} per parameter,"
-    f" {tokens / meta['train_tokens']:.2f} epochs of the {meta['train_tokens'] / 1e6:.2f}M"
-    f" training tokens. Seeds {', '.join(map(str, meta['seeds']))}."
-    f" {meta['machine']['cores']} CPUs ({meta['machine']['cpu']}). {loads}."
-    + (quick if grid is QUICK_GRID else ""))
+  return (f"{meta['num_params']:,} params; {GLOBAL_BATCH} × {meta['context']} ="
+          f" {GLOBAL_BATCH * meta['context']:,} tokens per step for {meta['steps']:,} steps:"
+          f" {tokens / 1e6:.2f}M tokens, {tokens / meta['num_params']:.1f} per parameter,"
+          f" {tokens / meta['train_tokens']:.2f} epochs of the {meta['train_tokens'] / 1e6:.2f}M"
+          f" training tokens. Seeds {', '.join(map(str, meta['seeds']))}."
+          f" {meta['machine']['cores']} CPUs ({meta['machine']['cpu']}). {loads}."
+          + (quick if grid is QUICK_GRID else ""))
 
 
 def runs_table(records: Sequence[dict[str, Any]]) -> str:
@@ -416,10 +397,9 @@ def figure(grid: Grid, records: Sequence[dict[str, Any]], meta: dict[str, Any], 
 def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> int:
   """Trains and caches every planned run not cached under ``runs_dir``; the number trained."""
   os.makedirs(runs_dir, exist_ok=True)
-  task = TASKS["lm"]
+  task, trained = TASKS["lm"], 0
   data = task.load(0)
   records = {k: r for k, r in load_records(runs_dir).items() if r["steps"] == steps}
-  trained = 0
 
   def planned() -> Iterator[Spec]:  # lazily: the second runs need the first ones' records
     yield from first_runs(grid, seeds)
@@ -453,7 +433,7 @@ class Config:
   plan: bool = kit.option(False, "print the planned runs and the estimated time; train nothing")
 
 
-QUICK = {"grid": "quick", "steps": QUICK_STEPS, "seeds": 1}
+QUICK = {"grid": "quick", "steps": 30, "seeds": 1}
 
 
 def measure(config: Config, prefix: str) -> dict[str, Any] | None:

@@ -41,17 +41,15 @@ from optax_dist.cli.tasks import TASKS
 
 STEPS = 450
 """15 syncs at H = 30: the whole grid in about 30 minutes on 2 busy cores (see the report)."""
-PERIOD = 30
-"""H, the steps between two syncs (of each fragment for ``streaming_diloco``)."""
-FRAGMENTS = 4
+PERIOD, FRAGMENTS = 30, 4
+"""H (PERIOD), the steps between two syncs (of each fragment for ``streaming_diloco``)."""
 BLOCK = 256
 """The values per float32 scale of the block-quantized formats (the library's default)."""
 FORMATS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "float4_e2m1fn", "e3m0")
 QUANTIZED = ("int8", "float4_e2m1fn", "e3m0")
 CODE_BYTES = {"int8": 1.0, "float4_e2m1fn": 0.5, "e3m0": 0.5}
 """Bytes per value of each block-quantized format's codes (the scales come on top)."""
-OVERLAPS = (1, 5)
-EF_TOLERANCE, OVERLAP_TOLERANCE = 0.01, 0.005
+OVERLAPS, EF_TOLERANCE, OVERLAP_TOLERANCE = (1, 5), 0.01, 0.005
 """The targets: 4-bit with error feedback within 1% of float32 DiLoCo's final loss; overlap
 τ = 1 within 0.5% of τ = 0."""
 
@@ -64,8 +62,7 @@ def _row(label: str, family: str, flags: list[str], fmt: str = "float32", *,
 
 def grid() -> list[dict[str, Any]]:
   """Every run: its label, family, format, options and ``optax-dist train`` flags."""
-  streaming = ["--algorithm", "streaming_diloco", "--num-fragments", str(FRAGMENTS)]
-  rows = []
+  streaming, rows = ["--algorithm", "streaming_diloco", "--num-fragments", str(FRAGMENTS)], []
   for name, family, flags in (("diloco", "diloco", ["--algorithm", "diloco"]),
                               ("streaming", "streaming_diloco", streaming)):
     rows += [_row(f"{name} {fmt}", family, [*flags, "--comm-dtype", fmt], fmt) for fmt in FORMATS]
@@ -173,7 +170,7 @@ def targets(result: dict[str, Any]) -> list[str]:
     if base is None or fed is None:
       continue
     gap = _gap(fed, base)
-    kind = ("target" if family == "diloco" and fmt != "int8" else "not a target, reported")
+    kind = "target" if family == "diloco" and fmt != "int8" else "not a target, reported"
     text = (f"- {family} {fmt} with error feedback within {EF_TOLERANCE:.0%} of float32"
             f" {family}'s final loss ({base['final']:.4f}; {kind}): {fed['final']:.4f},"
             f" {gap:+.2%}: **{'met' if gap <= EF_TOLERANCE else 'missed'}**.")

@@ -47,19 +47,15 @@ from benchmarks import kit
 from benchmarks.studies._steps import Problem, Variant, ratio_cell, ratio_plot, time_variants
 from optax_dist.cli.tasks import TASKS
 
-BATCH, LEARNING_RATE, TARGET = 8, 3e-3, 1.03
-PERIOD, SYNC_PERIOD, FRAGMENTS = 10, 50, 4
+BATCH, LEARNING_RATE, TARGET, PERIOD, SYNC_PERIOD, FRAGMENTS = 8, 3e-3, 1.03, 10, 50, 4
 OPTIMIZER_SHAPES = {"w1": (1024, 2048), "w2": (2048, 1024), "b1": (2048,), "b2": (1024,)}
 """The 4M-param float32 tree of the optimizer-alone timing (4,197,376 params, 16 MiB)."""
-
 CONFIGS = (("bound", True), ("bound", False), ("unbound", True), ("unbound", False))
 """(axis, donated) of the four LM-step configurations."""
-
 HINTED_WHY = (
   "with the state not donated, the center{what} is unchanged but must still be written to new"
   " output buffers: {n} params-sized `copy` (the copies column; bare adam writes new moments"
-  " anyway). Donated, the compiled step has bare adam's temp and copy bytes and the rest is"
-  " noise")
+  " anyway). Donated, the compiled step has bare adam's temp and copy bytes and the rest is noise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +86,8 @@ def variants() -> list[Variant]:
     Variant("drop_stale_gradients", "drop_stale_gradients(adam, 2)",
             lambda adam, axis: optax_dist.drop_stale_gradients(adam, 2),
             (("every step (accepted)", None, False, 7),), grad_step=True,
-            why="adam's update and state are computed and then selected with `tree.where`"
-                " against the old state: the old moments are read again (no extra temp or"
-                " copies)"),
+            why="adam's update and state are computed and then selected with `tree.where` against"
+                " the old state: the old moments are read again (no extra temp or copies)"),
     Variant("elastic_average", f"elastic_average(adam, τ={PERIOD})",
             lambda adam, axis: optax_dist.elastic_average(
               adam, communication_period=PERIOD, axis_name=axis), periodic(PERIOD, 9),
@@ -126,9 +121,8 @@ def variants() -> list[Variant]:
     Variant("streaming_diloco", f"streaming_diloco(adam, H={SYNC_PERIOD}, F={FRAGMENTS})",
             lambda adam, axis: optax_dist.streaming_diloco(
               adam, sync_period=SYNC_PERIOD, num_fragments=FRAGMENTS, axis_name=axis,
-              fragments="balanced"),
-            (("non-communication step", 0, False, 7),
-             ("fragment 0's sync", offset - 1, True, None)),
+              fragments="balanced"), (("non-communication step", 0, False, 7),
+                                      ("fragment 0's sync", offset - 1, True, None)),
             why=f"as `diloco`, once per fragment: {FRAGMENTS} conditionals, each taking its"
                 " fragment's updates, anchor and outer momentum as operands",
             hinted_why=HINTED_WHY.format(what=" (the anchor and the outer momenta)", n="two"))]
@@ -169,8 +163,7 @@ def measure_optimizer(rounds: int, seed: int = 0) -> dict[str, Any]:
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   configs = []
   for axis, donated in CONFIGS:
-    bound = axis == "bound"
-    rounds = config.rounds_bound if bound else config.rounds_unbound
+    rounds = config.rounds_bound if (bound := axis == "bound") else config.rounds_unbound
     print(f"[lm_overhead] LM step, {axis}, donated={donated}", flush=True)
     p = lm_problem(bound)
     timed = time_variants(p, optax.adam(LEARNING_RATE), variants(), rounds, 0, bound=bound,
@@ -210,11 +203,10 @@ def matrix_markdown(result: dict[str, Any]) -> str:
             f"≤ {TARGET}× (wall)"]
   rows = [["bare adam", "every step", *[x for c in configs for x in (
     f"{c['adam_ms']:.1f} ms", f"{c['adam_cpu_ms']:.1f} ms")], ""]]
-  for rs in zip(*(c["rows"] for c in configs)):
-    verdict = [("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a" for r in rs]
-    rows.append([f"`{rs[0]['label']}`", rs[0]["phase"],
-                 *[x for r in rs for x in (ratio_cell(r), f"{r['cpu_ratio']:.3f}")],
-                 ", ".join(verdict)])
+  rows += [[f"`{rs[0]['label']}`", rs[0]["phase"],
+            *[x for r in rs for x in (ratio_cell(r), f"{r['cpu_ratio']:.3f}")], ", ".join(
+              ("met" if r["ratio"] <= TARGET else "missed") if _applies(r) else "n/a" for r in rs)]
+           for rs in zip(*(c["rows"] for c in configs))]
   return kit.blocks(kit.table(header, rows, "ll" + "rr" * len(configs) + "l"), "\n".join(
     f"- {_config_name(c)}: bare adam {c['adam_ms']:.1f} ms wall, {c['adam_cpu_ms']:.1f} ms"
     f" CPU per step; {c['rounds']} rounds; compile {c['compile_s']:.0f} s, timing"
@@ -230,9 +222,8 @@ def memory_markdown(result: dict[str, Any]) -> str:
     return f"{m['temp'] / 1024:.0f} / {m['copies'] / 1024:.0f}"
 
   rows = [["bare adam"] + [kib(c["adam_memory"]) for c in configs]]
-  first = {}  # each compiled step once: its first row
-  for j, row in enumerate(configs[0]["rows"]):
-    first.setdefault((row["label"], row["hint"]), j)
+  keys = [(row["label"], row["hint"]) for row in configs[0]["rows"]]
+  first = {key: keys.index(key) for key in keys}  # each compiled step once: its first row
   rows += [[f"`{label}`" + ("" if hint is None else f", `communicate={hint}`")]
            + [kib(c["rows"][j]) for c in configs] for (label, hint), j in first.items()]
   return kit.table(header, rows, "l" + "r" * len(configs))
@@ -245,11 +236,10 @@ def missed_markdown(result: dict[str, Any]) -> str:
   for c in result["configs"]:
     for r in c["rows"]:
       if _applies(r) and r["ratio"] > TARGET:
-        extra_temp = (r["temp"] - c["adam_memory"]["temp"]) / 1024
-        extra_copies = (r["copies"] - c["adam_memory"]["copies"]) / 1024
         missed.setdefault((r["label"], r["phase"], r.get("hint") is not None), []).append(
           f"{_config_name(c)} {r['ratio']:.3f}× (CPU {r['cpu_ratio']:.3f}×; temp"
-          f" {extra_temp:+.0f} KiB, copies {extra_copies:+.0f} KiB vs adam)")
+          f" {(r['temp'] - c['adam_memory']['temp']) / 1024:+.0f} KiB, copies"
+          f" {(r['copies'] - c['adam_memory']['copies']) / 1024:+.0f} KiB vs adam)")
   if not missed:
     return (f"Every non-communication LM step is within {TARGET}× of bare adam in every"
             " configuration.")
@@ -273,8 +263,7 @@ def optimizer_markdown(result: dict[str, Any]) -> str:
             kit.fmt(r["passes"]), kit.fmt(r["bound_ms"], ".2f"), kit.fmt(r["bound_ratio"], ".3f"),
             kit.fmt(r["bound_ms"] and r["ms"] / r["bound_ms"], ".2f"),
             f"{kit.mib(r['temp'])} / {kit.mib(r['copies'])}"] for r in o["rows"]]
-  slow = [r for r in o["rows"] if r["bound_ms"] is not None
-          and r["ratio"] > 1.25 * r["bound_ratio"]]
+  slow = [r for r in o["rows"] if r["bound_ms"] and r["ratio"] > 1.25 * r["bound_ratio"]]
   notes = []
   if ruled := [r for r in slow if r.get("hint") is None]:
     notes.append(
@@ -311,7 +300,6 @@ def _slow_list(rows: list[dict[str, Any]]) -> str:
 def plot(result: dict[str, Any], path: str) -> None:
   configs = result["configs"]
   ratio_plot([(_config_name(c), c["rows"]) for c in configs], TARGET,
-             "LM step time / bare adam's (median, IQR)",
-             f"Overhead on the LM step (dashed: {TARGET}×). {kit.machine()['cores']} CPUs; load"
-             f" average {configs[0]['load_before']} before, {configs[-1]['load_after']} after",
-             path)
+             "LM step time / bare adam's (median, IQR)", f"Overhead on the LM step (dashed:"
+             f" {TARGET}×). {kit.machine()['cores']} CPUs; load average {configs[0]['load_before']}"
+             f" before, {configs[-1]['load_after']} after", path)

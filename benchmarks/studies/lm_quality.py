@@ -14,23 +14,18 @@ from typing import Any
 import numpy as np
 
 from benchmarks import kit
-from benchmarks.kit import plt
 from optax_dist.cli import trainer
 from optax_dist.cli.tasks import TASKS
 
-EVAL_EVERY = 50
-TOLERANCE = 0.02
+EVAL_EVERY, TOLERANCE = 50, 0.02
 """The targets: within 2% of ``sync``'s final validation bits per byte."""
 
-RUNS = (
-  # label, settings beyond the task's defaults
+RUNS = (  # label, settings beyond the task's defaults
   ("sync", {"algorithm": "sync"}),
   ("elastic_average τ=10", {"algorithm": "elastic_average", "communication_period": 10}),
   ("agn τ=10", {"algorithm": "agn", "communication_period": 10}),
   ("local_sgd H=10", {"algorithm": "local_sgd", "sync_period": 10}),
-  ("diloco H=10", {"algorithm": "diloco", "sync_period": 10}),
-  ("diloco H=50", {"algorithm": "diloco", "sync_period": 50}),
-  ("diloco H=100", {"algorithm": "diloco", "sync_period": 100}),
+  *((f"diloco H={h}", {"algorithm": "diloco", "sync_period": h}) for h in (10, 50, 100)),
   ("streaming_diloco H=50 F=4", {"algorithm": "streaming_diloco", "sync_period": 50,
                                  "num_fragments": 4}))
 EXTRA_OUTER = {"outer_learning_rate": 1.0, "outer_momentum": 0.0}
@@ -48,8 +43,7 @@ QUICK = {"seeds": 1, "steps": 60}
 
 def measure(config: Config, prefix: str) -> dict[str, Any]:
   task, seeds = TASKS["lm"], range(config.seeds)
-  data = {seed: task.load(seed) for seed in seeds}
-  bytes_of, rows = {}, []
+  data, bytes_of, rows = {seed: task.load(seed) for seed in seeds}, {}, []
 
   def run(label: str, overrides: dict[str, Any], extra: bool = False) -> None:
     results = []
@@ -57,9 +51,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
       s = kit.settings(devices=kit.DEVICES, steps=config.steps, eval_every=EVAL_EVERY, seed=seed,
                        **overrides).resolved()
       results.append(trainer.train(task, data[seed], s))
-      print(f"[lm_quality] {label} seed {seed}:"
-            f" {results[-1]['test_bits_per_byte_eval_params']:.4f} bits/byte,"
-            f" {results[-1]['wall_time_s']:.0f} s", flush=True)
+      print(f"[lm_quality] {label} seed {seed}: {results[-1]['test_bits_per_byte_eval_params']:.4f}"
+            f" bits/byte, {results[-1]['wall_time_s']:.0f} s", flush=True)
     bytes_of.setdefault(overrides["algorithm"], exchange_bytes(results[0]))
     rows.append(_summarise(label, overrides, results, kit.run_bytes(results[0], s), extra))
 
@@ -119,12 +112,11 @@ def sync_to(row: dict[str, Any], sync: dict[str, Any]) -> tuple[float, float] | 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
   """DiLoCo at H ≥ 50 and EASGD at τ = 10: each within 2% of sync's final validation loss."""
   rows = {r["label"]: r for r in result["rows"]}
-  sync, out = rows["sync"], []
-  for label in ("diloco H=50", "diloco H=100", "elastic_average τ=10"):
-    gap = rows[label]["final"] / sync["final"] - 1
-    out.append({"label": label, "gap": gap, "met": gap <= TOLERANCE, "per_seed": [
-      a / b - 1 for a, b in zip(rows[label]["finals"], sync["finals"])]})
-  return out
+  sync = rows["sync"]
+  return [{"label": label, "gap": gap, "met": gap <= TOLERANCE, "per_seed": [
+    a / b - 1 for a, b in zip(rows[label]["finals"], sync["finals"])]}
+          for label in ("diloco H=50", "diloco H=100", "elastic_average τ=10")
+          for gap in [rows[label]["final"] / sync["final"] - 1]]
 
 
 def headline_table(result: dict[str, Any]) -> str:
@@ -134,20 +126,16 @@ def headline_table(result: dict[str, Any]) -> str:
             "comm. rounds", "sent per worker", "vs sync bytes",
             f"steps to ≤ {threshold:.3f} (sync + 2%)", "bytes to it",
             "sync reaches this loss at step", "sync's bytes to it / these", "wall s / run"]
-  table = []
-  for r in rows:
-    match = sync_to(r, sync)
-    table.append([
-      f"{r['label']}", f"{r['final']:.4f} ± {r['final_sd']:.4f}",
-      f"{100 * (r['final'] / sync['final'] - 1):+.1f}%", f"{r['final_workers']:.4f}",
-      str(r["communication_rounds"]), kit.human_bytes(r["total_bytes"]),
-      f"{r['total_bytes'] / sync['total_bytes']:.3f}",
-      "not reached" if r["to_target_step"] is None else str(r["to_target_step"]),
-      "—" if r["to_target_bytes"] is None else kit.human_bytes(r["to_target_bytes"]),
-      "—" if match is None else f"{match[0]:.0f}",
-      "—" if match is None or r is sync else f"{match[1] / r['total_bytes']:.1f}×",
-      f"{r['wall_s']:.0f}"])
-  return kit.table(header, table)
+  return kit.table(header, [[
+    f"{r['label']}", f"{r['final']:.4f} ± {r['final_sd']:.4f}",
+    f"{100 * (r['final'] / sync['final'] - 1):+.1f}%", f"{r['final_workers']:.4f}",
+    str(r["communication_rounds"]), kit.human_bytes(r["total_bytes"]),
+    f"{r['total_bytes'] / sync['total_bytes']:.3f}",
+    "not reached" if r["to_target_step"] is None else str(r["to_target_step"]),
+    "—" if r["to_target_bytes"] is None else kit.human_bytes(r["to_target_bytes"]),
+    "—" if match is None else f"{match[0]:.0f}",
+    "—" if match is None or r is sync else f"{match[1] / r['total_bytes']:.1f}×",
+    f"{r['wall_s']:.0f}"] for r in rows for match in [sync_to(r, sync)]])
 
 
 def markdown(result: dict[str, Any], plot_name: str) -> str:
@@ -164,30 +152,27 @@ def markdown(result: dict[str, Any], plot_name: str) -> str:
   extra_note = (
     "Extra rows (outer SGD 1.0 without momentum: the anchor moves to the workers' mean, model"
     " averaging) were run because the paper's outer optimizer missed the target at that H:"
-    " " + "; ".join(f"{r['label']}: {r['final']:.4f}" for r in extras) + "."
-    if extras else
+    " " + "; ".join(f"{r['label']}: {r['final']:.4f}" for r in extras) + "." if extras else
     "No extra row: the paper's outer optimizer (Nesterov 0.7, momentum 0.9) met the target at"
     " every H ≥ 50, so model averaging (outer SGD 1.0, no momentum) was not run.")
   return kit.blocks(
     "## Language model: quality against communication",
     (f"`optax_dist.cli.trainer.train` on the `lm` task ({result['model']}; {result['dataset']})"
-     f" over {kit.DEVICES} workers, one emulated CPU device each, each with its own"
-     f" 1/{kit.DEVICES} of the training windows, minibatch {d['batch_size']} windows of 64 bytes"
-     f" per worker, adam {d['learning_rate']:g}; `elastic_average` moving rate 0.9/8, `diloco`"
-     " and `streaming_diloco` with the paper's outer Nesterov SGD (0.7, momentum 0.9), the"
-     " streaming fragments balanced by size. Validation bits per byte of"
-     " `optax_dist.eval_params` (center, anchor or params) and of the workers' own params"
-     " (their mean); *sent per worker*: bytes each worker sends in the run, from the compiled"
-     " step (table below); *steps to sync + 2%*: the first evaluated step where the seed-mean"
-     " curve is within 2% of sync's final loss."),
+     f" over {kit.DEVICES} workers, one emulated CPU device each, each with its own 1/{kit.DEVICES}"
+     f" of the training windows, minibatch {d['batch_size']} windows of 64 bytes per worker, adam"
+     f" {d['learning_rate']:g}; `elastic_average` moving rate 0.9/8, `diloco` and"
+     " `streaming_diloco` with the paper's outer Nesterov SGD (0.7, momentum 0.9), the streaming"
+     " fragments balanced by size. Validation bits per byte of `optax_dist.eval_params` (center,"
+     " anchor or params) and of the workers' own params (their mean); *sent per worker*: bytes"
+     " each worker sends in the run, from the compiled step (table below); *steps to sync + 2%*:"
+     " the first evaluated step where the seed-mean curve is within 2% of sync's final loss."),
     (f"{result['steps']} steps per run, evaluated every {result['eval_every']} steps; mean over"
     f" seeds {', '.join(map(str, result['seeds']))}. " + kit.load_text(result, cpu=False)),
     headline_table(result), "\n".join(verdicts), *_why(result), extra_note,
-    (f"Bytes each worker sends ({any_bytes['num_params']:,} params,"
-     f" {any_bytes['params_bytes']:,} B in float32), from"
-     " `communication_report` of each algorithm's compiled 8-device step: *every step* are the"
-     " collectives outside any conditional, *per exchange* those of each conditional's"
-     " communicating branch (per fragment for streaming_diloco), in params' bytes:"),
+    (f"Bytes each worker sends ({any_bytes['num_params']:,} params, {any_bytes['params_bytes']:,} B"
+     " in float32), from `communication_report` of each algorithm's compiled 8-device step: *every"
+     " step* are the collectives outside any conditional, *per exchange* those of each"
+     " conditional's communicating branch (per fragment for streaming_diloco), in params' bytes:"),
     kit.table(["algorithm", "every step B", "every step", "per exchange B", "exchange / params"],
               comm_rows, "lrlrr"),
     f"![validation bits per byte against steps and bytes sent]({plot_name})")
@@ -209,13 +194,12 @@ def _why(result: dict[str, Any]) -> list[str]:
   text = (
     "Why the targets are missed at this scale: with equal steps, each sync step averages the"
     f" gradients of {kit.DEVICES} workers (an effective minibatch {kit.DEVICES}× larger), while"
-    " each local step of the others uses one worker's minibatch; after"
-    f" {result['steps']} steps the model is still improving (sync's loss fell {drop:.2f} bits"
-    " per byte over its last 100 steps), and in this early phase the larger batch is,"
-    " apparently, worth more than what periodic averaging recovers. Every other algorithm ends"
-    " where sync was at step"
-    f" {min(steps):.0f}–{max(steps):.0f}, after sending {min(ratios):.0f}–{max(ratios):.0f}×"
-    " fewer bytes than sync needed to get there (the last two columns).")
+    f" each local step of the others uses one worker's minibatch; after {result['steps']} steps the"
+    f" model is still improving (sync's loss fell {drop:.2f} bits per byte over its last 100"
+    " steps), and in this early phase the larger batch is, apparently, worth more than what"
+    " periodic averaging recovers. Every other algorithm ends where sync was at step"
+    f" {min(steps):.0f}–{max(steps):.0f}, after sending {min(ratios):.0f}–{max(ratios):.0f}× fewer"
+    " bytes than sync needed to get there (the last two columns).")
   if compare:
     text += (" The paper's outer Nesterov (0.7, momentum 0.9) does worse here than plain"
              f" averaging ({compare}): with only {result['steps'] // 100}–"
@@ -228,7 +212,7 @@ def _why(result: dict[str, Any]) -> list[str]:
 
 def plot(result: dict[str, Any], path: str) -> None:
   rows = result["rows"]
-  fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 5))
+  fig, (by_step, by_bytes) = kit.plt.subplots(1, 2, figsize=(13, 5))
   threshold = rows[0]["final"] * (1 + TOLERANCE)
   for r in rows:
     style, mean, sd = "--" if r["extra"] else "-", np.array(r["curve"]), np.array(r["curve_sd"])
@@ -245,7 +229,7 @@ def plot(result: dict[str, Any], path: str) -> None:
   by_bytes.set(xlabel="MiB sent per worker (log; from the first exchange on)", xscale="log")
   by_step.legend(fontsize=7, loc="upper right")
   kit.save_figure(fig, path, f"LM, {kit.DEVICES} workers, mean ± sd over seeds"
-                             f" {', '.join(map(str, result['seeds']))} (dotted: sync's final +"
-                             f" 2%). {kit.machine()['cores']} CPUs; load average"
+                             f" {', '.join(map(str, result['seeds']))} (dotted: sync's final"
+                             f" + 2%). {kit.machine()['cores']} CPUs; load average"
                              f" {result['load_before']} before, {result['load_after']} after",
                   grid=True)

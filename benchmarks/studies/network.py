@@ -32,7 +32,6 @@ import shlex
 import sys
 import tempfile
 import time
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -49,10 +48,8 @@ OUTER = ("--outer-learning-rate", "0.7", "--outer-momentum", "0.5")
 with 10 outer steps (200 steps at H = 20), where the papers' momentum 0.9 ends far behind (see
 its table)."""
 METHODS = {
-  "sync": ("sync", ()),
-  "diloco": ("diloco", OUTER),
-  "streaming_diloco": ("streaming_diloco", OUTER),
-  "local_sgd": ("local_sgd", ()),
+  "sync": ("sync", ()), "diloco": ("diloco", OUTER),
+  "streaming_diloco": ("streaming_diloco", OUTER), "local_sgd": ("local_sgd", ()),
   "elastic_average": ("elastic_average", ()),
   "diloco_int8": ("diloco", (*OUTER, "--comm-dtype", "int8")),
   "diloco_e3m0_feedback": ("diloco", (*OUTER, "--comm-dtype", "e3m0", "--error-feedback")),
@@ -65,15 +62,13 @@ DEFAULT_METHODS = ("sync", "diloco", "streaming_diloco", "local_sgd", "elastic_a
 SWEEP = ((0.7, 0.9), (0.85, 0.7), (0.7, 0.5), (1.0, 0.0))
 """The (outer learning rate, outer momentum) pairs of :func:`outer_sweep`: the papers' 0.7 and
 0.9 first, plain averaging (local SGD's rule) last."""
-PROCESSES, DEVICES, STEPS = 2, 4, 200
-PERIOD = 20
-"""H: the steps between the exchanges of the periodic algorithms. At 10 Mbit/s one exchange of
-the lm params takes about 1.2 s beside 0.3 s of compute per step on 2 cores: with H = 10 a
-DiLoCo step can at best be 1.30 times its unshaped time (measured 1.31), with H = 20 1.15; the
-final losses of DiLoCo and streaming DiLoCo hardly differ between the two (3.149 and 3.150)."""
-REPLICAS, BATCH, EVAL_EVERY = 2, 8, 20
-TIMEOUT = 1800
-"""Seconds a run may take before it is stopped."""
+PROCESSES, DEVICES, STEPS, PERIOD = 2, 4, 200, 20
+"""H (PERIOD): the steps between the periodic algorithms' exchanges. At 10 Mbit/s one exchange of
+the lm params takes about 1.2 s beside 0.3 s of compute per step on 2 cores: with H = 10 a DiLoCo
+step can at best be 1.30 times its unshaped time (measured 1.31), with H = 20 1.15; the final losses
+of DiLoCo and streaming DiLoCo hardly differ between the two (3.149, 3.150)."""
+REPLICAS, BATCH, EVAL_EVERY, TIMEOUT = 2, 8, 20, 1800
+"""TIMEOUT: the seconds a run may take before it is stopped."""
 _fmt = functools.partial(kit.fmt, missing="–")
 GLOO_OPERAND_BYTES = 576
 """Bytes gloo sends beyond an all-reduce operand's own, per operand and direction between two
@@ -138,8 +133,7 @@ def run_once(link: netns.Link, algorithm: str, port: int, out: str, *, steps: in
              extra: list[str]) -> dict[str, Any]:
   """One run over ``link``; its wall-clock, bytes, step times and curve (raises RuntimeError)."""
   os.makedirs(out, exist_ok=True)
-  coordinator = f"{link.addresses['a']}:{port}"
-  load_before, before = _load(), link.counters()
+  coordinator, load_before, before = f"{link.addresses['a']}:{port}", _load(), link.counters()
   start = time.perf_counter()
   link.run_pair([command(algorithm, i, coordinator, out, steps=steps, period=period, extra=extra)
                  for i in range(PROCESSES)], out, TIMEOUT, what=algorithm)
@@ -196,8 +190,7 @@ def payload(run: dict[str, Any], side: str = "a") -> float:
 
 def time_to(run: dict[str, Any], target: float) -> float | None:
   """Training seconds to ``target`` validation bits per byte (:func:`benchmarks.kit.reach`)."""
-  at = kit.reach(run["curve"]["bits_per_byte"], target, run["curve"]["train_s"])
-  return None if at is None else at[0]
+  return (at := kit.reach(run["curve"]["bits_per_byte"], target, run["curve"]["train_s"])) and at[0]
 
 
 def loss_at(run: dict[str, Any], budget: float) -> float:
@@ -219,7 +212,7 @@ def _cells(result: dict[str, Any]) -> list[tuple[str, str, list[dict]]]:
 
 def _median_of(runs: list, fn: Any = lambda x: x) -> float | None:
   """The median of ``fn`` (a function, or a key) over ``runs``, ``None`` values left out."""
-  values = [v for v in map(itemgetter(fn) if isinstance(fn, str) else fn, runs) if v is not None]
+  values = [v for v in (r[fn] if isinstance(fn, str) else fn(r) for r in runs) if v is not None]
   return kit.median(values) if values else None
 
 
@@ -234,11 +227,10 @@ def measurements_table(result: dict[str, Any]) -> str:
   """Every run's wall-clock, step times, bytes and final loss (medians over repeats)."""
   p, rows = result["param_bytes"], []
   for rate, method, runs in _cells(result):
-    achieved = min(result["achieved_mbit"][rate].values())
     rounds, med = max(runs[0]["communication_rounds"], 1), functools.partial(_median_of, runs)
     spread = max(r["train_s"] for r in runs) - min(r["train_s"] for r in runs)
     rows.append([
-      rate, f"{achieved:.1f}", method, f"{med('wall_s'):.1f}",
+      rate, f"{min(result['achieved_mbit'][rate].values()):.1f}", method, f"{med('wall_s'):.1f}",
       f"{med('train_s'):.1f}" + (f" ± {spread / 2:.1f}" if len(runs) > 1 else ""),
       _fmt(med("exchange_step_s"), ".3f"), _fmt(med("local_step_s"), ".3f"),
       str(runs[0]["communication_rounds"]), f"{med('predicted_bytes') / 1e6:.1f}",
@@ -268,14 +260,13 @@ def _speedup(result: dict[str, Any], rate: str, method: str, target: float) -> f
 def summary_table(result: dict[str, Any]) -> str:
   """Per rate and method: time to the target loss, speed-up over sync, the loss at sync's
   training time, and the training time over the method's own unshaped time."""
-  target, rows = target_loss(result), []
-  for rate, method, runs in _cells(result):
-    budget = _median_of(_runs(result, rate, "sync"), "train_s")
-    rows.append([
-      rate, method, _fmt(_median_of(runs, lambda r: time_to(r, target)), ".1f"),
-      _fmt(_speedup(result, rate, method, target), ".2f"),
-      _fmt(_median_of(runs, lambda r: loss_at(r, budget)) if budget else None, ".3f"),
-      _fmt(_own_unshaped(result, rate, method), ".2f")])
+  target = target_loss(result)
+  rows = [[rate, method, _fmt(_median_of(runs, lambda r: time_to(r, target)), ".1f"),
+           _fmt(_speedup(result, rate, method, target), ".2f"),
+           _fmt(_median_of(runs, lambda r: loss_at(r, budget)) if budget else None, ".3f"),
+           _fmt(_own_unshaped(result, rate, method), ".2f")]
+          for rate, method, runs in _cells(result)
+          for budget in [_median_of(_runs(result, rate, "sync"), "train_s")]]
   header = ["rate", "method", f"training s to {target:.3f} bits/byte", "speed-up over sync",
             "bits/byte at sync's training s", "training s / own unshaped"]
   return kit.table(header, rows, "llrrrr")
@@ -290,11 +281,10 @@ def sensitivity_table(result: dict[str, Any], levels: int = 5) -> str:
   lowest = min(r["bits_per_byte"] for r in result["runs"]
                if r["rate"] == unshaped and r["method"] != "sync")
   methods = [m for m in result["methods"] if m != "sync" and _runs(result, rate, m)]
-  rows = []
-  for loss in np.linspace(target_loss(result), lowest, levels).tolist():
-    sync = _median_of(_runs(result, rate, "sync"), lambda r: time_to(r, loss))
-    rows.append([f"{loss:.3f}", _fmt(sync, ".1f"),
-                 *(_fmt(_speedup(result, rate, m, loss), ".2f") for m in methods)])
+  sync = _runs(result, rate, "sync")
+  rows = [[f"{loss:.3f}", _fmt(_median_of(sync, lambda r: time_to(r, loss)), ".1f"),
+           *(_fmt(_speedup(result, rate, m, loss), ".2f") for m in methods)]
+          for loss in np.linspace(target_loss(result), lowest, levels).tolist()]
   header = ["target bits/byte", f"sync's training s at {rate}", *methods]
   return kit.table(header, rows, "r" * len(header))
 
@@ -320,12 +310,10 @@ def targets(result: dict[str, Any]) -> list[str]:
   for method, bound, what in (("sync", 1.1, "a step"), ("diloco", 1.1, "an exchange")):
     if runs := [r for r in result["runs"] if r["method"] == method]:
       rounds = max(runs[0]["communication_rounds"], 1)
-      per = _median_of(runs, "operand_bytes") / rounds / p
-      measured = _median_of(runs, payload) / rounds / p
-      check(per <= bound, f"{method}: {what} sends {per:.3f}× the params' bytes each way"
-            f" (the operands of the compiled collectives; the veth payload over the whole run,"
-            f" gloo's framing, start-up and evaluations included, {measured:.3f}×; target ≤"
-            f" {bound}×)")
+      per, measured = (_median_of(runs, key) / rounds / p for key in ("operand_bytes", payload))
+      check(per <= bound, f"{method}: {what} sends {per:.3f}× the params' bytes each way (the"
+            " operands of the compiled collectives; the veth payload over the whole run, gloo's"
+            f" framing, start-up and evaluations included, {measured:.3f}×; target ≤ {bound}×)")
   for method, (_, flags) in result["methods"].items():
     if "--comm-dtype" not in flags or not (base := _runs(result, slow, "diloco")):
       continue
@@ -334,9 +322,8 @@ def targets(result: dict[str, Any]) -> list[str]:
     operands = _median_of(runs, "operand_bytes") / _median_of(base, "operand_bytes")
     bound = {"int8": 0.26, "e3m0": 0.135, "float4_e2m1fn": 0.135}.get(fmt)
     check(None if bound is None else wire <= bound,
-          f"{method}: the veth payload at 10 Mbit/s is {wire:.3f}× float32 diloco's (the"
-          f" compiled exchanges' operands {operands:.3f}×; codes and scales: target"
-          f" ≤ {bound}×)")
+          f"{method}: the veth payload at 10 Mbit/s is {wire:.3f}× float32 diloco's (the compiled"
+          f" exchanges' operands {operands:.3f}×; codes and scales: target ≤ {bound}×)")
   if ratios := [payload(r) / r["predicted_bytes"] for r in result["runs"] if r["predicted_bytes"]]:
     worst = max(ratios, key=lambda x: abs(x - 1))
     check(abs(worst - 1) <= 0.05,

@@ -29,10 +29,10 @@ Every figure is the median and range over the seeds, computed again from the raw
   second half of the checkpoints against the control's at equal tokens.
 
 Every process, cgroup and namespace of a run is removed when it ends, also on an exception or
-Ctrl-C. Needs root (``make bench-chaos``); says so and exits with 0 otherwise. With
-``--speeds``, the speeds mode (:mod:`~benchmarks.studies.chaos.speeds`, ``make
-bench-decoupled``) runs instead: decoupled rounds where the replicas' speeds differ; with ``--rate``,
-the link mode (:mod:`~benchmarks.studies.chaos.link`): fault-tolerant rounds over a shaped link.
+Ctrl-C. Needs root (``make bench-chaos``); says so and exits with 0 otherwise. With ``--speeds``,
+the speeds mode (:mod:`~benchmarks.studies.chaos.speeds`, ``make bench-decoupled``) runs instead:
+decoupled rounds where the replicas' speeds differ; with ``--rate``, the link mode
+(:mod:`~benchmarks.studies.chaos.link`): fault-tolerant rounds over a shaped link.
 """
 
 from __future__ import annotations
@@ -78,10 +78,9 @@ def run_seed(config: Config, seed: int, prefix: str) -> tuple[dict[str, Any], di
     faults = schedule.schedule(seed, c.fault_rate, c.timeout, c.replicas,
                                tuple(c.stop_seconds), tuple(c.link_seconds))
     kill = [schedule.TimedFault(c.lighthouse_kill, "lighthouse", -1)] * (c.lighthouse_kill > 0)
-    control, faulted = runs.records(c, prefix, (f"{name}/control", f"{name}/faulted"), (
-      lambda out, c=c, faults=faults + kill: runs.together(
-        [runs.FaultTolerantRun(c, out[0], [], cpus, "c", seed),
-         runs.FaultTolerantRun(c, out[1], faults, cpus, "f", seed)], c.timeout)))
+    control, faulted = runs.records(c, prefix, (f"{name}/control", f"{name}/faulted"), lambda out: (
+      runs.together([runs.FaultTolerantRun(c, out[0], [], cpus, "c", seed),
+                     runs.FaultTolerantRun(c, out[1], faults + kill, cpus, "f", seed)], c.timeout)))
     pair = accounting.compare(control, faulted)
     if (got := sum(pair["faulted"]["applied"][k] for k in accounting.FAULTS)) >= c.min_faults:
       break

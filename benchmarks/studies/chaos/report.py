@@ -58,8 +58,7 @@ def mode(config: dict[str, Any]) -> Any:
 
 
 def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-  """Each seed's numbers (:func:`seed_result`) and the figures' table (:data:`FIGURES`); a
-  mode's: its ``result``."""
+  """Each seed's :func:`seed_result` and the :data:`FIGURES` table; a mode's: its ``result``."""
   if other := mode(study["config"]):
     return other.result(study, records)
   seeds = {seed: seed_result(study["seeds"][seed], found) for seed, found in records.items()}
@@ -144,8 +143,7 @@ def markdown(result: dict[str, Any], figure: str) -> str:
     kit.table(["", cfg["algorithm"] + ", fault-tolerant", "sync, checkpoint and restart"],
               result["summary"]),
     ("Target: goodput ≥ 0.9 (Decoupled DiLoCo reports 0.88), no state-hash mismatch, the final"
-     " metric within 1% of the equal-tokens control's."),
-    "## Each seed's fault-tolerant pair",
+     " metric within 1% of the equal-tokens control's."), "## Each seed's fault-tolerant pair",
     kit.table(["", *(f"seed {s}, {k}" for s, k in pairs)], [
       [label, *(cell(seeds[s]["pair"][k], seeds[s]["runs"][k]) for s, k in pairs)]
       for label, cell in ROWS]),

@@ -72,15 +72,13 @@ class Config:
 
 
 SPEEDS_PERIOD_US = 20_000  # the CFS period of the speeds mode's caps (short: a cap is smooth)
-
 QUICK = {"steps": 400, "fault_rate": 1 / 8, "lighthouse_kill": 15.0, "checkpoint_every": 100,
          "seeds": (0,), "min_faults": 0}
 
 
-def command(config: Config, out: str, star: netns.Star | None = None) -> list[str]:
-  """``optax-dist train --fault-tolerant`` of the study's settings, writing to ``out``; with
-  ``star``, in its hub, each replica in its own namespace (``--replica-netns``)."""
-  c = config
+def command(c: Config, out: str, star: netns.Star | None = None) -> list[str]:
+  """``optax-dist train --fault-tolerant`` of the study's settings ``c``, writing to ``out``;
+  with ``star``, in its hub, each replica in its own namespace (``--replica-netns``)."""
   flags = [("--algorithm", c.algorithm), ("--fault-tolerant",), ("--replicas", c.replicas),
            ("--min-replicas", c.min_replicas), ("--devices", 1), ("--task", c.task),
            ("--steps", c.steps), ("--sync-period", c.sync_period),
@@ -99,11 +97,10 @@ def command(config: Config, out: str, star: netns.Star | None = None) -> list[st
   return ([] if star is None else star.exec_prefix()) + _train(flags)
 
 
-def sync_command(config: Config, out: str, resume: bool) -> list[str]:
+def sync_command(c: Config, out: str, resume: bool) -> list[str]:
   """``optax-dist train --algorithm sync`` over R processes of one device, checkpointing every
   ``--sync-checkpoint-every`` steps, a process silent for ``--exchange-timeout`` s (rounded up)
   declared dead (``--resume``: from the newest checkpoint)."""
-  c = config
   return _train([("--algorithm", "sync"), ("--processes", c.replicas), ("--devices", 1),
                  ("--task", c.task), ("--steps", c.steps),
                  ("--checkpoint-every", c.sync_checkpoint_every),
@@ -128,9 +125,8 @@ class Run:
     self.config, self.out, self.cpus, self.tag, self.rate = config, out, cpus, tag, rate
     self.timed, self.dir = kit.Timed(), RunDir(out)
     self.pending, self.rng = sorted(faults, key=lambda f: f.at), redraw_rng(seed)
-    self.events: list[list[Any]] = []  # [t, kind, replica, pid]
     self.seen, self.ready, self.standby_cpu, self.t0 = {}, {}, {}, None
-    self.undo: list[tuple[float, int, int, str]] = []  # (when, replica, pid, cont or up)
+    self.events, self.undo = [], []  # [t, kind, replica, pid]; (when, replica, pid, cont or up)
 
   def __enter__(self) -> Self:
     shutil.rmtree(self.out, ignore_errors=True)
@@ -170,9 +166,8 @@ class Run:
     """One look on the clock of the run's first progress ``t0``: a new process (``flag INDEX``)
     recorded (``start``) and capped; due faults applied (``kill -9``, of the process group with
     ``group``; ``SIGSTOP`` then ``SIGCONT``; link down then up), redrawn or ``unapplied``."""
-    pids = inflicted.process_ids(self.out, self.flag)
     self.t0 = self.t0 or t0
-    now = self.now()
+    pids, now = inflicted.process_ids(self.out, self.flag), self.now()
     for i, pid in pids.items():
       if self.seen.get(i) != pid:
         self.seen[i] = pid

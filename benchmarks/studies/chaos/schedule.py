@@ -27,12 +27,8 @@ def schedule(seed: int, rate: float, horizon: float, replicas: int,
   """The faults of a Poisson process of ``rate`` per second over ``[0, horizon)`` seconds, each of
   a uniform kind (:data:`KINDS`) on a uniform replica, a stop or link down for a uniform length
   in ``stop_seconds`` or ``link_seconds``: drawn in turn from ``default_rng(seed)``, so that a
-  longer horizon extends the same list.
-
-  Raises:
-    ValueError: ``rate`` or ``horizon`` not positive, ``replicas < 1``, ``stop_seconds`` or
-      ``link_seconds`` not an interval of positive seconds.
-  """
+  longer horizon extends the same list. ``ValueError`` for a ``rate`` or ``horizon`` not
+  positive, ``replicas < 1``, or ``stop_seconds`` or ``link_seconds`` not positive intervals."""
   lengths = {"kill": (0.0, 0.0), "stop": stop_seconds, "link": link_seconds}
   if not (rate > 0 and horizon > 0 and replicas >= 1 and
           all(0 < lengths[k][0] <= lengths[k][1] for k in ("stop", "link"))):
@@ -54,8 +50,7 @@ def redraw_rng(seed: int) -> np.random.Generator:
   return np.random.default_rng([seed, 1])
 
 
-def redraw(fault: TimedFault, live: Collection[int],
-           rng: np.random.Generator) -> TimedFault | None:
+def redraw(fault: TimedFault, live: Collection[int], rng: np.random.Generator) -> TimedFault | None:
   """``fault`` itself if its replica is ``live`` (not dead, stopped or cut off); else the same at
   ``sorted(live)[u]``, ``u`` uniform from ``rng``; ``None`` (unapplied) if none is (or a
   Lighthouse kill's Lighthouse is not)."""

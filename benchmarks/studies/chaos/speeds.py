@@ -114,10 +114,9 @@ def run_seed(config: runs.Config, seed: int, prefix: str) -> tuple[dict[str, Any
     config.stop_seconds), tuple(config.link_seconds)) if config.speed_faults else []
   for name, c in order:
     found[f"{name}_control"], found[name] = runs.records(
-      c, prefix, (f"seed{seed}/{name}_control", f"seed{seed}/{name}"), lambda out, c=c: (
-        runs.together([runs.FaultTolerantRun(c, out[0], [], c.cpus / 2, "c", seed),
-                       runs.FaultTolerantRun(c, out[1], faults, c.cpus / 2, "f", seed)],
-                      c.timeout)))
+      c, prefix, (f"seed{seed}/{name}_control", f"seed{seed}/{name}"), lambda out: runs.together(
+        [runs.FaultTolerantRun(c, out[0], [], c.cpus / 2, "c", seed),
+         runs.FaultTolerantRun(c, out[1], faults, c.cpus / 2, "f", seed)], c.timeout))
   per_round = config.replicas * max(x["tokens"] for x in found["sync_control"]["lines"])
   for name, c in arms(config)[1:]:
     tokens = sum(x["weight"] for x in found[f"{name}_control"]["lines"] if x["committed"])
@@ -170,8 +169,7 @@ def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[st
   """Every run's :func:`accounting` (``failed``: the runs that committed no round, without); per
   seed each run's ``reach`` of the synchronous control's final loss over that control's span;
   with ``speed_faults`` each faulted run's ``faults``: the chaos figures over its control's span."""
-  cfg, calibration = study["config"], study["calibration"]
-  seeds = {}
+  cfg, calibration, seeds = study["config"], study["calibration"], {}
   for seed, found in records.items():
     failed = sorted(k for k, r in found.items() if not any(x["committed"] for x in r["lines"]))
     got = {k: accounting(r, calibration["t_solo"], cfg["sync_period"]) for k, r in found.items()
