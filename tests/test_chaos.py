@@ -422,6 +422,73 @@ def test_speeds_arms_run_in_turn_reversed_every_other_seed_each_beside_its_contr
     assert faults > 0 or not faulted
 
 
+def link_run(t0: float, every: float, seconds: float, tx: int) -> dict:
+  """Two replicas from ``t0``, rounds 0 to 3 every ``every`` s, each exchange ``seconds`` long,
+  each replica's veth having sent ``tx`` bytes (and received as many)."""
+  return RECORD | {"t0": t0, "events": [], "link_bytes": [{"tx_bytes": tx, "rx_bytes": tx}] * 2,
+                   "lines": [line(r, i, t0 + every * r) | {"exchange_seconds": seconds,
+                                                           "loss": 1.0}
+                             for r in range(4) for i in (0, 1)]}
+
+
+def test_link_figures_from_hand_written_logs_and_the_report_from_its_archive(tmp_path, capsys):
+  """Per seed and overlap, the shaped run's span over the unshaped one's: seed 0's shaped run
+  takes 3 s per round (span 9 s) against 2 s (6 s), seed 1's 2 s against 2 s; median 1.25,
+  missed; seed 1's shaped run ends on another hash. Read back from the archive, the same."""
+
+  cfg = dataclasses.asdict(runs.Config(seeds=(0, 1), replicas=2, rate="10mbit", overlaps=(8,)))
+  found = {"0": {"overlap8_shaped": link_run(10.0, 3.0, 1.0, 2_000_000),
+                 "overlap8_unshaped": link_run(50.0, 2.0, 0.25, 1_000_000)},
+           "1": {"overlap8_unshaped": link_run(10.0, 2.0, 0.5, 1_000_000),
+                 "overlap8_shaped": link_run(90.0, 2.0, 1.5, 1_000_000)}}
+  found["1"]["overlap8_shaped"]["lines"][-1]["state_hash"] = "other"
+  for seed, runs_ in found.items():
+    for name, record in runs_.items():
+      replicas = tmp_path / f"link_runs/seed{seed}/{name}/replicas"
+      replicas.mkdir(parents=True)
+      for i in (0, 1):
+        (replicas / f"replica_{i}.jsonl").write_text("".join(
+          json.dumps(x) + "\n" for x in record["lines"] if x["replica"] == i))
+  study = {"config": cfg, "seeds": {"0": {}, "1": {}}}
+  got = report.result(study, found)
+  assert got["summary"][8] == {"span_s": [1.5, 1.0], "wall_s": [1.0, 1.0], "same_hash": False}
+  shaped = got["seeds"]["0"]["overlap8_shaped"]
+  assert (shaped["span_s"], shaped["rounds"], shaped["exchange_s"]) == (9.0, 4, 1.0)
+  assert shaped["sent_mb"] == shaped["received_mb"] == [2.0, 2.0]
+  text = report.markdown(got, "link.png")
+  assert "| 8 | 1.250 [1.000, 1.500] | 1.000 | no |" in text and "8: 1.250 ≤ 1.05 missed" in text
+  prefix = str(tmp_path / "link")
+  report.write_archive(f"{prefix}_raw.tar.xz", study, found, prefix)
+  again = report.result(*report.read_archive(f"{prefix}_raw.tar.xz"))
+  assert json.dumps(again, sort_keys=True) == json.dumps(got, sort_keys=True)
+  report.plot(got, str(tmp_path / "link.png"))
+
+
+def test_link_pairs_alternate_which_run_goes_first(tmp_path, monkeypatch):
+  """``link.run_seed`` with stand-in runs: per overlap a shaped run (its star at the rate) and
+  an unshaped one, alone, at all the CPUs, the training seed the seed; the first of a pair
+  alternates with the seed and the overlap."""
+  from benchmarks.studies.chaos import link
+
+  calls = []
+
+  def together(made, timeout):
+    calls.append([(r.rate, r.cpus, r.config.flags.split()[-4:]) for r in made])
+    for r in made:
+      os.makedirs(r.out, exist_ok=True)
+    return [control_run() for _ in made]
+
+  monkeypatch.setattr(runs, "together", together)
+  config = runs.Config(replicas=2, cpus=1.6, rate="10mbit", overlaps=(8, 0))
+  for seed in (0, 1):
+    calls.clear()
+    _, found = link.run_seed(config, seed, str(tmp_path / f"link{seed}"))
+    assert len(found) == 4
+    first = ["10mbit", None] if seed == 0 else [None, "10mbit"]
+    assert calls == [[(rate, 1.6, ["--seed", str(seed), "--overlap", str(tau)])]
+                     for tau, order in ((8, first), (0, first[::-1])) for rate in order]
+
+
 def test_young_daly_s_interval_and_the_synchronous_arm_s_settings():
   # sqrt(2 * 2 s * 45 s) = 13.42 s, in steps of 0.1 s
   assert runs.young_daly(2.0, 45.0, 0.1) == 134
@@ -552,6 +619,26 @@ def test_a_star_s_tag_is_one_letter_and_names_its_namespaces():
   assert netns.Star(2).names[0] == f"odist-0-{os.getpid()}"
   with pytest.raises(ValueError, match="Star.tag='F1'"):
     netns.Star(2, tag="F1")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ip netns, tc)")
+def test_a_shaped_star_shapes_each_leaf_both_ways_and_counts_its_bytes():
+  """``Star(rate=...)``: a tbf at the rate on each leaf's ``eth0`` and on its bridge port; a
+  datagram from leaf 0 to leaf 1 shows in both leaves' byte counters."""
+  with netns.Star(2, tag="s", rate="10mbit") as star:
+    for name, dev in [(n, "eth0") for n in star.names] + [(star.hub, p) for p in star.ports]:
+      shown = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", dev],
+                             capture_output=True, text=True, check=True).stdout
+      assert "tbf" in shown and "10Mbit" in shown, (name, dev, shown)
+    before = star.counters()
+    send = ("import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x' * 1000,"
+            f" ({star.addresses[1]!r}, 9))")
+    subprocess.run(["ip", "netns", "exec", star.names[0], sys.executable, "-c", send], check=True)
+    time.sleep(0.2)  # the port-unreachable answer
+    after = star.counters()
+  assert all(a["tx_bytes"] > b["tx_bytes"] and a["rx_bytes"] > b["rx_bytes"]
+             for a, b in zip(after, before, strict=True))
+  assert not [n for n in netns.namespaces() if n.endswith(f"-{os.getpid()}")]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups)")
