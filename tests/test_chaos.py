@@ -87,6 +87,14 @@ def line(round, replica, time, committed=True, weight=10, tokens=10, healed=Fals
           "state_hash": f"{state_hash}{round}", "quorum_seconds": quorum_seconds}
 
 
+def write_logs(run: pathlib.Path, lines: list[dict]) -> None:
+  """``lines`` as the replicas' JSONL files of the run directory ``run`` (``PREFIX_runs``'s)."""
+  (run / "replicas").mkdir(parents=True)
+  for i in sorted({x["replica"] for x in lines}):
+    (run / "replicas" / f"replica_{i}.jsonl").write_text("".join(
+      json.dumps(x) + "\n" for x in lines if x["replica"] == i))
+
+
 RECORD = {"final": [{"test_x": 1.0}], "status": 0, "wall_s": 9.0, "load_before": "1.00, 1, 1",
           "load_after": "2.00, 2, 2", "curve": []}
 
@@ -255,11 +263,7 @@ def test_the_report_recomputed_from_its_archive_equals_the_one_computed_from_the
              "events": [[1.5, "kill", 1, 8], [2.0, "exit", -1, 1], [2.5, "resume", -1, 9]]}}
   found["equal_tokens"]["final"] = [{"test_x": 0.8}]
   for name in ("control", "faulted", "equal_tokens"):
-    replicas = tmp_path / f"chaos_runs/seed0/{name}/replicas"
-    replicas.mkdir(parents=True)
-    for i in (0, 1):
-      (replicas / f"replica_{i}.jsonl").write_text("".join(
-        json.dumps(x) + "\n" for x in found[name]["lines"] if x["replica"] == i))
+    write_logs(tmp_path / "chaos_runs/seed0" / name, found[name]["lines"])
   study = {"config": dataclasses.asdict(runs.Config(seeds=(0,))),
            "seeds": {"0": {"steps": 50, "tokens_per_step": 64.0, "sync_checkpoint_every": 100}}}
   in_memory = report.result(study, {"0": found})
@@ -350,11 +354,7 @@ def test_speeds_figures_from_hand_written_logs_and_the_report_from_its_archive(t
   assert "hash mismatches = 0: 1, **missed**" in text
   prefix = str(tmp_path / "speeds")
   for name, run in found.items():
-    replicas = tmp_path / f"speeds_runs/seed0/{name}/replicas"
-    replicas.mkdir(parents=True)
-    for i in (0, 1):
-      (replicas / f"replica_{i}.jsonl").write_text("".join(
-        json.dumps(x) + "\n" for x in run["lines"] if x["replica"] == i))
+    write_logs(tmp_path / "speeds_runs/seed0" / name, run["lines"])
   report.write_archive(f"{prefix}_raw.tar.xz", study, {"0": found}, prefix)
   again = report.result(*report.read_archive(f"{prefix}_raw.tar.xz"))
   assert json.dumps(again, sort_keys=True) == json.dumps(got, sort_keys=True)
@@ -444,11 +444,7 @@ def test_link_figures_from_hand_written_logs_and_the_report_from_its_archive(tmp
   found["1"]["overlap8_shaped"]["lines"][-1]["state_hash"] = "other"
   for seed, runs_ in found.items():
     for name, record in runs_.items():
-      replicas = tmp_path / f"link_runs/seed{seed}/{name}/replicas"
-      replicas.mkdir(parents=True)
-      for i in (0, 1):
-        (replicas / f"replica_{i}.jsonl").write_text("".join(
-          json.dumps(x) + "\n" for x in record["lines"] if x["replica"] == i))
+      write_logs(tmp_path / f"link_runs/seed{seed}" / name, record["lines"])
   study = {"config": cfg, "seeds": {"0": {}, "1": {}}}
   got = report.result(study, found)
   assert got["summary"][8] == {"span_s": [1.5, 1.0], "wall_s": [1.0, 1.0], "same_hash": False}
