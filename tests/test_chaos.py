@@ -341,6 +341,11 @@ def test_speeds_figures_from_hand_written_logs_and_the_report_from_its_archive(t
   assert sync["inner_step_s"] == pytest.approx([0.09, 0.19])  # (2 s - its exchange) / H
   assert (sync["final_loss"], sync["final"], sync["reach"]) == (1.0, 1.0, 1.0)
   assert late["utilization"] == pytest.approx(4.5 / 6)
+  assert late["steady_utilization"] == late["utilization"]  # both loops' last boundary at 203 s
+  early = speeds_decoupled_run()
+  early["boundaries"].pop()  # replica 1's loop returned at 202.8 s: 2 boundaries each until then
+  assert speeds.accounting(early, [0.05, 0.1], 10)["steady_utilization"] == pytest.approx(
+    (20 * 0.05 + 20 * 0.1) / (2.8 * 2))
   assert late["tokens_per_s"] == pytest.approx(50 / 3)  # rounds 1 to 3: 30 + 20 tokens
   assert (late["partial_share"], late["staleness"]) == (0.5, {"0": 4, "1": 2})
   assert late["wait_s"] == [pytest.approx([0.1] * 3), pytest.approx([0.3, 0.496, 0.5])]

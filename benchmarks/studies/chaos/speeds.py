@@ -8,7 +8,8 @@ CFS period 20 ms) once started; its inner step alone under its cap, ``t_i``, giv
 study's fault schedule): synchronous rounds, and ``--decoupled --min-quorum 1 --grace-window W`` for
 each of ``--windows``. From the replicas' JSONL logs over a run's span (first commit to last): the
 compute utilization ``sum_i steps_i t_i / (span R)`` (``steps_i``: replica ``i``'s inner steps at
-its boundaries in the span); each replica's wait per boundary (a decoupled boundary's ``waited``,
+its boundaries in the span), and the same until the first replica's last boundary (its loop
+returned: from there on the others finish their last rounds alone); each replica's wait per boundary (a decoupled boundary's ``waited``,
 from its push to its pull, 0 where it pushed nothing; a synchronous line's ``exchange_seconds``,
 with the end of the steps JAX dispatched ahead); its median inner step; the training loss (the mean
 of the last R committed lines') and where it reaches the synchronous control's final one.
@@ -143,7 +144,10 @@ def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> di
   else:
     mine = {i: [(x["time"], x["exchange_seconds"]) for x in lines if x["replica"] == i]
             for i in range(replicas)}
-  steps = [sync_period * sum(t0 < end <= t0 + span for end, _ in mine[i]) for i in mine]
+  def utilization(until: float) -> float:  # over (t0, until]: the boundaries ended in it
+    steps = [sync_period * sum(t0 < end <= until for end, _ in mine[i]) for i in mine]
+    return sum(np.multiply(steps, t_solo)) / ((until - t0) * replicas)
+  first_stop = min((max(end for end, _ in got) for got in mine.values() if got), default=0)
   waits = {i: [w for end, w in got if t0 < end <= t0 + span] for i, got in mine.items()}
   inner = {i: [(b[0] - b[1] - a[0]) / sync_period for a, b in itertools.pairwise(got)]
            for i, got in mine.items()}
@@ -151,7 +155,8 @@ def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> di
   smooth = [[t, float(np.mean([v for _, v in done[k + 1 - replicas:k + 1]]))]
             for k, (t, _) in enumerate(done) if k + 1 >= replicas]
   return {
-    "span_s": span, "utilization": sum(np.multiply(steps, t_solo)) / (span * replicas),
+    "span_s": span, "utilization": utilization(t0 + span), "steady_utilization": utilization(
+      first_stop) if t0 < first_stop <= t0 + span else None,
     "tokens_per_s": sum(x["weight"] for x in committed if t0 < x["time"]) / span,
     "partial_share": float(np.mean([sum(p[5] for p in x["payloads"]) < replicas
                                     if "payloads" in x else len(x["members"]) < replicas
@@ -189,6 +194,8 @@ def result(study: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[st
 
 ROWS = (  # each run's table: a label, its cell from the run's figures
   ("compute utilization", lambda a: f"{a['utilization']:.3f}"),
+  ("compute utilization until the first loop returned", lambda a: kit.fmt(a.get(
+    "steady_utilization"), ".3f")),
   ("committed tokens per second", lambda a: f"{a['tokens_per_s']:,.0f}"),
   ("committed merges of fewer than R payloads", lambda a: f"{a['partial_share']:.1%}"),
   ("merged payloads by staleness", lambda a: ", ".join(f"{k}: {v}" for k, v in a[
