@@ -50,6 +50,9 @@ def test_equal_token_metric_median_range_and_the_chosen_rule(tmp_path, dylu_shif
     write(tmp_path, b.CONTROL, seed, CONTROL, {0: 8.0, 1: 6.0, 2: 5.0 + d})
     write(tmp_path, "none", seed, DECOUPLED, {0: 8.0, 1: 7.0, 2: 5.0 + d})
     write(tmp_path, "dylu", seed, DECOUPLED, {0: 8.0, 2: 5.0 + d + dylu_shift})
+  revert = {"kind": "merge", "round": 1, "replica": 0, "step": 2, "lost": 25}  # after the abort
+  with open(tmp_path / "none_seed0.jsonl", "a") as f:
+    f.write(json.dumps(revert) + "\n")
   result = b.load(str(tmp_path), b.Config())
   assert result["common_tokens"] == 600  # the decoupled runs' 200 + 400
   control, none, dylu = (result["arms"][k] for k in (b.CONTROL, "none", "dylu"))
@@ -62,7 +65,7 @@ def test_equal_token_metric_median_range_and_the_chosen_rule(tmp_path, dylu_shif
   # Commits with fewer than R payloads merged: both of the decoupled runs', none of the control's.
   assert none["partial"] == [1.0] * 3 and control["partial"] == [0.0] * 3
   assert none["staleness"] == {0: 6, 1: 9, 2: 3, 3: 3}  # every closed payload, over 3 seeds
-  assert none["lost"] == 3 * 150 and none["commits"] == [2] * 3
+  assert none["lost"] == 3 * 150 + 25 and none["commits"] == [2] * 3  # seed 0's revert's 25
   text = b.markdown(result, "plot.png")
   assert f"Chosen: **`{chosen}`**" in text and "5.0200 [5.0000, 5.0400]" in text
   assert text.startswith("# Decoupled rounds: the staleness rule at speeds 1 : 1 : 0.5 : 0.25\n")

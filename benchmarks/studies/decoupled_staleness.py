@@ -147,7 +147,7 @@ def control_lines(log: list[Any], c: Config) -> list[decoupled.MergeLine]:
 
 def curve(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
   """A run's evaluations against its committed tokens, with the time of its last commit."""
-  commits = [x for x in lines if x["kind"] == "merge" and x["committed"]]
+  commits = [x for x in lines if x["kind"] == "merge" and x.get("committed")]  # not a Revert's
   tokens = np.cumsum([0] + [sum(p[2] for p in x["payloads"] if p[5]) for x in commits])
   times, evals = [0.0] + [x["time"] for x in commits], [x for x in lines if x["kind"] == "eval"]
   return {"tokens": [float(tokens[x["rounds"]]) for x in evals],
@@ -158,12 +158,12 @@ def curve(lines: list[dict[str, Any]]) -> dict[str, list[float]]:
 def rounds_stats(lines: list[dict[str, Any]]) -> dict[str, Any]:
   """The commits, the share with fewer than R payloads merged, every closed payload's
   staleness (``{staleness: payloads}``) and the tokens of those not merged."""
-  merges = [x for x in lines if x["kind"] == "merge"]
+  merges = [x for x in lines if x["kind"] == "merge" and "payloads" in x]  # a Revert's: "lost"
   merged = [sum(p[5] for p in x["payloads"]) for x in merges if x["committed"]]
   partial = sum(n < lines[0]["replicas"] for n in merged) / len(merged)
   return {"commits": len(merged), "partial": partial,
           "staleness": Counter(p[3] for x in merges for p in x["payloads"]),
-          "lost": sum(x["lost"] for x in merges)}
+          "lost": sum(x["lost"] for x in lines if x["kind"] == "merge")}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
