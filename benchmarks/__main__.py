@@ -38,6 +38,8 @@ STUDIES = ("lm_quality", "lm_overhead", "mlp_overhead", "communication", "fsdp",
 BENCH = ("lm_quality", "lm_overhead", "mlp_overhead", "communication")
 """The studies of ``make bench`` (``python -m benchmarks bench``)."""
 
+STALENESS = ("python -m benchmarks decoupled_staleness --flags '--outer-learning-rate 1.4"
+             " --outer-momentum 0'")
 SECTIONS = (  # report, title (None: the report's own), how it is measured
   ("network", "Language model over a bandwidth-limited link (two network namespaces)",
    "make bench-network"),
@@ -58,8 +60,11 @@ SECTIONS = (  # report, title (None: the report's own), how it is measured
    "python -m benchmarks async_dylu --seeds 0 --outer LR MOMENTUM ..."),
   ("decoupled_staleness_w0", None, "make bench-decoupled-staleness"),
   ("decoupled_staleness", "Staleness rules with a window of half the slack (W = 10 s)",
-   "python -m benchmarks decoupled_staleness --gamma 0.5 --flags '--outer-learning-rate 1.4"
-   " --outer-momentum 0' --out benchmarks/results/decoupled_staleness"),
+   f"{STALENESS} --gamma 0.5 --out benchmarks/results/decoupled_staleness"),
+  ("decoupled_staleness_long", "Staleness rules at the torchft benchmark's length (W = 0)",
+   f"{STALENESS} --steps 1120 --out benchmarks/results/decoupled_staleness_long"),
+  ("decoupled_staleness_long_w10", "The same with a window of half the slack (W = 10 s)",
+   f"{STALENESS} --steps 1120 --gamma 0.5 --out benchmarks/results/decoupled_staleness_long_w10"),
   *((name, None, f"python -m benchmarks {name}") for name in BENCH),
   ("chaos/chaos", "Training through failures: fault-tolerant DiLoCo under faults",
    "make bench-chaos"),
