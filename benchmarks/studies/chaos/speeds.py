@@ -9,10 +9,11 @@ study's fault schedule): synchronous rounds, and ``--decoupled --min-quorum 1 --
 each of ``--windows``. From the replicas' JSONL logs over a run's span (first commit to last): the
 compute utilization ``sum_i steps_i t_i / (span R)`` (``steps_i``: replica ``i``'s inner steps at
 its boundaries in the span), and the same until the first replica's last boundary (its loop
-returned: from there on the others finish their last rounds alone); each replica's wait per boundary (a decoupled boundary's ``waited``,
-from its push to its pull, 0 where it pushed nothing; a synchronous line's ``exchange_seconds``,
-with the end of the steps JAX dispatched ahead); its median inner step; the training loss (the mean
-of the last R committed lines') and where it reaches the synchronous control's final one.
+returned: from there on the others finish their last rounds alone); each replica's wait per
+boundary (a decoupled boundary's ``waited``, from its push to its pull, 0 where it pushed nothing;
+a synchronous line's ``exchange_seconds``, with the end of the steps JAX dispatched ahead); its
+median inner step; the training loss (the mean of the last R committed lines') and where it
+reaches the synchronous control's final one.
 """
 
 from __future__ import annotations
