@@ -296,7 +296,8 @@ def speeds_decoupled_run():
   """K = 1 from t0 = 200 s: replica 0 pushes at 199.9 s + k and waits 0.1 s (rounds 0 to 3 at
   200 + k s), replica 1 pushes at 200.5 s and 202.5 s and waits 0.5 s and 0.3 s, its payloads
   stale by 1 in rounds 1 and 3 (a catch-up line between), then at 203 s skips its boundary (its
-  payload in flight: no wait)."""
+  payload in flight: no wait; a Revert line before it, as an aborted round's settle writes
+  them, with its boundary's ``at``)."""
   mine = {1: [1, 10, 10, 1, 5.0, True], 3: [1, 20, 10, 1, 5.0, True]}
   losses = [3.0, 2.0, 1.0, 0.5]
   lines = [{"round": r, "replica": i, "time": 200.0 + r, "committed": True, "healed": False,
@@ -309,6 +310,7 @@ def speeds_decoupled_run():
   bounds += [{"replica": 1, "step": 10 * k, "time": 198.5 + 2.2 * k, "landed": False,
               "pushed": 198.5 + 2 * k, "waited": 0.7 - 0.2 * k} for k in (1, 2)]
   bounds.insert(5, {"round": 2, "replica": 1, "donor": 0, "missed": 1, "rounds": 2})
+  bounds.append({"round": 4, "replica": 1, "step": 30, "lost": 0, "at": 203.0})  # a Revert
   bounds.append({"replica": 1, "step": 30, "time": 202.0, "landed": False, "at": 203.0})
   return RECORD | {"t0": 200.0, "lines": lines, "boundaries": bounds, "events": []}
 

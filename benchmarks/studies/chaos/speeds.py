@@ -140,8 +140,8 @@ def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> di
     0: sum(len(x.get("members", ())) for x in merges)}  # synchronous: every member's, fresh
   if run["boundaries"]:  # each replica's boundaries: (when its loop went on, its wait)
     mine = {i: [(b["pushed"] + b["waited"], b["waited"]) if "waited" in b else (b["at"], 0.0)
-                for b in run["boundaries"] if b["replica"] == i and "step" in b
-                and ("waited" in b or "at" in b)] for i in range(replicas)}
+                for b in run["boundaries"] if b["replica"] == i and "landed" in b]  # a Revert
+            for i in range(replicas)}  # line (an aborted round's) has its boundary's "at"
   else:
     mine = {i: [(x["time"], x["exchange_seconds"]) for x in lines if x["replica"] == i]
             for i in range(replicas)}
