@@ -138,10 +138,10 @@ def accounting(run: dict[str, Any], t_solo: list[float], sync_period: int) -> di
   merges = [group[0] for group in by_round(committed).values()]
   stale = collections.Counter(p[3] for x in merges for p in x.get("payloads", []) if p[5]) or {
     0: sum(len(x.get("members", ())) for x in merges)}  # synchronous: every member's, fresh
-  if run["boundaries"]:  # each replica's boundaries: (when its loop went on, its wait)
+  if run["boundaries"]:  # each replica's boundaries, not a Revert line (it has their "at" too):
     mine = {i: [(b["pushed"] + b["waited"], b["waited"]) if "waited" in b else (b["at"], 0.0)
-                for b in run["boundaries"] if b["replica"] == i and "landed" in b]  # a Revert
-            for i in range(replicas)}  # line (an aborted round's) has its boundary's "at"
+                for b in run["boundaries"] if b["replica"] == i and "landed" in b
+                and ("waited" in b or "at" in b)] for i in range(replicas)}  # (end, wait)
   else:
     mine = {i: [(x["time"], x["exchange_seconds"]) for x in lines if x["replica"] == i]
             for i in range(replicas)}
