@@ -112,16 +112,20 @@ bench-chaos: $(VENV)/.bench,ft
 
 # Decoupled rounds over torchft (4 replica processes of speeds 1 : 1 : 0.5 : 0.25, each capped
 # at its share of 1.6 CPUs a pair, the lm task, outer SGD at 1.4 without momentum, the decoupled
-# runs' staleness rule token_share): synchronous rounds, K = 1 with W = 0 and with a window of
-# 1 s, each control beside a run under the chaos schedule, seeds 0, 1 and 2 (about 1 h); in
-# benchmarks/results/chaos/, the raw logs in speeds_raw.tar.xz. The chaos study's speeds mode:
-# needs root and the ft extra; BENCH_DECOUPLED_ARGS=--quick checks the program.
+# runs' staleness rule DECOUPLED_RULE): synchronous rounds, K = 1 with W = 0 and with a window of
+# 1 s, each control beside a run under the chaos schedule, seeds 0, 1 and 2 (about 1 h 15 min);
+# in benchmarks/results/chaos/speeds (DECOUPLED_RULE=age_gate: speeds_age_gate, the age gate's
+# bound 1), the raw logs in its _raw.tar.xz. The chaos study's speeds mode: needs root and the ft
+# extra; BENCH_DECOUPLED_ARGS=--quick checks the program.
+DECOUPLED_RULE := token_share
 bench-decoupled: $(VENV)/.bench,ft
 	@if [ "$$(id -u)" != 0 ]; then echo "bench-decoupled: skipped: needs root"; exit 0; fi; \
 	mkdir -p benchmarks/results/chaos; \
 	$(BIN)/python -m benchmarks chaos --speeds 1 1 0.5 0.25 --cpus 1.6 --seeds 0 1 2 \
-	  --steps 200 --windows 0 1 --speed-faults --flags "$(DECOUPLED_OUTER)" \
-	  --out benchmarks/results/chaos/speeds $(BENCH_DECOUPLED_ARGS)
+	  --steps 200 --windows 0 1 --speed-faults --staleness-rule $(DECOUPLED_RULE) \
+	  --flags "$(DECOUPLED_OUTER)$(if $(filter age_gate,$(DECOUPLED_RULE)), --max-staleness 1)" \
+	  --out benchmarks/results/chaos/speeds$(if $(filter-out token_share,$(DECOUPLED_RULE)),_$(DECOUPLED_RULE)) \
+	  $(BENCH_DECOUPLED_ARGS)
 
 # Fault-tolerant streaming DiLoCo over a 10 Mbit/s link (2 replica processes over torchft, each
 # of 4 devices in its own namespace, capped at 0.8 CPU; H = 20, F = 2): each run shaped and

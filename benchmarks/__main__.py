@@ -51,8 +51,7 @@ SECTIONS = (  # report, title (None: the report's own), how it is measured
    "elastic_average,diloco_int8,diloco_e3m0_feedback,streaming_diloco_overlap,"
    "streaming_diloco_overlap_device --out benchmarks/results/network_h10"),
   ("equal_tokens", None, "make bench-equal-tokens"),
-  ("lm_exchanges", None, "make bench-lm-exchanges"),
-  ("async_dylu", None, "make bench-async-dylu"),
+  ("lm_exchanges", None, "make bench-lm-exchanges"), ("async_dylu", None, "make bench-async-dylu"),
   ("async_dylu_constant", "The same with a constant inner learning rate",
    "python -m benchmarks async_dylu --recipe '--lr-schedule constant' --out"
    " benchmarks/results/async_dylu_constant"),
@@ -70,6 +69,7 @@ SECTIONS = (  # report, title (None: the report's own), how it is measured
    "make bench-chaos"),
   ("chaos/speeds", "Decoupled rounds over torchft: replicas of different speeds",
    "make bench-decoupled"),
+  ("chaos/speeds_age_gate", "Speeds with age_gate", "make bench-decoupled DECOUPLED_RULE=age_gate"),
   ("chaos/link", "Fault-tolerant rounds over torchft and a 10 Mbit/s link", "make bench-ft-link"))
 
 INTRO = (
