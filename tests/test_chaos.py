@@ -359,6 +359,9 @@ def test_speeds_figures_from_hand_written_logs_and_the_report_from_its_archive(t
   assert "wait p99 (s) ≤ the window, 2 s: 0.496, **met**" in text
   assert "goodput under the chaos schedule ≥ 0.95: 0.800, **missed**" in text
   assert "hash mismatches = 0: 1, **missed**" in text
+  assert "## Targets\n" in text  # a calibration off its check: the utilization is not judged
+  off = dict(got, calibration=dict(got["calibration"], within=[True, False]))
+  assert "## Targets (utilization not judged: a speed off ±10%)\n" in report.markdown(off, "s.png")
   prefix = str(tmp_path / "speeds")
   for name, run in found.items():
     write_logs(tmp_path / "speeds_runs/seed0" / name, run["lines"])

@@ -254,8 +254,8 @@ def markdown(result: dict[str, Any], figure: str) -> str:
       ["replica", "cap (CPUs)", "inner step (s)", "share of speed", "ratio's share", "±10%"],
       [[i, *(f"{x:.4f}" for x in row[:4]), row[4]] for i, row in enumerate(zip(*(cal[k] for k in (
         "caps", "t_solo", "share", "expected", "within")), strict=True))]),
-    "## Targets", *(f"Seed {s}:\n\n" + "\n".join(targets(seeds[s]["runs"], cfg["windows"]))
-                    for s in seeds),
+    "## Targets" + ("" if all(cal["within"]) else " (utilization not judged: a speed off ±10%)"),
+    *(f"Seed {s}:\n\n" + "\n".join(targets(seeds[s]["runs"], cfg["windows"])) for s in seeds),
     "## Each run", kit.table([""] + [f"seed {s}, {k}" for s, k in names], [
       [label, *(cell(seeds[s]["runs"][k]) for s, k in names)] for label, cell in ROWS]),
     "Order of the arms: " + "; ".join(f"seed {s}: {', '.join(seeds[s]['order'])}" + "".join(
