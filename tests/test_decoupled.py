@@ -500,6 +500,69 @@ def test_every_payload_enters_one_merge_or_is_counted_lost():
     assert sum(tokens) == TOKENS * last, i
 
 
+def test_a_payload_carries_its_replica_s_own_collections_not_the_global_ones_it_just_took(
+    monkeypatch):
+  """Model collections (a TrainState's ``batch_stats``; here a count of the steps that updated
+  them): a replica's settle takes the global ones, and the payload it pushes right after holds
+  the ones its own steps left, so at a push at step ``b`` they are those it last took at a step
+  before ``b`` (or its initial zero) plus its steps since. Speeds 1 : 1 : 0.5, K = 1: payloads
+  land late and settles take the global state right before pushes."""
+  from flax.training import train_state
+
+  from optax_dist.fault_tolerance import clock
+
+  class State(train_state.TrainState):
+    batch_stats: dict
+
+  protocol = ft.RoundProtocol("diloco", optax.sgd(0.1), optax.sgd(0.7), sync_period=H)
+  events = collections.defaultdict(list)  # slot -> ("take" | "push", step, count)
+  settle, exchange = clock._Port.settle, clock._Port.exchange
+
+  def seen(tree):
+    return float(tree["seen"])
+
+  def spied_settle(port, step):
+    got = settle(port, step)
+    if got is not None and (got.late or got.received is not None):
+      events[port._slot].append(("take", step, seen(got.received[1])))
+    return got
+
+  def spied_exchange(port, push):
+    events[port._slot].append(("push", push.header.step, seen(push.payload[1])))
+    got = exchange(port, push)
+    taken = got.landed[2] if got.landed is not None else (
+      got.received[1] if got.received is not None else None)
+    if taken is not None:
+      events[port._slot].append(("take", push.header.step, seen(taken)))
+    return got
+
+  monkeypatch.setattr(clock._Port, "settle", spied_settle)
+  monkeypatch.setattr(clock._Port, "exchange", spied_exchange)
+
+  def train(replica):
+    state = replica.start(State.create(apply_fn=None, params={"w": jnp.zeros(3)},
+                                       tx=protocol.tx, batch_stats={"seen": jnp.zeros(())}))
+    while replica.step < 12 * H:
+      state = state.apply_gradients(grads={"w": state.params["w"] - 1.0})
+      state = replica.after_step(state.replace(batch_stats={"seen": state.batch_stats["seen"]
+                                                            + 1}))
+    return state
+
+  ft.InProcess(protocol, num_replicas=3, speeds=(1.0, 1.0, 0.5), min_quorum=1,
+               grace_window=0.5).run(train)
+  took_then_pushed = 0
+  for slot, seq in events.items():
+    taken = [(0, 0.0)]  # (step, count) of each take, in order
+    for kind, step, count in seq:
+      if kind == "take":
+        taken.append((step, count))
+        continue
+      base_step, base = [t for t in taken if t[0] < step][-1]
+      np.testing.assert_allclose(count, base + step - base_step, rtol=1e-6, err_msg=str(slot))
+      took_then_pushed += taken[-1][0] == step
+  assert took_then_pushed >= 3
+
+
 def test_a_decoupled_run_replays_from_its_json_lines_bit_for_bit():
   """The JSON lines as the plan (the NaN not injected again: the abort is the log's): the
   same lines and the same params and optimizer states; a log it cannot follow raises."""

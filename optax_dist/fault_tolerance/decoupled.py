@@ -738,6 +738,7 @@ class DecoupledReplica(Replica):
 
   def _round(self, state: Any) -> Any:
     got = self.engine.settle(self.step)
+    own = get_parts(state).collections  # as its steps left them: its payload's, not the global
     if got is not None and (got.late or got.received is not None):
       state = self._settle(state, got)
     if got is None or got.revert:  # in flight still, or its round aborted: nothing pushed
@@ -748,7 +749,7 @@ class DecoupledReplica(Replica):
         state = self._revert(state, got.fragment)
       self.last = RoundResult(False, False, self.step, None)
       return state
-    return self._push(state)
+    return self._push(state, own)
 
   def _settle(self, state: Any, got: Pull) -> Any:
     """The global state received (copies: the engine's) at a settle, or with its payload in no
@@ -773,10 +774,12 @@ class DecoupledReplica(Replica):
                                      opt_state=parts.opt_state)
     return self._take(state, replica, parts.collections, False)
 
-  def _push(self, state: Any) -> Any:
+  def _push(self, state: Any, own: Any) -> Any:
+    """Its payload with its collections ``own`` (those its steps since its last push left,
+    before its settle took the global ones), then what the engine's pull gives."""
     parts, fragment, payload, residual, mine, header = self._send(state)
     kept = copied(mine)  # the engine and a late landing read it after the loop donated its own
-    collections = jax.tree.map(jnp.copy, parts.collections)  # merged after the loop moves on
+    collections = jax.tree.map(jnp.copy, own)  # merged after the loop moves on
     self._flight = (kept, residual, fragment)
     got = self.engine.exchange(Push(header, (payload, collections), kept,
                                     mean_loss(self._losses)))
