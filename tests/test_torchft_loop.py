@@ -144,7 +144,8 @@ def test_the_nnx_example_in_decoupled_rounds_commits_one_state_per_round(decoupl
                                                              1: DECOUPLED_STEPS}
 
 
-def test_the_nnx_example_s_torchft_lines_replay_in_process_with_the_same_hashes(decoupled_run):
+def test_the_nnx_example_s_torchft_lines_replay_in_process_with_the_same_hashes(decoupled_run,
+                                                                              monkeypatch):
   """E3 across engines with model collections: replica 0's round lines and both replicas'
   boundary lines, replayed by the in-process engine on the example's loop, close the same
   rounds with the same payloads and state hashes."""
@@ -153,6 +154,7 @@ def test_the_nnx_example_s_torchft_lines_replay_in_process_with_the_same_hashes(
   from optax_dist import fault_tolerance as ft
 
   _, lines, bounds, _ = decoupled_run
+  monkeypatch.setenv("STEPS", str(DECOUPLED_STEPS))  # the example reads it at its start
   example = runpy.run_path(str(NNX_EXAMPLE))
   options = {k: v for k, v in DECOUPLED.items() if k != "decoupled"}
   replay = ft.engine("in_process", example["PROTOCOL"], num_replicas=2, min_replicas=1,
