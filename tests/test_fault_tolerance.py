@@ -873,3 +873,25 @@ def test_run_dir_reads_the_lines_finals_pids_and_checkpoints_it_clears(tmp_path)
   run.clear()
   assert run.lines() == [] and not run.finished() and run.lighthouse_pid() == 123
   assert not run.launches_file.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux thread name")
+def test_an_exchange_thread_s_name_is_the_one_linux_shows_its_first_15_bytes():
+  """``top -H``, ``ps -L`` and a cgroup's thread placement read ``/proc/PID/task/TID/comm``,
+  which Python 3.11 leaves at the process's name for every thread it starts."""
+  from optax_dist.fault_tolerance.lighthouse import name_thread
+
+  def comm():
+    return pathlib.Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+  got = {}
+
+  def run():
+    got["before"] = comm()
+    name_thread("optax_dist-poll, and more")
+    got["after"] = comm()
+
+  thread = threading.Thread(target=run)
+  thread.start()
+  thread.join()
+  assert got["before"] == comm() and got["after"] == "optax_dist-poll"

@@ -8,6 +8,8 @@ to send it ``SIGKILL`` when its parent dies (:func:`die_with_parent`), then runs
 (:mod:`optax_dist.fault_tolerance.launcher`) starts it, and starts it again on the same address
 when it dies. Needs the ``ft`` extra. As a script it imports neither JAX nor the rest of
 optax_dist (its start after a kill is the run's stall): torch and torchft only, about 2 s.
+A replica's process uses the module's two Linux calls too: :func:`die_with_parent`, and
+:func:`name_thread` for its exchange threads (``optax_dist-exch``, ``optax_dist-poll``).
 """
 
 import ctypes
@@ -15,12 +17,22 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def die_with_parent() -> None:
   """Asks Linux to send this process ``SIGKILL`` when its parent dies
   (``prctl(PR_SET_PDEATHSIG)``): the Lighthouse's and the replicas' tie to their launcher."""
   ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def name_thread(name: str) -> None:
+  """Names the calling thread as Linux shows it (``/proc/PID/task/TID/comm``: ``top -H``,
+  ``ps -L``, a cgroup's thread placement; its first 15 bytes): Python 3.11 names only its
+  ``threading`` objects, and every thread it starts shows its process's name. Elsewhere than
+  Linux, nothing."""
+  if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 if __name__ == "__main__":

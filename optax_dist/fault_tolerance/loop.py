@@ -75,6 +75,7 @@ from optax_dist.fault_tolerance.heal import (
   resumed_state,
   state_hash,
 )
+from optax_dist.fault_tolerance.lighthouse import name_thread
 from optax_dist.fault_tolerance.protocol import ReplicaState, RoundProtocol
 
 
@@ -266,6 +267,7 @@ class _Exchange:
     self._thread.start()
 
   def _run(self, exchange: Callable[[Sent], Received], sent: Sent) -> None:
+    name_thread("optax_dist-exch")  # as Linux shows it, told apart from the loop's and XLA's
     try:
       self._got = exchange(sent)
     except BaseException as e:  # noqa: BLE001 (raised again at the join, on the loop's thread)

@@ -107,6 +107,7 @@ from optax_dist import _exchange
 from optax_dist.fault_tolerance import decoupled, heal
 from optax_dist.fault_tolerance.decision import Header
 from optax_dist.fault_tolerance.decoupled import Boundary, DecoupledReplica, MergeLine, Pull, Push
+from optax_dist.fault_tolerance.lighthouse import name_thread
 from optax_dist.fault_tolerance.loop import placed_as, split_donation
 from optax_dist.fault_tolerance.rundir import RunDir
 from optax_dist.fault_tolerance.torchft_session import (
@@ -435,6 +436,7 @@ class DecoupledPort(Session):
   # The exchange thread.
 
   def _polls(self) -> None:
+    name_thread("optax_dist-poll")  # the exchange thread, told apart from the loop's and XLA's
     try:
       while self._poll():
         pass
