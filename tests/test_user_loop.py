@@ -458,6 +458,11 @@ def _arrays(flavour: str, state) -> list:
   return jax.tree.leaves(nnx.state(state))
 
 
+def _assert_same_arrays(flavour: str, a, b) -> None:
+  for x, y in zip(_arrays(flavour, a), _arrays(flavour, b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @functools.cache
 def _decoupled_run(flavour: str):
   module = _example(f"{flavour}_fault_tolerant")
@@ -505,8 +510,7 @@ def test_an_example_s_decoupled_run_replays_bit_for_bit_with_its_batch_statistic
   got = again.run(module.train)
   assert again.log == engine.log
   for i in range(3):
-    for a, b in zip(_arrays(flavour, results[i][0]), _arrays(flavour, got[i][0]), strict=True):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_same_arrays(flavour, results[i][0], got[i][0])
 
 
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
@@ -520,5 +524,4 @@ def test_an_example_s_loop_decoupled_with_k_equal_r_is_the_synchronous_round(fla
     module.train)
   for i in range(3):
     assert got[i][1] == sync[i][1]
-    for a, b in zip(_arrays(flavour, sync[i][0]), _arrays(flavour, got[i][0]), strict=True):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_same_arrays(flavour, sync[i][0], got[i][0])
