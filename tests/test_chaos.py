@@ -651,16 +651,31 @@ def test_a_shaped_star_shapes_each_leaf_both_ways_and_counts_its_bytes():
 def test_cpu_shares_cap_each_replica_and_leave_no_group():
   """Replica 1's group allows 1 ms of CPU in each 100 ms (0.04 CPUs over 4 replicas: little
   enough that a loaded machine still lets the process reach it): a busy process moved there is
-  throttled; on exit the groups are gone and the process, moved back, still runs."""
+  throttled, its thread named as gloo's released from the cap and its main thread not; on exit
+  the groups are gone and the process, moved back, still runs."""
   assert faults_.CpuShares(4, 0).groups == []  # no caps
-  busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+  busy = subprocess.Popen([sys.executable, "-c", (
+    "import threading, time\nfrom optax_dist.fault_tolerance.lighthouse import name_thread\n"
+    "threading.Thread(target=lambda: (name_thread('gloo_tcp_loop'), time.sleep(60))).start()\n"
+    "while True: pass")])
+  tasks = pathlib.Path(f"/proc/{busy.pid}/task")
   try:
+    while not [t for t in tasks.iterdir() if (t / "comm").read_text() == "gloo_tcp_loop\n"]:
+      time.sleep(0.05)  # named before the cap (1% of a CPU) slows its imports
     with faults_.CpuShares(4, 0.04) as shares:
       group = shares.groups[1]
       quota = (group / ("cpu.max" if shares.v2 else "cpu.cfs_quota_us")).read_text()
       assert quota.split()[0] == "1000"
       shares.add(1, busy.pid)
       assert group.name in pathlib.Path(f"/proc/{busy.pid}/cgroup").read_text()
+      if shares.v2:
+        with pytest.raises(RuntimeError, match="threaded subtree"):
+          shares.release(busy.pid, runs.FREE_THREADS)
+      else:
+        shares.release(busy.pid, runs.FREE_THREADS)
+        placed = {((t / "comm").read_text(), group.name in (t / "cgroup").read_text())
+                  for t in tasks.iterdir()}
+        assert placed == {("gloo_tcp_loop\n", False), ("python\n", True)}
       time.sleep(1.0)
       stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
       assert int(stat["nr_throttled"]) > 0

@@ -120,6 +120,18 @@ class CpuShares:
       with contextlib.suppress(ProcessLookupError, OSError):  # it may have died meanwhile
         (self.groups[replica] / "cgroup.procs").write_text(str(pid))
 
+  def release(self, pid: int, prefixes: Sequence[str]) -> None:
+    """Moves the threads of ``pid`` whose Linux names start with one of ``prefixes`` out of its
+    cap, beside the launcher (a thread they start starts there). Raises ``RuntimeError`` on
+    cgroup v2 (threads move only within a threaded subtree: not built)."""
+    if prefixes and self.groups and self.v2:
+      raise RuntimeError("CpuShares.release: on cgroup v2 threads move only within a threaded"
+                         " subtree, not built; cap whole processes (--cap-threads)")
+    with contextlib.suppress(OSError):  # it may have died meanwhile
+      for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        if prefixes and self.groups and (task / "comm").read_text().startswith(tuple(prefixes)):
+          (self.root / "tasks").write_text(task.name)
+
   def __exit__(self, *exc: object) -> None:
     for group in self.groups:
       for attempt in range(50):  # a killed process leaves its group only once it has exited

@@ -69,9 +69,12 @@ class Config:
   staleness_rule: str = kit.option("token_share", "a decoupled run's --staleness-rule")
   rate: str | None = kit.option(None, "the link mode: the replicas' links shaped at this rate")
   overlaps: tuple[int, ...] = kit.option((0,), "the link mode: each pair's --overlap")
+  cap_threads: bool = kit.option(False, "speeds: a cap holds its replica's exchange, torchft and"
+                                 " gloo threads too (else they run beside the launcher)")
 
 
 SPEEDS_PERIOD_US = 20_000  # the CFS period of the speeds mode's caps (short: a cap is smooth)
+FREE_THREADS = ("optax_dist-", "torchft", "gloo", "pt_gloo", "pt_tcpstore")  # transport threads
 QUICK = {"steps": 400, "fault_rate": 1 / 8, "lighthouse_kill": 15.0, "checkpoint_every": 100,
          "seeds": (0,), "min_faults": 0}
 
@@ -125,7 +128,7 @@ class Run:
     self.config, self.out, self.cpus, self.tag, self.rate = config, out, cpus, tag, rate
     self.timed, self.dir = kit.Timed(), RunDir(out)
     self.pending, self.rng = sorted(faults, key=lambda f: f.at), redraw_rng(seed)
-    self.seen, self.ready, self.standby_cpu, self.t0 = {}, {}, {}, None
+    self.seen, self.ready, self.standby_cpu, self.t0, self.released = {}, {}, {}, None, None
     self.events, self.undo = [], []  # [t, kind, replica, pid]; (when, replica, pid, cont or up)
 
   def __enter__(self) -> Self:
@@ -226,6 +229,9 @@ class FaultTolerantRun(Run):
           self.events.append([mark - (self.t0 or mark), "ready", i, self.seen.get(i)])
           if self.config.speeds:
             self.shares.add(i, self.seen.get(i))
+      if self.config.speeds and i in self.ready and int(time.monotonic()) != self.released:
+        self.shares.release(self.seen.get(i), () if self.config.cap_threads else FREE_THREADS)
+    self.released = int(time.monotonic())  # once a second: gloo's threads start at each quorum
     for pid in inflicted.process_ids(self.out, self.flag, standbys=True).values():
       self.standby_cpu[pid] = inflicted.cpu_seconds(pid) or self.standby_cpu.get(pid, 0.0)
     return self.proc.poll() is None

@@ -2,18 +2,19 @@
 torchft when the replicas' speeds differ.
 
 Replica ``i`` of a run is capped at ``--cpus / 2`` times ``speeds[i] / sum(speeds)`` CPUs (a cgroup,
-CFS period 20 ms) once started; its inner step alone under its cap, ``t_i``, gives its speed's share
-``(1 / t_i) / sum_j (1 / t_j)``, checked within ±10% of the ratio's. Per seed the arms in turn
-(reversed every other seed), each a control beside a second run (``--speed-faults``: under the
-study's fault schedule): synchronous rounds, and ``--decoupled --min-quorum 1 --grace-window W`` for
-each of ``--windows``. From the replicas' JSONL logs over a run's span (first commit to last): the
-compute utilization ``sum_i steps_i t_i / (span R)`` (``steps_i``: replica ``i``'s inner steps at
-its boundaries in the span), and the same until the first replica's last boundary (its loop
-returned: from there on the others finish their last rounds alone); each replica's wait per
-boundary (a decoupled boundary's ``waited``, from its push to its pull, 0 where it pushed nothing;
-a synchronous line's ``exchange_seconds``, with the end of the steps JAX dispatched ahead); its
-median inner step; the training loss (the mean of the last R committed lines') and where it
-reaches the synchronous control's final one.
+CFS period 20 ms) once ready, its transport threads (exchange, torchft, gloo: ``runs.FREE_THREADS``)
+left beside the launcher and Lighthouse unless ``--cap-threads``; its inner step alone under its
+cap, ``t_i``, gives its speed's share ``(1 / t_i) / sum_j (1 / t_j)``, checked within ±10% of the
+ratio's. Per seed the arms in turn (reversed every other seed), each a control beside a second run
+(``--speed-faults``: under the study's fault schedule): synchronous rounds, and ``--decoupled
+--min-quorum 1 --grace-window W`` for each of ``--windows``. From the replicas' JSONL logs over a
+run's span (first commit to last): the compute utilization ``sum_i steps_i t_i / (span R)``
+(``steps_i``: replica ``i``'s inner steps at its boundaries in the span), and the same until the
+first replica's last boundary (its loop returned: from there on the others finish their last rounds
+alone); each replica's wait per boundary (a decoupled boundary's ``waited``, from its push to its
+pull, 0 where it pushed nothing; a synchronous line's ``exchange_seconds``, with the end of the
+steps JAX dispatched ahead); its median inner step; the training loss (the mean of the last R
+committed lines') and where it reaches the synchronous control's final one.
 """
 
 from __future__ import annotations
@@ -249,7 +250,8 @@ def markdown(result: dict[str, Any], figure: str) -> str:
     "# Decoupled rounds over torchft: replicas of different speeds", kit.doc_markdown(__doc__, 1),
     (f"Settings: `{' '.join(runs.command(arms(runs.Config(**cfg))[-1][1], 'OUT')[2:])}` (the"
      f" synchronous arm without `--decoupled`, `--steps {cfg['steps']}`); speeds"
-     f" {' : '.join(f'{s:g}' for s in cfg['speeds'])}, {cfg['cpus'] / 2:g} CPUs per run."),
+     f" {' : '.join(f'{s:g}' for s in cfg['speeds'])}, {cfg['cpus'] / 2:g} CPUs per run; the caps"
+     f" hold {'whole processes' if cfg.get('cap_threads', True) else 'all but transport threads'}."),
     "## Speeds alone under each cap", kit.table(
       ["replica", "cap (CPUs)", "inner step (s)", "share of speed", "ratio's share", "±10%"],
       [[i, *(f"{x:.4f}" for x in row[:4]), row[4]] for i, row in enumerate(zip(*(cal[k] for k in (
