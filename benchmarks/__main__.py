@@ -178,11 +178,9 @@ def section(name: str, title: str | None, how: str) -> list[str]:
 
 def machine_table() -> str:
   """The machine and versions of the last run of :data:`SECTIONS`, and each run's record."""
-  runs = {}
-  for name, _, _ in SECTIONS:
-    path = os.path.join(kit.RESULTS, f"{name}.json")
-    if os.path.exists(path) and "run" in (result := kit.read_json(path)):
-      runs[name] = result["run"]
+  runs = {name: result["run"] for name, _, _ in SECTIONS
+          if os.path.exists(path := os.path.join(kit.RESULTS, f"{name}.json"))
+          and "run" in (result := kit.read_json(path))}
   last = max(runs.values(), key=lambda r: r["date"], default={})
   m, v = last.get("machine", {}), last.get("versions", {})
   rows = [["CPU", m.get("cpu", "")], ["cores", m.get("cores", "")], ["memory", m.get("memory", "")],

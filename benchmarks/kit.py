@@ -234,6 +234,14 @@ def loads(before: str, after: str) -> str:
   return f"{before.split(',')[0]} → {after.split(',')[0]}"
 
 
+def run_line(result: Mapping[str, Any], load: bool = False) -> list[str]:
+  """``[Run DATE: `COMMAND`, S s.]`` of the driver's record of the run (``load``: with its 1-minute
+  load averages before → after); ``[]`` without one."""
+  r = result.get("run")
+  return [f"Run {r['date']}: `{r['command']}`, {r['seconds']:.0f} s" + (
+    f", load {loads(r['load_before'], r['load_after'])}." if load else ".")] if r else []
+
+
 def mib(nbytes: float) -> str:
   return f"{nbytes / 2**20:.1f}"
 
@@ -267,10 +275,8 @@ def write_json(path: str, value: Any, lines: bool = False) -> None:
   """Writes ``value`` to ``path`` whole or not at all (a stopped study leaves no half file);
   ``lines``: a list, as JSONL (one value a line)."""
   with open(path + ".tmp", "w") as f:
-    if lines:
-      f.writelines(json.dumps(x, default=str) + "\n" for x in value)
-    else:
-      json.dump(value, f, indent=1, default=str)
+    f.write("".join(json.dumps(x, default=str) + "\n" for x in value) if lines
+            else json.dumps(value, indent=1, default=str))
   os.replace(path + ".tmp", path)
 
 

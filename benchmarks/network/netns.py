@@ -79,13 +79,6 @@ def unavailable() -> str | None:
   return None
 
 
-def skipped(who: str = "") -> bool:
-  """Whether :func:`unavailable` gives a reason, having printed it (``WHO skipped: REASON``)."""
-  if reason := unavailable():
-    print(f"{who}skipped: {reason}")
-  return reason is not None
-
-
 def bits_per_second(rate: str | None) -> float | None:
   """``"10mbit"`` → 1e7; ``None`` or ``"unshaped"`` → ``None`` (units: kbit, mbit, gbit)."""
   if rate is None or rate == "unshaped":

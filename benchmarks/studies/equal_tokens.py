@@ -164,7 +164,7 @@ def best_lrs(grid: Grid, records: Sequence[dict[str, Any]]) -> dict[int, float |
   return best
 
 
-def record(spec: Spec, result: dict[str, Any], load_before: str) -> dict[str, Any]:
+def record(spec: Spec, load_before: str, result: dict[str, Any]) -> dict[str, Any]:
   """What the cache keeps of one run's ``result`` (the trainer's)."""
   history = result["history"]
   return {
@@ -414,9 +414,8 @@ def train_all(grid: Grid, seeds: Sequence[int], steps: int, runs_dir: str) -> in
     for spec in planned():
       if (key := spec.key(steps)) not in records:
         bar.set_description(f"{spec.label} seed {spec.seed}")
-        load = kit.load_average()
-        result = trainer.train(task, data, spec.settings(steps), on_step=on_step)
-        records[key] = record(spec, result, load)
+        records[key] = record(spec, kit.load_average(), trainer.train(
+          task, data, spec.settings(steps), on_step=on_step))
         kit.write_json(os.path.join(runs_dir, key + ".json"), records[key])
         trained += 1
       bar.update(1)

@@ -41,13 +41,12 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     for name, fsdp in CONFIGS.items():
       s = kit.settings(algorithm="diloco", devices=kit.DEVICES, replicas=2, fsdp=fsdp,
                        steps=config.steps, sync_period=10, eval_every=config.steps)
-      load = kit.load_average()
-      rows.append(row(name, trainer.train(task, data, s), load))
+      rows.append(row(name, kit.load_average(), trainer.train(task, data, s)))
       print(f"[fsdp] {rows[-1]}", flush=True)
   return {"steps": config.steps, "rows": rows}
 
 
-def row(name: str, result: dict, load: str) -> dict:
+def row(name: str, load: str, result: dict) -> dict:
   quartiles = np.percentile(np.array(result["step_times"][1:]) * 1e3, [25, 50, 75]).tolist()
   held = result["bytes_per_device"]
   return {"run": name, "final train loss": repr(result["final_train_loss"]),

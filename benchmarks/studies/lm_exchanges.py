@@ -131,15 +131,11 @@ def measure(config: Config, prefix: str) -> dict[str, Any]:
     return {"steps": config.steps, "period": config.period, "fragments": FRAGMENTS,
             "block": BLOCK, "devices": kit.DEVICES, "runs": trained, "leaf_sizes": sizes,
             "defaults": dict(TASKS["lm"].defaults), "machine": kit.machine(), **timed.record()}
-  by_label = _by_label(result) | {r["label"]: r for r in trained}
+  by_label = {r["label"]: r for r in [*result["runs"], *trained]}
   order = [r["label"] for r in grid()]
   return {**result, "runs": sorted(by_label.values(), key=lambda r: order.index(r["label"])),
           "added": [*result.get("added", []), {
             "labels": list(config.runs), "date": kit.now(), **timed.record()}]}
-
-
-def _by_label(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-  return {r["label"]: r for r in result["runs"]}
 
 
 def _gap(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -151,11 +147,10 @@ def targets(result: dict[str, Any]) -> list[str]:
   4-bit with error feedback within 1% of float32 DiLoCo (and streaming within 1% of float32
   streaming, reported), and what error feedback recovers, int8's reported too; overlap τ = 1
   within 0.5% of τ = 0; eager at τ = 1 (and 5) no worse than plain delay."""
-  runs, sizes, lines = _by_label(result), result["leaf_sizes"], []
+  runs, sizes, lines = {r["label"]: r for r in result["runs"]}, result["leaf_sizes"], []
   base = runs.get("diloco float32")
-  for fmt in QUANTIZED:
-    if (r := runs.get(f"diloco {fmt}")) is None or base is None:
-      continue
+  for fmt in (f for f in QUANTIZED if base is not None and f"diloco {f}" in runs):
+    r = runs[f"diloco {fmt}"]
     expected = float(wire_bytes(sum(sizes), fmt, BLOCK))  # codes and scales, leaves end to end
     ideal, ratio = CODE_BYTES[fmt] / 4 + 1 / BLOCK, r["exchange_bytes"] / base["exchange_bytes"]
     lines.append(
@@ -189,10 +184,8 @@ def targets(result: dict[str, Any]) -> list[str]:
     lines.append(f"- overlap τ=1 within {OVERLAP_TOLERANCE:.1%} of τ=0 ({zero['final']:.4f}):"
                  f" {one['final']:.4f}, {gap:+.2%}:"
                  f" **{'met' if abs(gap) <= OVERLAP_TOLERANCE else 'missed'}**.")
-  for tau in OVERLAPS:
-    plain, eager = runs.get(f"streaming τ={tau}"), runs.get(f"streaming τ={tau} eager")
-    if plain is None or eager is None:
-      continue
+  for tau in (t for t in OVERLAPS if {f"streaming τ={t}", f"streaming τ={t} eager"} <= set(runs)):
+    plain, eager = runs[f"streaming τ={tau}"], runs[f"streaming τ={tau} eager"]
     verdict = "met" if eager["final"] <= plain["final"] else "missed"
     target = "target" if tau == 1 else "not a target, reported"
     lines.append(f"- eager at τ={tau} no worse than plain delay ({target}): {eager['final']:.4f}"
@@ -201,7 +194,7 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 
 def runs_table(result: dict[str, Any]) -> str:
-  base = _by_label(result).get("diloco float32")
+  base = next((r for r in result["runs"] if r["label"] == "diloco float32"), None)
   header = ["run", "format", "error feedback", "τ", "eager", "val bits/byte (eval_params)",
             "vs diloco float32", "exchanges", "B per exchange", "sent per worker",
             "median step s", "wall s", "load before → after"]

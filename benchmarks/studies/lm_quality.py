@@ -213,7 +213,6 @@ def _why(result: dict[str, Any]) -> list[str]:
 def plot(result: dict[str, Any], path: str) -> None:
   rows = result["rows"]
   fig, (by_step, by_bytes) = kit.plt.subplots(1, 2, figsize=(13, 5))
-  threshold = rows[0]["final"] * (1 + TOLERANCE)
   for r in rows:
     style, mean, sd = "--" if r["extra"] else "-", np.array(r["curve"]), np.array(r["curve_sd"])
     by_step.plot(r["step"], mean, style, label=r["label"])
@@ -222,7 +221,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     by_bytes.plot(sent[sent > 0], mean[sent > 0], style, marker=".", label=r["label"])
   finals = [r["final"] for r in rows]
   for ax in (by_step, by_bytes):
-    ax.axhline(threshold, color="grey", lw=0.8, ls=":")
+    ax.axhline(rows[0]["final"] * (1 + TOLERANCE), color="grey", lw=0.8, ls=":")
     ax.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
     ax.set_ylabel("validation bits per byte (eval_params)")
   by_step.set_xlabel("step")

@@ -132,10 +132,8 @@ def _memory_row(v: Variant, p: Problem, adam: Any) -> dict[str, Any]:
          "need_note": v.need_note, "excess_bytes": state_bytes - v.needed * p.params_bytes}
   for key, donate in (("donated", True), ("not_donated", False)):
     m = p.compiled(tx, grad_step=v.grad_step, donate=donate).memory_analysis()
-    row[key] = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-                "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-                "peak": m.argument_size_in_bytes + m.output_size_in_bytes
-                - m.alias_size_in_bytes + m.temp_size_in_bytes}
+    size = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    row[key] = size | {"peak": size["argument"] + size["output"] - size["alias"] + size["temp"]}
   return row
 
 

@@ -296,9 +296,7 @@ def targets(result: dict[str, Any]) -> list[str]:
     lines.append(f"- {'n/a' if ok is None else 'met' if ok else 'MISSED'}: {text}")
 
   slow = "10mbit"  # no runs there: no target of it
-  for method in ("diloco", "streaming_diloco"):
-    if not (runs := _runs(result, slow, method)):
-      continue
+  for method in (m for m in ("diloco", "streaming_diloco") if _runs(result, slow, m)):
     speedup = _speedup(result, slow, method, target)
     check(None if speedup is None else speedup >= 3,
           f"{method} reaches {target:.3f} bits/byte at 10 Mbit/s"
@@ -423,7 +421,8 @@ def measure(config: Config, prefix: str) -> dict[str, Any] | None:
     netns.bits_per_second(rate)  # a bad rate fails before anything runs
   if unknown := [m for m in config.methods if m not in METHODS]:
     raise ValueError(f"--methods: {unknown[0]!r} is not one of {', '.join(METHODS)}")
-  if netns.skipped("[network] "):
+  if reason := netns.unavailable():
+    print(f"[network] skipped: {reason}")
     return None
   netns.remove_stale()
   steps, period, extra = config.steps, config.period, shlex.split(config.extra_args)

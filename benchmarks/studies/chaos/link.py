@@ -91,9 +91,7 @@ def markdown(result: dict[str, Any], figure: str) -> str:
     kit.table(["seed", "run", "span s", "wall s", "rounds", "exchange s (median)",
                "MB sent, received per replica", "held-out metric", "state hash", "exit",
                "load (1 min)"], rows),
-    f"![loss against wall clock]({figure})",
-    *([f"Run {r['date']}: `{r['command']}`, {r['seconds']:.0f} s, load"
-       f" {kit.loads(r['load_before'], r['load_after'])}."] if (r := result.get("run")) else [])])
+    f"![loss against wall clock]({figure})", *kit.run_line(result, load=True)])
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -128,12 +128,11 @@ def markdown(result: dict[str, Any], figure: str) -> str:
   if other := mode(result["config"]):
     return other.markdown(result, figure)
   cfg, seeds = result["config"], result["seeds"]
-  doc = importlib.import_module("benchmarks.studies.chaos").__doc__
   settings = runs.Config(**cfg | {"sync_checkpoint_every": "N"})
   pairs = [(s, k) for s in seeds for k in ("control", "faulted")]
   return "\n\n".join([
     "# Chaos: fault-tolerant DiLoCo and synchronous data parallelism under faults",
-    kit.doc_markdown(doc, 0, 3),
+    kit.doc_markdown(importlib.import_module("benchmarks.studies.chaos").__doc__, 0, 3),
     (f"Settings: `{' '.join(runs.command(settings, 'OUT')[2:])}` (steps as run: "
      + ", ".join(f"seed {s} {seeds[s]['meta']['steps']}" for s in seeds)
      + f"), each replica capped at {cfg['cpus'] / 2 / cfg['replicas']:.3f} CPU (0: uncapped);"
@@ -150,9 +149,7 @@ def markdown(result: dict[str, Any], figure: str) -> str:
     "Each run's exit status, wall clock and load average before → after: " + "; ".join(
       f"seed {s} {k} {r['status']}, {r['wall_s']:.0f} s, " + kit.loads(r["load_before"], r[
         "load_after"]) for s in seeds for k, r in seeds[s]["runs"].items()) + ".",
-    f"![committed tokens]({figure})",
-    *([f"Run {r['date']}: `{r['command']}`, {r['seconds']:.0f} s."] if (r := result.get(
-      "run")) else [])])
+    f"![committed tokens]({figure})", *kit.run_line(result)])
 
 
 COLORS = {"kill": "red", "stop": "orange", "cont": "green", "start": "grey",

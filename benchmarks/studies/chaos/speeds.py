@@ -262,9 +262,7 @@ def markdown(result: dict[str, Any], figure: str) -> str:
       [label, *(cell(seeds[s]["runs"][k]) for s, k in names)] for label, cell in ROWS]),
     "Order of the arms: " + "; ".join(f"seed {s}: {', '.join(seeds[s]['order'])}" + "".join(
       f" ({', '.join(f)}: no round committed)" for f in [seeds[s]["failed"]] if f)
-      for s in seeds) + f".\n\n![training loss]({figure})",
-    *([f"Run {r['date']}: `{r['command']}`, {r['seconds']:.0f} s."] if (r := result.get(
-      "run")) else [])])
+      for s in seeds) + f".\n\n![training loss]({figure})", *kit.run_line(result)])
 
 
 def plot(result: dict[str, Any], path: str) -> None:
