@@ -661,6 +661,7 @@ def test_cpu_shares_cap_each_replica_and_leave_no_group():
   tasks = pathlib.Path(f"/proc/{busy.pid}/task")
   try:
     while not [t for t in tasks.iterdir() if (t / "comm").read_text() == "gloo_tcp_loop\n"]:
+      assert busy.poll() is None, "the busy process exited before naming its thread"
       time.sleep(0.05)  # named before the cap (1% of a CPU) slows its imports
     with faults_.CpuShares(4, 0.04) as shares:
       group = shares.groups[1]

@@ -245,13 +245,14 @@ def targets(got: dict[str, Any], windows: list[float]) -> list[str]:
 
 def markdown(result: dict[str, Any], figure: str) -> str:
   cfg, cal, seeds = result["config"], result["calibration"], result["seeds"]
+  held = "whole processes" if cfg.get("cap_threads", True) else "all but transport threads"
   names = [(s, k) for s in seeds for k in seeds[s]["runs"]]
   return "\n\n".join([
     "# Decoupled rounds over torchft: replicas of different speeds", kit.doc_markdown(__doc__, 1),
     (f"Settings: `{' '.join(runs.command(arms(runs.Config(**cfg))[-1][1], 'OUT')[2:])}` (the"
      f" synchronous arm without `--decoupled`, `--steps {cfg['steps']}`); speeds"
      f" {' : '.join(f'{s:g}' for s in cfg['speeds'])}, {cfg['cpus'] / 2:g} CPUs per run; the caps"
-     f" hold {'whole processes' if cfg.get('cap_threads', True) else 'all but transport threads'}."),
+     f" hold {held}."),
     "## Speeds alone under each cap", kit.table(
       ["replica", "cap (CPUs)", "inner step (s)", "share of speed", "ratio's share", "±10%"],
       [[i, *(f"{x:.4f}" for x in row[:4]), row[4]] for i, row in enumerate(zip(*(cal[k] for k in (
