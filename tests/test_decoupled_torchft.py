@@ -361,7 +361,7 @@ def _ports(tmp_path, behind_restarted: bool, protocol=None, committed=False):
                           protocol.send_half(g.opt_state, g.params, f)[0])
     donor._global = (decoupled.commit(protocol, g, merged, f), None)
     donor._versions[f] = donor._versions.get(f, 0) + 1
-  donor._closed = 3
+  donor._closed, donor._rounds = 3, 2
   donor._inner = jax.tree.map(lambda x: x + 1, donor._inner)  # its moments and counts moved on
   return donor, ports[1]
 
@@ -589,10 +589,11 @@ def test_a_member_donates_the_inner_state_of_its_last_boundary_s_push(tmp_path):
     "replica": 1, "step": 2, "time": 1.0, "landed": False, "settled": 0.0}
 
 
-def _closed_by(tmp_path, vote: bool):
+def _closed_by(tmp_path, vote: bool, waits: bool = True):
   """Replica 1's port, fresh, with its payload (step 2, 8 tokens) in the open round beside
   replica 0's same payload, closes it (the collectives stubbed: both hold its payload), its
-  vote (torchft's ``should_commit``) ``vote``; its last poll at 1 s, this one at 3 s."""
+  vote (torchft's ``should_commit``) ``vote``; its last poll at 1 s, this one at 3 s; its loop
+  waits at its boundary, or went on (``waits=False``)."""
   import types
 
   from optax_dist.fault_tolerance import torchft_decoupled as td
@@ -610,7 +611,7 @@ def _closed_by(tmp_path, vote: bool):
   mine = mine._replace(params={k: v + 1 for k, v in mine.params.items()})
   payload = port.protocol.send_half(mine.opt_state, mine.params, None)[0]
   port._push = Push(Header(1, 8, 1, port.replica.fingerprint, 2), (payload, None), mine)
-  port._waits = True  # its loop waits at its boundary
+  port._waits = waits
   with port._cv:
     port._enter()
   heads = [td.PollHeader(i, 1, port.replica.fingerprint, 1, 8, 2, 0, 0, 3_000_000, 0, 0, 0, 0)
@@ -645,6 +646,26 @@ def test_a_vote_that_fails_on_a_round_the_others_commit_is_caught_up_on(tmp_path
   assert decoupled.global_hash(*outvoted._global) == decoupled.global_hash(*voter._global)
   caught = json.loads(outvoted.boundary_path.read_text().splitlines()[-1])
   assert caught == {"round": 1, "replica": 1, "donor": 0, "missed": 1, "rounds": 1}, caught
+
+
+def test_a_close_does_not_wait_for_its_merge_and_writes_its_line_once_computed(tmp_path):
+  """A close whose loop went on counts the round closed and holds the global state after it
+  at once (the next poll's header says so), but writes the round's line only when its poll
+  finds the arrays computed (or the exchange thread ends): the member asks for its next quorum
+  without waiting for its merge and outer step. The line is the one a close whose loop waits
+  writes at once (the hash of the state after), and its loop lands the payload late."""
+  from optax_dist.fault_tolerance import decoupled
+
+  went_on = _closed_by(tmp_path / "a", True, waits=False)
+  waited = _closed_by(tmp_path / "b", True)
+  assert went_on._closed == 1 and not went_on.log_path.exists()
+  assert went_on._late == (0, None) and went_on._pull is None
+  went_on._write_rounds(wait=True)
+  line, = (json.loads(x) for x in went_on.log_path.read_text().splitlines())
+  assert line == json.loads(waited.log_path.read_text())
+  assert line["committed"] and line["state_hash"] == decoupled.global_hash(*went_on._global)
+  went_on._write_rounds(wait=True)  # written once
+  assert len(went_on.log_path.read_text().splitlines()) == 1
 
 
 def test_a_catch_up_enters_a_waiting_payload_again_for_the_round_s_fragment(tmp_path):

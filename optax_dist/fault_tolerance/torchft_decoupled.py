@@ -19,9 +19,12 @@ there: 4.), and K and the window are a decision over the members' headers. Per *
    member with a payload in the round broadcasts it (one broadcast per payload, in rank order;
    a member without one sends nothing), every member acknowledges, decides
    (:func:`~optax_dist.fault_tolerance.decoupled.decide_round`), votes (``should_commit``),
-   applies a commit to its own copy of the global state and writes the round's
-   :class:`~optax_dist.fault_tolerance.decoupled.MergeLine`: a late member receives every merge
-   in its own polls, so its **catch-up** costs no bytes;
+   applies a commit to its own copy of the global state and goes on to its next poll without
+   waiting for the merge's and outer step's arrays (XLA computes them meanwhile): it writes the
+   round's :class:`~optax_dist.fault_tolerance.decoupled.MergeLine`, with the hash of the state
+   after, at the first poll that finds them computed (:meth:`DecoupledPort._write_rounds`; at
+   the close if its loop waits for that round). A late member receives every merge in its own
+   polls, so its **catch-up** costs no bytes;
 3. the replica's loop, at its boundary, first **settles** (:meth:`DecoupledPort.settle`): while
    its payload is still in flight it pushes nothing (one payload in flight: a
    :class:`~optax_dist.fault_tolerance.decoupled.Boundary` line, its steps go into its next
@@ -233,6 +236,7 @@ class DecoupledPort(Session):
     self._skip_reason = ""  # why its last poll was skipped, logged once per change
     self._pulled: tuple[int, float] | None = None  # (step, monotonic seconds) of its last pull
     self._transport: float | None = None  # seconds of the last round's payload exchange
+    self._unhashed: list = []  # (line, global state after, extra) of closes not written yet
     self._slack, self._auto = NO_SLACK, 0.0  # its slack (microseconds), the auto window
 
   # The loop's side.
@@ -253,6 +257,9 @@ class DecoupledPort(Session):
     """The exchange thread's copy of the global state (the replica's initial state), its
     inner state to donate, and the tree a received donation must hold."""
     self._global = (jax.tree.map(jnp.copy, replica.replica_state), None)
+    # the global state's committed rounds, read without waiting for a commit's arrays (XLA runs
+    # a program after those dispatched before it: ``rounds`` would wait for the outer step)
+    self._rounds = int(replica.replica_state.rounds)
     # donated on a heal: the inner state of its last boundary's push (the in-process clock's)
     self._inner = heal.inner_state(self._global[0])
     self._collections = split_donation(replica.donation())[1]
@@ -438,8 +445,11 @@ class DecoupledPort(Session):
   def _polls(self) -> None:
     name_thread("optax_dist-poll")  # the exchange thread, told apart from the loop's and XLA's
     try:
-      while self._poll():
-        pass
+      try:
+        while self._poll():
+          pass
+      finally:  # the rounds it closed are logged, also when it leaves on an error
+        self._write_rounds(wait=True)
     except BaseException as e:  # noqa: BLE001 (handed to the loop, which raises it)
       with self._cv:
         self._error = e
@@ -464,10 +474,30 @@ class DecoupledPort(Session):
     with self._cv:
       self._settle(now)
       self._time, self._outvoted = now, False
+    self._write_rounds(wait=False)
     return True
 
+  def _write_rounds(self, wait: bool) -> None:
+    """Writes the lines of the rounds closed and not written yet, in order, each with the hash
+    of its global state after: those whose arrays are computed, or all of them (``wait``).
+
+    A close dispatches its merge and outer step (XLA computes them asynchronously, on the
+    replica's compute threads) and the poll goes on: the member asks for its next quorum at once,
+    so no member's next poll waits for the slowest member's merge; the hash, which must wait for
+    the arrays, is taken here. A loop that waits at its boundary for a round gets its line
+    written at the close (its boundary line after it); every other line is written by the time
+    the exchange thread ends, on an error too."""
+    while self._unhashed:
+      line, after, extra = self._unhashed[0]
+      if not (wait or all(x.is_ready() for x in jax.tree.leaves(after)
+                          if isinstance(x, jax.Array))):
+        return
+      self._unhashed.pop(0)
+      line = dataclasses.replace(line, state_hash=decoupled.global_hash(*after))
+      self._write(self.log_path, line, **extra)
+
   def _fragment(self) -> int | None:
-    return decoupled.round_fragment(self.protocol, int(self._global[0].rounds))
+    return decoupled.round_fragment(self.protocol, self._rounds)
 
   def _enter(self) -> None:
     """The loop's push into the open round (as the in-process clock's push)."""
@@ -513,7 +543,7 @@ class DecoupledPort(Session):
     fields = (self.slot, 0, self.replica.fingerprint,  # ok: after the quorum (_headers)
               int(e is not None), e.tokens if e else 0, e.push.header.step if e else 0,
               e.received if e else 0, e.arrival if e else 0, time.time_ns() // 1000,
-              int(self._done), self._closed, int(self._global[0].rounds), int(self._joining),
+              int(self._done), self._closed, self._rounds, int(self._joining),
               self._slack)
     return np.asarray(fields, np.int64)
 
@@ -558,7 +588,7 @@ class DecoupledPort(Session):
       self._joining = False  # no member committed a round: nothing to heal from (alone, it waits)
     closed = {h.slot: h.closed for h in heads}
     ahead = max(heads, key=lambda h: h.closed)
-    if self._closed < ahead.closed and int(self._global[0].rounds) == ahead.rounds:
+    if self._closed < ahead.closed and self._rounds == ahead.rounds:
       self._closed = ahead.closed  # it missed aborted rounds only: the global state is theirs
     if any(h.joining for h in heads) or len(set(closed.values())) > 1:
       self._log_skip(f"members' closed rounds {closed}, restarted and not healed"
@@ -607,14 +637,14 @@ class DecoupledPort(Session):
     with self._cv:
       self._global = (decoupled.catch_up(self._global[0], state.global_state),
                       collections if counters[1] else None)
-      self._closed = int(counters[0])
+      self._closed, self._rounds = int(counters[0]), int(state.global_state.rounds)
       self._versions = {f: int(v) for f, v in zip(self._keys, counters[2:], strict=True) if v}
       if self._joining:  # its heal boundary comes after this poll, before the next's
         self._joining, self._healed = False, (state.inner, collections, donor)
         self._heal_mark, self._time = (donor, seconds), max(h.now for h in heads) / 1e6
       else:
         self._write(self.boundary_path, decoupled.CatchUp(
-          self._closed, self.slot, donor, missed, int(self._global[0].rounds)))
+          self._closed, self.slot, donor, missed, self._rounds))
         self._refit()
 
   def _refit(self) -> None:
@@ -690,11 +720,10 @@ class DecoupledPort(Session):
     rows = tuple((h.slot, h.step, h.weight, s, w, h.slot in d.voters)
                  for h, s, w in zip(hs, stale, weights, strict=True))
     lost = sum(h.weight for h in hs if h.slot not in d.voters)
-    line = MergeLine(r, now, d.merged is not None, d.reason, version, rows, lost,
-                     decoupled.global_hash(*after), f)
+    line = MergeLine(r, now, d.merged is not None, d.reason, version, rows, lost, "", f)
     with self._cv:  # a settle receives this close with its time (_stamp)
       if d.merged is not None and not self._outvoted:
-        self._global, self._versions[f] = after, version + 1
+        self._global, self._versions[f], self._rounds = after, version + 1, self._rounds + 1
       self._stamped = now
       if e is not None:  # this replica's payload was in the round
         if d.merged is None:
@@ -707,10 +736,12 @@ class DecoupledPort(Session):
       self._closed, self._transport = r if self._outvoted else r + 1, transport
       merged = e is not None and self.slot in d.voters
       mark, self._heal_mark = self._heal_mark, None  # its first line after a heal
-      self._write(self.log_path, line, replica=self.slot, weight=e.tokens if merged else 0,
-                  loss=e.push.loss if merged else None, healed=mark is not None,
-                  donor=mark and mark[0], quorum_seconds=mark[1] if mark else 0.0,
-                  pid=os.getpid())
+      self._unhashed.append((line, after, dict(
+        replica=self.slot, weight=e.tokens if merged else 0,
+        loss=e.push.loss if merged else None, healed=mark is not None, donor=mark and mark[0],
+        quorum_seconds=mark[1] if mark else 0.0, pid=os.getpid())))
+      if self._waiting is not None:  # its loop lands here: the round's line before its boundary
+        self._write_rounds(wait=True)
       self._settle(now)  # with the close, under one lock: a loop leaving at its window
       # either lands this round or never sees it as its own (then it lands late)
 
