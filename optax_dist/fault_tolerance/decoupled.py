@@ -705,7 +705,9 @@ class DecoupledReplica(Replica):
   """A :class:`~optax_dist.fault_tolerance.Replica` of a decoupled run: at each boundary it
   settles what resolved since its last one, then pushes its payload, with one payload in flight.
 
-  At its boundary it first **settles** (the engine's ``settle``): if its payload in flight is
+  At its boundary, once its inner steps are computed (not merely dispatched: a boundary that
+  JAX's asynchronous dispatch reached early would settle before rounds that close while the
+  steps run), it first **settles** (the engine's ``settle``): if its payload in flight is
   still in an open round it pushes nothing and goes on (its steps go into its next payload);
   if that payload's round aborted, its params of the round's fragment go back to the anchor and
   it pushes nothing (the steps since are lost: a :class:`Revert` line); if that round
@@ -737,6 +739,9 @@ class DecoupledReplica(Replica):
       copied(rebased(self.protocol, mine, global_state(mine), flight, fragment).params)
 
   def _round(self, state: Any) -> Any:
+    # Its inner steps computed first: JAX dispatches them ahead of the device, and a settle
+    # before they ran would find its payload still in flight where it lands while they run.
+    jax.block_until_ready(get_parts(state).params)
     got = self.engine.settle(self.step)
     own = get_parts(state).collections  # as its steps left them: its payload's, not the global
     if got is not None and (got.late or got.received is not None):
