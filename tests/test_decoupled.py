@@ -296,6 +296,41 @@ def test_a_replica_compiles_no_round_program_once_it_has_started(monkeypatch):
   assert compiled <= {"jit(train_step)", "jit(copy)"}, compiled
 
 
+def test_a_replica_settles_once_its_inner_steps_are_computed_not_dispatched():
+  """JAX dispatches a loop's steps ahead of the device; a replica's settle at its boundary
+  comes after its inner steps ran (its params computed), so it sees the rounds that closed
+  while they ran (else it finds its payload in flight there, and skips its push)."""
+  protocol = ft.RoundProtocol("diloco", optax.sgd(INNER_LR), optax.sgd(OUTER_LR), sync_period=H)
+  engine = ft.InProcess(protocol, num_replicas=2, speeds=(1.0, 1.0), min_quorum=1,
+                        grace_window=1.0, tokens_per_step=TOKENS)
+  computed = []
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, slow):  # a step the device takes a while to run
+    drift = jax.lax.fori_loop(0, 40, lambda _, m: jnp.tanh(m @ m), slow)
+    grads = jax.tree.map(lambda p: p - drift[0, 0], params)
+    updates, opt_state = protocol.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def train(replica):
+    params = tree_params()
+    state = replica.start((params, protocol.tx.init(params)))
+    settle, latest = replica.engine.settle, []
+
+    def spy(step):
+      computed.append(all(x.is_ready() for x in jax.tree.leaves(latest[-1][0])))
+      return settle(step)
+
+    replica.engine.settle = spy
+    slow = jnp.full((384, 384), 1e-3)
+    while replica.step < 3 * H:
+      latest.append(train_step(*state, slow))
+      state = replica.after_step(latest[-1])
+
+  engine.run(train)
+  assert len(computed) == 6 and all(computed), computed
+
+
 # ------------------------------------------------------------------------------------------------
 # The auto window: gamma times the least slack.
 
